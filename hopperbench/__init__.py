@@ -1,0 +1,1 @@
+"""hopperbench: a reproducible H200 benchmark of contest kernels (see README.md)."""

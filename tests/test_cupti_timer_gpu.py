@@ -1,0 +1,152 @@
+"""The CUPTI cold-L2 timer. GPU tests need CUDA; the availability checks run anywhere.
+
+Set HOPPERBENCH_TRACE_DIR to keep the activity trace of a real run as JSON (a fixture
+for tests/test_span.py).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hopperbench.timing import cupti_timer
+from hopperbench.timing.cupti_timer import (
+    PROTOCOL,
+    TimerUnavailable,
+    empty_kernel_span_ms,
+    record_cold_l2,
+    time_cold_l2,
+)
+from hopperbench.timing.span import TimingError, iteration_gpu_records
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_protocol_record_names_the_choices():
+    assert PROTOCOL["flush_multiple_of_l2"] == 2
+    assert PROTOCOL["sync_after_flush"] is True
+    assert PROTOCOL["aggregation"] == "median"
+    json.dumps(PROTOCOL)  # goes into the environment record as is
+
+
+def test_missing_cupti_python_is_reported(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupti", None)  # makes `from cupti import cupti` raise ImportError
+    with pytest.raises(TimerUnavailable, match="cupti-python is not importable"):
+        time_cold_l2(lambda: None, (), warmup=0, iterations=1)
+
+
+def test_old_cupti_python_is_refused(monkeypatch):
+    monkeypatch.setattr(cupti_timer.importlib.metadata, "version", lambda name: "12.8.0")
+    with pytest.raises(TimerUnavailable, match="12.8.0 is too old"):
+        time_cold_l2(lambda: None, (), warmup=0, iterations=1)
+
+
+def test_no_cuda_device_is_reported(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(TimerUnavailable, match="no CUDA device"):
+        time_cold_l2(lambda: None, (), warmup=0, iterations=1)
+
+
+def test_bad_iteration_counts_are_rejected():
+    with pytest.raises(ValueError, match="iterations >= 1"):
+        time_cold_l2(lambda: None, (), warmup=0, iterations=0)
+
+
+def _matmul_operands(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return a, b, torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_matmul_spans_are_positive_and_plausible():
+    floor = empty_kernel_span_ms(warmup=5, iterations=20)
+    assert 0 < floor < 0.5
+    a_small, b_small, _ = _matmul_operands(2048)
+    small = time_cold_l2(torch.mm, (a_small, b_small), warmup=5, iterations=20)  # value-returning
+    a, b, out = _matmul_operands(4096)
+    large = time_cold_l2(lambda x, y, o: torch.mm(x, y, out=o), (a, b, out), warmup=5, iterations=20)
+    assert len(small) == 20 and len(large) == 20
+    assert all(s > floor / 2 for s in small)
+    # 8x the FLOPs: clearly longer, and no slower than a very pessimistic 50 TFLOP/s.
+    assert statistics.median(large) > 3 * statistics.median(small)
+    assert statistics.median(large) < 2 * 4096**3 / 50e12 * 1e3
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_real_records_carry_copies_and_kernels():
+    a, b, out = _matmul_operands(1024)
+    host = torch.arange(64, dtype=torch.int32).pin_memory()
+    device_copy = torch.empty(64, dtype=torch.int32, device="cuda")
+
+    def step() -> None:
+        device_copy.copy_(host, non_blocking=True)
+        torch.mm(a, b, out=out)
+
+    trace = record_cold_l2(step, (), warmup=3, iterations=5)
+    per_iteration = iteration_gpu_records(trace.windows, trace.api_records, trace.gpu_records)
+    assert len(per_iteration) == 5
+    for records in per_iteration:
+        copies = [r for r in records if r.name == "MEMCPY"]
+        assert len(copies) == 1 and copies[0].bytes == host.numel() * 4 and copies[0].copy_kind == 1  # HtoD
+        assert any(r.name not in ("MEMCPY", "MEMSET") for r in records)
+    assert all(s > 0 for s in trace.spans())
+    if directory := os.environ.get("HOPPERBENCH_TRACE_DIR"):
+        path = Path(directory) / "cupti_records_recorded_copy_and_mm.json"
+        doc = {"description": f"recorded on {torch.cuda.get_device_name()}", **trace.to_json()}
+        path.write_text(json.dumps(doc))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_call_that_launches_nothing_raises():
+    with pytest.raises(TimingError, match="iteration 0 launched no GPU work"):
+        time_cold_l2(lambda: None, (), warmup=1, iterations=3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_kernel_set_changing_between_iterations_raises():
+    x = torch.zeros(1024, device="cuda")
+    calls = {"n": 0}
+
+    def alternating() -> None:
+        calls["n"] += 1
+        x.add_(1.0)
+        if calls["n"] % 2:
+            x.mul_(0.5)
+
+    with pytest.raises(TimingError, match="iteration 1 launched different GPU work"):
+        time_cold_l2(alternating, (), warmup=2, iterations=4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_host_gap_between_kernels_counts():
+    x = torch.zeros(1, device="cuda")
+
+    def two_kernels_with_a_host_gap() -> None:
+        x.add_(1.0)
+        time.sleep(0.002)
+        x.add_(1.0)
+
+    spans = time_cold_l2(two_kernels_with_a_host_gap, (), warmup=2, iterations=5)
+    assert min(spans) >= 2.0
+    assert statistics.median(spans) < 20.0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cupti_python_is_the_pinned_major():
+    assert int(importlib.metadata.version("cupti-python").split(".")[0]) >= cupti_timer.MIN_CUPTI_MAJOR

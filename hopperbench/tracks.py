@@ -113,6 +113,14 @@ GDN_PREFILL = Track(
     human_key="gdn_prefill",
     # The contest itself timed this track 1/5/3 because of its reference's cost.
     timing=TimingDefaults(reference_warmup=1, reference_iterations=5),
+    libraries=(
+        LibrarySide(
+            name="fla_chunk",
+            entry="fla_gdn.py::run",
+            description="flash-linear-attention chunk_gated_delta_rule, Triton chunk pipeline (fla-core 0.6.0)",
+            package="fla-core==0.6.0",
+        ),
+    ),
 )
 
 MOE = Track(

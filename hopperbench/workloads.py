@@ -1,0 +1,339 @@
+"""The workload list of a track: official when downloaded, else our embedded list.
+
+Official data lives in `benchmark_data/` (or another `data_dir`) in flashinfer-trace
+layout, as `tools/download_workloads.py` writes it:
+`workloads/<op_type>/<definition>.jsonl` plus the safetensors blobs the lines point to.
+When that JSONL exists for a track, its workloads are read with flashinfer-bench's own
+models and marked `official`. An input the JSONL declares as safetensors whose blob file
+or tensor key is absent (a partial download, or the MoE JSONL 3dbeca5a that names six
+tensors the blobs never held) is synthesized instead; `missing_blob_inputs` records it,
+and the workload stays `official` because its uuid, axes and scalars still are.
+
+Without official data the embedded `workload_lists/<track>.tsv` is used and every tensor
+is synthesized (`hopperbench.synth`), marked `synthesized`. Its header comments give the
+provenance: MoE is byte-exact from the official JSONL, GDN prefill and DSA are
+reconstructed tables.
+
+Every list is validated on load against our definition: exactly the definition's var
+axes, each >= 1; scalars that are scalar inputs of the right kind; dense indices; unique
+uuids; and every definition constraint that mentions axes only
+(e.g. `len_cu_seqlens == num_seqs + 1`).
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+from functools import cache
+from pathlib import Path
+from typing import Literal
+
+from flashinfer_bench.data import Definition, SafetensorsInput, ScalarInput, Trace, load_jsonl_file
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from safetensors import SafetensorError, safe_open
+
+from hopperbench.definitions import load_definition
+from hopperbench.paths import BENCHMARK_DATA_DIR
+from hopperbench.tracks import Track, get_track
+
+DataSource = Literal["official", "synthesized"]
+ScalarValue = int | float
+
+
+class WorkloadError(ValueError):
+    """A workload list (embedded or official) is malformed or inconsistent with its definition."""
+
+
+class WorkloadSelectionError(ValueError):
+    """A requested workload selection (uuids, count) cannot be satisfied."""
+
+
+class BlobRef(BaseModel):
+    """One official input tensor: an absolute safetensors path and the tensor's key in it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: Path
+    tensor_key: str = Field(min_length=1)
+
+
+class WorkloadSpec(BaseModel):
+    """One workload of a track: its identity, axis values, scalar inputs and official blobs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    track: str
+    index: int = Field(ge=0)
+    uuid: str = Field(min_length=1)
+    # Var axes only; const axes come from the definition.
+    axes: dict[str, int]
+    # Scalar inputs the workload fixes; the rest are supplied by hopperbench.synth.
+    scalars: dict[str, ScalarValue]
+    data_source: DataSource
+    # Input name -> blob, official data only.
+    blob_inputs: dict[str, BlobRef] = Field(default_factory=dict)
+    # Inputs the official workload declares as safetensors but whose blob is absent; synthesized.
+    missing_blob_inputs: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _blobs_only_when_official(self) -> WorkloadSpec:
+        if self.data_source == "synthesized" and (self.blob_inputs or self.missing_blob_inputs):
+            raise ValueError("a synthesized workload cannot name official blobs")
+        overlap = set(self.blob_inputs) & set(self.missing_blob_inputs)
+        if overlap:
+            raise ValueError(f"inputs both present and missing as blobs: {sorted(overlap)}")
+        return self
+
+
+def official_workload_file(track: Track, data_dir: Path) -> Path:
+    """Where the flashinfer-trace layout keeps this track's workload JSONL."""
+    return data_dir / "workloads" / track.op_type / f"{track.definition_name}.jsonl"
+
+
+def load_workloads(track: str, data_dir: Path | None = None) -> list[WorkloadSpec]:
+    """The validated workload list of `track`: official if `data_dir` holds it, else embedded."""
+    track_info = get_track(track)
+    definition = track_definition(track_info.name)
+    data_dir = BENCHMARK_DATA_DIR if data_dir is None else Path(data_dir)
+    official = official_workload_file(track_info, data_dir)
+    if official.is_file():
+        workloads = _read_official(track_info, definition, official, data_dir)
+    else:
+        workloads = _read_embedded(track_info, definition)
+    _validate(definition, workloads)
+    return workloads
+
+
+def select_workloads(
+    workloads: list[WorkloadSpec], uuids: list[str] | None = None, max_count: int | None = None
+) -> list[WorkloadSpec]:
+    """Workloads whose uuid is in `uuids` (all when None), in list order, at most `max_count`."""
+    track = workloads[0].track if workloads else "?"
+    if max_count is not None and max_count < 1:
+        raise WorkloadSelectionError(f"workload count must be >= 1, got {max_count}")
+    selected = workloads
+    if uuids is not None:
+        if not uuids:
+            raise WorkloadSelectionError(f"empty workload uuid list for track {track}")
+        known = {w.uuid for w in workloads}
+        unknown = [u for u in dict.fromkeys(uuids) if u not in known]
+        if unknown:
+            raise WorkloadSelectionError(
+                f"unknown workload uuid(s) for track {track}: {', '.join(unknown)} "
+                f"(the list has {len(workloads)} workloads)"
+            )
+        wanted = set(uuids)
+        selected = [w for w in workloads if w.uuid in wanted]
+    return selected if max_count is None else selected[:max_count]
+
+
+@cache
+def track_definition(track: str) -> Definition:
+    """Our definition of `track` (by track name), loaded once per process."""
+    return load_definition(get_track(track))
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedded TSV lists
+
+
+def _read_embedded(track: Track, definition: Definition) -> list[WorkloadSpec]:
+    path = track.workload_list_path
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    except OSError as e:
+        raise WorkloadError(f"cannot read workload list {path}: {e.strerror}") from None
+    rows = list(csv.DictReader(lines, delimiter="\t"))
+    columns = list(rows[0].keys()) if rows else []
+    if columns[:2] != ["index", "uuid"]:
+        raise WorkloadError(f"{path}: the first columns must be 'index' and 'uuid', got {columns[:2]}")
+    scalar_inputs = _scalar_input_dtypes(definition)
+    axis_columns = [c for c in columns[2:] if c in definition.var_axes]
+    scalar_columns = [c for c in columns[2:] if c in scalar_inputs]
+    unknown = [c for c in columns[2:] if c not in axis_columns and c not in scalar_columns]
+    if unknown:
+        raise WorkloadError(f"{path}: columns {unknown} are neither var axes nor scalar inputs of {definition.name}")
+    workloads = []
+    for line_no, row in enumerate(rows, start=1):
+        where = f"{path.name} row {line_no}"
+        if None in row or any(v is None or v == "" for v in row.values()):
+            raise WorkloadError(f"{where}: wrong number of fields")
+        workloads.append(
+            _spec(
+                where,
+                track=track.name,
+                index=_parse_int(row["index"], where),
+                uuid=row["uuid"],
+                axes={c: _parse_int(row[c], where) for c in axis_columns},
+                scalars={c: _parse_scalar(row[c], scalar_inputs[c], where) for c in scalar_columns},
+                data_source="synthesized",
+            )
+        )
+    return workloads
+
+
+def _parse_int(text: str, where: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise WorkloadError(f"{where}: {text!r} is not an integer") from None
+
+
+def _parse_scalar(text: str, dtype: str, where: str) -> ScalarValue:
+    if dtype.startswith("int"):
+        return _parse_int(text, where)
+    try:
+        return float(text)
+    except ValueError:
+        raise WorkloadError(f"{where}: {text!r} is not a number") from None
+
+
+def _scalar_input_dtypes(definition: Definition) -> dict[str, str]:
+    return {name: spec.dtype for name, spec in definition.inputs.items() if spec.shape is None}
+
+
+def _spec(where: str, **fields: object) -> WorkloadSpec:
+    try:
+        return WorkloadSpec(**fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise WorkloadError(f"{where}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Official flashinfer-trace data
+
+
+def _read_official(track: Track, definition: Definition, jsonl: Path, data_dir: Path) -> list[WorkloadSpec]:
+    try:
+        traces = load_jsonl_file(Trace, jsonl)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise WorkloadError(f"{jsonl}: not a flashinfer-bench workload file ({first['msg']})") from None
+    except ValueError as e:  # malformed JSON
+        raise WorkloadError(f"{jsonl}: not a flashinfer-bench workload file ({str(e).splitlines()[0]})") from None
+    blob_keys = _BlobKeyCache()
+    workloads = []
+    for index, trace in enumerate(traces):
+        where = f"{jsonl.name} line {index + 1}"
+        if trace.definition != definition.name:
+            raise WorkloadError(f"{where}: definition {trace.definition!r}, expected {definition.name!r}")
+        if not trace.is_workload_trace():
+            raise WorkloadError(f"{where}: a workload line must have no solution and no evaluation")
+        workload = trace.workload
+        unknown = sorted(set(workload.inputs) - set(definition.inputs))
+        if unknown:
+            raise WorkloadError(f"{where}: inputs {unknown} are not inputs of {definition.name}")
+        scalars: dict[str, ScalarValue] = {}
+        blobs: dict[str, BlobRef] = {}
+        missing: list[str] = []
+        for name, spec in workload.inputs.items():
+            if isinstance(spec, ScalarInput):
+                scalars[name] = spec.value
+            elif isinstance(spec, SafetensorsInput):
+                path = (data_dir / spec.path).resolve()
+                shape = blob_keys.shape(path, spec.tensor_key)
+                if shape is None:
+                    missing.append(name)
+                    continue
+                expected = _expected_shape(definition, name, workload.axes)
+                if expected is not None and shape != expected:
+                    raise WorkloadError(
+                        f"{where}: blob {path.name}[{spec.tensor_key}] has shape {shape}, expected {expected}"
+                    )
+                blobs[name] = BlobRef(path=path, tensor_key=spec.tensor_key)
+        workloads.append(
+            _spec(
+                where,
+                track=track.name,
+                index=index,
+                uuid=workload.uuid,
+                axes=dict(workload.axes),
+                scalars=scalars,
+                data_source="official",
+                blob_inputs=blobs,
+                missing_blob_inputs=tuple(missing),
+            )
+        )
+    return workloads
+
+
+def _expected_shape(definition: Definition, name: str, axes: dict[str, int]) -> tuple[int, ...] | None:
+    """The shape the definition implies, or None when the axes are too broken to say (validation reports it)."""
+    try:
+        shapes = dict(zip(definition.inputs, definition.get_input_shapes(axes), strict=True))
+    except ValueError:
+        return None
+    shape = shapes[name]
+    return tuple(shape) if shape is not None else None
+
+
+class _BlobKeyCache:
+    """Reads each safetensors header once; absent files and keys read as None."""
+
+    def __init__(self) -> None:
+        self._shapes: dict[Path, dict[str, tuple[int, ...]] | None] = {}
+
+    def shape(self, path: Path, key: str) -> tuple[int, ...] | None:
+        if path not in self._shapes:
+            self._shapes[path] = self._read(path)
+        shapes = self._shapes[path]
+        return None if shapes is None else shapes.get(key)
+
+    @staticmethod
+    def _read(path: Path) -> dict[str, tuple[int, ...]] | None:
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except (SafetensorError, OSError) as e:
+            raise WorkloadError(f"blob {path} is not a readable safetensors file ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _validate(definition: Definition, workloads: list[WorkloadSpec]) -> None:
+    if not workloads:
+        raise WorkloadError(f"the workload list of {definition.name} is empty")
+    scalar_inputs = _scalar_input_dtypes(definition)
+    axis_constraints = _axis_only_constraints(definition)
+    seen: set[str] = set()
+    for position, w in enumerate(workloads):
+        where = f"{definition.name} workload {w.index} ({w.uuid})"
+        if w.index != position:
+            raise WorkloadError(f"{where}: index {w.index} out of order, expected {position}")
+        if w.uuid in seen:
+            raise WorkloadError(f"{where}: duplicate uuid")
+        seen.add(w.uuid)
+        if set(w.axes) != set(definition.var_axes):
+            raise WorkloadError(f"{where}: axes {sorted(w.axes)}, expected the var axes {sorted(definition.var_axes)}")
+        small = {k: v for k, v in w.axes.items() if v < 1}
+        if small:
+            raise WorkloadError(f"{where}: axes must be >= 1, got {small}")
+        for name, value in w.scalars.items():
+            if name not in scalar_inputs:
+                raise WorkloadError(f"{where}: {name!r} is not a scalar input of {definition.name}")
+            is_int_dtype = scalar_inputs[name].startswith("int")
+            if isinstance(value, bool) or (is_int_dtype and not isinstance(value, int)):
+                raise WorkloadError(f"{where}: scalar {name}={value!r} does not fit dtype {scalar_inputs[name]}")
+        values = {**definition.const_axes, **w.axes}
+        for text, code in axis_constraints:
+            if not eval(code, {"__builtins__": {}}, values):  # our own definition's expressions over ints
+                raise WorkloadError(f"{where}: constraint {text!r} fails for axes {w.axes}")
+
+
+def _axis_only_constraints(definition: Definition) -> list[tuple[str, object]]:
+    """The definition's constraints that mention axis names only (others need tensors)."""
+    axis_names = set(definition.axes)
+    selected = []
+    for text in definition.constraints:
+        tree = ast.parse(text, mode="eval")
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        allowed_nodes = (ast.Expression, ast.Name, ast.Load, ast.Constant, ast.Compare, ast.BinOp, ast.BoolOp,
+                         ast.UnaryOp, ast.operator, ast.cmpop, ast.boolop, ast.unaryop)  # fmt: skip
+        if names <= axis_names and all(isinstance(n, allowed_nodes) for n in ast.walk(tree)):
+            selected.append((text, compile(tree, "<constraint>", "eval")))
+    return selected

@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{'track':<14} {'uuid':<38} {'axes':<44} {'ms/call':>9} {'peak GiB':>9} no-NaN")
     for track in tracks:
-        workload = largest_workload(load_workloads(track))
+        workload = largest_workload(load_workloads(track.name))
         reference = reference_runner(track)
-        inputs = make_inputs(track, workload, seed=args.seed, trial=0, device="cuda")
+        inputs = make_inputs(track.name, workload, seed=args.seed, trial=0, device="cuda")
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         axes = ",".join(f"{k}={v}" for k, v in workload.axes.items())
         print(
             f"{track.name:<14} {workload.uuid:<38} {axes:<44} {min(times):>9.1f} {peak_gib:>9.2f} {nan_free}"
-            f"   (inputs {input_bytes(track, workload) / 2**30:.2f} GiB)"
+            f"   (inputs {input_bytes(track.name, workload) / 2**30:.2f} GiB)"
         )
         del inputs, outputs
         torch.cuda.empty_cache()

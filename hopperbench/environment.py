@@ -1,0 +1,221 @@
+"""The environment record stored with every run: hardware, software versions, commits, protocol.
+
+Every probe is independent and tolerant: a field that cannot be read is recorded as
+null, never an exception, so a missing tool can not lose a finished run's results.
+
+`python -m hopperbench.environment REQUEST.json RECORD.json` collects the record in
+its own process, so that the runner itself never holds a CUDA context or CUPTI.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hopperbench.paths import REPO_ROOT
+
+T = TypeVar("T")
+
+# Distributions whose versions decide what a number means.
+RECORDED_PACKAGES = (
+    "torch",
+    "triton",
+    "nvidia-cutlass-dsl",
+    "cupti-python",
+    "nvidia-cuda-cupti",
+    "flashinfer-bench",
+    "apache-tvm-ffi",
+    "pydantic",
+    "safetensors",
+)
+
+
+class SubmoduleRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    url: str | None = None
+    commit: str | None = None
+    # HEAD at the gitlink recorded in the superproject and the checkout clean.
+    pinned: bool | None = None
+
+
+class EnvironmentRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
+
+    gpu_name: str | None = None
+    compute_capability: str | None = None
+    sm_count: int | None = None
+    l2_cache_bytes: int | None = None
+    gpu_memory_bytes: int | None = None
+    driver_version: str | None = None
+    cuda_version: str | None = None  # the CUDA torch was built with
+    python_version: str | None = None
+    packages: dict[str, str | None] = Field(default_factory=dict)
+    repo_commit: str | None = None
+    repo_dirty: bool | None = None
+    submodules: list[SubmoduleRecord] = Field(default_factory=list)
+    # Per track: the submodule guard's verdict on the human side (pinned, unpinned_allowed, unavailable: ...).
+    human_guard: dict[str, str] = Field(default_factory=dict)
+    # Per track: where the workloads came from (official, synthesized).
+    data_sources: dict[str, list[str]] = Field(default_factory=dict)
+    seed: int | None = None
+    protocol: dict[str, Any] = Field(default_factory=dict)
+    empty_kernel_span_ms: float | None = None
+    devices: list[int] = Field(default_factory=list)
+    hostname: str | None = None
+    timestamp: str | None = None
+
+
+class EnvironmentRequest(BaseModel):
+    """What the runner knows and the probes cannot discover."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int
+    protocol: dict[str, Any]
+    data_sources: dict[str, list[str]] = Field(default_factory=dict)
+    human_guard: dict[str, str] = Field(default_factory=dict)
+    devices: list[int] = Field(default_factory=list)
+    probe_gpu: bool = True
+
+
+def _safe(probe: Callable[[], T]) -> T | None:
+    try:
+        return probe()
+    except Exception:
+        return None
+
+
+def _command(args: Sequence[str], cwd: Path | None = None) -> str:
+    done = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=20, check=True)
+    return done.stdout.strip()
+
+
+def package_versions(names: Sequence[str] = RECORDED_PACKAGES) -> dict[str, str | None]:
+    return {name: _safe(lambda n=name: importlib.metadata.version(n)) for name in names}
+
+
+def _git(repo: Path, *args: str) -> str:
+    return _command(["git", "-C", str(repo), *args])
+
+
+def _submodule_urls(repo: Path) -> dict[str, str]:
+    """Submodule path -> url, from .gitmodules."""
+    text = _safe(lambda: _git(repo, "config", "-f", ".gitmodules", "--get-regexp", r"^submodule\..*\.(path|url)$"))
+    paths: dict[str, str] = {}
+    urls: dict[str, str] = {}
+    for line in (text or "").splitlines():
+        key, _, value = line.partition(" ")
+        name, _, attribute = key.removeprefix("submodule.").rpartition(".")
+        (paths if attribute == "path" else urls)[name] = value
+    return {path: urls[name] for name, path in paths.items() if name in urls}
+
+
+def submodule_records(repo: Path) -> list[SubmoduleRecord]:
+    urls = _submodule_urls(repo)
+    status = _safe(lambda: _git(repo, "submodule", "status")) or ""
+    records = []
+    for line in status.splitlines():
+        if len(line) < 2:
+            continue
+        # "<flag><sha> <path> (<describe>)"; flag ' ' = at the gitlink, '-' = absent, '+' = elsewhere.
+        flag, rest = line[0], line[1:].split()
+        commit, path = rest[0], rest[1]
+        clean = _safe(lambda p=path: _git(repo / p, "status", "--porcelain") == "") if flag == " " else False
+        records.append(
+            SubmoduleRecord(
+                path=path, url=urls.get(path), commit=None if flag == "-" else commit, pinned=flag == " " and clean
+            )
+        )
+    known = {r.path for r in records}
+    records += [SubmoduleRecord(path=p, url=u) for p, u in urls.items() if p not in known]
+    return records
+
+
+def _gpu_fields() -> dict[str, Any]:
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "gpu_name": props.name,
+        "compute_capability": f"{props.major}.{props.minor}",
+        "sm_count": props.multi_processor_count,
+        "l2_cache_bytes": props.L2_cache_size,
+        "gpu_memory_bytes": props.total_memory,
+    }
+
+
+def _driver_version() -> str:
+    return _command(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines()[0]
+
+
+def _empty_kernel_span_ms() -> float:
+    from hopperbench.timing.cupti_timer import empty_kernel_span_ms
+
+    return float(empty_kernel_span_ms())
+
+
+def _torch_cuda_version() -> str | None:
+    import torch
+
+    return torch.version.cuda
+
+
+def collect_environment(request: EnvironmentRequest, repo_root: Path = REPO_ROOT) -> EnvironmentRecord:
+    record = EnvironmentRecord(
+        python_version=platform.python_version(),
+        packages=package_versions(),
+        repo_commit=_safe(lambda: _git(repo_root, "rev-parse", "HEAD")),
+        repo_dirty=_safe(lambda: _git(repo_root, "status", "--porcelain", "--untracked-files=no") != ""),
+        submodules=_safe(lambda: submodule_records(repo_root)) or [],
+        human_guard=dict(request.human_guard),
+        data_sources={k: list(v) for k, v in request.data_sources.items()},
+        seed=request.seed,
+        protocol=dict(request.protocol),
+        devices=list(request.devices),
+        hostname=_safe(socket.gethostname),
+        timestamp=datetime.now(UTC).isoformat(timespec="seconds"),
+        cuda_version=_safe(_torch_cuda_version),
+    )
+    if request.probe_gpu:
+        record = record.model_copy(
+            update={
+                **(_safe(_gpu_fields) or {}),
+                "driver_version": _safe(_driver_version),
+                "empty_kernel_span_ms": _safe(_empty_kernel_span_ms),
+            }
+        )
+    return record
+
+
+def guard_summary(guard_results: Mapping[str, Any]) -> dict[str, str]:
+    """Per track, the integrity guard's verdict on the human side as one readable string."""
+    return {
+        track: f"{result.human}: {result.reason}" if result.reason else str(result.human)
+        for track, result in guard_results.items()
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2:
+        print("usage: python -m hopperbench.environment REQUEST.json RECORD.json", file=sys.stderr)
+        return 2
+    request = EnvironmentRequest.model_validate_json(Path(args[0]).read_text(encoding="utf-8"))
+    record = collect_environment(request)
+    Path(args[1]).write_text(record.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,456 @@
+"""The result schema of a run, its journal, and its JSON and CSV files.
+
+A run produces one `SideRecord` per (track, workload, side). Records are appended
+to a journal as they finish, so a killed run loses at most the job in flight; the
+final JSON and CSV are rebuilt from the journal. A `WorkloadRow` gathers the sides
+of one workload and derives the speedups; `summarize` reduces rows per track.
+
+Speedup = other side's latency / our latency, computed only where both sides passed.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hopperbench.environment import EnvironmentRecord
+from hopperbench.sides import HUMAN, OURS, REFERENCE, canonical_side_order
+
+
+class Status(StrEnum):
+    PASSED = "PASSED"
+    FAILED = "FAILED"
+    RUNTIME_ERROR = "RUNTIME_ERROR"
+    CRASH = "CRASH"
+    TIMEOUT = "TIMEOUT"
+    NO_REFERENCE = "NO_REFERENCE"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+# Errors can be inf or NaN; JSON has no such numbers, so they travel as "Infinity"/"NaN" strings.
+_MODEL_CONFIG = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
+
+
+class SideResult(BaseModel):
+    """What one side did on one workload."""
+
+    model_config = _MODEL_CONFIG
+
+    side: str
+    status: Status
+    latency_ms: float | None = None  # median over trials of the per-trial medians
+    min_ms: float | None = None  # min over trials of the per-trial medians
+    max_ms: float | None = None  # max over trials of the per-trial medians
+    per_trial_ms: list[float] = Field(default_factory=list)
+    max_abs_err: float | None = None
+    max_rel_err: float | None = None
+    relative_l2: float | None = None
+    matched_ratio: float | None = None
+    message: str | None = None
+    pinned: bool | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.status == Status.PASSED
+
+    @property
+    def timed(self) -> bool:
+        return self.passed and self.latency_ms is not None and self.latency_ms > 0
+
+
+class WorkloadKey(BaseModel):
+    """The identity and description of one workload, repeated on every record of it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    track: str
+    definition: str
+    uuid: str
+    index: int
+    axes: dict[str, int]
+    data_source: str
+    seed: int
+
+
+class SideRecord(BaseModel):
+    """One journal line: a finished (track, workload, side)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workload: WorkloadKey
+    result: SideResult
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.workload.track, self.workload.uuid, self.result.side)
+
+
+class WorkloadRow(BaseModel):
+    """All sides of one workload, with the speedups derived from them."""
+
+    model_config = _MODEL_CONFIG
+
+    track: str
+    definition: str
+    uuid: str
+    index: int
+    axes: dict[str, int]
+    data_source: str
+    seed: int
+    sides: dict[str, SideResult]
+    speedup_vs_human: float | None = None
+    speedup_vs_reference: float | None = None
+    # The fastest passing side among the reference and the library sides.
+    best_reference: str | None = None
+    speedup_vs_best_reference: float | None = None
+    human_pinned: bool | None = None
+
+    @classmethod
+    def from_sides(cls, workload: WorkloadKey, sides: Mapping[str, SideResult]) -> WorkloadRow:
+        ordered = {name: sides[name] for name in canonical_side_order(sides)}
+        best = _fastest(r for name, r in ordered.items() if name not in (OURS, HUMAN))
+        human = ordered.get(HUMAN)
+        return cls(
+            **workload.model_dump(),
+            sides=ordered,
+            speedup_vs_human=speedup(ordered.get(OURS), human),
+            speedup_vs_reference=speedup(ordered.get(OURS), ordered.get(REFERENCE)),
+            best_reference=best.side if best else None,
+            speedup_vs_best_reference=speedup(ordered.get(OURS), best),
+            human_pinned=human.pinned if human else None,
+        )
+
+
+def speedup(ours: SideResult | None, other: SideResult | None) -> float | None:
+    """other / ours latency, when both passed and were timed."""
+    if ours is None or other is None or not (ours.timed and other.timed):
+        return None
+    assert ours.latency_ms is not None and other.latency_ms is not None
+    return other.latency_ms / ours.latency_ms
+
+
+def _fastest(results: Iterable[SideResult]) -> SideResult | None:
+    timed = [r for r in results if r.timed]
+    return min(timed, key=lambda r: r.latency_ms or math.inf) if timed else None
+
+
+def build_rows(records: Iterable[SideRecord]) -> list[WorkloadRow]:
+    """Group records by workload (the last record of a key wins), in track then index order."""
+    workloads: dict[tuple[str, str], WorkloadKey] = {}
+    sides: dict[tuple[str, str], dict[str, SideResult]] = {}
+    for record in records:
+        wkey = (record.workload.track, record.workload.uuid)
+        workloads[wkey] = record.workload
+        sides.setdefault(wkey, {})[record.result.side] = record.result
+    rows = [WorkloadRow.from_sides(workloads[k], sides[k]) for k in workloads]
+    return sorted(rows, key=lambda r: (r.track, r.index, r.uuid))
+
+
+# ------------------------------------------------------------------------------------------
+# Summary
+
+
+class SpeedupSummary(BaseModel):
+    model_config = _MODEL_CONFIG
+
+    geomean: float | None
+    workloads: int  # how many workloads entered the mean (both sides passed)
+
+
+class TrackSummary(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    track: str
+    workloads: int
+    vs_human: SpeedupSummary
+    vs_reference: SpeedupSummary
+    vs_best_reference: SpeedupSummary
+    passed: dict[str, int]
+    # Ran (or should have run) and did not pass: every status but PASSED and UNAVAILABLE.
+    failed: dict[str, int]
+    unavailable: dict[str, int]
+
+
+def geometric_mean(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _speedup_summary(values: Iterable[float | None]) -> SpeedupSummary:
+    present = [v for v in values if v is not None]
+    return SpeedupSummary(geomean=geometric_mean(present), workloads=len(present))
+
+
+def summarize(rows: Sequence[WorkloadRow]) -> dict[str, TrackSummary]:
+    by_track: dict[str, list[WorkloadRow]] = {}
+    for row in rows:
+        by_track.setdefault(row.track, []).append(row)
+    summary: dict[str, TrackSummary] = {}
+    for track, track_rows in by_track.items():
+        side_names = canonical_side_order({s for r in track_rows for s in r.sides})
+        passed = {s: 0 for s in side_names}
+        failed = {s: 0 for s in side_names}
+        unavailable = {s: 0 for s in side_names}
+        for row in track_rows:
+            for name, result in row.sides.items():
+                if result.status == Status.PASSED:
+                    passed[name] += 1
+                elif result.status == Status.UNAVAILABLE:
+                    unavailable[name] += 1
+                else:
+                    failed[name] += 1
+        summary[track] = TrackSummary(
+            track=track,
+            workloads=len(track_rows),
+            vs_human=_speedup_summary(r.speedup_vs_human for r in track_rows),
+            vs_reference=_speedup_summary(r.speedup_vs_reference for r in track_rows),
+            vs_best_reference=_speedup_summary(r.speedup_vs_best_reference for r in track_rows),
+            passed=passed,
+            failed=failed,
+            unavailable=unavailable,
+        )
+    return summary
+
+
+def _fmt_speedup(s: SpeedupSummary) -> str:
+    return "-" if s.geomean is None else f"{s.geomean:.3g}x ({s.workloads})"
+
+
+def format_summary_table(summary: Mapping[str, TrackSummary]) -> str:
+    """A plain-text table for the terminal: speedup geometric means and pass counts per side."""
+    header = ["track", "workloads", "vs human", "vs reference", "vs best ref", "passed / failed / unavailable"]
+    lines = [header]
+    for s in summary.values():
+        counts = ", ".join(f"{n} {s.passed[n]}/{s.failed[n]}/{s.unavailable[n]}" for n in s.passed)
+        lines.append(
+            [
+                s.track,
+                str(s.workloads),
+                _fmt_speedup(s.vs_human),
+                _fmt_speedup(s.vs_reference),
+                _fmt_speedup(s.vs_best_reference),
+                counts,
+            ]
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+# ------------------------------------------------------------------------------------------
+# Journal
+
+
+class JournalHeader(BaseModel):
+    """First line of a journal: what must match for a run to be resumed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["header"] = "header"
+    seed: int
+    protocol: dict[str, Any]
+
+
+class JournalMismatchError(ValueError):
+    pass
+
+
+class Journal:
+    """Append-only JSONL of finished records, fsynced line by line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @staticmethod
+    def path_for(output_json: Path) -> Path:
+        return output_json.with_name(output_json.stem + ".journal.jsonl")
+
+    def exists(self) -> bool:
+        return self.path.is_file()
+
+    def create(self, header: JournalHeader) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "x", encoding="utf-8") as f:
+            f.write(header.model_dump_json() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def append(self, record: SideRecord) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(record.model_dump_json() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self) -> tuple[JournalHeader, list[SideRecord]]:
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        if not lines:
+            raise JournalMismatchError(f"{self.path} is empty")
+        header = JournalHeader.model_validate_json(lines[0])
+        records: list[SideRecord] = []
+        for number, line in enumerate(lines[1:], start=2):
+            if not line.strip():
+                continue
+            try:
+                records.append(SideRecord.model_validate_json(line))
+            except ValueError:
+                # A run killed mid-write leaves a torn last line; anything else is corruption.
+                if number == len(lines):
+                    break
+                raise JournalMismatchError(f"{self.path}:{number} is not a valid record") from None
+        return header, records
+
+    def check_resumable(self, expected: JournalHeader) -> list[SideRecord]:
+        """The journal's records, after checking it was written under the same seed and protocol."""
+        header, records = self.read()
+        if header.seed != expected.seed:
+            raise JournalMismatchError(
+                f"cannot resume {self.path}: it used seed {header.seed}, this run seed {expected.seed}"
+            )
+        if header.protocol != expected.protocol:
+            differing = sorted(
+                k
+                for k in header.protocol.keys() | expected.protocol.keys()
+                if header.protocol.get(k) != expected.protocol.get(k)
+            )
+            raise JournalMismatchError(
+                f"cannot resume {self.path}: its timing protocol differs in {', '.join(differing)}"
+            )
+        return records
+
+
+# ------------------------------------------------------------------------------------------
+# JSON and CSV files
+
+SIDE_FIELDS = ("status", "latency_ms", "min_ms", "max_ms", "max_abs_err", "max_rel_err", "relative_l2")
+WORKLOAD_FIELDS = ("track", "definition", "uuid", "index", "axes", "data_source", "seed")
+DERIVED_FIELDS = (
+    "speedup_vs_human",
+    "speedup_vs_reference",
+    "speedup_vs_best_reference",
+    "best_reference",
+    "human_pinned",
+)
+
+
+class ResultsFile(BaseModel):
+    """The run's JSON: how it was measured, every row, and the per-track summary."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    environment: EnvironmentRecord
+    rows: list[WorkloadRow]
+    summary: dict[str, TrackSummary]
+
+
+def csv_columns(side_names: Iterable[str]) -> list[str]:
+    columns = list(WORKLOAD_FIELDS)
+    for side in canonical_side_order(side_names):
+        columns += [f"{side}_{field}" for field in SIDE_FIELDS]
+    return columns + list(DERIVED_FIELDS)
+
+
+def format_axes(axes: Mapping[str, int]) -> str:
+    return ";".join(f"{k}={v}" for k, v in axes.items())
+
+
+def parse_axes(text: str) -> dict[str, int]:
+    if not text:
+        return {}
+    pairs = (item.split("=", 1) for item in text.split(";"))
+    return {k: int(v) for k, v in pairs}
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def rows_to_csv(rows: Sequence[WorkloadRow]) -> str:
+    columns = csv_columns({s for r in rows for s in r.sides})
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        flat: dict[str, Any] = {f: getattr(row, f) for f in WORKLOAD_FIELDS + DERIVED_FIELDS}
+        flat["axes"] = format_axes(row.axes)
+        for side, result in row.sides.items():
+            for field in SIDE_FIELDS:
+                flat[f"{side}_{field}"] = getattr(result, field)
+        writer.writerow({k: _cell(flat.get(k)) for k in columns})
+    return out.getvalue()
+
+
+def _float_or_none(text: str) -> float | None:
+    return float(text) if text != "" else None
+
+
+def read_csv_rows(path: Path) -> list[WorkloadRow]:
+    """Rows back from a results CSV (the CSV keeps the fields the README needs, not messages)."""
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        columns = reader.fieldnames or []
+        side_names = [c.removesuffix("_status") for c in columns if c.endswith("_status")]
+        rows = []
+        for line in reader:
+            workload = WorkloadKey(
+                track=line["track"],
+                definition=line["definition"],
+                uuid=line["uuid"],
+                index=int(line["index"]),
+                axes=parse_axes(line["axes"]),
+                data_source=line["data_source"],
+                seed=int(line["seed"]),
+            )
+            sides = {}
+            for side in side_names:
+                if not line[f"{side}_status"]:
+                    continue
+                values = {f: _float_or_none(line[f"{side}_{f}"]) for f in SIDE_FIELDS if f != "status"}
+                sides[side] = SideResult(side=side, status=Status(line[f"{side}_status"]), **values)
+            if HUMAN in sides and line.get("human_pinned"):
+                sides[HUMAN].pinned = line["human_pinned"] == "True"
+            rows.append(WorkloadRow.from_sides(workload, sides))
+        return rows
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temporary file in the same folder and rename, so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def csv_path_for(output_json: Path) -> Path:
+    return output_json.with_suffix(".csv")
+
+
+def write_results(output_json: Path, environment: EnvironmentRecord, rows: Sequence[WorkloadRow]) -> ResultsFile:
+    """Write the JSON and, beside it with the same stem, the CSV. Returns what was written."""
+    results = ResultsFile(environment=environment, rows=list(rows), summary=summarize(rows))
+    atomic_write_text(output_json, results.model_dump_json(indent=2) + "\n")
+    atomic_write_text(csv_path_for(output_json), rows_to_csv(rows))
+    return results
+
+
+def read_results(output_json: Path) -> ResultsFile:
+    return ResultsFile.model_validate_json(output_json.read_text(encoding="utf-8"))

@@ -1,0 +1,641 @@
+"""The paired runner: `uv run benchmarks/compare_human_best.py`.
+
+It checks every input before it writes anything (a bad flag, an unknown uuid, a
+missing data folder, no CUDA device, no CUPTI or a tampered human_best pin is one
+line on stderr and exit code 2), then runs every (side, workload) of the selected
+tracks in its own worker process (`hopperbench.worker`), the reference side of a
+workload first because the others are checked against its stored outputs.
+
+Each finished result is appended to `<output stem>.journal.jsonl` at once (fsync), so
+a killed run resumes with `--resume` where it stopped; the JSON and CSV are written
+from the journal at the end. Worker logs go to `<output stem>.logs/`, the stored
+reference outputs to `<output stem>.scratch/` (removed when the run completes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from queue import Queue
+from typing import Any
+
+from hopperbench.environment import EnvironmentRecord, EnvironmentRequest, collect_environment, guard_summary
+from hopperbench.paths import BENCHMARK_DATA_DIR, REPO_ROOT
+from hopperbench.results import (
+    Journal,
+    JournalHeader,
+    JournalMismatchError,
+    SideRecord,
+    SideResult,
+    Status,
+    WorkloadKey,
+    build_rows,
+    csv_path_for,
+    format_summary_table,
+    write_results,
+)
+from hopperbench.sides import HUMAN, REFERENCE, Side, SideContext, known_side_names, sides_for
+from hopperbench.tracks import TRACKS, Track, UnknownTrackError, get_track, parse_track_list
+from hopperbench.worker import WorkerJob, reference_output_path
+
+PROG = "compare_human_best"
+LOG_TAIL_CHARS = 2000
+
+
+class CliError(Exception):
+    """Bad input or a missing prerequisite; printed as one line, exit code 2."""
+
+
+# ------------------------------------------------------------------------------------------
+# Arguments
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, not argparse's usage block
+        raise CliError(message)
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _comma_list(text: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("empty list")
+    return items
+
+
+def _device_list(text: str) -> list[int]:
+    parse = _count(0)
+    devices = [parse(item) for item in _comma_list(text)]
+    if len(set(devices)) != len(devices):
+        raise argparse.ArgumentTypeError(f"device listed twice in {text!r}")
+    return devices
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Time our kernels, the contest winners and the references on this GPU.")
+    p.add_argument("--track", default="all", help="all, or a comma list of: gdn_prefill, moe, dsa_attention")
+    p.add_argument("--warmup", type=_count(0), default=3, help="warm-up calls per trial (default 3)")
+    p.add_argument("--iterations", type=_count(1), default=50, help="timed calls per trial (default 50)")
+    p.add_argument("--trials", type=_count(1), default=3, help="input sets per workload (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthesized inputs (default 0)")
+    p.add_argument("--max-workloads", type=_count(1), default=None, help="at most N workloads per track")
+    p.add_argument("--workloads", type=_comma_list, default=None, metavar="UUID,...", help="only these workloads")
+    p.add_argument("--output", type=Path, default=None, help="results JSON (default runs/<timestamp>/results.json)")
+    p.add_argument("--resume", action="store_true", help="continue the run whose journal is beside --output")
+    p.add_argument("--timeout", type=_positive_seconds, default=300.0, help="seconds per worker process (default 300)")
+    p.add_argument(
+        "--allow-unpinned",
+        action="append",
+        type=_comma_list,
+        default=[],
+        metavar="TRACK",
+        help="run this track's human side even if its submodule is off its pin (repeatable or comma list)",
+    )
+    p.add_argument("--sides", type=_comma_list, default=None, help="ours,human,reference,<library> (default all)")
+    p.add_argument("--devices", type=_device_list, default=None, help="GPU indices to spread workloads over")
+    p.add_argument("--data-dir", type=Path, default=None, help="official workload data (default benchmark_data/)")
+    p.add_argument("--reference-warmup", type=_count(0), default=None, help="override the tracks' reference warm-up")
+    p.add_argument(
+        "--reference-iterations",
+        type=_count(0),
+        default=None,
+        help="override the tracks' reference iterations (0 = untimed)",
+    )
+    p.add_argument("--keep-scratch", action="store_true", help="keep the stored reference outputs after the run")
+    return p
+
+
+# ------------------------------------------------------------------------------------------
+# Prerequisites, replaceable in tests
+
+
+def check_cuda_devices(requested: list[int] | None) -> list[str | None]:
+    """The CUDA_VISIBLE_DEVICES value per worker slot (None = inherit); raises CliError without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CliError(
+            "no CUDA device is visible (torch.cuda.is_available() is False); this benchmark needs an NVIDIA GPU"
+        )
+    if requested is None:
+        return [None]
+    count = torch.cuda.device_count()
+    too_high = [d for d in requested if d >= count]
+    if too_high:
+        raise CliError(f"--devices {','.join(map(str, too_high))}: only {count} CUDA device(s) are visible")
+    # Indices are relative to what this process sees; keep an inherited CUDA_VISIBLE_DEVICES meaningful.
+    inherited = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return [inherited[d] if d < len(inherited) else str(d) for d in requested]
+
+
+def timer_protocol() -> dict[str, Any]:
+    """The CUPTI timer's protocol record; raises CliError when CUPTI cannot be used."""
+    import importlib.util
+
+    from hopperbench.timing import cupti_timer
+
+    version = cupti_timer.cupti_python_version()
+    if importlib.util.find_spec("cupti") is None or version is None:
+        raise CliError(f"cupti-python is not installed; the timer needs cupti-python>={cupti_timer.MIN_CUPTI_MAJOR}")
+    if int(version.split(".")[0]) < cupti_timer.MIN_CUPTI_MAJOR:
+        raise CliError(
+            f"cupti-python {version} is too old; the timer needs major version >= {cupti_timer.MIN_CUPTI_MAJOR}"
+        )
+    return {**cupti_timer.PROTOCOL, "cupti_python": version}
+
+
+def run_guard(tracks: list[Track], allow_unpinned: set[str]) -> dict[str, Any]:
+    from hopperbench.human_best import ManifestError
+    from hopperbench.integrity import GitError, IntegrityError, guard
+
+    try:
+        return guard(tracks, allow_unpinned, REPO_ROOT)
+    except (IntegrityError, GitError, ManifestError) as e:
+        raise CliError(str(e)) from None
+
+
+def load_track_workloads(track: str, data_dir: Path | None) -> list[Any]:
+    from hopperbench.definitions import DefinitionError
+    from hopperbench.workloads import WorkloadError, load_workloads
+
+    try:
+        return load_workloads(track, data_dir)
+    except (WorkloadError, DefinitionError) as e:
+        raise CliError(str(e)) from None
+
+
+def select_track_workloads(workloads: list[Any], uuids: list[str] | None, max_count: int | None) -> list[Any]:
+    from hopperbench.workloads import WorkloadSelectionError, select_workloads
+
+    try:
+        return select_workloads(workloads, uuids, max_count)
+    except WorkloadSelectionError as e:
+        raise CliError(str(e)) from None
+
+
+def collect_environment_isolated(
+    request: EnvironmentRequest, cuda_visible: str | None, folder: Path
+) -> EnvironmentRecord:
+    """Collect in a child process (so this one holds no CUDA context); without GPU probes if it fails."""
+    request_file, record_file = folder / "environment.request.json", folder / "environment.json"
+    request_file.write_text(request.model_dump_json(), encoding="utf-8")
+    env = _child_env(cuda_visible)
+    command = [sys.executable, "-m", "hopperbench.environment", str(request_file), str(record_file)]
+    try:
+        subprocess.run(command, env=env, cwd=REPO_ROOT, timeout=300, capture_output=True, check=True)
+        return EnvironmentRecord.model_validate_json(record_file.read_text(encoding="utf-8"))
+    except Exception:
+        return collect_environment(request.model_copy(update={"probe_gpu": False}))
+    finally:
+        request_file.unlink(missing_ok=True)
+        record_file.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class RunnerHooks:
+    """What the runner needs from the machine; tests replace these to run without a GPU."""
+
+    worker_command: Sequence[str] = (sys.executable, "-m", "hopperbench.worker")
+    check_devices: Callable[[list[int] | None], list[str | None]] = check_cuda_devices
+    timer_protocol: Callable[[], dict[str, Any]] = timer_protocol
+    guard: Callable[[list[Track], set[str]], dict[str, Any]] = run_guard
+    load_workloads: Callable[[str, Path | None], list[Any]] = load_track_workloads
+    select_workloads: Callable[[list[Any], list[str] | None, int | None], list[Any]] = select_track_workloads
+    sides_for: Callable[[Track, SideContext], list[Side]] = sides_for
+    collect_environment: Callable[[EnvironmentRequest, str | None, Path], EnvironmentRecord] = (
+        collect_environment_isolated
+    )
+    # Where the worker process runs (the package must be importable from there).
+    worker_cwd: Path = REPO_ROOT
+    show_progress: bool = True
+
+
+# ------------------------------------------------------------------------------------------
+# The plan: everything checked, nothing written yet
+
+
+@dataclass(frozen=True)
+class TrackPlan:
+    track: Track
+    workloads: list[Any]
+    sides: list[Side]  # the reference first
+    reference_warmup: int
+    reference_iterations: int
+
+
+@dataclass
+class RunPlan:
+    tracks: list[TrackPlan]
+    output: Path
+    resume: bool
+    seed: int
+    trials: int
+    warmup: int
+    iterations: int
+    timeout: float
+    slots: list[str | None]
+    header: JournalHeader
+    finished: dict[tuple[str, str, str], SideRecord] = field(default_factory=dict)
+    guard_results: dict[str, Any] = field(default_factory=dict)
+    keep_scratch: bool = False
+
+    @property
+    def journal(self) -> Journal:
+        return Journal(Journal.path_for(self.output))
+
+    @property
+    def scratch_dir(self) -> Path:
+        return self.output.with_name(self.output.stem + ".scratch")
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.output.with_name(self.output.stem + ".logs")
+
+
+def _default_output() -> Path:
+    return REPO_ROOT / "runs" / datetime.now().strftime("%Y%m%d-%H%M%S") / "results.json"
+
+
+def _select_workloads(
+    tracks: list[Track], args: argparse.Namespace, data_dir: Path | None, hooks: RunnerHooks
+) -> dict[str, list[Any]]:
+    everything = {t.name: hooks.load_workloads(t.name, data_dir) for t in tracks}
+    if args.workloads is None:
+        return {name: hooks.select_workloads(ws, None, args.max_workloads) for name, ws in everything.items()}
+    owner = {w.uuid: name for name, ws in everything.items() for w in ws}
+    unknown = [u for u in dict.fromkeys(args.workloads) if u not in owner]
+    if unknown:
+        raise CliError(f"unknown workload uuid(s) {', '.join(unknown)} (not in the lists of {', '.join(everything)})")
+    selected = {}
+    for name, ws in everything.items():
+        mine = [u for u in args.workloads if owner[u] == name]
+        if mine:
+            selected[name] = hooks.select_workloads(ws, mine, args.max_workloads)
+    return selected
+
+
+def _requested_sides(args: argparse.Namespace, tracks: list[Track]) -> set[str] | None:
+    if args.sides is None:
+        return None
+    known = known_side_names(tracks)
+    unknown = [s for s in args.sides if s not in known]
+    if unknown:
+        raise CliError(f"unknown side(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    return set(args.sides)
+
+
+def plan_run(argv: Sequence[str], hooks: RunnerHooks) -> RunPlan:
+    args = build_parser().parse_args(list(argv))
+    try:
+        tracks = parse_track_list(args.track)
+        allow_unpinned = {get_track(t).name for group in args.allow_unpinned for t in group}
+    except UnknownTrackError as e:
+        raise CliError(str(e)) from None
+    if args.data_dir is not None and not args.data_dir.is_dir():
+        raise CliError(f"--data-dir {args.data_dir} is not a folder")
+    data_dir = args.data_dir if args.data_dir is not None else BENCHMARK_DATA_DIR
+    wanted_sides = _requested_sides(args, tracks)
+
+    if args.resume and args.output is None:
+        raise CliError("--resume needs --output, the results JSON of the run to continue")
+    output = (args.output if args.output is not None else _default_output()).absolute()
+    if output.suffix != ".json":
+        raise CliError(f"--output must name a .json file, got {output.name}")
+    journal = Journal(Journal.path_for(output))
+    if args.resume and not journal.exists():
+        raise CliError(f"nothing to resume: {journal.path} does not exist")
+    if not args.resume:
+        existing = [p for p in (output, csv_path_for(output), journal.path) if p.exists()]
+        if existing:
+            raise CliError(f"{existing[0]} already exists; pass --resume to continue that run or another --output")
+
+    workloads = _select_workloads(tracks, args, data_dir, hooks)
+    tracks = [t for t in tracks if t.name in workloads]
+    slots = hooks.check_devices(args.devices)
+    protocol: dict[str, Any] = {
+        "timer": hooks.timer_protocol(),
+        "warmup": args.warmup,
+        "iterations": args.iterations,
+        "trials": args.trials,
+    }
+    run_human = wanted_sides is None or HUMAN in wanted_sides
+    guard_results = hooks.guard(tracks, allow_unpinned) if run_human else {}
+    ctx = SideContext(guard_results=guard_results)
+
+    # Every track's reference protocol, selected or not, so that a run resumes with any --track.
+    reference_timing = {t.name: _reference_timing(t, args, wanted_sides) for t in TRACKS.values()}
+    protocol["reference"] = {name: {"warmup": w, "iterations": i} for name, (w, i) in reference_timing.items()}
+    plans = []
+    for track in tracks:
+        sides = [
+            s
+            for s in hooks.sides_for(track, ctx)
+            if wanted_sides is None or s.name in wanted_sides or s.name == REFERENCE
+        ]
+        sides.sort(key=lambda s: s.name != REFERENCE)  # stable: the reference first, the rest as resolved
+        plans.append(TrackPlan(track, workloads[track.name], sides, *reference_timing[track.name]))
+
+    header = JournalHeader(seed=args.seed, protocol=protocol)
+    finished: dict[tuple[str, str, str], SideRecord] = {}
+    if args.resume:
+        try:
+            records = journal.check_resumable(header)
+        except (JournalMismatchError, ValueError) as e:
+            raise CliError(str(e).splitlines()[0]) from None
+        # An unavailable side is looked at again: its kernel or checkout may exist now.
+        finished = {r.key: r for r in records if r.result.status != Status.UNAVAILABLE}
+    return RunPlan(
+        tracks=plans,
+        output=output,
+        resume=args.resume,
+        seed=args.seed,
+        trials=args.trials,
+        warmup=args.warmup,
+        iterations=args.iterations,
+        timeout=args.timeout,
+        slots=slots,
+        header=header,
+        finished=finished,
+        guard_results=guard_results,
+        keep_scratch=args.keep_scratch,
+    )
+
+
+def _first(*values: int | None) -> int:
+    return next(v for v in values if v is not None)
+
+
+def _reference_timing(track: Track, args: argparse.Namespace, wanted_sides: set[str] | None) -> tuple[int, int]:
+    """(warmup, iterations) of the reference side: flag, else the track's default, else the kernels'."""
+    warmup = _first(args.reference_warmup, track.timing.reference_warmup, args.warmup)
+    iterations = _first(args.reference_iterations, track.timing.reference_iterations, args.iterations)
+    if wanted_sides is not None and REFERENCE not in wanted_sides:
+        iterations = 0  # it still runs for the stored outputs, just untimed
+    return warmup, iterations
+
+
+# ------------------------------------------------------------------------------------------
+# Running worker processes
+
+
+def _child_env(cuda_visible: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    if cuda_visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible
+    return env
+
+
+def _tail(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return text[-LOG_TAIL_CHARS:].strip()
+
+
+def _exit_description(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def execute_job(
+    job: WorkerJob, cuda_visible: str | None, timeout: float, logs_dir: Path, hooks: RunnerHooks
+) -> SideResult:
+    """Run one job in its own process group and turn whatever happened into a SideResult."""
+    folder = logs_dir / job.track / job.workload["uuid"]
+    folder.mkdir(parents=True, exist_ok=True)
+    job_file = folder / f"{job.side.name}.job.json"
+    result_file = folder / f"{job.side.name}.result.json"
+    log_file = folder / f"{job.side.name}.log"
+    job_file.write_text(job.model_dump_json(indent=2), encoding="utf-8")
+    result_file.unlink(missing_ok=True)
+
+    def failed(status: Status, message: str) -> SideResult:
+        return SideResult(side=job.side.name, status=status, pinned=job.side.pinned, message=message)
+
+    with open(log_file, "wb") as log:
+        process = subprocess.Popen(
+            [*hooks.worker_command, str(job_file), str(result_file)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_child_env(cuda_visible),
+            cwd=hooks.worker_cwd,
+            start_new_session=True,  # its own process group: a timeout kills compilers it spawned too
+        )
+        try:
+            returncode = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(process.pid)
+            process.wait()
+            return failed(Status.TIMEOUT, f"no result after {timeout:g} s (killed); log {log_file}")
+        except BaseException:
+            _kill_group(process.pid)
+            process.wait()
+            raise
+        _kill_group(process.pid)  # stragglers the worker left behind
+    if result_file.is_file():
+        try:
+            return SideResult.model_validate_json(result_file.read_text(encoding="utf-8"))
+        except ValueError as e:
+            return failed(Status.CRASH, f"unreadable result ({e.__class__.__name__}); log {log_file}")
+    reason = _exit_description(returncode) if returncode != 0 else "exited without writing a result"
+    return failed(Status.CRASH, f"worker {reason}; log {log_file}\n{_tail(log_file)}")
+
+
+class RunState:
+    """Journal appends and progress, shared by the device threads."""
+
+    def __init__(self, plan: RunPlan, total: int, show_progress: bool) -> None:
+        from tqdm import tqdm
+
+        self.plan = plan
+        self.lock = threading.Lock()
+        self.progress = tqdm(total=total, unit="job", disable=not show_progress, file=sys.stderr)
+
+    def record(self, key: WorkloadKey, result: SideResult) -> SideRecord:
+        record = SideRecord(workload=key, result=result)
+        with self.lock:
+            self.plan.journal.append(record)
+            self.progress.set_postfix_str(f"{key.track} {key.index} {result.side}: {result.status}", refresh=False)
+            self.progress.update(1)
+        return record
+
+
+def _workload_key(plan: RunPlan, tp: TrackPlan, workload: Any) -> WorkloadKey:
+    return WorkloadKey(
+        track=tp.track.name,
+        definition=tp.track.definition_name,
+        uuid=workload.uuid,
+        index=workload.index,
+        axes=dict(workload.axes),
+        data_source=workload.data_source,
+        seed=plan.seed,
+    )
+
+
+def _pending_sides(plan: RunPlan, tp: TrackPlan, workload: Any) -> list[Side]:
+    return [s for s in tp.sides if (tp.track.name, workload.uuid, s.name) not in plan.finished]
+
+
+def _reference_outputs_stored(plan: RunPlan, track: str, uuid: str) -> bool:
+    return all(reference_output_path(plan.scratch_dir, track, uuid, t).is_file() for t in range(plan.trials))
+
+
+def run_workload(
+    plan: RunPlan, tp: TrackPlan, workload: Any, cuda_visible: str | None, state: RunState, hooks: RunnerHooks
+) -> None:
+    """The reference of one workload, then its other pending sides, on one device."""
+    key = _workload_key(plan, tp, workload)
+    pending = _pending_sides(plan, tp, workload)
+    if not pending:
+        return
+
+    def job(side: Side, warmup: int, iterations: int) -> WorkerJob:
+        return WorkerJob(
+            track=tp.track.name,
+            side=side,
+            workload=workload.model_dump(mode="json"),
+            seed=plan.seed,
+            trials=plan.trials,
+            warmup=warmup,
+            iterations=iterations,
+            scratch_dir=plan.scratch_dir,
+        )
+
+    def execute(side: Side, warmup: int, iterations: int) -> SideResult:
+        return execute_job(job(side, warmup, iterations), cuda_visible, plan.timeout, plan.logs_dir, hooks)
+
+    reference_side = tp.sides[0]
+    others = [s for s in pending if s.name != REFERENCE]
+    finished_reference = plan.finished.get((tp.track.name, workload.uuid, REFERENCE))
+    if finished_reference is None:
+        reference = execute(reference_side, tp.reference_warmup, tp.reference_iterations)
+        state.record(key, reference)
+    else:
+        reference = finished_reference.result
+        if any(s.available for s in others) and not _reference_outputs_stored(plan, tp.track.name, workload.uuid):
+            # Resumed after the scratch folder went away: recompute the outputs, keep the journaled timing.
+            reference = execute(reference_side, 0, 0)
+    # The others need the stored outputs, not a timed reference: a reference whose timing
+    # failed after storing them still lets them be checked.
+    outputs_stored = _reference_outputs_stored(plan, tp.track.name, workload.uuid)
+
+    for side in others:
+        if not side.available:
+            result = SideResult(side=side.name, status=Status.UNAVAILABLE, message=side.reason, pinned=side.pinned)
+        elif not outputs_stored:
+            why = (
+                f"reference side {reference.status}: {reference.message}"
+                if reference.message
+                else "no reference outputs"
+            )
+            result = SideResult(side=side.name, status=Status.NO_REFERENCE, message=why, pinned=side.pinned)
+        else:
+            result = execute(side, plan.warmup, plan.iterations)
+        state.record(key, result)
+
+
+def run_plan(plan: RunPlan, hooks: RunnerHooks) -> None:
+    work = [(tp, w) for tp in plan.tracks for w in tp.workloads]
+    total = sum(len(_pending_sides(plan, tp, w)) for tp, w in work)
+    state = RunState(plan, total, hooks.show_progress)
+    slots: Queue[str | None] = Queue()
+    for slot in plan.slots:
+        slots.put(slot)
+
+    def on_free_device(tp: TrackPlan, workload: Any) -> None:
+        slot = slots.get()  # one worker at a time per device
+        try:
+            run_workload(plan, tp, workload, slot, state, hooks)
+        finally:
+            slots.put(slot)
+
+    try:
+        with ThreadPoolExecutor(max_workers=len(plan.slots)) as pool:
+            for future in [pool.submit(on_free_device, tp, w) for tp, w in work]:
+                future.result()
+    finally:
+        state.progress.close()
+
+
+# ------------------------------------------------------------------------------------------
+# main
+
+
+def _environment_request(plan: RunPlan) -> EnvironmentRequest:
+    return EnvironmentRequest(
+        seed=plan.seed,
+        protocol=plan.header.protocol,
+        data_sources={tp.track.name: sorted({w.data_source for w in tp.workloads}) for tp in plan.tracks},
+        human_guard=guard_summary(plan.guard_results),
+        devices=[int(s) for s in plan.slots if s is not None and s.isdigit()],
+    )
+
+
+def main(argv: Sequence[str] | None = None, hooks: RunnerHooks | None = None) -> int:
+    hooks = hooks or RunnerHooks()
+    try:
+        plan = plan_run(sys.argv[1:] if argv is None else argv, hooks)
+    except CliError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+    plan.output.parent.mkdir(parents=True, exist_ok=True)
+    if not plan.resume:
+        plan.journal.create(plan.header)
+    plan.logs_dir.mkdir(parents=True, exist_ok=True)
+    environment = hooks.collect_environment(_environment_request(plan), plan.slots[0], plan.logs_dir)
+
+    run_plan(plan, hooks)
+
+    _, records = plan.journal.read()
+    rows = build_rows(records)
+    results = write_results(plan.output, environment, rows)
+    if not plan.keep_scratch:
+        shutil.rmtree(plan.scratch_dir, ignore_errors=True)
+    print(format_summary_table(results.summary))
+    print(f"results: {plan.output} and {csv_path_for(plan.output)}")
+    return 0

@@ -1,0 +1,383 @@
+"""One (side, workload) in its own process: `python -m hopperbench.worker JOB.json RESULT.json`.
+
+The reference side computes the reference outputs of every trial and stores them in
+the run's scratch folder (`<scratch>/<track>/<uuid>/trial<t>.safetensors`, reused when
+written under the same seed), then times itself. Every other side regenerates the
+same inputs from (uuid, seed, trial), fills its output buffers with NaN, runs once,
+and is checked against the stored outputs with the track's acceptance rule; it must
+also leave its inputs bit-for-bit unchanged. Only a side that passes every trial is
+timed: on each trial's fresh inputs, with the CUPTI cold-L2 timer; latency is the
+median over trials of the per-trial medians.
+
+Whatever happens inside the side is reported as a result (RUNTIME_ERROR, FAILED,
+NO_REFERENCE); a crash of the process itself is the runner's to report.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from hopperbench.results import SideResult, Status
+from hopperbench.sides import Side, SideKind
+from hopperbench.tracks import AcceptanceRule, get_track
+
+InputValue = Any  # torch.Tensor | int | float | None, as hopperbench.synth makes them
+
+
+class WorkerJob(BaseModel):
+    """Everything a worker needs; written by the runner as JSON."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    track: str
+    side: Side
+    # A hopperbench.workloads.WorkloadSpec, as its JSON dump (validated again in the worker).
+    workload: dict[str, Any]
+    seed: int
+    trials: int
+    warmup: int
+    # 0 = no timing: the reference side then only stores its outputs, another side only gets checked.
+    iterations: int
+    scratch_dir: Path
+    device: str = "cuda"
+
+
+class ReferenceMissing(RuntimeError):
+    """The stored reference output of a trial is absent (its worker failed or never ran)."""
+
+
+@dataclass(frozen=True)
+class WorkerDeps:
+    """The worker's collaborators, replaceable so the flow can be tested without a GPU."""
+
+    load_definition: Callable[[str], Any]
+    parse_workload: Callable[[Mapping[str, Any]], Any]
+    make_inputs: Callable[..., dict[str, InputValue]]
+    check_outputs: Callable[[AcceptanceRule, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], Any]
+    merge_verdicts: Callable[[list[Any]], Any]
+    time_fn: Callable[[Callable[..., Any], Sequence[Any], int, int], list[float]]
+    build: Callable[[Side, Any], Callable[..., Any]]
+
+    @classmethod
+    def default(cls) -> WorkerDeps:
+        from hopperbench.acceptance import check_outputs, merge_verdicts
+        from hopperbench.definitions import load_definition
+        from hopperbench.synth import make_inputs
+        from hopperbench.timing.cupti_timer import time_cold_l2
+        from hopperbench.workloads import WorkloadSpec
+
+        return cls(
+            load_definition=lambda track: load_definition(get_track(track)),
+            parse_workload=WorkloadSpec.model_validate,
+            make_inputs=make_inputs,
+            check_outputs=check_outputs,
+            merge_verdicts=merge_verdicts,
+            time_fn=time_cold_l2,
+            build=lambda side, definition: side.build(definition),
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# Stored reference outputs
+
+
+def reference_output_path(scratch_dir: Path, track: str, uuid: str, trial: int) -> Path:
+    return scratch_dir / track / uuid / f"trial{trial}.safetensors"
+
+
+def _stored_seed(path: Path) -> str | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("seed")
+    except Exception:
+        return None  # unreadable (e.g. torn by a killed run): recompute
+
+
+def save_reference_outputs(path: Path, outputs: Mapping[str, torch.Tensor], seed: int) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in outputs.items()}, tmp, metadata={"seed": str(seed)})
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_reference_outputs(path: Path, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if not path.is_file() or _stored_seed(path) != str(seed):
+        raise ReferenceMissing(f"no stored reference output {path} for seed {seed}")
+    return load_file(str(path), device=str(device))
+
+
+# ------------------------------------------------------------------------------------------
+# Calling a side
+
+
+def output_names(definition: Any) -> list[str]:
+    return list(definition.outputs)
+
+
+def allocate_poisoned_outputs(
+    definition: Any, inputs: Mapping[str, InputValue], device: torch.device
+) -> list[torch.Tensor]:
+    """The DPS output buffers, pre-filled so that an element the side never writes cannot pass."""
+    axes = definition.get_axes_values_from_inputs(list(inputs.values()))
+    shapes = definition.get_output_shapes(axes)
+    buffers = []
+    for shape, dtype in zip(shapes, definition.torch_output_dtypes):
+        buffer = torch.empty(tuple(shape or ()), dtype=dtype, device=device)
+        if dtype.is_floating_point:
+            buffer.fill_(float("nan"))
+        elif dtype != torch.bool:
+            buffer.fill_(torch.iinfo(dtype).min)
+        buffers.append(buffer)
+    return buffers
+
+
+def as_output_dict(definition: Any, result: Any) -> dict[str, torch.Tensor]:
+    """A value-returning side's result (tensor, tuple or list) keyed by the definition's output names."""
+    values = list(result) if isinstance(result, (tuple, list)) else [result]
+    names = output_names(definition)
+    if not 1 <= len(values) <= len(names):
+        raise ValueError(f"returned {len(values)} values, the definition has {len(names)} outputs")
+    for name, value in zip(names, values):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"output {name!r} is a {type(value).__name__}, not a tensor")
+    return dict(zip(names, values))
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def snapshot_inputs(inputs: Mapping[str, InputValue]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+
+
+def modified_inputs(snapshot: Mapping[str, torch.Tensor], inputs: Mapping[str, InputValue]) -> list[str]:
+    """Names of tensor inputs whose bytes differ from the snapshot (bitwise, so NaN == NaN)."""
+    changed = []
+    for name, before in snapshot.items():
+        after = inputs[name]
+        if (
+            after.shape != before.shape
+            or after.dtype != before.dtype
+            or not torch.equal(_bytes_of(before), _bytes_of(after))
+        ):
+            changed.append(name)
+    return changed
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def one_line(exc: BaseException, limit: int = 500) -> str:
+    first = next((line for line in str(exc).splitlines() if line.strip()), "")
+    text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------------
+# The job
+
+
+class _Outcome(Exception):
+    """Ends the job early with a finished result."""
+
+    def __init__(self, result: SideResult) -> None:
+        self.result = result
+
+
+class JobRunner:
+    def __init__(self, job: WorkerJob, deps: WorkerDeps) -> None:
+        self.job = job
+        self.deps = deps
+        self.track = get_track(job.track)
+        self.device = torch.device(job.device)
+        self.definition = deps.load_definition(job.track)
+        self.workload = deps.parse_workload(job.workload)
+
+    def result(self, status: Status, **fields: Any) -> SideResult:
+        return SideResult(side=self.job.side.name, status=status, pinned=self.job.side.pinned, **fields)
+
+    def inputs(self, trial: int) -> dict[str, InputValue]:
+        return self.deps.make_inputs(self.job.track, self.workload, self.job.seed, trial, self.device)
+
+    def run(self) -> SideResult:
+        side = self.job.side
+        if not side.available:
+            return self.result(Status.UNAVAILABLE, message=side.reason)
+        try:
+            fn = self.deps.build(side, self.definition)
+        except Exception as e:
+            traceback.print_exc()
+            return self.result(Status.RUNTIME_ERROR, message=f"build failed: {one_line(e)}")
+        try:
+            if side.kind == SideKind.REFERENCE:
+                return self.run_reference(fn)
+            return self.run_candidate(fn)
+        except _Outcome as outcome:
+            return outcome.result
+
+    # -- reference -------------------------------------------------------------------------
+
+    def run_reference(self, fn: Callable[..., Any]) -> SideResult:
+        job = self.job
+        for trial in range(job.trials):
+            path = reference_output_path(job.scratch_dir, job.track, self.workload.uuid, trial)
+            if path.is_file() and _stored_seed(path) == str(job.seed):
+                continue
+            inputs = self.inputs(trial)
+            result = self.call(fn, list(inputs.values()))
+            save_reference_outputs(path, self.checked(partial(as_output_dict, self.definition, result)), job.seed)
+            del inputs, result
+        return self.timed(fn, dps=False)
+
+    # -- any other side --------------------------------------------------------------------
+
+    def run_candidate(self, fn: Callable[..., Any]) -> SideResult:
+        job = self.job
+        dps = job.side.destination_passing_style
+        verdicts = []
+        for trial in range(job.trials):
+            path = reference_output_path(job.scratch_dir, job.track, self.workload.uuid, trial)
+            try:
+                reference = load_reference_outputs(path, job.seed, self.device)
+            except ReferenceMissing as e:
+                return self.result(Status.NO_REFERENCE, message=str(e))
+            inputs = self.inputs(trial)
+            snapshot = snapshot_inputs(inputs)
+            if dps:
+                buffers = allocate_poisoned_outputs(self.definition, inputs, self.device)
+                self.call(fn, [*inputs.values(), *buffers])
+                outputs = dict(zip(output_names(self.definition), buffers))
+            else:
+                result = self.call(fn, list(inputs.values()))
+                outputs = self.checked(partial(as_output_dict, self.definition, result))
+            changed = modified_inputs(snapshot, inputs)
+            if changed:
+                return self.result(
+                    Status.FAILED, message=f"modified its inputs ({', '.join(changed)}) in trial {trial}"
+                )
+            verdicts.append(self.deps.check_outputs(self.track.acceptance, outputs, reference))
+            del inputs, snapshot, outputs, reference  # free before the next trial's inputs
+        verdict = self.deps.merge_verdicts(verdicts)
+        stats = error_stats(verdict)
+        if not verdict.passed:
+            return self.result(Status.FAILED, message=verdict.reason or "outputs do not match the reference", **stats)
+        return self.timed(fn, dps=dps, **stats)
+
+    # -- shared ----------------------------------------------------------------------------
+
+    def call(self, fn: Callable[..., Any], args: list[Any]) -> Any:
+        """One untimed call, synchronized; an exception ends the job as RUNTIME_ERROR."""
+        return self.checked(partial(self._call_synchronized, fn, args))
+
+    def _call_synchronized(self, fn: Callable[..., Any], args: list[Any]) -> Any:
+        with torch.no_grad():
+            result = fn(*args)
+        _synchronize(self.device)
+        return result
+
+    def checked(self, thunk: Callable[[], Any]) -> Any:
+        try:
+            return thunk()
+        except _Outcome:
+            raise
+        except Exception as e:
+            traceback.print_exc()
+            raise _Outcome(self.result(Status.RUNTIME_ERROR, message=one_line(e))) from None
+
+    def timed(self, fn: Callable[..., Any], dps: bool, **stats: Any) -> SideResult:
+        job = self.job
+        if job.iterations == 0:
+            return self.result(Status.PASSED, **stats)
+        per_trial = []
+        for trial in range(job.trials):
+            inputs = self.inputs(trial)  # fresh: never the inputs the correctness call saw
+            args = list(inputs.values())
+            if dps:
+                args += allocate_poisoned_outputs(self.definition, inputs, self.device)
+            spans = self.checked(partial(self.deps.time_fn, fn, args, job.warmup, job.iterations))
+            per_trial.append(statistics.median(spans))
+            del inputs, args
+        return self.result(
+            Status.PASSED,
+            latency_ms=statistics.median(per_trial),
+            min_ms=min(per_trial),
+            max_ms=max(per_trial),
+            per_trial_ms=per_trial,
+            **stats,
+        )
+
+
+def error_stats(verdict: Any) -> dict[str, float | None]:
+    """Worst error over outputs (the verdict already merged trials): max errors, min matched ratio."""
+    outputs = list(getattr(verdict, "outputs", {}).values())
+
+    def worst(field: str, pick: Callable[[list[float]], float]) -> float | None:
+        values = [float(getattr(o, field)) for o in outputs if getattr(o, field, None) is not None]
+        if any(math.isnan(v) for v in values):
+            return math.nan  # NaN is the worst possible error, and max() would not see it
+        return pick(values) if values else None
+
+    return {
+        "max_abs_err": worst("max_abs_err", max),
+        "max_rel_err": worst("max_rel_err", max),
+        "relative_l2": worst("relative_l2", max),
+        "matched_ratio": worst("matched_ratio", min),
+    }
+
+
+def run_job(job: WorkerJob, deps: WorkerDeps | None = None) -> SideResult:
+    try:
+        return JobRunner(job, deps or WorkerDeps.default()).run()
+    except Exception as e:
+        # The harness's own steps (inputs, comparison) failed, not the side's call: still one result line.
+        traceback.print_exc()
+        return SideResult(side=job.side.name, status=Status.RUNTIME_ERROR, pinned=job.side.pinned,
+                          message=f"harness error: {one_line(e)}")  # fmt: skip
+
+
+def write_result(path: Path, result: SideResult) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(result.model_dump_json(), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2:
+        print("usage: python -m hopperbench.worker JOB.json RESULT.json", file=sys.stderr)
+        return 2
+    job = WorkerJob.model_validate_json(Path(args[0]).read_text(encoding="utf-8"))
+    result = run_job(job)
+    write_result(Path(args[1]), result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,284 @@
+"""Result schema, journal, JSON/CSV files and the per-track summary (CPU only)."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+
+from hopperbench.environment import EnvironmentRecord
+from hopperbench.results import (
+    Journal,
+    JournalHeader,
+    JournalMismatchError,
+    SideRecord,
+    SideResult,
+    Status,
+    WorkloadKey,
+    WorkloadRow,
+    build_rows,
+    csv_columns,
+    csv_path_for,
+    parse_axes,
+    read_csv_rows,
+    read_results,
+    summarize,
+    write_results,
+)
+
+
+def key(index: int, track: str = "moe") -> WorkloadKey:
+    return WorkloadKey(
+        track=track,
+        definition=f"{track}_def",
+        uuid=f"{track}-uuid-{index}",
+        index=index,
+        axes={"seq_len": index + 1, "other": 7},
+        data_source="synthesized",
+        seed=0,
+    )
+
+
+def passed(side: str, ms: float, **extra: object) -> SideResult:
+    return SideResult(side=side, status=Status.PASSED, latency_ms=ms, min_ms=ms * 0.9, max_ms=ms * 1.1,
+                      per_trial_ms=[ms * 0.9, ms, ms * 1.1], max_abs_err=0.001, max_rel_err=0.002,
+                      relative_l2=1e-4, matched_ratio=1.0, **extra)  # fmt: skip
+
+
+def row(index: int, sides: list[SideResult], track: str = "moe") -> WorkloadRow:
+    return WorkloadRow.from_sides(key(index, track), {s.side: s for s in sides})
+
+
+def test_speedups_are_other_over_ours_and_need_both_passed() -> None:
+    r = row(0, [passed("ours", 2.0), passed("human", 3.0), passed("reference", 40.0), passed("fla", 2.5)])
+    assert r.speedup_vs_human == pytest.approx(1.5)
+    assert r.speedup_vs_reference == pytest.approx(20.0)
+    # The fastest passing of reference and libraries, never human or ours.
+    assert r.best_reference == "fla"
+    assert r.speedup_vs_best_reference == pytest.approx(1.25)
+
+    failed_human = SideResult(side="human", status=Status.FAILED, message="mismatch", max_abs_err=3.0)
+    r = row(1, [passed("ours", 2.0), failed_human, passed("reference", 40.0)])
+    assert r.speedup_vs_human is None
+    assert r.best_reference == "reference"
+    assert r.speedup_vs_best_reference == pytest.approx(20.0)
+
+    r = row(2, [SideResult(side="ours", status=Status.CRASH, message="x"), passed("reference", 4.0)])
+    assert r.speedup_vs_reference is None and r.speedup_vs_best_reference is None
+    assert r.best_reference == "reference"
+
+
+def test_side_order_is_canonical() -> None:
+    r = row(0, [passed("zlib", 1.0), passed("reference", 1.0), passed("alib", 1.0), passed("ours", 1.0)])
+    assert list(r.sides) == ["ours", "reference", "alib", "zlib"]
+
+
+def test_human_pinned_comes_from_the_human_side() -> None:
+    assert row(0, [passed("ours", 1.0), passed("human", 1.0, pinned=False)]).human_pinned is False
+    assert row(0, [passed("ours", 1.0)]).human_pinned is None
+
+
+def test_summary_geometric_means_and_counts() -> None:
+    rows = [
+        row(0, [passed("ours", 1.0), passed("human", 2.0), passed("reference", 10.0)]),
+        row(1, [passed("ours", 1.0), passed("human", 8.0), passed("reference", 1000.0)]),
+        # Human failed: this workload enters the reference mean only.
+        row(2, [passed("ours", 1.0), SideResult(side="human", status=Status.FAILED), passed("reference", 100.0)]),
+        row(3, [SideResult(side="ours", status=Status.UNAVAILABLE, message="no kernel"), passed("reference", 5.0)]),
+        row(0, [passed("ours", 1.0), passed("reference", 3.0)], track="dsa_attention"),
+    ]
+    summary = summarize(rows)
+    moe = summary["moe"]
+    assert moe.workloads == 4
+    assert moe.vs_human.geomean == pytest.approx(math.sqrt(2.0 * 8.0))
+    assert moe.vs_human.workloads == 2
+    assert moe.vs_reference.geomean == pytest.approx((10.0 * 1000.0 * 100.0) ** (1 / 3))
+    assert moe.vs_reference.workloads == 3
+    assert moe.vs_best_reference.geomean == pytest.approx(moe.vs_reference.geomean)
+    assert moe.passed == {"ours": 3, "human": 2, "reference": 4}
+    assert moe.failed == {"ours": 0, "human": 1, "reference": 0}
+    assert moe.unavailable == {"ours": 1, "human": 0, "reference": 0}
+    dsa = summary["dsa_attention"]
+    assert dsa.vs_human.geomean is None and dsa.vs_human.workloads == 0
+    assert dsa.vs_reference.geomean == pytest.approx(3.0)
+
+
+def test_json_round_trip_and_csv_beside_it(tmp_path: Path) -> None:
+    inf_error = SideResult(
+        side="human", status=Status.FAILED, max_abs_err=math.inf, max_rel_err=math.nan, message="nan out"
+    )
+    rows = [
+        row(0, [passed("ours", 1.0), passed("human", 2.0, pinned=True), passed("reference", 10.0)]),
+        row(1, [passed("ours", 1.0), inf_error, passed("reference", 10.0)]),
+    ]
+    env = EnvironmentRecord(gpu_name="NVIDIA H200", sm_count=132, seed=0, protocol={"iterations": 50})
+    output = tmp_path / "run" / "results.json"
+    written = write_results(output, env, rows)
+    back = read_results(output)
+    assert back.environment == env
+    assert back.rows[0] == rows[0]
+    assert math.isinf(back.rows[1].sides["human"].max_abs_err or 0.0)
+    assert math.isnan(back.rows[1].sides["human"].max_rel_err or 0.0)
+    assert back.summary == written.summary
+    assert csv_path_for(output) == tmp_path / "run" / "results.csv"
+    assert csv_path_for(output).is_file()
+    assert not list(output.parent.glob("*.tmp"))
+
+
+def test_csv_columns_and_values(tmp_path: Path) -> None:
+    rows = [
+        row(0, [passed("ours", 1.5), passed("human", 3.0, pinned=True), passed("reference", 9.0), passed("fla", 6.0)])
+    ]
+    output = tmp_path / "results.json"
+    write_results(output, EnvironmentRecord(), rows)
+    with open(csv_path_for(output), newline="") as f:
+        reader = csv.DictReader(f)
+        lines = list(reader)
+        columns = reader.fieldnames
+    assert columns == csv_columns(["fla", "ours", "reference", "human"])
+    assert columns[:7] == ["track", "definition", "uuid", "index", "axes", "data_source", "seed"]
+    for side in ("ours", "human", "reference", "fla"):
+        for field in ("status", "latency_ms", "min_ms", "max_ms", "max_abs_err", "max_rel_err", "relative_l2"):
+            assert f"{side}_{field}" in columns
+    assert columns[-5:] == [
+        "speedup_vs_human",
+        "speedup_vs_reference",
+        "speedup_vs_best_reference",
+        "best_reference",
+        "human_pinned",
+    ]
+    (line,) = lines
+    assert line["axes"] == "seq_len=1;other=7"
+    assert parse_axes(line["axes"]) == {"seq_len": 1, "other": 7}
+    assert float(line["speedup_vs_human"]) == pytest.approx(2.0)
+    assert line["best_reference"] == "fla"
+    assert line["human_pinned"] == "True"
+    assert line["ours_status"] == "PASSED"
+
+
+def test_csv_reads_back_to_the_same_speedups(tmp_path: Path) -> None:
+    rows = [
+        row(0, [passed("ours", 1.5), passed("human", 3.0, pinned=False), passed("reference", 9.0)]),
+        row(
+            1,
+            [
+                SideResult(side="ours", status=Status.TIMEOUT),
+                passed("human", 3.0, pinned=False),
+                passed("reference", 9.0),
+            ],
+        ),
+    ]
+    output = tmp_path / "results.json"
+    write_results(output, EnvironmentRecord(), rows)
+    back = read_csv_rows(csv_path_for(output))
+    assert [r.speedup_vs_human for r in back] == [r.speedup_vs_human for r in rows]
+    assert [r.sides["ours"].status for r in back] == [Status.PASSED, Status.TIMEOUT]
+    assert back[0].human_pinned is False
+    assert back[0].axes == rows[0].axes
+
+
+def test_journal_append_read_and_resume_checks(tmp_path: Path) -> None:
+    journal = Journal(Journal.path_for(tmp_path / "results.json"))
+    assert journal.path.name == "results.journal.jsonl"
+    header = JournalHeader(seed=3, protocol={"iterations": 50, "timer": {"name": "cupti"}})
+    journal.create(header)
+    first = SideRecord(workload=key(0), result=passed("reference", 2.0))
+    second = SideRecord(workload=key(0), result=passed("ours", 1.0))
+    journal.append(first)
+    journal.append(second)
+    read_header, records = journal.read()
+    assert read_header == header
+    assert records == [first, second]
+    assert [r.key for r in records] == [("moe", "moe-uuid-0", "reference"), ("moe", "moe-uuid-0", "ours")]
+    assert journal.check_resumable(header) == records
+
+    with pytest.raises(JournalMismatchError, match="seed"):
+        journal.check_resumable(JournalHeader(seed=4, protocol=header.protocol))
+    with pytest.raises(JournalMismatchError, match="iterations"):
+        journal.check_resumable(JournalHeader(seed=3, protocol={"iterations": 5, "timer": {"name": "cupti"}}))
+    with pytest.raises(FileExistsError):
+        journal.create(header)  # never overwritten
+
+
+def test_journal_tolerates_a_torn_last_line_only(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.journal.jsonl")
+    journal.create(JournalHeader(seed=0, protocol={}))
+    record = SideRecord(workload=key(0), result=passed("ours", 1.0))
+    journal.append(record)
+    with open(journal.path, "a") as f:
+        f.write('{"workload": {"track": "mo')  # killed mid-write
+    assert journal.read()[1] == [record]
+    with open(journal.path, "a") as f:
+        f.write("\n" + record.model_dump_json() + "\n")
+    with pytest.raises(JournalMismatchError, match="not a valid record"):
+        journal.read()
+
+
+def test_build_rows_last_record_wins_and_orders_rows() -> None:
+    records = [
+        SideRecord(workload=key(1), result=passed("reference", 5.0)),
+        SideRecord(workload=key(0), result=SideResult(side="ours", status=Status.UNAVAILABLE)),
+        SideRecord(workload=key(0), result=passed("ours", 1.0)),
+        SideRecord(workload=key(0), result=passed("reference", 4.0)),
+    ]
+    rows = build_rows(records)
+    assert [r.index for r in rows] == [0, 1]
+    assert rows[0].sides["ours"].status == Status.PASSED
+    assert rows[0].speedup_vs_reference == pytest.approx(4.0)
+
+
+# ------------------------------------------------------------------------------------------
+# tools/render_results.py
+
+
+def _load_renderer():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "render_results.py"
+    spec = importlib.util.spec_from_file_location("render_results", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_render_results_writes_tables_and_plots(tmp_path: Path, capsys) -> None:
+    render = _load_renderer()
+    results_dir = tmp_path / "results"
+    rows = [
+        row(0, [passed("ours", 1.0), passed("human", 2.0, pinned=True), passed("reference", 8.0)]),
+        row(1, [passed("ours", 2.0), SideResult(side="human", status=Status.FAILED), passed("reference", 8.0)]),
+    ]
+    env = EnvironmentRecord(gpu_name="NVIDIA H200", sm_count=132, l2_cache_bytes=60 * 2**20, seed=0,
+                            protocol={"warmup": 3, "iterations": 50, "trials": 3})  # fmt: skip
+    write_results(results_dir / "h200" / "results.json", env, rows)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nbefore\n\n{render.BEGIN}\nold table\n{render.END}\n\nafter\n")
+
+    assert render.main(["--results-dir", str(results_dir), "--readme", str(readme), "--check"]) == 1
+    assert "stale" in capsys.readouterr().err
+    assert render.main(["--results-dir", str(results_dir), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# title\n\nbefore\n") and text.endswith("\nafter\n")
+    assert "old table" not in text
+    assert "NVIDIA H200 (132 SMs, L2 60 MiB)" in text
+    assert "| track | workloads | ours passed | human passed | reference passed |" in text
+    # Geometric means: vs human only workload 0 (2x); vs reference sqrt(8 * 4).
+    assert "| moe | 2 | 2/2 | 1/2 | 2/2 | 2.00× (1) | 5.66× (2) | 5.66× (2) |" in text
+    assert "| 1 | moe-uuid | seq_len=2 other=7 | synthesized | 2 | FAILED | 8 | reference | – | 4.00× | 4.00× |" in text
+    png = results_dir / "h200" / "results_moe_speedup.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "](results/h200/results_moe_speedup.png)" in text
+    assert render.main(["--results-dir", str(results_dir), "--readme", str(readme), "--check"]) == 0
+
+
+def test_render_results_needs_the_markers(tmp_path: Path, capsys) -> None:
+    render = _load_renderer()
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers\n")
+    assert render.main(["--results-dir", str(tmp_path / "results"), "--readme", str(readme)]) == 2
+    err = capsys.readouterr().err
+    assert "results:begin" in err and err.count("\n") == 1
+    assert readme.read_text() == "# no markers\n"

@@ -1,0 +1,395 @@
+"""The runner's CLI and process handling, with a fake worker process (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hopperbench import runner
+from hopperbench.environment import EnvironmentRecord
+from hopperbench.results import Journal, Status, read_results
+from hopperbench.runner import RunnerHooks, main
+from hopperbench.sides import Side, SideKind
+from hopperbench.tracks import TRACKS
+
+# A stand-in for `python -m hopperbench.worker JOB.json RESULT.json`. It logs each call,
+# writes the reference's scratch files like the real one, and misbehaves on demand
+# (FAKE_WORKER_MODE=segv|sleep applies to the "ours" side).
+FAKE_WORKER = textwrap.dedent(
+    """
+    import json, os, signal, subprocess, sys, time
+    from pathlib import Path
+
+    job = json.loads(Path(sys.argv[1]).read_text())
+    side, uuid = job["side"]["name"], job["workload"]["uuid"]
+    with open(os.environ["FAKE_WORKER_LOG"], "a") as log:
+        log.write(json.dumps({"side": side, "uuid": uuid, "iterations": job["iterations"],
+                              "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\\n")
+    mode = os.environ.get("FAKE_WORKER_MODE", "")
+    if side == "ours" and mode == "segv":
+        print("about to touch an illegal address", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if side == "ours" and mode == "sleep":
+        child = subprocess.Popen(["sleep", "60"])
+        Path(os.environ["FAKE_WORKER_CHILD"]).write_text(str(child.pid))
+        time.sleep(60)
+    if side == "reference":
+        for t in range(job["trials"]):
+            path = Path(job["scratch_dir"]) / job["track"] / uuid / f"trial{t}.safetensors"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"fake")
+    latency = {"reference": 10.0, "ours": 2.0}.get(side, 5.0) if job["iterations"] else None
+    result = {"side": side, "status": "PASSED", "latency_ms": latency, "min_ms": latency, "max_ms": latency}
+    Path(sys.argv[2]).write_text(json.dumps(result))
+    """
+)
+
+
+def fake_sides(track, ctx) -> list[Side]:
+    return [
+        Side(name="ours", kind=SideKind.OURS, track=track.name, available=True),
+        Side(name="human", kind=SideKind.HUMAN, track=track.name, available=False, reason="not checked out here"),
+        Side(
+            name="reference", kind=SideKind.REFERENCE, track=track.name, available=True, destination_passing_style=False
+        ),
+    ]
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RunnerHooks:
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    monkeypatch.setenv("FAKE_WORKER_LOG", str(tmp_path / "calls.jsonl"))
+    monkeypatch.setenv("FAKE_WORKER_CHILD", str(tmp_path / "child.pid"))
+    return RunnerHooks(
+        worker_command=(sys.executable, str(script)),
+        check_devices=lambda requested: [None] if requested is None else [str(d) for d in requested],
+        timer_protocol=lambda: {"name": "fake-timer"},
+        guard=lambda tracks, allow: {},
+        sides_for=fake_sides,
+        collect_environment=lambda request, slot, folder: EnvironmentRecord(
+            seed=request.seed, protocol=request.protocol
+        ),
+        show_progress=False,
+    )
+
+
+def calls(tmp_path: Path) -> list[dict]:
+    log = tmp_path / "calls.jsonl"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def moe_uuids(n: int) -> list[str]:
+    from hopperbench.workloads import load_workloads
+
+    return [w.uuid for w in load_workloads("moe")[:n]]
+
+
+def run_args(out: Path, *extra: str) -> list[str]:
+    return ["--track", "moe", "--max-workloads", "2", "--iterations", "2", "--output", str(out), *extra]
+
+
+def test_full_run_writes_json_csv_and_journal(fake: RunnerHooks, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run" / "results.json"
+    assert main(run_args(out), fake) == 0
+    results = read_results(out)
+    assert [r.uuid for r in results.rows] == moe_uuids(2)
+    row = results.rows[0]
+    assert row.sides["ours"].status == Status.PASSED
+    assert row.sides["human"].status == Status.UNAVAILABLE
+    assert row.sides["human"].message == "not checked out here"
+    assert row.speedup_vs_reference == pytest.approx(5.0)
+    assert results.summary["moe"].vs_reference.workloads == 2
+    assert out.with_suffix(".csv").is_file()
+    _, records = Journal(Journal.path_for(out)).read()
+    assert len(records) == 6  # 2 workloads x (reference, ours, human)
+    # The reference of a workload always runs before its other sides.
+    sequence = calls(tmp_path)
+    assert [c["side"] for c in sequence] == ["reference", "ours"] * 2
+    assert not (tmp_path / "run" / "results.scratch").exists()  # removed at the end
+    stdout = capsys.readouterr().out
+    assert "vs reference" in stdout and "5x (2)" in stdout
+
+
+def test_resume_runs_only_what_the_journal_lacks(fake: RunnerHooks, tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    assert main(run_args(out, "--sides", "ours,reference", "--keep-scratch"), fake) == 0
+    journal = Journal(Journal.path_for(out))
+    lines = journal.path.read_text().splitlines()
+    assert len(lines) == 1 + 4
+    # Simulate a run killed after 2 of its 4 results: keep both references, drop both "ours".
+    kept = [lines[0]] + [line for line in lines[1:] if '"side":"reference"' in line]
+    assert len(kept) == 3
+    journal.path.write_text("\n".join(kept) + "\n")
+    out.unlink()
+    out.with_suffix(".csv").unlink()
+    (tmp_path / "calls.jsonl").unlink()
+
+    assert main(run_args(out, "--sides", "ours,reference", "--resume"), fake) == 0
+    assert [c["side"] for c in calls(tmp_path)] == ["ours", "ours"]
+    results = read_results(out)
+    assert all(r.sides["ours"].status == Status.PASSED for r in results.rows)
+    assert all(r.speedup_vs_reference == pytest.approx(5.0) for r in results.rows)
+
+
+def test_resume_recomputes_missing_reference_outputs_without_retiming(fake: RunnerHooks, tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    assert main(run_args(out, "--sides", "ours,reference"), fake) == 0  # scratch removed at the end
+    journal = Journal(Journal.path_for(out))
+    lines = journal.path.read_text().splitlines()
+    journal.path.write_text("\n".join(line for line in lines if '"side":"ours"' not in line) + "\n")
+    (tmp_path / "calls.jsonl").unlink()
+    assert main(run_args(out, "--sides", "ours,reference", "--resume"), fake) == 0
+    sequence = [(c["side"], c["iterations"]) for c in calls(tmp_path)]
+    assert sequence == [("reference", 0), ("ours", 2)] * 2
+    _, records = journal.read()
+    assert sum(r.result.side == "reference" for r in records) == 2  # the recomputation is not journaled
+
+
+def test_resume_refuses_a_different_protocol_or_seed(fake: RunnerHooks, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "results.json"
+    assert main(run_args(out), fake) == 0
+    capsys.readouterr()
+    assert main(run_args(out, "--resume", "--seed", "1"), fake) == 2
+    assert "seed" in capsys.readouterr().err
+    assert (
+        main(["--track", "moe", "--max-workloads", "2", "--iterations", "3", "--output", str(out), "--resume"], fake)
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "iterations" in err and err.count("\n") == 1
+
+
+def test_existing_output_needs_resume(fake: RunnerHooks, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "results.json"
+    assert main(run_args(out), fake) == 0
+    capsys.readouterr()
+    assert main(run_args(out), fake) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_crash_is_reported_with_the_log_tail(fake: RunnerHooks, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("FAKE_WORKER_MODE", "segv")
+    out = tmp_path / "results.json"
+    assert main(run_args(out, "--max-workloads", "1"), fake) == 0
+    ours = read_results(out).rows[0].sides["ours"]
+    assert ours.status == Status.CRASH
+    assert "SIGSEGV" in (ours.message or "")
+    assert "about to touch an illegal address" in (ours.message or "")
+    assert read_results(out).rows[0].sides["reference"].status == Status.PASSED
+
+
+def test_timeout_kills_the_whole_process_group(fake: RunnerHooks, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("FAKE_WORKER_MODE", "sleep")
+    out = tmp_path / "results.json"
+    started = time.monotonic()
+    assert main(run_args(out, "--max-workloads", "1", "--timeout", "1.5"), fake) == 0
+    assert time.monotonic() - started < 30
+    ours = read_results(out).rows[0].sides["ours"]
+    assert ours.status == Status.TIMEOUT
+    assert "1.5 s" in (ours.message or "")
+    grandchild = int((tmp_path / "child.pid").read_text())
+    deadline = time.monotonic() + 5
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A killed child of a dead parent may linger as a zombie until reaped by init.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_reference_failure_gives_no_reference(fake: RunnerHooks, tmp_path: Path, monkeypatch) -> None:
+    broken = tmp_path / "broken_worker.py"
+    broken.write_text(
+        FAKE_WORKER.replace('if side == "reference":', 'if side == "reference":\n    sys.exit(3)\nif False:')
+    )
+    hooks = replace(fake, worker_command=(sys.executable, str(broken)))
+    out = tmp_path / "results.json"
+    assert main(run_args(out, "--max-workloads", "1"), hooks) == 0
+    row = read_results(out).rows[0]
+    assert row.sides["reference"].status == Status.CRASH
+    assert "exit code 3" in (row.sides["reference"].message or "")
+    assert row.sides["ours"].status == Status.NO_REFERENCE
+    assert [c["side"] for c in calls(tmp_path)] == ["reference"]
+
+
+def test_devices_keep_a_workload_on_one_device(fake: RunnerHooks, tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    assert main(run_args(out, "--max-workloads", "3", "--devices", "0,1"), fake) == 0
+    by_uuid: dict[str, set] = {}
+    for c in calls(tmp_path):
+        by_uuid.setdefault(c["uuid"], set()).add(c["cuda"])
+    assert len(by_uuid) == 3
+    assert all(len(devices) == 1 and devices <= {"0", "1"} for devices in by_uuid.values())
+    assert len(read_results(out).rows) == 3
+
+
+def test_reference_timing_defaults_and_overrides(fake: RunnerHooks, tmp_path: Path) -> None:
+    out = tmp_path / "a.json"
+    assert main(run_args(out, "--max-workloads", "1"), fake) == 0
+    moe_defaults = TRACKS["moe"].timing
+    assert calls(tmp_path)[0] == {
+        **calls(tmp_path)[0],
+        "side": "reference",
+        "iterations": moe_defaults.reference_iterations,
+    }
+    (tmp_path / "calls.jsonl").unlink()
+    assert main(run_args(tmp_path / "b.json", "--max-workloads", "1", "--reference-iterations", "0"), fake) == 0
+    assert calls(tmp_path)[0]["iterations"] == 0
+    assert read_results(tmp_path / "b.json").rows[0].sides["reference"].latency_ms is None
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input: one line on stderr, exit 2, nothing written
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--track", "nope"], "unknown track"),
+        (["--track", "moe,nope"], "unknown track"),
+        (["--max-workloads", "0"], "--max-workloads"),
+        (["--max-workloads", "-1"], "--max-workloads"),
+        (["--max-workloads", "two"], "--max-workloads"),
+        (["--iterations", "0"], "--iterations"),
+        (["--trials", "0"], "--trials"),
+        (["--timeout", "0"], "--timeout"),
+        (["--devices", "0,0"], "--devices"),
+        (["--track", "moe", "--workloads", "no-such-uuid"], "unknown workload uuid"),
+        (["--data-dir", "/definitely/not/here"], "--data-dir"),
+        (["--sides", "ours,nobody"], "unknown side"),
+        (["--allow-unpinned", "nope"], "unknown track"),
+        (["--resume"], "--resume needs --output"),
+        (["--bogus-flag"], "unrecognized arguments"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(fake: RunnerHooks, tmp_path: Path, capsys, argv, fragment) -> None:
+    out = tmp_path / "out" / "results.json"
+    if "--resume" not in argv or "--output" in argv:
+        argv = [*argv, "--output", str(out)]
+    assert main(argv, fake) == 2
+    err = capsys.readouterr().err
+    assert fragment in err
+    assert err.count("\n") == 1 and err.startswith("compare_human_best: error:")
+    assert not (tmp_path / "out").exists()
+    assert calls(tmp_path) == []
+
+
+def test_no_cuda_device_is_refused(fake: RunnerHooks, tmp_path: Path, capsys, monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    hooks = replace(fake, check_devices=runner.check_cuda_devices)
+    out = tmp_path / "out" / "results.json"
+    assert main(["--track", "moe", "--output", str(out)], hooks) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_cupti_is_refused(fake: RunnerHooks, tmp_path: Path, capsys, monkeypatch) -> None:
+    from hopperbench.timing import cupti_timer
+
+    monkeypatch.setattr(cupti_timer, "cupti_python_version", lambda: None)
+    hooks = replace(fake, timer_protocol=runner.timer_protocol)
+    out = tmp_path / "out" / "results.json"
+    assert main(["--track", "moe", "--output", str(out)], hooks) == 2
+    err = capsys.readouterr().err
+    assert "cupti-python" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_workloads_filter_spans_tracks(fake: RunnerHooks, tmp_path: Path) -> None:
+    from hopperbench.workloads import WorkloadSpec
+
+    def fake_lists(track: str, data_dir):
+        return [
+            WorkloadSpec(
+                track=track, index=i, uuid=f"{track}-{i}", axes={"n": i + 1}, scalars={}, data_source="synthesized"
+            )
+            for i in range(3)
+        ]
+
+    out = tmp_path / "results.json"
+    hooks = replace(fake, load_workloads=fake_lists)
+    argv = ["--track", "all", "--workloads", "moe-2,gdn_prefill-0", "--iterations", "1", "--output", str(out)]
+    assert main(argv, hooks) == 0
+    rows = read_results(out).rows
+    assert sorted((r.track, r.uuid, r.index) for r in rows) == [
+        ("gdn_prefill", "gdn_prefill-0", 0),
+        ("moe", "moe-2", 2),
+    ]
+
+
+def test_integrity_refusal_is_one_line(fake: RunnerHooks, tmp_path: Path, capsys) -> None:
+    def refuse(tracks, allow):
+        raise runner.CliError("gdn_prefill: human_best/kachua-mlsys is off its pin")
+
+    out = tmp_path / "out" / "results.json"
+    assert main(["--track", "moe", "--output", str(out)], replace(fake, guard=refuse)) == 2
+    assert "off its pin" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_guard_not_consulted_without_the_human_side(fake: RunnerHooks, tmp_path: Path) -> None:
+    def refuse(tracks, allow):
+        raise AssertionError("guard called")
+
+    out = tmp_path / "results.json"
+    hooks = replace(fake, guard=refuse)
+    assert main(run_args(out, "--max-workloads", "1", "--sides", "ours"), hooks) == 0
+    assert set(read_results(out).rows[0].sides) == {"ours", "reference"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_reference_only_smoke_run_on_the_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    argv = ["--track", "dsa_attention", "--max-workloads", "1", "--sides", "reference", "--iterations", "3",
+            "--warmup", "1", "--trials", "1", "--output", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    row = read_results(out).rows[0]
+    assert row.sides["reference"].status == Status.PASSED, row.sides["reference"].message
+    assert (row.sides["reference"].latency_ms or 0) > 0
+    assert read_results(out).environment.gpu_name
+
+
+def test_sigsegv_constant_matches_platform() -> None:
+    assert runner._exit_description(-signal.SIGSEGV) == "killed by SIGSEGV"
+    assert runner._exit_description(3) == "exit code 3"
+
+
+def test_resume_with_another_track_selection(fake: RunnerHooks, tmp_path: Path) -> None:
+    from hopperbench.workloads import WorkloadSpec
+
+    def fake_lists(track: str, data_dir):
+        return [
+            WorkloadSpec(track=track, index=0, uuid=f"{track}-0", axes={"n": 1}, scalars={}, data_source="synthesized")
+        ]
+
+    hooks = replace(fake, load_workloads=fake_lists)
+    out = tmp_path / "results.json"
+    assert main(["--track", "moe", "--iterations", "1", "--output", str(out)], hooks) == 0
+    out.unlink()
+    (tmp_path / "calls.jsonl").unlink()
+    assert main(["--track", "all", "--iterations", "1", "--output", str(out), "--resume"], hooks) == 0
+    assert {c["uuid"] for c in calls(tmp_path)} == {"gdn_prefill-0", "dsa_attention-0"}
+    assert {r.track for r in read_results(out).rows} == {"moe", "gdn_prefill", "dsa_attention"}

@@ -1,0 +1,298 @@
+"""The worker's flow on the CPU: a tiny definition, real flashinfer-bench builds, real acceptance,
+fake inputs and a fake timer."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from flashinfer_bench import Definition
+
+from hopperbench.acceptance import check_outputs, merge_verdicts
+from hopperbench.results import Status
+from hopperbench.sides import Side, SideKind
+from hopperbench.worker import (
+    WorkerDeps,
+    WorkerJob,
+    allocate_poisoned_outputs,
+    main,
+    modified_inputs,
+    reference_output_path,
+    run_job,
+    snapshot_inputs,
+)
+from hopperbench.workloads import WorkloadSpec
+
+TRACK = "dsa_attention"  # its acceptance rule (atol = rtol = 1e-2, all elements, outputs output + lse)
+
+REFERENCE = textwrap.dedent(
+    """
+    import torch
+
+    def run(x, y, s):
+        output = x * y + s
+        return output, output.sum(dim=1)
+    """
+)
+
+DEFINITION = Definition(
+    name="tiny_def",
+    op_type="tiny",
+    axes={"n": {"type": "var"}, "d": {"type": "const", "value": 4}},
+    inputs={
+        "x": {"shape": ["n", "d"], "dtype": "float32"},
+        "y": {"shape": ["n", "d"], "dtype": "float32"},
+        "s": {"shape": None, "dtype": "float32"},
+    },
+    outputs={"output": {"shape": ["n", "d"], "dtype": "float32"}, "lse": {"shape": ["n"], "dtype": "float32"}},
+    reference=REFERENCE,
+)
+
+DPS = "def run(x, y, s, output, lse):\n"
+KERNELS = {
+    "correct": DPS + "    output.copy_(x * y + s)\n    lse.copy_(output.sum(dim=1))\n",
+    "skips_lse": DPS + "    output.copy_(x * y + s)\n",
+    "in_place": DPS + "    x.mul_(y)\n    output.copy_(x + s)\n    lse.copy_(output.sum(dim=1))\n",
+    "raises": DPS + "    raise RuntimeError('CUDA error: an illegal memory access\\nmore detail')\n",
+    "value_returning": "def run(x, y, s):\n    out = x * y + s\n    return out, out.sum(dim=1)\n",
+    "slightly_off": DPS + "    output.copy_(x * y + s + 0.5)\n    lse.copy_(output.sum(dim=1))\n",
+}
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.inputs_made: list[tuple[int, int]] = []
+        self.timed: list[tuple[int, int, int]] = []  # (number of args, warmup, iterations)
+
+    def make_inputs(self, track, workload, seed, trial, device):
+        self.inputs_made.append((seed, trial))
+        gen = torch.Generator().manual_seed(seed * 1000 + trial)
+        n = workload.axes["n"]
+        return {"x": torch.randn(n, 4, generator=gen), "y": torch.randn(n, 4, generator=gen), "s": 0.25 * (trial + 1)}
+
+    def time_fn(self, fn, args, warmup, iterations):
+        fn(*args)  # the args must make a valid call
+        self.timed.append((len(args), warmup, iterations))
+        base = float(len(self.timed))  # trial t gets spans centred on t + 1
+        return [base - 0.1, base, base + 0.5]
+
+
+@pytest.fixture(autouse=True)
+def fib_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FIB_CACHE_PATH", str(tmp_path / "fib_cache"))
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+def deps(recorder: Recorder) -> WorkerDeps:
+    return WorkerDeps(
+        load_definition=lambda track: DEFINITION,
+        parse_workload=WorkloadSpec.model_validate,
+        make_inputs=recorder.make_inputs,
+        check_outputs=check_outputs,
+        merge_verdicts=merge_verdicts,
+        time_fn=recorder.time_fn,
+        build=lambda side, definition: side.build(definition),
+    )
+
+
+def workload(uuid: str = "w0") -> dict:
+    spec = WorkloadSpec(track=TRACK, index=0, uuid=uuid, axes={"n": 3}, scalars={}, data_source="synthesized")
+    return spec.model_dump(mode="json")
+
+
+def reference_side() -> Side:
+    return Side(name="reference", kind=SideKind.REFERENCE, track=TRACK, available=True, destination_passing_style=False)
+
+
+def kernel_side(tmp_path: Path, variant: str, function: str = "run") -> Side:
+    folder = tmp_path / f"kernel_{variant}"
+    folder.mkdir(exist_ok=True)
+    (folder / "kernel.py").write_text(KERNELS[variant])
+    return Side(
+        name="ours",
+        kind=SideKind.OURS,
+        track=TRACK,
+        available=True,
+        source_dir=folder,
+        files=("kernel.py",),
+        entry_point=f"kernel.py::{function}",
+        destination_passing_style=variant != "value_returning",
+    )
+
+
+def job(tmp_path: Path, side: Side, iterations: int = 5, seed: int = 0, trials: int = 3) -> WorkerJob:
+    return WorkerJob(track=TRACK, side=side, workload=workload(), seed=seed, trials=trials, warmup=2,
+                     iterations=iterations, scratch_dir=tmp_path / "scratch", device="cpu")  # fmt: skip
+
+
+def run_reference(tmp_path: Path, recorder: Recorder, **kw) -> None:
+    result = run_job(job(tmp_path, reference_side(), **kw), deps(recorder))
+    assert result.status == Status.PASSED, result.message
+
+
+def test_reference_stores_outputs_then_times_itself(tmp_path: Path, recorder: Recorder) -> None:
+    result = run_job(job(tmp_path, reference_side()), deps(recorder))
+    assert result.status == Status.PASSED
+    for t in range(3):
+        assert reference_output_path(tmp_path / "scratch", TRACK, "w0", t).is_file()
+    # 3 input sets for the outputs, 3 fresh ones for timing; value-returning: inputs only.
+    assert recorder.inputs_made == [(0, 0), (0, 1), (0, 2)] * 2
+    assert recorder.timed == [(3, 2, 5)] * 3
+    assert result.per_trial_ms == [1.0, 2.0, 3.0]
+    assert (result.latency_ms, result.min_ms, result.max_ms) == (2.0, 1.0, 3.0)
+
+
+def test_reference_outputs_are_cached_per_seed(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    assert recorder.inputs_made == [(0, 0), (0, 1), (0, 2)] and recorder.timed == []
+    recorder.inputs_made.clear()
+    run_reference(tmp_path, recorder, iterations=0)
+    assert recorder.inputs_made == []  # reused
+    run_reference(tmp_path, recorder, iterations=0, seed=7)
+    assert recorder.inputs_made == [(7, 0), (7, 1), (7, 2)]  # another seed: recomputed
+
+
+def test_correct_dps_kernel_passes_and_is_timed_on_fresh_inputs(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    recorder.inputs_made.clear()
+    result = run_job(job(tmp_path, kernel_side(tmp_path, "correct")), deps(recorder))
+    assert result.status == Status.PASSED, result.message
+    assert result.max_abs_err is not None and result.max_abs_err < 1e-6
+    assert result.matched_ratio == 1.0
+    assert recorder.inputs_made == [(0, 0), (0, 1), (0, 2)] * 2  # correctness, then fresh for timing
+    assert recorder.timed == [(5, 2, 5)] * 3  # 3 inputs + 2 output buffers
+    assert result.latency_ms == 2.0 and result.min_ms == 1.0 and result.max_ms == 3.0
+
+
+def test_value_returning_side_passes(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    result = run_job(job(tmp_path, kernel_side(tmp_path, "value_returning")), deps(recorder))
+    assert result.status == Status.PASSED, result.message
+    assert recorder.timed == [(3, 2, 5)] * 3
+
+
+def test_unwritten_output_fails_through_the_nan_poison(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    result = run_job(job(tmp_path, kernel_side(tmp_path, "skips_lse")), deps(recorder))
+    assert result.status == Status.FAILED
+    assert "lse" in (result.message or "")
+    assert result.latency_ms is None and recorder.timed == []
+
+
+def test_wrong_values_fail_with_stats(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    result = run_job(job(tmp_path, kernel_side(tmp_path, "slightly_off")), deps(recorder))
+    assert result.status == Status.FAILED
+    assert result.max_abs_err == pytest.approx(2.0, rel=1e-5)  # lse sums 4 elements each 0.5 off
+    assert result.matched_ratio == 0.0
+    assert recorder.timed == []
+
+
+def test_modifying_inputs_fails(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    result = run_job(job(tmp_path, kernel_side(tmp_path, "in_place")), deps(recorder))
+    assert result.status == Status.FAILED
+    assert result.message == "modified its inputs (x) in trial 0"
+
+
+def test_exception_is_a_one_line_runtime_error(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    result = run_job(job(tmp_path, kernel_side(tmp_path, "raises")), deps(recorder))
+    assert result.status == Status.RUNTIME_ERROR
+    assert result.message == "RuntimeError: CUDA error: an illegal memory access"
+
+
+def test_build_failure_is_a_runtime_error(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    result = run_job(job(tmp_path, kernel_side(tmp_path, "correct", function="missing")), deps(recorder))
+    assert result.status == Status.RUNTIME_ERROR
+    assert (result.message or "").startswith("build failed:")
+
+
+def test_missing_reference_outputs_give_no_reference(tmp_path: Path, recorder: Recorder) -> None:
+    result = run_job(job(tmp_path, kernel_side(tmp_path, "correct")), deps(recorder))
+    assert result.status == Status.NO_REFERENCE
+    run_reference(tmp_path, recorder, iterations=0, seed=1)  # outputs of another seed do not count
+    assert run_job(job(tmp_path, kernel_side(tmp_path, "correct")), deps(recorder)).status == Status.NO_REFERENCE
+
+
+def test_unavailable_side_is_reported_without_building(tmp_path: Path, recorder: Recorder) -> None:
+    side = Side(
+        name="ours", kind=SideKind.OURS, track=TRACK, available=False, reason="kernels/x/kernel.py does not exist yet"
+    )
+    result = run_job(job(tmp_path, side), deps(recorder))
+    assert result.status == Status.UNAVAILABLE and result.message == side.reason
+    assert recorder.inputs_made == []
+
+
+def test_poisoned_outputs() -> None:
+    fields = DEFINITION.model_dump()
+    fields["outputs"]["idx"] = {"shape": ["n"], "dtype": "int32"}
+    definition = Definition.model_validate(fields)
+    inputs = {"x": torch.zeros(2, 4), "y": torch.zeros(2, 4), "s": 1.0}
+    output, lse, idx = allocate_poisoned_outputs(definition, inputs, torch.device("cpu"))
+    assert output.shape == (2, 4) and torch.isnan(output).all()
+    assert lse.shape == (2,) and torch.isnan(lse).all()
+    assert idx.dtype == torch.int32 and (idx == torch.iinfo(torch.int32).min).all()
+
+
+def test_input_snapshot_is_bitwise() -> None:
+    inputs = {"x": torch.tensor([1.0, math.nan]), "n": 3, "state": None, "z": torch.tensor(2.0)}
+    snapshot = snapshot_inputs(inputs)
+    assert modified_inputs(snapshot, inputs) == []  # NaN equals itself bitwise
+    inputs["z"].add_(1)
+    inputs["x"][1] = -math.nan
+    assert modified_inputs(snapshot, inputs) == ["x", "z"]
+
+
+def test_main_needs_two_paths(capsys) -> None:
+    assert main(["only-one"]) == 2
+    assert "usage" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_reference_and_a_copy_of_it_on_the_gpu(tmp_path: Path) -> None:
+    """The real collaborators: definitions, synth, acceptance and the CUPTI timer, on a small DSA workload."""
+    from hopperbench.paths import PACKAGE_DIR
+    from hopperbench.workloads import load_workloads
+
+    spec = min(load_workloads(TRACK), key=lambda w: w.axes["num_tokens"])
+    copy = Side(
+        name="ours",
+        kind=SideKind.OURS,
+        track=TRACK,
+        available=True,
+        source_dir=PACKAGE_DIR / "references",
+        files=("dsa_attention.py",),
+        entry_point="dsa_attention.py::run",
+        destination_passing_style=False,
+    )
+    results = {}
+    for side in (reference_side(), copy):
+        gpu_job = WorkerJob(track=TRACK, side=side, workload=spec.model_dump(mode="json"), seed=0, trials=2, warmup=1,
+                            iterations=3, scratch_dir=tmp_path / "scratch", device="cuda")  # fmt: skip
+        results[side.name] = run_job(gpu_job)
+    assert results["reference"].status == Status.PASSED, results["reference"].message
+    assert results["ours"].status == Status.PASSED, results["ours"].message
+    assert results["ours"].max_abs_err == 0.0
+    for result in results.values():
+        assert result.latency_ms is not None and result.latency_ms > 0
+        assert len(result.per_trial_ms) == 2
+
+
+def test_a_failing_harness_step_is_still_one_result(tmp_path: Path, recorder: Recorder) -> None:
+    def broken_inputs(*args, **kwargs):
+        raise MemoryError("cannot allocate the inputs")
+
+    result = run_job(job(tmp_path, reference_side()), replace(deps(recorder), make_inputs=broken_inputs))
+    assert result.status == Status.RUNTIME_ERROR
+    assert result.message == "harness error: MemoryError: cannot allocate the inputs"

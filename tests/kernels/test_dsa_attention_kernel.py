@@ -1,0 +1,180 @@
+"""Our CuTe-DSL DSA sparse-attention kernel (kernels/dsa_attention/kernel.py).
+
+CPU: the kernels compile for sm_90a without a GPU; the split heuristic; input validation; the
+comparison helper the GPU tests rely on. GPU (marked `gpu`, skipped without CUDA): `run` against our
+reference on fresh random inputs for every case in kernels/dsa_attention/check_cases.py, with NaN-
+poisoned outputs; CUDA-graph capture and replay.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+import zlib
+
+import pytest
+import torch
+
+from hopperbench.paths import REPO_ROOT
+
+# kernels/ is not a package: load the case helpers and the kernel by path, as the harness does.
+_spec = importlib.util.spec_from_file_location("dsa_check_cases", REPO_ROOT / "kernels/dsa_attention/check_cases.py")
+cases = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = cases
+_spec.loader.exec_module(cases)
+kernel = cases.load_kernel()
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU
+# ------------------------------------------------------------------------------------------------
+
+
+def test_compiles_for_sm90a_without_gpu():
+    compiled = kernel.compile_only("sm_90a")
+    assert callable(compiled)
+    # Cached: a second request must not recompile.
+    assert kernel.compile_only("sm_90a") is compiled
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 8, 9, 37, 100, 128, 129, 4096, 100_000])
+def test_num_splits_divides_the_chunks_and_fills_the_gpu(num_tokens):
+    splits = kernel.num_splits_for(num_tokens)
+    assert splits in kernel.VALID_SPLITS
+    assert kernel.NUM_CHUNKS % splits == 0
+    # Either enough CTAs for the GPU, or already the maximum split ...
+    assert num_tokens * splits >= kernel.MIN_CTAS or splits == kernel.NUM_CHUNKS
+    # ... and no more splits than needed for that.
+    assert splits == 1 or num_tokens * (splits // 2) < kernel.MIN_CTAS
+
+
+def test_valid_splits_are_the_divisors_of_the_chunk_count():
+    assert kernel.VALID_SPLITS == tuple(s for s in range(1, kernel.NUM_CHUNKS + 1) if kernel.NUM_CHUNKS % s == 0 and s & (s - 1) == 0)
+
+
+def _cpu_inputs(num_tokens=2, num_pages=3):
+    inputs = cases.make_inputs(cases.CheckCase("cpu", num_tokens, num_pages, "random"), "cpu")
+    output = torch.empty(num_tokens, 16, 512, dtype=torch.bfloat16)
+    lse = torch.empty(num_tokens, 16, dtype=torch.float32)
+    return inputs, output, lse
+
+
+def test_run_rejects_wrong_dtype_with_one_line_error():
+    inputs, output, lse = _cpu_inputs()
+    inputs["sparse_indices"] = inputs["sparse_indices"].long()
+    with pytest.raises(kernel.DsaShapeError, match="sparse_indices") as info:
+        kernel.run(*inputs.values(), output, lse)
+    assert "\n" not in str(info.value)
+
+
+def test_run_rejects_wrong_output_shape():
+    inputs, _, lse = _cpu_inputs()
+    with pytest.raises(kernel.DsaShapeError, match="output"):
+        kernel.run(*inputs.values(), torch.empty(2, 16, 256, dtype=torch.bfloat16), lse)
+
+
+def test_run_rejects_non_contiguous_cache():
+    inputs, output, lse = _cpu_inputs()
+    inputs["ckv_cache"] = torch.empty(3, 512, 64, dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(kernel.DsaShapeError, match="ckv_cache"):
+        kernel.run(*inputs.values(), output, lse)
+
+
+def test_run_with_splits_rejects_a_split_count_that_does_not_divide_the_chunks():
+    inputs, output, lse = _cpu_inputs()
+    with pytest.raises(kernel.DsaShapeError, match="num_splits"):
+        kernel.run_with_splits(*inputs.values(), output, lse, 3)
+
+
+def test_compare_accepts_the_reference_and_flags_errors():
+    reference = cases.load_reference_run()
+    inputs = cases.make_inputs(cases.CheckCase("cpu", 4, 3, "ragged_tail"), "cpu")
+    ref_out, ref_lse = reference(*inputs.values())
+    assert torch.isneginf(ref_lse[0]).all()  # token 0 has no valid row
+    assert cases.compare(ref_out, ref_lse, ref_out, ref_lse).passed
+
+    shifted = ref_out.clone()
+    shifted[1, 3, 7] += 0.5
+    result = cases.compare(shifted, ref_lse, ref_out, ref_lse)
+    assert not result.passed and result.output_mismatches == 1
+
+    finite_lse = ref_lse.clone()
+    finite_lse[0, 0] = 0.0  # a finite lse where the reference says -inf
+    assert cases.compare(ref_out, finite_lse, ref_out, ref_lse).lse_mismatches == 1
+
+    nan_out = ref_out.clone()
+    nan_out[2, 0, 0] = math.nan
+    assert cases.compare(nan_out, ref_lse, ref_out, ref_lse).nan_count == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", cases.CASES, ids=lambda c: c.name)
+def test_matches_reference(case):
+    inputs = cases.make_inputs(case, "cuda", seed=zlib.crc32(case.name.encode()) % 1000)
+    output, lse = cases.poisoned_outputs(case.num_tokens, "cuda")
+    kernel.run(*inputs.values(), output, lse)
+    ref_out, ref_lse = cases.load_reference_run()(*inputs.values())
+    result = cases.compare(output, lse, ref_out, ref_lse)
+    assert result.nan_count == 0, result
+    assert result.passed, result
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [1, 2, 4, 8, 16, 32])
+def test_every_split_count_matches_reference(num_splits):
+    # 1 split = 32 double-buffered chunks per CTA; 32 splits = one chunk per CTA.
+    case = cases.CheckCase("splits", 9, 300, "ragged_tail")  # 9 tokens: every prefix length once
+    inputs = cases.make_inputs(case, "cuda", seed=num_splits)
+    output, lse = cases.poisoned_outputs(case.num_tokens, "cuda")
+    kernel.run_with_splits(*inputs.values(), output, lse, num_splits)
+    result = cases.compare(output, lse, *cases.load_reference_run()(*inputs.values()))
+    assert result.passed, result
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_repeated_calls_are_bitwise_identical():
+    case = cases.CheckCase("repeat", 8, 300, "scattered_padding")
+    inputs = cases.make_inputs(case, "cuda", seed=3)
+    first = cases.poisoned_outputs(case.num_tokens, "cuda")
+    second = cases.poisoned_outputs(case.num_tokens, "cuda")
+    kernel.run(*inputs.values(), *first)
+    kernel.run(*inputs.values(), *second)
+    assert torch.equal(first[0], second[0])
+    assert torch.equal(first[1], second[1])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_replay_follows_new_inputs():
+    case = cases.CheckCase("graph", 8, 300, "scattered_padding")
+    static = cases.make_inputs(case, "cuda", seed=1)
+    output, lse = cases.poisoned_outputs(case.num_tokens, "cuda")
+    kernel.run(*static.values(), output, lse)  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel.run(*static.values(), output, lse)
+
+    fresh = cases.make_inputs(case, "cuda", seed=2)
+    for name, tensor in fresh.items():
+        if isinstance(tensor, torch.Tensor):
+            static[name].copy_(tensor)
+    output.fill_(math.nan)
+    lse.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_lse = cases.load_reference_run()(*fresh.values())
+    result = cases.compare(output, lse, ref_out, ref_lse)
+    assert result.passed, result

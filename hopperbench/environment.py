@@ -10,6 +10,7 @@ its own process, so that the runner itself never holds a CUDA context or CUPTI.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import socket
 import subprocess
@@ -63,6 +64,9 @@ class EnvironmentRecord(BaseModel):
     packages: dict[str, str | None] = Field(default_factory=dict)
     repo_commit: str | None = None
     repo_dirty: bool | None = None
+    # "git" when read from the checkout; "declared" when the tree was copied without its .git
+    # (to a GPU host) and the copier declared the commit through HOPPERBENCH_SOURCE_COMMIT.
+    repo_commit_source: str | None = None
     submodules: list[SubmoduleRecord] = Field(default_factory=list)
     # Per track: the submodule guard's verdict on the human side (pinned, unpinned_allowed, unavailable: ...).
     human_guard: dict[str, str] = Field(default_factory=dict)
@@ -171,12 +175,24 @@ def _torch_cuda_version() -> str | None:
     return torch.version.cuda
 
 
+def _repo_state(repo_root: Path) -> dict[str, Any]:
+    commit = _safe(lambda: _git(repo_root, "rev-parse", "HEAD"))
+    if commit is not None:
+        dirty = _safe(lambda: _git(repo_root, "status", "--porcelain", "--untracked-files=no") != "")
+        return {"repo_commit": commit, "repo_dirty": dirty, "repo_commit_source": "git"}
+    declared = os.environ.get("HOPPERBENCH_SOURCE_COMMIT")
+    if declared:
+        dirty_flag = os.environ.get("HOPPERBENCH_SOURCE_DIRTY")
+        dirty = None if dirty_flag is None else dirty_flag.strip().lower() in {"1", "true", "yes"}
+        return {"repo_commit": declared, "repo_dirty": dirty, "repo_commit_source": "declared"}
+    return {}
+
+
 def collect_environment(request: EnvironmentRequest, repo_root: Path = REPO_ROOT) -> EnvironmentRecord:
     record = EnvironmentRecord(
         python_version=platform.python_version(),
         packages=package_versions(),
-        repo_commit=_safe(lambda: _git(repo_root, "rev-parse", "HEAD")),
-        repo_dirty=_safe(lambda: _git(repo_root, "status", "--porcelain", "--untracked-files=no") != ""),
+        **_repo_state(repo_root),
         submodules=_safe(lambda: submodule_records(repo_root)) or [],
         human_guard=dict(request.human_guard),
         data_sources={k: list(v) for k, v in request.data_sources.items()},

@@ -145,8 +145,24 @@ def check_submodule(entry: HumanEntry, repo_root: Path = REPO_ROOT) -> PinStatus
     path = entry.submodule
     folder = entry.checkout_dir(repo_root)
     code_present = folder.is_dir() and any(folder.iterdir())
-    gitlink, found_in = read_gitlink(repo_root, path)
     pin_fix = f"run `{PIN_TOOL} --track {entry.track}` on a machine with GitHub access"
+    if not entry.commit_known and not _own_repository(repo_root):
+        return PinStatus(
+            state="unknown_commit",
+            message=f"{path}: no commit of {entry.repo_slug} is pinned (manifest says unknown); {pin_fix}",
+            code_present=code_present,
+        )
+    if not _own_repository(repo_root):
+        # A copy of the tree without its .git (as shipped to a GPU host): no pin can be read.
+        return PinStatus(
+            state="mismatch",
+            message=(
+                f"{path}: cannot verify the pin, {repo_root} is not a git checkout (a copy without .git?); "
+                f"run from a clone, or pass --allow-unpinned {entry.track} (rows stamped human_pinned=false)"
+            ),
+            code_present=code_present,
+        )
+    gitlink, found_in = read_gitlink(repo_root, path)
 
     if not entry.commit_known and gitlink is None and found_in == "absent":
         return PinStatus(

@@ -218,3 +218,25 @@ def test_allowed_mismatch_without_code_is_unavailable(superproject: Path) -> Non
 def test_allow_unpinned_rejects_unknown_track_names(superproject: Path) -> None:
     with pytest.raises(IntegrityError, match="unknown track"):
         run_guard(superproject, allow={"gdn_prefil"})
+
+
+def test_tree_copied_without_git_cannot_verify_pins(tmp_path: Path) -> None:
+    """A tree shipped without its .git (as to a GPU host) is refused with a message that says so."""
+    from hopperbench.human_best import load_manifest
+    from hopperbench.integrity import check_submodule
+
+    entry = load_manifest()["gdn_prefill"]
+    (tmp_path / entry.submodule).mkdir(parents=True)
+    (tmp_path / entry.submodule / "kernel.py").write_text("x = 1\n")
+    status = check_submodule(entry, tmp_path)
+    assert status.state == "mismatch"
+    assert "not a git checkout" in status.message
+    assert "--allow-unpinned gdn_prefill" in status.message
+
+
+def test_unknown_commit_stays_unavailable_in_a_tree_without_git(tmp_path: Path) -> None:
+    from hopperbench.human_best import load_manifest
+    from hopperbench.integrity import check_submodule
+
+    status = check_submodule(load_manifest()["moe"], tmp_path)
+    assert status.state == "unknown_commit"

@@ -139,11 +139,14 @@ def output_names(definition: Any) -> list[str]:
 
 
 def allocate_poisoned_outputs(
-    definition: Any, inputs: Mapping[str, InputValue], device: torch.device
+    definition: Any, axes: Mapping[str, int], device: torch.device
 ) -> list[torch.Tensor]:
-    """The DPS output buffers, pre-filled so that an element the side never writes cannot pass."""
-    axes = definition.get_axes_values_from_inputs(list(inputs.values()))
-    shapes = definition.get_output_shapes(axes)
+    """The DPS output buffers, pre-filled so that an element the side never writes cannot pass.
+
+    Shapes come from the workload's axes, not from the inputs: an optional input may be None
+    (GDN `state`), and flashinfer-bench cannot read axes through it.
+    """
+    shapes = definition.get_output_shapes(dict(axes))
     buffers = []
     for shape, dtype in zip(shapes, definition.torch_output_dtypes):
         buffer = torch.empty(tuple(shape or ()), dtype=dtype, device=device)
@@ -271,7 +274,7 @@ class JobRunner:
             inputs = self.inputs(trial)
             snapshot = snapshot_inputs(inputs)
             if dps:
-                buffers = allocate_poisoned_outputs(self.definition, inputs, self.device)
+                buffers = allocate_poisoned_outputs(self.definition, self.workload.axes, self.device)
                 self.call(fn, [*inputs.values(), *buffers])
                 outputs = dict(zip(output_names(self.definition), buffers))
             else:
@@ -320,7 +323,7 @@ class JobRunner:
             inputs = self.inputs(trial)  # fresh: never the inputs the correctness call saw
             args = list(inputs.values())
             if dps:
-                args += allocate_poisoned_outputs(self.definition, inputs, self.device)
+                args += allocate_poisoned_outputs(self.definition, self.workload.axes, self.device)
             spans = self.checked(partial(self.deps.time_fn, fn, args, job.warmup, job.iterations))
             per_trial.append(statistics.median(spans))
             del inputs, args

@@ -237,8 +237,7 @@ def test_poisoned_outputs() -> None:
     fields = DEFINITION.model_dump()
     fields["outputs"]["idx"] = {"shape": ["n"], "dtype": "int32"}
     definition = Definition.model_validate(fields)
-    inputs = {"x": torch.zeros(2, 4), "y": torch.zeros(2, 4), "s": 1.0}
-    output, lse, idx = allocate_poisoned_outputs(definition, inputs, torch.device("cpu"))
+    output, lse, idx = allocate_poisoned_outputs(definition, {"n": 2}, torch.device("cpu"))
     assert output.shape == (2, 4) and torch.isnan(output).all()
     assert lse.shape == (2,) and torch.isnan(lse).all()
     assert idx.dtype == torch.int32 and (idx == torch.iinfo(torch.int32).min).all()
@@ -296,3 +295,15 @@ def test_a_failing_harness_step_is_still_one_result(tmp_path: Path, recorder: Re
     result = run_job(job(tmp_path, reference_side()), replace(deps(recorder), make_inputs=broken_inputs))
     assert result.status == Status.RUNTIME_ERROR
     assert result.message == "harness error: MemoryError: cannot allocate the inputs"
+
+
+def test_poisoned_outputs_take_shapes_from_the_workload_axes() -> None:
+    """GDN's optional `state` may be None, so output shapes cannot be read from the inputs."""
+    from hopperbench.definitions import load_definition
+    from hopperbench.tracks import GDN_PREFILL
+
+    definition = load_definition(GDN_PREFILL)
+    axes = {"total_seq_len": 6, "num_seqs": 2, "len_cu_seqlens": 3}
+    output, new_state = allocate_poisoned_outputs(definition, axes, torch.device("cpu"))
+    assert output.shape == (6, 8, 128) and output.dtype == torch.bfloat16 and torch.isnan(output).all()
+    assert new_state.shape == (2, 8, 128, 128) and torch.isnan(new_state).all()

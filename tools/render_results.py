@@ -3,7 +3,7 @@
     uv run tools/render_results.py            # rewrite README.md between the markers, write the PNGs
     uv run tools/render_results.py --check    # exit 1 if README.md is not what the CSVs say
 
-Reads every results CSV under `results/` (and the JSON beside each, for the
+Reads every results CSV under `results/` except `results/checks/` (and the JSON beside each, for the
 environment line), writes markdown tables between `<!-- results:begin -->` and
 `<!-- results:end -->` in README.md, and one per-workload speedup plot per CSV and
 track beside the CSV. No results table in the README is typed by hand.
@@ -33,6 +33,7 @@ from hopperbench.sides import canonical_side_order
 
 BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
+CHECKS_DIR = "checks"
 
 
 class RenderError(Exception):
@@ -197,7 +198,8 @@ def write_plot(path: Path, track: str, rows: Sequence[WorkloadRow], title_suffix
 
 def render(results_dir: Path, readme_dir: Path, write_plots: bool) -> str:
     """The markdown for between the markers; writes the plots when asked."""
-    csvs = sorted(results_dir.rglob("*.csv"))
+    # results/checks/ holds the harness's own self-checks (e.g. repeatability runs), not benchmark results.
+    csvs = sorted(p for p in results_dir.rglob("*.csv") if CHECKS_DIR not in p.relative_to(results_dir).parts)
     if not csvs:
         return "_No results committed yet._"
     out: list[str] = []

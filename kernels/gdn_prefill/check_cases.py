@@ -1,0 +1,190 @@
+"""Correctness cases for the GDN prefill kernel, shared by the GPU tests and the device check.
+
+Each case names its sequence lengths, whether an initial state is given, the scale argument and the
+gate regime; `make_inputs` builds fresh random inputs for it and `compare` applies the contest rule
+(atol = rtol = 1e-2 on every element: an element fails only when both its absolute and its relative
+error exceed the tolerance) plus a NaN count, on `output` and `new_state`.
+
+Input distributions follow hopperbench/synth.py (GDN prefill): q and k randn, L2-normalised per head
+in fp32, then bf16 (unnormalised keys make the recurrence blow up); v, a, b randn bf16;
+A_log = log(U[1, 16]); state N(0, 0.2^2). Gate regimes:
+- "mamba2": dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (dt_bias in about [-6.9, -2.3]):
+  long memory, so ignoring or transposing the initial state fails;
+- "fast_decay": dt_bias ~ U[-0.1, 0.1]: the state is forgotten within a few tokens.
+Only torch and the standard library are imported, so the module loads by path anywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Callable, Literal
+
+import torch
+
+NUM_QK_HEADS = 4
+NUM_V_HEADS = 8
+HEAD_SIZE = 128
+ATOL = 1e-2
+RTOL = 1e-2
+STATE_STD = 0.2
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+REFERENCE_PATH = REPO_ROOT / "hopperbench" / "references" / "gdn_prefill.py"
+KERNEL_PATH = REPO_ROOT / "kernels" / "gdn_prefill" / "kernel.py"
+
+GateRegime = Literal["mamba2", "fast_decay"]
+
+
+@dataclass(frozen=True)
+class CheckCase:
+    name: str
+    lengths: tuple[int, ...]
+    with_state: bool
+    scale: float  # the argument passed to run: 0.0 means 1/sqrt(128)
+    gates: GateRegime
+    long: bool = False  # minutes of reference time: behind a flag in the tests
+
+    def __post_init__(self) -> None:
+        if not self.lengths or any(n < 0 for n in self.lengths):
+            raise ValueError(f"case {self.name}: lengths must be a non-empty tuple of counts >= 0, got {self.lengths}")
+        if self.gates not in ("mamba2", "fast_decay"):
+            raise ValueError(f"case {self.name}: unknown gate regime {self.gates!r}")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lengths)
+
+
+def random_composition(total: int, parts: int, seed: int) -> tuple[int, ...]:
+    """`parts` lengths >= 1 summing to `total` (distinct random cut points, like hopperbench.synth)."""
+    generator = torch.Generator().manual_seed(seed)
+    cuts = sorted((torch.randperm(total - 1, generator=generator)[: parts - 1] + 1).tolist())
+    bounds = [0, *cuts, total]
+    return tuple(hi - lo for lo, hi in zip(bounds[:-1], bounds[1:]))
+
+
+MANY_SHORT = random_composition(1000, 57, seed=57)
+
+CASES: tuple[CheckCase, ...] = (
+    CheckCase("len1_state", (1,), True, 0.0, "mamba2"),
+    CheckCase("len1_nostate", (1,), False, 0.05, "mamba2"),
+    CheckCase("len6_state_scale05", (6,), True, 0.05, "mamba2"),
+    CheckCase("len6_nostate", (6,), False, 0.0, "fast_decay"),
+    CheckCase("len134_state", (134,), True, 0.0, "mamba2"),
+    CheckCase("len134_state_fast", (134,), True, 0.05, "fast_decay"),
+    CheckCase("len63_64_65_state", (63, 64, 65), True, 0.05, "mamba2"),
+    CheckCase("len63_64_65_nostate", (63, 64, 65), False, 0.0, "mamba2"),
+    CheckCase("chunk_edges_31_32_33_1", (31, 32, 33, 1), True, 0.0, "fast_decay"),
+    CheckCase("zero_length_seqs", (5, 0, 3, 0), True, 0.0, "mamba2"),
+    CheckCase("all_empty", (0, 0), True, 0.0, "mamba2"),
+    CheckCase("many_short_57x1000_state", MANY_SHORT, True, 0.0, "mamba2"),
+    CheckCase("many_short_57x1000_fast", MANY_SHORT, False, 0.05, "fast_decay"),
+    CheckCase("long4096_state", (4096,), True, 0.0, "mamba2"),
+    CheckCase("long4096_nostate_fast", (4096,), False, 0.0, "fast_decay"),
+    CheckCase("long65536_state", (65536,), True, 0.0, "mamba2", long=True),
+)
+
+
+def load_module(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and the DSL look the module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_kernel() -> ModuleType:
+    return load_module(KERNEL_PATH, "gdn_prefill_kernel")
+
+
+def load_reference_run() -> Callable:
+    return load_module(REFERENCE_PATH, "gdn_prefill_reference").run
+
+
+def make_inputs(case: CheckCase, device: torch.device | str, seed: int = 0) -> dict[str, torch.Tensor | float | None]:
+    """Fresh inputs in definition order (q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale),
+    drawn on the CPU and copied, so that they are identical on every device."""
+    generator = torch.Generator().manual_seed(seed)
+    t, n = case.num_tokens, case.num_seqs
+
+    def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return torch.randn(shape, generator=generator) * std
+
+    def unit_rows(*shape: int) -> torch.Tensor:
+        return torch.nn.functional.normalize(randn(*shape), dim=-1)
+
+    def uniform(low: float, high: float) -> torch.Tensor:
+        return torch.rand(NUM_V_HEADS, generator=generator) * (high - low) + low
+
+    if case.gates == "mamba2":
+        dt = uniform(math.log(1e-3), math.log(1e-1)).exp()
+        dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
+    else:
+        dt_bias = uniform(-0.1, 0.1)
+    bounds = torch.tensor([0, *torch.tensor(case.lengths).cumsum(0).tolist()], dtype=torch.int64)
+    bf16 = torch.bfloat16
+    inputs: dict[str, torch.Tensor | float | None] = {
+        "q": unit_rows(t, NUM_QK_HEADS, HEAD_SIZE).to(bf16),
+        "k": unit_rows(t, NUM_QK_HEADS, HEAD_SIZE).to(bf16),
+        "v": randn(t, NUM_V_HEADS, HEAD_SIZE).to(bf16),
+        "state": randn(n, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE, std=STATE_STD) if case.with_state else None,
+        "A_log": uniform(1.0, 16.0).log(),
+        "a": randn(t, NUM_V_HEADS).to(bf16),
+        "dt_bias": dt_bias.float(),
+        "b": randn(t, NUM_V_HEADS).to(bf16),
+        "cu_seqlens": bounds,
+        "scale": case.scale,
+    }
+    return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
+
+
+def poisoned_outputs(case: CheckCase, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Destination tensors filled with NaN, so any element the kernel leaves unwritten shows up."""
+    output = torch.full((case.num_tokens, NUM_V_HEADS, HEAD_SIZE), math.nan, dtype=torch.bfloat16, device=device)
+    new_state = torch.full(
+        (case.num_seqs, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE), math.nan, dtype=torch.float32, device=device
+    )
+    return output, new_state
+
+
+@dataclass(frozen=True)
+class Comparison:
+    output_max_abs_err: float
+    state_max_abs_err: float
+    output_mismatches: int
+    state_mismatches: int
+    nan_count: int
+
+    @property
+    def passed(self) -> bool:
+        return self.output_mismatches == 0 and self.state_mismatches == 0 and self.nan_count == 0
+
+
+def _mismatches(actual: torch.Tensor, expected: torch.Tensor) -> tuple[int, float]:
+    """(elements failing the contest rule, max abs error over finite pairs)."""
+    actual, expected = actual.double(), expected.double()
+    error = (actual - expected).abs()
+    failing = ((error > ATOL) & (error > RTOL * expected.abs())) | ~torch.isfinite(error)
+    finite = torch.isfinite(error)
+    max_err = float(error[finite].max()) if bool(finite.any()) else 0.0
+    return int(failing.sum()), max_err
+
+
+def compare(
+    output: torch.Tensor, new_state: torch.Tensor, ref_output: torch.Tensor, ref_new_state: torch.Tensor
+) -> Comparison:
+    out_bad, out_err = _mismatches(output.float(), ref_output.float())
+    state_bad, state_err = _mismatches(new_state, ref_new_state.float())
+    nan_count = int(torch.isnan(output.float()).sum()) + int(torch.isnan(new_state).sum())
+    return Comparison(out_err, state_err, out_bad, state_bad, nan_count)

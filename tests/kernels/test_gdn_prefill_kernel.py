@@ -1,0 +1,249 @@
+"""Our CuTe-DSL GDN prefill kernel (kernels/gdn_prefill/kernel.py).
+
+CPU: the kernel compiles for sm_90a without a GPU; input validation; the scale rule; the check
+cases and the comparison helper the GPU tests rely on (including that ignoring or transposing the
+initial state fails them); the kernel's regrouped per-token update against the reference.
+GPU (marked `gpu`, skipped without CUDA): `run` against our reference on fresh inputs for every case
+in kernels/gdn_prefill/check_cases.py with NaN-poisoned outputs (the 65536-token case only with
+HOPPERBENCH_LONG_TESTS=1); the input state is left untouched; CUDA-graph capture and replay with new
+sequence bounds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+import zlib
+
+import pytest
+import torch
+
+from hopperbench.paths import REPO_ROOT
+
+# kernels/ is not a package: load the case helpers and the kernel by path, as the harness does.
+_spec = importlib.util.spec_from_file_location("gdn_check_cases", REPO_ROOT / "kernels/gdn_prefill/check_cases.py")
+cases = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = cases
+_spec.loader.exec_module(cases)
+kernel = cases.load_kernel()
+reference_run = cases.load_reference_run()
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+LONG_TESTS = os.environ.get("HOPPERBENCH_LONG_TESTS") == "1"
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU
+# ------------------------------------------------------------------------------------------------
+
+
+def test_compiles_for_sm90a_without_gpu():
+    compiled = kernel.compile_only("sm_90a")
+    assert callable(compiled)
+    # Cached: a second request must not recompile.
+    assert kernel.compile_only("sm_90a") is compiled
+
+
+def test_tiling_covers_every_state_element_once():
+    # 8 slices x 16 rows cover V; 8 lanes x 16 columns cover K (two 8-wide pieces, 64 apart).
+    assert kernel.NUM_SLICES * kernel.ROWS_PER_CTA == kernel.HEAD_SIZE
+    columns = sorted(
+        piece * kernel.PIECE_STRIDE + lane * kernel.COLS_PER_PIECE + i
+        for lane in range(kernel.LANES_PER_ROW)
+        for piece in range(2)
+        for i in range(kernel.COLS_PER_PIECE)
+    )
+    assert columns == list(range(kernel.HEAD_SIZE))
+
+
+@pytest.mark.parametrize("scale, expected", [(None, 128**-0.5), (0, 128**-0.5), (0.0, 128**-0.5), (0.05, 0.05)])
+def test_resolve_scale(scale, expected):
+    assert kernel.resolve_scale(scale) == pytest.approx(expected)
+
+
+def _cpu_call_args(case_name="len6_state_scale05"):
+    case = next(c for c in cases.CASES if c.name == case_name)
+    inputs = cases.make_inputs(case, "cpu", seed=1)
+    output, new_state = cases.poisoned_outputs(case, "cpu")
+    return inputs, output, new_state
+
+
+def test_run_rejects_wrong_dtype_with_one_line_error():
+    inputs, output, new_state = _cpu_call_args()
+    inputs["cu_seqlens"] = inputs["cu_seqlens"].int()
+    with pytest.raises(kernel.GdnShapeError, match="cu_seqlens") as info:
+        kernel.run(*inputs.values(), output, new_state)
+    assert "\n" not in str(info.value)
+
+
+def test_run_rejects_state_for_a_different_number_of_sequences():
+    inputs, output, new_state = _cpu_call_args()
+    inputs["state"] = torch.zeros(2, 8, 128, 128)
+    with pytest.raises(kernel.GdnShapeError, match="state"):
+        kernel.run(*inputs.values(), output, new_state)
+
+
+def test_run_rejects_transposed_view():
+    inputs, output, new_state = _cpu_call_args()
+    inputs["state"] = inputs["state"].transpose(2, 3)  # right shape, k-first memory: not contiguous
+    with pytest.raises(kernel.GdnShapeError, match="state"):
+        kernel.run(*inputs.values(), output, new_state)
+
+
+def test_run_rejects_wrong_output_shape():
+    inputs, _, new_state = _cpu_call_args()
+    with pytest.raises(kernel.GdnShapeError, match="output"):
+        kernel.run(*inputs.values(), torch.empty(6, 4, 128, dtype=torch.bfloat16), new_state)
+
+
+def test_cases_cover_the_required_shapes():
+    lengths = {c.lengths for c in cases.CASES}
+    for required in [(1,), (6,), (134,), (63, 64, 65), (4096,), (65536,)]:
+        assert required in lengths
+    assert len(cases.MANY_SHORT) == 57 and sum(cases.MANY_SHORT) == 1000 and min(cases.MANY_SHORT) >= 1
+    assert {c.with_state for c in cases.CASES} == {True, False}
+    assert {c.scale for c in cases.CASES} == {0.0, 0.05}
+    assert {c.gates for c in cases.CASES} == {"mamba2", "fast_decay"}
+    assert any(0 in c.lengths for c in cases.CASES)
+
+
+def test_inputs_follow_the_synth_distributions():
+    case = cases.CheckCase("dist", (40, 24), True, 0.0, "mamba2")
+    inputs = cases.make_inputs(case, "cpu", seed=3)
+    for name in ("q", "k"):
+        norms = inputs[name].float().norm(dim=-1)
+        assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2), name
+    assert inputs["dt_bias"].min() > -7.0 and inputs["dt_bias"].max() < -2.2
+    assert (inputs["A_log"].exp() >= 1.0).all() and (inputs["A_log"].exp() <= 16.0).all()
+    assert inputs["cu_seqlens"].tolist() == [0, 40, 64]
+    fast = cases.make_inputs(cases.CheckCase("fast", (4,), False, 0.0, "fast_decay"), "cpu", seed=3)
+    assert fast["dt_bias"].abs().max() <= 0.1 and fast["state"] is None
+
+
+def test_compare_accepts_the_reference_and_flags_errors():
+    case = cases.CheckCase("cpu", (5, 0, 3), True, 0.0, "mamba2")
+    inputs = cases.make_inputs(case, "cpu", seed=4)
+    ref_out, ref_state = reference_run(*inputs.values())
+    assert cases.compare(ref_out, ref_state, ref_out, ref_state).passed
+    assert torch.count_nonzero(ref_state[1]) == 0  # the empty sequence's state is zero
+
+    shifted = ref_state.clone()
+    shifted[2, 3, 7, 9] += 0.5
+    result = cases.compare(ref_out, shifted, ref_out, ref_state)
+    assert not result.passed and result.state_mismatches == 1
+
+    nan_out = ref_out.clone()
+    nan_out[2, 0, 0] = math.nan
+    result = cases.compare(nan_out, ref_state, ref_out, ref_state)
+    assert result.nan_count == 1 and result.output_mismatches == 1
+
+
+@pytest.mark.parametrize("corrupt", ["ignored", "transposed"])
+def test_mishandled_initial_state_fails_the_comparison(corrupt):
+    # Long-memory gates: a kernel that drops the state or reads it as [K, V] must fail the checks.
+    case = cases.CheckCase("cpu", (6, 3), True, 0.0, "mamba2")
+    inputs = cases.make_inputs(case, "cpu", seed=5)
+    expected = reference_run(*inputs.values())
+    wrong = dict(inputs)
+    wrong["state"] = None if corrupt == "ignored" else inputs["state"].transpose(2, 3).contiguous()
+    result = cases.compare(*reference_run(*wrong.values()), *expected)
+    assert result.output_mismatches > 0 and result.state_mismatches > 0
+
+
+def _regrouped_recurrence(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale):
+    """The kernel's per-token update in torch (fp32), token by token, all heads at once:
+    u = S k, w = S q on the OLD state; delta = beta (v - g u); o = scale (g w + delta k.q);
+    S = g S + delta k^T. v-head h reads q/k head h // 2; S is [V, K]."""
+    scale = kernel.resolve_scale(scale)
+    qh = q.float().repeat_interleave(2, dim=1)
+    kh = k.float().repeat_interleave(2, dim=1)
+    gate = torch.exp(-A_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias))
+    beta = torch.sigmoid(b.float())
+    num_seqs = cu_seqlens.numel() - 1
+    new_state = torch.zeros(num_seqs, 8, 128, 128)
+    output = torch.empty(q.shape[0], 8, 128)
+    for n in range(num_seqs):
+        start, end = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
+        if start == end:
+            continue
+        s = state[n].clone() if state is not None else torch.zeros(8, 128, 128)
+        for t in range(start, end):
+            u = torch.einsum("hvk,hk->hv", s, kh[t])
+            w = torch.einsum("hvk,hk->hv", s, qh[t])
+            kq = (kh[t] * qh[t]).sum(-1, keepdim=True)
+            g = gate[t][:, None]
+            delta = beta[t][:, None] * (v[t].float() - g * u)
+            output[t] = scale * (g * w + delta * kq)
+            s = g[:, :, None] * s + delta[:, :, None] * kh[t][:, None, :]
+        new_state[n] = s
+    return output.to(torch.bfloat16), new_state
+
+
+@pytest.mark.parametrize("case_name", ["len6_state_scale05", "len6_nostate", "zero_length_seqs"])
+def test_regrouped_update_matches_reference(case_name):
+    case = next(c for c in cases.CASES if c.name == case_name)
+    inputs = cases.make_inputs(case, "cpu", seed=6)
+    result = cases.compare(*_regrouped_recurrence(*inputs.values()), *reference_run(*inputs.values()))
+    assert result.passed, result
+    assert result.state_max_abs_err < 1e-4
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_on_gpu(case, seed):
+    inputs = cases.make_inputs(case, "cuda", seed=seed)
+    state_before = None if inputs["state"] is None else inputs["state"].clone()
+    output, new_state = cases.poisoned_outputs(case, "cuda")
+    kernel.run(*inputs.values(), output, new_state)
+    result = cases.compare(output, new_state, *reference_run(*inputs.values()))
+    assert result.nan_count == 0, result
+    assert result.passed, result
+    if state_before is not None:
+        assert torch.equal(inputs["state"], state_before), "run modified its input state"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", [c for c in cases.CASES if not c.long], ids=lambda c: c.name)
+def test_matches_reference(case):
+    _check_on_gpu(case, seed=zlib.crc32(case.name.encode()) % 1000)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(not LONG_TESTS, reason="set HOPPERBENCH_LONG_TESTS=1 (minutes of reference time)")
+@pytest.mark.parametrize("case", [c for c in cases.CASES if c.long], ids=lambda c: c.name)
+def test_long_sequence_matches_reference(case):
+    _check_on_gpu(case, seed=zlib.crc32(case.name.encode()) % 1000)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_replay_follows_new_inputs_and_bounds():
+    case = cases.CheckCase("graph", (40, 30, 58), True, 0.0, "mamba2")
+    static = cases.make_inputs(case, "cuda", seed=1)
+    output, new_state = cases.poisoned_outputs(case, "cuda")
+    kernel.run(*static.values(), output, new_state)  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel.run(*static.values(), output, new_state)
+
+    # Same T and N, different split: the kernel must read the bounds on the device at replay.
+    fresh_case = cases.CheckCase("graph", (1, 100, 27), True, 0.0, "mamba2")
+    fresh = cases.make_inputs(fresh_case, "cuda", seed=2)
+    for name, tensor in fresh.items():
+        if isinstance(tensor, torch.Tensor):
+            static[name].copy_(tensor)
+    output.fill_(math.nan)
+    new_state.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    result = cases.compare(output, new_state, *reference_run(*fresh.values()))
+    assert result.passed, result

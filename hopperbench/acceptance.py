@@ -138,7 +138,7 @@ class _Tally:
             )
             failures.append(
                 f"{bad} of {self.numel} elements out of tolerance{inf_note} "
-                f"(matched_ratio {matched_ratio:.6g} < {rule.required_matched_ratio})"
+                f"(matched_ratio {matched_ratio:.10g} < {rule.required_matched_ratio})"
             )
         if rule.max_relative_l2 is not None and relative_l2 > rule.max_relative_l2:
             failures.append(f"relative L2 {relative_l2:.4g} > {rule.max_relative_l2}")

@@ -1,0 +1,91 @@
+"""Kernel 5 of the MoE: the deterministic per-token combine of the weighted expert outputs into bf16."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+from .shapes import HIDDEN, NUM_LOCAL_EXPERTS, NUM_THREADS, TOP_K
+
+COMBINE_COLS_PER_THREAD = 8
+COMBINE_COLS_PER_CTA = NUM_THREADS * COMBINE_COLS_PER_THREAD  # 1024
+COMBINE_CTAS_PER_TOKEN = HIDDEN // COMBINE_COLS_PER_CTA  # 7
+
+assert HIDDEN % COMBINE_COLS_PER_CTA == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. combine
+# ------------------------------------------------------------------------------------------------
+
+
+class CombineKernel:
+    @cute.jit
+    def launch(
+        self,
+        counts: cute.Tensor,
+        slot_expert: cute.Tensor,
+        slot_rank: cute.Tensor,
+        slot_weight: cute.Tensor,
+        expert_out: cute.Tensor,
+        output: cute.Tensor,
+        stream,
+    ):
+        @cute.struct
+        class SharedStorage:
+            offsets: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, NUM_LOCAL_EXPERTS], 16]
+
+        self.kernel(counts, slot_expert, slot_rank, slot_weight, expert_out, output, SharedStorage).launch(
+            grid=[output.shape[0], COMBINE_CTAS_PER_TOKEN, 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        counts: cute.Tensor,
+        slot_expert: cute.Tensor,
+        slot_rank: cute.Tensor,
+        slot_weight: cute.Tensor,
+        expert_out: cute.Tensor,
+        output: cute.Tensor,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        token, column_block, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        offsets = storage.offsets.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+        if tidx < NUM_LOCAL_EXPERTS:
+            # Exclusive prefix sum of the counts over warp 0: offsets[e] = rows of experts < e.
+            count = counts[tidx]
+            inclusive = count
+            for shift in cutlass.range_constexpr(5):
+                neighbour = cute.arch.shuffle_sync_up(inclusive, offset=1 << shift)
+                if tidx >= (1 << shift):
+                    inclusive = inclusive + neighbour
+            offsets[tidx] = inclusive - count
+        cute.arch.sync_threads()
+
+        column_chunk = column_block * NUM_THREADS + tidx  # in units of COMBINE_COLS_PER_THREAD columns
+        total = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD,), cutlass.Float32)
+        total.fill(0.0)
+        row = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD,), cutlass.Float32)
+        for k in cutlass.range_constexpr(TOP_K):
+            local = slot_expert[token, k]
+            if local >= 0:
+                packed_row = offsets[local] + slot_rank[token, k]
+                weight = slot_weight[token, k]
+                source = cute.local_tile(expert_out[packed_row, None], (COMBINE_COLS_PER_THREAD,), (column_chunk,))
+                cute.autovec_copy(source, row)
+                for j in cutlass.range_constexpr(COMBINE_COLS_PER_THREAD):
+                    total[j] = total[j] + weight * row[j]
+        result = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD,), cutlass.BFloat16)
+        result.store(total.load().to(cutlass.BFloat16))
+        cute.autovec_copy(
+            result, cute.local_tile(output[token, None], (COMBINE_COLS_PER_THREAD,), (column_chunk,))
+        )
+
+

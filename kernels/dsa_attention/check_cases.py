@@ -1,23 +1,26 @@
 """Correctness cases for the DSA sparse-attention kernel, shared by the GPU tests and the device check.
 
 Each case names a batch size, a cache size and an index pattern; `make_inputs` builds fresh random
-inputs for it, `reference_outputs` runs our PyTorch reference (hopperbench/references/dsa_attention.py)
-and `compare` applies the contest rule (atol = rtol = 1e-2 on every element; an element fails only
-when both its absolute and its relative error exceed the tolerance) plus the NaN checks.
-Only torch and the standard library are imported, so the module loads by path anywhere.
+inputs for it, `load_reference_run` loads our PyTorch reference (hopperbench/references/dsa_attention.py)
+and `compare` applies the track's acceptance rule through hopperbench.acceptance (atol = rtol = 1e-2
+on every element; an element fails only when both its absolute and its relative error exceed the
+tolerance; NaN anywhere fails; an inf matches only the same inf, as the empty rows' lse = -inf).
+Only torch and the standard library are imported at import time (hopperbench lazily, inside the
+functions that need it), so the module loads by path anywhere.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:  # only for annotations: importing this module needs nothing but torch
+    from hopperbench.acceptance import Verdict
 
 NUM_HEADS = 16
 CKV_DIM = 512
@@ -25,8 +28,6 @@ KPE_DIM = 64
 PAGE_SIZE = 64
 TOPK = 2048
 SM_SCALE = 0.1352337788608801  # the contest workloads' value
-ATOL = 1e-2
-RTOL = 1e-2
 CONTEST_NUM_PAGES = 8462
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -64,22 +65,16 @@ CASES: tuple[CheckCase, ...] = (
 )
 
 
-def load_module(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and the DSL look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_kernel() -> ModuleType:
-    return load_module(KERNEL_PATH, "dsa_attention_kernel")
+    from hopperbench.devcheck import load_module_by_path  # lazily: this folder is packed without hopperbench
+
+    return load_module_by_path(KERNEL_PATH, "dsa_attention_kernel")
 
 
 def load_reference_run() -> Callable:
-    return load_module(REFERENCE_PATH, "dsa_attention_reference").run
+    from hopperbench.devcheck import load_module_by_path
+
+    return load_module_by_path(REFERENCE_PATH, "dsa_attention_reference").run
 
 
 def _make_indices(case: CheckCase, generator: torch.Generator) -> torch.Tensor:
@@ -137,34 +132,16 @@ def poisoned_outputs(num_tokens: int, device: torch.device | str) -> tuple[torch
     return output, lse
 
 
-@dataclass(frozen=True)
-class Comparison:
-    output_max_abs_err: float
-    lse_max_abs_err: float
-    output_mismatches: int
-    lse_mismatches: int
-    nan_count: int
+def compare(
+    output: torch.Tensor, lse: torch.Tensor, ref_output: torch.Tensor, ref_lse: torch.Tensor
+) -> Verdict:
+    """The DSA track's acceptance rule on both outputs (a hopperbench.acceptance.Verdict): the
+    benchmark's own gate, so a case passes here exactly when it would pass in the runner."""
+    from hopperbench.acceptance import check_outputs
+    from hopperbench.tracks import get_track
 
-    @property
-    def passed(self) -> bool:
-        return self.output_mismatches == 0 and self.lse_mismatches == 0 and self.nan_count == 0
-
-
-def _mismatches(actual: torch.Tensor, expected: torch.Tensor) -> tuple[int, float]:
-    """(elements failing the contest rule, max abs error over finite pairs); equal infinities match."""
-    actual, expected = actual.double(), expected.double()
-    same_inf = torch.isinf(actual) & torch.isinf(expected) & (torch.sign(actual) == torch.sign(expected))
-    error = (actual - expected).abs()
-    error = torch.where(same_inf, torch.zeros_like(error), error)
-    failing = (error > ATOL) & (error > RTOL * expected.abs())
-    failing |= torch.isnan(error) | ((torch.isinf(actual) | torch.isinf(expected)) & ~same_inf)
-    finite = torch.isfinite(error)
-    max_err = float(error[finite].max()) if bool(finite.any()) else 0.0
-    return int(failing.sum()), max_err
-
-
-def compare(output: torch.Tensor, lse: torch.Tensor, ref_output: torch.Tensor, ref_lse: torch.Tensor) -> Comparison:
-    out_bad, out_err = _mismatches(output.float(), ref_output.float())
-    lse_bad, lse_err = _mismatches(lse, ref_lse.float())
-    nan_count = int(torch.isnan(output.float()).sum()) + int(torch.isnan(lse).sum())
-    return Comparison(out_err, lse_err, out_bad, lse_bad, nan_count)
+    return check_outputs(
+        get_track("dsa_attention").acceptance,
+        {"output": output, "lse": lse},
+        {"output": ref_output, "lse": ref_lse},
+    )

@@ -1,9 +1,10 @@
 """Correctness cases for the GDN prefill kernel, shared by the GPU tests and the device check.
 
 Each case names its sequence lengths, whether an initial state is given, the scale argument and the
-gate regime; `make_inputs` builds fresh random inputs for it and `compare` applies the contest rule
-(atol = rtol = 1e-2 on every element: an element fails only when both its absolute and its relative
-error exceed the tolerance) plus a NaN count, on `output` and `new_state`.
+gate regime; `make_inputs` builds fresh random inputs for it and `compare` applies the track's
+acceptance rule through hopperbench.acceptance (atol = rtol = 1e-2 on every element: an element fails
+only when both its absolute and its relative error exceed the tolerance; NaN anywhere fails) on
+`output` and `new_state`.
 
 Input distributions follow hopperbench/synth.py (GDN prefill): q and k randn, L2-normalised per head
 in fp32, then bf16 (unnormalised keys make the recurrence blow up); v, a, b randn bf16;
@@ -11,26 +12,26 @@ A_log = log(U[1, 16]); state N(0, 0.2^2). Gate regimes:
 - "mamba2": dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (dt_bias in about [-6.9, -2.3]):
   long memory, so ignoring or transposing the initial state fails;
 - "fast_decay": dt_bias ~ U[-0.1, 0.1]: the state is forgotten within a few tokens.
-Only torch and the standard library are imported, so the module loads by path anywhere.
+Only torch and the standard library are imported at import time (hopperbench lazily, inside the
+functions that need it), so the module loads by path anywhere.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
+
+if TYPE_CHECKING:  # only for annotations: importing this module needs nothing but torch
+    from hopperbench.acceptance import Verdict
 
 NUM_QK_HEADS = 4
 NUM_V_HEADS = 8
 HEAD_SIZE = 128
-ATOL = 1e-2
-RTOL = 1e-2
 STATE_STD = 0.2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -94,22 +95,16 @@ CASES: tuple[CheckCase, ...] = (
 )
 
 
-def load_module(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and the DSL look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_kernel() -> ModuleType:
-    return load_module(KERNEL_PATH, "gdn_prefill_kernel")
+    from hopperbench.devcheck import load_module_by_path  # lazily: this folder is packed without hopperbench
+
+    return load_module_by_path(KERNEL_PATH, "gdn_prefill_kernel")
 
 
 def load_reference_run() -> Callable:
-    return load_module(REFERENCE_PATH, "gdn_prefill_reference").run
+    from hopperbench.devcheck import load_module_by_path
+
+    return load_module_by_path(REFERENCE_PATH, "gdn_prefill_reference").run
 
 
 def make_inputs(case: CheckCase, device: torch.device | str, seed: int = 0) -> dict[str, torch.Tensor | float | None]:
@@ -158,33 +153,16 @@ def poisoned_outputs(case: CheckCase, device: torch.device | str) -> tuple[torch
     return output, new_state
 
 
-@dataclass(frozen=True)
-class Comparison:
-    output_max_abs_err: float
-    state_max_abs_err: float
-    output_mismatches: int
-    state_mismatches: int
-    nan_count: int
-
-    @property
-    def passed(self) -> bool:
-        return self.output_mismatches == 0 and self.state_mismatches == 0 and self.nan_count == 0
-
-
-def _mismatches(actual: torch.Tensor, expected: torch.Tensor) -> tuple[int, float]:
-    """(elements failing the contest rule, max abs error over finite pairs)."""
-    actual, expected = actual.double(), expected.double()
-    error = (actual - expected).abs()
-    failing = ((error > ATOL) & (error > RTOL * expected.abs())) | ~torch.isfinite(error)
-    finite = torch.isfinite(error)
-    max_err = float(error[finite].max()) if bool(finite.any()) else 0.0
-    return int(failing.sum()), max_err
-
-
 def compare(
     output: torch.Tensor, new_state: torch.Tensor, ref_output: torch.Tensor, ref_new_state: torch.Tensor
-) -> Comparison:
-    out_bad, out_err = _mismatches(output.float(), ref_output.float())
-    state_bad, state_err = _mismatches(new_state, ref_new_state.float())
-    nan_count = int(torch.isnan(output.float()).sum()) + int(torch.isnan(new_state).sum())
-    return Comparison(out_err, state_err, out_bad, state_bad, nan_count)
+) -> Verdict:
+    """The GDN track's acceptance rule on both outputs (a hopperbench.acceptance.Verdict): the
+    benchmark's own gate, so a case passes here exactly when it would pass in the runner."""
+    from hopperbench.acceptance import check_outputs
+    from hopperbench.tracks import get_track
+
+    return check_outputs(
+        get_track("gdn_prefill").acceptance,
+        {"output": output, "new_state": new_state},
+        {"output": ref_output, "new_state": ref_new_state},
+    )

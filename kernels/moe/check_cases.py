@@ -9,15 +9,18 @@ L2 <= 1e-2; NaN anywhere fails). Not imported by kernel.py.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:  # only for annotations: importing this module needs nothing but torch
+    from hopperbench.acceptance import OutputStats
 
 NUM_LOCAL_EXPERTS = 32
 HIDDEN = 7168
@@ -78,16 +81,6 @@ CASES: tuple[CheckCase, ...] = (
 SLOW_CASES = frozenset({"t14107_off32"})
 
 
-def load_module(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and the DSL look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_kernel() -> ModuleType:
     """kernel.py as the harness sees it: a module of a package made of this folder, so that its
     relative imports (routing, grouped_gemm, combine, shapes) resolve."""
@@ -100,7 +93,9 @@ def load_kernel() -> ModuleType:
 
 
 def load_reference() -> ModuleType:
-    return load_module(REFERENCE_PATH, "moe_reference")
+    from hopperbench.devcheck import load_module_by_path  # lazily: this folder is packed without hopperbench
+
+    return load_module_by_path(REFERENCE_PATH, "moe_reference")
 
 
 def apply_routing_pattern(routing_logits: torch.Tensor, local_expert_offset: int, pattern: str) -> None:
@@ -161,7 +156,7 @@ def local_assignments(reference: ModuleType, inputs: dict) -> tuple[int, int]:
     return int(local.numel()), int(local.unique().numel())
 
 
-def compare(output: torch.Tensor, ref_output: torch.Tensor):
+def compare(output: torch.Tensor, ref_output: torch.Tensor) -> OutputStats:
     """The MoE track's acceptance rule on one output (hopperbench.acceptance.OutputStats)."""
     from hopperbench.acceptance import compare_output
     from hopperbench.tracks import get_track

@@ -8,21 +8,17 @@ poisoned outputs; CUDA-graph capture and replay.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 import zlib
 
 import pytest
 import torch
 
+from hopperbench.devcheck import load_module_by_path, replay_on_fresh_inputs, total_nan
 from hopperbench.paths import REPO_ROOT
 
 # kernels/ is not a package: load the case helpers and the kernel by path, as the harness does.
-_spec = importlib.util.spec_from_file_location("dsa_check_cases", REPO_ROOT / "kernels/dsa_attention/check_cases.py")
-cases = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = cases
-_spec.loader.exec_module(cases)
+cases = load_module_by_path(REPO_ROOT / "kernels/dsa_attention/check_cases.py", "dsa_check_cases")
 kernel = cases.load_kernel()
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -52,7 +48,8 @@ def test_num_splits_divides_the_chunks_and_fills_the_gpu(num_tokens):
 
 
 def test_valid_splits_are_the_divisors_of_the_chunk_count():
-    assert kernel.VALID_SPLITS == tuple(s for s in range(1, kernel.NUM_CHUNKS + 1) if kernel.NUM_CHUNKS % s == 0 and s & (s - 1) == 0)
+    powers_of_two = (s for s in range(1, kernel.NUM_CHUNKS + 1) if s & (s - 1) == 0)
+    assert kernel.VALID_SPLITS == tuple(s for s in powers_of_two if kernel.NUM_CHUNKS % s == 0)
 
 
 def _cpu_inputs(num_tokens=2, num_pages=3):
@@ -99,15 +96,15 @@ def test_compare_accepts_the_reference_and_flags_errors():
     shifted = ref_out.clone()
     shifted[1, 3, 7] += 0.5
     result = cases.compare(shifted, ref_lse, ref_out, ref_lse)
-    assert not result.passed and result.output_mismatches == 1
+    assert not result.passed and result.outputs["output"].bad_count == 1
 
     finite_lse = ref_lse.clone()
     finite_lse[0, 0] = 0.0  # a finite lse where the reference says -inf
-    assert cases.compare(ref_out, finite_lse, ref_out, ref_lse).lse_mismatches == 1
+    assert cases.compare(ref_out, finite_lse, ref_out, ref_lse).outputs["lse"].bad_count == 1
 
     nan_out = ref_out.clone()
     nan_out[2, 0, 0] = math.nan
-    assert cases.compare(nan_out, ref_lse, ref_out, ref_lse).nan_count == 1
+    assert total_nan(cases.compare(nan_out, ref_lse, ref_out, ref_lse)) == 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -124,7 +121,7 @@ def test_matches_reference(case):
     kernel.run(*inputs.values(), output, lse)
     ref_out, ref_lse = cases.load_reference_run()(*inputs.values())
     result = cases.compare(output, lse, ref_out, ref_lse)
-    assert result.nan_count == 0, result
+    assert total_nan(result) == 0, result
     assert result.passed, result
 
 
@@ -160,21 +157,8 @@ def test_cuda_graph_replay_follows_new_inputs():
     case = cases.CheckCase("graph", 8, 300, "scattered_padding")
     static = cases.make_inputs(case, "cuda", seed=1)
     output, lse = cases.poisoned_outputs(case.num_tokens, "cuda")
-    kernel.run(*static.values(), output, lse)  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernel.run(*static.values(), output, lse)
-
     fresh = cases.make_inputs(case, "cuda", seed=2)
-    for name, tensor in fresh.items():
-        if isinstance(tensor, torch.Tensor):
-            static[name].copy_(tensor)
-    output.fill_(math.nan)
-    lse.fill_(math.nan)
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_on_fresh_inputs(lambda: kernel.run(*static.values(), output, lse), static, fresh, (output, lse))
     ref_out, ref_lse = cases.load_reference_run()(*fresh.values())
     result = cases.compare(output, lse, ref_out, ref_lse)
     assert result.passed, result

@@ -10,22 +10,18 @@ CUDA-graph capture and replay.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
-import sys
 import zlib
 
 import pytest
 import torch
 
+from hopperbench.devcheck import load_module_by_path, replay_on_fresh_inputs
 from hopperbench.paths import REPO_ROOT
 
 # kernels/ is not a package: load the case helpers and the kernel by path, as the harness does.
-_spec = importlib.util.spec_from_file_location("moe_check_cases", REPO_ROOT / "kernels/moe/check_cases.py")
-cases = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = cases
-_spec.loader.exec_module(cases)
+cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check_cases")
 kernel = cases.load_kernel()
 reference = cases.load_reference()
 
@@ -232,19 +228,7 @@ def test_cuda_graph_replay_follows_new_inputs():
     case = cases.CheckCase("graph", 80, 96)
     static = cases.make_inputs(case, "cuda", seed=1)
     output = cases.poisoned_output(case.num_tokens, "cuda")
-    kernel.run(*static.values(), output)  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernel.run(*static.values(), output)
-
     fresh = cases.make_inputs(case, "cuda", seed=2)
-    for name, tensor in fresh.items():
-        if isinstance(tensor, torch.Tensor):
-            static[name].copy_(tensor)
-    output.fill_(math.nan)
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_on_fresh_inputs(lambda: kernel.run(*static.values(), output), static, fresh, (output,))
     stats = cases.compare(output, reference.run(*fresh.values()))
     assert stats.passed, stats

@@ -76,6 +76,12 @@ class EnvironmentRecord(BaseModel):
     protocol: dict[str, Any] = Field(default_factory=dict)
     empty_kernel_span_ms: float | None = None
     devices: list[int] = Field(default_factory=list)
+    # Per device slot (its CUDA_VISIBLE_DEVICES, or "inherited"), the CPU cores its workers were
+    # pinned to; None when they were not pinned (or the record predates pinning).
+    cpu_affinity: dict[str, list[int]] | None = None
+    # How worker processes were started: "fork-server" (forked from a warm per-device server)
+    # or "subprocess" (a fresh interpreter per job); None in records that predate the choice.
+    worker_launch: str | None = None
     hostname: str | None = None
     timestamp: str | None = None
 
@@ -90,6 +96,8 @@ class EnvironmentRequest(BaseModel):
     data_sources: dict[str, list[str]] = Field(default_factory=dict)
     human_guard: dict[str, str] = Field(default_factory=dict)
     devices: list[int] = Field(default_factory=list)
+    cpu_affinity: dict[str, list[int]] | None = None
+    worker_launch: str | None = None
     probe_gpu: bool = True
 
 
@@ -199,6 +207,8 @@ def collect_environment(request: EnvironmentRequest, repo_root: Path = REPO_ROOT
         seed=request.seed,
         protocol=dict(request.protocol),
         devices=list(request.devices),
+        cpu_affinity=request.cpu_affinity,
+        worker_launch=request.worker_launch,
         hostname=_safe(socket.gethostname),
         timestamp=datetime.now(UTC).isoformat(timespec="seconds"),
         cuda_version=_safe(_torch_cuda_version),

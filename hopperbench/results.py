@@ -57,6 +57,8 @@ class SideResult(BaseModel):
     matched_ratio: float | None = None
     message: str | None = None
     pinned: bool | None = None
+    # Wall time of the job's process as the runner saw it (for a fresh process: start-up included).
+    wall_s: float | None = None
 
     @property
     def passed(self) -> bool:
@@ -250,14 +252,50 @@ def format_summary_table(summary: Mapping[str, TrackSummary]) -> str:
 # Journal
 
 
+class PlannedTrack(BaseModel):
+    """What a run set out to record for one track."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workloads: list[str]  # uuids
+    sides: list[str]
+
+
 class JournalHeader(BaseModel):
-    """First line of a journal: what must match for a run to be resumed."""
+    """First line of a journal: what must match for a run to be resumed, and what it was run on.
+
+    Only seed and protocol must match for a resume; the other fields are optional so that
+    journals written before they existed still read.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["header"] = "header"
     seed: int
     protocol: dict[str, Any]
+    # Collected once, when the run started; a resume keeps it.
+    environment: EnvironmentRecord | None = None
+    # Per track, the workloads and sides planned (a resume adds what it plans).
+    plan: dict[str, PlannedTrack] | None = None
+    resumed_at: list[str] = Field(default_factory=list)  # ISO times, one per resume
+
+
+def merge_plans(*plans: Mapping[str, PlannedTrack] | None) -> dict[str, PlannedTrack]:
+    """The union of plans, per track, in first-seen order."""
+    merged: dict[str, tuple[dict[str, None], dict[str, None]]] = {}
+    for plan in plans:
+        for track, planned in (plan or {}).items():
+            workloads, sides = merged.setdefault(track, ({}, {}))
+            workloads.update(dict.fromkeys(planned.workloads))
+            sides.update(dict.fromkeys(planned.sides))
+    return {t: PlannedTrack(workloads=list(w), sides=list(s)) for t, (w, s) in merged.items()}
+
+
+def plan_from_records(records: Iterable[SideRecord]) -> dict[str, PlannedTrack]:
+    """A plan for a journal that did not store one: what it recorded, every side seen in a track."""
+    return merge_plans(
+        *({r.workload.track: PlannedTrack(workloads=[r.workload.uuid], sides=[r.result.side])} for r in records)
+    )
 
 
 class JournalMismatchError(ValueError):
@@ -291,22 +329,35 @@ class Journal:
             os.fsync(f.fileno())
 
     def read(self) -> tuple[JournalHeader, list[SideRecord]]:
+        header, records, _ = self._parse()
+        return header, records
+
+    def _parse(self) -> tuple[JournalHeader, list[SideRecord], list[str]]:
+        """Header, records, and the records' lines as written."""
         lines = self.path.read_text(encoding="utf-8").splitlines()
         if not lines:
             raise JournalMismatchError(f"{self.path} is empty")
         header = JournalHeader.model_validate_json(lines[0])
         records: list[SideRecord] = []
+        kept: list[str] = []
         for number, line in enumerate(lines[1:], start=2):
             if not line.strip():
                 continue
             try:
                 records.append(SideRecord.model_validate_json(line))
+                kept.append(line)
             except ValueError:
                 # A run killed mid-write leaves a torn last line; anything else is corruption.
                 if number == len(lines):
                     break
                 raise JournalMismatchError(f"{self.path}:{number} is not a valid record") from None
-        return header, records
+        return header, records, kept
+
+    def rewrite_header(self, header: JournalHeader) -> None:
+        """Replace the header, keeping every record as written; a torn last line is dropped, so
+        that the next append starts a line of its own."""
+        _, _, kept = self._parse()
+        atomic_write_text(self.path, "".join(line + "\n" for line in [header.model_dump_json(), *kept]))
 
     def check_resumable(self, expected: JournalHeader) -> list[SideRecord]:
         """The journal's records, after checking it was written under the same seed and protocol."""
@@ -341,12 +392,71 @@ DERIVED_FIELDS = (
 )
 
 
+class TrackCompleteness(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    planned: int  # workloads
+    complete: int  # workloads with a record of every planned side
+    sides: list[str]
+
+
+class Completeness(BaseModel):
+    """How much of the plan the rows cover; `partial` when a run stopped early."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    partial: bool
+    planned: int
+    complete: int
+    tracks: dict[str, TrackCompleteness]
+    # "journal header", or "journal records" for a journal that did not store its plan.
+    plan_source: str
+
+
+def assess_completeness(plan: Mapping[str, PlannedTrack] | None, records: Iterable[SideRecord]) -> Completeness:
+    records = list(records)
+    recorded: dict[tuple[str, str], set[str]] = {}
+    for record in records:
+        recorded.setdefault((record.workload.track, record.workload.uuid), set()).add(record.result.side)
+    source = "journal header" if plan is not None else "journal records"
+    tracks = {}
+    for track, planned in (plan if plan is not None else plan_from_records(records)).items():
+        wanted = set(planned.sides)
+        complete = sum(wanted <= recorded.get((track, uuid), set()) for uuid in planned.workloads)
+        tracks[track] = TrackCompleteness(planned=len(planned.workloads), complete=complete, sides=planned.sides)
+    planned_total = sum(t.planned for t in tracks.values())
+    complete_total = sum(t.complete for t in tracks.values())
+    return Completeness(
+        partial=complete_total < planned_total,
+        planned=planned_total,
+        complete=complete_total,
+        tracks=tracks,
+        plan_source=source,
+    )
+
+
+def format_completeness(completeness: Completeness) -> str | None:
+    """One line for the terminal when the results are partial."""
+    if not completeness.partial:
+        return None
+    per_track = ", ".join(f"{name} {t.complete}/{t.planned}" for name, t in completeness.tracks.items())
+    return (
+        f"partial: {completeness.complete} of {completeness.planned} workloads have every planned side recorded"
+        f" ({per_track})"
+    )
+
+
 class ResultsFile(BaseModel):
     """The run's JSON: how it was measured, every row, and the per-track summary."""
 
     model_config = ConfigDict(extra="forbid")
 
     environment: EnvironmentRecord
+    # Where `environment` came from: "journal header", or "<path> (attached at finalize)".
+    environment_source: str | None = None
+    resumed_at: list[str] = Field(default_factory=list)
+    # Absent in files written before it existed.
+    completeness: Completeness | None = None
     rows: list[WorkloadRow]
     summary: dict[str, TrackSummary]
 
@@ -444,12 +554,45 @@ def csv_path_for(output_json: Path) -> Path:
     return output_json.with_suffix(".csv")
 
 
-def write_results(output_json: Path, environment: EnvironmentRecord, rows: Sequence[WorkloadRow]) -> ResultsFile:
+def write_results(
+    output_json: Path,
+    environment: EnvironmentRecord,
+    rows: Sequence[WorkloadRow],
+    *,
+    completeness: Completeness | None = None,
+    environment_source: str | None = None,
+    resumed_at: Sequence[str] = (),
+) -> ResultsFile:
     """Write the JSON and, beside it with the same stem, the CSV. Returns what was written."""
-    results = ResultsFile(environment=environment, rows=list(rows), summary=summarize(rows))
+    results = ResultsFile(
+        environment=environment,
+        environment_source=environment_source,
+        resumed_at=list(resumed_at),
+        completeness=completeness,
+        rows=list(rows),
+        summary=summarize(rows),
+    )
     atomic_write_text(output_json, results.model_dump_json(indent=2) + "\n")
     atomic_write_text(csv_path_for(output_json), rows_to_csv(rows))
     return results
+
+
+def write_journal_results(
+    output_json: Path,
+    header: JournalHeader,
+    records: Sequence[SideRecord],
+    environment: EnvironmentRecord,
+    environment_source: str,
+) -> ResultsFile:
+    """The JSON and CSV of a journal's records, finished or not, with how complete they are."""
+    return write_results(
+        output_json,
+        environment,
+        build_rows(records),
+        completeness=assess_completeness(header.plan, records),
+        environment_source=environment_source,
+        resumed_at=header.resumed_at,
+    )
 
 
 def read_results(output_json: Path) -> ResultsFile:

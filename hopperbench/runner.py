@@ -6,25 +6,38 @@ line on stderr and exit code 2), then runs every (side, workload) of the selecte
 tracks in its own worker process (`hopperbench.worker`), the reference side of a
 workload first because the others are checked against its stored outputs.
 
+Worker processes are forked from a warm server per device that has already imported
+torch, triton, flashinfer_bench, ... (`hopperbench.worker_pool`, whose docstring states
+the isolation guarantees); `--no-preload` starts a fresh interpreter per job instead.
+Each device's workers are pinned to their own share of the CPU cores (`--no-pin-cpus`
+turns that off); the shares are recorded in the environment record.
+
+The environment record is collected once, when the run starts (in a child process,
+so that the runner holds no CUDA context), and kept in the journal's header with the
+plan (the workloads and sides to record); a resume keeps both and notes its time.
 Each finished result is appended to `<output stem>.journal.jsonl` at once (fsync), so
 a killed run resumes with `--resume` where it stopped; the JSON and CSV are written
-from the journal at the end. Worker logs go to `<output stem>.logs/`, the stored
+from the journal at the end, or, for an interrupted run (Ctrl-C, SIGTERM), at once
+with what it recorded, marked partial. `--finalize` writes them from an existing
+journal without running anything. Worker logs go to `<output stem>.logs/`, the stored
 reference outputs to `<output stem>.scratch/` (removed when the run completes).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from queue import Queue
 from typing import Any
@@ -35,18 +48,35 @@ from hopperbench.results import (
     Journal,
     JournalHeader,
     JournalMismatchError,
+    PlannedTrack,
+    ResultsFile,
     SideRecord,
     SideResult,
     Status,
     WorkloadKey,
-    build_rows,
     csv_path_for,
+    format_completeness,
     format_summary_table,
-    write_results,
+    merge_plans,
+    plan_from_records,
+    write_journal_results,
 )
 from hopperbench.sides import HUMAN, REFERENCE, Side, SideContext, known_side_names, sides_for
 from hopperbench.tracks import TRACKS, Track, UnknownTrackError, get_track, parse_track_list
 from hopperbench.worker import WorkerJob, reference_output_path
+from hopperbench.worker_pool import (
+    DEFAULT_PRELOAD,
+    CpuSplitError,
+    ForkServerLauncher,
+    JobExit,
+    JobFiles,
+    Launcher,
+    LaunchStopped,
+    SubprocessLauncher,
+    WorkerPoolError,
+    available_cpus,
+    split_cpus,
+)
 
 PROG = "compare_human_best"
 LOG_TAIL_CHARS = 2000
@@ -54,6 +84,14 @@ LOG_TAIL_CHARS = 2000
 
 class CliError(Exception):
     """Bad input or a missing prerequisite; printed as one line, exit code 2."""
+
+
+class RunInterrupted(BaseException):
+    """SIGTERM or SIGINT arrived during a run (a BaseException, like KeyboardInterrupt)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 # ------------------------------------------------------------------------------------------
@@ -134,6 +172,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="override the tracks' reference iterations (0 = untimed)",
     )
     p.add_argument("--keep-scratch", action="store_true", help="keep the stored reference outputs after the run")
+    p.add_argument(
+        "--finalize",
+        action="store_true",
+        help="write the JSON and CSV of the journal beside --output without running anything (no GPU needed)",
+    )
+    p.add_argument(
+        "--environment-from",
+        type=Path,
+        default=None,
+        metavar="RESULTS.json",
+        help="with --finalize: attach this results file's environment to a journal that records none",
+    )
+    p.add_argument(
+        "--no-preload",
+        action="store_true",
+        help="start a fresh interpreter per job instead of forking it from a warm per-device server",
+    )
+    p.add_argument(
+        "--no-pin-cpus",
+        action="store_true",
+        help="do not pin each device's workers to their own share of the CPU cores",
+    )
     return p
 
 
@@ -240,6 +300,9 @@ class RunnerHooks:
     # Where the worker process runs (the package must be importable from there).
     worker_cwd: Path = REPO_ROOT
     show_progress: bool = True
+    # What each device's fork server imports before it forks jobs.
+    preload_modules: tuple[str, ...] = DEFAULT_PRELOAD
+    available_cpus: Callable[[], set[int]] = available_cpus
 
 
 # ------------------------------------------------------------------------------------------
@@ -270,6 +333,9 @@ class RunPlan:
     finished: dict[tuple[str, str, str], SideRecord] = field(default_factory=dict)
     guard_results: dict[str, Any] = field(default_factory=dict)
     keep_scratch: bool = False
+    # Per slot, the CPU cores its workers are pinned to; None = not pinned.
+    cpu_sets: list[list[int]] | None = None
+    preload: bool = True
 
     @property
     def journal(self) -> Journal:
@@ -316,8 +382,18 @@ def _requested_sides(args: argparse.Namespace, tracks: list[Track]) -> set[str] 
     return set(args.sides)
 
 
-def plan_run(argv: Sequence[str], hooks: RunnerHooks) -> RunPlan:
-    args = build_parser().parse_args(list(argv))
+def _cpu_shares(slots: list[str | None], args: argparse.Namespace, hooks: RunnerHooks) -> list[list[int]] | None:
+    if args.no_pin_cpus:
+        return None
+    try:
+        return split_cpus(hooks.available_cpus(), len(slots))
+    except CpuSplitError as e:
+        raise CliError(f"{e}; pass --no-pin-cpus to run unpinned") from None
+
+
+def plan_run(args: argparse.Namespace, hooks: RunnerHooks) -> RunPlan:
+    if args.environment_from is not None:
+        raise CliError("--environment-from only applies with --finalize")
     try:
         tracks = parse_track_list(args.track)
         allow_unpinned = {get_track(t).name for group in args.allow_unpinned for t in group}
@@ -344,6 +420,7 @@ def plan_run(argv: Sequence[str], hooks: RunnerHooks) -> RunPlan:
     workloads = _select_workloads(tracks, args, data_dir, hooks)
     tracks = [t for t in tracks if t.name in workloads]
     slots = hooks.check_devices(args.devices)
+    cpu_sets = _cpu_shares(slots, args, hooks)
     protocol: dict[str, Any] = {
         "timer": hooks.timer_protocol(),
         "warmup": args.warmup,
@@ -367,7 +444,11 @@ def plan_run(argv: Sequence[str], hooks: RunnerHooks) -> RunPlan:
         sides.sort(key=lambda s: s.name != REFERENCE)  # stable: the reference first, the rest as resolved
         plans.append(TrackPlan(track, workloads[track.name], sides, *reference_timing[track.name]))
 
-    header = JournalHeader(seed=args.seed, protocol=protocol)
+    planned = {
+        tp.track.name: PlannedTrack(workloads=[w.uuid for w in tp.workloads], sides=[s.name for s in tp.sides])
+        for tp in plans
+    }
+    header = JournalHeader(seed=args.seed, protocol=protocol, plan=planned)
     finished: dict[tuple[str, str, str], SideRecord] = {}
     if args.resume:
         try:
@@ -390,6 +471,8 @@ def plan_run(argv: Sequence[str], hooks: RunnerHooks) -> RunPlan:
         finished=finished,
         guard_results=guard_results,
         keep_scratch=args.keep_scratch,
+        cpu_sets=cpu_sets,
+        preload=not args.no_preload,
     )
 
 
@@ -417,6 +500,10 @@ def _child_env(cuda_visible: str | None) -> dict[str, str]:
     return env
 
 
+def _slot_label(cuda_visible: str | None) -> str:
+    return cuda_visible if cuda_visible is not None else "inherited"
+
+
 def _tail(path: Path) -> str:
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
@@ -434,55 +521,56 @@ def _exit_description(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def make_launcher(plan: RunPlan, slot: int, hooks: RunnerHooks) -> Launcher:
+    """The launcher of one device slot: a fork server, or a fresh process per job (--no-preload)."""
+    cuda_visible = plan.slots[slot]
+    cpus = plan.cpu_sets[slot] if plan.cpu_sets is not None else None
+    env = _child_env(cuda_visible)
+    if not plan.preload:
+        return SubprocessLauncher(hooks.worker_command, env, hooks.worker_cwd, cpus)
+    return ForkServerLauncher(
+        hooks.worker_command,
+        hooks.preload_modules,
+        env,
+        hooks.worker_cwd,
+        cpus,
+        log_path=plan.logs_dir / f"fork-server-{_slot_label(cuda_visible)}.log",
+        # The imports a fresh worker would do inside its own timeout.
+        startup_timeout=max(plan.timeout, 60.0),
+    )
 
 
-def execute_job(
-    job: WorkerJob, cuda_visible: str | None, timeout: float, logs_dir: Path, hooks: RunnerHooks
-) -> SideResult:
-    """Run one job in its own process group and turn whatever happened into a SideResult."""
+def execute_job(job: WorkerJob, launcher: Launcher, timeout: float, logs_dir: Path) -> SideResult:
+    """Run one job in its own process and turn whatever happened into a SideResult."""
     folder = logs_dir / job.track / job.workload["uuid"]
     folder.mkdir(parents=True, exist_ok=True)
-    job_file = folder / f"{job.side.name}.job.json"
-    result_file = folder / f"{job.side.name}.result.json"
-    log_file = folder / f"{job.side.name}.log"
-    job_file.write_text(job.model_dump_json(indent=2), encoding="utf-8")
-    result_file.unlink(missing_ok=True)
+    files = JobFiles(
+        job=folder / f"{job.side.name}.job.json",
+        result=folder / f"{job.side.name}.result.json",
+        log=folder / f"{job.side.name}.log",
+    )
+    files.job.write_text(job.model_dump_json(indent=2), encoding="utf-8")
+    files.result.unlink(missing_ok=True)
+    outcome = launcher.run(files, timeout)
+    return _job_result(job, files, outcome, timeout).model_copy(update={"wall_s": round(outcome.wall_s, 3)})
 
+
+def _job_result(job: WorkerJob, files: JobFiles, outcome: JobExit, timeout: float) -> SideResult:
     def failed(status: Status, message: str) -> SideResult:
         return SideResult(side=job.side.name, status=status, pinned=job.side.pinned, message=message)
 
-    with open(log_file, "wb") as log:
-        process = subprocess.Popen(
-            [*hooks.worker_command, str(job_file), str(result_file)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=_child_env(cuda_visible),
-            cwd=hooks.worker_cwd,
-            start_new_session=True,  # its own process group: a timeout kills compilers it spawned too
-        )
+    if outcome.timed_out:
+        return failed(Status.TIMEOUT, f"no result after {timeout:g} s (killed); log {files.log}")
+    if files.result.is_file():
         try:
-            returncode = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(process.pid)
-            process.wait()
-            return failed(Status.TIMEOUT, f"no result after {timeout:g} s (killed); log {log_file}")
-        except BaseException:
-            _kill_group(process.pid)
-            process.wait()
-            raise
-        _kill_group(process.pid)  # stragglers the worker left behind
-    if result_file.is_file():
-        try:
-            return SideResult.model_validate_json(result_file.read_text(encoding="utf-8"))
+            return SideResult.model_validate_json(files.result.read_text(encoding="utf-8"))
         except ValueError as e:
-            return failed(Status.CRASH, f"unreadable result ({e.__class__.__name__}); log {log_file}")
+            return failed(Status.CRASH, f"unreadable result ({e.__class__.__name__}); log {files.log}")
+    if outcome.launcher_failure is not None or outcome.returncode is None:
+        return failed(Status.CRASH, f"{outcome.launcher_failure}; log {files.log}\n{_tail(files.log)}")
+    returncode = outcome.returncode
     reason = _exit_description(returncode) if returncode != 0 else "exited without writing a result"
-    return failed(Status.CRASH, f"worker {reason}; log {log_file}\n{_tail(log_file)}")
+    return failed(Status.CRASH, f"worker {reason}; log {files.log}\n{_tail(files.log)}")
 
 
 class RunState:
@@ -493,11 +581,14 @@ class RunState:
 
         self.plan = plan
         self.lock = threading.Lock()
+        self.stopping = threading.Event()
         self.progress = tqdm(total=total, unit="job", disable=not show_progress, file=sys.stderr)
 
     def record(self, key: WorkloadKey, result: SideResult) -> SideRecord:
         record = SideRecord(workload=key, result=result)
         with self.lock:
+            if self.stopping.is_set():  # an interrupted run records nothing more
+                raise LaunchStopped
             self.plan.journal.append(record)
             self.progress.set_postfix_str(f"{key.track} {key.index} {result.side}: {result.status}", refresh=False)
             self.progress.update(1)
@@ -524,9 +615,7 @@ def _reference_outputs_stored(plan: RunPlan, track: str, uuid: str) -> bool:
     return all(reference_output_path(plan.scratch_dir, track, uuid, t).is_file() for t in range(plan.trials))
 
 
-def run_workload(
-    plan: RunPlan, tp: TrackPlan, workload: Any, cuda_visible: str | None, state: RunState, hooks: RunnerHooks
-) -> None:
+def run_workload(plan: RunPlan, tp: TrackPlan, workload: Any, launcher: Launcher, state: RunState) -> None:
     """The reference of one workload, then its other pending sides, on one device."""
     key = _workload_key(plan, tp, workload)
     pending = _pending_sides(plan, tp, workload)
@@ -546,7 +635,7 @@ def run_workload(
         )
 
     def execute(side: Side, warmup: int, iterations: int) -> SideResult:
-        return execute_job(job(side, warmup, iterations), cuda_visible, plan.timeout, plan.logs_dir, hooks)
+        return execute_job(job(side, warmup, iterations), launcher, plan.timeout, plan.logs_dir)
 
     reference_side = tp.sides[0]
     others = [s for s in pending if s.name != REFERENCE]
@@ -579,26 +668,109 @@ def run_workload(
 
 
 def run_plan(plan: RunPlan, hooks: RunnerHooks) -> None:
+    """Every pending job, one at a time per device; on any exception (an interrupt included) the
+    running jobs are killed, nothing more is recorded, and the exception propagates."""
     work = [(tp, w) for tp in plan.tracks for w in tp.workloads]
     total = sum(len(_pending_sides(plan, tp, w)) for tp, w in work)
     state = RunState(plan, total, hooks.show_progress)
-    slots: Queue[str | None] = Queue()
-    for slot in plan.slots:
-        slots.put(slot)
+    launchers = [make_launcher(plan, slot, hooks) for slot in range(len(plan.slots))]
+    free: Queue[Launcher] = Queue()
+    for launcher in launchers:
+        free.put(launcher)
 
     def on_free_device(tp: TrackPlan, workload: Any) -> None:
-        slot = slots.get()  # one worker at a time per device
+        launcher = free.get()  # one worker at a time per device
         try:
-            run_workload(plan, tp, workload, slot, state, hooks)
+            run_workload(plan, tp, workload, launcher, state)
         finally:
-            slots.put(slot)
+            free.put(launcher)
 
+    pool = ThreadPoolExecutor(max_workers=len(launchers))
     try:
-        with ThreadPoolExecutor(max_workers=len(plan.slots)) as pool:
-            for future in [pool.submit(on_free_device, tp, w) for tp, w in work]:
-                future.result()
+        futures = [pool.submit(on_free_device, tp, w) for tp, w in work]
+        # Wake on the first failure (a fork server that cannot start), not after the jobs before it.
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in done:
+            future.result()
+    except BaseException:
+        state.stopping.set()
+        for launcher in launchers:
+            launcher.stop()
+        raise
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for launcher in launchers:
+            launcher.close()
         state.progress.close()
+
+
+# ------------------------------------------------------------------------------------------
+# Results from the journal: at the end of a run, when it is interrupted, and --finalize
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _print_results(results: ResultsFile, output: Path) -> None:
+    print(format_summary_table(results.summary))
+    partial = format_completeness(results.completeness) if results.completeness is not None else None
+    if partial:
+        print(partial)
+    print(f"results: {output} and {csv_path_for(output)}")
+
+
+def _read_journal(journal: Journal) -> tuple[JournalHeader, list[SideRecord]]:
+    try:
+        return journal.read()
+    except (JournalMismatchError, ValueError) as e:
+        raise CliError(f"{journal.path}: {str(e).splitlines()[0]}") from None
+
+
+def _environment_of(results_json: Path) -> EnvironmentRecord:
+    """The environment record of another results JSON."""
+    try:
+        data = json.loads(results_json.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise CliError(f"--environment-from {results_json}: {e.strerror or e}") from None
+    except ValueError:
+        raise CliError(f"--environment-from {results_json} is not JSON") from None
+    if not isinstance(data, dict) or not isinstance(data.get("environment"), dict):
+        raise CliError(f"--environment-from {results_json} has no environment record")
+    try:
+        return EnvironmentRecord.model_validate(data["environment"])
+    except ValueError:
+        raise CliError(f"--environment-from {results_json}: its environment record is not valid") from None
+
+
+def finalize(args: argparse.Namespace) -> int:
+    """--finalize: the JSON and CSV of an existing journal, nothing run, no GPU needed."""
+    if args.resume:
+        raise CliError("--finalize writes an existing journal's results and cannot be combined with --resume")
+    if args.output is None:
+        raise CliError("--finalize needs --output, the results JSON whose journal to write out")
+    output = args.output.absolute()
+    if output.suffix != ".json":
+        raise CliError(f"--output must name a .json file, got {output.name}")
+    journal = Journal(Journal.path_for(output))
+    if not journal.exists():
+        raise CliError(f"nothing to finalize: {journal.path} does not exist")
+    header, records = _read_journal(journal)
+    if args.environment_from is not None:
+        if header.environment is not None:
+            raise CliError(
+                f"{journal.path} records its own environment; --environment-from is for journals without one"
+            )
+        environment = _environment_of(args.environment_from)
+        source = f"{args.environment_from} (attached at finalize)"
+    elif header.environment is None:
+        raise CliError(
+            f"{journal.path} records no environment; pass --environment-from RESULTS.json to attach another run's"
+        )
+    else:
+        environment, source = header.environment, "journal header"
+    _print_results(write_journal_results(output, header, records, environment, source), output)
+    return 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -612,30 +784,113 @@ def _environment_request(plan: RunPlan) -> EnvironmentRequest:
         data_sources={tp.track.name: sorted({w.data_source for w in tp.workloads}) for tp in plan.tracks},
         human_guard=guard_summary(plan.guard_results),
         devices=[int(s) for s in plan.slots if s is not None and s.isdigit()],
+        cpu_affinity=(
+            {_slot_label(slot): cpus for slot, cpus in zip(plan.slots, plan.cpu_sets, strict=True)}
+            if plan.cpu_sets is not None
+            else None
+        ),
+        worker_launch="fork-server" if plan.preload else "subprocess",
     )
+
+
+def open_journal(plan: RunPlan, hooks: RunnerHooks) -> JournalHeader:
+    """Create the journal with the environment in its header, or, resuming, note the resume in it.
+
+    A resume keeps the header's environment; a journal written before the header held one
+    gets this run's.
+    """
+    if not plan.resume:
+        environment = hooks.collect_environment(_environment_request(plan), plan.slots[0], plan.logs_dir)
+        header = plan.header.model_copy(update={"environment": environment})
+        plan.journal.create(header)
+        return header
+    header, records = _read_journal(plan.journal)
+    environment = header.environment or hooks.collect_environment(
+        _environment_request(plan), plan.slots[0], plan.logs_dir
+    )
+    earlier_plan = header.plan if header.plan is not None else plan_from_records(records)
+    header = header.model_copy(
+        update={
+            "environment": environment,
+            "plan": merge_plans(earlier_plan, plan.header.plan),
+            "resumed_at": [*header.resumed_at, _now()],
+        }
+    )
+    plan.journal.rewrite_header(header)
+    return header
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGINT raise RunInterrupted in the main thread, once: a second signal while
+    the partial results are written is ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised = False
+
+    def interrupt(signum: int, frame: Any) -> None:
+        nonlocal raised
+        if not raised:
+            raised = True
+            raise RunInterrupted(signum)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _stop_early(plan: RunPlan, why: str, exit_code: int) -> int:
+    """Write what the journal holds as partial results, say why the run stopped, return exit_code."""
+    print(f"{PROG}: {why}", file=sys.stderr)
+    if not plan.journal.exists():
+        print(f"{PROG}: nothing was recorded", file=sys.stderr)
+        return exit_code
+    header, records = plan.journal.read()
+    if header.environment is None:
+        print(f"{PROG}: {plan.journal.path} kept; --finalize --environment-from writes its results", file=sys.stderr)
+        return exit_code
+    results = write_journal_results(plan.output, header, records, header.environment, "journal header")
+    _print_results(results, plan.output)
+    print(f"{PROG}: continue with --resume --output {plan.output}", file=sys.stderr)
+    return exit_code
+
+
+def execute_run(plan: RunPlan, hooks: RunnerHooks) -> int:
+    plan.output.parent.mkdir(parents=True, exist_ok=True)
+    plan.logs_dir.mkdir(parents=True, exist_ok=True)
+    with _signals_interrupt():
+        try:
+            open_journal(plan, hooks)
+            run_plan(plan, hooks)
+        except (RunInterrupted, KeyboardInterrupt) as e:
+            signum = e.signum if isinstance(e, RunInterrupted) else signal.SIGINT
+            return _stop_early(plan, f"interrupted by {signal.Signals(signum).name}", 128 + signum)
+        except WorkerPoolError as e:
+            return _stop_early(plan, str(e), 1)
+        except Exception as e:  # a bug: keep what was recorded, then show the traceback
+            _stop_early(plan, f"stopped by {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", 1)
+            raise
+    header, records = plan.journal.read()
+    assert header.environment is not None  # open_journal put it there
+    results = write_journal_results(plan.output, header, records, header.environment, "journal header")
+    if not plan.keep_scratch:
+        shutil.rmtree(plan.scratch_dir, ignore_errors=True)
+    _print_results(results, plan.output)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None, hooks: RunnerHooks | None = None) -> int:
     hooks = hooks or RunnerHooks()
     try:
-        plan = plan_run(sys.argv[1:] if argv is None else argv, hooks)
+        args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+        if args.finalize:
+            return finalize(args)
+        plan = plan_run(args, hooks)
     except CliError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-
-    plan.output.parent.mkdir(parents=True, exist_ok=True)
-    if not plan.resume:
-        plan.journal.create(plan.header)
-    plan.logs_dir.mkdir(parents=True, exist_ok=True)
-    environment = hooks.collect_environment(_environment_request(plan), plan.slots[0], plan.logs_dir)
-
-    run_plan(plan, hooks)
-
-    _, records = plan.journal.read()
-    rows = build_rows(records)
-    results = write_results(plan.output, environment, rows)
-    if not plan.keep_scratch:
-        shutil.rmtree(plan.scratch_dir, ignore_errors=True)
-    print(format_summary_table(results.summary))
-    print(f"results: {plan.output} and {csv_path_for(plan.output)}")
-    return 0
+    return execute_run(plan, hooks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 from pathlib import Path
 
@@ -13,18 +14,23 @@ from hopperbench.results import (
     Journal,
     JournalHeader,
     JournalMismatchError,
+    PlannedTrack,
     SideRecord,
     SideResult,
     Status,
     WorkloadKey,
     WorkloadRow,
+    assess_completeness,
     build_rows,
     csv_columns,
     csv_path_for,
+    format_completeness,
+    merge_plans,
     parse_axes,
     read_csv_rows,
     read_results,
     summarize,
+    write_journal_results,
     write_results,
 )
 
@@ -227,6 +233,97 @@ def test_build_rows_last_record_wins_and_orders_rows() -> None:
     assert [r.index for r in rows] == [0, 1]
     assert rows[0].sides["ours"].status == Status.PASSED
     assert rows[0].speedup_vs_reference == pytest.approx(4.0)
+
+
+def test_journal_header_keeps_environment_plan_and_resumes_and_reads_old_headers(tmp_path: Path) -> None:
+    env = EnvironmentRecord(gpu_name="NVIDIA H200", cpu_affinity={"0": [0, 1]}, worker_launch="fork-server")
+    header = JournalHeader(seed=0, protocol={"iterations": 50}, environment=env,
+                           plan={"moe": PlannedTrack(workloads=["a", "b"], sides=["reference", "ours"])},
+                           resumed_at=["2026-01-01T00:00:00+00:00"])  # fmt: skip
+    journal = Journal(tmp_path / "new.journal.jsonl")
+    journal.create(header)
+    assert journal.read()[0] == header
+
+    old = Journal(tmp_path / "old.journal.jsonl")
+    record = SideRecord(workload=key(0), result=passed("ours", 1.0))
+    old.path.write_text('{"kind": "header", "seed": 0, "protocol": {"iterations": 50}}\n' + record.model_dump_json())
+    old_header, records = old.read()
+    assert old_header.environment is None and old_header.plan is None and old_header.resumed_at == []
+    assert records == [record]
+    assert old.check_resumable(JournalHeader(seed=0, protocol={"iterations": 50}, environment=env)) == [record]
+
+
+def test_rewrite_header_keeps_records_and_drops_a_torn_tail(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.journal.jsonl")
+    journal.create(JournalHeader(seed=0, protocol={}))
+    records = [SideRecord(workload=key(i), result=passed("ours", 1.0 + i)) for i in range(2)]
+    for record in records:
+        journal.append(record)
+    with open(journal.path, "a") as f:
+        f.write('{"workload": {"track": "mo')
+    new_header = JournalHeader(seed=0, protocol={}, environment=EnvironmentRecord(gpu_name="x"), resumed_at=["t"])
+    journal.rewrite_header(new_header)
+    late = SideRecord(workload=key(2), result=passed("ours", 9.0))
+    journal.append(late)
+    assert journal.read() == (new_header, [*records, late])
+
+
+def test_merge_plans_is_an_ordered_union() -> None:
+    first = {"moe": PlannedTrack(workloads=["a", "b"], sides=["reference", "ours"])}
+    second = {
+        "moe": PlannedTrack(workloads=["b", "c"], sides=["reference", "human"]),
+        "gdn_prefill": PlannedTrack(workloads=["g"], sides=["reference"]),
+    }
+    merged = merge_plans(first, None, second)
+    assert merged["moe"] == PlannedTrack(workloads=["a", "b", "c"], sides=["reference", "ours", "human"])
+    assert merged["gdn_prefill"] == second["gdn_prefill"]
+
+
+def test_completeness_counts_workloads_with_every_planned_side() -> None:
+    records = [
+        SideRecord(workload=key(0), result=passed("reference", 4.0)),
+        SideRecord(workload=key(0), result=SideResult(side="ours", status=Status.CRASH)),  # recorded counts
+        SideRecord(workload=key(1), result=passed("reference", 4.0)),
+    ]
+    plan = {"moe": PlannedTrack(workloads=[key(i).uuid for i in range(3)], sides=["reference", "ours"])}
+    completeness = assess_completeness(plan, records)
+    assert completeness.partial and (completeness.planned, completeness.complete) == (3, 1)
+    assert completeness.tracks["moe"].planned == 3 and completeness.plan_source == "journal header"
+    assert format_completeness(completeness) == "partial: 1 of 3 workloads have every planned side recorded (moe 1/3)"
+    # Without a stored plan: the recorded workloads, each expected to have every side seen in its track.
+    derived = assess_completeness(None, records)
+    assert (derived.planned, derived.complete, derived.plan_source) == (2, 1, "journal records")
+    complete = assess_completeness(plan, [*records, *(SideRecord(workload=key(i), result=passed(s, 1.0))
+                                                       for i in (1, 2) for s in ("reference", "ours"))])  # fmt: skip
+    assert not complete.partial and format_completeness(complete) is None
+
+
+def test_journal_results_carry_completeness_source_and_resumes(tmp_path: Path) -> None:
+    plan = {"moe": PlannedTrack(workloads=[key(0).uuid, key(1).uuid], sides=["reference"])}
+    header = JournalHeader(seed=0, protocol={}, resumed_at=["2026-01-02T03:04:05+00:00"], plan=plan)
+    records = [SideRecord(workload=key(0), result=passed("reference", 4.0))]
+    output = tmp_path / "results.json"
+    written = write_journal_results(
+        output, header, records, EnvironmentRecord(gpu_name="g"), "x (attached at finalize)"
+    )
+    back = read_results(output)
+    assert back == written
+    assert back.environment_source == "x (attached at finalize)"
+    assert back.resumed_at == header.resumed_at
+    assert back.completeness is not None and back.completeness.partial and len(back.rows) == 1
+
+
+def test_results_written_before_completeness_still_read(tmp_path: Path) -> None:
+    output = tmp_path / "results.json"
+    write_results(output, EnvironmentRecord(), [row(0, [passed("ours", 1.0), passed("reference", 2.0)])])
+    data = json.loads(output.read_text())
+    for field in ("environment_source", "resumed_at", "completeness"):
+        del data[field]
+    for side in data["rows"][0]["sides"].values():
+        del side["wall_s"]
+    output.write_text(json.dumps(data))
+    back = read_results(output)
+    assert back.completeness is None and back.rows[0].speedup_vs_reference == pytest.approx(2.0)
 
 
 # ------------------------------------------------------------------------------------------

@@ -7,18 +7,21 @@ import os
 import signal
 import sys
 import textwrap
+import threading
 import time
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from hopperbench import runner
 from hopperbench.environment import EnvironmentRecord
-from hopperbench.results import Journal, Status, read_results
+from hopperbench.results import Journal, Status, read_results, write_results
 from hopperbench.runner import RunnerHooks, main
 from hopperbench.sides import Side, SideKind
 from hopperbench.tracks import TRACKS
+from hopperbench.worker_pool import split_cpus
 
 # A stand-in for `python -m hopperbench.worker JOB.json RESULT.json`. It logs each call,
 # writes the reference's scratch files like the real one, and misbehaves on demand
@@ -32,7 +35,8 @@ FAKE_WORKER = textwrap.dedent(
     side, uuid = job["side"]["name"], job["workload"]["uuid"]
     with open(os.environ["FAKE_WORKER_LOG"], "a") as log:
         log.write(json.dumps({"side": side, "uuid": uuid, "iterations": job["iterations"],
-                              "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\\n")
+                              "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                              "cpus": sorted(os.sched_getaffinity(0))}) + "\\n")
     mode = os.environ.get("FAKE_WORKER_MODE", "")
     if side == "ours" and mode == "segv":
         print("about to touch an illegal address", file=sys.stderr, flush=True)
@@ -75,11 +79,19 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RunnerHooks:
         timer_protocol=lambda: {"name": "fake-timer"},
         guard=lambda tracks, allow: {},
         sides_for=fake_sides,
-        collect_environment=lambda request, slot, folder: EnvironmentRecord(
-            seed=request.seed, protocol=request.protocol
-        ),
+        collect_environment=fake_environment,
         show_progress=False,
+        preload_modules=(),  # the fork server's imports are tested in test_worker_pool.py
     )
+
+
+def fake_environment(request, slot, folder) -> EnvironmentRecord:
+    return EnvironmentRecord(seed=request.seed, protocol=request.protocol, cpu_affinity=request.cpu_affinity,
+                             worker_launch=request.worker_launch, timestamp=time.strftime("%H:%M:%S"))  # fmt: skip
+
+
+# Every test that exercises worker processes runs through both launch paths.
+LAUNCHES = [pytest.param([], id="fork-server"), pytest.param(["--no-preload"], id="subprocess")]
 
 
 def calls(tmp_path: Path) -> list[dict]:
@@ -97,9 +109,10 @@ def run_args(out: Path, *extra: str) -> list[str]:
     return ["--track", "moe", "--max-workloads", "2", "--iterations", "2", "--output", str(out), *extra]
 
 
-def test_full_run_writes_json_csv_and_journal(fake: RunnerHooks, tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_full_run_writes_json_csv_and_journal(fake: RunnerHooks, tmp_path: Path, capsys, launch) -> None:
     out = tmp_path / "run" / "results.json"
-    assert main(run_args(out), fake) == 0
+    assert main(run_args(out, *launch), fake) == 0
     results = read_results(out)
     assert [r.uuid for r in results.rows] == moe_uuids(2)
     row = results.rows[0]
@@ -116,7 +129,17 @@ def test_full_run_writes_json_csv_and_journal(fake: RunnerHooks, tmp_path: Path,
     assert [c["side"] for c in sequence] == ["reference", "ours"] * 2
     assert not (tmp_path / "run" / "results.scratch").exists()  # removed at the end
     stdout = capsys.readouterr().out
-    assert "vs reference" in stdout and "5x (2)" in stdout
+    assert "vs reference" in stdout and "5x (2)" in stdout and "partial" not in stdout
+    # The environment was collected once, before any job, and the results carry the header's.
+    header, _ = Journal(Journal.path_for(out)).read()
+    assert header.environment is not None and results.environment == header.environment
+    assert results.environment_source == "journal header"
+    assert results.environment.worker_launch == ("subprocess" if launch else "fork-server")
+    assert header.plan is not None and header.plan["moe"].workloads == moe_uuids(2)
+    assert header.plan["moe"].sides == ["reference", "ours", "human"]
+    assert results.completeness is not None and not results.completeness.partial
+    assert (results.completeness.planned, results.completeness.complete) == (2, 2)
+    assert (row.sides["ours"].wall_s or 0) > 0 and row.sides["human"].wall_s is None
 
 
 def test_resume_runs_only_what_the_journal_lacks(fake: RunnerHooks, tmp_path: Path) -> None:
@@ -176,10 +199,11 @@ def test_existing_output_needs_resume(fake: RunnerHooks, tmp_path: Path, capsys)
     assert "--resume" in capsys.readouterr().err
 
 
-def test_crash_is_reported_with_the_log_tail(fake: RunnerHooks, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_crash_is_reported_with_the_log_tail(fake: RunnerHooks, tmp_path: Path, monkeypatch, launch) -> None:
     monkeypatch.setenv("FAKE_WORKER_MODE", "segv")
     out = tmp_path / "results.json"
-    assert main(run_args(out, "--max-workloads", "1"), fake) == 0
+    assert main(run_args(out, "--max-workloads", "1", *launch), fake) == 0
     ours = read_results(out).rows[0].sides["ours"]
     assert ours.status == Status.CRASH
     assert "SIGSEGV" in (ours.message or "")
@@ -187,11 +211,12 @@ def test_crash_is_reported_with_the_log_tail(fake: RunnerHooks, tmp_path: Path, 
     assert read_results(out).rows[0].sides["reference"].status == Status.PASSED
 
 
-def test_timeout_kills_the_whole_process_group(fake: RunnerHooks, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_timeout_kills_the_whole_process_group(fake: RunnerHooks, tmp_path: Path, monkeypatch, launch) -> None:
     monkeypatch.setenv("FAKE_WORKER_MODE", "sleep")
     out = tmp_path / "results.json"
     started = time.monotonic()
-    assert main(run_args(out, "--max-workloads", "1", "--timeout", "1.5"), fake) == 0
+    assert main(run_args(out, "--max-workloads", "1", "--timeout", "1.5", *launch), fake) == 0
     assert time.monotonic() - started < 30
     ours = read_results(out).rows[0].sides["ours"]
     assert ours.status == Status.TIMEOUT
@@ -216,14 +241,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_reference_failure_gives_no_reference(fake: RunnerHooks, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_reference_failure_gives_no_reference(fake: RunnerHooks, tmp_path: Path, monkeypatch, launch) -> None:
     broken = tmp_path / "broken_worker.py"
     broken.write_text(
         FAKE_WORKER.replace('if side == "reference":', 'if side == "reference":\n    sys.exit(3)\nif False:')
     )
     hooks = replace(fake, worker_command=(sys.executable, str(broken)))
     out = tmp_path / "results.json"
-    assert main(run_args(out, "--max-workloads", "1"), hooks) == 0
+    assert main(run_args(out, "--max-workloads", "1", *launch), hooks) == 0
     row = read_results(out).rows[0]
     assert row.sides["reference"].status == Status.CRASH
     assert "exit code 3" in (row.sides["reference"].message or "")
@@ -231,9 +257,10 @@ def test_reference_failure_gives_no_reference(fake: RunnerHooks, tmp_path: Path,
     assert [c["side"] for c in calls(tmp_path)] == ["reference"]
 
 
-def test_devices_keep_a_workload_on_one_device(fake: RunnerHooks, tmp_path: Path) -> None:
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_devices_keep_a_workload_on_one_device(fake: RunnerHooks, tmp_path: Path, launch) -> None:
     out = tmp_path / "results.json"
-    assert main(run_args(out, "--max-workloads", "3", "--devices", "0,1"), fake) == 0
+    assert main(run_args(out, "--max-workloads", "3", "--devices", "0,1", *launch), fake) == 0
     by_uuid: dict[str, set] = {}
     for c in calls(tmp_path):
         by_uuid.setdefault(c["uuid"], set()).add(c["cuda"])
@@ -393,3 +420,235 @@ def test_resume_with_another_track_selection(fake: RunnerHooks, tmp_path: Path) 
     assert main(["--track", "all", "--iterations", "1", "--output", str(out), "--resume"], hooks) == 0
     assert {c["uuid"] for c in calls(tmp_path)} == {"gdn_prefill-0", "dsa_attention-0"}
     assert {r.track for r in read_results(out).rows} == {"moe", "gdn_prefill", "dsa_attention"}
+
+
+# ------------------------------------------------------------------------------------------
+# The environment in the journal header; resume
+
+
+def drop_lines(journal: Journal, fragment: str, keep_last: int = 0) -> None:
+    """Simulate a run killed early: remove journal records containing `fragment` (but the first `keep_last`)."""
+    lines = journal.path.read_text().splitlines()
+    matching = [i for i, line in enumerate(lines) if i > 0 and fragment in line]
+    dropped = set(matching[keep_last:])
+    journal.path.write_text("".join(line + "\n" for i, line in enumerate(lines) if i not in dropped))
+
+
+def make_old_style(journal: Journal) -> None:
+    """Rewrite the header as journals were before it held the environment and the plan."""
+    lines = journal.path.read_text().splitlines()
+    header = json.loads(lines[0])
+    lines[0] = json.dumps({k: header[k] for k in ("kind", "seed", "protocol")})
+    journal.path.write_text("\n".join(lines) + "\n")
+
+
+def test_resume_keeps_the_header_environment_and_notes_the_resume(fake: RunnerHooks, tmp_path: Path) -> None:
+    collected = []
+
+    def counting(request, slot, folder):
+        collected.append(request)
+        return fake_environment(request, slot, folder)
+
+    hooks = replace(fake, collect_environment=counting)
+    out = tmp_path / "results.json"
+    assert main(run_args(out, "--sides", "ours,reference"), hooks) == 0
+    assert len(collected) == 1
+    journal = Journal(Journal.path_for(out))
+    original, _ = journal.read()
+    drop_lines(journal, '"side":"ours"')
+    with open(journal.path, "a") as f:
+        f.write('{"workload": {"track": "mo')  # and torn mid-write
+    out.unlink()
+
+    assert main(run_args(out, "--sides", "ours,reference", "--resume"), hooks) == 0
+    assert len(collected) == 1  # not collected again
+    header, records = journal.read()  # the torn line is gone, not glued to the next record
+    assert len(records) == 4
+    assert header.environment == original.environment
+    assert len(header.resumed_at) == 1 and datetime.fromisoformat(header.resumed_at[0]).tzinfo is not None
+    results = read_results(out)
+    assert results.environment == original.environment and results.resumed_at == header.resumed_at
+    assert results.completeness is not None and not results.completeness.partial
+
+
+def test_resuming_a_journal_without_environment_records_one(fake: RunnerHooks, tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    assert main(run_args(out, "--sides", "ours,reference"), fake) == 0
+    journal = Journal(Journal.path_for(out))
+    make_old_style(journal)
+    drop_lines(journal, '"side":"ours"')
+    assert journal.read()[0].environment is None  # still readable
+    assert main(run_args(out, "--sides", "ours,reference", "--resume"), fake) == 0
+    header, _ = journal.read()
+    assert header.environment is not None and header.environment.protocol == header.protocol
+    assert header.plan is not None and header.plan["moe"].workloads == moe_uuids(2)
+    assert sorted(header.plan["moe"].sides) == ["ours", "reference"]
+
+
+# ------------------------------------------------------------------------------------------
+# --finalize
+
+
+def machine_free(fake: RunnerHooks) -> RunnerHooks:
+    """Hooks that fail the test if --finalize touches the GPU, the guard, the workloads or the environment."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("--finalize must not touch the machine")
+
+    return replace(fake, check_devices=refuse, timer_protocol=refuse, guard=refuse, collect_environment=refuse,
+                   load_workloads=refuse, sides_for=refuse)  # fmt: skip
+
+
+def test_finalize_writes_partial_results_from_the_journal_alone(fake: RunnerHooks, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "results.json"
+    assert main(run_args(out), fake) == 0
+    journal = Journal(Journal.path_for(out))
+    drop_lines(journal, '"side":"ours"', keep_last=1)
+    out.unlink()
+    out.with_suffix(".csv").unlink()
+    (tmp_path / "calls.jsonl").unlink()
+    capsys.readouterr()
+
+    assert main(["--finalize", "--output", str(out)], machine_free(fake)) == 0
+    assert calls(tmp_path) == []
+    results = read_results(out)
+    assert out.with_suffix(".csv").is_file()
+    completeness = results.completeness
+    assert completeness is not None and completeness.partial
+    assert (completeness.planned, completeness.complete) == (2, 1)
+    assert completeness.tracks["moe"].complete == 1 and completeness.plan_source == "journal header"
+    assert len(results.rows) == 2  # only recorded rows: one of them lacks "ours"
+    assert sorted("ours" in r.sides for r in results.rows) == [False, True]
+    assert results.environment == journal.read()[0].environment
+    stdout = capsys.readouterr().out
+    assert "partial: 1 of 2 workloads" in stdout
+
+
+def test_finalize_attaches_another_runs_environment(fake: RunnerHooks, tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    assert main(run_args(out), fake) == 0
+    make_old_style(Journal(Journal.path_for(out)))
+    other = tmp_path / "h200" / "results.json"
+    write_results(other, EnvironmentRecord(gpu_name="NVIDIA H200", sm_count=132), [])
+    assert main(["--finalize", "--output", str(out), "--environment-from", str(other)], machine_free(fake)) == 0
+    results = read_results(out)
+    assert results.environment.gpu_name == "NVIDIA H200"
+    assert results.environment_source == f"{other} (attached at finalize)"
+    assert results.completeness is not None and results.completeness.plan_source == "journal records"
+    assert not results.completeness.partial and len(results.rows) == 2
+
+
+def test_finalize_refusals_are_one_line(fake: RunnerHooks, tmp_path: Path, capsys) -> None:
+    with_env = tmp_path / "with_env.json"
+    assert main(run_args(with_env, "--max-workloads", "1"), fake) == 0
+    without_env = tmp_path / "without_env.json"
+    assert main(run_args(without_env, "--max-workloads", "1"), fake) == 0
+    make_old_style(Journal(Journal.path_for(without_env)))
+    without_env.unlink()
+    capsys.readouterr()
+    journal_file = str(Journal.path_for(with_env))
+    cases = [
+        (["--finalize"], "--finalize needs --output"),
+        (["--finalize", "--output", str(tmp_path / "none.json")], "nothing to finalize"),
+        (["--finalize", "--resume", "--output", str(with_env)], "cannot be combined with --resume"),
+        (["--finalize", "--output", str(without_env)], "records no environment; pass --environment-from"),
+        (["--finalize", "--output", str(with_env), "--environment-from", str(with_env)], "its own environment"),
+        (["--finalize", "--output", str(without_env), "--environment-from", str(tmp_path / "no.json")], "no.json"),
+        (["--finalize", "--output", str(without_env), "--environment-from", journal_file], "is not JSON"),
+        ([*run_args(with_env), "--resume", "--environment-from", str(with_env)], "only applies with --finalize"),
+    ]
+    for argv, fragment in cases:
+        assert main(argv, machine_free(fake)) == 2, argv
+        err = capsys.readouterr().err
+        assert fragment in err and err.count("\n") == 1 and err.startswith("compare_human_best: error:"), err
+    assert not without_env.exists()
+
+
+# ------------------------------------------------------------------------------------------
+# Interruptions
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_an_interrupted_run_writes_partial_results_and_resumes(
+    fake: RunnerHooks, tmp_path: Path, monkeypatch, capsys, launch, signum
+) -> None:
+    monkeypatch.setenv("FAKE_WORKER_MODE", "sleep")  # "ours" hangs: interrupt it while it runs
+    child_file = tmp_path / "child.pid"
+
+    def interrupt_while_ours_runs() -> None:
+        deadline = time.monotonic() + 30
+        while not (child_file.exists() and child_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=interrupt_while_ours_runs, daemon=True).start()
+    out = tmp_path / "results.json"
+    started = time.monotonic()
+    assert main(run_args(out, *launch), fake) == 128 + signum
+    assert time.monotonic() - started < 30
+    results = read_results(out)
+    assert results.completeness is not None and results.completeness.partial
+    assert (results.completeness.planned, results.completeness.complete) == (2, 0)
+    assert [set(r.sides) for r in results.rows] == [{"reference"}]  # nothing recorded for the killed job
+    assert not _alive(int(child_file.read_text()))
+    captured = capsys.readouterr()
+    assert f"interrupted by {signal.Signals(signum).name}" in captured.err and "--resume" in captured.err
+    assert "partial: 0 of 2 workloads" in captured.out
+
+    monkeypatch.delenv("FAKE_WORKER_MODE")
+    assert main(run_args(out, "--resume", *launch), fake) == 0
+    resumed = read_results(out)
+    assert resumed.completeness is not None and not resumed.completeness.partial
+    assert all(r.sides["ours"].status == Status.PASSED for r in resumed.rows)
+
+
+def test_a_fork_server_that_cannot_start_stops_the_run(fake: RunnerHooks, tmp_path: Path, monkeypatch, capsys) -> None:
+    (tmp_path / "dies_on_import.py").write_text("import os\nos._exit(5)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    out = tmp_path / "results.json"
+    assert main(run_args(out), replace(fake, preload_modules=("dies_on_import",))) == 1
+    err = capsys.readouterr().err
+    assert "fork server did not start" in err and "exit code 5" in err and "--no-preload" in err
+    assert calls(tmp_path) == []
+    results = read_results(out)  # what there is (nothing) is still written, marked partial
+    assert results.rows == [] and results.completeness is not None and results.completeness.partial
+
+
+# ------------------------------------------------------------------------------------------
+# CPU pinning
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores")
+def test_each_device_gets_its_own_cores_and_the_record_says_which(fake: RunnerHooks, tmp_path: Path) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    shares = split_cpus(cores, 2)
+    out = tmp_path / "pinned.json"
+    assert main(run_args(out, "--max-workloads", "3", "--devices", "0,1"), fake) == 0
+    seen = {(c["cuda"], tuple(c["cpus"])) for c in calls(tmp_path)}
+    assert seen and all(cpus == tuple(shares[int(device)]) for device, cpus in seen)
+    assert read_results(out).environment.cpu_affinity == {"0": shares[0], "1": shares[1]}
+
+    (tmp_path / "calls.jsonl").unlink()
+    out = tmp_path / "unpinned.json"
+    assert main(run_args(out, "--max-workloads", "1", "--no-pin-cpus"), fake) == 0
+    assert {tuple(c["cpus"]) for c in calls(tmp_path)} == {tuple(cores)}
+    assert read_results(out).environment.cpu_affinity is None
+
+
+def test_fewer_cores_than_devices_is_refused(fake: RunnerHooks, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out" / "results.json"
+    assert main(run_args(out, "--devices", "0,1"), replace(fake, available_cpus=lambda: {0})) == 2
+    err = capsys.readouterr().err
+    assert "2 devices but only 1" in err and "--no-pin-cpus" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_an_unexpected_error_keeps_the_partial_results_and_raises(fake: RunnerHooks, tmp_path: Path, launch) -> None:
+    out = tmp_path / "results.json"
+    hooks = replace(fake, worker_cwd=tmp_path / "gone")  # spawning any worker fails
+    with pytest.raises(FileNotFoundError):
+        main(run_args(out, *launch), hooks)
+    results = read_results(out)
+    assert results.rows == [] and results.completeness is not None and results.completeness.partial

@@ -1,0 +1,746 @@
+"""Launching worker processes: one process per job, either spawned fresh or forked from a warm server.
+
+Two launchers run a worker command (`python -m hopperbench.worker JOB.json RESULT.json`,
+or a test's `python script.py JOB.json RESULT.json`) for one job at a time and report
+how it ended as a `JobExit`:
+
+- `SubprocessLauncher` spawns the command as a new process for every job. Every job pays
+  the interpreter start and the imports of torch, triton, flashinfer_bench, ...
+- `ForkServerLauncher` keeps one long-lived server process per device (this module run as
+  `python -m hopperbench.worker_pool CONFIG_JSON`), started with that device's environment
+  (CUDA_VISIBLE_DEVICES) and CPU cores. The server imports the heavy modules once, checks
+  that doing so did not initialise CUDA, and then `os.fork()`s one child per job; the child
+  runs the worker command's module `main(argv)` (or script) and exits.
+
+Isolation guarantees of the fork server, and where they differ from a fresh process:
+
+- One job, one process. Every job runs in its own child, forked from a server that never
+  runs job code: it only imports modules. So every child starts from the same state (the
+  imported modules, untouched), and nothing a job does (its CUDA context, memory, module
+  globals, caches, environment or working-directory changes, a corrupted heap) can reach
+  the next job or the server.
+- No CUDA in the server. CUDA cannot survive a fork; the server refuses to start (and to
+  fork) if `torch.cuda.is_initialized()` is true, or if the CUDA driver library is loaded
+  and a canary child cannot initialise it (a bare cuInit, as `torch.cuda.is_available()`
+  does, also breaks forked children), so each child creates its own context.
+- A crash, an illegal address or a hang stays the job's. The child leads its own process
+  group (set by both the server and the child, so there is no window in which it is not);
+  a timeout kills that whole group, compilers it spawned included. The server reports the
+  child's exit status; its stdout and stderr go to the job's log file; its result is the
+  result file it writes, as with a fresh process.
+- Cleanup without the runner. If the runner dies, the server sees its request pipe close,
+  kills the running child's group and exits. If the server dies (or is killed to stop or
+  replace it), the running child gets SIGKILL (parent-death signal); the job is reported as
+  a crash and the next job starts a new server.
+- What is shared: the environment, the working directory, the CPU affinity and the imported
+  modules as they were when the server started (a module file edited during a run is not
+  re-read until the next run), and atexit handlers registered while importing (each child
+  runs them at exit, as a fresh process would). Python's `random` is reseeded in each child
+  by Python itself; the job's inputs are seeded explicitly anyway.
+
+Both launchers start their processes pinned to a set of CPU cores (`split_cpus` gives
+each device a disjoint share) so that the host-bound work of one device's jobs does not
+compete with another device's for the same cores. Pinning is done on the spawning thread
+(Linux affinity is per thread and inherited), so the new process is pinned from its
+first instruction.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Annotated, Any, Literal, NoReturn, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+# What a worker imports, loaded once per device by the fork server. Nothing here may
+# initialise CUDA (the server checks); cupti and cutlass are left to the jobs.
+DEFAULT_PRELOAD = (
+    "numpy",
+    "torch",
+    "triton",
+    "safetensors.torch",
+    "pydantic",
+    "flashinfer_bench",
+    "hopperbench.acceptance",
+    "hopperbench.definitions",
+    "hopperbench.results",
+    "hopperbench.sides",
+    "hopperbench.synth",
+    "hopperbench.timing.cupti_timer",
+    "hopperbench.tracks",
+    "hopperbench.worker",
+    "hopperbench.workloads",
+)
+
+# How long a live server may take to acknowledge a fork or report a killed child.
+CONTROL_TIMEOUT_S = 30.0
+
+
+class WorkerPoolError(Exception):
+    """The fork server could not be started or used; one line."""
+
+
+class LaunchStopped(Exception):
+    """The launcher was stopped (the run is being interrupted); the job has no result."""
+
+
+class CpuSplitError(ValueError):
+    """Fewer CPU cores than devices to give each a disjoint share."""
+
+
+# ------------------------------------------------------------------------------------------
+# CPU cores
+
+
+def split_cpus(cpus: Iterable[int], parts: int) -> list[list[int]]:
+    """`parts` disjoint, contiguous, as-even-as-possible shares of the cores, in core order.
+
+    Contiguous shares keep a device's cores together (on most hosts neighbouring core numbers
+    share a socket); the first `len(cpus) % parts` shares get one core more.
+    """
+    ordered = sorted(set(cpus))
+    if parts < 1:
+        raise CpuSplitError(f"cannot split cores into {parts} shares")
+    if len(ordered) < parts:
+        raise CpuSplitError(f"{parts} devices but only {len(ordered)} CPU core(s) to give each its own")
+    size, extra = divmod(len(ordered), parts)
+    shares, start = [], 0
+    for part in range(parts):
+        end = start + size + (1 if part < extra else 0)
+        shares.append(ordered[start:end])
+        start = end
+    return shares
+
+
+def available_cpus() -> set[int]:
+    """The cores this process may run on (its affinity, which respects a container's cpuset)."""
+    return set(os.sched_getaffinity(0))
+
+
+@contextlib.contextmanager
+def _thread_affinity(cpus: Sequence[int] | None) -> Iterator[None]:
+    """Pin the calling thread (only it: affinity is per thread on Linux) for the duration."""
+    if cpus is None:
+        yield
+        return
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, previous)
+
+
+def spawn_pinned(args: Sequence[str], cpus: Sequence[int] | None, **popen: Any) -> subprocess.Popen[bytes]:
+    """Popen whose process inherits `cpus` as its affinity from the spawning thread."""
+    with _thread_affinity(cpus):
+        return subprocess.Popen(list(args), **popen)
+
+
+def kill_group(pgid: int) -> None:
+    if pgid <= 1:  # 0 would be our own group: never
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ------------------------------------------------------------------------------------------
+# What the runner asks and gets back
+
+
+class JobFiles(BaseModel):
+    """One job: the worker reads `job`, writes `result`; its stdout and stderr go to `log`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job: Path
+    result: Path
+    log: Path
+
+
+@dataclass(frozen=True)
+class JobExit:
+    """How a job's process ended: its exit code (negative: killed by that signal), or a timeout."""
+
+    returncode: int | None
+    timed_out: bool
+    wall_s: float
+    # Set when the launcher, not the job, failed (the fork server died under it).
+    launcher_failure: str | None = None
+
+
+class Launcher(Protocol):
+    def run(self, files: JobFiles, timeout: float) -> JobExit: ...
+
+    def stop(self) -> None:
+        """From any thread: kill the running job; run() then raises LaunchStopped, now and later."""
+
+    def close(self) -> None: ...
+
+
+class SubprocessLauncher:
+    """A fresh process per job (the `--no-preload` path)."""
+
+    def __init__(
+        self, worker_command: Sequence[str], env: Mapping[str, str], cwd: Path, cpus: Sequence[int] | None
+    ) -> None:
+        self.worker_command = list(worker_command)
+        self.env = dict(env)
+        self.cwd = cwd
+        self.cpus = cpus
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._live: subprocess.Popen[bytes] | None = None
+
+    def run(self, files: JobFiles, timeout: float) -> JobExit:
+        if self._stopped:
+            raise LaunchStopped
+        started = time.monotonic()
+        with open(files.log, "wb") as log:
+            process = spawn_pinned(
+                [*self.worker_command, str(files.job), str(files.result)],
+                self.cpus,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,  # its own process group: a timeout kills compilers it spawned too
+            )
+            with self._lock:
+                self._live = process
+            if self._stopped:  # stop() ran between the check above and the registration
+                kill_group(process.pid)
+            try:
+                returncode = process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                kill_group(process.pid)
+                process.wait()
+                returncode = None
+            except BaseException:
+                kill_group(process.pid)
+                process.wait()
+                raise
+            finally:
+                with self._lock:
+                    self._live = None
+            kill_group(process.pid)  # stragglers the worker left behind
+        if self._stopped:
+            raise LaunchStopped
+        return JobExit(returncode, returncode is None, time.monotonic() - started)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            if self._live is not None:
+                kill_group(self._live.pid)
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------
+# The fork server's protocol: JSON lines, requests on its stdin, replies on its stdout
+
+
+class ServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # The worker command without its interpreter: ["-m", "module"] or ["script.py"].
+    worker_argv: list[str] = Field(min_length=1)
+    preload: list[str] = Field(default_factory=list)
+
+
+class Ready(BaseModel):
+    kind: Literal["ready"] = "ready"
+    pid: int
+    preloaded: list[str]
+    failed: dict[str, str]  # module -> one-line error
+    threads: int  # OS threads of the server when it starts forking
+    seconds: float
+
+
+class Refused(BaseModel):
+    kind: Literal["refused"] = "refused"
+    reason: str
+
+
+class Started(BaseModel):
+    kind: Literal["started"] = "started"
+    pid: int
+
+
+class Exited(BaseModel):
+    kind: Literal["exited"] = "exited"
+    pid: int
+    returncode: int
+
+
+Reply = Annotated[Ready | Refused | Started | Exited, Field(discriminator="kind")]
+_REPLY = TypeAdapter(Reply)
+
+
+class _LineReader:
+    """Lines from a file descriptor, with a timeout and without Python's buffered readers."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buffer = b""
+        self.eof = False
+
+    def fill(self, timeout: float | None) -> bool:
+        """Read what is available within `timeout`; False if nothing arrived."""
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            return False
+        chunk = os.read(self.fd, 1 << 16)
+        if chunk:
+            self.buffer += chunk
+        else:
+            self.eof = True
+        return True
+
+    def line(self, timeout: float | None) -> bytes | None:
+        """The next line; None on timeout; EOFError when the other end closed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            if self.eof:
+                raise EOFError
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            self.fill(remaining)
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line
+
+
+def _send(stream: IO[bytes], message: BaseModel) -> None:
+    stream.write(message.model_dump_json().encode() + b"\n")
+    stream.flush()
+
+
+# ------------------------------------------------------------------------------------------
+# The runner's side of a fork server
+
+
+class ForkServerLauncher:
+    """A fork server for one device, started on the first job and again after it died."""
+
+    def __init__(
+        self,
+        worker_command: Sequence[str],
+        preload: Sequence[str],
+        env: Mapping[str, str],
+        cwd: Path,
+        cpus: Sequence[int] | None,
+        log_path: Path,
+        startup_timeout: float,
+    ) -> None:
+        if len(worker_command) < 2:
+            raise WorkerPoolError(f"worker command {list(worker_command)} has no module or script to fork")
+        self.interpreter = worker_command[0]
+        self.config = ServerConfig(worker_argv=list(worker_command[1:]), preload=list(preload))
+        self.env = dict(env)
+        self.cwd = cwd
+        self.cpus = cpus
+        self.log_path = log_path
+        self.startup_timeout = startup_timeout
+        self.ready: Ready | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._replies: _LineReader | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._live_pid: int | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            process = spawn_pinned(
+                [self.interpreter, "-m", __name__, self.config.model_dump_json()],
+                self.cpus,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,  # no terminal signals: the runner decides when it ends
+            )
+        assert process.stdout is not None
+        with self._lock:
+            self._process, self._replies = process, _LineReader(process.stdout.fileno())
+        if self._stopped:
+            self._discard()
+            raise LaunchStopped
+        try:
+            reply = self._read(self.startup_timeout)
+        except (EOFError, ValueError):
+            reply = Refused(reason="it exited")
+        if reply is None:
+            reply = Refused(reason=f"not ready after {self.startup_timeout:g} s")
+        if not isinstance(reply, Ready):
+            returncode = self._discard()
+            if self._stopped:
+                raise LaunchStopped
+            why = reply.reason if isinstance(reply, Refused) else f"unexpected {reply.kind} reply"
+            if returncode is not None and returncode > 0:
+                why += f" ({_describe(returncode)})"
+            raise WorkerPoolError(
+                f"the worker fork server did not start: {why}; log {self.log_path}; --no-preload runs without it"
+            )
+        self.ready = reply
+
+    def _alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def _discard(self) -> int | None:
+        """Kill the server, its running child with it (parent-death signal); its exit code."""
+        with self._lock:
+            process, self._process, self._replies = self._process, None, None
+        if process is None:
+            return None
+        kill_group(process.pid)
+        returncode = process.wait()
+        for stream in (process.stdin, process.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        return returncode
+
+    def _read(self, timeout: float) -> Ready | Refused | Started | Exited | None:
+        assert self._replies is not None
+        line = self._replies.line(timeout)
+        return None if line is None else _REPLY.validate_json(line)
+
+    # -- one job ---------------------------------------------------------------------------
+
+    def run(self, files: JobFiles, timeout: float) -> JobExit:
+        if self._stopped:
+            raise LaunchStopped
+        if not self._alive():
+            self._discard()
+            self._start()
+        assert self._process is not None and self._process.stdin is not None
+        started = time.monotonic()
+
+        def lost(why: str) -> JobExit:
+            self._discard()
+            if self._stopped:
+                raise LaunchStopped
+            return JobExit(None, False, time.monotonic() - started, launcher_failure=f"worker fork server {why}")
+
+        try:
+            _send(self._process.stdin, files)
+            reply = self._read(CONTROL_TIMEOUT_S)
+        except (EOFError, OSError, ValueError):
+            return lost("exited before starting the job")
+        if not isinstance(reply, Started):
+            return lost("did not start the job")
+        pid = reply.pid
+        with self._lock:
+            self._live_pid = pid
+        if self._stopped:
+            kill_group(pid)
+        try:
+            reply = self._read(timeout)
+            if reply is None:
+                kill_group(pid)
+                try:
+                    after_kill = self._read(CONTROL_TIMEOUT_S)
+                except (EOFError, ValueError):
+                    after_kill = None
+                if after_kill is None:  # the server is stuck or gone: replace it
+                    self._discard()
+        except (EOFError, ValueError):
+            kill_group(pid)
+            return lost("died while the job ran")
+        finally:
+            with self._lock:
+                self._live_pid = None
+        if self._stopped:
+            raise LaunchStopped
+        wall = time.monotonic() - started
+        if reply is None:
+            return JobExit(None, True, wall)
+        if not isinstance(reply, Exited):
+            return lost(f"sent a {reply.kind} reply instead of the job's exit")
+        return JobExit(reply.returncode, False, wall)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            live, process = self._live_pid, self._process
+        if live is not None:
+            kill_group(live)
+        if process is not None:
+            kill_group(process.pid)  # the reading thread sees the pipe close
+
+    def close(self) -> None:
+        process = self._process
+        if process is None:
+            return
+        if process.stdin is not None:
+            with contextlib.suppress(OSError):
+                process.stdin.close()  # end of requests: the server exits
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._discard()
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+# ------------------------------------------------------------------------------------------
+# The fork server itself: `python -m hopperbench.worker_pool CONFIG_JSON`
+
+
+class _RunnerGone(Exception):
+    """The request pipe closed: the runner ended or died."""
+
+
+def _os_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def cuda_driver_mapped(maps: str) -> bool:
+    """Whether a /proc/<pid>/maps text shows the CUDA driver library (not the runtime, libcudart)."""
+    return any(line.rsplit("/", 1)[-1].startswith("libcuda.so") for line in maps.splitlines())
+
+
+def _fork_poisoned() -> str | None:
+    """Why a forked child could not use CUDA, or None.
+
+    torch.cuda.is_initialized() misses a bare driver initialisation (cuInit, which
+    torch.cuda.is_available() or device_count() perform), and that too breaks CUDA in forked
+    children. Without the driver library mapped, cuInit cannot have run; with it mapped, a
+    canary child tries cuInit itself.
+    """
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        maps = ""
+    if not cuda_driver_mapped(maps):
+        return None
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        result = -1
+        with contextlib.suppress(BaseException):
+            import ctypes
+
+            result = ctypes.CDLL("libcuda.so.1").cuInit(0)
+        os.write(write_end, str(result).encode())
+        os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    with os.fdopen(read_end, "rb") as pipe:
+        returned = pipe.read().decode() or "nothing"
+    if returned == "0":
+        return None
+    return f"a forked child cannot initialise CUDA (cuInit returned {returned}); a preloaded module initialised it"
+
+
+def _preload(modules: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    loaded, failed = [], {}
+    for name in modules:
+        try:
+            importlib.import_module(name)
+            loaded.append(name)
+        except Exception as e:  # the job that needs it will fail the same way, with its own log
+            traceback.print_exc()
+            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    return loaded, failed
+
+
+def _exit_code(code: object) -> int:
+    """What the interpreter would exit with for `sys.exit(code)`."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run_worker(worker_argv: Sequence[str], args: Sequence[str]) -> int:
+    """The worker command, as `python <worker_argv> <args>` would run it, in this process."""
+    if worker_argv[0] == "-m":
+        module_name = worker_argv[1]
+        sys.argv = [module_name, *worker_argv[2:], *args]
+        module = importlib.import_module(module_name)
+        entry = getattr(module, "main", None)
+        if callable(entry):
+            return _exit_code(entry(sys.argv[1:]))
+        runpy.run_module(module_name, run_name="__main__", alter_sys=True)
+        return 0
+    sys.argv = [*worker_argv, *args]
+    sys.path.insert(0, str(Path(worker_argv[0]).resolve().parent))  # as `python script.py` sets it
+    runpy.run_path(worker_argv[0], run_name="__main__")
+    return 0
+
+
+def _die_with_parent(server_pid: int) -> None:
+    """SIGKILL this child when the server dies (the runner stops or replaces a server by killing it)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != server_pid:  # the server died before the signal was armed
+        os._exit(1)
+
+
+def _child(config: ServerConfig, files: JobFiles, server_pid: int, server_fds: Sequence[int]) -> NoReturn:
+    """The forked child: become its own group, talk only to the log, run the job, never return."""
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        _die_with_parent(server_pid)
+        for fd in server_fds:
+            os.close(fd)
+        log = os.open(files.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(devnull)
+        try:
+            code = _run_worker(config.worker_argv, [str(files.job), str(files.result)])
+        except SystemExit as e:
+            code = _exit_code(e.code)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()  # as a fresh interpreter would at exit
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _wait_for_child(pid: int, requests: _LineReader) -> int:
+    """The child's exit code (negative: its signal); kills it and raises _RunnerGone if the runner goes."""
+    try:
+        pidfd: int | None = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None  # no pidfd (old kernel): poll
+    try:
+        while True:
+            watched = [requests.fd] if pidfd is None else [requests.fd, pidfd]
+            ready, _, _ = select.select(watched, [], [], 0.05 if pidfd is None else None)
+            if requests.fd in ready:
+                requests.fill(0)
+                if requests.eof:
+                    kill_group(pid)
+                    os.waitpid(pid, 0)
+                    raise _RunnerGone
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def serve(config: ServerConfig) -> int:
+    # The protocol gets private copies of stdin and stdout; fd 1 then points at the log, so a
+    # module that prints while importing cannot corrupt the replies.
+    requests_fd, replies_fd = os.dup(0), os.dup(1)
+    os.dup2(2, 1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    replies = os.fdopen(replies_fd, "wb", buffering=0)
+    requests = _LineReader(requests_fd)
+
+    began = time.monotonic()
+    loaded, failed = _preload(config.preload)
+    if _cuda_initialized():
+        _send(replies, Refused(reason="importing the preloaded modules initialised CUDA, which cannot survive a fork"))
+        return 3
+    poisoned = _fork_poisoned()
+    if poisoned is not None:
+        _send(replies, Refused(reason=poisoned))
+        return 3
+    seconds = time.monotonic() - began
+    not_loaded = f"; could not import {', '.join(failed)}" if failed else ""
+    print(f"worker fork server {os.getpid()}: preloaded {len(loaded)} modules in {seconds:.1f} s{not_loaded}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    _send(replies, Ready(pid=os.getpid(), preloaded=loaded, failed=failed, threads=_os_threads(), seconds=seconds))
+
+    while True:
+        try:
+            line = requests.line(None)
+        except EOFError:
+            return 0
+        assert line is not None
+        files = JobFiles.model_validate_json(line)
+        if _cuda_initialized():
+            _send(replies, Refused(reason="CUDA became initialised in the fork server"))
+            return 3
+        sys.stdout.flush()
+        sys.stderr.flush()
+        server_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            _child(config, files, server_pid, (requests_fd, replies_fd))
+        with contextlib.suppress(OSError):
+            os.setpgid(pid, pid)  # also done by the child: whichever runs first, no window
+        _send(replies, Started(pid=pid))
+        try:
+            returncode = _wait_for_child(pid, requests)
+        except _RunnerGone:
+            return 0
+        kill_group(pid)  # stragglers the job left behind
+        _send(replies, Exited(pid=pid, returncode=returncode))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m hopperbench.worker_pool CONFIG_JSON", file=sys.stderr)
+        return 2
+    try:
+        return serve(ServerConfig.model_validate(json.loads(args[0])))
+    except BrokenPipeError:
+        return 0  # the runner went away while we replied
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -379,3 +379,14 @@ def test_render_results_needs_the_markers(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err
     assert "results:begin" in err and err.count("\n") == 1
     assert readme.read_text() == "# no markers\n"
+
+
+def test_render_results_flags_a_partial_run(tmp_path: Path) -> None:
+    render_results = _load_renderer()
+    csv_path = tmp_path / "run.csv"
+    csv_path.write_text("")
+    (tmp_path / "run.json").write_text(json.dumps({"completeness": {"partial": True, "planned": 45, "complete": 43}}))
+    line = render_results.completeness_line(csv_path)
+    assert line is not None and "43 of 45" in line
+    (tmp_path / "run.json").write_text(json.dumps({"completeness": {"partial": False, "planned": 2, "complete": 2}}))
+    assert render_results.completeness_line(csv_path) is None

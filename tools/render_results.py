@@ -48,6 +48,20 @@ def _environment(csv_path: Path) -> EnvironmentRecord | None:
     return EnvironmentRecord.model_validate(data.get("environment", {}))
 
 
+def completeness_line(csv_path: Path) -> str | None:
+    """A warning line for a partial run (interrupted, or finalized from an incomplete journal)."""
+    json_path = csv_path.with_suffix(".json")
+    if not json_path.is_file():
+        return None
+    completeness = json.loads(json_path.read_text(encoding="utf-8")).get("completeness") or {}
+    if not completeness.get("partial"):
+        return None
+    return (
+        f"**Partial run:** {completeness.get('complete')} of {completeness.get('planned')} recorded workloads have "
+        "every side; see `results/README.md` for what was planned."
+    )
+
+
 def environment_line(env: EnvironmentRecord | None) -> str:
     if env is None:
         return "_No environment record beside this CSV._"
@@ -208,6 +222,8 @@ def render(results_dir: Path, readme_dir: Path, write_plots: bool) -> str:
         env = _environment(csv_path)
         summary = summarize(rows)
         out += [f"### {csv_path.relative_to(results_dir).as_posix()}", "", environment_line(env), ""]
+        if (partial := completeness_line(csv_path)) is not None:
+            out += [partial, ""]
         out += summary_table(summary) + [""]
         for track in summary:
             track_rows = [r for r in rows if r.track == track]

@@ -285,7 +285,7 @@ class JobRunner:
                 return self.result(
                     Status.FAILED, message=f"modified its inputs ({', '.join(changed)}) in trial {trial}"
                 )
-            verdicts.append(self.deps.check_outputs(self.track.acceptance, outputs, reference))
+            verdicts.append(self.deps.check_outputs(self.track.acceptance_for(job.side.kind), outputs, reference))
             del inputs, snapshot, outputs, reference  # free before the next trial's inputs
         verdict = self.deps.merge_verdicts(verdicts)
         stats = error_stats(verdict)

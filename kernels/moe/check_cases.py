@@ -161,7 +161,7 @@ def compare(output: torch.Tensor, ref_output: torch.Tensor) -> OutputStats:
     from hopperbench.acceptance import compare_output
     from hopperbench.tracks import get_track
 
-    return compare_output(get_track("moe").acceptance, output, ref_output)
+    return compare_output(get_track("moe").acceptance_for("ours"), output, ref_output)
 
 
 def reference_run(reference: ModuleType) -> Callable:

@@ -144,6 +144,18 @@ MOE = Track(
     reference_module="moe.py",
     human_key="moe",
     timing=TimingDefaults(reference_warmup=1, reference_iterations=10),
+    libraries=(
+        LibrarySide(
+            name="deepgemm_grouped",
+            entry="deepgemm_moe.py::run",
+            description=(
+                "DeepGEMM SM90 FP8 grouped GEMM (contiguous layout), torch routing/permutation/"
+                "SwiGLU-requant/combine (deep_gemm 2.6.1@54e2261)"
+            ),
+            submodule="third_party/DeepGEMM",
+            package="deep_gemm==2.6.1+54e2261",
+        ),
+    ),
 )
 
 DSA_ATTENTION = Track(

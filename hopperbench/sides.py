@@ -247,7 +247,9 @@ def resolve_libraries(track: Track, ctx: SideContext) -> list[Side]:
             reason = f"hopperbench/adapters/{file} does not exist yet"
         elif library.package and (missing := _unmet_requirement(library.package)):
             reason = missing
-        elif library.submodule and not _populated(ctx.repo_root / library.submodule):
+        elif library.submodule and not library.package and not _populated(ctx.repo_root / library.submodule):
+            # A library built from its submodule is pinned by its installed version (which carries
+            # the commit); only a library imported from the checkout itself needs the files here.
             reason = f"{library.submodule} is not checked out"
         if reason:
             sides.append(_unavailable(track, library.name, SideKind.LIBRARY, reason, description=library.description))

@@ -167,6 +167,18 @@ DSA_ATTENTION = Track(
     kernel_entry="kernels/dsa_attention/kernel.py::run",
     reference_module="dsa_attention.py",
     human_key="dsa_attention",
+    libraries=(
+        LibrarySide(
+            name="flashmla_sparse",
+            entry="flashmla_dsa.py::run",
+            description=(
+                "FlashMLA flash_mla_sparse_fwd, SM90 sparse prefill on a bf16 cache "
+                "(16 heads padded to 64, ckv|kpe packed per call), deepseek-ai/FlashMLA@9241ae3"
+            ),
+            submodule="third_party/FlashMLA",
+            package="flash_mla==1.0.0+9241ae3",
+        ),
+    ),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

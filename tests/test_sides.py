@@ -176,6 +176,12 @@ def test_library_sides(tmp_path: Path) -> None:
             LibrarySide(name="libmissing", entry="lib_missing.py::run", description="no adapter"),
             LibrarySide(name="libpkg", entry="lib_ok.py::run", description="pkg", package="surely-not-installed==1.0"),
             LibrarySide(name="libold", entry="lib_ok.py::run", description="pkg", package="pydantic<1"),
+            # Imported from its checkout: needs the files. Built from it: the installed version pins it.
+            LibrarySide(name="libsrc", entry="lib_ok.py::run", description="src", submodule="third_party/lib"),
+            LibrarySide(
+                name="libbuilt", entry="lib_ok.py::run", description="built", submodule="third_party/lib",
+                package="pydantic>=2",
+            ),
         ),
     )
     write(tmp_path / "adapters" / "lib_ok.py", "def run(x, y, out):\n    out.copy_(x + 2 * y)\n")
@@ -185,6 +191,8 @@ def test_library_sides(tmp_path: Path) -> None:
     assert sides["libmissing"].reason == "hopperbench/adapters/lib_missing.py does not exist yet"
     assert sides["libpkg"].reason == "package surely-not-installed is not installed (needs surely-not-installed==1.0)"
     assert "the adapter needs pydantic<1" in (sides["libold"].reason or "")
+    assert sides["libsrc"].reason == "third_party/lib is not checked out"
+    assert sides["libbuilt"].available
     out = torch.empty(2)
     sides["libok"].build(DEFINITION)(torch.ones(2), torch.ones(2), out)
     assert torch.equal(out, torch.full((2,), 3.0))

@@ -1,0 +1,270 @@
+"""flashmla_dsa adapter: the mapping onto FlashMLA's sparse prefill call on CPU (FlashMLA replaced by a
+fake that follows its documented contract), the real kernel on an SM90 GPU against our reference."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import math
+import re
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from hopperbench.acceptance import check_outputs
+from hopperbench.adapters import flashmla_dsa
+from hopperbench.tracks import DSA_ATTENTION
+
+HEADS, CKV, KPE, PAGE, TOPK = 16, 512, 64, 64, 2048
+SM_SCALE = 0.1352337788608801
+
+
+def _dsa_inputs(
+    num_tokens: int, num_pages: int, *, empty_tokens: tuple[int, ...] = (), device: str = "cpu", seed: int = 0
+) -> dict[str, Any]:
+    """Definition-ordered inputs. Token t keeps the first 2048 - 300*t of its distinct random rows
+    (-1 after them); tokens in `empty_tokens` have no valid row at all."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = num_pages * PAGE
+    indices = torch.stack([torch.randperm(rows, generator=gen)[:TOPK] for _ in range(num_tokens)]).int()
+    for t in range(num_tokens):
+        indices[t, max(0, TOPK - 300 * t) :] = -1
+    for t in empty_tokens:
+        indices[t] = -1
+    inputs = {
+        "q_nope": torch.randn(num_tokens, HEADS, CKV, generator=gen).bfloat16(),
+        "q_pe": torch.randn(num_tokens, HEADS, KPE, generator=gen).bfloat16(),
+        "ckv_cache": torch.randn(num_pages, PAGE, CKV, generator=gen).bfloat16(),
+        "kpe_cache": torch.randn(num_pages, PAGE, KPE, generator=gen).bfloat16(),
+        "sparse_indices": indices,
+        "sm_scale": SM_SCALE,
+    }
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def _destinations(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    q_nope = inputs["q_nope"]
+    return {
+        "output": torch.full_like(q_nope, float("nan")),
+        "lse": torch.full(q_nope.shape[:2], float("nan"), dtype=torch.float32, device=q_nope.device),
+    }
+
+
+def _load_reference() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """Our reference, loaded from its file as the runner does."""
+    spec = importlib.util.spec_from_file_location("dsa_attention_reference", DSA_ATTENTION.reference_path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.run
+
+
+def _flashmla_contract(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashMLA 9241ae3's documented sparse prefill semantics (interface docstring, tests/ref.py, the
+    SM90 kernel's stores), in fp32: an index < 0 or >= s_kv is invalid; lse is the NATURAL log-sum-exp;
+    a row with no valid index gets out 0, max_logits -inf and lse +inf. Its argument checks are
+    asserted, so an adapter that breaks them fails here as it would on the GPU."""
+    s_q, h_q, d_qk = q.shape
+    s_kv = kv.shape[0]
+    assert q.dtype == kv.dtype == torch.bfloat16 and indices.dtype == torch.int32
+    assert h_q in (64, 128) and d_qk in (512, 576) and d_v == 512
+    assert kv.shape == (s_kv, 1, d_qk) and indices.shape[:2] == (s_q, 1)
+    assert indices.shape[2] % 128 == 0
+    assert q.stride(-1) == kv.stride(-1) == indices.stride(-1) == 1
+    assert isinstance(sm_scale, float)
+    flat = indices[:, 0].long()
+    invalid = (flat < 0) | (flat >= s_kv)
+    keys = kv[:, 0][torch.where(invalid, 0, flat)].float()  # [s_q, topk, d_qk]
+    logits = torch.bmm(q.float(), keys.transpose(1, 2)) * sm_scale
+    logits.masked_fill_(invalid[:, None, :], -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)
+    max_logits = logits.amax(dim=-1)
+    lonely = lse == -math.inf
+    probs = torch.exp(logits - torch.where(lonely, math.inf, lse)[..., None])
+    out = torch.bmm(probs, keys[..., :d_v])
+    return out.bfloat16(), max_logits, torch.where(lonely, math.inf, lse)
+
+
+class _FakeFlashMla(types.ModuleType):
+    """Stands in for the `flash_mla` package: records every call and answers by the contract."""
+
+    def __init__(self) -> None:
+        super().__init__("flash_mla")
+        self.calls: list[dict[str, Any]] = []
+
+    def flash_mla_sparse_fwd(
+        self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        results = _flashmla_contract(q, kv, indices, sm_scale, d_v)
+        self.calls.append({"q": q, "kv": kv, "indices": indices, "sm_scale": sm_scale, "d_v": d_v, "results": results})
+        return results
+
+
+@pytest.fixture
+def fresh_loader() -> Iterator[None]:
+    flashmla_dsa.load_sparse_fwd.cache_clear()
+    yield
+    flashmla_dsa.load_sparse_fwd.cache_clear()
+
+
+@pytest.fixture
+def fake_flash_mla(monkeypatch: pytest.MonkeyPatch, fresh_loader: None) -> _FakeFlashMla:
+    fake = _FakeFlashMla()
+    monkeypatch.setitem(sys.modules, "flash_mla", fake)
+    monkeypatch.setattr(flashmla_dsa, "installed_flash_mla_version", lambda: flashmla_dsa.FLASH_MLA_VERSION)
+    return fake
+
+
+def test_the_call_gets_padded_heads_a_packed_cache_and_the_indices_as_a_view(fake_flash_mla: _FakeFlashMla) -> None:
+    inputs = _dsa_inputs(3, 40)
+    dest = _destinations(inputs)
+
+    flashmla_dsa.run(*inputs.values(), *dest.values())
+
+    (call,) = fake_flash_mla.calls
+    q, kv, indices = call["q"], call["kv"], call["indices"]
+    assert q.shape == (3, 64, 576) and q.dtype == torch.bfloat16
+    assert torch.equal(q[:, :HEADS, :CKV], inputs["q_nope"]) and torch.equal(q[:, :HEADS, CKV:], inputs["q_pe"])
+    assert not q[:, HEADS:].any()  # the 48 padded heads are zeros
+    assert kv.shape == (40 * PAGE, 1, 576) and kv.dtype == torch.bfloat16 and kv.is_contiguous()
+    row = 5 * PAGE + 17  # flat row id page*64 + offset is the same row of FlashMLA's kv
+    assert torch.equal(kv[row, 0, :CKV], inputs["ckv_cache"][5, 17])
+    assert torch.equal(kv[row, 0, CKV:], inputs["kpe_cache"][5, 17])
+    assert indices.shape == (3, 1, TOPK) and indices.dtype == torch.int32
+    assert indices.data_ptr() == inputs["sparse_indices"].data_ptr()  # -1 padding passes unchanged, no copy
+    assert call["sm_scale"] == SM_SCALE and call["d_v"] == 512
+
+
+def test_results_match_the_reference_under_the_track_rule_with_lse_in_base_2(fake_flash_mla: _FakeFlashMla) -> None:
+    inputs = _dsa_inputs(4, 40, empty_tokens=(2,))
+    dest = _destinations(inputs)
+
+    flashmla_dsa.run(*inputs.values(), *dest.values())
+
+    ref_output, ref_lse = _load_reference()(*inputs.values())
+    verdict = check_outputs(DSA_ATTENTION.acceptance, dest, {"output": ref_output, "lse": ref_lse})
+    assert verdict.passed, verdict.reason
+    # The token without a valid index: FlashMLA says lse +inf, the definition -inf; output 0 both.
+    assert torch.equal(dest["lse"][2], torch.full((HEADS,), -math.inf))
+    assert not dest["output"][2].any()
+    # Base 2, not natural: the library's natural lse divided by ln 2 wherever a row was valid.
+    _, _, natural_lse = fake_flash_mla.calls[0]["results"]
+    valid = [0, 1, 3]
+    assert torch.allclose(dest["lse"][valid], natural_lse[valid, :HEADS] / math.log(2.0), rtol=1e-6, atol=0)
+
+
+def test_write_results_keeps_the_first_16_heads_and_converts_lse() -> None:
+    out = torch.arange(64, dtype=torch.float32)[None, :, None].expand(2, 64, CKV).bfloat16()
+    natural_lse = torch.full((2, 64), math.log(8.0))
+    natural_lse[1, 3] = math.inf  # FlashMLA's mark of a row with no valid index
+    output = torch.empty(2, HEADS, CKV, dtype=torch.bfloat16)
+    lse = torch.empty(2, HEADS)
+
+    flashmla_dsa.write_results(out, natural_lse, output, lse)
+
+    assert torch.equal(output, out[:, :HEADS])
+    expected = torch.full((2, HEADS), 3.0)  # log2(8)
+    expected[1, 3] = -math.inf
+    assert torch.allclose(lse, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("installed", "message"),
+    [
+        (None, "flash_mla is not installed"),
+        ("1.0.0+2026.5.1.10.0.0", "flash_mla 1.0.0+2026.5.1.10.0.0 is installed; this adapter needs"),  # no git
+        ("1.0.0+0000000", "needs the build of FlashMLA@9241ae3 (1.0.0+9241ae3)"),
+    ],
+)
+def test_a_missing_or_unpinned_build_is_one_clear_error(
+    monkeypatch: pytest.MonkeyPatch, fresh_loader: None, installed: str | None, message: str
+) -> None:
+    monkeypatch.setattr(flashmla_dsa, "installed_flash_mla_version", lambda: installed)
+    inputs = _dsa_inputs(1, 32)
+    with pytest.raises(flashmla_dsa.LibraryUnavailableError, match=re.escape(message)) as e:
+        flashmla_dsa.run(*inputs.values(), *_destinations(inputs).values())
+    assert "\n" not in str(e.value)
+
+
+def test_a_pinned_build_that_does_not_import_is_one_clear_error(
+    monkeypatch: pytest.MonkeyPatch, fresh_loader: None
+) -> None:
+    monkeypatch.setattr(flashmla_dsa, "installed_flash_mla_version", lambda: flashmla_dsa.FLASH_MLA_VERSION)
+    monkeypatch.setitem(sys.modules, "flash_mla", None)  # importing it raises ImportError
+    with pytest.raises(flashmla_dsa.LibraryUnavailableError, match="is installed but does not import") as e:
+        flashmla_dsa.load_sparse_fwd()
+    assert "\n" not in str(e.value)
+
+
+def test_pinned_version_is_what_flashmla_setup_stamps_for_the_commit() -> None:
+    # setup.py: version="1.0.0" + "+" + `git rev-parse --short HEAD`.
+    assert flashmla_dsa.FLASH_MLA_VERSION == "1.0.0+9241ae3"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"sparse_indices": lambda t: t.long()}, "sparse_indices must be int32, got torch.int64"),
+        ({"q_nope": lambda t: t.float()}, "q_nope must be bfloat16, got torch.float32"),
+        ({"q_pe": lambda t: t[:, :8]}, r"q_pe must have shape \(2, 16, 64\), got \(2, 8, 64\)"),
+        ({"sparse_indices": lambda t: t[:, :1024]}, r"sparse_indices must have shape \(2, 2048\)"),
+    ],
+)
+def test_bad_arguments_are_rejected_before_the_library_is_touched(
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_loader: None,
+    change: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+    message: str,
+) -> None:
+    monkeypatch.setattr(flashmla_dsa, "installed_flash_mla_version", lambda: None)  # would fail if reached
+    inputs = _dsa_inputs(2, 32)
+    for name, edit in change.items():
+        inputs[name] = edit(inputs[name])
+    with pytest.raises(flashmla_dsa.AdapterInputError, match=message):
+        flashmla_dsa.run(*inputs.values(), *_destinations(_dsa_inputs(2, 32)).values())
+
+
+def test_the_adapter_file_imports_only_stdlib_torch_and_flash_mla() -> None:
+    tree = ast.parse(open(flashmla_dsa.__file__, encoding="utf-8").read())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert imported - {"torch", "__future__"} <= set(sys.stdlib_module_names)
+
+
+def _pinned_flash_mla_importable() -> bool:
+    if flashmla_dsa.installed_flash_mla_version() != flashmla_dsa.FLASH_MLA_VERSION:
+        return False
+    return importlib.util.find_spec("flash_mla") is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(
+    not _pinned_flash_mla_importable(), reason="needs the pinned flash_mla build (third_party/README.md)"
+)
+@pytest.mark.parametrize(("num_tokens", "num_pages"), [(1, 64), (8, 64), (8, 8462)])
+def test_flashmla_on_the_gpu_passes_the_track_rule(fresh_loader: None, num_tokens: int, num_pages: int) -> None:
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FlashMLA's sparse prefill side is built for SM90 only")
+    empty = (num_tokens - 1,) if num_tokens > 1 else ()
+    inputs = _dsa_inputs(num_tokens, num_pages, empty_tokens=empty, device="cuda")
+    dest = _destinations(inputs)
+
+    flashmla_dsa.run(*inputs.values(), *dest.values())
+    torch.cuda.synchronize()
+
+    ref_output, ref_lse = _load_reference()(*inputs.values())
+    verdict = check_outputs(DSA_ATTENTION.acceptance, dest, {"output": ref_output, "lse": ref_lse})
+    assert verdict.passed, verdict.reason
+    if empty:
+        assert torch.all(dest["lse"][empty[0]] == -math.inf) and not dest["output"][empty[0]].any()

@@ -596,13 +596,15 @@ class RunState:
 
 
 def _workload_key(plan: RunPlan, tp: TrackPlan, workload: Any) -> WorkloadKey:
+    from hopperbench.workloads import data_source_label
+
     return WorkloadKey(
         track=tp.track.name,
         definition=tp.track.definition_name,
         uuid=workload.uuid,
         index=workload.index,
         axes=dict(workload.axes),
-        data_source=workload.data_source,
+        data_source=data_source_label(workload),
         seed=plan.seed,
     )
 

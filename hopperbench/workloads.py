@@ -337,3 +337,11 @@ def _axis_only_constraints(definition: Definition) -> list[tuple[str, object]]:
         if names <= axis_names and all(isinstance(n, allowed_nodes) for n in ast.walk(tree)):
             selected.append((text, compile(tree, "<constraint>", "eval")))
     return selected
+
+
+def data_source_label(workload: WorkloadSpec) -> str:
+    """What a result row says about its inputs: `official`, `synthesized`, or, for an official
+    workload whose blobs were missing, `official; synthesized: <inputs>` (the runner's fallback)."""
+    if workload.data_source == "official" and workload.missing_blob_inputs:
+        return f"official; synthesized: {','.join(workload.missing_blob_inputs)}"
+    return workload.data_source

@@ -223,3 +223,16 @@ def test_bad_selection_is_rejected(
     workloads = load_workloads("moe", tmp_path)
     with pytest.raises(WorkloadSelectionError, match=message):
         select_workloads(workloads, uuids, max_count)
+
+
+def test_rows_say_which_inputs_were_synthesized_for_an_official_workload() -> None:
+    from hopperbench.workloads import data_source_label
+
+    embedded = load_workloads("moe")[0]
+    assert data_source_label(embedded) == "synthesized"
+    official = embedded.model_copy(update={"data_source": "official"})
+    assert data_source_label(official) == "official"
+    partial = embedded.model_copy(
+        update={"data_source": "official", "missing_blob_inputs": ("hidden_states", "gemm1_weights")}
+    )
+    assert data_source_label(partial) == "official; synthesized: hidden_states,gemm1_weights"

@@ -146,13 +146,14 @@ def check_submodule(entry: HumanEntry, repo_root: Path = REPO_ROOT) -> PinStatus
     folder = entry.checkout_dir(repo_root)
     code_present = folder.is_dir() and any(folder.iterdir())
     pin_fix = f"run `{PIN_TOOL} --track {entry.track}` on a machine with GitHub access"
-    if not entry.commit_known and not _own_repository(repo_root):
+    superproject_is_checkout = _own_repository(repo_root)
+    if not entry.commit_known and not superproject_is_checkout:
         return PinStatus(
             state="unknown_commit",
             message=f"{path}: no commit of {entry.repo_slug} is pinned (manifest says unknown); {pin_fix}",
             code_present=code_present,
         )
-    if not _own_repository(repo_root):
+    if not superproject_is_checkout:
         # A copy of the tree without its .git (as shipped to a GPU host): no pin can be read.
         return PinStatus(
             state="mismatch",

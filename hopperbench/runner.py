@@ -66,6 +66,7 @@ from hopperbench.tracks import TRACKS, Track, UnknownTrackError, get_track, pars
 from hopperbench.worker import WorkerJob, reference_output_path
 from hopperbench.worker_pool import (
     DEFAULT_PRELOAD,
+    DEFAULT_PRELOAD_IF_FORK_SAFE,
     CpuSplitError,
     ForkServerLauncher,
     JobExit,
@@ -302,6 +303,7 @@ class RunnerHooks:
     show_progress: bool = True
     # What each device's fork server imports before it forks jobs.
     preload_modules: tuple[str, ...] = DEFAULT_PRELOAD
+    preload_if_fork_safe: tuple[str, ...] = DEFAULT_PRELOAD_IF_FORK_SAFE
     available_cpus: Callable[[], set[int]] = available_cpus
 
 
@@ -495,6 +497,10 @@ def _reference_timing(track: Track, args: argparse.Namespace, wanted_sides: set[
 
 def _child_env(cuda_visible: str | None) -> dict[str, str]:
     env = dict(os.environ)
+    # Triton sides (the human GDN kernel, fla) autotune in every fresh process; keeping the
+    # chosen configurations on disk saves that wall time and changes no timed call (autotuning
+    # happens in the untimed warm-up either way).
+    env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
     return env
@@ -537,6 +543,7 @@ def make_launcher(plan: RunPlan, slot: int, hooks: RunnerHooks) -> Launcher:
         log_path=plan.logs_dir / f"fork-server-{_slot_label(cuda_visible)}.log",
         # The imports a fresh worker would do inside its own timeout.
         startup_timeout=max(plan.timeout, 60.0),
+        preload_if_fork_safe=hooks.preload_if_fork_safe,
     )
 
 

@@ -86,6 +86,11 @@ DEFAULT_PRELOAD = (
     "hopperbench.worker",
     "hopperbench.workloads",
 )
+# Heavy imports that are worth sharing only if they leave a forked child able to use CUDA.
+# Each is first imported in a probe child of the server (which then tries cuInit in a
+# grandchild, as `_fork_poisoned` does); only a module that passes is imported by the server.
+# cutlass.cute takes ~3 s to import and every one of our kernels needs it.
+DEFAULT_PRELOAD_IF_FORK_SAFE = ("cutlass.cute",)
 
 # How long a live server may take to acknowledge a fork or report a killed child.
 CONTROL_TIMEOUT_S = 30.0
@@ -265,6 +270,7 @@ class ServerConfig(BaseModel):
     # The worker command without its interpreter: ["-m", "module"] or ["script.py"].
     worker_argv: list[str] = Field(min_length=1)
     preload: list[str] = Field(default_factory=list)
+    preload_if_fork_safe: list[str] = Field(default_factory=list)
 
 
 class Ready(BaseModel):
@@ -272,6 +278,7 @@ class Ready(BaseModel):
     pid: int
     preloaded: list[str]
     failed: dict[str, str]  # module -> one-line error
+    skipped: dict[str, str] = Field(default_factory=dict)  # optional module -> why it was not preloaded
     threads: int  # OS threads of the server when it starts forking
     seconds: float
 
@@ -351,11 +358,14 @@ class ForkServerLauncher:
         cpus: Sequence[int] | None,
         log_path: Path,
         startup_timeout: float,
+        preload_if_fork_safe: Sequence[str] = (),
     ) -> None:
         if len(worker_command) < 2:
             raise WorkerPoolError(f"worker command {list(worker_command)} has no module or script to fork")
         self.interpreter = worker_command[0]
-        self.config = ServerConfig(worker_argv=list(worker_command[1:]), preload=list(preload))
+        self.config = ServerConfig(
+            worker_argv=list(worker_command[1:]), preload=list(preload), preload_if_fork_safe=list(preload_if_fork_safe)
+        )
         self.env = dict(env)
         self.cwd = cwd
         self.cpus = cpus
@@ -585,6 +595,45 @@ def _preload(modules: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     return loaded, failed
 
 
+def _probe_fork_safety(module: str) -> str | None:
+    """Why importing `module` here would break CUDA in forked children, or None if it would not.
+
+    The import is tried in a forked probe child, so a module that initialises CUDA never
+    reaches the server itself."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        why = "the probe child died"
+        try:
+            importlib.import_module(module)
+            if _cuda_initialized():
+                why = "importing it initialised CUDA"
+            else:
+                why = _fork_poisoned() or ""
+        except BaseException as e:
+            why = f"import failed: {type(e).__name__}"
+        with contextlib.suppress(BaseException):
+            os.write(write_end, why.encode())
+        os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    with os.fdopen(read_end, "rb") as pipe:
+        why = pipe.read().decode()
+    return why or None
+
+
+def _preload_if_fork_safe(modules: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    loaded, skipped = [], {}
+    for name in modules:
+        why = _probe_fork_safety(name)
+        if why is None:
+            importlib.import_module(name)
+            loaded.append(name)
+        else:
+            skipped[name] = why
+    return loaded, skipped
+
+
 def _exit_code(code: object) -> int:
     """What the interpreter would exit with for `sys.exit(code)`."""
     if code is None:
@@ -698,11 +747,15 @@ def serve(config: ServerConfig) -> int:
     if poisoned is not None:
         _send(replies, Refused(reason=poisoned))
         return 3
+    optional, skipped = _preload_if_fork_safe(config.preload_if_fork_safe)
+    loaded += optional
     seconds = time.monotonic() - began
     not_loaded = f"; could not import {', '.join(failed)}" if failed else ""
+    not_loaded += "".join(f"; left {name} to the jobs: {why}" for name, why in skipped.items())
     print(f"worker fork server {os.getpid()}: preloaded {len(loaded)} modules in {seconds:.1f} s{not_loaded}",
           file=sys.stderr, flush=True)  # fmt: skip
-    _send(replies, Ready(pid=os.getpid(), preloaded=loaded, failed=failed, threads=_os_threads(), seconds=seconds))
+    ready = Ready(pid=os.getpid(), preloaded=loaded, failed=failed, skipped=skipped, threads=_os_threads(), seconds=seconds)
+    _send(replies, ready)
 
     while True:
         try:

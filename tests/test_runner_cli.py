@@ -82,6 +82,7 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RunnerHooks:
         collect_environment=fake_environment,
         show_progress=False,
         preload_modules=(),  # the fork server's imports are tested in test_worker_pool.py
+        preload_if_fork_safe=(),
     )
 
 

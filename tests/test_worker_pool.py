@@ -347,3 +347,31 @@ def test_forked_jobs_use_cuda_on_the_gpu(workdir: Path) -> None:
         assert [r["sum"] for r in results] == [6.0, 6.0] and results[0]["pid"] != results[1]["pid"]
     finally:
         server.close()
+
+
+def test_optional_preload_takes_a_fork_safe_module_and_skips_a_cuda_touching_one(workdir: Path) -> None:
+    (workdir / "safe_optional.py").write_text("VALUE = 1\n")
+    # What a module that initialises CUDA looks like to the server: torch says CUDA is up.
+    (workdir / "cuda_claiming.py").write_text("import torch\ntorch.cuda.is_initialized = lambda: True\n")
+    server = ForkServerLauncher(
+        [sys.executable, str(workdir / "job.py")],
+        ("pool_probe",),
+        dict(os.environ),
+        workdir,
+        cpus=None,
+        log_path=workdir / "server.log",
+        startup_timeout=60,
+        preload_if_fork_safe=("safe_optional", "cuda_claiming", "no_such_module_here"),
+    )
+    try:
+        files = job_files(workdir, "probe")
+        assert server.run(files, timeout=30).returncode == 0
+        assert server.ready is not None
+        assert server.ready.preloaded == ["pool_probe", "safe_optional"]
+        assert set(server.ready.skipped) == {"cuda_claiming", "no_such_module_here"}
+        assert server.ready.skipped["cuda_claiming"] == "importing it initialised CUDA"
+        assert server.ready.skipped["no_such_module_here"].startswith("import failed")
+        assert seen(files)["probe_preloaded"]
+        assert "left cuda_claiming to the jobs" in (workdir / "server.log").read_text()
+    finally:
+        server.close()

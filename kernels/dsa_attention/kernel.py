@@ -56,8 +56,10 @@ COLS_PER_SOFTMAX_THREAD = BLOCK_N // THREADS_PER_SOFTMAX_ROW  # 8
 COMBINE_COLS_PER_THREAD = CKV_DIM // NUM_THREADS  # 4
 # Split counts the split kernel accepts (each split takes a whole number of chunks).
 VALID_SPLITS = tuple(1 << i for i in range(NUM_CHUNKS.bit_length()) if NUM_CHUNKS % (1 << i) == 0)
-# CTAs the split-count heuristic aims for (132 SMs, one ~175 KB CTA per SM).
-MIN_CTAS = 128
+# The split kernel's CTAs use ~175 KB of shared memory, so one fits per SM: one wave is the H200's
+# 132 SMs. The split count keeps T * splits within it (v0 aimed at >= 128 CTAs, which made T = 5-7
+# run two waves of 160-224 CTAs: 34-36 us against 23 us at T = 8).
+MAX_CTAS_PER_WAVE = 132
 # Workspace row per (token, split, head), fp32: O[0:512] unnormalised, then m (log2 domain) and l;
 # padded to 516 so that every row starts 16-B aligned.
 WS_MAX_COL = CKV_DIM
@@ -381,7 +383,13 @@ class _SplitKernel:
 
 
 class _CombineKernel:
-    """Merges the splits of one (token, head) by log-sum-exp; one thread per 4 output columns."""
+    """Merges the splits of one (token, head) by log-sum-exp; one thread per 4 output columns.
+
+    Latency, not bandwidth, decides this kernel (it reads 33 KB per CTA), so no load may wait for
+    another: lane s of every warp reads split s's max and sum at once (num_splits <= 32), warp
+    shuffles reduce them, and the loop over the splits' O rows is unrolled so that its loads are
+    in flight together. (v0 walked the splits twice with dependent scalar loads: 29 us at T = 1.)
+    """
 
     @cute.jit
     def launch(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor, stream):
@@ -391,37 +399,48 @@ class _CombineKernel:
             stream=stream,
         )
 
+    @cute.jit
+    def warp_allreduce(self, value: cutlass.Float32, op: cutlass.Constexpr) -> cutlass.Float32:
+        offset = cute.arch.WARP_SIZE // 2
+        while offset > 0:
+            value = op(value, cute.arch.shuffle_sync_bfly(value, offset=offset))
+            offset //= 2
+        return value
+
     @cute.kernel
     def kernel(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         token, head, _ = cute.arch.block_idx()
         num_splits = workspace.shape[1]
+        lane = cute.arch.lane_idx()
         col0 = tidx * COMBINE_COLS_PER_THREAD
 
-        global_max = cute.make_rmem_tensor((1,), cutlass.Float32)
-        global_max[0] = -cutlass.Float32.inf
-        for s in cutlass.range(num_splits, unroll=1):
-            global_max[0] = cute.arch.fmax(global_max[0], workspace[token, s, head, WS_MAX_COL])
+        split_stats = cute.make_rmem_tensor((2,), cutlass.Float32)  # this lane's split: max, sum
+        split_stats[0] = -cutlass.Float32.inf
+        split_stats[1] = cutlass.Float32(0.0)
+        if lane < num_splits:
+            split_stats[0] = workspace[token, lane, head, WS_MAX_COL]
+            split_stats[1] = workspace[token, lane, head, WS_SUM_COL]
+        global_max = self.warp_allreduce(split_stats[0], cute.arch.fmax)
         # A token without any valid row has max -inf: shift by 0 so every weight is exp2(-inf) = 0.
-        shift = cutlass.Float32(0.0) if global_max[0] == -cutlass.Float32.inf else global_max[0]
+        shift = cutlass.Float32(0.0) if global_max == -cutlass.Float32.inf else global_max
+        weight = cute.math.exp2(split_stats[0] - shift, fastmath=True)  # 0 on lanes past num_splits
+        total = self.warp_allreduce(weight * split_stats[1], lambda a, b: a + b)
 
-        total = cute.make_rmem_tensor((1,), cutlass.Float32)
-        total[0] = cutlass.Float32(0.0)
         acc = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD,), cutlass.Float32)
         acc.fill(0.0)
-        for s in cutlass.range(num_splits, unroll=1):
-            weight = cute.math.exp2(workspace[token, s, head, WS_MAX_COL] - shift, fastmath=True)
-            total[0] = total[0] + weight * workspace[token, s, head, WS_SUM_COL]
+        for s in cutlass.range(num_splits, unroll=8):
+            split_weight = cute.arch.shuffle_sync(weight, s)
             for j in cutlass.range_constexpr(COMBINE_COLS_PER_THREAD):
-                acc[j] = acc[j] + weight * workspace[token, s, head, col0 + j]
+                acc[j] = acc[j] + split_weight * workspace[token, s, head, col0 + j]
 
         # total >= 1 whenever some row was valid (the max element contributes exp2(0) = 1).
-        inv_total = cutlass.Float32(0.0) if total[0] == cutlass.Float32(0.0) else cutlass.Float32(1.0) / total[0]
+        inv_total = cutlass.Float32(0.0) if total == cutlass.Float32(0.0) else cutlass.Float32(1.0) / total
         for j in cutlass.range_constexpr(COMBINE_COLS_PER_THREAD):
             output[token, head, col0 + j] = (acc[j] * inv_total).to(cutlass.BFloat16)
         if tidx == 0:
             # -inf + log2(0) = -inf for a token without valid rows.
-            lse[token, head] = global_max[0] + cute.math.log2(total[0])
+            lse[token, head] = global_max + cute.math.log2(total)
 
 
 class DsaSparseAttentionSm90:
@@ -500,12 +519,11 @@ def compile_only(arch: str = GPU_ARCH) -> Callable:
 
 
 def num_splits_for(num_tokens: int) -> int:
-    """Splits of the 2048 rows per token: the fewest (a power of two, at most 32) that give
-    MIN_CTAS CTAs, i.e. about one per SM at the one-CTA-per-SM residency of the split kernel.
-    Fewer splits mean less workspace traffic and longer double-buffered loops per CTA."""
-    splits = 1
-    while splits < NUM_CHUNKS and num_tokens * splits < MIN_CTAS:
-        splits *= 2
+    """Splits of the 2048 rows per token: the most (a power of two, at most 32) that keep all
+    T * splits CTAs in one wave of the one-CTA-per-SM split kernel; 1 once T alone fills it."""
+    splits = NUM_CHUNKS
+    while splits > 1 and num_tokens * splits > MAX_CTAS_PER_WAVE:
+        splits //= 2
     return splits
 
 

@@ -36,15 +36,15 @@ def test_compiles_for_sm90a_without_gpu():
     assert kernel.compile_only("sm_90a") is compiled
 
 
-@pytest.mark.parametrize("num_tokens", [1, 2, 3, 8, 9, 37, 100, 128, 129, 4096, 100_000])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 7, 8, 9, 37, 100, 128, 129, 4096, 100_000])
 def test_num_splits_divides_the_chunks_and_fills_the_gpu(num_tokens):
     splits = kernel.num_splits_for(num_tokens)
     assert splits in kernel.VALID_SPLITS
     assert kernel.NUM_CHUNKS % splits == 0
-    # Either enough CTAs for the GPU, or already the maximum split ...
-    assert num_tokens * splits >= kernel.MIN_CTAS or splits == kernel.NUM_CHUNKS
-    # ... and no more splits than needed for that.
-    assert splits == 1 or num_tokens * (splits // 2) < kernel.MIN_CTAS
+    # One wave of CTAs (or a single split once T alone exceeds a wave) ...
+    assert num_tokens * splits <= kernel.MAX_CTAS_PER_WAVE or splits == 1
+    # ... with as many splits as fit in it.
+    assert splits == kernel.NUM_CHUNKS or num_tokens * splits * 2 > kernel.MAX_CTAS_PER_WAVE
 
 
 def test_valid_splits_are_the_divisors_of_the_chunk_count():

@@ -15,6 +15,7 @@ import platform
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -64,9 +65,14 @@ class EnvironmentRecord(BaseModel):
     packages: dict[str, str | None] = Field(default_factory=dict)
     repo_commit: str | None = None
     repo_dirty: bool | None = None
-    # "git" when read from the checkout; "declared" when the tree was copied without its .git
-    # (to a GPU host) and the copier declared the commit through HOPPERBENCH_SOURCE_COMMIT.
+    # "git" when read from the checkout; "declared" when whoever copied the tree to a GPU host
+    # declared its commit through HOPPERBENCH_SOURCE_COMMIT (the copy's own .git, if any, may hold
+    # another HEAD: it is kept in repo_git_head).
     repo_commit_source: str | None = None
+    repo_git_head: str | None = None
+    # The git tree id of the files that ran (see working_tree_id): equal to `<commit>^{tree}` iff
+    # they are exactly that commit's files, which `tools/verify_provenance.py` checks.
+    repo_tree: str | None = None
     submodules: list[SubmoduleRecord] = Field(default_factory=list)
     # Per track: the submodule guard's verdict on the human side (pinned, unpinned_allowed, unavailable: ...).
     human_guard: dict[str, str] = Field(default_factory=dict)
@@ -183,16 +189,42 @@ def _torch_cuda_version() -> str | None:
     return torch.version.cuda
 
 
+def working_tree_id(repo_root: Path) -> str:
+    """The git tree id of the working tree's files as they are now.
+
+    HEAD's tree is read into a temporary index, then every tracked and every untracked, not ignored
+    file outside the submodules is added (submodules keep HEAD's gitlinks: their checkouts are
+    recorded separately). The id equals `git rev-parse <commit>^{tree}` exactly when the files are
+    those of <commit>, whatever HEAD the copy's .git holds. Like `git stash create`, it writes blob
+    objects into the repository's object store and changes nothing else.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+
+        def git(*args: str) -> str:
+            done = subprocess.run(["git", "-C", str(repo_root), *args], env=env, capture_output=True, text=True,
+                                  timeout=60, check=True)  # fmt: skip
+            return done.stdout.strip()
+
+        git("read-tree", "HEAD")
+        gitlinks = [line.split("\t", 1)[1] for line in git("ls-files", "--stage").splitlines() if line.startswith("160000")]
+        git("add", "-A", "--", ".", *(f":(exclude){path}" for path in gitlinks))
+        return git("write-tree")
+
+
 def _repo_state(repo_root: Path) -> dict[str, Any]:
-    commit = _safe(lambda: _git(repo_root, "rev-parse", "HEAD"))
-    if commit is not None:
-        dirty = _safe(lambda: _git(repo_root, "status", "--porcelain", "--untracked-files=no") != "")
-        return {"repo_commit": commit, "repo_dirty": dirty, "repo_commit_source": "git"}
+    head = _safe(lambda: _git(repo_root, "rev-parse", "HEAD"))
+    tree = _safe(lambda: working_tree_id(repo_root)) if head is not None else None
     declared = os.environ.get("HOPPERBENCH_SOURCE_COMMIT")
     if declared:
         dirty_flag = os.environ.get("HOPPERBENCH_SOURCE_DIRTY")
         dirty = None if dirty_flag is None else dirty_flag.strip().lower() in {"1", "true", "yes"}
-        return {"repo_commit": declared, "repo_dirty": dirty, "repo_commit_source": "declared"}
+        return {"repo_commit": declared, "repo_dirty": dirty, "repo_commit_source": "declared",
+                "repo_git_head": head, "repo_tree": tree}  # fmt: skip
+    if head is not None:
+        dirty = _safe(lambda: _git(repo_root, "status", "--porcelain", "--untracked-files=no") != "")
+        return {"repo_commit": head, "repo_dirty": dirty, "repo_commit_source": "git", "repo_git_head": head,
+                "repo_tree": tree}  # fmt: skip
     return {}
 
 

@@ -1,0 +1,87 @@
+"""The environment's record of which files ran, and tools/verify_provenance.py's check of it."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hopperbench.environment import EnvironmentRecord, _repo_state, working_tree_id
+from hopperbench.paths import REPO_ROOT
+from hopperbench.devcheck import load_module_by_path
+
+verify = load_module_by_path(REPO_ROOT / "tools/verify_provenance.py", "verify_provenance")
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "config", "user.email", "t@example.com")
+    git(tmp_path, "config", "user.name", "t")
+    (tmp_path / "kernel.py").write_text("A = 1\n")
+    (tmp_path / ".gitignore").write_text("ignored/\n")
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-q", "-m", "one")
+    return tmp_path
+
+
+def test_tree_id_is_the_commits_tree_for_its_files_whatever_is_ignored(repo: Path) -> None:
+    (repo / "ignored").mkdir()
+    (repo / "ignored" / "build.bin").write_text("x")
+    assert working_tree_id(repo) == git(repo, "rev-parse", "HEAD^{tree}")
+    assert git(repo, "status", "--porcelain") == ""  # the ignored file is not part of the checkout
+
+
+def test_tree_id_changes_with_an_edited_or_an_untracked_file_and_leaves_the_index_alone(repo: Path) -> None:
+    head_tree = git(repo, "rev-parse", "HEAD^{tree}")
+    (repo / "kernel.py").write_text("A = 2\n")
+    edited = working_tree_id(repo)
+    assert edited != head_tree
+    (repo / "kernel.py").write_text("A = 1\n")
+    (repo / "new.py").write_text("B = 1\n")
+    assert working_tree_id(repo) not in (head_tree, edited)
+    assert git(repo, "diff", "--cached", "--name-only") == ""  # the real index is untouched
+
+
+def test_a_copy_whose_git_head_is_older_still_matches_the_commit_it_holds(repo: Path) -> None:
+    """The GPU-host case: the copy's .git sits at an older commit, the files are a newer one's."""
+    old = git(repo, "rev-parse", "HEAD")
+    (repo / "kernel.py").write_text("A = 2\n")
+    git(repo, "commit", "-q", "-am", "two")
+    new_tree = git(repo, "rev-parse", "HEAD^{tree}")
+    git(repo, "reset", "-q", "--soft", old)  # HEAD back, files stay the new commit's
+    assert working_tree_id(repo) == new_tree
+
+
+def test_a_declared_commit_wins_and_keeps_the_copys_own_head(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOPPERBENCH_SOURCE_COMMIT", "f" * 40)
+    monkeypatch.setenv("HOPPERBENCH_SOURCE_DIRTY", "0")
+    state = _repo_state(repo)
+    assert state["repo_commit"] == "f" * 40 and state["repo_commit_source"] == "declared"
+    assert state["repo_git_head"] == git(repo, "rev-parse", "HEAD") and state["repo_dirty"] is False
+    assert state["repo_tree"] == git(repo, "rev-parse", "HEAD^{tree}")
+
+
+def test_without_a_declaration_git_decides(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HOPPERBENCH_SOURCE_COMMIT", raising=False)
+    state = _repo_state(repo)
+    assert state["repo_commit"] == git(repo, "rev-parse", "HEAD") and state["repo_commit_source"] == "git"
+    assert state["repo_dirty"] is False
+
+
+def test_verdicts(repo: Path) -> None:
+    head = git(repo, "rev-parse", "HEAD")
+    tree = git(repo, "rev-parse", "HEAD^{tree}")
+    record = EnvironmentRecord(repo_commit=head, repo_tree=tree, repo_commit_source="declared")
+    assert verify.verdict_for(record, repo)[0] is verify.Verdict.VERIFIED
+    other = record.model_copy(update={"repo_tree": "0" * 40})
+    assert verify.verdict_for(other, repo)[0] is verify.Verdict.MISMATCH
+    unknown = record.model_copy(update={"repo_commit": "e" * 40})
+    assert verify.verdict_for(unknown, repo)[0] is verify.Verdict.UNKNOWN_COMMIT
+    old = record.model_copy(update={"repo_tree": None})
+    assert verify.verdict_for(old, repo)[0] is verify.Verdict.UNVERIFIABLE

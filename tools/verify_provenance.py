@@ -1,0 +1,69 @@
+"""Check that results files name the commit whose files actually ran.
+
+    uv run tools/verify_provenance.py results/h200/*.json
+
+A results JSON's environment holds `repo_commit` (from git, or declared by whoever copied the
+tree to the GPU host) and `repo_tree`, the git tree id of the files as they ran
+(`hopperbench.environment.working_tree_id`). This checkout must know the commit; the files are
+verified when `<commit>^{tree}` equals `repo_tree`. One line per file; exit 1 if any file's tree
+differs from its commit's or names a commit this checkout lacks, 0 otherwise (a file recorded
+before trees were recorded is reported as unverifiable, not as a failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from enum import Enum
+from pathlib import Path
+
+from hopperbench.environment import EnvironmentRecord
+from hopperbench.paths import REPO_ROOT
+
+
+class Verdict(str, Enum):
+    VERIFIED = "verified"
+    MISMATCH = "MISMATCH"
+    UNKNOWN_COMMIT = "UNKNOWN COMMIT"
+    UNVERIFIABLE = "unverifiable"
+
+
+def commit_tree(repo: Path, commit: str) -> str | None:
+    done = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{commit}^{{tree}}"],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def verdict_for(environment: EnvironmentRecord, repo: Path) -> tuple[Verdict, str]:
+    commit, tree = environment.repo_commit, environment.repo_tree
+    if commit is None or tree is None:
+        return Verdict.UNVERIFIABLE, f"commit {commit or '-'}, no tree recorded"
+    expected = commit_tree(repo, commit)
+    if expected is None:
+        return Verdict.UNKNOWN_COMMIT, f"commit {commit} is not in this checkout"
+    if expected != tree:
+        return Verdict.MISMATCH, f"the files that ran (tree {tree[:12]}) are not commit {commit[:12]}'s"
+    return Verdict.VERIFIED, f"files of commit {commit[:12]} ({environment.repo_commit_source})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", type=Path, help="results JSON files")
+    args = parser.parse_args(argv)
+    failed = False
+    for path in args.results:
+        try:
+            environment = EnvironmentRecord.model_validate(json.loads(path.read_text(encoding="utf-8"))["environment"])
+        except (OSError, ValueError, KeyError) as e:
+            print(f"{path}: not a results JSON ({type(e).__name__})", file=sys.stderr)
+            return 2
+        verdict, detail = verdict_for(environment, REPO_ROOT)
+        failed |= verdict in (Verdict.MISMATCH, Verdict.UNKNOWN_COMMIT)
+        print(f"{path}: {verdict.value}: {detail}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

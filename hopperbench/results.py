@@ -115,6 +115,13 @@ class WorkloadRow(BaseModel):
     best_reference: str | None = None
     speedup_vs_best_reference: float | None = None
     human_pinned: bool | None = None
+    # The workload's roofline floor (hopperbench.floors, from its axes: data-dependent terms are
+    # expectations, e.g. the active MoE experts) and ours against it; set by `attach_floors`.
+    floor_ms: float | None = None
+    floor_bytes: float | None = None
+    ours_over_floor: float | None = None
+    # floor_bytes / ours latency: the bandwidth our kernel achieves on the bytes it must move.
+    ours_tb_per_s: float | None = None
 
     @classmethod
     def from_sides(cls, workload: WorkloadKey, sides: Mapping[str, SideResult]) -> WorkloadRow:
@@ -130,6 +137,34 @@ class WorkloadRow(BaseModel):
             speedup_vs_best_reference=speedup(ordered.get(OURS), best),
             human_pinned=human.pinned if human else None,
         )
+
+
+def attach_floors(rows: Sequence[WorkloadRow], t_lat_us: float) -> list[WorkloadRow]:
+    """The rows with their floor fields set (t_lat_us: the measured span of an empty kernel).
+
+    A track without a floor model, or axes it cannot read, leaves the fields empty."""
+    from hopperbench.floors import FloorInputError, floor
+
+    out = []
+    for row in rows:
+        try:
+            f = floor(row.track, row.axes, t_lat_us=t_lat_us)
+        except (FloorInputError, KeyError):
+            out.append(row)
+            continue
+        ours = row.sides.get(OURS)
+        ours_ms = ours.latency_ms if ours is not None and ours.timed else None
+        out.append(
+            row.model_copy(
+                update={
+                    "floor_ms": f.floor_us / 1e3,
+                    "floor_bytes": f.bytes_min,
+                    "ours_over_floor": None if ours_ms is None else ours_ms / (f.floor_us / 1e3),
+                    "ours_tb_per_s": None if ours_ms is None else f.bytes_min / (ours_ms * 1e-3) / 1e12,
+                }
+            )
+        )
+    return out
 
 
 def speedup(ours: SideResult | None, other: SideResult | None) -> float | None:
@@ -176,6 +211,8 @@ class TrackSummary(BaseModel):
     vs_human: SpeedupSummary
     vs_reference: SpeedupSummary
     vs_best_reference: SpeedupSummary
+    # Geometric mean of ours / floor over the workloads where ours was timed (None without floors).
+    ours_over_floor: SpeedupSummary | None = None
     passed: dict[str, int]
     # Ran (or should have run) and did not pass: every status but PASSED and UNAVAILABLE.
     failed: dict[str, int]
@@ -217,6 +254,11 @@ def summarize(rows: Sequence[WorkloadRow]) -> dict[str, TrackSummary]:
             vs_human=_speedup_summary(r.speedup_vs_human for r in track_rows),
             vs_reference=_speedup_summary(r.speedup_vs_reference for r in track_rows),
             vs_best_reference=_speedup_summary(r.speedup_vs_best_reference for r in track_rows),
+            ours_over_floor=(
+                _speedup_summary(r.ours_over_floor for r in track_rows)
+                if any(r.floor_ms is not None for r in track_rows)
+                else None
+            ),
             passed=passed,
             failed=failed,
             unavailable=unavailable,
@@ -230,7 +272,8 @@ def _fmt_speedup(s: SpeedupSummary) -> str:
 
 def format_summary_table(summary: Mapping[str, TrackSummary]) -> str:
     """A plain-text table for the terminal: speedup geometric means and pass counts per side."""
-    header = ["track", "workloads", "vs human", "vs reference", "vs best ref", "passed / failed / unavailable"]
+    header = ["track", "workloads", "vs human", "vs reference", "vs best ref", "ours/floor",
+              "passed / failed / unavailable"]  # fmt: skip
     lines = [header]
     for s in summary.values():
         counts = ", ".join(f"{n} {s.passed[n]}/{s.failed[n]}/{s.unavailable[n]}" for n in s.passed)
@@ -241,6 +284,7 @@ def format_summary_table(summary: Mapping[str, TrackSummary]) -> str:
                 _fmt_speedup(s.vs_human),
                 _fmt_speedup(s.vs_reference),
                 _fmt_speedup(s.vs_best_reference),
+                "-" if s.ours_over_floor is None else _fmt_speedup(s.ours_over_floor),
                 counts,
             ]
         )
@@ -389,7 +433,12 @@ DERIVED_FIELDS = (
     "speedup_vs_best_reference",
     "best_reference",
     "human_pinned",
+    "floor_ms",
+    "floor_bytes",
+    "ours_over_floor",
+    "ours_tb_per_s",
 )
+FLOOR_FIELDS = ("floor_ms", "floor_bytes", "ours_over_floor", "ours_tb_per_s")
 
 
 class TrackCompleteness(BaseModel):
@@ -531,7 +580,9 @@ def read_csv_rows(path: Path) -> list[WorkloadRow]:
                 sides[side] = SideResult(side=side, status=Status(line[f"{side}_status"]), **values)
             if HUMAN in sides and line.get("human_pinned"):
                 sides[HUMAN].pinned = line["human_pinned"] == "True"
-            rows.append(WorkloadRow.from_sides(workload, sides))
+            row = WorkloadRow.from_sides(workload, sides)
+            floors = {f: _float_or_none(line.get(f) or "") for f in FLOOR_FIELDS}
+            rows.append(row.model_copy(update=floors))
         return rows
 
 
@@ -563,7 +614,11 @@ def write_results(
     environment_source: str | None = None,
     resumed_at: Sequence[str] = (),
 ) -> ResultsFile:
-    """Write the JSON and, beside it with the same stem, the CSV. Returns what was written."""
+    """Write the JSON and, beside it with the same stem, the CSV. Returns what was written.
+
+    Rows get their roofline floors when the environment holds the empty-kernel span."""
+    if environment.empty_kernel_span_ms is not None:
+        rows = attach_floors(rows, environment.empty_kernel_span_ms * 1e3)
     results = ResultsFile(
         environment=environment,
         environment_source=environment_source,

@@ -148,12 +148,16 @@ def test_csv_columns_and_values(tmp_path: Path) -> None:
     for side in ("ours", "human", "reference", "fla"):
         for field in ("status", "latency_ms", "min_ms", "max_ms", "max_abs_err", "max_rel_err", "relative_l2"):
             assert f"{side}_{field}" in columns
-    assert columns[-5:] == [
+    assert columns[-9:] == [
         "speedup_vs_human",
         "speedup_vs_reference",
         "speedup_vs_best_reference",
         "best_reference",
         "human_pinned",
+        "floor_ms",
+        "floor_bytes",
+        "ours_over_floor",
+        "ours_tb_per_s",
     ]
     (line,) = lines
     assert line["axes"] == "seq_len=1;other=7"
@@ -390,3 +394,36 @@ def test_render_results_flags_a_partial_run(tmp_path: Path) -> None:
     assert line is not None and "43 of 45" in line
     (tmp_path / "run.json").write_text(json.dumps({"completeness": {"partial": False, "planned": 2, "complete": 2}}))
     assert render_results.completeness_line(csv_path) is None
+
+
+def test_rows_get_their_floor_and_ours_against_it_when_the_empty_kernel_span_is_known(tmp_path: Path) -> None:
+    from hopperbench.floors import floor
+
+    dsa_key = WorkloadKey(track="dsa_attention", definition="d", uuid="u", index=0,
+                          axes={"num_tokens": 8, "num_pages": 8462}, data_source="synthesized", seed=0)  # fmt: skip
+    dsa = WorkloadRow.from_sides(dsa_key, {"ours": passed("ours", 0.016), "reference": passed("reference", 0.9)})
+    expected = floor("dsa_attention", dsa_key.axes, t_lat_us=1.0)
+    output = tmp_path / "results.json"
+    written = write_results(output, EnvironmentRecord(empty_kernel_span_ms=0.001), [dsa])
+    (got,) = written.rows
+    assert got.floor_ms == pytest.approx(expected.floor_us / 1e3)
+    assert got.floor_bytes == pytest.approx(expected.bytes_min)
+    assert got.ours_over_floor == pytest.approx(0.016 / (expected.floor_us / 1e3))
+    assert got.ours_tb_per_s == pytest.approx(expected.bytes_min / 16e-6 / 1e12)
+    assert written.summary["dsa_attention"].ours_over_floor.geomean == pytest.approx(got.ours_over_floor)
+    # The CSV carries them, and the README renderer reads them back.
+    (back,) = read_csv_rows(csv_path_for(output))
+    assert back.ours_over_floor == pytest.approx(got.ours_over_floor)
+    assert back.floor_ms == pytest.approx(got.floor_ms)
+
+
+def test_no_floor_without_the_empty_kernel_span_or_without_a_timed_ours(tmp_path: Path) -> None:
+    failed_ours = SideResult(side="ours", status=Status.FAILED, message="mismatch")
+    rows = [row(0, [passed("ours", 1.0), passed("reference", 9.0)]), row(1, [failed_ours, passed("reference", 9.0)])]
+    unknown = write_results(tmp_path / "a.json", EnvironmentRecord(), rows)
+    assert all(r.floor_ms is None and r.ours_over_floor is None for r in unknown.rows)
+    assert unknown.summary["moe"].ours_over_floor is None
+    known = write_results(tmp_path / "b.json", EnvironmentRecord(empty_kernel_span_ms=0.001), rows)
+    assert known.rows[0].ours_over_floor is not None and known.rows[1].floor_ms is not None
+    assert known.rows[1].ours_over_floor is None and known.rows[1].ours_tb_per_s is None
+    assert known.summary["moe"].ours_over_floor.workloads == 1

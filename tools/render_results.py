@@ -116,6 +116,7 @@ def summary_table(summary: dict[str, TrackSummary]) -> list[str]:
         "ours vs human",
         "ours vs reference",
         "ours vs best reference",
+        "ours / floor",
     ]
     rows = []
     for t in summary.values():
@@ -128,6 +129,7 @@ def summary_table(summary: dict[str, TrackSummary]) -> list[str]:
                 _speedup(t.vs_human),
                 _speedup(t.vs_reference),
                 _speedup(t.vs_best_reference),
+                "–" if t.ours_over_floor is None else _speedup(t.ours_over_floor),
             ]
         )
     return _table(header, rows)
@@ -154,6 +156,9 @@ def workload_table(rows: Sequence[WorkloadRow]) -> list[str]:
         "vs human",
         "vs reference",
         "vs best ref",
+        "floor ms",
+        "ours / floor",
+        "ours TB/s",
     ]
     body = [
         [
@@ -166,6 +171,9 @@ def workload_table(rows: Sequence[WorkloadRow]) -> list[str]:
             _x(r.speedup_vs_human),
             _x(r.speedup_vs_reference),
             _x(r.speedup_vs_best_reference),
+            "–" if r.floor_ms is None else f"{r.floor_ms:.4g}",
+            _x(r.ours_over_floor),
+            "–" if r.ours_tb_per_s is None else f"{r.ours_tb_per_s:.2f}",
         ]
         for r in rows
     ]

@@ -162,10 +162,6 @@ class _SplitKernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         token, split, _ = cute.arch.block_idx()
-        num_splits = workspace.shape[1]
-        chunks_per_split = NUM_CHUNKS // num_splits
-        first_row = split * chunks_per_split * BLOCK_N
-        num_cache_rows = ckv_rows.shape[0]
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -175,6 +171,62 @@ class _SplitKernel:
         sp = storage.sp.get_tensor(sp_layout)
         salpha = storage.salpha.get_tensor(cute.make_layout(NUM_HEADS))
 
+        acc_o, row_max, row_sum = self.attend(
+            q_nope,
+            q_pe,
+            ckv_rows,
+            kpe_rows,
+            sparse_indices,
+            scale_log2,
+            workspace.shape[1],
+            tiled_mma,
+            sq,
+            sk,
+            ss,
+            sp,
+            salpha,
+            token,
+            split,
+            tidx,
+        )
+        thr_mma = tiled_mma.get_slice(tidx)
+        softmax_row = tidx // THREADS_PER_SOFTMAX_ROW
+
+        # ---- epilogue: unnormalised O, m and l of this split ----
+        tOgO = thr_mma.partition_C(
+            cute.local_tile(workspace[token, split, None, None], (NUM_HEADS, CKV_DIM), (0, 0))
+        )
+        cute.autovec_copy(acc_o, tOgO)
+        if tidx % THREADS_PER_SOFTMAX_ROW == 0:
+            workspace[token, split, softmax_row, WS_MAX_COL] = row_max[0]
+            workspace[token, split, softmax_row, WS_SUM_COL] = row_sum[0]
+
+    @cute.jit
+    def attend(
+        self,
+        q_nope: cute.Tensor,
+        q_pe: cute.Tensor,
+        ckv_rows: cute.Tensor,
+        kpe_rows: cute.Tensor,
+        sparse_indices: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        num_splits: cutlass.Int32,
+        tiled_mma: cute.TiledMma,
+        sq: cute.Tensor,
+        sk: cute.Tensor,
+        ss: cute.Tensor,
+        sp: cute.Tensor,
+        salpha: cute.Tensor,
+        token: cutlass.Int32,
+        split: cutlass.Int32,
+        tidx: cutlass.Int32,
+    ):
+        """The split's attention over its chunks (Q and chunk gathers, S = Q K^T, online softmax,
+        O += P V); returns the unnormalised O (MMA C layout) and this thread's softmax row's
+        running max and sum. The epilogue that stores them is the caller's."""
+        chunks_per_split = NUM_CHUNKS // num_splits
+        first_row = split * chunks_per_split * BLOCK_N
+        num_cache_rows = ckv_rows.shape[0]
         g2s = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
             cutlass.BFloat16,
@@ -320,15 +372,7 @@ class _SplitKernel:
                 cute.gemm(tiled_mma, acc_o, tOrP[None, None, k], tOrVt[None, None, k], acc_o)
             # The next iteration overwrites this stage (prefetch) and ss/sp/salpha.
             cute.arch.sync_threads()
-
-        # ---- epilogue: unnormalised O, m and l of this split ----
-        tOgO = thr_mma.partition_C(
-            cute.local_tile(workspace[token, split, None, None], (NUM_HEADS, CKV_DIM), (0, 0))
-        )
-        cute.autovec_copy(acc_o, tOgO)
-        if tidx % THREADS_PER_SOFTMAX_ROW == 0:
-            workspace[token, split, softmax_row, WS_MAX_COL] = row_max[0]
-            workspace[token, split, softmax_row, WS_SUM_COL] = row_sum[0]
+        return acc_o, row_max, row_sum
 
     @cute.jit
     def gather_chunk(

@@ -423,7 +423,10 @@ class GdnPrefillSm90:
 _COMPILED: dict[str, Callable] = {}
 
 
-def _compile(arch: str) -> Callable:
+def compile_launcher(launcher: object, arch: str) -> Callable:
+    """`cute.compile` of a host launcher taking `run`'s tensors in definition order (then
+    `scale`, `has_state`, and the stream): one compile for every T and N (symbolic shapes), as a
+    TVM-FFI function on the current torch stream. Shared by every GDN kernel of this folder."""
     num_tokens = cute.sym_int()
     num_seqs = cute.sym_int()
     num_bounds = cute.sym_int()  # N + 1
@@ -453,7 +456,11 @@ def _compile(arch: str) -> Callable:
         rowmajor(f32, state_shape),  # new_state
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    return cute.compile(GdnPrefillSm90(), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+    return cute.compile(launcher, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+
+
+def _compile(arch: str) -> Callable:
+    return compile_launcher(GdnPrefillSm90(), arch)
 
 
 def compiled_for(arch: str = GPU_ARCH) -> Callable:

@@ -1,15 +1,18 @@
 """Device check of our DSA sparse-attention kernel (kernels/dsa_attention/kernel.py) on a GPU.
 
+`--kernel fused` checks the candidate kernels/dsa_attention/fused.py instead (the modules listed
+in KERNEL_MODULES share `run`; the split sweep runs when the module has `run_with_splits`).
 Compiles the kernel, then for every case in kernels/dsa_attention/check_cases.py: fresh random
 inputs, NaN-poisoned outputs, one call, comparison with our reference
 (hopperbench/references/dsa_attention.py) under the DSA track rule of hopperbench.acceptance
-(atol = rtol = 1e-2 on every element, no NaN), and a median time per call from CUDA events (warm
-L2; the benchmark runner does the real timing). Then a CUDA-graph capture/replay check, and a sweep
+(atol = rtol = 1e-2 on every element, no NaN), a median time per call from CUDA events (warm
+L2; the benchmark runner does the real timing), and the comparison again on the last timed call's
+outputs (state carried between calls shows there). Then a CUDA-graph capture/replay check, and a sweep
 of every split count at the contest's cache size (correctness and time, for tuning the split
 heuristic). Exits 1 if anything failed, 2 without a CUDA device.
 
-    uv run python tools/device_check_dsa.py [--iters 50] [--warmup 10] [--cases t1_random,t8_one_valid]
-                                            [--sweep-tokens 1,2,8]
+    uv run python tools/device_check_dsa.py [--kernel kernel|fused] [--iters 50] [--warmup 10]
+                                            [--cases t1_random,t8_one_valid] [--sweep-tokens 1,2,8]
 """
 
 from __future__ import annotations
@@ -44,10 +47,26 @@ SWEEP_TABLE = Table(
     ),
 )
 GRAPH_CASE = cases.CheckCase("graph_replay_t8", 8, 300, "scattered_padding")
+# Kernel modules of kernels/dsa_attention/ this tool can check: file stem -> what it compiles.
+KERNEL_MODULES = {"kernel": "sm_90a, both kernels", "fused": "sm_90a, split kernel with the fused combine"}
+
+
+def _kernel_loader(name: str):
+    """Loader of kernels/dsa_attention/<name>.py (kernel.py through check_cases, as the tests do)."""
+    if name == "kernel":
+        return cases.load_kernel
+    path = REPO_ROOT / "kernels" / "dsa_attention" / f"{name}.py"
+    return lambda: devcheck.load_module_by_path(path, f"dsa_attention_{name}")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = devcheck.case_check_parser(__doc__.splitlines()[0], iters=50, warmup=10)
+    parser.add_argument(
+        "--kernel",
+        choices=sorted(KERNEL_MODULES),
+        default="kernel",
+        help="which module of kernels/dsa_attention/ to check (default: kernel.py)",
+    )
     parser.add_argument(
         "--sweep-tokens",
         type=lambda text: [int(t) for t in text.split(",") if t],
@@ -86,11 +105,20 @@ def _check_case(kernel, reference, case, args) -> bool:
         print(
             f"    mismatches: output {verdict.outputs['output'].bad_count}, lse {verdict.outputs['lse'].bad_count}"
         )
-    return verdict.passed
+    # The outputs now hold the last timed call's results: a kernel that carries state from call to
+    # call (fused.py's arrival counters) must still be right after warmup + iters calls.
+    after = cases.compare(output, lse, ref_out, ref_lse)
+    if not after.passed:
+        print(
+            f"    after {args.warmup + args.iters} more calls: mismatches output "
+            f"{after.outputs['output'].bad_count}, lse {after.outputs['lse'].bad_count}"
+        )
+    return verdict.passed and after.passed
 
 
 def _sweep_splits(kernel, reference, args) -> bool:
-    """Every split count at the contest's cache size for a few decode batch sizes (tuning data)."""
+    """Every split count at the contest's cache size for a few decode batch sizes (tuning data).
+    Needs the module's `run_with_splits`, `num_splits_for` and `VALID_SPLITS`."""
     print(f"\n{SWEEP_TABLE.header()}")
     all_passed = True
     for num_tokens in args.sweep_tokens:
@@ -138,7 +166,7 @@ def _check_graph_replay(kernel, reference, args) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     select = functools.partial(devcheck.select_cases, cases.CASES, args.cases)
-    started = devcheck.start("device_check_dsa", select, cases.load_kernel, "sm_90a, both kernels")
+    started = devcheck.start("device_check_dsa", select, _kernel_loader(args.kernel), KERNEL_MODULES[args.kernel])
     if started is None:
         return devcheck.EXIT_NO_DEVICE
     selected, kernel = started
@@ -148,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = [(c.name, lambda c=c: _check_case(kernel, reference, c, args)) for c in selected]
     checks.append((GRAPH_CASE.name, lambda: _check_graph_replay(kernel, reference, args)))
     all_passed = devcheck.run_checks(checks, NAME_WIDTH)
-    if args.sweep_tokens:
+    if args.sweep_tokens and hasattr(kernel, "run_with_splits"):
         # name_width 0: a sweep failure prints as "sweep ERROR ...", outside the case table.
         all_passed &= devcheck.run_checks([("sweep", lambda: _sweep_splits(kernel, reference, args))], 0)
     return devcheck.finish(all_passed)

@@ -1,5 +1,7 @@
 """Device check of our GDN prefill kernel (kernels/gdn_prefill/kernel.py) on a GPU.
 
+`--kernel chunked` checks a candidate instead: kernels/gdn_prefill/<name>.py, loaded as a module of
+a package made of that folder (as the harness packs it), so that it may import its siblings.
 Compiles the kernel, then for every case in kernels/gdn_prefill/check_cases.py: fresh inputs,
 NaN-poisoned outputs, one call, comparison with our reference (hopperbench/references/gdn_prefill.py)
 under the GDN track rule of hopperbench.acceptance (atol = rtol = 1e-2 on every element of output
@@ -7,15 +9,17 @@ and new_state, no NaN), a check that the input state is unchanged, and a median 
 CUDA events (warm L2; the benchmark runner does the real timing). Then a CUDA-graph capture/replay
 check with new sequence bounds. Exits 1 if anything failed, 2 without a CUDA device.
 
-    uv run python tools/device_check_gdn.py [--iters 20] [--warmup 3] [--cases len1_state,len6_nostate]
-                                            [--skip-long]
+    uv run python tools/device_check_gdn.py [--kernel {kernel,chunked}] [--iters 20] [--warmup 3]
+                                            [--cases len1_state,len6_nostate] [--skip-long]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import sys
+from types import ModuleType
 
 import torch
 
@@ -24,6 +28,10 @@ from hopperbench.devcheck import Column, Table
 from hopperbench.paths import REPO_ROOT
 
 cases = devcheck.load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
+
+KERNEL_DIR = REPO_ROOT / "kernels" / "gdn_prefill"
+KERNEL_CHOICES = ("kernel", "chunked")  # modules of KERNEL_DIR with the `run` entry
+PACKAGE = "gdn_solution"
 
 GRAPH_CASE = cases.CheckCase("graph_replay_new_bounds", (40, 30, 58), True, 0.0, "mamba2")
 GRAPH_FRESH = cases.CheckCase("graph_replay_new_bounds", (1, 100, 27), True, 0.0, "mamba2")
@@ -39,8 +47,24 @@ TABLE = Table(
 )
 
 
+def load_kernel_module(name: str) -> ModuleType:
+    """kernels/gdn_prefill/<name>.py as a module of a package made of that folder (no
+    __init__.py needed), so that its relative imports of siblings (`from .kernel import ...`)
+    resolve the way they do in the harness's packed solution."""
+    if name not in KERNEL_CHOICES:
+        raise ValueError(f"unknown GDN kernel module {name!r}; choose from {', '.join(KERNEL_CHOICES)}")
+    if PACKAGE not in sys.modules:
+        package = ModuleType(PACKAGE)
+        package.__path__ = [str(KERNEL_DIR)]
+        sys.modules[PACKAGE] = package
+    return importlib.import_module(f"{PACKAGE}.{name}")
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = devcheck.case_check_parser(__doc__.splitlines()[0], iters=20, warmup=3)
+    parser.add_argument(
+        "--kernel", choices=KERNEL_CHOICES, default="kernel", help="which module of kernels/gdn_prefill to check"
+    )
     parser.add_argument("--skip-long", action="store_true", help="leave out the 65536-token case")
     return parser.parse_args(argv)
 
@@ -103,7 +127,8 @@ def _check_graph_replay(kernel, reference, args) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     select = functools.partial(_selected_cases, args)
-    started = devcheck.start("device_check_gdn", select, cases.load_kernel, "sm_90a")
+    load = cases.load_kernel if args.kernel == "kernel" else functools.partial(load_kernel_module, args.kernel)
+    started = devcheck.start("device_check_gdn", select, load, f"{args.kernel}.py, sm_90a")
     if started is None:
         return devcheck.EXIT_NO_DEVICE
     selected, kernel = started

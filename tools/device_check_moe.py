@@ -10,14 +10,19 @@ repeat check and a CUDA-graph capture/replay check. Exits 1 if anything failed, 
 device.
 
     uv run python tools/device_check_moe.py [--iters 20] [--warmup 3] [--cases t1_off0,t80_off96] [--skip-slow]
+        [--kernel {kernel,candidate_v1}]
+
+--kernel picks the module of kernels/moe/ whose `run` is checked (default kernel.py, v0).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import math
 import sys
+from types import ModuleType
 
 import torch
 
@@ -27,6 +32,7 @@ from hopperbench.paths import REPO_ROOT
 
 cases = devcheck.load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check_cases")
 
+KERNEL_MODULES = ("kernel", "candidate_v1")
 NAME_WIDTH = 26
 TABLE = Table(
     "case",
@@ -42,7 +48,16 @@ TABLE = Table(
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = devcheck.case_check_parser(__doc__.splitlines()[0], iters=20, warmup=3)
     parser.add_argument("--skip-slow", action="store_true", help=f"leave out {', '.join(sorted(cases.SLOW_CASES))}")
+    parser.add_argument(
+        "--kernel", choices=KERNEL_MODULES, default="kernel", help="module of kernels/moe/ whose run is checked"
+    )
     return parser.parse_args(argv)
+
+
+def _load_kernel_module(name: str) -> ModuleType:
+    """kernels/moe/<name>.py as a module of the folder's package (load_kernel registers it)."""
+    kernel = cases.load_kernel()
+    return kernel if name == "kernel" else importlib.import_module(f"{kernel.__package__}.{name}")
 
 
 def _selected_cases(args: argparse.Namespace) -> list:
@@ -123,7 +138,8 @@ def _check_graph_replay(kernel, reference, args) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     select = functools.partial(_selected_cases, args)
-    started = devcheck.start("device_check_moe", select, cases.load_kernel, "sm_90a, five kernels")
+    load = functools.partial(_load_kernel_module, args.kernel)
+    started = devcheck.start("device_check_moe", select, load, f"sm_90a, five kernels, {args.kernel}.py")
     if started is None:
         return devcheck.EXIT_NO_DEVICE
     selected, kernel = started

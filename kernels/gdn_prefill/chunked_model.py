@@ -1,0 +1,179 @@
+"""PyTorch model of the chunked gated delta rule exactly as `chunked.py` computes it.
+
+Per (sequence, v-head), chunks of C = 64 tokens, state S [V, K] (k-last). In a chunk with incoming
+state S0, per-token log-decays l_i = log g_i, inclusive cumulative sums G_i (fp32), gates beta_i:
+
+    A  = strict_tril(beta_i exp(G_i - G_j) k_i . k_j)          (decays only for i >= j)
+    P  = tril(exp(G_i - G_j) q_i . k_j)                         (diagonal included)
+    T  = (I + A)^-1                                             (blocked, see `invert_unit_lower`)
+    Xb = beta_i (v_i - exp(G_i) k_i S0^T)                       (the values the state would predict)
+    V' = T Xb                                                   (the corrected values)
+    O  = scale (exp(G_i) q_i S0^T + P V')
+    S  = exp(G_last) S0 + (V' * exp(G_last - G_i))^T K
+
+This is the token recurrence S <- g S; S <- S + beta (v - S k) k^T; o = scale S q unrolled over a
+chunk: S_i = exp(G_i) S0 + sum_{j<=i} exp(G_i - G_j) v'_j k_j^T with v'_i = beta_i (v_i - g_i S_{i-1}
+k_i), which is the triangular system (I + A) V' = Xb. No quantity divides by a cumulative decay, so
+fast decay underflows to zero instead of overflowing. Tokens past the end of a sequence are padded
+with k = q = v = 0, log g = 0 and beta = 0, which makes them inert (T is the identity there, G_last
+is the last real token's G).
+
+`Precision` says where the kernel rounds: `EXACT` computes everything in float64 (to check the
+algebra), `KERNEL` computes in fp32 and rounds every tensor-core operand to fp16 at the points where
+the kernel stores it to shared memory (fp16 rather than bf16: 8x finer, and every operand here is
+bounded well inside fp16's range for normalised keys).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+NUM_QK_HEADS = 4
+NUM_V_HEADS = 8
+HEAD_SIZE = 128
+CHUNK = 64
+BLOCK = 16  # diagonal blocks of T inverted directly; the rest by two doubling levels
+
+
+@dataclass(frozen=True)
+class Precision:
+    compute: torch.dtype  # accumulation and element-wise math
+    operand: torch.dtype | None  # tensor-core operands are rounded to this; None = no rounding
+
+    def round(self, x: torch.Tensor) -> torch.Tensor:
+        if self.operand is None:
+            return x
+        return x.to(self.operand).to(self.compute)
+
+
+EXACT = Precision(torch.float64, None)
+KERNEL = Precision(torch.float32, torch.float16)
+
+
+def resolve_scale(scale: float | None) -> float:
+    if scale is None or float(scale) == 0.0:
+        return 1.0 / math.sqrt(HEAD_SIZE)
+    return float(scale)
+
+
+def gates(
+    A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log g and beta [T, 8] in fp32, as the kernel computes them (softplus linear above 20)."""
+    x = a.float() + dt_bias.float()
+    softplus = torch.where(x > 20.0, x, torch.log1p(torch.exp(torch.clamp(x, max=20.0))))
+    log_g = -torch.exp(A_log.float()) * softplus
+    beta = torch.sigmoid(b.float())
+    return log_g, beta
+
+
+def invert_unit_lower(A: torch.Tensor, precision: Precision) -> torch.Tensor:
+    """T = (I + A)^-1 for strictly lower-triangular A [..., 64, 64], blocked as in the kernel.
+
+    The four 16x16 diagonal blocks are solved directly (forward substitution, unrounded); then
+    [[T00, 0], [T10, T11]] with T10 = -T11 A10 T00 for the pairs (1, 0) and (3, 2), and the same
+    formula once more for the 32x32 halves. Each product takes rounded operands and its
+    intermediate (T_ii A_ij) is rounded, as the kernel keeps it in shared memory."""
+    rnd = precision.round
+    n = A.shape[-1]
+    eye = torch.eye(BLOCK, dtype=A.dtype, device=A.device)
+    T = torch.zeros_like(A)
+    for blk in range(n // BLOCK):
+        s = slice(blk * BLOCK, (blk + 1) * BLOCK)
+        T[..., s, s] = rnd(torch.linalg.solve_triangular(eye + A[..., s, s], eye.expand_as(A[..., s, s]), upper=False))
+    A_r = rnd(A)
+    for size in (BLOCK, 2 * BLOCK):
+        for top in range(0, n, 2 * size):
+            lo, hi = slice(top, top + size), slice(top + size, top + 2 * size)
+            x = rnd(T[..., hi, hi] @ A_r[..., hi, lo])
+            T[..., hi, lo] = rnd(-(x @ T[..., lo, lo]))
+    return T
+
+
+def chunk_step(
+    S0: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    precision: Precision,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk for all heads: S0 [H, V, K], q/k [H, C, K], v [H, C, V], log_g/beta [H, C] (padded
+    tokens zero). Returns (O [H, C, V], S_next [H, V, K]) in the compute dtype."""
+    rnd = precision.round
+    c = q.shape[-2]
+    G = torch.cumsum(log_g, dim=-1)
+    diff = G[..., :, None] - G[..., None, :]
+    incl = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    strict = incl.tril(-1)
+    decay = torch.where(incl, torch.exp(torch.where(incl, diff, torch.zeros_like(diff))), torch.zeros_like(diff))
+    k_r, q_r = rnd(k), rnd(q)
+    kk = k_r @ k_r.transpose(-1, -2)
+    qk = q_r @ k_r.transpose(-1, -2)
+    A = torch.where(strict, beta[..., :, None] * decay * kk, torch.zeros_like(kk))
+    P = rnd(decay * qk)
+    T = invert_unit_lower(A, precision)
+
+    S0_r = rnd(S0)
+    y_k = k_r @ S0_r.transpose(-1, -2)  # [H, C, V]
+    y_q = q_r @ S0_r.transpose(-1, -2)
+    decay_in = torch.exp(G)[..., None]
+    Xb = rnd(beta[..., None] * (v - decay_in * y_k))
+    V_new = T @ Xb
+    out = scale * (decay_in * y_q + P @ rnd(V_new))
+    g_last = G[..., -1:]
+    V_carry = rnd(V_new * torch.exp(g_last - G)[..., None])
+    S_next = torch.exp(g_last)[..., None] * S0 + V_carry.transpose(-1, -2) @ k_r
+    return out, S_next
+
+
+@torch.no_grad()
+def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, precision: Precision = KERNEL):
+    """The definition's outputs (output [T,8,128] bf16, new_state [N,8,128,128] fp32) by the chunked
+    algorithm, on any device. Sequences of length 0 get a zero state, as in the definition."""
+    dtype = precision.compute
+    group = NUM_V_HEADS // NUM_QK_HEADS
+    scale = resolve_scale(scale)
+    log_g, beta = gates(A_log, a, dt_bias, b)
+    num_tokens, num_seqs = q.shape[0], cu_seqlens.shape[0] - 1
+    output = torch.zeros(num_tokens, NUM_V_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=q.device)
+    new_state = torch.zeros(num_seqs, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE, dtype=torch.float32, device=q.device)
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    for n in range(num_seqs):
+        start, end = bounds[n], bounds[n + 1]
+        if end <= start:
+            continue
+        if state is not None:
+            S = state[n].to(dtype)
+        else:
+            S = torch.zeros(NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE, dtype=dtype, device=q.device)
+        for c0 in range(start, end, CHUNK):
+            c1 = min(c0 + CHUNK, end)
+            pad = CHUNK - (c1 - c0)
+
+            def heads_first(x: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+                x = x[c0:c1].to(dtype)
+                if repeat > 1:
+                    x = x.repeat_interleave(repeat, dim=1)
+                x = x.transpose(0, 1)  # [H, L, ...]
+                return F.pad(x, (0, 0, 0, pad)) if x.dim() == 3 else F.pad(x, (0, pad))
+
+            out, S = chunk_step(
+                S,
+                heads_first(q, group),
+                heads_first(k, group),
+                heads_first(v),
+                heads_first(log_g),
+                heads_first(beta),
+                scale,
+                precision,
+            )
+            output[c0:c1] = out[:, : c1 - c0].transpose(0, 1).to(torch.bfloat16)
+        new_state[n] = S.float()
+    return output, new_state

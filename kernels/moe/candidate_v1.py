@@ -1,0 +1,358 @@
+"""MoE candidate v1: v0's routing and combine around weight-streaming expert GEMMs (streaming_gemm.py).
+
+Same `run(...)` contract as kernel.py (destination passing, definition order, no host sync, no
+data-dependent host logic, graph-safe). The path is chosen from T alone (a shape):
+
+- T <= STREAMING_MAX_TOKENS: five kernels in one TVM-FFI call, as v0, with the two GEMMs replaced by
+  persistent weight-streaming GEMMs. Row tiles of 16 tokens up to SMALL_T_MAX_TOKENS, 32 above (so
+  that at T ~ 900, ~28 tokens per expert, most experts' weights are streamed once).
+- Larger T: v0 (`kernel.run`), whose 64 x 128 tiles do more MMA work per weight byte.
+
+Each variant is compiled once (dynamic T) on first use and cached; `compile_only()` compiles both.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+from . import kernel as v0
+from .combine import CombineKernel
+from .kernel import GPU_ARCH, MAX_TOKENS, MoeShapeError
+from .routing import RoutingKernel, ZeroCountsKernel
+from .shapes import (
+    BLOCK,
+    GEMM1_OUT,
+    HIDDEN,
+    HIDDEN_BLOCKS,
+    INTERMEDIATE,
+    INTERMEDIATE_BLOCKS,
+    NUM_EXPERTS,
+    NUM_LOCAL_EXPERTS,
+    TOP_K,
+)
+from .streaming_gemm import StreamingGemm, StreamingGemmConfig
+
+__all__ = [
+    "GPU_ARCH",
+    "MoeShapeError",
+    "SMALL_T_MAX_TOKENS",
+    "STREAMING_MAX_TOKENS",
+    "StreamingVariant",
+    "Workspaces",
+    "compile_only",
+    "compiled_for",
+    "run",
+    "run_keeping_workspaces",
+    "variant_for",
+]
+
+# Row tiles of 16 tokens while an expert expects few tokens (T / 32 per expert under uniform
+# routing: <= 6 at T = 192), 32 tokens above. Beyond STREAMING_MAX_TOKENS v0 takes over.
+SMALL_T_MAX_TOKENS = 192
+STREAMING_MAX_TOKENS = 2048
+NUM_STAGES = 4
+# Used when no device is visible (compile_only on CPU); run() asks the device.
+DEFAULT_NUM_SMS = 132
+
+
+@dataclass(frozen=True)
+class StreamingVariant:
+    """One compiled streaming configuration: tokens per row tile and pipeline depth."""
+
+    block_tokens: int
+    num_stages: int = NUM_STAGES
+
+    def gemm1(self) -> StreamingGemmConfig:
+        return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
+
+    def gemm2(self) -> StreamingGemmConfig:
+        return StreamingGemmConfig(gemm1=False, block_tokens=self.block_tokens, num_stages=self.num_stages)
+
+
+SMALL_T = StreamingVariant(block_tokens=16)
+MEDIUM_T = StreamingVariant(block_tokens=32)
+VARIANTS = (SMALL_T, MEDIUM_T)
+
+
+def variant_for(num_tokens: int) -> StreamingVariant | None:
+    """The streaming variant for a batch of `num_tokens` tokens, or None for v0's path."""
+    if num_tokens < 1:
+        raise MoeShapeError(f"seq_len must be >= 1, got {num_tokens}")
+    if num_tokens <= SMALL_T_MAX_TOKENS:
+        return SMALL_T
+    if num_tokens <= STREAMING_MAX_TOKENS:
+        return MEDIUM_T
+    return None
+
+
+class MoeStreamingSm90:
+    """Host function of the five kernels for one streaming variant (dynamic T)."""
+
+    def __init__(self, variant: StreamingVariant):
+        self.gemm1 = StreamingGemm(variant.gemm1())
+        self.gemm2 = StreamingGemm(variant.gemm2())
+
+    @cute.jit
+    def __call__(
+        self,
+        routing_logits: cute.Tensor,
+        routing_bias: cute.Tensor,
+        hidden_states: cute.Tensor,
+        hidden_states_scale: cute.Tensor,
+        gemm1_weights: cute.Tensor,
+        gemm1_weights_scale: cute.Tensor,
+        gemm2_weights: cute.Tensor,
+        gemm2_weights_scale: cute.Tensor,
+        local_expert_offset: cutlass.Int32,
+        routed_scaling_factor: cutlass.Float32,
+        output: cute.Tensor,
+        counts: cute.Tensor,
+        expert_tokens: cute.Tensor,
+        slot_expert: cute.Tensor,
+        slot_rank: cute.Tensor,
+        slot_weight: cute.Tensor,
+        intermediate: cute.Tensor,
+        expert_out: cute.Tensor,
+        gemm1_ctas: cutlass.Int32,
+        gemm2_ctas: cutlass.Int32,
+        stream,
+    ):
+        ZeroCountsKernel().launch(counts, stream)
+        RoutingKernel().launch(
+            routing_logits,
+            routing_bias,
+            local_expert_offset,
+            routed_scaling_factor,
+            counts,
+            expert_tokens,
+            slot_expert,
+            slot_rank,
+            slot_weight,
+            stream,
+        )
+        self.gemm1.launch(
+            hidden_states,
+            hidden_states_scale,
+            gemm1_weights,
+            gemm1_weights_scale,
+            intermediate,
+            counts,
+            expert_tokens,
+            gemm1_ctas,
+            stream,
+        )
+        self.gemm2.launch(
+            intermediate,
+            hidden_states_scale,
+            gemm2_weights,
+            gemm2_weights_scale,
+            expert_out,
+            counts,
+            expert_tokens,
+            gemm2_ctas,
+            stream,
+        )
+        CombineKernel().launch(counts, slot_expert, slot_rank, slot_weight, expert_out, output, stream)
+
+
+_COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
+
+
+def _compile(arch: str, variant: StreamingVariant) -> Callable:
+    num_tokens = cute.sym_int()
+    num_rows = cute.sym_int()  # packed workspace rows (8 T)
+
+    def rowmajor(dtype, shape):
+        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
+
+    f32, bf16, fp8, i32 = cutlass.Float32, cutlass.BFloat16, cutlass.Float8E4M3FN, cutlass.Int32
+    args = (
+        rowmajor(f32, (num_tokens, NUM_EXPERTS)),
+        rowmajor(bf16, (NUM_EXPERTS,)),
+        rowmajor(fp8, (num_tokens, HIDDEN)),
+        rowmajor(f32, (HIDDEN_BLOCKS, num_tokens)),
+        rowmajor(fp8, (NUM_LOCAL_EXPERTS, GEMM1_OUT, HIDDEN)),
+        rowmajor(f32, (NUM_LOCAL_EXPERTS, GEMM1_OUT // BLOCK, HIDDEN_BLOCKS)),
+        rowmajor(fp8, (NUM_LOCAL_EXPERTS, HIDDEN, INTERMEDIATE)),
+        rowmajor(f32, (NUM_LOCAL_EXPERTS, HIDDEN_BLOCKS, INTERMEDIATE_BLOCKS)),
+        0,
+        1.0,
+        rowmajor(bf16, (num_tokens, HIDDEN)),
+        rowmajor(i32, (NUM_LOCAL_EXPERTS,)),
+        rowmajor(i32, (NUM_LOCAL_EXPERTS, num_tokens)),
+        rowmajor(i32, (num_tokens, TOP_K)),
+        rowmajor(i32, (num_tokens, TOP_K)),
+        rowmajor(f32, (num_tokens, TOP_K)),
+        rowmajor(bf16, (num_rows, INTERMEDIATE)),
+        rowmajor(f32, (num_rows, HIDDEN)),
+        0,
+        0,
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return cute.compile(MoeStreamingSm90(variant), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+
+
+def compiled_for(variant: StreamingVariant, arch: str = GPU_ARCH) -> Callable:
+    """The compiled launcher of `variant` for `arch` (compiled on first use; needs no GPU)."""
+    key = (arch, variant)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = _COMPILED[key] = _compile(arch, variant)
+    return fn
+
+
+def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
+    """Compile both streaming variants for `arch` without touching a GPU (v0 compiles on its first
+    large-T call)."""
+    return tuple(compiled_for(variant, arch) for variant in VARIANTS)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _NUM_SMS.get(index)
+    if count is None:
+        count = _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
+def persistent_ctas(config: StreamingGemmConfig, num_sms: int) -> int:
+    """Grid of a persistent streaming GEMM: every SM holds as many CTAs as shared memory allows."""
+    return num_sms * config.ctas_per_sm()
+
+
+@functools.cache
+def _grids(variant: StreamingVariant, num_sms: int) -> tuple[int, int]:
+    """(GEMM1, GEMM2) persistent grids; cached, since building the configurations costs ~0.5 ms."""
+    return persistent_ctas(variant.gemm1(), num_sms), persistent_ctas(variant.gemm2(), num_sms)
+
+
+@dataclass(frozen=True)
+class Workspaces:
+    """The device workspaces of one streaming call (v0's layout: packed rows offset[e] + rank)."""
+
+    counts: torch.Tensor  # [32] int32: tokens per local expert
+    expert_tokens: torch.Tensor  # [32, T] int32: expert_tokens[e, rank] = token
+    slot_expert: torch.Tensor  # [T, 8] int32: local expert of each choice, -1 if not local
+    slot_rank: torch.Tensor  # [T, 8] int32
+    slot_weight: torch.Tensor  # [T, 8] fp32
+    intermediate: torch.Tensor  # [8 T, 2048] bf16: C = silu(gate) * up per packed row
+    expert_out: torch.Tensor  # [8 T, 7168] fp32: C W2^T per packed row
+
+    @classmethod
+    def allocate(cls, num_tokens: int, device: torch.device) -> Workspaces:
+        num_rows = TOP_K * num_tokens  # worst case: all 8 chosen experts are local
+        return cls(
+            counts=torch.empty(NUM_LOCAL_EXPERTS, dtype=torch.int32, device=device),  # zeroed by our kernel
+            expert_tokens=torch.empty(NUM_LOCAL_EXPERTS, num_tokens, dtype=torch.int32, device=device),
+            slot_expert=torch.empty(num_tokens, TOP_K, dtype=torch.int32, device=device),
+            slot_rank=torch.empty(num_tokens, TOP_K, dtype=torch.int32, device=device),
+            slot_weight=torch.empty(num_tokens, TOP_K, dtype=torch.float32, device=device),
+            intermediate=torch.empty(num_rows, INTERMEDIATE, dtype=torch.bfloat16, device=device),
+            expert_out=torch.empty(num_rows, HIDDEN, dtype=torch.float32, device=device),
+        )
+
+
+def run(
+    routing_logits,
+    routing_bias,
+    hidden_states,
+    hidden_states_scale,
+    gemm1_weights,
+    gemm1_weights_scale,
+    gemm2_weights,
+    gemm2_weights_scale,
+    local_expert_offset,
+    routed_scaling_factor,
+    output,
+) -> None:
+    """Destination-passing entry: fills `output` [T, 7168] bf16 (every row)."""
+    run_keeping_workspaces(
+        routing_logits,
+        routing_bias,
+        hidden_states,
+        hidden_states_scale,
+        gemm1_weights,
+        gemm1_weights_scale,
+        gemm2_weights,
+        gemm2_weights_scale,
+        local_expert_offset,
+        routed_scaling_factor,
+        output,
+    )
+
+
+def run_keeping_workspaces(
+    routing_logits,
+    routing_bias,
+    hidden_states,
+    hidden_states_scale,
+    gemm1_weights,
+    gemm1_weights_scale,
+    gemm2_weights,
+    gemm2_weights_scale,
+    local_expert_offset,
+    routed_scaling_factor,
+    output,
+) -> Workspaces | None:
+    """`run`, returning the streaming path's workspaces (None for T = 0 and v0's path), so that a
+    device check can tell a wrong GEMM1 from a wrong GEMM2."""
+    inputs = (
+        routing_logits,
+        routing_bias,
+        hidden_states,
+        hidden_states_scale,
+        gemm1_weights,
+        gemm1_weights_scale,
+        gemm2_weights,
+        gemm2_weights_scale,
+        local_expert_offset,
+        routed_scaling_factor,
+    )
+    v0._check_inputs(*inputs[:9], output)
+    num_tokens = routing_logits.shape[0]
+    if num_tokens == 0:
+        return None
+    variant = variant_for(num_tokens)
+    if variant is None:
+        v0.run(*inputs, output)
+        return None
+    device = routing_logits.device
+    workspaces = Workspaces.allocate(num_tokens, device)
+    gemm1_ctas, gemm2_ctas = _grids(variant, _num_sms(device))
+    compiled_for(variant)(
+        routing_logits,
+        routing_bias,
+        hidden_states,
+        hidden_states_scale,
+        gemm1_weights,
+        gemm1_weights_scale,
+        gemm2_weights,
+        gemm2_weights_scale,
+        int(local_expert_offset),
+        float(routed_scaling_factor),
+        output,
+        workspaces.counts,
+        workspaces.expert_tokens,
+        workspaces.slot_expert,
+        workspaces.slot_rank,
+        workspaces.slot_weight,
+        workspaces.intermediate,
+        workspaces.expert_out,
+        gemm1_ctas,
+        gemm2_ctas,
+    )
+    return workspaces
+
+
+assert MAX_TOKENS >= STREAMING_MAX_TOKENS

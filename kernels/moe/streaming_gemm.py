@@ -1,0 +1,706 @@
+"""Weight-streaming expert GEMMs of the MoE candidate v1 (GEMM1 + SwiGLU, GEMM2) for few tokens per expert.
+
+Why: at small T the MoE is bound by the fp8 weights (44 MB per active local expert), and v0's grid
+(64-token row tiles x 128-row N tiles, 2 stages) keeps only a few hundred KB in flight. Here every
+SM streams weights:
+
+- Work item = (row tile of BLOCK_TOKENS tokens of one expert, 32 weight rows). GEMM1: 16 up rows
+  16 nt.. and the 16 gate rows 2048 + 16 nt.. (so SwiGLU needs no other CTA), 128 items per row
+  tile; GEMM2: 32 output columns 32 nt.., 224 items per row tile. At T = 1 with one active expert
+  that is 128 (224) items of 229 KB (64 KB) for 132 SMs.
+- Persistent CTAs (grid = SMs x CTAs per SM, from the host) walk the items b, b + G, ...; the total
+  is computed on the device from the per-expert counts, so no CTA is launched for nothing and the
+  host never reads a count. The cp.async pipeline runs across item boundaries (a flat loop over
+  (item, K stage)), so streaming never drains between items.
+- A K stage is 4 quantisation blocks (512 K); warp w owns block w of every stage (split-K inside
+  the CTA). Each warp promotes its own blocks exactly like v0 (fp32 sum over the 128-wide block,
+  then acc += block * (activation scale x weight block scale)); the 4 partial sums are added in
+  warp order in the epilogue, so results are deterministic.
+- Swapped operands: the weights are the MMA's A operand (16 rows per m16n8k16), the tokens its N
+  operand (8 per n8), so a tile of one token wastes nothing on 16-row padding. n8 sub-tiles past the
+  tile's valid tokens are skipped (a CTA-uniform branch).
+- No bf16 staging in shared memory: each thread reads 16 contiguous fp8 bytes per row with one
+  ld.shared.v4 and converts in registers. That works because the K order inside a 64-wide chunk is
+  free as long as A and B use the same one: thread q of a quad takes memory k = 16q .. 16q + 15,
+  and MMA j (of 4) gets bytes 4j .. 4j + 3, i.e. slots {2q, 2q+1} <- 16q + 4j + {0, 1} and
+  {2q+8, 2q+9} <- 16q + 4j + {2, 3}, for A and B alike.
+- GEMM1 multiplies f16 (e4m3 -> f16 is exact, `cvt.rn.f16x2.e4m3x2`), GEMM2 bf16 (its activation
+  operand, the intermediate C, is bf16; e4m3 -> f16 -> f32 -> bf16 is exact). Products of such values are
+  exact in fp32 and the MMA accumulates in fp32, so the numerics are v0's.
+- Shared-memory rows are XOR-swizzled by 16-B chunk (`fp8_chunk_slot`, `bf16_chunk_slot`) so that
+  the two rows that the 8 threads of one ld.shared.v4 phase read cover all 32 banks.
+
+Layout of the packed workspaces and the row numbering are v0's (routing.py, combine.py), so the
+routing and combine kernels are reused unchanged.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
+
+NUM_THREADS = 128  # 4 warps, one per K block of a stage
+NUM_WARPS = NUM_THREADS // 32
+BLOCKS_PER_STAGE = NUM_WARPS  # K blocks of 128 per pipeline stage
+STAGE_K = BLOCKS_PER_STAGE * BLOCK  # 512
+ITEM_ROWS = 32  # weight rows per work item: two m16 tiles
+M_TILES = ITEM_ROWS // 16
+GEMM1_ITEM_COLUMNS = ITEM_ROWS // 2  # C columns per GEMM1 item (16 up + 16 gate rows)
+GEMM1_ITEMS_PER_ROW_TILE = INTERMEDIATE // GEMM1_ITEM_COLUMNS  # 128
+GEMM2_ITEMS_PER_ROW_TILE = HIDDEN // ITEM_ROWS  # 224
+CHUNK = 16  # bytes per cp.async / ld.shared.v4
+FP8_CHUNKS_PER_BLOCK_ROW = BLOCK // CHUNK  # 8: one 128-wide K block of an fp8 row
+BF16_CHUNKS_PER_BLOCK_ROW = 2 * BLOCK // CHUNK  # 16
+SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on SM90
+SMEM_RESERVED_PER_CTA = 1024
+
+assert GEMM1_OUT == 2 * INTERMEDIATE and HIDDEN % STAGE_K == 0 and INTERMEDIATE % STAGE_K == 0
+assert BLOCK % ITEM_ROWS == 0  # an item's rows (per half for GEMM1) lie in one scale block
+assert BLOCK % GEMM1_ITEM_COLUMNS == 0
+
+
+class StreamingConfigError(ValueError):
+    """A streaming GEMM configuration that the kernel cannot run."""
+
+
+# ------------------------------------------------------------------------------------------------
+# index maps (plain arithmetic: the kernel calls them with DSL integers at trace time and the CPU
+# tests with Python ints, so the tests check the very formulas the kernel runs)
+# ------------------------------------------------------------------------------------------------
+
+# Sources of the four A registers of MMA j (of the 4 in a 64-wide K chunk): (row offset from the
+# thread's group g, high half of word j of that row's 16-B load). PTX ISA m16n8k16 .f16/.bf16:
+# a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9].
+A_REGISTER_SOURCES = ((0, False), (8, False), (0, True), (8, True))
+# b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]: for e4m3 activations the low and the high half of
+# word j; for bf16 activations b_r of MMA j is word 2 j + r of the thread's two 16-B loads.
+B_REGISTER_HIGH_HALF = (False, True)
+
+
+def fp8_chunk_slot(chunk, row):
+    """Shared-memory position of 16-B chunk `chunk` (0..7) of the 128-B fp8 row `row`: odd rows
+    swap their 64-B halves, so that rows g and g + 1 of one ld.shared.v4 phase use all 32 banks."""
+    return chunk ^ ((row % 2) * 4)
+
+
+def bf16_chunk_slot(chunk, row):
+    """Shared-memory position of 16-B chunk `chunk` (0..15) of the 256-B bf16 row `row`: odd rows
+    swap neighbouring chunks (the same bank argument)."""
+    return chunk ^ (row % 2)
+
+
+def fp8_thread_chunk(half, quad):
+    """The 16-B chunk of a 128-wide fp8 K block that thread `quad` of a quad loads for the 64-wide K
+    chunk `half`: k = 64 half + 16 quad .. + 15, for weights and activations alike."""
+    return half * 4 + quad
+
+
+def bf16_thread_chunk(half, quad, c):
+    """16-B chunk c (0, 1) of the bf16 elements k = 64 half + 16 quad .. + 15."""
+    return half * 8 + quad * 2 + c
+
+
+def item_weight_row(gemm1: bool, n_tile, row):
+    """Weight row of row `row` (0..31) of the items of column tile `n_tile`. GEMM1: rows [0, 16) are
+    the up rows 16 n_tile + r, rows [16, 32) the gate rows 2048 + 16 n_tile + r - 16 (written
+    branch-free so that it traces for a DSL integer). GEMM2: the output columns 32 n_tile + r."""
+    if gemm1:
+        gate = row // GEMM1_ITEM_COLUMNS
+        return n_tile * GEMM1_ITEM_COLUMNS + row + gate * (INTERMEDIATE - GEMM1_ITEM_COLUMNS)
+    return n_tile * ITEM_ROWS + row
+
+
+def item_weight_scale_row(gemm1: bool, n_tile, m_tile):
+    """Row of the 128 x 128 weight block scales that holds m tile `m_tile` (item rows 16 m_tile ..)."""
+    if gemm1:
+        return (m_tile * INTERMEDIATE + n_tile * GEMM1_ITEM_COLUMNS) // BLOCK
+    return n_tile * ITEM_ROWS // BLOCK  # both m tiles lie in one block
+
+
+def accumulator_coords(m_tile, n_tile, i, group, quad):
+    """(item row, token slot) of accumulator element i (0..3) of MMA tile (m_tile, n_tile). PTX ISA
+    m16n8k16 C/D: c0, c1 lie in row g, c2, c3 in row g + 8; the column is 2 t + (i % 2)."""
+    return m_tile * 16 + (i // 2) * 8 + group, n_tile * 8 + quad * 2 + (i % 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# inline PTX helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def _e4m3x2_to_mma_input(word: Int32, high: bool, bf16: bool) -> Int32:
+    return _e4m3x2_to_bf16x2(word, high) if bf16 else _e4m3x2_to_f16x2(word, high)
+
+
+@dsl_user_op
+def _lds128(pointer, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
+    """ld.shared.v4.b32 from a 16-B aligned shared-memory pointer. Volatile, so that it is never
+    moved across the barriers and cp.async waits that make the data valid."""
+    address = llvm.ptrtoint(T.i32(), pointer.llvm_ptr, loc=loc, ip=ip)
+    words = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()]),
+        [address],
+        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(Int32(llvm.extractvalue(T.i32(), words, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+def _e4m3x2_to_f16x2(word: Int32, high: bool) -> Int32:
+    """Two e4m3 bytes (the low or high half of `word`) as f16x2, exactly."""
+    half = "hi" if high else "lo"
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, {$r0}; cvt.rn.f16x2.e4m3x2 {$w0}, " + half + "; }",
+        write_only_types=[Int32],
+        read_only_args=[word],
+    )
+
+
+def _e4m3x2_to_bf16x2(word: Int32, high: bool) -> Int32:
+    """Two e4m3 bytes as bf16x2, exactly (through f16 and f32: each step is exact for 4-bit
+    significands)."""
+    half = "hi" if high else "lo"
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 lo, hi, a, b; .reg .b32 h2; .reg .f32 fa, fb; mov.b32 {lo, hi}, {$r0}; "
+        "cvt.rn.f16x2.e4m3x2 h2, " + half + "; mov.b32 {a, b}, h2; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; "
+        "cvt.rn.bf16x2.f32 {$w0}, fb, fa; }",
+        write_only_types=[Int32],
+        read_only_args=[word],
+    )
+
+
+def _mma_16816(
+    a0: Int32, a1: Int32, a2: Int32, a3: Int32, b0: Int32, b1: Int32,
+    c0: Float32, c1: Float32, c2: Float32, c3: Float32, bf16: bool,
+):
+    """D = A B + C for one m16n8k16 with fp32 accumulation; f16 or bf16 multiplicands."""
+    kind = "bf16.bf16" if bf16 else "f16.f16"
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32." + kind + ".f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
+        "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32, Float32, Float32, Float32],
+        read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# configuration (host side, pure Python: unit-tested on CPU)
+# ------------------------------------------------------------------------------------------------
+
+
+class StreamingGemmConfig:
+    """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
+
+    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int):
+        if block_tokens not in (8, 16, 32):
+            raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
+        if num_stages < 2:
+            raise StreamingConfigError(f"num_stages must be >= 2, got {num_stages}")
+        self.gemm1 = gemm1
+        self.block_tokens = block_tokens
+        self.num_stages = num_stages
+        self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
+        self.k = HIDDEN if gemm1 else INTERMEDIATE
+        self.k_stages = self.k // STAGE_K  # 14 or 4 per item
+        self.items_per_row_tile = GEMM1_ITEMS_PER_ROW_TILE if gemm1 else GEMM2_ITEMS_PER_ROW_TILE
+        self.weight_rows = GEMM1_OUT if gemm1 else HIDDEN
+        # activation bytes per token and K block: fp8 rows for GEMM1, bf16 C rows for GEMM2
+        self.x_block_row_bytes = BLOCK if gemm1 else 2 * BLOCK
+        self._smem_bytes: int | None = None
+        self.threads_per_token = NUM_THREADS // block_tokens
+        if self.gemm1 and self.threads_per_token < BLOCKS_PER_STAGE:
+            raise StreamingConfigError("GEMM1 needs >= 4 threads per token for the activation scales")
+        if self.smem_bytes() + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
+            raise StreamingConfigError(f"{self.smem_bytes()} B of shared memory per CTA do not fit an SM")
+
+    def shared_storage(self):
+        """The kernel's shared-memory struct (one definition for the kernel and the occupancy maths)."""
+        ns, bt = self.num_stages, self.block_tokens
+        x_dtype = cutlass.Float8E4M3FN if self.gemm1 else cutlass.BFloat16
+
+        def region(dtype, count: int, alignment: int):
+            return cute.struct.Align[cute.struct.MemRange[dtype, count], alignment]
+
+        fields = {
+            "w_stages": region(cutlass.Float8E4M3FN, ns * BLOCKS_PER_STAGE * ITEM_ROWS * BLOCK, 128),
+            "x_stages": region(x_dtype, ns * BLOCKS_PER_STAGE * bt * BLOCK, 128),
+            # the activation-scale ring is allocated for GEMM2 too (unused there: C is unscaled)
+            "x_scales": region(Float32, ns * BLOCKS_PER_STAGE * bt, 128),
+            "w_scales": region(Float32, ns * M_TILES * BLOCKS_PER_STAGE, 128),
+            "scratch": region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
+            "tile_end": region(Int32, NUM_LOCAL_EXPERTS, 16),
+            "expert_count": region(Int32, NUM_LOCAL_EXPERTS, 16),
+            "expert_offset": region(Int32, NUM_LOCAL_EXPERTS, 16),
+        }
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory per CTA (building the struct takes ~0.1 ms: computed once)."""
+        if self._smem_bytes is None:
+            self._smem_bytes = self.shared_storage().size_in_bytes()
+        return self._smem_bytes
+
+    def ctas_per_sm(self) -> int:
+        """Resident CTAs per SM the shared memory allows (registers allow 2 at 128 threads), at most 2."""
+        return max(1, min(2, SMEM_PER_SM // (self.smem_bytes() + SMEM_RESERVED_PER_CTA)))
+
+
+# ------------------------------------------------------------------------------------------------
+# the kernel
+# ------------------------------------------------------------------------------------------------
+
+
+class StreamingGemm:
+    """Both expert GEMMs; `config.gemm1` picks operands and epilogue.
+
+    GEMM1: x = hidden_states [T, 7168] e4m3 gathered by token, x_scale = [56, T],
+           w = W13 [32, 4096, 7168], w_scale = [32, 32, 56], out = C [rows, 2048] bf16.
+    GEMM2: x = C [rows, 2048] bf16 (packed rows), x_scale unused (C is unscaled),
+           w = W2 [32, 7168, 2048], w_scale = [32, 56, 16], out = O [rows, 7168] fp32.
+    """
+
+    def __init__(self, config: StreamingGemmConfig):
+        self.cfg = config
+
+    @cute.jit
+    def launch(
+        self,
+        x: cute.Tensor,
+        x_scale: cute.Tensor,
+        w: cute.Tensor,
+        w_scale: cute.Tensor,
+        out: cute.Tensor,
+        counts: cute.Tensor,
+        expert_tokens: cute.Tensor,
+        num_ctas: Int32,
+        stream,
+    ):
+        cfg = self.cfg
+        bt = cfg.block_tokens
+        ns = cfg.num_stages
+        x_row_elems = BLOCK  # elements of one K block of one token
+
+        SharedStorage = cfg.shared_storage()
+
+        # (bytes of a K block row, rows, K block of the stage, stage)
+        w_layout = cute.make_layout(
+            (BLOCK, ITEM_ROWS, BLOCKS_PER_STAGE, ns),
+            stride=(1, BLOCK, ITEM_ROWS * BLOCK, BLOCKS_PER_STAGE * ITEM_ROWS * BLOCK),
+        )
+        x_layout = cute.make_layout(
+            (x_row_elems, bt, BLOCKS_PER_STAGE, ns),
+            stride=(1, x_row_elems, bt * x_row_elems, BLOCKS_PER_STAGE * bt * x_row_elems),
+        )
+        x_scale_layout = cute.make_layout((bt, BLOCKS_PER_STAGE, ns), stride=(1, bt, BLOCKS_PER_STAGE * bt))
+        w_scale_layout = cute.make_layout(
+            (BLOCKS_PER_STAGE, M_TILES, ns), stride=(1, BLOCKS_PER_STAGE, M_TILES * BLOCKS_PER_STAGE)
+        )
+        scratch_layout = cute.make_layout((bt, ITEM_ROWS, NUM_WARPS), stride=(1, bt, ITEM_ROWS * bt))
+
+        self.kernel(
+            x, x_scale, w, w_scale, out, counts, expert_tokens,
+            w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage,
+        ).launch(
+            grid=[num_ctas, 1, 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        x: cute.Tensor,
+        x_scale: cute.Tensor,
+        w: cute.Tensor,
+        w_scale: cute.Tensor,
+        out: cute.Tensor,
+        counts: cute.Tensor,
+        expert_tokens: cute.Tensor,
+        w_layout: cute.Layout,
+        x_layout: cute.Layout,
+        x_scale_layout: cute.Layout,
+        w_scale_layout: cute.Layout,
+        scratch_layout: cute.Layout,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        bt = cfg.block_tokens
+        ns = cfg.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp_id = tidx // 32
+        lane = tidx % 32
+        group = lane // 4  # MMA row group: weight rows g, g + 8; token g of an n8 tile
+        quad = lane % 4  # MMA thread in group: K bytes 16 q .. 16 q + 15 of a 64-wide chunk
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        w_stages = storage.w_stages.get_tensor(w_layout)
+        x_stages = storage.x_stages.get_tensor(x_layout)
+        x_scales = storage.x_scales.get_tensor(x_scale_layout)
+        w_scales = storage.w_scales.get_tensor(w_scale_layout)
+        scratch = storage.scratch.get_tensor(scratch_layout)
+        tile_end = storage.tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+        expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+        expert_offset = storage.expert_offset.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+
+        # ---- per-expert tables: row tiles (inclusive prefix) and packed row offsets (exclusive) ----
+        if warp_id == 0:
+            count = counts[lane]
+            tiles = (count + bt - 1) // bt
+            tiles_inclusive = tiles
+            rows_inclusive = count
+            for shift in cutlass.range_constexpr(5):
+                tiles_up = cute.arch.shuffle_sync_up(tiles_inclusive, offset=1 << shift)
+                rows_up = cute.arch.shuffle_sync_up(rows_inclusive, offset=1 << shift)
+                if lane >= (1 << shift):
+                    tiles_inclusive = tiles_inclusive + tiles_up
+                    rows_inclusive = rows_inclusive + rows_up
+            tile_end[lane] = tiles_inclusive
+            expert_count[lane] = count
+            expert_offset[lane] = rows_inclusive - count
+        cute.arch.sync_threads()
+
+        total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * cfg.items_per_row_tile
+        my_items = cutlass.Int32(0)
+        if cta < total_items:
+            my_items = (total_items - cta + grid - 1) // grid
+        total_stages = my_items * cfg.k_stages
+
+        g2s_16 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
+        )
+        g2s_16_x = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
+        )
+        g2s_16_f32 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32, num_bits_per_copy=128
+        )
+        g2s_4_f32 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), Float32, num_bits_per_copy=32
+        )
+
+        # ---- prologue: the first ns - 1 stages ----
+        for p in cutlass.range_constexpr(ns - 1):
+            if p < total_stages:
+                self.load_stage(
+                    p, p, cta, grid, x, x_scale, w, w_scale, expert_tokens, tile_end, expert_count,
+                    expert_offset, w_stages, x_stages, x_scales, w_scales, g2s_16, g2s_16_x, g2s_16_f32,
+                    g2s_4_f32, tidx,
+                )
+            cute.arch.cp_async_commit_group()
+
+        acc = cute.make_rmem_tensor((M_TILES * cfg.n_tiles * 4,), Float32)
+        block_acc = cute.make_rmem_tensor((M_TILES * cfg.n_tiles * 4,), Float32)
+        acc.fill(0.0)
+
+        for s in cutlass.range(total_stages, unroll=1):
+            # Stage s has landed once at most ns - 2 younger groups are pending; the barrier also
+            # tells every thread that all warps are done with the slot the next load overwrites.
+            cute.arch.cp_async_wait_group(ns - 2)
+            cute.arch.sync_threads()
+            if s + ns - 1 < total_stages:
+                self.load_stage(
+                    s + ns - 1, (s + ns - 1) % ns, cta, grid, x, x_scale, w, w_scale, expert_tokens, tile_end,
+                    expert_count, expert_offset, w_stages, x_stages, x_scales, w_scales, g2s_16, g2s_16_x,
+                    g2s_16_f32, g2s_4_f32, tidx,
+                )
+            cute.arch.cp_async_commit_group()
+
+            item = cta + (s // cfg.k_stages) * grid
+            k_stage = s % cfg.k_stages
+            expert, first_row, valid_rows, packed_row0 = self.locate(
+                item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset
+            )
+            if k_stage == 0:
+                acc.fill(0.0)
+            self.compute_block(
+                s % ns, warp_id, group, quad, valid_rows, w_stages, x_stages, x_scales, w_scales, acc, block_acc
+            )
+            if k_stage == cfg.k_stages - 1:
+                self.epilogue(
+                    acc, scratch, out, item % cfg.items_per_row_tile, packed_row0, valid_rows, warp_id, group,
+                    quad, tidx,
+                )
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def locate(self, row_tile: Int32, tile_end: cute.Tensor, expert_count: cute.Tensor, expert_offset: cute.Tensor):
+        """(local expert, first row within its list, valid rows, first packed row) of a row tile:
+        the expert is the number of experts whose tiles end at or before it (binary lifting)."""
+        bt = self.cfg.block_tokens
+        expert = cutlass.Int32(0)
+        for step_log in cutlass.range_constexpr(5):
+            step = 16 >> step_log
+            if tile_end[expert + step - 1] <= row_tile:
+                expert = expert + step
+        count = expert_count[expert]
+        first_tile = tile_end[expert] - (count + bt - 1) // bt
+        first_row = (row_tile - first_tile) * bt
+        valid_rows = cutlass.min(count - first_row, bt)
+        return expert, first_row, valid_rows, expert_offset[expert] + first_row
+
+    @cute.jit
+    def load_stage(
+        self,
+        s: Int32,
+        slot: Int32,
+        cta: Int32,
+        grid: Int32,
+        x: cute.Tensor,
+        x_scale: cute.Tensor,
+        w: cute.Tensor,
+        w_scale: cute.Tensor,
+        expert_tokens: cute.Tensor,
+        tile_end: cute.Tensor,
+        expert_count: cute.Tensor,
+        expert_offset: cute.Tensor,
+        w_stages: cute.Tensor,
+        x_stages: cute.Tensor,
+        x_scales: cute.Tensor,
+        w_scales: cute.Tensor,
+        g2s_16: cute.CopyAtom,
+        g2s_16_x: cute.CopyAtom,
+        g2s_16_f32: cute.CopyAtom,
+        g2s_4_f32: cute.CopyAtom,
+        tidx: Int32,
+    ):
+        """Issue the cp.async copies of flat stage `s` of this CTA (weights, activations, scales)."""
+        cfg = self.cfg
+        bt = cfg.block_tokens
+        item = cta + (s // cfg.k_stages) * grid
+        k_stage = s % cfg.k_stages
+        n_tile = item % cfg.items_per_row_tile
+        expert, first_row, valid_rows, packed_row0 = self.locate(
+            item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset
+        )
+        k0 = k_stage * STAGE_K
+
+        # ---- weights: 32 rows x 512 bytes; one warp reads one row's 512 contiguous bytes ----
+        chunks_per_row = STAGE_K // CHUNK  # 32
+        for i in cutlass.range_constexpr(ITEM_ROWS * chunks_per_row // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            row = linear // chunks_per_row
+            chunk = linear % chunks_per_row
+            k_block = chunk // FP8_CHUNKS_PER_BLOCK_ROW
+            in_block = chunk % FP8_CHUNKS_PER_BLOCK_ROW
+            cute.copy(
+                g2s_16,
+                cute.local_tile(
+                    w[expert, item_weight_row(cfg.gemm1, n_tile, row), None],
+                    (CHUNK,),
+                    (k_stage * chunks_per_row + chunk,),
+                ),
+                cute.local_tile(w_stages[None, row, k_block, slot], (CHUNK,), (fp8_chunk_slot(in_block, row),)),
+            )
+
+        # ---- activations: token t = tidx / threads_per_token, its chunks strided by that ----
+        tpt = cfg.threads_per_token
+        token_slot = tidx // tpt
+        sub = tidx % tpt
+        if token_slot < valid_rows:
+            if cutlass.const_expr(cfg.gemm1):
+                token = expert_tokens[expert, first_row + token_slot]
+                for i in cutlass.range_constexpr(chunks_per_row // tpt):
+                    x_chunk = sub + i * tpt
+                    x_k_block = x_chunk // FP8_CHUNKS_PER_BLOCK_ROW
+                    x_in_block = x_chunk % FP8_CHUNKS_PER_BLOCK_ROW
+                    cute.copy(
+                        g2s_16,
+                        cute.local_tile(x[token, None], (CHUNK,), (k_stage * chunks_per_row + x_chunk,)),
+                        cute.local_tile(
+                            x_stages[None, token_slot, x_k_block, slot],
+                            (CHUNK,),
+                            (fp8_chunk_slot(x_in_block, token_slot),),
+                        ),
+                    )
+                # activation scales of the stage's 4 K blocks: x_scale is [56, T] (transposed)
+                if sub < BLOCKS_PER_STAGE:
+                    cute.copy(
+                        g2s_4_f32,
+                        cute.local_tile(x_scale[k_stage * BLOCKS_PER_STAGE + sub, None], (1,), (token,)),
+                        cute.local_tile(x_scales[None, sub, slot], (1,), (token_slot,)),
+                    )
+            else:
+                bf16_chunk = CHUNK // 2  # bf16 elements per 16 B
+                bf16_chunks_per_row = STAGE_K // bf16_chunk  # 64
+                for i in cutlass.range_constexpr(bf16_chunks_per_row // tpt):
+                    x_chunk = sub + i * tpt
+                    x_k_block = x_chunk // BF16_CHUNKS_PER_BLOCK_ROW
+                    x_in_block = x_chunk % BF16_CHUNKS_PER_BLOCK_ROW
+                    cute.copy(
+                        g2s_16_x,
+                        cute.local_tile(
+                            x[packed_row0 + token_slot, None], (bf16_chunk,), (k_stage * bf16_chunks_per_row + x_chunk,)
+                        ),
+                        cute.local_tile(
+                            x_stages[None, token_slot, x_k_block, slot],
+                            (bf16_chunk,),
+                            (bf16_chunk_slot(x_in_block, token_slot),),
+                        ),
+                    )
+
+        # ---- weight block scales of the stage's 4 K blocks (16 B per scale row) ----
+        if tidx < M_TILES:  # thread m loads the scales of m tile m
+            cute.copy(
+                g2s_16_f32,
+                cute.local_tile(
+                    w_scale[expert, item_weight_scale_row(cfg.gemm1, n_tile, tidx), None],
+                    (BLOCKS_PER_STAGE,),
+                    (k_stage,),
+                ),
+                w_scales[None, tidx, slot],
+            )
+
+    @cute.jit
+    def compute_block(
+        self,
+        slot: Int32,
+        warp_id: Int32,
+        group: Int32,
+        quad: Int32,
+        valid_rows: Int32,
+        w_stages: cute.Tensor,
+        x_stages: cute.Tensor,
+        x_scales: cute.Tensor,
+        w_scales: cute.Tensor,
+        acc: cute.Tensor,
+        block_acc: cute.Tensor,
+    ):
+        """This warp's K block (warp_id) of the stage in `slot`: block_acc = W_kb X_kb^T, then
+        acc += block_acc * (x scale of the token x weight scale of the m tile)."""
+        cfg = self.cfg
+        use_bf16 = not cfg.gemm1
+        block_acc.fill(0.0)
+        for half in cutlass.range_constexpr(2):  # 64-wide K chunks of the block
+            # A fragments of both m tiles (this thread's 16 bytes of rows g and g + 8), converted once
+            # for all n tiles: a_frags[(mt * 4 + j) * 4 + r] is register a_r of MMA j.
+            a_frags = cute.make_rmem_tensor((M_TILES * 4 * 4,), Int32)
+            for mt in cutlass.range_constexpr(M_TILES):
+                row_g = mt * 16 + group
+                row_g8 = row_g + 8
+                words_g = _lds128(
+                    w_stages[None, row_g, warp_id, slot].iterator
+                    + fp8_chunk_slot(fp8_thread_chunk(half, quad), row_g) * CHUNK
+                )
+                words_g8 = _lds128(
+                    w_stages[None, row_g8, warp_id, slot].iterator
+                    + fp8_chunk_slot(fp8_thread_chunk(half, quad), row_g8) * CHUNK
+                )
+                for j in cutlass.range_constexpr(4):
+                    for r in cutlass.range_constexpr(4):
+                        row_offset, high = A_REGISTER_SOURCES[r]
+                        word = (words_g, words_g8)[row_offset // 8][j]
+                        a_frags[(mt * 4 + j) * 4 + r] = _e4m3x2_to_mma_input(word, high, use_bf16)
+            for nt in cutlass.range_constexpr(cfg.n_tiles):
+                if nt * 8 < valid_rows:
+                    token_slot = nt * 8 + group
+                    x_row = x_stages[None, token_slot, warp_id, slot]
+                    b_words = cute.make_rmem_tensor((8,), Int32)  # b_words[2 j + r]: register b_r of MMA j
+                    if cutlass.const_expr(cfg.gemm1):
+                        x_words = _lds128(
+                            x_row.iterator + fp8_chunk_slot(fp8_thread_chunk(half, quad), token_slot) * CHUNK
+                        )
+                        for j in cutlass.range_constexpr(4):
+                            for r in cutlass.range_constexpr(2):
+                                b_words[2 * j + r] = _e4m3x2_to_f16x2(x_words[j], B_REGISTER_HIGH_HALF[r])
+                    else:
+                        # bf16 elements 64 half + 16 q .. + 15: words 4 c .. 4 c + 3 from chunk c; word
+                        # 2 j + r holds elements 16 q + 4 j + 2 r, + 1, exactly the K slots of b_r of MMA j
+                        for c in cutlass.range_constexpr(2):
+                            chunk = bf16_chunk_slot(bf16_thread_chunk(half, quad, c), token_slot)
+                            x_words = _lds128(x_row.iterator + chunk * (CHUNK // 2))
+                            for w in cutlass.range_constexpr(4):
+                                b_words[4 * c + w] = x_words[w]
+                    for mt in cutlass.range_constexpr(M_TILES):
+                        for j in cutlass.range_constexpr(4):
+                            a_base = (mt * 4 + j) * 4
+                            base = (mt * cfg.n_tiles + nt) * 4
+                            d0, d1, d2, d3 = _mma_16816(
+                                a_frags[a_base], a_frags[a_base + 1], a_frags[a_base + 2], a_frags[a_base + 3],
+                                b_words[2 * j], b_words[2 * j + 1],
+                                block_acc[base + 0], block_acc[base + 1], block_acc[base + 2], block_acc[base + 3],
+                                use_bf16,
+                            )
+                            block_acc[base + 0] = d0
+                            block_acc[base + 1] = d1
+                            block_acc[base + 2] = d2
+                            block_acc[base + 3] = d3
+
+        # ---- promotion (v0's numerics): acc += block_acc * (x scale * w scale) ----
+        for nt in cutlass.range_constexpr(cfg.n_tiles):
+            if nt * 8 < valid_rows:
+                for mt in cutlass.range_constexpr(M_TILES):
+                    w_block_scale = w_scales[warp_id, mt, slot]
+                    for i in cutlass.range_constexpr(4):
+                        index = (mt * cfg.n_tiles + nt) * 4 + i
+                        if cutlass.const_expr(cfg.gemm1):
+                            _, token_slot = accumulator_coords(mt, nt, i, group, quad)
+                            scale = x_scales[token_slot, warp_id, slot] * w_block_scale
+                        else:
+                            scale = w_block_scale
+                        acc[index] = acc[index] + block_acc[index] * scale
+
+    @cute.jit
+    def epilogue(
+        self,
+        acc: cute.Tensor,
+        scratch: cute.Tensor,
+        out: cute.Tensor,
+        n_tile: Int32,
+        packed_row0: Int32,
+        valid_rows: Int32,
+        warp_id: Int32,
+        group: Int32,
+        quad: Int32,
+        tidx: Int32,
+    ):
+        """Sum the 4 warps' partial sums in warp order, then write C = silu(gate) * up (GEMM1, bf16)
+        or O (GEMM2, fp32) for the item's valid tokens."""
+        cfg = self.cfg
+        bt = cfg.block_tokens
+        for nt in cutlass.range_constexpr(cfg.n_tiles):
+            if nt * 8 < valid_rows:
+                for mt in cutlass.range_constexpr(M_TILES):
+                    for i in cutlass.range_constexpr(4):
+                        row, token_slot = accumulator_coords(mt, nt, i, group, quad)
+                        scratch[token_slot, row, warp_id] = acc[(mt * cfg.n_tiles + nt) * 4 + i]
+        cute.arch.sync_threads()
+        if cutlass.const_expr(cfg.gemm1):
+            for i in cutlass.range_constexpr(GEMM1_ITEM_COLUMNS * bt // NUM_THREADS):
+                linear = i * NUM_THREADS + tidx
+                token_slot = linear // GEMM1_ITEM_COLUMNS
+                column = linear % GEMM1_ITEM_COLUMNS
+                if token_slot < valid_rows:
+                    up = scratch[token_slot, column, 0]
+                    gate = scratch[token_slot, GEMM1_ITEM_COLUMNS + column, 0]
+                    for wp in cutlass.range_constexpr(1, NUM_WARPS):
+                        up = up + scratch[token_slot, column, wp]
+                        gate = gate + scratch[token_slot, GEMM1_ITEM_COLUMNS + column, wp]
+                    silu = gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=False))
+                    out[packed_row0 + token_slot, n_tile * GEMM1_ITEM_COLUMNS + column] = (silu * up).to(
+                        cutlass.BFloat16
+                    )
+        else:
+            for i in cutlass.range_constexpr(ITEM_ROWS * bt // NUM_THREADS):
+                linear = i * NUM_THREADS + tidx
+                token_slot = linear // ITEM_ROWS
+                row = linear % ITEM_ROWS
+                if token_slot < valid_rows:
+                    total = scratch[token_slot, row, 0]
+                    for wp in cutlass.range_constexpr(1, NUM_WARPS):
+                        total = total + scratch[token_slot, row, wp]
+                    out[packed_row0 + token_slot, n_tile * ITEM_ROWS + row] = total

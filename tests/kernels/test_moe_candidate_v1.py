@@ -1,0 +1,508 @@
+"""MoE candidate v1 (kernels/moe/candidate_v1.py: weight-streaming GEMMs of streaming_gemm.py).
+
+CPU: both streaming variants compile for sm_90a without a GPU; the T -> variant heuristic; the
+shared-memory budget and persistent grid of every configuration; input validation. Transcriptions
+of the kernel's index maps against the PTX ISA's mma.m16n8k16 fragment layouts: every MMA pairs
+weight k with activation k, each k of the warp's K block once (fp8 and bf16 activations); the
+accumulator coordinates; item rows, SwiGLU pairing and block-scale rows; the persistent schedule
+(every item once, every expert row once at combine's packed row); the cp.async group accounting.
+GPU (marked `gpu`, skipped without CUDA): `run` against hopperbench/references/moe.py for every case
+of kernels/moe/check_cases.py (contest rule and relative L2 <= 1e-2, NaN-poisoned output), bitwise-
+repeatable calls, CUDA-graph capture and replay, and a per-GEMM check of the workspaces that says
+which GEMM and which column tiles are wrong when the end-to-end check fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+import zlib
+
+import pytest
+import torch
+
+from hopperbench.devcheck import replay_on_fresh_inputs
+from tests.kernels.test_moe_kernel import _meta_inputs, cases, reference
+
+cases.load_kernel()  # registers the kernels/moe package that candidate_v1's relative imports need
+candidate = importlib.import_module("moe_solution.candidate_v1")
+streaming = importlib.import_module("moe_solution.streaming_gemm")
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU
+# ------------------------------------------------------------------------------------------------
+
+
+def test_both_variants_compile_for_sm90a_without_gpu():
+    compiled = candidate.compile_only("sm_90a")
+    assert len(compiled) == len(candidate.VARIANTS) and all(callable(fn) for fn in compiled)
+    assert candidate.compile_only("sm_90a") == compiled  # cached: no recompilation
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "block_tokens"),
+    [(1, 16), (7, 16), (16, 16), (80, 16), (192, 16), (193, 32), (901, 32), (2048, 32)],
+)
+def test_small_and_medium_batches_stream(num_tokens, block_tokens):
+    variant = candidate.variant_for(num_tokens)
+    assert variant is not None and variant.block_tokens == block_tokens
+
+
+@pytest.mark.parametrize("num_tokens", [2049, 11948, 14107, 32768])
+def test_large_batches_fall_back_to_v0(num_tokens):
+    assert candidate.variant_for(num_tokens) is None
+
+
+def test_variant_for_rejects_an_empty_batch():
+    with pytest.raises(candidate.MoeShapeError, match="seq_len"):
+        candidate.variant_for(0)
+
+
+@pytest.mark.parametrize("variant", candidate.VARIANTS, ids=lambda v: f"bt{v.block_tokens}")
+def test_every_configuration_fits_shared_memory_and_fills_every_sm(variant):
+    for config in (variant.gemm1(), variant.gemm2()):
+        per_cta = config.smem_bytes() + streaming.SMEM_RESERVED_PER_CTA
+        assert config.ctas_per_sm() * per_cta <= streaming.SMEM_PER_SM
+        assert candidate.persistent_ctas(config, 132) == 132 * config.ctas_per_sm()
+    # The small-T GEMM1 (the 2/3 of the weight bytes at T <= 192) keeps two CTAs per SM.
+    if variant.block_tokens == 16:
+        assert variant.gemm1().ctas_per_sm() == 2
+
+
+def test_one_item_per_sm_at_one_active_expert():
+    # T = 1, one active expert: GEMM1 has 128 items of 32 weight rows and GEMM2 224, i.e. every
+    # SM of an H200 (132) streams weights in GEMM1 and GEMM2 needs under two rounds.
+    config1, config2 = candidate.SMALL_T.gemm1(), candidate.SMALL_T.gemm2()
+    assert config1.items_per_row_tile * streaming.ITEM_ROWS == 4096
+    assert config2.items_per_row_tile * streaming.ITEM_ROWS == 7168
+    assert 120 <= config1.items_per_row_tile <= 132
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"block_tokens": 64}, "block_tokens"), ({"block_tokens": 16, "num_stages": 1}, "num_stages")],
+)
+def test_config_rejects_unsupported_shapes(kwargs, message):
+    with pytest.raises(streaming.StreamingConfigError, match=message):
+        streaming.StreamingGemmConfig(gemm1=True, **({"num_stages": 4} | kwargs))
+
+
+def test_config_rejects_a_pipeline_that_does_not_fit_an_sm():
+    with pytest.raises(streaming.StreamingConfigError, match="shared memory"):
+        streaming.StreamingGemmConfig(gemm1=False, block_tokens=32, num_stages=5)
+
+
+def test_run_validates_like_v0():
+    inputs, output = _meta_inputs()
+    inputs["hidden_states_scale"] = torch.empty(3, 56, dtype=torch.float32, device="meta")
+    with pytest.raises(candidate.MoeShapeError, match="hidden_states_scale") as info:
+        candidate.run(*inputs.values(), output)
+    assert "\n" not in str(info.value)
+
+
+# ---- CPU transcriptions of the kernel's index maps ----------------------------------------------
+#
+# The register layouts below are the PTX ISA's ("Matrix Fragments for mma.m16n8k16 with floating
+# point type", .f16/.bf16), written independently of the kernel. The kernel side calls the index
+# helpers of streaming_gemm.py (the very functions the kernel traces) and transcribes the loops of
+# `load_stage` and `compute_block`. Shared memory holds labels instead of numbers: a weight byte is
+# ("w", weight row, k), an activation element ("x", token slot, k).
+
+GROUP_SIZE = 4  # threads per MMA row group (threadID_in_group = lane % 4)
+
+
+def _isa_a_coords(lane: int, i: int) -> tuple[int, int]:
+    """(row, col) of element a_i (0..7) held by `lane`; register r holds a_2r (low), a_2r+1 (high)."""
+    group, tig = lane // GROUP_SIZE, lane % GROUP_SIZE
+    row = group if (i < 2 or 4 <= i < 6) else group + 8
+    col = tig * 2 + (i & 1) + (8 if i >= 4 else 0)
+    return row, col
+
+
+def _isa_b_coords(lane: int, i: int) -> tuple[int, int]:
+    """(row k, col n) of element b_i (0..3) held by `lane`; register r holds b_2r, b_2r+1."""
+    group, tig = lane // GROUP_SIZE, lane % GROUP_SIZE
+    return tig * 2 + (i & 1) + (8 if i >= 2 else 0), group
+
+
+def _isa_c_coords(lane: int, i: int) -> tuple[int, int]:
+    group, tig = lane // GROUP_SIZE, lane % GROUP_SIZE
+    return group + (8 if i >= 2 else 0), tig * 2 + (i & 1)
+
+
+def _cvt_e4m3x2(two_bytes: list, high: bool) -> tuple:
+    """cvt.rn.f16x2.e4m3x2 of the low or high 16 bits of a word: PTX ISA, the lower 8 bits go to
+    the lower half of d (the first element), the upper 8 bits to the upper half."""
+    return tuple(two_bytes[2:4]) if high else tuple(two_bytes[0:2])
+
+
+def _weight_smem(config, n_tile: int, k_stage: int) -> list:
+    """Transcription of `load_stage`'s weight copies: [K block][row][byte] labels."""
+    smem = [[[None] * streaming.BLOCK for _ in range(streaming.ITEM_ROWS)] for _ in range(streaming.BLOCKS_PER_STAGE)]
+    chunks_per_row = streaming.STAGE_K // streaming.CHUNK
+    for tidx in range(streaming.NUM_THREADS):
+        for i in range(streaming.ITEM_ROWS * chunks_per_row // streaming.NUM_THREADS):
+            linear = i * streaming.NUM_THREADS + tidx
+            row, chunk = linear // chunks_per_row, linear % chunks_per_row
+            k_block, in_block = chunk // streaming.FP8_CHUNKS_PER_BLOCK_ROW, chunk % streaming.FP8_CHUNKS_PER_BLOCK_ROW
+            slot = streaming.fp8_chunk_slot(in_block, row)
+            w_row = streaming.item_weight_row(config.gemm1, n_tile, row)
+            for b in range(streaming.CHUNK):
+                position = slot * streaming.CHUNK + b
+                assert smem[k_block][row][position] is None, "two copies write one shared-memory byte"
+                smem[k_block][row][position] = ("w", w_row, k_stage * streaming.STAGE_K + chunk * streaming.CHUNK + b)
+    assert all(label is not None for block in smem for row in block for label in row)
+    return smem
+
+
+def _activation_smem(config, k_stage: int) -> list:
+    """Transcription of `load_stage`'s activation copies (all token slots valid): [K block][token
+    slot][element] labels (fp8 bytes for GEMM1, bf16 elements for GEMM2)."""
+    bt, tpt = config.block_tokens, config.threads_per_token
+    elements = streaming.CHUNK if config.gemm1 else streaming.CHUNK // 2  # per 16-B chunk
+    chunks_per_block = streaming.BLOCK // elements
+    smem = [[[None] * streaming.BLOCK for _ in range(bt)] for _ in range(streaming.BLOCKS_PER_STAGE)]
+    for tidx in range(streaming.NUM_THREADS):
+        token_slot, sub = tidx // tpt, tidx % tpt
+        for i in range(streaming.STAGE_K // elements // tpt):
+            x_chunk = sub + i * tpt
+            k_block, in_block = x_chunk // chunks_per_block, x_chunk % chunks_per_block
+            if config.gemm1:
+                slot = streaming.fp8_chunk_slot(in_block, token_slot)
+            else:
+                slot = streaming.bf16_chunk_slot(in_block, token_slot)
+            for e in range(elements):
+                position = slot * elements + e
+                assert smem[k_block][token_slot][position] is None, "two copies write one element"
+                k = k_stage * streaming.STAGE_K + x_chunk * elements + e
+                smem[k_block][token_slot][position] = ("x", token_slot, k)
+    assert all(label is not None for block in smem for row in block for label in row)
+    return smem
+
+
+def _warp_fragments(config, w_smem, x_smem, warp: int, half: int):
+    """Transcription of `compute_block` for one warp and 64-wide K chunk: per lane, the A registers
+    [m tile][MMA j][r] and B registers [n tile][MMA j][r], each a (low, high) pair of labels."""
+    a_regs, b_regs = {}, {}
+    for lane in range(32):
+        group, quad = lane // GROUP_SIZE, lane % GROUP_SIZE
+        for mt in range(streaming.M_TILES):
+            words = {}
+            for row_offset in (0, 8):
+                row = mt * 16 + group + row_offset
+                slot = streaming.fp8_chunk_slot(streaming.fp8_thread_chunk(half, quad), row)
+                data = w_smem[warp][row][slot * streaming.CHUNK : (slot + 1) * streaming.CHUNK]
+                words[row_offset] = [data[4 * j : 4 * j + 4] for j in range(4)]
+            for j in range(4):
+                for r, (row_offset, high) in enumerate(streaming.A_REGISTER_SOURCES):
+                    a_regs[lane, mt, j, r] = _cvt_e4m3x2(words[row_offset][j], high)
+        for nt in range(config.n_tiles):
+            token_slot = nt * 8 + group
+            if config.gemm1:
+                slot = streaming.fp8_chunk_slot(streaming.fp8_thread_chunk(half, quad), token_slot)
+                data = x_smem[warp][token_slot][slot * streaming.CHUNK : (slot + 1) * streaming.CHUNK]
+                for j in range(4):
+                    for r in range(2):
+                        b_regs[lane, nt, j, r] = _cvt_e4m3x2(data[4 * j : 4 * j + 4], streaming.B_REGISTER_HIGH_HALF[r])
+            else:
+                b_words = []
+                for c in range(2):
+                    slot = streaming.bf16_chunk_slot(streaming.bf16_thread_chunk(half, quad, c), token_slot)
+                    data = x_smem[warp][token_slot][slot * 8 : slot * 8 + 8]
+                    b_words += [tuple(data[2 * w : 2 * w + 2]) for w in range(4)]  # low element first
+                for j in range(4):
+                    for r in range(2):
+                        b_regs[lane, nt, j, r] = b_words[2 * j + r]
+    return a_regs, b_regs
+
+
+def _isa_operands(a_regs, b_regs, mt: int, nt: int, j: int):
+    """A[m][k] and B[k][n] of MMA j of tile (mt, nt), read through the ISA's fragment layout."""
+    a, b = {}, {}
+    for lane in range(32):
+        for i in range(8):
+            coords = _isa_a_coords(lane, i)
+            assert coords not in a
+            a[coords] = a_regs[lane, mt, j, i // 2][i % 2]
+        for i in range(4):
+            coords = _isa_b_coords(lane, i)
+            assert coords not in b
+            b[coords] = b_regs[lane, nt, j, i // 2][i % 2]
+    assert len(a) == 16 * 16 and len(b) == 16 * 8
+    return a, b
+
+
+@pytest.mark.parametrize("gemm1", [True, False], ids=["gemm1_fp8_x", "gemm2_bf16_x"])
+@pytest.mark.parametrize("block_tokens", [16, 32])
+def test_mma_pairs_weight_k_with_activation_k_exactly_once(gemm1, block_tokens):
+    config = streaming.StreamingGemmConfig(gemm1=gemm1, block_tokens=block_tokens, num_stages=4)
+    n_tile, k_stage = 3, 1
+    w_smem, x_smem = _weight_smem(config, n_tile, k_stage), _activation_smem(config, k_stage)
+    for warp in range(streaming.NUM_WARPS):
+        # The K block whose scales this warp's promotion uses: element `warp` of the 4 scales that
+        # load_stage copies from K block 4 k_stage (local_tile(..., (4,), (k_stage,))).
+        k_block = k_stage * streaming.BLOCKS_PER_STAGE + warp
+        products = {}  # (mt, nt, m, n) -> weight k of every product
+        for half in range(2):
+            a_regs, b_regs = _warp_fragments(config, w_smem, x_smem, warp, half)
+            for mt in range(streaming.M_TILES):
+                for nt in range(config.n_tiles):
+                    for j in range(4):
+                        a, b = _isa_operands(a_regs, b_regs, mt, nt, j)
+                        for m in range(16):
+                            for n in range(8):
+                                for k in range(16):
+                                    _, w_row, w_k = a[m, k]
+                                    _, token_slot, x_k = b[k, n]
+                                    assert w_k == x_k, (mt, nt, j, m, n, k)
+                                    assert w_row == streaming.item_weight_row(gemm1, n_tile, mt * 16 + m)
+                                    assert token_slot == nt * 8 + n
+                                    products.setdefault((mt, nt, m, n), []).append(w_k)
+        block_ks = list(range(k_block * streaming.BLOCK, (k_block + 1) * streaming.BLOCK))
+        assert len(products) == streaming.M_TILES * config.n_tiles * 16 * 8
+        assert all(sorted(ks) == block_ks for ks in products.values())
+
+
+def test_accumulator_coordinates_follow_the_isa():
+    for lane in range(32):
+        group, quad = lane // GROUP_SIZE, lane % GROUP_SIZE
+        for mt in range(streaming.M_TILES):
+            for nt in range(4):
+                for i in range(4):
+                    row, col = _isa_c_coords(lane, i)
+                    assert streaming.accumulator_coords(mt, nt, i, group, quad) == (mt * 16 + row, nt * 8 + col)
+
+
+@pytest.mark.parametrize("gemm1", [True, False], ids=["gemm1", "gemm2"])
+def test_items_cover_every_weight_row_once_with_its_block_scale(gemm1):
+    config = streaming.StreamingGemmConfig(gemm1=gemm1, block_tokens=16, num_stages=4)
+    seen = []
+    for n_tile in range(config.items_per_row_tile):
+        rows = [streaming.item_weight_row(gemm1, n_tile, r) for r in range(streaming.ITEM_ROWS)]
+        seen += rows
+        for mt in range(streaming.M_TILES):
+            scale_row = streaming.item_weight_scale_row(gemm1, n_tile, mt)
+            assert all(row // streaming.BLOCK == scale_row for row in rows[mt * 16 : mt * 16 + 16])
+        if gemm1:
+            # SwiGLU pairs C column 16 n_tile + c: up row c (first half of W13), gate row 16 + c
+            # (second half), as in hopperbench/references/moe.py
+            columns = range(n_tile * streaming.GEMM1_ITEM_COLUMNS, (n_tile + 1) * streaming.GEMM1_ITEM_COLUMNS)
+            assert rows[: streaming.GEMM1_ITEM_COLUMNS] == list(columns)
+            assert rows[streaming.GEMM1_ITEM_COLUMNS :] == [streaming.INTERMEDIATE + c for c in columns]
+    assert sorted(seen) == list(range(config.weight_rows))
+
+
+def _locate(row_tile: int, tile_end: list[int], counts: list[int], offsets: list[int], block_tokens: int):
+    """Transcription of StreamingGemm.locate (binary lifting over the inclusive tile ends)."""
+    expert = 0
+    for step in (16, 8, 4, 2, 1):
+        assert expert + step - 1 <= 30  # never reads past tile_end[31]
+        if tile_end[expert + step - 1] <= row_tile:
+            expert += step
+    count = counts[expert]
+    first_row = (row_tile - (tile_end[expert] - (count + block_tokens - 1) // block_tokens)) * block_tokens
+    return expert, first_row, min(count - first_row, block_tokens), offsets[expert] + first_row
+
+
+def _schedule_counts(num_tokens: int) -> list[list[int]]:
+    rng = random.Random(num_tokens)
+    shapes = [
+        [0] * 32,  # no local expert
+        [num_tokens] + [0] * 31,  # every token on expert 0
+        [0] * 31 + [num_tokens],  # every token on the last expert
+        [0] * 5 + [num_tokens] + [0] * 26,
+        [num_tokens] * 8 + [0] * 24,  # all 8 choices local, on the same 8 experts
+        [0, num_tokens] * 4 + [0] * 24,
+    ]
+    for _ in range(20):
+        counts = [0] * 32
+        for _ in range(num_tokens):
+            for e in rng.sample(range(32), rng.randint(0, 8)):
+                counts[e] += 1
+        shapes.append(counts)
+    if 8 * num_tokens >= 32 * 17:
+        shapes.append([17] * 32)  # one row past a 16-row tile everywhere
+    return shapes
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 33, 192, 901])
+def test_persistent_schedule_covers_every_row_and_column_tile_once(num_tokens):
+    variant = candidate.variant_for(num_tokens)
+    for config in (variant.gemm1(), variant.gemm2()):
+        bt = config.block_tokens
+        for counts in _schedule_counts(num_tokens):
+            assert sum(counts) <= 8 * num_tokens and max(counts) <= num_tokens  # workspace bounds
+            tiles = [(c + bt - 1) // bt for c in counts]
+            tile_end = [sum(tiles[: e + 1]) for e in range(32)]
+            offsets = [sum(counts[:e]) for e in range(32)]  # combine.py's exclusive prefix
+            total_items = tile_end[31] * config.items_per_row_tile
+            # every item (row tile x column tile) exactly once over the persistent CTAs; the item
+            # of flat stage s is the kernel's cta + (s // k_stages) * grid
+            for grid in (candidate.persistent_ctas(config, 132), 7):
+                visited = []
+                for cta in range(grid):
+                    my_items = (total_items - cta + grid - 1) // grid if cta < total_items else 0
+                    for s in range(0, my_items * config.k_stages, config.k_stages):
+                        visited.append(cta + (s // config.k_stages) * grid)
+                assert sorted(visited) == list(range(total_items))
+            # every row tile to its expert's rows, each row once, at the packed row combine reads
+            rows = {}
+            for row_tile in range(tile_end[31]):
+                expert, first_row, valid_rows, packed_row0 = _locate(row_tile, tile_end, counts, offsets, bt)
+                assert 1 <= valid_rows <= bt and first_row + valid_rows <= counts[expert]
+                for token_slot in range(valid_rows):
+                    assert (expert, first_row + token_slot) not in rows
+                    rows[expert, first_row + token_slot] = packed_row0 + token_slot
+            assert rows == {(e, r): offsets[e] + r for e in range(32) for r in range(counts[e])}
+            assert max(rows.values(), default=-1) < 8 * num_tokens  # rows of the packed workspaces
+
+
+def test_pipeline_waits_for_each_stage_and_never_overwrites_a_slot_in_use():
+    # Transcription of the flat cp.async pipeline: the prologue commits ns - 1 groups (stages
+    # 0..ns-2, some possibly empty), iteration s waits until <= ns - 2 groups are pending, syncs,
+    # loads stage s + ns - 1 into slot (s + ns - 1) % ns, commits, then reads slot s % ns.
+    for ns in (2, 3, 4):
+        for total in (0, 1, 2, 3, 5, 14, 29):
+            committed = [p if p < total else None for p in range(ns - 1)]  # group -> stage
+            for s in range(total):
+                landed = {stage for stage in committed[: len(committed) - (ns - 2)] if stage is not None}
+                assert s in landed
+                # every warp has finished stage s - 1 (the barrier); stages s .. s + ns - 2 are
+                # still to be read and must keep their slots
+                next_stage = s + ns - 1
+                live_slots = {t % ns for t in range(s, min(next_stage, total))}
+                if next_stage < total:
+                    assert next_stage % ns not in live_slots
+                committed.append(next_stage if next_stage < total else None)
+            assert len(committed) == ns - 1 + total
+
+
+def test_packed_workspace_offsets_fit_32_bits_at_the_streaming_limit():
+    # all 8 choices of every token local: 8 T packed rows of 7168 fp32 in expert_out
+    rows = 8 * candidate.STREAMING_MAX_TOKENS
+    assert rows * streaming.HIDDEN * 4 < 2**31
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------
+
+
+def _run_case(case, seed: int):
+    inputs = cases.make_inputs(case, "cuda", seed=seed)
+    output = cases.poisoned_output(case.num_tokens, "cuda")
+    candidate.run(*inputs.values(), output)
+    torch.cuda.synchronize()
+    return inputs, output
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", cases.CASES, ids=lambda c: c.name)
+def test_matches_reference(case):
+    inputs, output = _run_case(case, seed=zlib.crc32(case.name.encode()) % 1000)
+    ref_output = reference.run(*inputs.values())
+    stats = cases.compare(output, ref_output)
+    assert stats.nan_count == 0, stats
+    assert stats.passed, stats
+    if case.pattern == "no_local":
+        assert int(torch.count_nonzero(output)) == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "case",
+    [cases.CheckCase("repeat_t7", 7, 96), cases.CheckCase("repeat_t901", 901, 96, "all_local")],
+    ids=lambda c: c.name,
+)
+def test_repeated_calls_are_bitwise_identical(case):
+    # Split-K is inside the CTA and its partial sums are added in warp order: no atomics on data.
+    inputs, first = _run_case(case, seed=3)
+    second = cases.poisoned_output(case.num_tokens, "cuda")
+    candidate.run(*inputs.values(), second)
+    torch.cuda.synchronize()
+    assert torch.equal(first, second)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_replay_follows_new_inputs():
+    case = cases.CheckCase("graph", 80, 96)
+    static = cases.make_inputs(case, "cuda", seed=1)
+    output = cases.poisoned_output(case.num_tokens, "cuda")
+    fresh = cases.make_inputs(case, "cuda", seed=2)
+    replay_on_fresh_inputs(lambda: candidate.run(*static.values(), output), static, fresh, (output,))
+    stats = cases.compare(output, reference.run(*fresh.values()))
+    assert stats.passed, stats
+
+
+def _relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected).clamp_min(1e-30))
+
+
+def _bad_column_tiles(actual: torch.Tensor, expected: torch.Tensor, tile: int, bound: float) -> list[int]:
+    """Column tiles (work item column tiles) whose relative L2 exceeds `bound`: a wrong tile
+    points at one n_tile of the item map."""
+    tiles = expected.shape[1] // tile
+    return [
+        n
+        for n in range(tiles)
+        if _relative_l2(actual[:, n * tile : (n + 1) * tile], expected[:, n * tile : (n + 1) * tile]) > bound
+    ]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "case",
+    [
+        cases.CheckCase("stages_t7", 7, 96),
+        cases.CheckCase("stages_t80_one_expert", 80, 0, "one_expert"),
+        cases.CheckCase("stages_t901", 901, 224),
+    ],
+    ids=lambda c: c.name,
+)
+def test_each_gemm_matches_torch_on_its_packed_rows(case):
+    # Localises a failure of test_matches_reference: the routing lists against the reference's
+    # routing, C (GEMM1 + SwiGLU, bf16) against torch on the dequantised operands, and O (GEMM2)
+    # against torch on our own C (so a GEMM1 error does not show up as a GEMM2 one).
+    inputs = cases.make_inputs(case, "cuda", seed=5)
+    output = cases.poisoned_output(case.num_tokens, "cuda")
+    workspaces = candidate.run_keeping_workspaces(*inputs.values(), output)
+    torch.cuda.synchronize()
+    assert workspaces is not None
+    experts, _ = reference._route(
+        inputs["routing_logits"], inputs["routing_bias"], float(inputs["routed_scaling_factor"])
+    )
+    local = experts - int(inputs["local_expert_offset"])
+    counts = workspaces.counts.tolist()
+    x = reference._dequantize_activations(inputs["hidden_states"], inputs["hidden_states_scale"])
+    intermediate = streaming.INTERMEDIATE
+    offset = 0
+    for expert, count in enumerate(counts):
+        expected_tokens = torch.nonzero((local == expert).any(dim=1)).flatten()
+        tokens = workspaces.expert_tokens[expert, :count].long()
+        assert torch.equal(tokens.sort().values, expected_tokens), f"routing list of expert {expert}"
+        if count == 0:
+            continue
+        rows = slice(offset, offset + count)
+        offset += count
+        w13 = reference._dequantize_weight(inputs["gemm1_weights"][expert], inputs["gemm1_weights_scale"][expert])
+        projected = x[tokens] @ w13.T
+        del w13
+        c_expected = torch.nn.functional.silu(projected[:, intermediate:]) * projected[:, :intermediate]
+        c = workspaces.intermediate[rows].float()
+        assert not torch.isnan(c).any(), f"GEMM1 expert {expert}: NaN"
+        bad = _bad_column_tiles(c, c_expected, streaming.GEMM1_ITEM_COLUMNS, 1e-2)
+        assert not bad, f"GEMM1 expert {expert}: column tiles {bad[:8]} (rel L2 {_relative_l2(c, c_expected):.2e})"
+        w2 = reference._dequantize_weight(inputs["gemm2_weights"][expert], inputs["gemm2_weights_scale"][expert])
+        o_expected = c @ w2.T
+        del w2
+        o = workspaces.expert_out[rows]
+        assert not torch.isnan(o).any(), f"GEMM2 expert {expert}: NaN"
+        bad = _bad_column_tiles(o, o_expected, streaming.ITEM_ROWS, 1e-3)
+        assert not bad, f"GEMM2 expert {expert}: column tiles {bad[:8]} (rel L2 {_relative_l2(o, o_expected):.2e})"

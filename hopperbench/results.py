@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hopperbench.environment import EnvironmentRecord
 from hopperbench.sides import HUMAN, OURS, REFERENCE, canonical_side_order
+from hopperbench.tracks import is_candidate_side
 
 
 class Status(StrEnum):
@@ -126,7 +127,7 @@ class WorkloadRow(BaseModel):
     @classmethod
     def from_sides(cls, workload: WorkloadKey, sides: Mapping[str, SideResult]) -> WorkloadRow:
         ordered = {name: sides[name] for name in canonical_side_order(sides)}
-        best = _fastest(r for name, r in ordered.items() if name not in (OURS, HUMAN))
+        best = _fastest(r for name, r in ordered.items() if name not in (OURS, HUMAN) and not is_candidate_side(name))
         human = ordered.get(HUMAN)
         return cls(
             **workload.model_dump(),
@@ -213,6 +214,9 @@ class TrackSummary(BaseModel):
     vs_best_reference: SpeedupSummary
     # Geometric mean of ours / floor over the workloads where ours was timed (None without floors).
     ours_over_floor: SpeedupSummary | None = None
+    # Per candidate side: geometric mean of ours' latency / the candidate's (> 1: the candidate is
+    # faster), over the workloads where both passed.
+    candidates_vs_ours: dict[str, SpeedupSummary] = Field(default_factory=dict)
     passed: dict[str, int]
     # Ran (or should have run) and did not pass: every status but PASSED and UNAVAILABLE.
     failed: dict[str, int]
@@ -259,6 +263,11 @@ def summarize(rows: Sequence[WorkloadRow]) -> dict[str, TrackSummary]:
                 if any(r.floor_ms is not None for r in track_rows)
                 else None
             ),
+            candidates_vs_ours={
+                name: _speedup_summary(speedup(r.sides.get(name), r.sides.get(OURS)) for r in track_rows)
+                for name in side_names
+                if is_candidate_side(name)
+            },
             passed=passed,
             failed=failed,
             unavailable=unavailable,
@@ -272,7 +281,7 @@ def _fmt_speedup(s: SpeedupSummary) -> str:
 
 def format_summary_table(summary: Mapping[str, TrackSummary]) -> str:
     """A plain-text table for the terminal: speedup geometric means and pass counts per side."""
-    header = ["track", "workloads", "vs human", "vs reference", "vs best ref", "ours/floor",
+    header = ["track", "workloads", "vs human", "vs reference", "vs best ref", "ours/floor", "candidates vs ours",
               "passed / failed / unavailable"]  # fmt: skip
     lines = [header]
     for s in summary.values():
@@ -285,6 +294,7 @@ def format_summary_table(summary: Mapping[str, TrackSummary]) -> str:
                 _fmt_speedup(s.vs_reference),
                 _fmt_speedup(s.vs_best_reference),
                 "-" if s.ours_over_floor is None else _fmt_speedup(s.ours_over_floor),
+                ", ".join(f"{n} {_fmt_speedup(v)}" for n, v in s.candidates_vs_ours.items()) or "-",
                 counts,
             ]
         )

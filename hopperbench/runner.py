@@ -61,7 +61,7 @@ from hopperbench.results import (
     plan_from_records,
     write_journal_results,
 )
-from hopperbench.sides import HUMAN, REFERENCE, Side, SideContext, known_side_names, sides_for
+from hopperbench.sides import HUMAN, REFERENCE, Side, SideContext, SideKind, known_side_names, sides_for
 from hopperbench.tracks import TRACKS, Track, UnknownTrackError, get_track, parse_track_list
 from hopperbench.worker import WorkerJob, reference_output_path
 from hopperbench.worker_pool import (
@@ -384,6 +384,16 @@ def _requested_sides(args: argparse.Namespace, tracks: list[Track]) -> set[str] 
     return set(args.sides)
 
 
+def _side_wanted(side: Side, wanted: set[str] | None) -> bool:
+    """The reference always runs (every other side is checked against it); candidates only when
+    named, since a default run publishes ours against the others."""
+    if side.name == REFERENCE:
+        return True
+    if wanted is None:
+        return side.kind != SideKind.CANDIDATE
+    return side.name in wanted
+
+
 def _cpu_shares(slots: list[str | None], args: argparse.Namespace, hooks: RunnerHooks) -> list[list[int]] | None:
     if args.no_pin_cpus:
         return None
@@ -438,11 +448,7 @@ def plan_run(args: argparse.Namespace, hooks: RunnerHooks) -> RunPlan:
     protocol["reference"] = {name: {"warmup": w, "iterations": i} for name, (w, i) in reference_timing.items()}
     plans = []
     for track in tracks:
-        sides = [
-            s
-            for s in hooks.sides_for(track, ctx)
-            if wanted_sides is None or s.name in wanted_sides or s.name == REFERENCE
-        ]
+        sides = [s for s in hooks.sides_for(track, ctx) if _side_wanted(s, wanted_sides)]
         sides.sort(key=lambda s: s.name != REFERENCE)  # stable: the reference first, the rest as resolved
         plans.append(TrackPlan(track, workloads[track.name], sides, *reference_timing[track.name]))
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from hopperbench.paths import PACKAGE_DIR, REPO_ROOT
-from hopperbench.tracks import Track
+from hopperbench.tracks import Track, is_candidate_side
 
 if TYPE_CHECKING:
     from flashinfer_bench import Definition, Solution
@@ -44,6 +44,7 @@ class SideKind(StrEnum):
     HUMAN = "human"
     REFERENCE = "reference"
     LIBRARY = "library"
+    CANDIDATE = "candidate"
 
 
 class SideError(ValueError):
@@ -175,6 +176,34 @@ def resolve_ours(track: Track, ctx: SideContext) -> list[Side]:
 _LANGUAGE_FOR_BUILDER = {"cutedsl": "python"}
 
 
+def resolve_candidates(track: Track, ctx: SideContext) -> list[Side]:
+    """The track's registered candidates, built like `ours` from the same kernel folder."""
+    folder = (ctx.repo_root / track.kernel_entry.split("::")[0]).parent
+    sides = []
+    for candidate in track.candidates:
+        file, _, function = candidate.entry.partition("::")
+        if not (folder / file).is_file():
+            rel = (folder / file).relative_to(ctx.repo_root)
+            sides.append(_unavailable(track, candidate.name, SideKind.CANDIDATE, f"{rel} does not exist",
+                                      description=candidate.description))  # fmt: skip
+            continue
+        sides.append(
+            Side(
+                name=candidate.name,
+                kind=SideKind.CANDIDATE,
+                track=track.name,
+                available=True,
+                source_dir=folder,
+                files=_text_files(folder),
+                entry_point=f"{file}::{function}",
+                language="python",
+                destination_passing_style=True,
+                description=candidate.description,
+            )
+        )
+    return sides
+
+
 def resolve_human(track: Track, ctx: SideContext) -> list[Side]:
     manifest = ctx.manifest
     if manifest is None:
@@ -297,6 +326,7 @@ SIDE_RESOLVERS: dict[SideKind, SideResolver] = {
     SideKind.HUMAN: resolve_human,
     SideKind.REFERENCE: resolve_reference,
     SideKind.LIBRARY: resolve_libraries,
+    SideKind.CANDIDATE: resolve_candidates,
 }
 
 
@@ -316,10 +346,13 @@ def known_side_names(tracks: Iterable[Track]) -> list[str]:
     names = list(FIXED_SIDES)
     for track in tracks:
         names += [lib.name for lib in track.libraries if lib.name not in names]
+        names += [c.name for c in track.candidates if c.name not in names]
     return names
 
 
 def canonical_side_order(names: Iterable[str]) -> list[str]:
-    """ours, human, reference, then the library sides alphabetically."""
+    """ours, its candidates, human, reference, then the library sides, alphabetically within groups."""
     unique = set(names)
-    return [n for n in FIXED_SIDES if n in unique] + sorted(unique - set(FIXED_SIDES))
+    candidates = sorted(n for n in unique if is_candidate_side(n))
+    libraries = sorted(unique - set(FIXED_SIDES) - set(candidates))
+    return [n for n in (OURS, *candidates, HUMAN, REFERENCE, *libraries) if n in unique]

@@ -65,6 +65,32 @@ class LibrarySide:
     package: str | None = None
 
 
+CANDIDATE_PREFIX = "cand_"
+
+
+@dataclass(frozen=True)
+class CandidateSide:
+    """A candidate of ours for the next version of a track's kernel, timed beside `ours` only when
+    asked for (`--sides ours,cand_...`), so that a promotion is decided in one run.
+
+    `entry` is `<file in the track's kernel folder>::<function>`; the candidate is judged by the
+    same rule as `ours`. Its name starts with CANDIDATE_PREFIX, which is how results tell it from
+    the reference sides.
+    """
+
+    name: str
+    entry: str
+    description: str
+
+    def __post_init__(self) -> None:
+        if not self.name.startswith(CANDIDATE_PREFIX):
+            raise ValueError(f"candidate side {self.name!r} must be named {CANDIDATE_PREFIX}...")
+
+
+def is_candidate_side(name: str) -> bool:
+    return name.startswith(CANDIDATE_PREFIX)
+
+
 @dataclass(frozen=True)
 class Track:
     name: str
@@ -81,13 +107,15 @@ class Track:
     human_key: str
     timing: TimingDefaults = field(default_factory=TimingDefaults)
     libraries: tuple[LibrarySide, ...] = ()
+    candidates: tuple[CandidateSide, ...] = ()
     # A bound our kernel must meet beyond the contest rule (the MoE kernel issue: no skipped experts
     # or tokens can hide under the loose 90 % rule). Other sides are judged by the contest rule.
     ours_max_relative_l2: float | None = None
 
     def acceptance_for(self, side_kind: str) -> AcceptanceRule:
-        """The rule a side is judged by: the contest's, plus our own stricter bound for `ours`."""
-        if side_kind == "ours" and self.ours_max_relative_l2 is not None:
+        """The rule a side is judged by: the contest's, plus our own stricter bound for `ours` and
+        its candidates."""
+        if side_kind in ("ours", "candidate") and self.ours_max_relative_l2 is not None:
             return replace(self.acceptance, max_relative_l2=self.ours_max_relative_l2)
         return self.acceptance
 
@@ -134,6 +162,13 @@ GDN_PREFILL = Track(
             package="fla-core==0.6.0",
         ),
     ),
+    candidates=(
+        CandidateSide(
+            name="cand_chunked",
+            entry="chunked.py::run",
+            description="v1 candidate: chunked (64-token) tensor-core GDN, kernels/gdn_prefill/chunked.py",
+        ),
+    ),
 )
 
 MOE = Track(
@@ -159,6 +194,13 @@ MOE = Track(
             package="deep_gemm==2.6.1+54e2261",
         ),
     ),
+    candidates=(
+        CandidateSide(
+            name="cand_streaming",
+            entry="candidate_v1.py::run",
+            description="v1 candidate: weight-streaming expert GEMMs for T <= 2048, kernels/moe/candidate_v1.py",
+        ),
+    ),
 )
 
 DSA_ATTENTION = Track(
@@ -180,6 +222,13 @@ DSA_ATTENTION = Track(
             ),
             submodule="third_party/FlashMLA",
             package="flash_mla==1.0.0+9241ae3",
+        ),
+    ),
+    candidates=(
+        CandidateSide(
+            name="cand_fused",
+            entry="fused.py::run",
+            description="v2 candidate: one launch, last-CTA log-sum-exp merge, kernels/dsa_attention/fused.py",
         ),
     ),
 )

@@ -427,3 +427,15 @@ def test_no_floor_without_the_empty_kernel_span_or_without_a_timed_ours(tmp_path
     assert known.rows[0].ours_over_floor is not None and known.rows[1].floor_ms is not None
     assert known.rows[1].ours_over_floor is None and known.rows[1].ours_tb_per_s is None
     assert known.summary["moe"].ours_over_floor.workloads == 1
+
+
+def test_the_summary_table_shows_candidates_only_when_a_run_timed_some() -> None:
+    render = _load_renderer()
+    plain = summarize([row(0, [passed("ours", 2.0), passed("reference", 9.0)])])
+    assert "candidates vs ours" not in "\n".join(render.summary_table(plain))
+    with_candidate = summarize([row(0, [passed("ours", 2.0), passed("cand_next", 1.0), passed("reference", 9.0)])])
+    assert with_candidate["moe"].candidates_vs_ours["cand_next"].geomean == pytest.approx(2.0)
+    # A candidate is never the best reference, however fast.
+    assert row(0, [passed("ours", 2.0), passed("cand_next", 1.0), passed("reference", 9.0)]).best_reference == "reference"
+    table = "\n".join(render.summary_table(with_candidate))
+    assert "candidates vs ours" in table and "cand_next 2.00× (1)" in table

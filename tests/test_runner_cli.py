@@ -653,3 +653,26 @@ def test_an_unexpected_error_keeps_the_partial_results_and_raises(fake: RunnerHo
         main(run_args(out, *launch), hooks)
     results = read_results(out)
     assert results.rows == [] and results.completeness is not None and results.completeness.partial
+
+
+def test_candidates_run_only_when_named_and_never_count_as_a_reference(fake: RunnerHooks, tmp_path: Path) -> None:
+    name = TRACKS["moe"].candidates[0].name  # --sides accepts the registry's names
+
+    def sides_with_candidate(track, ctx) -> list[Side]:
+        candidate = Side(name=name, kind=SideKind.CANDIDATE, track=track.name, available=True)
+        return [*fake_sides(track, ctx), candidate]
+
+    hooks = replace(fake, sides_for=sides_with_candidate)
+    default = tmp_path / "default" / "results.json"
+    assert main(run_args(default), hooks) == 0
+    assert name not in read_results(default).rows[0].sides
+    assert read_results(default).summary["moe"].candidates_vs_ours == {}
+
+    named = tmp_path / "named" / "results.json"
+    assert main(run_args(named, "--sides", f"ours,reference,{name}"), hooks) == 0
+    results = read_results(named)
+    row = results.rows[0]
+    assert list(row.sides) == ["ours", name, "reference"]
+    assert row.best_reference == "reference"  # the candidate (5 ms) is faster than it but not a reference
+    assert results.summary["moe"].candidates_vs_ours[name].geomean == pytest.approx(2.0 / 5.0)
+    assert f"{name}_latency_ms" in named.with_suffix(".csv").read_text().splitlines()[0]

@@ -22,7 +22,7 @@ from hopperbench.sides import (
     known_side_names,
     sides_for,
 )
-from hopperbench.tracks import TRACKS, LibrarySide
+from hopperbench.tracks import TRACKS, CandidateSide, LibrarySide
 
 TRACK = TRACKS["gdn_prefill"]
 
@@ -201,7 +201,43 @@ def test_library_sides(tmp_path: Path) -> None:
 def test_sides_for_a_real_track_lists_every_kind_in_order(tmp_path: Path) -> None:
     sides = sides_for(TRACK, ctx(tmp_path))
     assert [s.name for s in sides][:3] == ["ours", "human", "reference"]
-    assert [s.name for s in sides][3:] == [lib.name for lib in TRACK.libraries]
+    libraries = [lib.name for lib in TRACK.libraries]
+    assert [s.name for s in sides][3 : 3 + len(libraries)] == libraries
+    assert [s.name for s in sides][3 + len(libraries) :] == [c.name for c in TRACK.candidates]
+    assert [s.kind for s in sides if s.name in {c.name for c in TRACK.candidates}] == [SideKind.CANDIDATE]
+
+
+def test_a_candidate_is_built_from_the_kernel_folder_and_judged_like_ours(tmp_path: Path) -> None:
+    folder = tmp_path / "kernels" / "tiny"
+    folder.mkdir(parents=True)
+    (folder / "kernel.py").write_text("def run(x, y, out):\n    out.copy_(x + y)\n")
+    (folder / "faster.py").write_text("def run(x, y, out):\n    out.copy_(x + y)\n")
+    track = replace(
+        TRACK,
+        kernel_entry="kernels/tiny/kernel.py::run",
+        candidates=(
+            CandidateSide(name="cand_faster", entry="faster.py::run", description="a candidate"),
+            CandidateSide(name="cand_gone", entry="gone.py::run", description="not written"),
+        ),
+    )
+    sides = by_name(sides_for(track, ctx(tmp_path)))
+    faster = sides["cand_faster"]
+    assert faster.available and faster.kind == SideKind.CANDIDATE and faster.entry_point == "faster.py::run"
+    assert set(faster.files) == {"kernel.py", "faster.py"}  # it may import the current kernel
+    assert sides["cand_gone"].reason == "kernels/tiny/gone.py does not exist"
+    out = torch.empty(2)
+    faster.build(DEFINITION)(torch.ones(2), torch.ones(2), out)
+    assert torch.equal(out, torch.full((2,), 2.0))
+    moe = TRACKS["moe"]
+    assert moe.acceptance_for("candidate") == moe.acceptance_for("ours") != moe.acceptance_for("library")
+
+
+def test_candidate_names_carry_the_prefix_results_rely_on() -> None:
+    with pytest.raises(ValueError, match="cand_"):
+        CandidateSide(name="chunked", entry="chunked.py::run", description="x")
+    assert canonical_side_order(["fla", "reference", "cand_b", "human", "ours", "cand_a"]) == [
+        "ours", "cand_a", "cand_b", "human", "reference", "fla"
+    ]  # fmt: skip
 
 
 def test_a_library_may_not_take_a_fixed_name(tmp_path: Path) -> None:

@@ -118,6 +118,10 @@ def summary_table(summary: dict[str, TrackSummary]) -> list[str]:
         "ours vs best reference",
         "ours / floor",
     ]
+    # A run that timed candidates of ours (only when asked for) shows them against ours.
+    with_candidates = any(t.candidates_vs_ours for t in summary.values())
+    if with_candidates:
+        header.append("candidates vs ours")
     rows = []
     for t in summary.values():
         passed = [f"{t.passed[s]}/{t.workloads}" if s in t.passed else "–" for s in sides]
@@ -132,6 +136,8 @@ def summary_table(summary: dict[str, TrackSummary]) -> list[str]:
                 "–" if t.ours_over_floor is None else _speedup(t.ours_over_floor),
             ]
         )
+        if with_candidates:
+            rows[-1].append(", ".join(f"{n} {_speedup(v)}" for n, v in t.candidates_vs_ours.items()) or "–")
     return _table(header, rows)
 
 

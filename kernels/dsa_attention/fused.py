@@ -486,15 +486,7 @@ class DsaSparseAttentionFusedSm90:
         num_splits: cutlass.Int32,
         stream,
     ):
-        # Flat row views of the paged caches, as in kernel.py (static row strides keep every 16-B
-        # piece provably aligned for cp.async).
-        num_cache_rows = ckv_cache.shape[0] * PAGE_SIZE
-        ckv_rows = cute.make_tensor(
-            ckv_cache.iterator, cute.make_layout((num_cache_rows, CKV_DIM), stride=(CKV_DIM, 1))
-        )
-        kpe_rows = cute.make_tensor(
-            kpe_cache.iterator, cute.make_layout((num_cache_rows, KPE_DIM), stride=(KPE_DIM, 1))
-        )
+        ckv_rows, kpe_rows = _v1.cache_rows(ckv_cache, kpe_cache)
         _FusedSplitKernel().launch(
             q_nope,
             q_pe,

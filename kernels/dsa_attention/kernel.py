@@ -487,6 +487,16 @@ class _CombineKernel:
             lse[token, head] = global_max + cute.math.log2(total)
 
 
+@cute.jit
+def cache_rows(ckv_cache: cute.Tensor, kpe_cache: cute.Tensor):
+    """Flat row views of the paged caches: row id = page * 64 + offset (static row strides keep
+    every 16-B piece provably aligned for cp.async)."""
+    num_cache_rows = ckv_cache.shape[0] * PAGE_SIZE
+    ckv_rows = cute.make_tensor(ckv_cache.iterator, cute.make_layout((num_cache_rows, CKV_DIM), stride=(CKV_DIM, 1)))
+    kpe_rows = cute.make_tensor(kpe_cache.iterator, cute.make_layout((num_cache_rows, KPE_DIM), stride=(KPE_DIM, 1)))
+    return ckv_rows, kpe_rows
+
+
 class DsaSparseAttentionSm90:
     """Host entry of the two kernels; one compile serves every T, P and split count."""
 
@@ -504,15 +514,7 @@ class DsaSparseAttentionSm90:
         workspace: cute.Tensor,
         stream,
     ):
-        # Flat row views of the paged caches: row id = page * 64 + offset (static row strides keep
-        # every 16-B piece provably aligned for cp.async).
-        num_cache_rows = ckv_cache.shape[0] * PAGE_SIZE
-        ckv_rows = cute.make_tensor(
-            ckv_cache.iterator, cute.make_layout((num_cache_rows, CKV_DIM), stride=(CKV_DIM, 1))
-        )
-        kpe_rows = cute.make_tensor(
-            kpe_cache.iterator, cute.make_layout((num_cache_rows, KPE_DIM), stride=(KPE_DIM, 1))
-        )
+        ckv_rows, kpe_rows = cache_rows(ckv_cache, kpe_cache)
         scale_log2 = sm_scale * LOG2_E
         _SplitKernel().launch(q_nope, q_pe, ckv_rows, kpe_rows, sparse_indices, scale_log2, workspace, stream)
         _CombineKernel().launch(workspace, output, lse, stream)

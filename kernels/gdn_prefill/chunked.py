@@ -46,6 +46,7 @@ from .kernel import (
     NUM_V_HEADS,
     SOFTPLUS_THRESHOLD,
     V_HEADS_PER_QK_HEAD,
+    GdnPrefillSm90,
     GdnShapeError,
     compile_launcher,
     resolve_scale,
@@ -624,32 +625,6 @@ class _Chunked:
             t16[base + r, base + col] = column[r].to(cutlass.Float16)
 
 
-class GdnPrefillChunkedSm90:
-    """Host entry: one compile serves every T and N."""
-
-    @cute.jit
-    def __call__(
-        self,
-        q: cute.Tensor,
-        k: cute.Tensor,
-        v: cute.Tensor,
-        state: cute.Tensor,
-        A_log: cute.Tensor,
-        a: cute.Tensor,
-        dt_bias: cute.Tensor,
-        b: cute.Tensor,
-        cu_seqlens: cute.Tensor,
-        scale: cutlass.Float32,
-        has_state: cutlass.Int32,
-        output: cute.Tensor,
-        new_state: cute.Tensor,
-        stream,
-    ):
-        _Chunked().launch(
-            q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, stream
-        )
-
-
 # ------------------------------------------------------------------------------------------------
 # Host side: compile once per architecture, then each call is one TVM-FFI launch.
 # ------------------------------------------------------------------------------------------------
@@ -658,7 +633,7 @@ _COMPILED: dict[str, Callable] = {}
 
 
 def _compile(arch: str) -> Callable:
-    return compile_launcher(GdnPrefillChunkedSm90(), arch)
+    return compile_launcher(GdnPrefillSm90(_Chunked), arch)
 
 
 def compiled_for(arch: str = GPU_ARCH) -> Callable:

@@ -391,7 +391,11 @@ class _Recurrence:
 
 
 class GdnPrefillSm90:
-    """Host entry: one compile serves every T and N."""
+    """Host entry: one compile serves every T and N. `kernel` is the kernel class it launches with
+    `run`'s arguments: v0's token recurrence, or a candidate of this folder."""
+
+    def __init__(self, kernel: type = _Recurrence) -> None:
+        self.kernel = kernel
 
     @cute.jit
     def __call__(
@@ -411,7 +415,7 @@ class GdnPrefillSm90:
         new_state: cute.Tensor,
         stream,
     ):
-        _Recurrence().launch(
+        self.kernel().launch(
             q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, stream
         )
 

@@ -21,23 +21,13 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cute.runtime import make_fake_stream
 
 from . import kernel as v0
 from .combine import CombineKernel
 from .kernel import GPU_ARCH, MAX_TOKENS, MoeShapeError
 from .routing import RoutingKernel, ZeroCountsKernel
-from .shapes import (
-    BLOCK,
-    GEMM1_OUT,
-    HIDDEN,
-    HIDDEN_BLOCKS,
-    INTERMEDIATE,
-    INTERMEDIATE_BLOCKS,
-    NUM_EXPERTS,
-    NUM_LOCAL_EXPERTS,
-    TOP_K,
-)
+from .shapes import HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS, TOP_K
 from .streaming_gemm import StreamingGemm, StreamingGemmConfig
 
 __all__ = [
@@ -167,36 +157,8 @@ _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
 
 
 def _compile(arch: str, variant: StreamingVariant) -> Callable:
-    num_tokens = cute.sym_int()
-    num_rows = cute.sym_int()  # packed workspace rows (8 T)
-
-    def rowmajor(dtype, shape):
-        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
-
-    f32, bf16, fp8, i32 = cutlass.Float32, cutlass.BFloat16, cutlass.Float8E4M3FN, cutlass.Int32
-    args = (
-        rowmajor(f32, (num_tokens, NUM_EXPERTS)),
-        rowmajor(bf16, (NUM_EXPERTS,)),
-        rowmajor(fp8, (num_tokens, HIDDEN)),
-        rowmajor(f32, (HIDDEN_BLOCKS, num_tokens)),
-        rowmajor(fp8, (NUM_LOCAL_EXPERTS, GEMM1_OUT, HIDDEN)),
-        rowmajor(f32, (NUM_LOCAL_EXPERTS, GEMM1_OUT // BLOCK, HIDDEN_BLOCKS)),
-        rowmajor(fp8, (NUM_LOCAL_EXPERTS, HIDDEN, INTERMEDIATE)),
-        rowmajor(f32, (NUM_LOCAL_EXPERTS, HIDDEN_BLOCKS, INTERMEDIATE_BLOCKS)),
-        0,
-        1.0,
-        rowmajor(bf16, (num_tokens, HIDDEN)),
-        rowmajor(i32, (NUM_LOCAL_EXPERTS,)),
-        rowmajor(i32, (NUM_LOCAL_EXPERTS, num_tokens)),
-        rowmajor(i32, (num_tokens, TOP_K)),
-        rowmajor(i32, (num_tokens, TOP_K)),
-        rowmajor(f32, (num_tokens, TOP_K)),
-        rowmajor(bf16, (num_rows, INTERMEDIATE)),
-        rowmajor(f32, (num_rows, HIDDEN)),
-        0,
-        0,
-        make_fake_stream(use_tvm_ffi_env_stream=True),
-    )
+    # v0's arguments, then the two persistent grid sizes (GEMM1, GEMM2) and the stream.
+    args = (*v0.fake_tensor_arguments(), 0, 0, make_fake_stream(use_tvm_ffi_env_stream=True))
     return cute.compile(MoeStreamingSm90(variant), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 

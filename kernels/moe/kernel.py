@@ -147,7 +147,10 @@ class MoeFp8BlockScaleSm90:
 _COMPILED: dict[str, Callable] = {}
 
 
-def _compile(arch: str) -> Callable:
+def fake_tensor_arguments() -> tuple:
+    """Compile-time stand-ins (symbolic T and packed-row count) for the host launcher's arguments
+    from `routing_logits` through the workspaces, in call order; each launcher appends its own
+    trailing scalars and the stream. Shared by every MoE kernel of this folder."""
     num_tokens = cute.sym_int()
     num_rows = cute.sym_int()  # packed workspace rows (8 T)
 
@@ -155,7 +158,7 @@ def _compile(arch: str) -> Callable:
         return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
 
     f32, bf16, fp8, i32 = cutlass.Float32, cutlass.BFloat16, cutlass.Float8E4M3FN, cutlass.Int32
-    args = (
+    return (
         rowmajor(f32, (num_tokens, NUM_EXPERTS)),
         rowmajor(bf16, (NUM_EXPERTS,)),
         rowmajor(fp8, (num_tokens, HIDDEN)),
@@ -174,9 +177,11 @@ def _compile(arch: str) -> Callable:
         rowmajor(f32, (num_tokens, TOP_K)),
         rowmajor(bf16, (num_rows, INTERMEDIATE)),
         rowmajor(f32, (num_rows, HIDDEN)),
-        0,
-        make_fake_stream(use_tvm_ffi_env_stream=True),
     )
+
+
+def _compile(arch: str) -> Callable:
+    args = (*fake_tensor_arguments(), 0, make_fake_stream(use_tvm_ffi_env_stream=True))
     return cute.compile(MoeFp8BlockScaleSm90(), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 

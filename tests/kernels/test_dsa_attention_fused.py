@@ -4,18 +4,17 @@ CPU: the kernel compiles for sm_90a without a GPU and is cached; the split heuri
 validation; and the kernel's index maps, evaluated by CuTe itself from the layouts the kernel is
 built with (the MMA accumulator fragment of every thread, the partial record it writes and reads
 back, the merge slots, the per-head statistics, the lse writers). GPU (marked `gpu`, skipped
-without CUDA): `run` against our reference for every case of kernels/dsa_attention/check_cases.py
-with NaN-poisoned outputs; every split count; consecutive calls on new inputs and on changing
-batch sizes (the arrival counters must be back at zero after each call); calls on side streams,
-two of them concurrently (counters are per stream); bitwise-repeatable results; CUDA-graph capture
-and replay on new inputs.
+without CUDA): the GPU tests of test_dsa_attention_kernel.py run fused.py too (every check case,
+every split count, bitwise-repeatable results, graph replay); here, what the arrival counters add:
+consecutive calls on new inputs and on changing batch sizes (the counters must be back at zero
+after each call), calls on side streams, two of them concurrently (counters are per stream), and
+graph replays repeated on new inputs.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-import zlib
 from collections import Counter
 
 import pytest
@@ -26,9 +25,9 @@ import cutlass.cute as cute
 
 from hopperbench.devcheck import load_module_by_path, refill_inputs, replay_on_fresh_inputs, total_nan
 from hopperbench.paths import REPO_ROOT
-from tests.kernels.test_dsa_attention_kernel import _cpu_inputs, cases, needs_cuda
+from tests.kernels.test_dsa_attention_kernel import _cpu_inputs, cases, needs_cuda, solution_module
 
-fused = load_module_by_path(REPO_ROOT / "kernels/dsa_attention/fused.py", "dsa_attention_fused")
+fused = solution_module("fused")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,29 +226,14 @@ def _counters_in_use() -> torch.Tensor:
     return fused._COUNTERS[key]
 
 
-def _check(case, seed: int, num_splits: int | None = None):
+def _check(case, seed: int):
     inputs = cases.make_inputs(case, "cuda", seed=seed)
     output, lse = cases.poisoned_outputs(case.num_tokens, "cuda")
-    fused.run_with_splits(*inputs.values(), output, lse, num_splits)
+    fused.run(*inputs.values(), output, lse)
     result = cases.compare(output, lse, *cases.load_reference_run()(*inputs.values()))
     assert total_nan(result) == 0, result
     assert result.passed, result
     return output, lse
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("case", cases.CASES, ids=lambda c: c.name)
-def test_matches_reference(case):
-    _check(case, seed=zlib.crc32(case.name.encode()) % 1000)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("num_splits", [1, 2, 4, 8, 16, 32])
-def test_every_split_count_matches_reference(num_splits):
-    # 9 tokens of ragged_tail: every prefix length once, so some splits of some tokens are empty.
-    _check(cases.CheckCase("splits", 9, 300, "ragged_tail"), seed=num_splits, num_splits=num_splits)
 
 
 @pytest.mark.gpu
@@ -298,20 +282,6 @@ def test_two_side_streams_at_once_use_their_own_counters():
         result = cases.compare(output, lse, *reference(*args.values()))
         assert total_nan(result) == 0 and result.passed, result
         assert not fused._COUNTERS[(torch.cuda.current_device(), stream.cuda_stream)].any()
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_repeated_calls_are_bitwise_identical():
-    # Which CTA arrives last varies from call to call; the merge order must not.
-    case = cases.CheckCase("repeat", 8, 300, "scattered_padding")
-    inputs = cases.make_inputs(case, "cuda", seed=3)
-    first = cases.poisoned_outputs(case.num_tokens, "cuda")
-    second = cases.poisoned_outputs(case.num_tokens, "cuda")
-    fused.run(*inputs.values(), *first)
-    fused.run(*inputs.values(), *second)
-    assert torch.equal(first[0], second[0])
-    assert torch.equal(first[1], second[1])
 
 
 @pytest.mark.gpu

@@ -1,13 +1,15 @@
 """Our CuTe-DSL DSA sparse-attention kernel (kernels/dsa_attention/kernel.py).
 
 CPU: the kernels compile for sm_90a without a GPU; the split heuristic; input validation; the
-comparison helper the GPU tests rely on. GPU (marked `gpu`, skipped without CUDA): `run` against our
-reference on fresh random inputs for every case in kernels/dsa_attention/check_cases.py, with NaN-
-poisoned outputs; CUDA-graph capture and replay.
+comparison helper the GPU tests rely on. GPU (marked `gpu`, skipped without CUDA), for kernel.py and
+each candidate of the folder (SOLUTIONS): `run` against our reference on fresh random inputs for
+every case in kernels/dsa_attention/check_cases.py, with NaN-poisoned outputs; every split count;
+bitwise-repeatable calls; CUDA-graph capture and replay.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -20,6 +22,16 @@ from hopperbench.paths import REPO_ROOT
 # kernels/ is not a package: load the case helpers and the kernel by path, as the harness does.
 cases = load_module_by_path(REPO_ROOT / "kernels/dsa_attention/check_cases.py", "dsa_check_cases")
 kernel = cases.load_kernel()
+# kernel.py and the candidates of its folder: every GPU test below runs each of them.
+SOLUTIONS = ("kernel", "fused")
+
+
+@functools.cache
+def solution_module(name: str):
+    """kernel.py, or the candidate kernels/dsa_attention/<name>.py (loaded once)."""
+    if name == "kernel":
+        return kernel
+    return load_module_by_path(REPO_ROOT / f"kernels/dsa_attention/{name}.py", f"dsa_attention_{name}")
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -112,13 +124,18 @@ def test_compare_accepts_the_reference_and_flags_errors():
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=SOLUTIONS)
+def solution(request):
+    return solution_module(request.param)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("case", cases.CASES, ids=lambda c: c.name)
-def test_matches_reference(case):
+def test_matches_reference(solution, case):
     inputs = cases.make_inputs(case, "cuda", seed=zlib.crc32(case.name.encode()) % 1000)
     output, lse = cases.poisoned_outputs(case.num_tokens, "cuda")
-    kernel.run(*inputs.values(), output, lse)
+    solution.run(*inputs.values(), output, lse)
     ref_out, ref_lse = cases.load_reference_run()(*inputs.values())
     result = cases.compare(output, lse, ref_out, ref_lse)
     assert total_nan(result) == 0, result
@@ -128,37 +145,40 @@ def test_matches_reference(case):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("num_splits", [1, 2, 4, 8, 16, 32])
-def test_every_split_count_matches_reference(num_splits):
-    # 1 split = 32 double-buffered chunks per CTA; 32 splits = one chunk per CTA.
-    case = cases.CheckCase("splits", 9, 300, "ragged_tail")  # 9 tokens: every prefix length once
+def test_every_split_count_matches_reference(solution, num_splits):
+    # 1 split = 32 double-buffered chunks per CTA; 32 splits = one chunk per CTA. 9 tokens of
+    # ragged_tail: every prefix length once, so some splits of some tokens have no valid row.
+    case = cases.CheckCase("splits", 9, 300, "ragged_tail")
     inputs = cases.make_inputs(case, "cuda", seed=num_splits)
     output, lse = cases.poisoned_outputs(case.num_tokens, "cuda")
-    kernel.run_with_splits(*inputs.values(), output, lse, num_splits)
+    solution.run_with_splits(*inputs.values(), output, lse, num_splits)
     result = cases.compare(output, lse, *cases.load_reference_run()(*inputs.values()))
+    assert total_nan(result) == 0, result
     assert result.passed, result
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_repeated_calls_are_bitwise_identical():
+def test_repeated_calls_are_bitwise_identical(solution):
+    # For a last-CTA merge, which CTA arrives last varies from call to call; the result must not.
     case = cases.CheckCase("repeat", 8, 300, "scattered_padding")
     inputs = cases.make_inputs(case, "cuda", seed=3)
     first = cases.poisoned_outputs(case.num_tokens, "cuda")
     second = cases.poisoned_outputs(case.num_tokens, "cuda")
-    kernel.run(*inputs.values(), *first)
-    kernel.run(*inputs.values(), *second)
+    solution.run(*inputs.values(), *first)
+    solution.run(*inputs.values(), *second)
     assert torch.equal(first[0], second[0])
     assert torch.equal(first[1], second[1])
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_graph_replay_follows_new_inputs():
+def test_cuda_graph_replay_follows_new_inputs(solution):
     case = cases.CheckCase("graph", 8, 300, "scattered_padding")
     static = cases.make_inputs(case, "cuda", seed=1)
     output, lse = cases.poisoned_outputs(case.num_tokens, "cuda")
     fresh = cases.make_inputs(case, "cuda", seed=2)
-    replay_on_fresh_inputs(lambda: kernel.run(*static.values(), output, lse), static, fresh, (output, lse))
+    replay_on_fresh_inputs(lambda: solution.run(*static.values(), output, lse), static, fresh, (output, lse))
     ref_out, ref_lse = cases.load_reference_run()(*fresh.values())
     result = cases.compare(output, lse, ref_out, ref_lse)
     assert result.passed, result

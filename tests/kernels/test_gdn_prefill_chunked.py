@@ -10,15 +10,13 @@ chunk step for full and partial chunks; the copy loops cover their tiles once; t
 (chunked_model.py) matches the token-serial reference in float64 (the algebra: orientation,
 decays, masking of partial chunks, the blocked inverse) and, with the kernel's fp16 operand
 rounding, passes the track's acceptance rule with a wide margin on long-memory and fast-decay gates.
-GPU (marked `gpu`, skipped without CUDA): `chunked.run` against the reference on fresh inputs for
-every case of kernels/gdn_prefill/check_cases.py with NaN-poisoned outputs (the 65536-token case
-only with HOPPERBENCH_LONG_TESTS=1), the input state untouched, and CUDA-graph replay with new bounds.
+GPU: the GPU tests of tests/kernels/test_gdn_prefill_kernel.py run `chunked.run` too (every check
+case against the reference, the input state untouched, CUDA-graph replay with new bounds).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import zlib
 
 import cutlass
@@ -26,7 +24,7 @@ import cutlass.cute as cute
 import pytest
 import torch
 
-from hopperbench.devcheck import load_module_by_path, replay_on_fresh_inputs, total_nan
+from hopperbench.devcheck import load_module_by_path
 from hopperbench.paths import REPO_ROOT
 
 cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
@@ -35,8 +33,6 @@ chunked = device_check.load_kernel_module("chunked")  # imports its sibling kern
 model = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/chunked_model.py", "gdn_chunked_model")
 reference_run = cases.load_reference_run()
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-LONG_TESTS = os.environ.get("HOPPERBENCH_LONG_TESTS") == "1"
 
 # Lengths around the chunk size, with and without a state, in both gate regimes.
 MODEL_CASES = [
@@ -553,48 +549,3 @@ def test_model_depends_on_the_initial_state():
     with_state = model.run(*inputs.values(), precision=model.EXACT)
     without = model.run(*dict(inputs, state=None).values(), precision=model.EXACT)
     assert not cases.compare(*without, *with_state).passed
-
-
-# ------------------------------------------------------------------------------------------------
-# GPU
-# ------------------------------------------------------------------------------------------------
-
-
-def _check_on_gpu(case, seed):
-    inputs = cases.make_inputs(case, "cuda", seed=seed)
-    state_before = None if inputs["state"] is None else inputs["state"].clone()
-    output, new_state = cases.poisoned_outputs(case, "cuda")
-    chunked.run(*inputs.values(), output, new_state)
-    result = cases.compare(output, new_state, *reference_run(*inputs.values()))
-    assert total_nan(result) == 0, result
-    assert result.passed, result
-    if state_before is not None:
-        assert torch.equal(inputs["state"], state_before), "run modified its input state"
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("case", [c for c in cases.CASES if not c.long], ids=lambda c: c.name)
-def test_matches_reference(case):
-    _check_on_gpu(case, seed=zlib.crc32(case.name.encode()) % 1000)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.skipif(not LONG_TESTS, reason="set HOPPERBENCH_LONG_TESTS=1 (minutes of reference time)")
-@pytest.mark.parametrize("case", [c for c in cases.CASES if c.long], ids=lambda c: c.name)
-def test_long_sequence_matches_reference(case):
-    _check_on_gpu(case, seed=zlib.crc32(case.name.encode()) % 1000)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_cuda_graph_replay_follows_new_inputs_and_bounds():
-    static = cases.make_inputs(device_check.GRAPH_CASE, "cuda", seed=1)
-    output, new_state = cases.poisoned_outputs(device_check.GRAPH_CASE, "cuda")
-    fresh = cases.make_inputs(device_check.GRAPH_FRESH, "cuda", seed=2)
-    replay_on_fresh_inputs(
-        lambda: chunked.run(*static.values(), output, new_state), static, fresh, (output, new_state)
-    )
-    result = cases.compare(output, new_state, *reference_run(*fresh.values()))
-    assert result.passed, result

@@ -3,14 +3,16 @@
 CPU: the kernel compiles for sm_90a without a GPU; input validation; the scale rule; the check
 cases and the comparison helper the GPU tests rely on (including that ignoring or transposing the
 initial state fails them); the kernel's regrouped per-token update against the reference.
-GPU (marked `gpu`, skipped without CUDA): `run` against our reference on fresh inputs for every case
-in kernels/gdn_prefill/check_cases.py with NaN-poisoned outputs (the 65536-token case only with
+GPU (marked `gpu`, skipped without CUDA), for kernel.py and each candidate of the folder
+(SOLUTIONS): `run` against our reference on fresh inputs for every case in
+kernels/gdn_prefill/check_cases.py with NaN-poisoned outputs (the 65536-token case only with
 HOPPERBENCH_LONG_TESTS=1); the input state is left untouched; CUDA-graph capture and replay with new
 sequence bounds.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import zlib
@@ -25,6 +27,15 @@ from hopperbench.paths import REPO_ROOT
 cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 kernel = cases.load_kernel()
 reference_run = cases.load_reference_run()
+device_check = load_module_by_path(REPO_ROOT / "tools/device_check_gdn.py", "device_check_gdn")
+# kernel.py and the candidates of its folder: every GPU test below runs each of them.
+SOLUTIONS = device_check.KERNEL_CHOICES
+
+
+@functools.cache
+def solution_module(name: str):
+    """kernel.py, or a candidate of kernels/gdn_prefill loaded as the harness packs it."""
+    return kernel if name == "kernel" else device_check.load_kernel_module(name)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 LONG_TESTS = os.environ.get("HOPPERBENCH_LONG_TESTS") == "1"
@@ -191,11 +202,16 @@ def test_regrouped_update_matches_reference(case_name):
 # ------------------------------------------------------------------------------------------------
 
 
-def _check_on_gpu(case, seed):
+@pytest.fixture(params=SOLUTIONS)
+def solution(request):
+    return solution_module(request.param)
+
+
+def _check_on_gpu(solution, case, seed):
     inputs = cases.make_inputs(case, "cuda", seed=seed)
     state_before = None if inputs["state"] is None else inputs["state"].clone()
     output, new_state = cases.poisoned_outputs(case, "cuda")
-    kernel.run(*inputs.values(), output, new_state)
+    solution.run(*inputs.values(), output, new_state)
     result = cases.compare(output, new_state, *reference_run(*inputs.values()))
     assert total_nan(result) == 0, result
     assert result.passed, result
@@ -206,29 +222,27 @@ def _check_on_gpu(case, seed):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("case", [c for c in cases.CASES if not c.long], ids=lambda c: c.name)
-def test_matches_reference(case):
-    _check_on_gpu(case, seed=zlib.crc32(case.name.encode()) % 1000)
+def test_matches_reference(solution, case):
+    _check_on_gpu(solution, case, seed=zlib.crc32(case.name.encode()) % 1000)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.skipif(not LONG_TESTS, reason="set HOPPERBENCH_LONG_TESTS=1 (minutes of reference time)")
 @pytest.mark.parametrize("case", [c for c in cases.CASES if c.long], ids=lambda c: c.name)
-def test_long_sequence_matches_reference(case):
-    _check_on_gpu(case, seed=zlib.crc32(case.name.encode()) % 1000)
+def test_long_sequence_matches_reference(solution, case):
+    _check_on_gpu(solution, case, seed=zlib.crc32(case.name.encode()) % 1000)
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_graph_replay_follows_new_inputs_and_bounds():
-    case = cases.CheckCase("graph", (40, 30, 58), True, 0.0, "mamba2")
-    static = cases.make_inputs(case, "cuda", seed=1)
-    output, new_state = cases.poisoned_outputs(case, "cuda")
+def test_cuda_graph_replay_follows_new_inputs_and_bounds(solution):
+    static = cases.make_inputs(device_check.GRAPH_CASE, "cuda", seed=1)
+    output, new_state = cases.poisoned_outputs(device_check.GRAPH_CASE, "cuda")
     # Same T and N, different split: the kernel must read the bounds on the device at replay.
-    fresh_case = cases.CheckCase("graph", (1, 100, 27), True, 0.0, "mamba2")
-    fresh = cases.make_inputs(fresh_case, "cuda", seed=2)
+    fresh = cases.make_inputs(device_check.GRAPH_FRESH, "cuda", seed=2)
     replay_on_fresh_inputs(
-        lambda: kernel.run(*static.values(), output, new_state), static, fresh, (output, new_state)
+        lambda: solution.run(*static.values(), output, new_state), static, fresh, (output, new_state)
     )
     result = cases.compare(output, new_state, *reference_run(*fresh.values()))
     assert result.passed, result

@@ -2,14 +2,17 @@
 
 CPU: all five kernels compile for sm_90a without a GPU; the row-tile bound the GEMM grids rely on;
 input validation; the routing patterns of the check cases (verified with our reference's routing).
-GPU (marked `gpu`, skipped without CUDA): `run` against hopperbench/references/moe.py on fresh
-inputs for every case in kernels/moe/check_cases.py (contest rule and relative L2 <= 1e-2, NaN-
+GPU (marked `gpu`, skipped without CUDA), for kernel.py and each candidate of the folder
+(SOLUTIONS): `run` against hopperbench/references/moe.py on fresh inputs for every case in
+kernels/moe/check_cases.py (contest rule and relative L2 <= 1e-2, NaN-
 poisoned output), zero rows for tokens without a local expert, bitwise-repeatable calls, and
 CUDA-graph capture and replay.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 import random
 import zlib
@@ -24,6 +27,14 @@ from hopperbench.paths import REPO_ROOT
 cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check_cases")
 kernel = cases.load_kernel()
 reference = cases.load_reference()
+# kernel.py and the candidates of its folder: every GPU test below runs each of them.
+SOLUTIONS = ("kernel", "candidate_v1")
+
+
+@functools.cache
+def solution_module(name: str):
+    """A module of kernels/moe, imported from the package `cases.load_kernel` made of the folder."""
+    return importlib.import_module(f"{kernel.__package__}.{name}")
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -177,10 +188,15 @@ def test_compare_accepts_the_reference_and_rejects_a_small_systematic_error():
 # ------------------------------------------------------------------------------------------------
 
 
-def _run_case(case, seed: int):
+@pytest.fixture(params=SOLUTIONS)
+def solution(request):
+    return solution_module(request.param)
+
+
+def _run_case(solution, case, seed: int):
     inputs = cases.make_inputs(case, "cuda", seed=seed)
     output = cases.poisoned_output(case.num_tokens, "cuda")
-    kernel.run(*inputs.values(), output)
+    solution.run(*inputs.values(), output)
     torch.cuda.synchronize()
     return inputs, output
 
@@ -188,8 +204,8 @@ def _run_case(case, seed: int):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("case", cases.CASES, ids=lambda c: c.name)
-def test_matches_reference(case):
-    inputs, output = _run_case(case, seed=zlib.crc32(case.name.encode()) % 1000)
+def test_matches_reference(solution, case):
+    inputs, output = _run_case(solution, case, seed=zlib.crc32(case.name.encode()) % 1000)
     ref_output = reference.run(*inputs.values())
     stats = cases.compare(output, ref_output)
     assert stats.nan_count == 0, stats
@@ -200,9 +216,9 @@ def test_matches_reference(case):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_tokens_without_a_local_expert_get_exact_zero_rows():
+def test_tokens_without_a_local_expert_get_exact_zero_rows(solution):
     case = cases.CheckCase("zero_rows", 80, 96)
-    inputs, output = _run_case(case, seed=5)
+    inputs, output = _run_case(solution, case, seed=5)
     experts, _ = reference._route(inputs["routing_logits"], inputs["routing_bias"], 2.5)
     has_local = ((experts >= 96) & (experts < 128)).any(dim=1)
     assert bool((~has_local).any()), "the draw should leave some tokens without a local expert"
@@ -212,23 +228,28 @@ def test_tokens_without_a_local_expert_get_exact_zero_rows():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_repeated_calls_are_bitwise_identical():
-    # Ranks within an expert come from atomics, but no output depends on their order.
-    case = cases.CheckCase("repeat", 901, 96, "all_local")
-    inputs, first = _run_case(case, seed=3)
+@pytest.mark.parametrize(
+    "case",
+    [cases.CheckCase("repeat_t7", 7, 96), cases.CheckCase("repeat_t901", 901, 96, "all_local")],
+    ids=lambda c: c.name,
+)
+def test_repeated_calls_are_bitwise_identical(solution, case):
+    # Ranks within an expert come from atomics, but no output depends on their order (and a
+    # candidate's split-K partial sums are added in a fixed order).
+    inputs, first = _run_case(solution, case, seed=3)
     second = cases.poisoned_output(case.num_tokens, "cuda")
-    kernel.run(*inputs.values(), second)
+    solution.run(*inputs.values(), second)
     torch.cuda.synchronize()
     assert torch.equal(first, second)
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_graph_replay_follows_new_inputs():
+def test_cuda_graph_replay_follows_new_inputs(solution):
     case = cases.CheckCase("graph", 80, 96)
     static = cases.make_inputs(case, "cuda", seed=1)
     output = cases.poisoned_output(case.num_tokens, "cuda")
     fresh = cases.make_inputs(case, "cuda", seed=2)
-    replay_on_fresh_inputs(lambda: kernel.run(*static.values(), output), static, fresh, (output,))
+    replay_on_fresh_inputs(lambda: solution.run(*static.values(), output), static, fresh, (output,))
     stats = cases.compare(output, reference.run(*fresh.values()))
     assert stats.passed, stats

@@ -151,25 +151,35 @@ class SideContext(BaseModel):
     manifest: Mapping[str, Any] | None = None
 
 
+def _kernel_folder_side(
+    track: Track, ctx: SideContext, name: str, kind: SideKind, entry: str, description: str, missing: str
+) -> Side:
+    """A side of ours from `entry` (`<path relative to the repository root>::<function>`) in the
+    track's kernel folder. Its Solution carries the whole folder, so the entry may import its
+    siblings (a candidate imports the current kernel)."""
+    file_rel, _, function = entry.partition("::")
+    path = ctx.repo_root / file_rel
+    if not path.is_file():
+        return _unavailable(track, name, kind, f"{file_rel} {missing}", description=description)
+    return Side(
+        name=name,
+        kind=kind,
+        track=track.name,
+        available=True,
+        source_dir=path.parent,
+        files=_text_files(path.parent),
+        entry_point=f"{path.name}::{function}",
+        language="python",  # CuTe-DSL ships as python in flashinfer-bench
+        destination_passing_style=True,
+        description=description,
+    )
+
+
 def resolve_ours(track: Track, ctx: SideContext) -> list[Side]:
     kernel_rel = track.kernel_entry.split("::")[0]
-    kernel_file = ctx.repo_root / kernel_rel
-    if not kernel_file.is_file():
-        return [_unavailable(track, OURS, SideKind.OURS, f"{kernel_rel} does not exist yet")]
-    folder = kernel_file.parent
     return [
-        Side(
-            name=OURS,
-            kind=SideKind.OURS,
-            track=track.name,
-            available=True,
-            source_dir=folder,
-            files=_text_files(folder),
-            entry_point=f"{kernel_file.name}::{track.kernel_function}",
-            language="python",  # CuTe-DSL ships as python in flashinfer-bench
-            destination_passing_style=True,
-            description=f"our kernel, {kernel_rel}",
-        )
+        _kernel_folder_side(track, ctx, OURS, SideKind.OURS, track.kernel_entry, f"our kernel, {kernel_rel}",
+                            "does not exist yet")  # fmt: skip
     ]
 
 
@@ -178,30 +188,12 @@ _LANGUAGE_FOR_BUILDER = {"cutedsl": "python"}
 
 def resolve_candidates(track: Track, ctx: SideContext) -> list[Side]:
     """The track's registered candidates, built like `ours` from the same kernel folder."""
-    folder = (ctx.repo_root / track.kernel_entry.split("::")[0]).parent
-    sides = []
-    for candidate in track.candidates:
-        file, _, function = candidate.entry.partition("::")
-        if not (folder / file).is_file():
-            rel = (folder / file).relative_to(ctx.repo_root)
-            sides.append(_unavailable(track, candidate.name, SideKind.CANDIDATE, f"{rel} does not exist",
-                                      description=candidate.description))  # fmt: skip
-            continue
-        sides.append(
-            Side(
-                name=candidate.name,
-                kind=SideKind.CANDIDATE,
-                track=track.name,
-                available=True,
-                source_dir=folder,
-                files=_text_files(folder),
-                entry_point=f"{file}::{function}",
-                language="python",
-                destination_passing_style=True,
-                description=candidate.description,
-            )
-        )
-    return sides
+    folder_rel = Path(track.kernel_entry.split("::")[0]).parent
+    return [
+        _kernel_folder_side(track, ctx, c.name, SideKind.CANDIDATE, f"{folder_rel / c.entry}", c.description,
+                            "does not exist")  # fmt: skip
+        for c in track.candidates
+    ]
 
 
 def resolve_human(track: Track, ctx: SideContext) -> list[Side]:

@@ -12,6 +12,7 @@ Importing this module needs no GPU; the timing and graph helpers need CUDA when 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import math
 import statistics
@@ -61,6 +62,17 @@ def load_module_by_path(path: Path, name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def load_folder_module(folder: Path, package: str, name: str) -> ModuleType:
+    """Import `folder/<name>.py` as module `<package>.<name>` of a package made of `folder` (no
+    __init__.py needed), so that its relative imports of siblings resolve as they do in the
+    harness's packed solution."""
+    if package not in sys.modules:
+        module = ModuleType(package)
+        module.__path__ = [str(folder)]
+        sys.modules[package] = module
+    return importlib.import_module(f"{package}.{name}")
 
 
 def select_cases(cases: Sequence[CaseT], names: str) -> list[CaseT]:

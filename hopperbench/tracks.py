@@ -162,13 +162,6 @@ GDN_PREFILL = Track(
             package="fla-core==0.6.0",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_chunked",
-            entry="chunked.py::run",
-            description="v1 candidate: chunked (64-token) tensor-core GDN, kernels/gdn_prefill/chunked.py",
-        ),
-    ),
 )
 
 MOE = Track(
@@ -194,13 +187,6 @@ MOE = Track(
             package="deep_gemm==2.6.1+54e2261",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_streaming",
-            entry="candidate_v1.py::run",
-            description="v1 candidate: weight-streaming expert GEMMs for T <= 2048, kernels/moe/candidate_v1.py",
-        ),
-    ),
 )
 
 DSA_ATTENTION = Track(
@@ -222,13 +208,6 @@ DSA_ATTENTION = Track(
             ),
             submodule="third_party/FlashMLA",
             package="flash_mla==1.0.0+9241ae3",
-        ),
-    ),
-    candidates=(
-        CandidateSide(
-            name="cand_fused",
-            entry="fused.py::run",
-            description="v2 candidate: one launch, last-CTA log-sum-exp merge, kernels/dsa_attention/fused.py",
         ),
     ),
 )

@@ -20,7 +20,7 @@ from hopperbench.environment import EnvironmentRecord
 from hopperbench.results import Journal, Status, read_results, write_results
 from hopperbench.runner import RunnerHooks, main
 from hopperbench.sides import Side, SideKind
-from hopperbench.tracks import TRACKS
+from hopperbench.tracks import TRACKS, CandidateSide
 from hopperbench.worker_pool import split_cpus
 
 # A stand-in for `python -m hopperbench.worker JOB.json RESULT.json`. It logs each call,
@@ -655,8 +655,12 @@ def test_an_unexpected_error_keeps_the_partial_results_and_raises(fake: RunnerHo
     assert results.rows == [] and results.completeness is not None and results.completeness.partial
 
 
-def test_candidates_run_only_when_named_and_never_count_as_a_reference(fake: RunnerHooks, tmp_path: Path) -> None:
-    name = TRACKS["moe"].candidates[0].name  # --sides accepts the registry's names
+def test_candidates_run_only_when_named_and_never_count_as_a_reference(
+    fake: RunnerHooks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = "cand_next"  # --sides accepts the names the registry holds
+    candidate_side = CandidateSide(name=name, entry="next.py::run", description="a candidate")
+    monkeypatch.setitem(TRACKS, "moe", replace(TRACKS["moe"], candidates=(candidate_side,)))
 
     def sides_with_candidate(track, ctx) -> list[Side]:
         candidate = Side(name=name, kind=SideKind.CANDIDATE, track=track.name, available=True)

@@ -1,7 +1,7 @@
 """Device check of our DSA sparse-attention kernel (kernels/dsa_attention/kernel.py) on a GPU.
 
-`--kernel fused` checks the candidate kernels/dsa_attention/fused.py instead (the modules listed
-in KERNEL_MODULES share `run`; the split sweep runs when the module has `run_with_splits`).
+`--kernel NAME` checks another module of the folder listed in KERNEL_MODULES instead (a candidate;
+none at present: they share `run`; the split sweep runs when the module has `run_with_splits`).
 Compiles the kernel, then for every case in kernels/dsa_attention/check_cases.py: fresh random
 inputs, NaN-poisoned outputs, one call, comparison with our reference
 (hopperbench/references/dsa_attention.py) under the DSA track rule of hopperbench.acceptance
@@ -11,7 +11,7 @@ outputs (state carried between calls shows there). Then a CUDA-graph capture/rep
 of every split count at the contest's cache size (correctness and time, for tuning the split
 heuristic). Exits 1 if anything failed, 2 without a CUDA device.
 
-    uv run python tools/device_check_dsa.py [--kernel kernel|fused] [--iters 50] [--warmup 10]
+    uv run python tools/device_check_dsa.py [--kernel kernel] [--iters 50] [--warmup 10]
                                             [--cases t1_random,t8_one_valid] [--sweep-tokens 1,2,8]
 """
 
@@ -48,7 +48,7 @@ SWEEP_TABLE = Table(
 )
 GRAPH_CASE = cases.CheckCase("graph_replay_t8", 8, 300, "scattered_padding")
 # Kernel modules of kernels/dsa_attention/ this tool can check: file stem -> what it compiles.
-KERNEL_MODULES = {"kernel": "sm_90a, both kernels", "fused": "sm_90a, split kernel with the fused combine"}
+KERNEL_MODULES = {"kernel": "sm_90a, both kernels"}
 
 
 def _kernel_loader(name: str):
@@ -106,7 +106,7 @@ def _check_case(kernel, reference, case, args) -> bool:
             f"    mismatches: output {verdict.outputs['output'].bad_count}, lse {verdict.outputs['lse'].bad_count}"
         )
     # The outputs now hold the last timed call's results: a kernel that carries state from call to
-    # call (fused.py's arrival counters) must still be right after warmup + iters calls.
+    # call (say, arrival counters) must still be right after warmup + iters calls.
     after = cases.compare(output, lse, ref_out, ref_lse)
     if not after.passed:
         print(

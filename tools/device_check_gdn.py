@@ -1,7 +1,8 @@
 """Device check of our GDN prefill kernel (kernels/gdn_prefill/kernel.py) on a GPU.
 
-`--kernel chunked` checks a candidate instead: kernels/gdn_prefill/<name>.py, loaded as a module of
-a package made of that folder (as the harness packs it), so that it may import its siblings.
+`--kernel token_serial` or `--kernel chunked` checks one of kernel.py's two paths alone, at every case
+(kernel.py picks one from T): kernels/gdn_prefill/<name>.py, loaded as a module of a package made
+of that folder (as the harness packs it), so that it may import its siblings.
 Compiles the kernel, then for every case in kernels/gdn_prefill/check_cases.py: fresh inputs,
 NaN-poisoned outputs, one call, comparison with our reference (hopperbench/references/gdn_prefill.py)
 under the GDN track rule of hopperbench.acceptance (atol = rtol = 1e-2 on every element of output
@@ -9,7 +10,7 @@ and new_state, no NaN), a check that the input state is unchanged, and a median 
 CUDA events (warm L2; the benchmark runner does the real timing). Then a CUDA-graph capture/replay
 check with new sequence bounds. Exits 1 if anything failed, 2 without a CUDA device.
 
-    uv run python tools/device_check_gdn.py [--kernel {kernel,chunked}] [--iters 20] [--warmup 3]
+    uv run python tools/device_check_gdn.py [--kernel {kernel,token_serial,chunked}] [--iters 20] [--warmup 3]
                                             [--cases len1_state,len6_nostate] [--skip-long]
 """
 
@@ -30,8 +31,7 @@ from hopperbench.paths import REPO_ROOT
 cases = devcheck.load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 
 KERNEL_DIR = REPO_ROOT / "kernels" / "gdn_prefill"
-KERNEL_CHOICES = ("kernel", "chunked")  # modules of KERNEL_DIR with the `run` entry
-PACKAGE = "gdn_solution"
+KERNEL_CHOICES = ("kernel", "token_serial", "chunked")  # modules of KERNEL_DIR with the `run` entry
 
 GRAPH_CASE = cases.CheckCase("graph_replay_new_bounds", (40, 30, 58), True, 0.0, "mamba2")
 GRAPH_FRESH = cases.CheckCase("graph_replay_new_bounds", (1, 100, 27), True, 0.0, "mamba2")
@@ -53,11 +53,7 @@ def load_kernel_module(name: str) -> ModuleType:
     resolve the way they do in the harness's packed solution."""
     if name not in KERNEL_CHOICES:
         raise ValueError(f"unknown GDN kernel module {name!r}; choose from {', '.join(KERNEL_CHOICES)}")
-    if PACKAGE not in sys.modules:
-        package = ModuleType(PACKAGE)
-        package.__path__ = [str(KERNEL_DIR)]
-        sys.modules[PACKAGE] = package
-    return importlib.import_module(f"{PACKAGE}.{name}")
+    return devcheck.load_folder_module(KERNEL_DIR, cases.SOLUTION_PACKAGE, name)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -10,9 +10,10 @@ repeat check and a CUDA-graph capture/replay check. Exits 1 if anything failed, 
 device.
 
     uv run python tools/device_check_moe.py [--iters 20] [--warmup 3] [--cases t1_off0,t80_off96] [--skip-slow]
-        [--kernel {kernel,candidate_v1}]
+        [--kernel {kernel,grouped_pipeline}]
 
---kernel picks the module of kernels/moe/ whose `run` is checked (default kernel.py, v0).
+--kernel picks the module of kernels/moe/ whose `run` is checked: kernel.py (default), or
+grouped_pipeline.py, the v0 pipeline that kernel.py uses above 2048 tokens, at every T.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from hopperbench.paths import REPO_ROOT
 
 cases = devcheck.load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check_cases")
 
-KERNEL_MODULES = ("kernel", "candidate_v1")
+KERNEL_MODULES = ("kernel", "grouped_pipeline")
 NAME_WIDTH = 26
 TABLE = Table(
     "case",

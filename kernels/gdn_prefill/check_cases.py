@@ -36,6 +36,8 @@ STATE_STD = 0.2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REFERENCE_PATH = REPO_ROOT / "hopperbench" / "references" / "gdn_prefill.py"
+# The package name kernel.py and its siblings are loaded under (tests and device checks).
+SOLUTION_PACKAGE = "gdn_solution"
 KERNEL_PATH = REPO_ROOT / "kernels" / "gdn_prefill" / "kernel.py"
 
 GateRegime = Literal["mamba2", "fast_decay"]
@@ -96,9 +98,11 @@ CASES: tuple[CheckCase, ...] = (
 
 
 def load_kernel() -> ModuleType:
-    from hopperbench.devcheck import load_module_by_path  # lazily: this folder is packed without hopperbench
+    """kernel.py as the harness sees it: a module of a package made of this folder, so that its
+    relative imports (token_serial, chunked) resolve."""
+    from hopperbench.devcheck import load_folder_module  # lazily: this folder is packed without hopperbench
 
-    return load_module_by_path(KERNEL_PATH, "gdn_prefill_kernel")
+    return load_folder_module(KERNEL_PATH.parent, SOLUTION_PACKAGE, "kernel")
 
 
 def load_reference_run() -> Callable:

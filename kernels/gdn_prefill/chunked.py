@@ -1,4 +1,5 @@
-"""GDN prefill for SM90 in CuTe-DSL, chunked on tensor cores (candidate v1 for `kernel.py`).
+"""GDN prefill for SM90 in CuTe-DSL, chunked on tensor cores (v1): the path `kernel.py` takes above
+TOKEN_SERIAL_MAX_TOKENS tokens.
 
 The math is `chunked_model.py` (chunks of C = 64 tokens; A, P, T = (I + A)^-1, Xb, V', O, S as
 written there), with the same rounding points: every tensor-core operand is fp16 (`mma.sync`
@@ -39,7 +40,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-from .kernel import (
+from .token_serial import (
     GPU_ARCH,
     HEAD_SIZE,
     NUM_QK_HEADS,
@@ -51,7 +52,7 @@ from .kernel import (
     compile_launcher,
     resolve_scale,
 )
-from .kernel import _check_inputs as check_inputs
+from .token_serial import _check_inputs as check_inputs
 
 __all__ = ["GdnShapeError", "compile_only", "compiled_for", "resolve_scale", "run"]
 

@@ -84,12 +84,9 @@ SLOW_CASES = frozenset({"t14107_off32"})
 def load_kernel() -> ModuleType:
     """kernel.py as the harness sees it: a module of a package made of this folder, so that its
     relative imports (routing, grouped_gemm, combine, shapes) resolve."""
-    package = "moe_solution"
-    if package not in sys.modules:
-        module = ModuleType(package)
-        module.__path__ = [str(KERNEL_PATH.parent)]  # a package without __init__.py
-        sys.modules[package] = module
-    return importlib.import_module(f"{package}.kernel")
+    from hopperbench.devcheck import load_folder_module  # lazily: this folder is packed without hopperbench
+
+    return load_folder_module(KERNEL_PATH.parent, "moe_solution", "kernel")
 
 
 def load_reference() -> ModuleType:

@@ -1,82 +1,99 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v0: correct first, structured for later tuning. Five kernels, all launched by one TVM-FFI call with no
-host synchronisation and no data-dependent host logic (grids are sized from T only):
+v1 (promoted from candidate after the runner run of 2026-11-29, NOTES.md): the routing and combine
+kernels of the grouped pipeline around weight-streaming expert GEMMs (streaming_gemm.py).
+Destination passing, definition order, no host sync, no data-dependent host logic, graph-safe. The
+path is chosen from T alone (a shape):
 
-1. `routing.ZeroCountsKernel`: zeroes the 32 per-expert token counters (a workspace of this call).
-2. `routing.RoutingKernel`, one warp per token: DeepSeek-V3 no-aux routing in fp32 (sigmoid, +bias, top-2
-   sum per group of 32, top-4 groups, top-8 experts, weights from the unbiased scores). Lane l holds
-   expert g*32 + l of every group g, so a group reduction is a warp reduction. For each chosen local
-   expert it takes a rank in that expert's list with an atomic and writes the token there
-   (`expert_tokens[e, rank]`); per slot (token, k) it records the local expert (-1 if not local),
-   the rank and the weight.
-3. `grouped_gemm.GroupedGemm(gemm1=True)`, grid (row tiles, 32 N tiles): a row tile is 64 tokens of one expert
-   (tiles are numbered expert by expert; a CTA finds its expert from the counters and exits when it
-   has none). It gathers the tokens' fp8 rows, computes [64 tokens] x [64 up + 64 gate columns]
-   of G1 = A W13^T over K = 7168, and writes C = silu(gate) * up as bf16 into a packed workspace
-   row `pos = offset[e] + rank` (offset = sum of the counts of the experts before e).
-4. `grouped_gemm.GroupedGemm(gemm1=False)`, grid (row tiles, 56 N tiles): O = C W2^T for 64 rows x 128 output
-   columns over K = 2048, written in fp32 to a packed workspace row `pos`.
-5. `combine.CombineKernel`, grid (T, 7): output[t] = sum over the token's slots k = 0..7 (fixed order) of
-   weight * O[pos(t, k)], in fp32, cast to bf16; a token without a local expert gets a zero row.
+- T <= STREAMING_MAX_TOKENS: five kernels in one TVM-FFI call with the two GEMMs as persistent
+  weight-streaming GEMMs. Row tiles of 16 tokens up to SMALL_T_MAX_TOKENS, 32 above (so that at
+  T ~ 900, ~28 tokens per expert, most experts' weights are streamed once).
+- Larger T: the grouped-GEMM pipeline (`grouped_pipeline.run`, v0), whose 64 x 128 tiles do more
+  MMA work per weight byte.
 
-Numerics: both GEMMs run bf16 `mma.sync` m16n8k16 with fp32 accumulation. The e4m3 operands are
-converted to bf16 in shared memory, which is exact (every e4m3 value is a bf16 value). Block scales
-follow the DeepGEMM promotion: each 128-wide K block is accumulated on its own, then scaled by
-(activation scale of the row) x (weight scale of the 128x128 block) and added into the fp32
-accumulator. The intermediate C stays bf16 (never re-quantised to fp8). The output does not depend
-on the order in which the atomics hand out ranks: every GEMM row is computed independently and the
-combine sums each token's slots in slot order, so repeated calls are bitwise identical.
-
-Layout of one GEMM CTA (128 threads, 4 warps as 2 x 2): per K block, cp.async brings the fp8
-tiles (A: 64 x 128, B: 128 x 128) into a double-buffered staging area while the previous block is
-converted to bf16 and multiplied.
+Each configuration is compiled once (dynamic T) on first use and cached; `compile_only()` compiles
+all three.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cute.runtime import make_fake_stream
 
+from . import grouped_pipeline
 from .combine import CombineKernel
-from .grouped_gemm import GroupedGemm
+from .grouped_pipeline import GPU_ARCH, MAX_TOKENS, MoeShapeError
 from .routing import RoutingKernel, ZeroCountsKernel
-from .shapes import (
-    BLOCK,
-    BLOCK_M,
-    GEMM1_OUT,
-    HIDDEN,
-    HIDDEN_BLOCKS,
-    INTERMEDIATE,
-    INTERMEDIATE_BLOCKS,
-    MAX_TOKENS,
-    NUM_EXPERTS,
-    NUM_LOCAL_EXPERTS,
-    TOP_K,
-    max_row_tiles,
-)
+from .shapes import HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS, TOP_K
+from .streaming_gemm import StreamingGemm, StreamingGemmConfig
 
-GPU_ARCH = "sm_90a"
+__all__ = [
+    "GPU_ARCH",
+    "MAX_TOKENS",
+    "MoeShapeError",
+    "SMALL_T_MAX_TOKENS",
+    "STREAMING_MAX_TOKENS",
+    "StreamingVariant",
+    "Workspaces",
+    "compile_only",
+    "compiled_for",
+    "run",
+    "run_keeping_workspaces",
+    "variant_for",
+]
 
-__all__ = ["BLOCK_M", "GPU_ARCH", "MAX_TOKENS", "MoeShapeError", "compile_only", "compiled_for", "max_row_tiles", "run"]
-
-
-class MoeShapeError(ValueError):
-    """An input does not have the shape, dtype or layout of the definition."""
-
-
-# ------------------------------------------------------------------------------------------------
-# host function of all five kernels
-# ------------------------------------------------------------------------------------------------
+# Row tiles of 16 tokens while an expert expects few tokens (T / 32 per expert under uniform
+# routing: <= 6 at T = 192), 32 tokens above. Beyond STREAMING_MAX_TOKENS v0 takes over.
+SMALL_T_MAX_TOKENS = 192
+STREAMING_MAX_TOKENS = 2048
+NUM_STAGES = 4
+# Used when no device is visible (compile_only on CPU); run() asks the device.
+DEFAULT_NUM_SMS = 132
 
 
-class MoeFp8BlockScaleSm90:
-    """One compile serves every T (dynamic) and every offset / scaling factor (runtime scalars)."""
+@dataclass(frozen=True)
+class StreamingVariant:
+    """One compiled streaming configuration: tokens per row tile and pipeline depth."""
+
+    block_tokens: int
+    num_stages: int = NUM_STAGES
+
+    def gemm1(self) -> StreamingGemmConfig:
+        return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
+
+    def gemm2(self) -> StreamingGemmConfig:
+        return StreamingGemmConfig(gemm1=False, block_tokens=self.block_tokens, num_stages=self.num_stages)
+
+
+SMALL_T = StreamingVariant(block_tokens=16)
+MEDIUM_T = StreamingVariant(block_tokens=32)
+VARIANTS = (SMALL_T, MEDIUM_T)
+
+
+def variant_for(num_tokens: int) -> StreamingVariant | None:
+    """The streaming variant for a batch of `num_tokens` tokens, or None for the grouped pipeline (v0)."""
+    if num_tokens < 1:
+        raise MoeShapeError(f"seq_len must be >= 1, got {num_tokens}")
+    if num_tokens <= SMALL_T_MAX_TOKENS:
+        return SMALL_T
+    if num_tokens <= STREAMING_MAX_TOKENS:
+        return MEDIUM_T
+    return None
+
+
+class MoeStreamingSm90:
+    """Host function of the five kernels for one streaming variant (dynamic T)."""
+
+    def __init__(self, variant: StreamingVariant):
+        self.gemm1 = StreamingGemm(variant.gemm1())
+        self.gemm2 = StreamingGemm(variant.gemm2())
 
     @cute.jit
     def __call__(
@@ -99,7 +116,8 @@ class MoeFp8BlockScaleSm90:
         slot_weight: cute.Tensor,
         intermediate: cute.Tensor,
         expert_out: cute.Tensor,
-        num_row_tiles: cutlass.Int32,
+        gemm1_ctas: cutlass.Int32,
+        gemm2_ctas: cutlass.Int32,
         stream,
     ):
         ZeroCountsKernel().launch(counts, stream)
@@ -115,7 +133,7 @@ class MoeFp8BlockScaleSm90:
             slot_weight,
             stream,
         )
-        GroupedGemm(gemm1=True).launch(
+        self.gemm1.launch(
             hidden_states,
             hidden_states_scale,
             gemm1_weights,
@@ -123,10 +141,10 @@ class MoeFp8BlockScaleSm90:
             intermediate,
             counts,
             expert_tokens,
-            num_row_tiles,
+            gemm1_ctas,
             stream,
         )
-        GroupedGemm(gemm1=False).launch(
+        self.gemm2.launch(
             intermediate,
             hidden_states_scale,
             gemm2_weights,
@@ -134,108 +152,82 @@ class MoeFp8BlockScaleSm90:
             expert_out,
             counts,
             expert_tokens,
-            num_row_tiles,
+            gemm2_ctas,
             stream,
         )
         CombineKernel().launch(counts, slot_expert, slot_rank, slot_weight, expert_out, output, stream)
 
 
-# ------------------------------------------------------------------------------------------------
-# Host side: compile once per architecture, then each call is one TVM-FFI launch.
-# ------------------------------------------------------------------------------------------------
-
-_COMPILED: dict[str, Callable] = {}
+_COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
 
 
-def fake_tensor_arguments() -> tuple:
-    """Compile-time stand-ins (symbolic T and packed-row count) for the host launcher's arguments
-    from `routing_logits` through the workspaces, in call order; each launcher appends its own
-    trailing scalars and the stream. Shared by every MoE kernel of this folder."""
-    num_tokens = cute.sym_int()
-    num_rows = cute.sym_int()  # packed workspace rows (8 T)
-
-    def rowmajor(dtype, shape):
-        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
-
-    f32, bf16, fp8, i32 = cutlass.Float32, cutlass.BFloat16, cutlass.Float8E4M3FN, cutlass.Int32
-    return (
-        rowmajor(f32, (num_tokens, NUM_EXPERTS)),
-        rowmajor(bf16, (NUM_EXPERTS,)),
-        rowmajor(fp8, (num_tokens, HIDDEN)),
-        rowmajor(f32, (HIDDEN_BLOCKS, num_tokens)),
-        rowmajor(fp8, (NUM_LOCAL_EXPERTS, GEMM1_OUT, HIDDEN)),
-        rowmajor(f32, (NUM_LOCAL_EXPERTS, GEMM1_OUT // BLOCK, HIDDEN_BLOCKS)),
-        rowmajor(fp8, (NUM_LOCAL_EXPERTS, HIDDEN, INTERMEDIATE)),
-        rowmajor(f32, (NUM_LOCAL_EXPERTS, HIDDEN_BLOCKS, INTERMEDIATE_BLOCKS)),
-        0,
-        1.0,
-        rowmajor(bf16, (num_tokens, HIDDEN)),
-        rowmajor(i32, (NUM_LOCAL_EXPERTS,)),
-        rowmajor(i32, (NUM_LOCAL_EXPERTS, num_tokens)),
-        rowmajor(i32, (num_tokens, TOP_K)),
-        rowmajor(i32, (num_tokens, TOP_K)),
-        rowmajor(f32, (num_tokens, TOP_K)),
-        rowmajor(bf16, (num_rows, INTERMEDIATE)),
-        rowmajor(f32, (num_rows, HIDDEN)),
-    )
+def _compile(arch: str, variant: StreamingVariant) -> Callable:
+    # The grouped pipeline's arguments, then the two persistent grid sizes (GEMM1, GEMM2) and the stream.
+    args = (*grouped_pipeline.fake_tensor_arguments(), 0, 0, make_fake_stream(use_tvm_ffi_env_stream=True))
+    return cute.compile(MoeStreamingSm90(variant), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
-def _compile(arch: str) -> Callable:
-    args = (*fake_tensor_arguments(), 0, make_fake_stream(use_tvm_ffi_env_stream=True))
-    return cute.compile(MoeFp8BlockScaleSm90(), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
-
-
-def compiled_for(arch: str = GPU_ARCH) -> Callable:
-    """The compiled launcher for `arch` (compiled on first use; needs no GPU)."""
-    fn = _COMPILED.get(arch)
+def compiled_for(variant: StreamingVariant, arch: str = GPU_ARCH) -> Callable:
+    """The compiled launcher of `variant` for `arch` (compiled on first use; needs no GPU)."""
+    key = (arch, variant)
+    fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[arch] = _compile(arch)
+        fn = _COMPILED[key] = _compile(arch, variant)
     return fn
 
 
-def compile_only(arch: str = GPU_ARCH) -> Callable:
-    """Compile all five kernels for `arch` without touching a GPU (for CI and warm-up)."""
-    return compiled_for(arch)
+def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
+    """Compile both streaming variants and the grouped pipeline for `arch` without touching a GPU
+    (for CI and warm-up: no call compiles lazily afterwards)."""
+    return (*(compiled_for(variant, arch) for variant in VARIANTS), grouped_pipeline.compiled_for(arch))
 
 
-def _check_inputs(
-    routing_logits,
-    routing_bias,
-    hidden_states,
-    hidden_states_scale,
-    gemm1_weights,
-    gemm1_weights_scale,
-    gemm2_weights,
-    gemm2_weights_scale,
-    local_expert_offset,
-    output,
-) -> None:
-    t = routing_logits.shape[0] if routing_logits.dim() == 2 else -1
-    gemm1_scale_shape = (NUM_LOCAL_EXPERTS, GEMM1_OUT // BLOCK, HIDDEN_BLOCKS)
-    gemm2_scale_shape = (NUM_LOCAL_EXPERTS, HIDDEN_BLOCKS, INTERMEDIATE_BLOCKS)
-    expected = (
-        ("routing_logits", routing_logits, (t, NUM_EXPERTS), torch.float32),
-        ("routing_bias", routing_bias, (NUM_EXPERTS,), torch.bfloat16),
-        ("hidden_states", hidden_states, (t, HIDDEN), torch.float8_e4m3fn),
-        ("hidden_states_scale", hidden_states_scale, (HIDDEN_BLOCKS, t), torch.float32),
-        ("gemm1_weights", gemm1_weights, (NUM_LOCAL_EXPERTS, GEMM1_OUT, HIDDEN), torch.float8_e4m3fn),
-        ("gemm1_weights_scale", gemm1_weights_scale, gemm1_scale_shape, torch.float32),
-        ("gemm2_weights", gemm2_weights, (NUM_LOCAL_EXPERTS, HIDDEN, INTERMEDIATE), torch.float8_e4m3fn),
-        ("gemm2_weights_scale", gemm2_weights_scale, gemm2_scale_shape, torch.float32),
-        ("output", output, (t, HIDDEN), torch.bfloat16),
-    )
-    for name, tensor, shape, dtype in expected:
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
-            raise MoeShapeError(
-                f"{name} must be a contiguous {dtype} tensor of shape {shape}, "
-                f"got {tensor.dtype} {tuple(tensor.shape)} (contiguous={tensor.is_contiguous()})"
-            )
-    if t > MAX_TOKENS:
-        raise MoeShapeError(f"seq_len {t} exceeds {MAX_TOKENS} (the workspaces use 32-bit offsets)")
-    try:
-        int(local_expert_offset)
-    except (TypeError, ValueError):
-        raise MoeShapeError(f"local_expert_offset must be an integer, got {local_expert_offset!r}") from None
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _NUM_SMS.get(index)
+    if count is None:
+        count = _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
+def persistent_ctas(config: StreamingGemmConfig, num_sms: int) -> int:
+    """Grid of a persistent streaming GEMM: every SM holds as many CTAs as shared memory allows."""
+    return num_sms * config.ctas_per_sm()
+
+
+@functools.cache
+def _grids(variant: StreamingVariant, num_sms: int) -> tuple[int, int]:
+    """(GEMM1, GEMM2) persistent grids; cached, since building the configurations costs ~0.5 ms."""
+    return persistent_ctas(variant.gemm1(), num_sms), persistent_ctas(variant.gemm2(), num_sms)
+
+
+@dataclass(frozen=True)
+class Workspaces:
+    """The device workspaces of one streaming call (the grouped pipeline's layout: packed rows offset[e] + rank)."""
+
+    counts: torch.Tensor  # [32] int32: tokens per local expert
+    expert_tokens: torch.Tensor  # [32, T] int32: expert_tokens[e, rank] = token
+    slot_expert: torch.Tensor  # [T, 8] int32: local expert of each choice, -1 if not local
+    slot_rank: torch.Tensor  # [T, 8] int32
+    slot_weight: torch.Tensor  # [T, 8] fp32
+    intermediate: torch.Tensor  # [8 T, 2048] bf16: C = silu(gate) * up per packed row
+    expert_out: torch.Tensor  # [8 T, 7168] fp32: C W2^T per packed row
+
+    @classmethod
+    def allocate(cls, num_tokens: int, device: torch.device) -> Workspaces:
+        num_rows = TOP_K * num_tokens  # worst case: all 8 chosen experts are local
+        return cls(
+            counts=torch.empty(NUM_LOCAL_EXPERTS, dtype=torch.int32, device=device),  # zeroed by our kernel
+            expert_tokens=torch.empty(NUM_LOCAL_EXPERTS, num_tokens, dtype=torch.int32, device=device),
+            slot_expert=torch.empty(num_tokens, TOP_K, dtype=torch.int32, device=device),
+            slot_rank=torch.empty(num_tokens, TOP_K, dtype=torch.int32, device=device),
+            slot_weight=torch.empty(num_tokens, TOP_K, dtype=torch.float32, device=device),
+            intermediate=torch.empty(num_rows, INTERMEDIATE, dtype=torch.bfloat16, device=device),
+            expert_out=torch.empty(num_rows, HIDDEN, dtype=torch.float32, device=device),
+        )
 
 
 def run(
@@ -252,7 +244,7 @@ def run(
     output,
 ) -> None:
     """Destination-passing entry: fills `output` [T, 7168] bf16 (every row)."""
-    _check_inputs(
+    run_keeping_workspaces(
         routing_logits,
         routing_bias,
         hidden_states,
@@ -262,21 +254,50 @@ def run(
         gemm2_weights,
         gemm2_weights_scale,
         local_expert_offset,
+        routed_scaling_factor,
         output,
     )
+
+
+def run_keeping_workspaces(
+    routing_logits,
+    routing_bias,
+    hidden_states,
+    hidden_states_scale,
+    gemm1_weights,
+    gemm1_weights_scale,
+    gemm2_weights,
+    gemm2_weights_scale,
+    local_expert_offset,
+    routed_scaling_factor,
+    output,
+) -> Workspaces | None:
+    """`run`, returning the streaming path's workspaces (None for T = 0 and the grouped path), so that a
+    device check can tell a wrong GEMM1 from a wrong GEMM2."""
+    inputs = (
+        routing_logits,
+        routing_bias,
+        hidden_states,
+        hidden_states_scale,
+        gemm1_weights,
+        gemm1_weights_scale,
+        gemm2_weights,
+        gemm2_weights_scale,
+        local_expert_offset,
+        routed_scaling_factor,
+    )
+    grouped_pipeline._check_inputs(*inputs[:9], output)
     num_tokens = routing_logits.shape[0]
     if num_tokens == 0:
-        return
+        return None
+    variant = variant_for(num_tokens)
+    if variant is None:
+        grouped_pipeline.run(*inputs, output)
+        return None
     device = routing_logits.device
-    num_rows = TOP_K * num_tokens  # worst case: all 8 chosen experts are local
-    counts = torch.empty(NUM_LOCAL_EXPERTS, dtype=torch.int32, device=device)  # zeroed by our kernel
-    expert_tokens = torch.empty(NUM_LOCAL_EXPERTS, num_tokens, dtype=torch.int32, device=device)
-    slot_expert = torch.empty(num_tokens, TOP_K, dtype=torch.int32, device=device)
-    slot_rank = torch.empty(num_tokens, TOP_K, dtype=torch.int32, device=device)
-    slot_weight = torch.empty(num_tokens, TOP_K, dtype=torch.float32, device=device)
-    intermediate = torch.empty(num_rows, INTERMEDIATE, dtype=torch.bfloat16, device=device)
-    expert_out = torch.empty(num_rows, HIDDEN, dtype=torch.float32, device=device)
-    compiled_for()(
+    workspaces = Workspaces.allocate(num_tokens, device)
+    gemm1_ctas, gemm2_ctas = _grids(variant, _num_sms(device))
+    compiled_for(variant)(
         routing_logits,
         routing_bias,
         hidden_states,
@@ -288,12 +309,17 @@ def run(
         int(local_expert_offset),
         float(routed_scaling_factor),
         output,
-        counts,
-        expert_tokens,
-        slot_expert,
-        slot_rank,
-        slot_weight,
-        intermediate,
-        expert_out,
-        max_row_tiles(num_tokens),
+        workspaces.counts,
+        workspaces.expert_tokens,
+        workspaces.slot_expert,
+        workspaces.slot_rank,
+        workspaces.slot_weight,
+        workspaces.intermediate,
+        workspaces.expert_out,
+        gemm1_ctas,
+        gemm2_ctas,
     )
+    return workspaces
+
+
+assert MAX_TOKENS >= STREAMING_MAX_TOKENS

@@ -1,4 +1,4 @@
-"""Weight-streaming expert GEMMs of the MoE candidate v1 (GEMM1 + SwiGLU, GEMM2) for few tokens per expert.
+"""Weight-streaming expert GEMMs of the MoE kernel v1 (GEMM1 + SwiGLU, GEMM2) for few tokens per expert.
 
 Why: at small T the MoE is bound by the fp8 weights (44 MB per active local expert), and v0's grid
 (64-token row tiles x 128-row N tiles, 2 stages) keeps only a few hundred KB in flight. Here every

@@ -1,6 +1,7 @@
-"""The chunked tensor-core GDN prefill candidate (kernels/gdn_prefill/chunked.py) and its model.
+"""The chunked tensor-core GDN prefill kernel (kernels/gdn_prefill/chunked.py, kernel.py's path above 40
+tokens) and its model.
 
-CPU: the kernel compiles for sm_90a without a GPU (once, cached); `run` validates like kernel.py;
+CPU: the kernel compiles for sm_90a without a GPU (once, cached); `run` validates like the token-serial path;
 the tiling constants cover the state and the chunk; the MMA fragments CuTe-DSL builds are the PTX
 ISA's m16n8k16 layouts, every accumulator-to-(row, col) map covers its tile once, and an emulation
 of ldmatrix (.x4, .trans) on every shared-memory operand view of the kernel puts exactly the right
@@ -29,7 +30,7 @@ from hopperbench.paths import REPO_ROOT
 
 cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 device_check = load_module_by_path(REPO_ROOT / "tools/device_check_gdn.py", "device_check_gdn")
-chunked = device_check.load_kernel_module("chunked")  # imports its sibling kernel.py as a package would
+chunked = device_check.load_kernel_module("chunked")  # imports its sibling token_serial.py as a package would
 model = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/chunked_model.py", "gdn_chunked_model")
 reference_run = cases.load_reference_run()
 

@@ -28,13 +28,14 @@ cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "g
 kernel = cases.load_kernel()
 reference_run = cases.load_reference_run()
 device_check = load_module_by_path(REPO_ROOT / "tools/device_check_gdn.py", "device_check_gdn")
-# kernel.py and the candidates of its folder: every GPU test below runs each of them.
+# kernel.py and each of its two paths alone (and any candidate of the folder): every GPU test below
+# runs each of them, so both paths are checked at every shape, not only where kernel.py picks them.
 SOLUTIONS = device_check.KERNEL_CHOICES
 
 
 @functools.cache
 def solution_module(name: str):
-    """kernel.py, or a candidate of kernels/gdn_prefill loaded as the harness packs it."""
+    """kernel.py, or another module of kernels/gdn_prefill loaded as the harness packs it."""
     return kernel if name == "kernel" else device_check.load_kernel_module(name)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -46,23 +47,46 @@ LONG_TESTS = os.environ.get("HOPPERBENCH_LONG_TESTS") == "1"
 # ------------------------------------------------------------------------------------------------
 
 
-def test_compiles_for_sm90a_without_gpu():
+def test_compiles_both_paths_for_sm90a_without_gpu():
     compiled = kernel.compile_only("sm_90a")
-    assert callable(compiled)
+    assert len(compiled) == 2 and all(callable(fn) for fn in compiled)
     # Cached: a second request must not recompile.
-    assert kernel.compile_only("sm_90a") is compiled
+    assert kernel.compile_only("sm_90a") == compiled
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "path"), [(0, "token_serial"), (1, "token_serial"), (40, "token_serial"), (41, "chunked"), (8192, "chunked")]
+)
+def test_path_is_chosen_from_the_token_count(num_tokens, path):
+    assert kernel.TOKEN_SERIAL_MAX_TOKENS == 40
+    assert kernel.path_for(num_tokens) is solution_module(path)
+
+
+@pytest.mark.parametrize("num_tokens", [6, 41])
+def test_run_calls_exactly_the_chosen_path(num_tokens, monkeypatch):
+    calls = []
+    for name in ("token_serial", "chunked"):
+        monkeypatch.setattr(solution_module(name), "run", lambda *args, name=name: calls.append((name, args)))
+    case = cases.CheckCase(f"len{num_tokens}", (num_tokens,), True, 0.0, "mamba2")
+    inputs = cases.make_inputs(case, "cpu", seed=1)
+    output, new_state = cases.poisoned_outputs(case, "cpu")
+    kernel.run(*inputs.values(), output, new_state)
+    assert [name for name, _ in calls] == [kernel.path_for(num_tokens).__name__.rsplit(".", 1)[-1]]
+    assert calls[0][1][-2] is output and calls[0][1][-1] is new_state
 
 
 def test_tiling_covers_every_state_element_once():
-    # 8 slices x 16 rows cover V; 8 lanes x 16 columns cover K (two 8-wide pieces, 64 apart).
-    assert kernel.NUM_SLICES * kernel.ROWS_PER_CTA == kernel.HEAD_SIZE
+    # Token-serial path: 8 slices x 16 rows cover V; 8 lanes x 16 columns cover K (two 8-wide
+    # pieces, 64 apart).
+    serial = solution_module("token_serial")
+    assert serial.NUM_SLICES * serial.ROWS_PER_CTA == serial.HEAD_SIZE
     columns = sorted(
-        piece * kernel.PIECE_STRIDE + lane * kernel.COLS_PER_PIECE + i
-        for lane in range(kernel.LANES_PER_ROW)
+        piece * serial.PIECE_STRIDE + lane * serial.COLS_PER_PIECE + i
+        for lane in range(serial.LANES_PER_ROW)
         for piece in range(2)
-        for i in range(kernel.COLS_PER_PIECE)
+        for i in range(serial.COLS_PER_PIECE)
     )
-    assert columns == list(range(kernel.HEAD_SIZE))
+    assert columns == list(range(serial.HEAD_SIZE))
 
 
 @pytest.mark.parametrize("scale, expected", [(None, 128**-0.5), (0, 128**-0.5), (0.0, 128**-0.5), (0.05, 0.05)])

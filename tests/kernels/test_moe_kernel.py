@@ -1,6 +1,7 @@
-"""Our CuTe-DSL FP8 block-scale MoE kernel (kernels/moe/kernel.py).
+"""Our CuTe-DSL FP8 block-scale MoE kernel (kernels/moe/kernel.py) and its grouped pipeline.
 
-CPU: all five kernels compile for sm_90a without a GPU; the row-tile bound the GEMM grids rely on;
+CPU: every configuration compiles for sm_90a without a GPU; the row-tile bound the grouped pipeline's
+GEMM grids rely on (grouped_pipeline.py, the path above 2048 tokens);
 input validation; the routing patterns of the check cases (verified with our reference's routing).
 GPU (marked `gpu`, skipped without CUDA), for kernel.py and each candidate of the folder
 (SOLUTIONS): `run` against hopperbench/references/moe.py on fresh inputs for every case in
@@ -27,8 +28,8 @@ from hopperbench.paths import REPO_ROOT
 cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check_cases")
 kernel = cases.load_kernel()
 reference = cases.load_reference()
-# kernel.py and the candidates of its folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_v1")
+# kernel.py and the candidates of its folder (none at present): every GPU test below runs each of them.
+SOLUTIONS = ("kernel",)
 
 
 @functools.cache
@@ -44,20 +45,25 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # ------------------------------------------------------------------------------------------------
 
 
+grouped = solution_module("grouped_pipeline")
+
+
 def test_compiles_for_sm90a_without_gpu():
     compiled = kernel.compile_only("sm_90a")
-    assert callable(compiled)
+    # Both streaming variants and the grouped pipeline, so that no call compiles lazily.
+    assert len(compiled) == len(kernel.VARIANTS) + 1 and all(callable(fn) for fn in compiled)
+    assert compiled[-1] is grouped.compiled_for("sm_90a")
     # Cached: a second request must not recompile.
-    assert kernel.compile_only("sm_90a") is compiled
+    assert kernel.compile_only("sm_90a") == compiled
 
 
 def _row_tiles(counts: list[int]) -> int:
-    return sum((c + kernel.BLOCK_M - 1) // kernel.BLOCK_M for c in counts)
+    return sum((c + grouped.BLOCK_M - 1) // grouped.BLOCK_M for c in counts)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 7, 63, 64, 65, 80, 901, 14107])
 def test_row_tile_bound_covers_every_routing(num_tokens):
-    bound = kernel.max_row_tiles(num_tokens)
+    bound = grouped.max_row_tiles(num_tokens)
     rng = random.Random(num_tokens)
     # Extremes: every token on all 8 of the same 8 experts; every token on one expert; spread out.
     spread = min(32, 8 * num_tokens)  # experts one row each can reach
@@ -77,8 +83,8 @@ def test_row_tile_bound_covers_every_routing(num_tokens):
     per_expert = min(num_tokens, 8 * num_tokens // spread)
     worst.append([per_expert] * spread + [0] * (32 - spread))
     # Every expert one row past a tile boundary where the assignments allow it.
-    if 32 * (kernel.BLOCK_M + 1) <= 8 * num_tokens and kernel.BLOCK_M + 1 <= num_tokens:
-        worst.append([kernel.BLOCK_M + 1] * 32)
+    if 32 * (grouped.BLOCK_M + 1) <= 8 * num_tokens and grouped.BLOCK_M + 1 <= num_tokens:
+        worst.append([grouped.BLOCK_M + 1] * 32)
     for counts in worst:
         assert sum(counts) <= 8 * num_tokens and max(counts) <= num_tokens
         assert _row_tiles(counts) <= bound, counts
@@ -86,7 +92,7 @@ def test_row_tile_bound_covers_every_routing(num_tokens):
 
 def test_row_tile_bound_is_tight_for_one_token():
     # One token reaches at most 8 experts with one row each; the bound must not explode either.
-    assert 8 <= kernel.max_row_tiles(1) <= 32 + 1
+    assert 8 <= grouped.max_row_tiles(1) <= 32 + 1
 
 
 def _meta_inputs(num_tokens: int = 3) -> tuple[dict, torch.Tensor]:
@@ -235,7 +241,7 @@ def test_tokens_without_a_local_expert_get_exact_zero_rows(solution):
 )
 def test_repeated_calls_are_bitwise_identical(solution, case):
     # Ranks within an expert come from atomics, but no output depends on their order (and a
-    # candidate's split-K partial sums are added in a fixed order).
+    # streaming path's split-K partial sums are added in a fixed order).
     inputs, first = _run_case(solution, case, seed=3)
     second = cases.poisoned_output(case.num_tokens, "cuda")
     solution.run(*inputs.values(), second)

@@ -1,13 +1,13 @@
-"""MoE candidate v1 (kernels/moe/candidate_v1.py: weight-streaming GEMMs of streaming_gemm.py).
+"""The weight-streaming path of the MoE kernel (kernels/moe/kernel.py v1 with streaming_gemm.py).
 
-CPU: both streaming variants compile for sm_90a without a GPU; the T -> variant heuristic; the
+CPU: the T -> variant heuristic; the
 shared-memory budget and persistent grid of every configuration; input validation. Transcriptions
 of the kernel's index maps against the PTX ISA's mma.m16n8k16 fragment layouts: every MMA pairs
 weight k with activation k, each k of the warp's K block once (fp8 and bf16 activations); the
 accumulator coordinates; item rows, SwiGLU pairing and block-scale rows; the persistent schedule
 (every item once, every expert row once at combine's packed row); the cp.async group accounting.
-GPU (marked `gpu`, skipped without CUDA): the GPU tests of test_moe_kernel.py run the candidate too
-(every check case, zero rows, bitwise-repeatable calls, graph replay); here, a per-GEMM check of the
+GPU (marked `gpu`, skipped without CUDA): the end-to-end checks are test_moe_kernel.py's (every
+check case, zero rows, bitwise-repeatable calls, graph replay); here, a per-GEMM check of the
 workspaces that says which GEMM and which column tiles are wrong when the end-to-end check fails.
 """
 
@@ -18,9 +18,8 @@ import random
 import pytest
 import torch
 
-from tests.kernels.test_moe_kernel import _meta_inputs, cases, needs_cuda, reference, solution_module
+from tests.kernels.test_moe_kernel import _meta_inputs, cases, kernel, needs_cuda, reference, solution_module
 
-candidate = solution_module("candidate_v1")
 streaming = solution_module("streaming_gemm")
 
 
@@ -29,37 +28,31 @@ streaming = solution_module("streaming_gemm")
 # ------------------------------------------------------------------------------------------------
 
 
-def test_both_variants_compile_for_sm90a_without_gpu():
-    compiled = candidate.compile_only("sm_90a")
-    assert len(compiled) == len(candidate.VARIANTS) and all(callable(fn) for fn in compiled)
-    assert candidate.compile_only("sm_90a") == compiled  # cached: no recompilation
-
-
 @pytest.mark.parametrize(
     ("num_tokens", "block_tokens"),
     [(1, 16), (7, 16), (16, 16), (80, 16), (192, 16), (193, 32), (901, 32), (2048, 32)],
 )
 def test_small_and_medium_batches_stream(num_tokens, block_tokens):
-    variant = candidate.variant_for(num_tokens)
+    variant = kernel.variant_for(num_tokens)
     assert variant is not None and variant.block_tokens == block_tokens
 
 
 @pytest.mark.parametrize("num_tokens", [2049, 11948, 14107, 32768])
-def test_large_batches_fall_back_to_v0(num_tokens):
-    assert candidate.variant_for(num_tokens) is None
+def test_large_batches_take_the_grouped_pipeline(num_tokens):
+    assert kernel.variant_for(num_tokens) is None
 
 
 def test_variant_for_rejects_an_empty_batch():
-    with pytest.raises(candidate.MoeShapeError, match="seq_len"):
-        candidate.variant_for(0)
+    with pytest.raises(kernel.MoeShapeError, match="seq_len"):
+        kernel.variant_for(0)
 
 
-@pytest.mark.parametrize("variant", candidate.VARIANTS, ids=lambda v: f"bt{v.block_tokens}")
+@pytest.mark.parametrize("variant", kernel.VARIANTS, ids=lambda v: f"bt{v.block_tokens}")
 def test_every_configuration_fits_shared_memory_and_fills_every_sm(variant):
     for config in (variant.gemm1(), variant.gemm2()):
         per_cta = config.smem_bytes() + streaming.SMEM_RESERVED_PER_CTA
         assert config.ctas_per_sm() * per_cta <= streaming.SMEM_PER_SM
-        assert candidate.persistent_ctas(config, 132) == 132 * config.ctas_per_sm()
+        assert kernel.persistent_ctas(config, 132) == 132 * config.ctas_per_sm()
     # The small-T GEMM1 (the 2/3 of the weight bytes at T <= 192) keeps two CTAs per SM.
     if variant.block_tokens == 16:
         assert variant.gemm1().ctas_per_sm() == 2
@@ -68,7 +61,7 @@ def test_every_configuration_fits_shared_memory_and_fills_every_sm(variant):
 def test_one_item_per_sm_at_one_active_expert():
     # T = 1, one active expert: GEMM1 has 128 items of 32 weight rows and GEMM2 224, i.e. every
     # SM of an H200 (132) streams weights in GEMM1 and GEMM2 needs under two rounds.
-    config1, config2 = candidate.SMALL_T.gemm1(), candidate.SMALL_T.gemm2()
+    config1, config2 = kernel.SMALL_T.gemm1(), kernel.SMALL_T.gemm2()
     assert config1.items_per_row_tile * streaming.ITEM_ROWS == 4096
     assert config2.items_per_row_tile * streaming.ITEM_ROWS == 7168
     assert 120 <= config1.items_per_row_tile <= 132
@@ -88,11 +81,11 @@ def test_config_rejects_a_pipeline_that_does_not_fit_an_sm():
         streaming.StreamingGemmConfig(gemm1=False, block_tokens=32, num_stages=5)
 
 
-def test_run_validates_like_v0():
+def test_run_validates_its_inputs():
     inputs, output = _meta_inputs()
     inputs["hidden_states_scale"] = torch.empty(3, 56, dtype=torch.float32, device="meta")
-    with pytest.raises(candidate.MoeShapeError, match="hidden_states_scale") as info:
-        candidate.run(*inputs.values(), output)
+    with pytest.raises(kernel.MoeShapeError, match="hidden_states_scale") as info:
+        kernel.run(*inputs.values(), output)
     assert "\n" not in str(info.value)
 
 
@@ -323,7 +316,7 @@ def _schedule_counts(num_tokens: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 33, 192, 901])
 def test_persistent_schedule_covers_every_row_and_column_tile_once(num_tokens):
-    variant = candidate.variant_for(num_tokens)
+    variant = kernel.variant_for(num_tokens)
     for config in (variant.gemm1(), variant.gemm2()):
         bt = config.block_tokens
         for counts in _schedule_counts(num_tokens):
@@ -334,7 +327,7 @@ def test_persistent_schedule_covers_every_row_and_column_tile_once(num_tokens):
             total_items = tile_end[31] * config.items_per_row_tile
             # every item (row tile x column tile) exactly once over the persistent CTAs; the item
             # of flat stage s is the kernel's cta + (s // k_stages) * grid
-            for grid in (candidate.persistent_ctas(config, 132), 7):
+            for grid in (kernel.persistent_ctas(config, 132), 7):
                 visited = []
                 for cta in range(grid):
                     my_items = (total_items - cta + grid - 1) // grid if cta < total_items else 0
@@ -375,7 +368,7 @@ def test_pipeline_waits_for_each_stage_and_never_overwrites_a_slot_in_use():
 
 def test_packed_workspace_offsets_fit_32_bits_at_the_streaming_limit():
     # all 8 choices of every token local: 8 T packed rows of 7168 fp32 in expert_out
-    rows = 8 * candidate.STREAMING_MAX_TOKENS
+    rows = 8 * kernel.STREAMING_MAX_TOKENS
     assert rows * streaming.HIDDEN * 4 < 2**31
 
 
@@ -416,7 +409,7 @@ def test_each_gemm_matches_torch_on_its_packed_rows(case):
     # against torch on our own C (so a GEMM1 error does not show up as a GEMM2 one).
     inputs = cases.make_inputs(case, "cuda", seed=5)
     output = cases.poisoned_output(case.num_tokens, "cuda")
-    workspaces = candidate.run_keeping_workspaces(*inputs.values(), output)
+    workspaces = kernel.run_keeping_workspaces(*inputs.values(), output)
     torch.cuda.synchronize()
     assert workspaces is not None
     experts, _ = reference._route(

@@ -3,7 +3,7 @@
 CPU: every configuration compiles for sm_90a without a GPU; the row-tile bound the grouped pipeline's
 GEMM grids rely on (grouped_pipeline.py, the path above 2048 tokens);
 input validation; the routing patterns of the check cases (verified with our reference's routing).
-GPU (marked `gpu`, skipped without CUDA), for kernel.py and each candidate of the folder
+GPU (marked `gpu`, skipped without CUDA), for kernel.py and its grouped pipeline alone
 (SOLUTIONS): `run` against hopperbench/references/moe.py on fresh inputs for every case in
 kernels/moe/check_cases.py (contest rule and relative L2 <= 1e-2, NaN-
 poisoned output), zero rows for tokens without a local expert, bitwise-repeatable calls, and
@@ -28,8 +28,9 @@ from hopperbench.paths import REPO_ROOT
 cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check_cases")
 kernel = cases.load_kernel()
 reference = cases.load_reference()
-# kernel.py and the candidates of its folder (none at present): every GPU test below runs each of them.
-SOLUTIONS = ("kernel",)
+# kernel.py, its grouped pipeline alone (kernel.py takes it only above 2048 tokens, so it is checked at
+# every case here) and any candidate of the folder: every GPU test below runs each of them.
+SOLUTIONS = ("kernel", "grouped_pipeline")
 
 
 @functools.cache

@@ -73,6 +73,9 @@ class EnvironmentRecord(BaseModel):
     # The git tree id of the files that ran (see working_tree_id): equal to `<commit>^{tree}` iff
     # they are exactly that commit's files, which `tools/verify_provenance.py` checks.
     repo_tree: str | None = None
+    # `git status --porcelain` of the copy that ran (at most REPO_CHANGES_LIMIT lines): what differs
+    # from the copy's HEAD, so that a tree that is not the declared commit's can be explained.
+    repo_changes: list[str] | None = None
     submodules: list[SubmoduleRecord] = Field(default_factory=list)
     # Per track: the submodule guard's verdict on the human side (pinned, unpinned_allowed, unavailable: ...).
     human_guard: dict[str, str] = Field(default_factory=dict)
@@ -212,19 +215,31 @@ def working_tree_id(repo_root: Path) -> str:
         return git("write-tree")
 
 
+REPO_CHANGES_LIMIT = 50
+
+
+def repo_changes(repo_root: Path) -> list[str]:
+    """The first REPO_CHANGES_LIMIT lines of `git status --porcelain --untracked-files=all`."""
+    # Not through _command: its strip() would eat the status column of the first line.
+    done = subprocess.run(["git", "-C", str(repo_root), "status", "--porcelain", "--untracked-files=all"],
+                          capture_output=True, text=True, timeout=20, check=True)  # fmt: skip
+    return done.stdout.splitlines()[:REPO_CHANGES_LIMIT]
+
+
 def _repo_state(repo_root: Path) -> dict[str, Any]:
     head = _safe(lambda: _git(repo_root, "rev-parse", "HEAD"))
     tree = _safe(lambda: working_tree_id(repo_root)) if head is not None else None
+    changes = _safe(lambda: repo_changes(repo_root)) if head is not None else None
     declared = os.environ.get("HOPPERBENCH_SOURCE_COMMIT")
     if declared:
         dirty_flag = os.environ.get("HOPPERBENCH_SOURCE_DIRTY")
         dirty = None if dirty_flag is None else dirty_flag.strip().lower() in {"1", "true", "yes"}
         return {"repo_commit": declared, "repo_dirty": dirty, "repo_commit_source": "declared",
-                "repo_git_head": head, "repo_tree": tree}  # fmt: skip
+                "repo_git_head": head, "repo_tree": tree, "repo_changes": changes}  # fmt: skip
     if head is not None:
         dirty = _safe(lambda: _git(repo_root, "status", "--porcelain", "--untracked-files=no") != "")
         return {"repo_commit": head, "repo_dirty": dirty, "repo_commit_source": "git", "repo_git_head": head,
-                "repo_tree": tree}  # fmt: skip
+                "repo_tree": tree, "repo_changes": changes}  # fmt: skip
     return {}
 
 

@@ -65,6 +65,18 @@ def test_a_declared_commit_wins_and_keeps_the_copys_own_head(repo: Path, monkeyp
     assert state["repo_commit"] == "f" * 40 and state["repo_commit_source"] == "declared"
     assert state["repo_git_head"] == git(repo, "rev-parse", "HEAD") and state["repo_dirty"] is False
     assert state["repo_tree"] == git(repo, "rev-parse", "HEAD^{tree}")
+    assert state["repo_changes"] == []
+
+
+def test_the_copys_changes_are_recorded_to_explain_a_tree_mismatch(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOPPERBENCH_SOURCE_COMMIT", git(repo, "rev-parse", "HEAD"))
+    (repo / "kernel.py").write_text("A = 2\n")
+    (repo / "stray.log").write_text("x\n")
+    state = _repo_state(repo)
+    assert state["repo_changes"] == [" M kernel.py", "?? stray.log"]
+    record = EnvironmentRecord.model_validate(state)
+    verdict, detail = verify.verdict_for(record, repo)
+    assert verdict is verify.Verdict.MISMATCH and "?? stray.log" in detail and " M kernel.py" in detail
 
 
 def test_without_a_declaration_git_decides(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:

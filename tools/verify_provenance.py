@@ -44,7 +44,12 @@ def verdict_for(environment: EnvironmentRecord, repo: Path) -> tuple[Verdict, st
     if expected is None:
         return Verdict.UNKNOWN_COMMIT, f"commit {commit} is not in this checkout"
     if expected != tree:
-        return Verdict.MISMATCH, f"the files that ran (tree {tree[:12]}) are not commit {commit[:12]}'s"
+        changes = environment.repo_changes
+        listed = "not recorded" if changes is None else ("; ".join(changes[:5]) or "none") + (" ..." if len(changes) > 5 else "")
+        return Verdict.MISMATCH, (
+            f"the files that ran (tree {tree[:12]}) are not commit {commit[:12]}'s; "
+            f"the copy's changes against its HEAD {(environment.repo_git_head or '-')[:12]}: {listed}"
+        )
     return Verdict.VERIFIED, f"files of commit {commit[:12]} ({environment.repo_commit_source})"
 
 

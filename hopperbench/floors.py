@@ -11,17 +11,28 @@ always goes with the machine it was measured on.
 Without `inputs` the data-dependent quantities are estimated (DSA: no padding and no index
 shared between tokens; MoE: uniform routing; GDN: an input state is present). With
 `inputs` (the workload's tensors by definition name) they are counted exactly.
+
+Results rows use only exact floors: the worker records `trial_floor` of each timed trial's
+inputs, and `regenerated_trial_floors` recovers them for older journals where the
+synthesizer's draws can be repeated on the CPU.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from hopperbench.results import TrialFloor
 from hopperbench.tracks import Track, get_track
+
+if TYPE_CHECKING:
+    from hopperbench.results import WorkloadRow
+    from hopperbench.workloads import WorkloadSpec
 
 # hopper_anchors.md §1: copy bandwidth measured on our H200; bf16 dense rate measured; FP8 rate
 # assumed from DeepGEMM's 1550 TFLOPS on H800 (same SM array).
@@ -71,6 +82,11 @@ class Floor(BaseModel):
     memory_us: float
     compute_us: float
     floor_us: float
+
+    @property
+    def core_us(self) -> float:
+        """The floor without the empty-kernel span."""
+        return max(self.memory_us, self.compute_us)
 
 
 @dataclass(frozen=True)
@@ -225,3 +241,65 @@ _WORK_MODELS: dict[str, Callable[[Mapping[str, int], Mapping[str, object] | None
     "gdn_prefill": _gdn_work,
 }
 
+
+
+# ------------------------------------------------------------------------------------------
+# Per-trial floors of results rows
+
+
+def trial_floor(track: Track | str, workload_axes: Mapping[str, int], inputs: Mapping[str, object]) -> TrialFloor:
+    """The exact floor of one trial's inputs, without the empty-kernel span (each machine adds its own).
+
+    May read GPU tensors and so synchronize; raises FloorInputError when the inputs do not fit the model."""
+    f = floor(track, workload_axes, t_lat_us=0.0, inputs=inputs)
+    return TrialFloor(bytes_min=f.bytes_min, core_us=f.core_us)
+
+
+def regenerated_trial_floors(row: WorkloadRow, trials: int) -> list[TrialFloor] | None:
+    """The floors of trials 0..trials-1 of `row`, from its inputs drawn again on the CPU.
+
+    For rows whose worker recorded no floors (journals written before it did). Exact only
+    where the inputs the floor reads do not depend on the device: DSA `sparse_indices` are
+    drawn with a CPU generator, GDN's floor reads only whether `state` is given (a parity of
+    the uuid). MoE's routing tensors come from the GPU's generator, so MoE gives None; so do
+    rows not synthesized (official blobs) and workloads not in the list with the row's axes.
+    """
+    if trials < 1:
+        raise FloorInputError(f"trials must be >= 1, got {trials}")
+    floor_inputs = _CPU_FLOOR_INPUTS.get(row.track)
+    if floor_inputs is None or row.data_source != "synthesized":
+        return None
+    spec = _synthesized_workloads(row.track).get(row.uuid)
+    if spec is None or spec.axes != row.axes:
+        return None
+    return [trial_floor(row.track, row.axes, floor_inputs(spec, row.seed, trial)) for trial in range(trials)]
+
+
+@cache
+def _synthesized_workloads(track: str) -> dict[str, WorkloadSpec]:
+    from hopperbench.workloads import load_workloads
+
+    return {w.uuid: w for w in load_workloads(track) if w.data_source == "synthesized"}
+
+
+def _dsa_floor_inputs(spec: WorkloadSpec, seed: int, trial: int) -> dict[str, object]:
+    from hopperbench.synth import make_inputs
+
+    return dict(make_inputs("dsa_attention", spec, seed, trial, "cpu", only=["sparse_indices"]))
+
+
+# Stands in for a present GDN state: the floor reads only whether one is given, and drawing the
+# real one (512 KiB per sequence) would only be thrown away.
+_PRESENT_STATE = torch.empty(0)
+
+
+def _gdn_floor_inputs(spec: WorkloadSpec, seed: int, trial: int) -> dict[str, object]:
+    from hopperbench.synth import gdn_has_initial_state
+
+    return {"state": _PRESENT_STATE if gdn_has_initial_state(spec) else None}
+
+
+_CPU_FLOOR_INPUTS: dict[str, Callable[[WorkloadSpec, int, int], dict[str, object]]] = {
+    "dsa_attention": _dsa_floor_inputs,
+    "gdn_prefill": _gdn_floor_inputs,
+}

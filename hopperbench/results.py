@@ -14,8 +14,9 @@ import csv
 import io
 import math
 import os
+import statistics
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
@@ -41,6 +42,17 @@ class Status(StrEnum):
 _MODEL_CONFIG = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
 
 
+class TrialFloor(BaseModel):
+    """The roofline floor of the inputs of one timed trial (`hopperbench.floors.trial_floor`).
+
+    Machine-independent: the empty-kernel span is added per machine by `attach_floors`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bytes_min: float = Field(ge=0)
+    core_us: float = Field(ge=0)  # max(memory time, compute time)
+
+
 class SideResult(BaseModel):
     """What one side did on one workload."""
 
@@ -52,6 +64,9 @@ class SideResult(BaseModel):
     min_ms: float | None = None  # min over trials of the per-trial medians
     max_ms: float | None = None  # max over trials of the per-trial medians
     per_trial_ms: list[float] = Field(default_factory=list)
+    # The floor of each timed trial's inputs, aligned with per_trial_ms; empty when the worker
+    # recorded none (records written before it existed, or inputs the floor model cannot read).
+    per_trial_floor: list[TrialFloor] = Field(default_factory=list)
     max_abs_err: float | None = None
     max_rel_err: float | None = None
     relative_l2: float | None = None
@@ -116,12 +131,17 @@ class WorkloadRow(BaseModel):
     best_reference: str | None = None
     speedup_vs_best_reference: float | None = None
     human_pinned: bool | None = None
-    # The workload's roofline floor (hopperbench.floors, from its axes: data-dependent terms are
-    # expectations, e.g. the active MoE experts) and ours against it; set by `attach_floors`.
+    # The roofline floor of the inputs the run timed (hopperbench.floors with the exact inputs of
+    # each trial, never the axes-only expectation) and ours against it; set by `attach_floors`.
+    # floor_ms: median over trials of the trial's floor plus the empty-kernel span;
+    # floor_bytes: mean over trials of the bytes the trial's inputs force through HBM;
+    # ours_over_floor: median over trials of ours' latency / the trial's floor.
+    # None when no trial floors are known (e.g. an old journal of MoE, whose routing ran on the GPU).
     floor_ms: float | None = None
     floor_bytes: float | None = None
     ours_over_floor: float | None = None
-    # floor_bytes / ours latency: the bandwidth our kernel achieves on the bytes it must move.
+    # Median over trials of the trial's bytes / ours' latency on it: the bandwidth our kernel
+    # achieves on the bytes it must move.
     ours_tb_per_s: float | None = None
 
     @classmethod
@@ -140,32 +160,57 @@ class WorkloadRow(BaseModel):
         )
 
 
-def attach_floors(rows: Sequence[WorkloadRow], t_lat_us: float) -> list[WorkloadRow]:
-    """The rows with their floor fields set (t_lat_us: the measured span of an empty kernel).
+# Per-trial floors of a row whose sides recorded none (e.g. `floors.regenerated_trial_floors`).
+TrialFloorFallback = Callable[["WorkloadRow"], Sequence[TrialFloor] | None]
 
-    A track without a floor model, or axes it cannot read, leaves the fields empty."""
-    from hopperbench.floors import FloorInputError, floor
 
+def attach_floors(
+    rows: Sequence[WorkloadRow], t_lat_us: float, fallback: TrialFloorFallback | None = None
+) -> list[WorkloadRow]:
+    """The rows with their floor fields set from per-trial floors (t_lat_us: the measured span of
+    an empty kernel, added to every trial's floor).
+
+    A row's trial floors are those its sides recorded (every side of a row timed the same
+    inputs, so ours' come first but any side's serve), else `fallback(row)`'s; without
+    either the four fields are None: the axes-only estimate describes the average input,
+    not the instance that was timed."""
+    if not t_lat_us >= 0:
+        raise ValueError(f"t_lat_us must be >= 0, got {t_lat_us}")
     out = []
     for row in rows:
-        try:
-            f = floor(row.track, row.axes, t_lat_us=t_lat_us)
-        except (FloorInputError, KeyError):
-            out.append(row)
-            continue
-        ours = row.sides.get(OURS)
-        ours_ms = ours.latency_ms if ours is not None and ours.timed else None
-        out.append(
-            row.model_copy(
-                update={
-                    "floor_ms": f.floor_us / 1e3,
-                    "floor_bytes": f.bytes_min,
-                    "ours_over_floor": None if ours_ms is None else ours_ms / (f.floor_us / 1e3),
-                    "ours_tb_per_s": None if ours_ms is None else f.bytes_min / (ours_ms * 1e-3) / 1e12,
-                }
-            )
-        )
+        trial_floors = recorded_trial_floors(row)
+        if trial_floors is None and fallback is not None:
+            trial_floors = fallback(row) or None
+        out.append(row.model_copy(update=floor_fields(trial_floors, row.sides.get(OURS), t_lat_us)))
     return out
+
+
+def recorded_trial_floors(row: WorkloadRow) -> list[TrialFloor] | None:
+    """The per-trial floors a side of `row` recorded, ours first; None if none did."""
+    ours = row.sides.get(OURS)
+    candidates = ([ours] if ours is not None else []) + [r for name, r in row.sides.items() if name != OURS]
+    return next((list(r.per_trial_floor) for r in candidates if r.per_trial_floor), None)
+
+
+def floor_fields(
+    trial_floors: Sequence[TrialFloor] | None, ours: SideResult | None, t_lat_us: float
+) -> dict[str, float | None]:
+    """floor_ms, floor_bytes, ours_over_floor, ours_tb_per_s from per-trial floors.
+
+    Ours is compared trial by trial, so only when its per-trial latencies align with the floors."""
+    fields: dict[str, float | None] = dict.fromkeys(FLOOR_FIELDS)
+    if not trial_floors:
+        return fields
+    floor_ms = [(f.core_us + t_lat_us) / 1e3 for f in trial_floors]
+    fields["floor_ms"] = statistics.median(floor_ms)
+    fields["floor_bytes"] = statistics.fmean(f.bytes_min for f in trial_floors)
+    ours_ms = ours.per_trial_ms if ours is not None and ours.timed else []
+    if len(ours_ms) == len(trial_floors) and all(ms > 0 for ms in ours_ms) and all(ms > 0 for ms in floor_ms):
+        fields["ours_over_floor"] = statistics.median(o / f for o, f in zip(ours_ms, floor_ms))
+        fields["ours_tb_per_s"] = statistics.median(
+            f.bytes_min / (o * 1e-3) / 1e12 for o, f in zip(ours_ms, trial_floors)
+        )
+    return fields
 
 
 def speedup(ours: SideResult | None, other: SideResult | None) -> float | None:
@@ -623,12 +668,14 @@ def write_results(
     completeness: Completeness | None = None,
     environment_source: str | None = None,
     resumed_at: Sequence[str] = (),
+    floor_fallback: TrialFloorFallback | None = None,
 ) -> ResultsFile:
     """Write the JSON and, beside it with the same stem, the CSV. Returns what was written.
 
-    Rows get their roofline floors when the environment holds the empty-kernel span."""
+    Rows get their roofline floors when the environment holds the empty-kernel span
+    (`attach_floors`, with `floor_fallback` for rows whose sides recorded no trial floors)."""
     if environment.empty_kernel_span_ms is not None:
-        rows = attach_floors(rows, environment.empty_kernel_span_ms * 1e3)
+        rows = attach_floors(rows, environment.empty_kernel_span_ms * 1e3, floor_fallback)
     results = ResultsFile(
         environment=environment,
         environment_source=environment_source,
@@ -649,7 +696,10 @@ def write_journal_results(
     environment: EnvironmentRecord,
     environment_source: str,
 ) -> ResultsFile:
-    """The JSON and CSV of a journal's records, finished or not, with how complete they are."""
+    """The JSON and CSV of a journal's records, finished or not, with how complete they are.
+
+    Rows whose records hold no trial floors (journals written before workers recorded them)
+    get floors regenerated on the CPU where the synthesizer allows (`regenerated_trial_floors`)."""
     return write_results(
         output_json,
         environment,
@@ -657,7 +707,31 @@ def write_journal_results(
         completeness=assess_completeness(header.plan, records),
         environment_source=environment_source,
         resumed_at=header.resumed_at,
+        floor_fallback=journal_floor_fallback(header, environment),
     )
+
+
+def journal_trials(header: JournalHeader, environment: EnvironmentRecord) -> int | None:
+    """Trials per workload of a journal's run: its own protocol's, else its environment's."""
+    for protocol in (header.protocol, environment.protocol):
+        trials = protocol.get("trials")
+        if isinstance(trials, int) and not isinstance(trials, bool) and trials >= 1:
+            return trials
+    return None
+
+
+def journal_floor_fallback(header: JournalHeader, environment: EnvironmentRecord) -> TrialFloorFallback | None:
+    trials = journal_trials(header, environment)
+    if trials is None:
+        return None
+
+    def regenerate(row: WorkloadRow) -> list[TrialFloor] | None:
+        # Imported here: the floor models need torch, reading and writing results does not.
+        from hopperbench.floors import regenerated_trial_floors
+
+        return regenerated_trial_floors(row, trials)
+
+    return regenerate
 
 
 def read_results(output_json: Path) -> ResultsFile:

@@ -7,7 +7,8 @@ same inputs from (uuid, seed, trial), fills its output buffers with NaN, runs on
 and is checked against the stored outputs with the track's acceptance rule; it must
 also leave its inputs bit-for-bit unchanged. Only a side that passes every trial is
 timed: on each trial's fresh inputs, with the CUPTI cold-L2 timer; latency is the
-median over trials of the per-trial medians.
+median over trials of the per-trial medians. Before each trial is timed, the roofline
+floor of exactly its inputs is recorded beside its latency (`per_trial_floor`).
 
 Whatever happens inside the side is reported as a result (RUNTIME_ERROR, FAILED,
 NO_REFERENCE); a crash of the process itself is the runner's to report.
@@ -30,7 +31,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from hopperbench.results import SideResult, Status
+from hopperbench.floors import FloorInputError, trial_floor
+from hopperbench.results import SideResult, Status, TrialFloor
 from hopperbench.sides import Side, SideKind
 from hopperbench.tracks import AcceptanceRule, get_track
 
@@ -70,6 +72,9 @@ class WorkerDeps:
     merge_verdicts: Callable[[list[Any]], Any]
     time_fn: Callable[[Callable[..., Any], Sequence[Any], int, int], list[float]]
     build: Callable[[Side, Any], Callable[..., Any]]
+    # The floor of one trial's inputs: (track, workload axes, inputs) -> TrialFloor; raises
+    # hopperbench.floors.FloorInputError when the inputs do not fit the floor model.
+    trial_floor: Callable[[str, Mapping[str, int], Mapping[str, InputValue]], TrialFloor]
 
     @classmethod
     def default(cls) -> WorkerDeps:
@@ -87,6 +92,7 @@ class WorkerDeps:
             merge_verdicts=merge_verdicts,
             time_fn=time_cold_l2,
             build=lambda side, definition: side.build(definition),
+            trial_floor=trial_floor,
         )
 
 
@@ -319,8 +325,11 @@ class JobRunner:
         if job.iterations == 0:
             return self.result(Status.PASSED, **stats)
         per_trial = []
+        floors: list[TrialFloor] | None = []  # None once a trial's inputs have no floor
         for trial in range(job.trials):
             inputs = self.inputs(trial)  # fresh: never the inputs the correctness call saw
+            if floors is not None:
+                floors = self.floor_of(inputs, floors)  # may synchronize: before the timed region
             args = list(inputs.values())
             if dps:
                 args += allocate_poisoned_outputs(self.definition, self.workload.axes, self.device)
@@ -333,8 +342,19 @@ class JobRunner:
             min_ms=min(per_trial),
             max_ms=max(per_trial),
             per_trial_ms=per_trial,
+            per_trial_floor=floors or [],
             **stats,
         )
+
+    def floor_of(self, inputs: Mapping[str, InputValue], floors: list[TrialFloor]) -> list[TrialFloor] | None:
+        """`floors` with this trial's appended, or None when the inputs do not fit the floor model:
+        the job then has no floor, which is no failure of the side."""
+        try:
+            floor = self.deps.trial_floor(self.job.track, self.workload.axes, inputs)
+        except FloorInputError as e:
+            print(f"no roofline floor for this job: {one_line(e)}", file=sys.stderr)
+            return None
+        return [*floors, floor]
 
 
 def error_stats(verdict: Any) -> dict[str, float | None]:

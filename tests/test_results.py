@@ -11,6 +11,7 @@ import pytest
 
 from hopperbench.environment import EnvironmentRecord
 from hopperbench.results import (
+    FLOOR_FIELDS,
     Journal,
     JournalHeader,
     JournalMismatchError,
@@ -18,9 +19,11 @@ from hopperbench.results import (
     SideRecord,
     SideResult,
     Status,
+    TrialFloor,
     WorkloadKey,
     WorkloadRow,
     assess_completeness,
+    attach_floors,
     build_rows,
     csv_columns,
     csv_path_for,
@@ -324,7 +327,7 @@ def test_results_written_before_completeness_still_read(tmp_path: Path) -> None:
     for field in ("environment_source", "resumed_at", "completeness"):
         del data[field]
     for side in data["rows"][0]["sides"].values():
-        del side["wall_s"]
+        del side["wall_s"], side["per_trial_floor"]
     output.write_text(json.dumps(data))
     back = read_results(output)
     assert back.completeness is None and back.rows[0].speedup_vs_reference == pytest.approx(2.0)
@@ -396,37 +399,122 @@ def test_render_results_flags_a_partial_run(tmp_path: Path) -> None:
     assert render_results.completeness_line(csv_path) is None
 
 
-def test_rows_get_their_floor_and_ours_against_it_when_the_empty_kernel_span_is_known(tmp_path: Path) -> None:
-    from hopperbench.floors import floor
+TRIAL_FLOORS = [
+    TrialFloor(bytes_min=30e6, core_us=7.0),
+    TrialFloor(bytes_min=10e6, core_us=3.0),
+    TrialFloor(bytes_min=11e6, core_us=4.0),
+]
 
-    dsa_key = WorkloadKey(track="dsa_attention", definition="d", uuid="u", index=0,
-                          axes={"num_tokens": 8, "num_pages": 8462}, data_source="synthesized", seed=0)  # fmt: skip
-    dsa = WorkloadRow.from_sides(dsa_key, {"ours": passed("ours", 0.016), "reference": passed("reference", 0.9)})
-    expected = floor("dsa_attention", dsa_key.axes, t_lat_us=1.0)
+
+def test_rows_get_the_floor_of_the_inputs_each_trial_timed(tmp_path: Path) -> None:
+    ours = SideResult(side="ours", status=Status.PASSED, latency_ms=0.010, per_trial_ms=[0.012, 0.010, 0.005],
+                      per_trial_floor=TRIAL_FLOORS)  # fmt: skip
+    moe = row(0, [ours, passed("reference", 0.9)])
     output = tmp_path / "results.json"
-    written = write_results(output, EnvironmentRecord(empty_kernel_span_ms=0.001), [dsa])
+    written = write_results(output, EnvironmentRecord(empty_kernel_span_ms=0.001), [moe])  # t_lat 1 us
     (got,) = written.rows
-    assert got.floor_ms == pytest.approx(expected.floor_us / 1e3)
-    assert got.floor_bytes == pytest.approx(expected.bytes_min)
-    assert got.ours_over_floor == pytest.approx(0.016 / (expected.floor_us / 1e3))
-    assert got.ours_tb_per_s == pytest.approx(expected.bytes_min / 16e-6 / 1e12)
-    assert written.summary["dsa_attention"].ours_over_floor.geomean == pytest.approx(got.ours_over_floor)
-    # The CSV carries them, and the README renderer reads them back.
+    floor_ms = [0.008, 0.004, 0.005]  # (core + 1 us) per trial
+    assert got.floor_ms == pytest.approx(0.005)  # median
+    assert got.floor_bytes == pytest.approx(17e6)  # mean
+    # Trial by trial: 1.5, 2.5, 1.0 and 2.5, 1.0, 2.2 TB/s; medians of those, not ratios of medians.
+    assert got.ours_over_floor == pytest.approx(1.5)
+    assert [o / f for o, f in zip(ours.per_trial_ms, floor_ms)] == pytest.approx([1.5, 2.5, 1.0])
+    assert got.ours_tb_per_s == pytest.approx(2.2)
+    assert written.summary["moe"].ours_over_floor.geomean == pytest.approx(1.5)
+    # The JSON keeps the per-trial floors; the CSV carries the row's, and the README renderer reads them back.
+    assert read_results(output).rows[0].sides["ours"].per_trial_floor == TRIAL_FLOORS
     (back,) = read_csv_rows(csv_path_for(output))
     assert back.ours_over_floor == pytest.approx(got.ours_over_floor)
     assert back.floor_ms == pytest.approx(got.floor_ms)
 
 
-def test_no_floor_without_the_empty_kernel_span_or_without_a_timed_ours(tmp_path: Path) -> None:
+def test_without_trial_floors_a_row_has_no_floor_not_the_axes_only_expectation() -> None:
+    from hopperbench.floors import floor
+
+    moe = row(0, [passed("ours", 0.05), passed("reference", 0.9)])
+    assert floor("moe", moe.axes, t_lat_us=1.0).floor_us > 0  # an expectation exists, and is not used
+    (got,) = attach_floors([moe], t_lat_us=1.0)
+    assert all(getattr(got, f) is None for f in FLOOR_FIELDS)
+    # A stale value (e.g. from an older file) does not survive either.
+    (stale,) = attach_floors([moe.model_copy(update={"floor_ms": 1.0, "ours_tb_per_s": 4.8})], t_lat_us=1.0)
+    assert stale.floor_ms is None and stale.ours_tb_per_s is None
+
+
+def test_another_sides_trial_floors_give_the_floor_when_ours_was_not_timed() -> None:
     failed_ours = SideResult(side="ours", status=Status.FAILED, message="mismatch")
-    rows = [row(0, [passed("ours", 1.0), passed("reference", 9.0)]), row(1, [failed_ours, passed("reference", 9.0)])]
+    reference = passed("reference", 9.0, per_trial_floor=TRIAL_FLOORS)
+    (got,) = attach_floors([row(0, [failed_ours, reference])], t_lat_us=1.0)
+    assert got.floor_ms == pytest.approx(0.005) and got.floor_bytes == pytest.approx(17e6)
+    assert got.ours_over_floor is None and got.ours_tb_per_s is None
+
+
+def test_the_fallback_is_asked_only_for_rows_without_recorded_floors() -> None:
+    recorded = row(0, [passed("ours", 0.01, per_trial_floor=TRIAL_FLOORS)])
+    unrecorded = row(1, [passed("ours", 0.01)])
+    asked: list[str] = []
+
+    def fallback(r: WorkloadRow) -> list[TrialFloor] | None:
+        asked.append(r.uuid)
+        return [TrialFloor(bytes_min=20e6, core_us=9.0)] * 3
+
+    with_floors, regenerated = attach_floors([recorded, unrecorded], t_lat_us=1.0, fallback=fallback)
+    assert asked == [unrecorded.uuid]
+    assert with_floors.floor_ms == pytest.approx(0.005)
+    assert regenerated.floor_ms == pytest.approx(0.010) and regenerated.floor_bytes == pytest.approx(20e6)
+    assert regenerated.ours_over_floor == pytest.approx(1.0)  # median of 0.009, 0.010, 0.011 ms over 0.010
+    (none,) = attach_floors([unrecorded], t_lat_us=1.0, fallback=lambda r: None)
+    assert none.floor_ms is None
+
+
+def test_no_floor_without_the_empty_kernel_span(tmp_path: Path) -> None:
+    rows = [row(0, [passed("ours", 1.0, per_trial_floor=TRIAL_FLOORS), passed("reference", 9.0)])]
     unknown = write_results(tmp_path / "a.json", EnvironmentRecord(), rows)
     assert all(r.floor_ms is None and r.ours_over_floor is None for r in unknown.rows)
     assert unknown.summary["moe"].ours_over_floor is None
-    known = write_results(tmp_path / "b.json", EnvironmentRecord(empty_kernel_span_ms=0.001), rows)
-    assert known.rows[0].ours_over_floor is not None and known.rows[1].floor_ms is not None
-    assert known.rows[1].ours_over_floor is None and known.rows[1].ours_tb_per_s is None
-    assert known.summary["moe"].ours_over_floor.workloads == 1
+    with pytest.raises(ValueError, match="t_lat_us"):
+        attach_floors(rows, t_lat_us=-1.0)
+
+
+def test_finalizing_an_old_journal_regenerates_the_floors_the_synthesizer_allows(tmp_path: Path) -> None:
+    from hopperbench.floors import regenerated_trial_floors
+    from hopperbench.workloads import load_workloads
+
+    dsa_spec = next(w for w in load_workloads("dsa_attention") if w.axes["num_tokens"] == 6)
+    moe_spec = load_workloads("moe")[0]
+    if "synthesized" not in (dsa_spec.data_source, moe_spec.data_source):
+        pytest.skip("benchmark_data holds official workloads; this test needs the embedded lists")
+
+    def workload_key(spec) -> WorkloadKey:
+        return WorkloadKey(track=spec.track, definition="d", uuid=spec.uuid, index=spec.index, axes=spec.axes,
+                           data_source="synthesized", seed=5)  # fmt: skip
+
+    # Records as an older worker wrote them: per-trial latencies, no per-trial floors.
+    ours = passed("ours", 0.02).model_dump(mode="json")
+    del ours["per_trial_floor"]
+    records = [SideRecord.model_validate({"workload": workload_key(spec).model_dump(), "result": ours})
+               for spec in (dsa_spec, moe_spec)]  # fmt: skip
+    header = JournalHeader(seed=5, protocol={"trials": 3})
+    env = EnvironmentRecord(empty_kernel_span_ms=0.001, protocol={"trials": 3})
+    dsa, moe = write_journal_results(tmp_path / "r.json", header, records, env, "journal header").rows
+    expected = regenerated_trial_floors(dsa, trials=3)
+    assert expected is not None and len(expected) == 3
+    (want,) = attach_floors([dsa], t_lat_us=1.0, fallback=lambda r: expected)
+    assert [getattr(dsa, f) for f in FLOOR_FIELDS] == pytest.approx([getattr(want, f) for f in FLOOR_FIELDS])
+    assert dsa.floor_bytes == pytest.approx(sum(f.bytes_min for f in expected) / 3)
+    assert all(getattr(moe, f) is None for f in FLOOR_FIELDS)  # MoE routing was drawn on the GPU
+    # Without the number of trials nothing is regenerated.
+    bare = write_journal_results(tmp_path / "s.json", JournalHeader(seed=5, protocol={}), records,
+                                 EnvironmentRecord(empty_kernel_span_ms=0.001), "journal header")  # fmt: skip
+    assert all(r.floor_ms is None for r in bare.rows)
+
+
+def test_side_results_written_before_per_trial_floors_still_load() -> None:
+    line = passed("ours", 1.0).model_dump(mode="json")
+    del line["per_trial_floor"]
+    result = SideResult.model_validate_json(json.dumps(line))
+    assert result.per_trial_floor == [] and result.per_trial_ms == pytest.approx([0.9, 1.0, 1.1])
+    with pytest.raises(ValueError):
+        SideResult.model_validate({**line, "per_trial_floor": [{"bytes_min": 1.0}]})  # core_us missing
 
 
 def test_the_summary_table_shows_candidates_only_when_a_run_timed_some() -> None:

@@ -13,7 +13,8 @@ import torch
 from flashinfer_bench import Definition
 
 from hopperbench.acceptance import check_outputs, merge_verdicts
-from hopperbench.results import Status
+from hopperbench.floors import FloorInputError
+from hopperbench.results import SideResult, Status, TrialFloor
 from hopperbench.sides import Side, SideKind
 from hopperbench.worker import (
     WorkerDeps,
@@ -67,6 +68,9 @@ class Recorder:
     def __init__(self) -> None:
         self.inputs_made: list[tuple[int, int]] = []
         self.timed: list[tuple[int, int, int]] = []  # (number of args, warmup, iterations)
+        self.events: list[str] = []  # "floor" and "time", in call order
+        self.floored_x: list[torch.Tensor] = []  # input x of each trial_floor call
+        self.timed_x: list[torch.Tensor] = []  # first argument of each time_fn call
 
     def make_inputs(self, track, workload, seed, trial, device):
         self.inputs_made.append((seed, trial))
@@ -74,8 +78,16 @@ class Recorder:
         n = workload.axes["n"]
         return {"x": torch.randn(n, 4, generator=gen), "y": torch.randn(n, 4, generator=gen), "s": 0.25 * (trial + 1)}
 
+    def trial_floor(self, track, axes, inputs):
+        """A floor that depends on the values of the inputs, so the test can tell which ones it saw."""
+        self.events.append("floor")
+        self.floored_x.append(inputs["x"])
+        return TrialFloor(bytes_min=100.0 * inputs["s"], core_us=float(inputs["x"].abs().sum()))
+
     def time_fn(self, fn, args, warmup, iterations):
         fn(*args)  # the args must make a valid call
+        self.events.append("time")
+        self.timed_x.append(args[0])
         self.timed.append((len(args), warmup, iterations))
         base = float(len(self.timed))  # trial t gets spans centred on t + 1
         return [base - 0.1, base, base + 0.5]
@@ -100,6 +112,7 @@ def deps(recorder: Recorder) -> WorkerDeps:
         merge_verdicts=merge_verdicts,
         time_fn=recorder.time_fn,
         build=lambda side, definition: side.build(definition),
+        trial_floor=recorder.trial_floor,
     )
 
 
@@ -170,6 +183,41 @@ def test_correct_dps_kernel_passes_and_is_timed_on_fresh_inputs(tmp_path: Path, 
     assert recorder.inputs_made == [(0, 0), (0, 1), (0, 2)] * 2  # correctness, then fresh for timing
     assert recorder.timed == [(5, 2, 5)] * 3  # 3 inputs + 2 output buffers
     assert result.latency_ms == 2.0 and result.min_ms == 1.0 and result.max_ms == 3.0
+
+
+def test_each_timed_trial_records_the_floor_of_exactly_the_inputs_it_timed(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    recorder.inputs_made.clear()
+    result = run_job(job(tmp_path, kernel_side(tmp_path, "correct")), deps(recorder))
+    assert result.status == Status.PASSED, result.message
+    # The correctness pass takes no floor; each timing trial takes one, before it is timed.
+    assert recorder.events == ["floor", "time"] * 3
+    assert all(f is t for f, t in zip(recorder.floored_x, recorder.timed_x, strict=True))
+    expected = [
+        TrialFloor(bytes_min=100.0 * 0.25 * (trial + 1), core_us=float(x.abs().sum()))
+        for trial, x in enumerate(recorder.timed_x)
+    ]
+    assert result.per_trial_floor == expected
+    assert len(result.per_trial_floor) == len(result.per_trial_ms)
+    # It travels in the result file the runner reads back.
+    assert SideResult.model_validate_json(result.model_dump_json()).per_trial_floor == expected
+
+
+def test_inputs_without_a_floor_leave_the_job_timed_and_floorless(tmp_path: Path, recorder: Recorder) -> None:
+    def no_floor(track, axes, inputs):
+        recorder.events.append("floor")
+        raise FloorInputError("dsa_attention: inputs lack tensor 'sparse_indices'")
+
+    result = run_job(job(tmp_path, reference_side()), replace(deps(recorder), trial_floor=no_floor))
+    assert result.status == Status.PASSED, result.message
+    assert result.per_trial_ms == [1.0, 2.0, 3.0] and result.per_trial_floor == []
+    assert recorder.events == ["floor", "time", "time", "time"]  # not asked again once it had none
+
+
+def test_no_floor_is_taken_without_timing(tmp_path: Path, recorder: Recorder) -> None:
+    result = run_job(job(tmp_path, reference_side(), iterations=0), deps(recorder))
+    assert result.status == Status.PASSED and result.per_trial_floor == []
+    assert recorder.events == []
 
 
 def test_value_returning_side_passes(tmp_path: Path, recorder: Recorder) -> None:
@@ -283,9 +331,17 @@ def test_real_reference_and_a_copy_of_it_on_the_gpu(tmp_path: Path) -> None:
     assert results["reference"].status == Status.PASSED, results["reference"].message
     assert results["ours"].status == Status.PASSED, results["ours"].message
     assert results["ours"].max_abs_err == 0.0
+    from hopperbench.floors import trial_floor
+    from hopperbench.synth import make_inputs
+
+    expected_floors = [
+        trial_floor(TRACK, spec.axes, make_inputs(TRACK, spec, 0, trial, "cuda", only=["sparse_indices"]))
+        for trial in range(2)
+    ]
     for result in results.values():
         assert result.latency_ms is not None and result.latency_ms > 0
         assert len(result.per_trial_ms) == 2
+        assert result.per_trial_floor == expected_floors
 
 
 def test_a_failing_harness_step_is_still_one_result(tmp_path: Path, recorder: Recorder) -> None:

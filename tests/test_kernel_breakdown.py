@@ -1,0 +1,69 @@
+"""tools/kernel_breakdown.py: the per-activity breakdown of recorded iterations, and its CLI errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hopperbench.devcheck import load_module_by_path
+from hopperbench.paths import REPO_ROOT
+from hopperbench.timing.span import GpuRecord
+
+tool = load_module_by_path(REPO_ROOT / "tools/kernel_breakdown.py", "kernel_breakdown_tool")
+
+
+def rec(name: str, start_us: float, end_us: float, cid: int = 1) -> GpuRecord:
+    return GpuRecord(name=name, start=int(start_us * 1000), end=int(end_us * 1000), correlation_id=cid, kind=0)
+
+
+def test_medians_by_position_with_the_gaps_between_activities():
+    iterations = [
+        # routing 2 us, host gap 10 us, gemm 30 us; listed out of order on purpose
+        [rec("gemm", 112, 142), rec("routing", 100, 102)],
+        [rec("routing", 500, 503), rec("gemm", 515, 545)],  # 3 us, gap 12, 30 us
+        [rec("routing", 900, 902), rec("gemm", 908, 940)],  # 2 us, gap 6, 32 us
+    ]
+    result = tool.breakdown(iterations)
+    assert [(a.position, a.name) for a in result.activities] == [(0, "routing"), (1, "gemm")]
+    assert result.activities[0].median_us == pytest.approx(2.0)
+    assert result.activities[0].median_gap_before_us == 0.0
+    assert result.activities[1].median_us == pytest.approx(30.0)
+    assert result.activities[1].median_gap_before_us == pytest.approx(10.0)
+    assert result.median_span_us == pytest.approx(42.0)  # spans 42, 45, 40
+    text = tool.render("moe #1:", result)
+    assert "routing" in text and "42.0" in text and "gaps/overlap 10.0" in text
+
+
+def test_overlapping_activities_count_no_negative_gap():
+    result = tool.breakdown([[rec("a", 0, 10), rec("b", 5, 12)]])
+    assert result.activities[1].median_gap_before_us == 0.0
+    assert result.median_span_us == pytest.approx(12.0)
+
+
+def test_a_different_order_in_one_iteration_is_refused():
+    with pytest.raises(tool.BreakdownError, match="iteration 1"):
+        tool.breakdown([[rec("a", 0, 1), rec("b", 2, 3)], [rec("b", 10, 11), rec("a", 12, 13)]])
+    with pytest.raises(tool.BreakdownError, match="no iterations"):
+        tool.breakdown([])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--track", "nope"], "nope"),
+        (["--track", "moe", "--workloads", "x"], "comma-separated"),
+        (["--track", "moe", "--workloads", "-1"], ">= 0"),
+        (["--track", "moe", "--workloads", "99"], "out of range"),
+        (["--track", "moe", "--side", "nobody"], "nobody"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
+    assert tool.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_without_cuda_it_says_so(capsys):
+    assert tool.main(["--track", "dsa_attention"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

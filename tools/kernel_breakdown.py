@@ -1,0 +1,159 @@
+"""Where one side's time goes: every GPU activity of its call, under the runner's timing protocol.
+
+    uv run tools/kernel_breakdown.py --track moe [--side ours] [--workloads 1,0,12] [--iterations 20]
+
+For each chosen workload (indices of the track's workload list; default: the first): synthesized
+inputs (seed, trial 0), then the CUPTI cold-L2 protocol of hopperbench.timing (the same flush,
+synchronisation and span rules as the runner), then one table: per activity of the call, in launch
+order, its median duration and the median gap before it (host time the span holds), and the
+median span. A multi-launch side shows which kernel or which host gap dominates; a single kernel
+shows whether the span is the kernel. No correctness check here: the runner does that.
+Exits 2 without CUDA or CUPTI, or on bad arguments, with one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hopperbench.timing.span import GpuRecord
+
+NS_PER_US = 1e3
+
+
+class BreakdownError(ValueError):
+    """The iterations cannot be lined up activity by activity."""
+
+
+@dataclass(frozen=True)
+class ActivityStat:
+    """One activity (by position in the call) over the timed iterations."""
+
+    position: int
+    name: str
+    median_us: float
+    median_gap_before_us: float  # from the previous activity's end (0 for the first)
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    activities: list[ActivityStat]
+    median_span_us: float
+
+    @property
+    def median_busy_us(self) -> float:
+        return sum(a.median_us for a in self.activities)
+
+
+def breakdown(per_iteration: Sequence[Sequence[GpuRecord]]) -> Breakdown:
+    """Line up each iteration's activities by start order and take medians position by position.
+
+    Every iteration must launch the same activities in the same order (the timer already refuses
+    iterations whose sets differ; the order is checked here)."""
+    if not per_iteration:
+        raise BreakdownError("no iterations")
+    ordered = [sorted(records, key=lambda r: (r.start, r.end)) for records in per_iteration]
+    names = [r.name for r in ordered[0]]
+    for index, records in enumerate(ordered[1:], start=1):
+        if [r.name for r in records] != names:
+            raise BreakdownError(f"iteration {index} launched its activities in another order than iteration 0")
+    activities = []
+    for position, name in enumerate(names):
+        durations = [(records[position].end - records[position].start) / NS_PER_US for records in ordered]
+        gaps = [
+            0.0 if position == 0 else max(0.0, (records[position].start - records[position - 1].end) / NS_PER_US)
+            for records in ordered
+        ]
+        activities.append(ActivityStat(position, name, statistics.median(durations), statistics.median(gaps)))
+    spans = [(max(r.end for r in records) - min(r.start for r in records)) / NS_PER_US for records in ordered]
+    return Breakdown(activities, statistics.median(spans))
+
+
+def render(title: str, result: Breakdown, name_width: int = 60) -> str:
+    lines = [title, f"  {'#':>2} {'activity':<{name_width}} {'median us':>10} {'gap before':>11}"]
+    for a in result.activities:
+        name = a.name if len(a.name) <= name_width else a.name[: name_width - 3] + "..."
+        lines.append(f"  {a.position:>2} {name:<{name_width}} {a.median_us:>10.1f} {a.median_gap_before_us:>11.1f}")
+    gaps = result.median_span_us - result.median_busy_us
+    lines.append(
+        f"  span {result.median_span_us:.1f} us = activities {result.median_busy_us:.1f} us + gaps/overlap {gaps:.1f} us"
+    )
+    return "\n".join(lines)
+
+
+def _parse_indices(text: str) -> list[int]:
+    try:
+        indices = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise BreakdownError(f"--workloads wants comma-separated indices, got {text!r}") from None
+    if not indices or min(indices) < 0:
+        raise BreakdownError(f"--workloads wants indices >= 0, got {text!r}")
+    return indices
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--track", required=True, help="gdn_prefill, moe or dsa_attention")
+    parser.add_argument("--side", default="ours", help="a side of the track (default ours)")
+    parser.add_argument("--workloads", default="0", help="indices into the track's workload list")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from hopperbench.definitions import load_definition
+    from hopperbench.sides import sides_for
+    from hopperbench.synth import make_inputs
+    from hopperbench.timing.cupti_timer import TimerUnavailable, record_cold_l2
+    from hopperbench.timing.span import iteration_gpu_records
+    from hopperbench.tracks import UnknownTrackError, get_track
+    from hopperbench.worker import allocate_poisoned_outputs
+    from hopperbench.workloads import load_workloads
+
+    try:
+        track = get_track(args.track)
+        indices = _parse_indices(args.workloads)
+    except (UnknownTrackError, BreakdownError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    workloads = load_workloads(track.name)
+    if max(indices) >= len(workloads):
+        print(f"error: {track.name} has {len(workloads)} workloads; index {max(indices)} is out of range", file=sys.stderr)
+        return 2
+    sides = {s.name: s for s in sides_for(track)}
+    side = sides.get(args.side)
+    if side is None or not side.available:
+        why = "unknown" if side is None else side.reason
+        print(f"error: side {args.side!r} of {track.name} cannot run here: {why}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("error: no CUDA device: the breakdown times GPU work", file=sys.stderr)
+        return 2
+
+    definition = load_definition(track)
+    fn = side.build(definition)
+    for index in indices:
+        workload = workloads[index]
+        inputs = make_inputs(track.name, workload, args.seed, 0, "cuda")
+        call_args = list(inputs.values())
+        if side.destination_passing_style:
+            call_args += allocate_poisoned_outputs(definition, workload.axes, torch.device("cuda"))
+        try:
+            trace = record_cold_l2(fn, call_args, args.warmup, args.iterations)
+        except TimerUnavailable as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        result = breakdown(iteration_gpu_records(trace.windows, trace.api_records, trace.gpu_records))
+        axes = " ".join(f"{k}={v}" for k, v in workload.axes.items())
+        print(render(f"{track.name} #{index} ({axes}), side {side.name}:", result))
+        del inputs, call_args, trace
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

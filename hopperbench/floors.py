@@ -242,7 +242,6 @@ _WORK_MODELS: dict[str, Callable[[Mapping[str, int], Mapping[str, object] | None
 }
 
 
-
 # ------------------------------------------------------------------------------------------
 # Per-trial floors of results rows
 

@@ -89,8 +89,10 @@ DEFAULT_PRELOAD = (
 # Heavy imports that are worth sharing only if they leave a forked child able to use CUDA.
 # Each is first imported in a probe child of the server (which then tries cuInit in a
 # grandchild, as `_fork_poisoned` does); only a module that passes is imported by the server.
-# cutlass.cute takes ~3 s to import and every one of our kernels needs it.
-DEFAULT_PRELOAD_IF_FORK_SAFE = ("cutlass.cute",)
+# cutlass.cute takes ~3 s to import and every one of our kernels needs it. torch._dynamo takes
+# ~3 s too and flash-linear-attention imports it (fla itself queries the device at import, so it
+# cannot be preloaded): its jobs took ~10 s each in the third session's GDN run.
+DEFAULT_PRELOAD_IF_FORK_SAFE = ("cutlass.cute", "torch._dynamo")
 
 # How long a live server may take to acknowledge a fork or report a killed child.
 CONTROL_TIMEOUT_S = 30.0

@@ -10,9 +10,9 @@ no device reads, no host synchronisation):
 Why the split: in the runner run of 2026-11-29 (100 workloads, kernels/gdn_prefill/NOTES.md) the
 token-serial kernel took about 3 us + 0.19 us per token of the longest sequence, and the chunked one
 about 9 us for its first chunk and 8 us per further chunk; the token-serial kernel was faster on
-every workload of up to 42 tokens and the chunked one on all but a few above 46. The threshold
-lies in that gap; with T <= 40 no sequence can be longer than 40 tokens, so the choice never
-depends on how T is split into sequences.
+every workload of up to 42 tokens, the chunked one on all above 42 but ten of 67-132 tokens whose
+longest sequence needs a second chunk (by 4-16 %; T alone cannot tell them apart). Any threshold
+from 36 to 46 gives the same geomean; with T <= 40 no sequence can be longer than 40 tokens.
 
 Same contract as both: destination passing, definition order, `state` None means zeros, `scale`
 None or 0 means 1/sqrt(128), CUDA-graph safe.

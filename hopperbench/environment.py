@@ -91,6 +91,9 @@ class EnvironmentRecord(BaseModel):
     # How worker processes were started: "fork-server" (forked from a warm per-device server)
     # or "subprocess" (a fresh interpreter per job); None in records that predate the choice.
     worker_launch: str | None = None
+    # The environment variables the runner set for its workers (e.g. CUTE_DSL_ARCH,
+    # TRITON_CACHE_AUTOTUNING), as the workers saw them; empty in records that predate it.
+    worker_env: dict[str, str] = Field(default_factory=dict)
     hostname: str | None = None
     timestamp: str | None = None
 
@@ -107,6 +110,7 @@ class EnvironmentRequest(BaseModel):
     devices: list[int] = Field(default_factory=list)
     cpu_affinity: dict[str, list[int]] | None = None
     worker_launch: str | None = None
+    worker_env: dict[str, str] = Field(default_factory=dict)
     probe_gpu: bool = True
 
 
@@ -256,6 +260,7 @@ def collect_environment(request: EnvironmentRequest, repo_root: Path = REPO_ROOT
         devices=list(request.devices),
         cpu_affinity=request.cpu_affinity,
         worker_launch=request.worker_launch,
+        worker_env=dict(request.worker_env),
         hostname=_safe(socket.gethostname),
         timestamp=datetime.now(UTC).isoformat(timespec="seconds"),
         cuda_version=_safe(_torch_cuda_version),

@@ -8,7 +8,12 @@ workload first because the others are checked against its stored outputs.
 
 Worker processes are forked from a warm server per device that has already imported
 torch, triton, flashinfer_bench, ... (`hopperbench.worker_pool`, whose docstring states
-the isolation guarantees); `--no-preload` starts a fresh interpreter per job instead.
+the isolation guarantees) and has built and compiled our kernel and the named candidates
+of every planned track that still has jobs (`hopperbench.prebuild`, one warm call per side;
+one that cannot run safely in the server is skipped, and its jobs compile for themselves);
+`--no-preload` starts a fresh interpreter per job instead, which builds and compiles itself.
+Either way workers get CUTE_DSL_ARCH=sm_90a unless it is set (`hopperbench.prebuild.WORKER_ENV`),
+so that no CuTe-DSL compile asks the CUDA driver for the architecture.
 Each device's workers are pinned to their own share of the CPU cores (`--no-pin-cpus`
 turns that off); the shares are recorded in the environment record.
 
@@ -44,6 +49,7 @@ from typing import Any
 
 from hopperbench.environment import EnvironmentRecord, EnvironmentRequest, collect_environment, guard_summary
 from hopperbench.paths import BENCHMARK_DATA_DIR, REPO_ROOT
+from hopperbench.prebuild import PREBUILD_TARGET, PREBUILT_KINDS, WORKER_ENV
 from hopperbench.results import (
     Journal,
     JournalHeader,
@@ -74,6 +80,7 @@ from hopperbench.worker_pool import (
     Launcher,
     LaunchStopped,
     SubprocessLauncher,
+    WarmCall,
     WorkerPoolError,
     available_cpus,
     split_cpus,
@@ -304,6 +311,8 @@ class RunnerHooks:
     # What each device's fork server imports before it forks jobs.
     preload_modules: tuple[str, ...] = DEFAULT_PRELOAD
     preload_if_fork_safe: tuple[str, ...] = DEFAULT_PRELOAD_IF_FORK_SAFE
+    # The fork server's warm call for each kernel side of ours (called with [track, side]).
+    prebuild_target: str = PREBUILD_TARGET
     available_cpus: Callable[[], set[int]] = available_cpus
 
 
@@ -501,12 +510,21 @@ def _reference_timing(track: Track, args: argparse.Namespace, wanted_sides: set[
 # Running worker processes
 
 
+# Set for every worker unless the caller's environment sets them (and recorded in the results):
+# Triton sides (the human GDN kernel, fla) autotune in every fresh process, and keeping the chosen
+# configurations on disk saves that wall time and changes no timed call (autotuning happens in the
+# untimed warm-up either way); the CuTe-DSL architecture, so that compiling (in the fork server's
+# warm calls, or in a job) never probes the driver for it, the value an H200 reports.
+WORKER_DEFAULTS = {"TRITON_CACHE_AUTOTUNING": "1", **WORKER_ENV}
+
+
+def worker_settings() -> dict[str, str]:
+    """The values of WORKER_DEFAULTS' variables that workers get (the caller's where set)."""
+    return {name: os.environ.get(name, value) for name, value in WORKER_DEFAULTS.items()}
+
+
 def _child_env(cuda_visible: str | None) -> dict[str, str]:
-    env = dict(os.environ)
-    # Triton sides (the human GDN kernel, fla) autotune in every fresh process; keeping the
-    # chosen configurations on disk saves that wall time and changes no timed call (autotuning
-    # happens in the untimed warm-up either way).
-    env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    env = {**os.environ, **worker_settings()}
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
     return env
@@ -547,10 +565,24 @@ def make_launcher(plan: RunPlan, slot: int, hooks: RunnerHooks) -> Launcher:
         hooks.worker_cwd,
         cpus,
         log_path=plan.logs_dir / f"fork-server-{_slot_label(cuda_visible)}.log",
-        # The imports a fresh worker would do inside its own timeout.
+        # The imports a fresh worker would do inside its own timeout (the launcher adds room per warm call).
         startup_timeout=max(plan.timeout, 60.0),
         preload_if_fork_safe=hooks.preload_if_fork_safe,
+        warm_calls=kernel_warm_calls(plan, hooks.prebuild_target),
     )
+
+
+def kernel_warm_calls(plan: RunPlan, target: str) -> list[WarmCall]:
+    """One warm call per planned kernel side of ours (ours, or a candidate the run names) that is
+    available and still has a job to run; a resumed run does not compile what it will not time."""
+    return [
+        WarmCall(target=target, args=[tp.track.name, side.name])
+        for tp in plan.tracks
+        for side in tp.sides
+        if side.kind in PREBUILT_KINDS
+        and side.available
+        and any((tp.track.name, w.uuid, side.name) not in plan.finished for w in tp.workloads)
+    ]
 
 
 def execute_job(job: WorkerJob, launcher: Launcher, timeout: float, logs_dir: Path) -> SideResult:
@@ -805,6 +837,7 @@ def _environment_request(plan: RunPlan) -> EnvironmentRequest:
             else None
         ),
         worker_launch="fork-server" if plan.preload else "subprocess",
+        worker_env=worker_settings(),
     )
 
 

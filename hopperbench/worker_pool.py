@@ -9,20 +9,28 @@ how it ended as a `JobExit`:
 - `ForkServerLauncher` keeps one long-lived server process per device (this module run as
   `python -m hopperbench.worker_pool CONFIG_JSON`), started with that device's environment
   (CUDA_VISIBLE_DEVICES) and CPU cores. The server imports the heavy modules once, checks
-  that doing so did not initialise CUDA, and then `os.fork()`s one child per job; the child
-  runs the worker command's module `main(argv)` (or script) and exits.
+  that doing so did not initialise CUDA, runs its warm calls (deterministic steps that every
+  job would otherwise repeat, such as building and compiling our kernels: `hopperbench.prebuild`),
+  and then `os.fork()`s one child per job; the child runs the worker command's module
+  `main(argv)` (or script) and exits.
 
 Isolation guarantees of the fork server, and where they differ from a fresh process:
 
 - One job, one process. Every job runs in its own child, forked from a server that never
-  runs job code: it only imports modules. So every child starts from the same state (the
-  imported modules, untouched), and nothing a job does (its CUDA context, memory, module
-  globals, caches, environment or working-directory changes, a corrupted heap) can reach
-  the next job or the server.
+  runs job code: it only imports modules and runs its warm calls, which are fixed by its
+  configuration when it starts and do the same for every job (build a side with flashinfer-bench
+  and compile its kernels; no inputs, no timing). So every child starts from the same state
+  (the imported modules and what the warm calls left, untouched by any job), and nothing a job
+  does (its CUDA context, memory, module globals, caches, environment or working-directory
+  changes, a corrupted heap) can reach the next job or the server.
 - No CUDA in the server. CUDA cannot survive a fork; the server refuses to start (and to
   fork) if `torch.cuda.is_initialized()` is true, or if the CUDA driver library is loaded
   and a canary child cannot initialise it (a bare cuInit, as `torch.cuda.is_available()`
-  does, also breaks forked children), so each child creates its own context.
+  does, also breaks forked children), so each child creates its own context. An optional
+  import and every warm call run first in a forked probe child, which must leave CUDA in that
+  state (and not fail, crash, or run past PROBE_TIMEOUT_S); only then does the server run them
+  itself, and it checks CUDA again after the warm calls. A warm call that fails its probe is
+  skipped (Ready.skipped and the server's log line say why) and its jobs do the work themselves.
 - A crash, an illegal address or a hang stays the job's. The child leads its own process
   group (set by both the server and the child, so there is no window in which it is not);
   a timeout kills that whole group, compilers it spawned included. The server reports the
@@ -34,9 +42,11 @@ Isolation guarantees of the fork server, and where they differ from a fresh proc
   a crash and the next job starts a new server.
 - What is shared: the environment, the working directory, the CPU affinity and the imported
   modules as they were when the server started (a module file edited during a run is not
-  re-read until the next run), and atexit handlers registered while importing (each child
-  runs them at exit, as a fresh process would). Python's `random` is reseeded in each child
-  by Python itself; the job's inputs are seeded explicitly anyway.
+  re-read until the next run), what the warm calls left in memory (built modules, compiled
+  kernels, in-process caches; a kernel file edited during a run changes its solution hash, so
+  its jobs build and compile it themselves), and atexit handlers registered while importing
+  or warming (each child runs them at exit, as a fresh process would). Python's `random` is
+  reseeded in each child by Python itself; the job's inputs are seeded explicitly anyway.
 
 Both launchers start their processes pinned to a set of CPU cores (`split_cpus` gives
 each device a disjoint share) so that the host-bound work of one device's jobs does not
@@ -60,7 +70,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Annotated, Any, Literal, NoReturn, Protocol
@@ -96,6 +106,9 @@ DEFAULT_PRELOAD_IF_FORK_SAFE = ("cutlass.cute", "torch._dynamo")
 
 # How long a live server may take to acknowledge a fork or report a killed child.
 CONTROL_TIMEOUT_S = 30.0
+# How long a probe child may take (an import, or a warm call such as a kernel compile) before it
+# is killed and what it probed is left to the jobs.
+PROBE_TIMEOUT_S = 300.0
 
 
 class WorkerPoolError(Exception):
@@ -266,6 +279,21 @@ class SubprocessLauncher:
 # The fork server's protocol: JSON lines, requests on its stdin, replies on its stdout
 
 
+class WarmCall(BaseModel):
+    """A deterministic step (a build, a compile) that the server runs once so that every job it
+    forks inherits the result: `target` is `package.module:function`, called with `args`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    args: list[str] = Field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        """How Ready and the server's log name this call."""
+        return f"{self.target}({', '.join(self.args)})"
+
+
 class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -273,6 +301,8 @@ class ServerConfig(BaseModel):
     worker_argv: list[str] = Field(min_length=1)
     preload: list[str] = Field(default_factory=list)
     preload_if_fork_safe: list[str] = Field(default_factory=list)
+    # Run after the preloads, each only if a probe child shows that it leaves CUDA usable in a fork.
+    warm_calls: list[WarmCall] = Field(default_factory=list)
 
 
 class Ready(BaseModel):
@@ -280,7 +310,9 @@ class Ready(BaseModel):
     pid: int
     preloaded: list[str]
     failed: dict[str, str]  # module -> one-line error
-    skipped: dict[str, str] = Field(default_factory=dict)  # optional module -> why it was not preloaded
+    # Optional module or warm call (its label) -> why the server left it to the jobs.
+    skipped: dict[str, str] = Field(default_factory=dict)
+    warmed: list[str] = Field(default_factory=list)  # labels of the warm calls the server ran
     threads: int  # OS threads of the server when it starts forking
     seconds: float
 
@@ -361,18 +393,23 @@ class ForkServerLauncher:
         log_path: Path,
         startup_timeout: float,
         preload_if_fork_safe: Sequence[str] = (),
+        warm_calls: Sequence[WarmCall] = (),
     ) -> None:
+        """`startup_timeout` covers the imports; each warm call adds room for its probe and its run."""
         if len(worker_command) < 2:
             raise WorkerPoolError(f"worker command {list(worker_command)} has no module or script to fork")
         self.interpreter = worker_command[0]
         self.config = ServerConfig(
-            worker_argv=list(worker_command[1:]), preload=list(preload), preload_if_fork_safe=list(preload_if_fork_safe)
+            worker_argv=list(worker_command[1:]),
+            preload=list(preload),
+            preload_if_fork_safe=list(preload_if_fork_safe),
+            warm_calls=list(warm_calls),
         )
         self.env = dict(env)
         self.cwd = cwd
         self.cpus = cpus
         self.log_path = log_path
-        self.startup_timeout = startup_timeout
+        self.startup_timeout = startup_timeout + 2 * PROBE_TIMEOUT_S * len(self.config.warm_calls)
         self.ready: Ready | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._replies: _LineReader | None = None
@@ -582,7 +619,12 @@ def _fork_poisoned() -> str | None:
         returned = pipe.read().decode() or "nothing"
     if returned == "0":
         return None
-    return f"a forked child cannot initialise CUDA (cuInit returned {returned}); a preloaded module initialised it"
+    return f"the CUDA driver was initialised here, so a forked child cannot (cuInit returned {returned})"
+
+
+def _one_line(error: BaseException) -> str:
+    first = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {first}".rstrip(": ")
 
 
 def _preload(modules: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -593,35 +635,85 @@ def _preload(modules: Sequence[str]) -> tuple[list[str], dict[str, str]]:
             loaded.append(name)
         except Exception as e:  # the job that needs it will fail the same way, with its own log
             traceback.print_exc()
-            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+            failed[name] = _one_line(e)
     return loaded, failed
 
 
-def _probe_fork_safety(module: str) -> str | None:
-    """Why importing `module` here would break CUDA in forked children, or None if it would not.
+def _wait_exited(pid: int, timeout: float) -> int | None:
+    """The child's exit code (negative: its signal), or None if it is still running after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.01)  # only while the server starts: a polling wait costs nothing that matters
 
-    The import is tried in a forked probe child, so a module that initialises CUDA never
-    reaches the server itself."""
+
+_PROBE_CLEAN, _PROBE_UNSAFE = b"+", b"-"
+
+
+def _probe_in_child(
+    step: Callable[[], object], doing: str, failing: str, timeout: float = PROBE_TIMEOUT_S
+) -> str | None:
+    """Why doing `step` in the server would break CUDA in forked children, or None if it would not.
+
+    The step runs in a forked probe child, so a step that initialises CUDA (or crashes, or hangs)
+    never reaches the server itself. The child then checks what the server checks before it
+    forks: torch's CUDA state and, with the driver library mapped, a cuInit in a canary
+    grandchild. `doing` and `failing` word the reasons ("importing it initialised CUDA",
+    "import failed: ModuleNotFoundError: ...").
+    """
     read_end, write_end = os.pipe()
+    server_pid = os.getpid()
     pid = os.fork()
     if pid == 0:
-        why = "the probe child died"
         try:
-            importlib.import_module(module)
-            if _cuda_initialized():
-                why = "importing it initialised CUDA"
-            else:
-                why = _fork_poisoned() or ""
-        except BaseException as e:
-            why = f"import failed: {type(e).__name__}"
-        with contextlib.suppress(BaseException):
-            os.write(write_end, why.encode())
-        os._exit(0)
+            with contextlib.suppress(OSError):
+                os.setpgid(0, 0)  # its own group: a timeout kills whatever it spawned too
+            _die_with_parent(server_pid)
+            try:
+                step()
+                if _cuda_initialized():
+                    verdict = _PROBE_UNSAFE + f"{doing} initialised CUDA".encode()
+                else:
+                    poisoned = _fork_poisoned()
+                    verdict = _PROBE_CLEAN if poisoned is None else _PROBE_UNSAFE + poisoned.encode()
+            except BaseException as e:
+                traceback.print_exc()  # the server's log says where it failed
+                verdict = _PROBE_UNSAFE + f"{failing}: {_one_line(e)}".encode()
+            with contextlib.suppress(BaseException):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os.write(write_end, verdict)
+        finally:
+            os._exit(0)
     os.close(write_end)
-    os.waitpid(pid, 0)
-    with os.fdopen(read_end, "rb") as pipe:
-        why = pipe.read().decode()
-    return why or None
+    with contextlib.suppress(OSError):
+        os.setpgid(pid, pid)  # also done by the child: whichever runs first, no window
+    returncode = _wait_exited(pid, timeout)
+    if returncode is None:
+        kill_group(pid)
+        os.waitpid(pid, 0)
+    kill_group(pid)  # stragglers the step left behind
+    # The verdict is one short write, already in the pipe once the child has exited; a straggler
+    # that inherited the write end must not make this read wait.
+    ready, _, _ = select.select([read_end], [], [], 0)
+    verdict = os.read(read_end, 1 << 16) if ready else b""
+    os.close(read_end)
+    if returncode is None:
+        return f"the probe was still running after {timeout:g} s (killed)"
+    if verdict.startswith(_PROBE_CLEAN):
+        return None
+    if verdict.startswith(_PROBE_UNSAFE):
+        return verdict[1:].decode(errors="replace")
+    return f"the probe child died ({_describe(returncode)})"
+
+
+def _probe_fork_safety(module: str) -> str | None:
+    """Why importing `module` here would break CUDA in forked children, or None if it would not."""
+    return _probe_in_child(lambda: importlib.import_module(module), "importing it", "import failed")
 
 
 def _preload_if_fork_safe(modules: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -634,6 +726,35 @@ def _preload_if_fork_safe(modules: Sequence[str]) -> tuple[list[str], dict[str, 
         else:
             skipped[name] = why
     return loaded, skipped
+
+
+def _resolve_target(target: str) -> Callable[..., object]:
+    module_name, _, function = target.partition(":")
+    return getattr(importlib.import_module(module_name), function)
+
+
+def _warm_call_probe(call: WarmCall) -> str | None:
+    """Why running `call` here would break CUDA in forked children, or None if it would not."""
+    return _probe_in_child(lambda: _resolve_target(call.target)(*call.args), "calling it", "calling it failed")
+
+
+def _run_warm_calls(calls: Sequence[WarmCall]) -> tuple[list[str], dict[str, str]]:
+    """Each call that its probe child ran cleanly, run again in the server; the labels of those
+    that ran, and why the others were left to the jobs (which then do the work themselves)."""
+    warmed, skipped = [], {}
+    for call in calls:
+        why = _warm_call_probe(call)
+        if why is None:
+            try:
+                _resolve_target(call.target)(*call.args)
+            except Exception as e:  # it passed its probe; what it left undone, the jobs do themselves
+                traceback.print_exc()
+                why = f"it raised in the server after a clean probe: {_one_line(e)}"
+        if why is None:
+            warmed.append(call.label)
+        else:
+            skipped[call.label] = why
+    return warmed, skipped
 
 
 def _exit_code(code: object) -> int:
@@ -751,12 +872,31 @@ def serve(config: ServerConfig) -> int:
         return 3
     optional, skipped = _preload_if_fork_safe(config.preload_if_fork_safe)
     loaded += optional
+    imported = time.monotonic()
+    warmed, cold = _run_warm_calls(config.warm_calls)
+    skipped.update(cold)
+    if config.warm_calls:
+        # Each call passed its probe, but the server ran it again: check what the probes checked.
+        poisoned = "a warm call initialised CUDA in the server" if _cuda_initialized() else _fork_poisoned()
+        if poisoned is not None:
+            _send(replies, Refused(reason=f"after the warm calls, {poisoned}"))
+            return 3
     seconds = time.monotonic() - began
-    not_loaded = f"; could not import {', '.join(failed)}" if failed else ""
-    not_loaded += "".join(f"; left {name} to the jobs: {why}" for name, why in skipped.items())
-    print(f"worker fork server {os.getpid()}: preloaded {len(loaded)} modules in {seconds:.1f} s{not_loaded}",
-          file=sys.stderr, flush=True)  # fmt: skip
-    ready = Ready(pid=os.getpid(), preloaded=loaded, failed=failed, skipped=skipped, threads=_os_threads(), seconds=seconds)
+    report = f"preloaded {len(loaded)} modules in {imported - began:.1f} s"
+    if warmed:
+        report += f"; warmed {', '.join(warmed)} in {seconds - (imported - began):.1f} s"
+    report += f"; could not import {', '.join(failed)}" if failed else ""
+    report += "".join(f"; left {name} to the jobs: {why}" for name, why in skipped.items())
+    print(f"worker fork server {os.getpid()}: {report}", file=sys.stderr, flush=True)
+    ready = Ready(
+        pid=os.getpid(),
+        preloaded=loaded,
+        failed=failed,
+        skipped=skipped,
+        warmed=warmed,
+        threads=_os_threads(),
+        seconds=seconds,
+    )
     _send(replies, ready)
 
     while True:

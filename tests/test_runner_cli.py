@@ -36,6 +36,7 @@ FAKE_WORKER = textwrap.dedent(
     with open(os.environ["FAKE_WORKER_LOG"], "a") as log:
         log.write(json.dumps({"side": side, "uuid": uuid, "iterations": job["iterations"],
                               "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                              "cute_arch": os.environ.get("CUTE_DSL_ARCH"), "ppid": os.getppid(),
                               "cpus": sorted(os.sched_getaffinity(0))}) + "\\n")
     mode = os.environ.get("FAKE_WORKER_MODE", "")
     if side == "ours" and mode == "segv":
@@ -67,12 +68,29 @@ def fake_sides(track, ctx) -> list[Side]:
     ]
 
 
+# A stand-in for hopperbench.prebuild's warm call: records where it ran (the fork server, or its
+# probe child) instead of compiling a real kernel.
+WARM_RECORD = textwrap.dedent(
+    """
+    import json, os
+
+    def record(track, side):
+        with open(os.environ["WARM_RECORD_LOG"], "a") as log:
+            log.write(json.dumps({"track": track, "side": side, "pid": os.getpid()}) + "\\n")
+    """
+)
+
+
 @pytest.fixture
 def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RunnerHooks:
     script = tmp_path / "fake_worker.py"
     script.write_text(FAKE_WORKER)
+    (tmp_path / "warm_record.py").write_text(WARM_RECORD)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("FAKE_WORKER_LOG", str(tmp_path / "calls.jsonl"))
     monkeypatch.setenv("FAKE_WORKER_CHILD", str(tmp_path / "child.pid"))
+    monkeypatch.setenv("WARM_RECORD_LOG", str(tmp_path / "warm.jsonl"))
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
     return RunnerHooks(
         worker_command=(sys.executable, str(script)),
         check_devices=lambda requested: [None] if requested is None else [str(d) for d in requested],
@@ -83,12 +101,14 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RunnerHooks:
         show_progress=False,
         preload_modules=(),  # the fork server's imports are tested in test_worker_pool.py
         preload_if_fork_safe=(),
+        prebuild_target="warm_record:record",
     )
 
 
 def fake_environment(request, slot, folder) -> EnvironmentRecord:
     return EnvironmentRecord(seed=request.seed, protocol=request.protocol, cpu_affinity=request.cpu_affinity,
-                             worker_launch=request.worker_launch, timestamp=time.strftime("%H:%M:%S"))  # fmt: skip
+                             worker_launch=request.worker_launch, worker_env=request.worker_env,
+                             timestamp=time.strftime("%H:%M:%S"))  # fmt: skip
 
 
 # Every test that exercises worker processes runs through both launch paths.
@@ -136,6 +156,8 @@ def test_full_run_writes_json_csv_and_journal(fake: RunnerHooks, tmp_path: Path,
     assert header.environment is not None and results.environment == header.environment
     assert results.environment_source == "journal header"
     assert results.environment.worker_launch == ("subprocess" if launch else "fork-server")
+    assert results.environment.worker_env["CUTE_DSL_ARCH"] == os.environ.get("CUTE_DSL_ARCH", "sm_90a")
+    assert results.environment.worker_env["TRITON_CACHE_AUTOTUNING"] == os.environ.get("TRITON_CACHE_AUTOTUNING", "1")
     assert header.plan is not None and header.plan["moe"].workloads == moe_uuids(2)
     assert header.plan["moe"].sides == ["reference", "ours", "human"]
     assert results.completeness is not None and not results.completeness.partial
@@ -680,3 +702,70 @@ def test_candidates_run_only_when_named_and_never_count_as_a_reference(
     assert row.best_reference == "reference"  # the candidate (5 ms) is faster than it but not a reference
     assert results.summary["moe"].candidates_vs_ours[name].geomean == pytest.approx(2.0 / 5.0)
     assert f"{name}_latency_ms" in named.with_suffix(".csv").read_text().splitlines()[0]
+
+
+# ------------------------------------------------------------------------------------------
+# Warm calls: our kernels are built and compiled once per fork server
+
+
+def warm_calls_seen(tmp_path: Path) -> list[dict]:
+    log = tmp_path / "warm.jsonl"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_fork_server_prebuilds_ours_and_named_candidates_once_per_server(
+    fake: RunnerHooks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = "cand_next"
+    candidate_side = CandidateSide(name=name, entry="next.py::run", description="a candidate")
+    monkeypatch.setitem(TRACKS, "moe", replace(TRACKS["moe"], candidates=(candidate_side,)))
+
+    def sides_with_candidates(track, ctx) -> list[Side]:
+        candidate = Side(name=name, kind=SideKind.CANDIDATE, track=track.name, available=True)
+        return [*fake_sides(track, ctx), candidate]
+
+    hooks = replace(fake, sides_for=sides_with_candidates)
+    assert main(run_args(tmp_path / "default.json"), hooks) == 0
+    # A default run: only ours (not the unnamed candidate, nor human or reference), in a probe
+    # child and then in the server that forked every job.
+    warm, jobs = warm_calls_seen(tmp_path), calls(tmp_path)
+    assert {(w["track"], w["side"]) for w in warm} == {("moe", "ours")} and len(warm) == 2
+    server = {j["ppid"] for j in jobs}
+    assert len(server) == 1 and server <= {w["pid"] for w in warm}
+    assert {j["cute_arch"] for j in jobs} == {"sm_90a"}  # compiles never ask the driver for it
+
+    (tmp_path / "warm.jsonl").unlink()
+    out = tmp_path / "named.json"
+    assert main(run_args(out, "--sides", f"ours,reference,{name}"), hooks) == 0
+    warmed = sorted((w["track"], w["side"]) for w in warm_calls_seen(tmp_path))
+    assert warmed == [("moe", name), ("moe", name), ("moe", "ours"), ("moe", "ours")]  # probe child, then server
+
+    # Resumed with only the candidate's jobs left: ours is not compiled again.
+    journal = Journal(Journal.path_for(out))
+    lines = journal.path.read_text().splitlines()
+    journal.path.write_text("\n".join(line for line in lines if f'"side":"{name}"' not in line) + "\n")
+    out.unlink()
+    (tmp_path / "warm.jsonl").unlink()
+    assert main(run_args(out, "--sides", f"ours,reference,{name}", "--resume"), hooks) == 0
+    assert {(w["track"], w["side"]) for w in warm_calls_seen(tmp_path)} == {("moe", name)}
+
+
+def test_no_preload_and_unavailable_sides_get_no_warm_calls(fake: RunnerHooks, tmp_path: Path) -> None:
+    assert main(run_args(tmp_path / "fresh.json", "--no-preload"), fake) == 0
+    assert warm_calls_seen(tmp_path) == [] and calls(tmp_path)
+
+    def ours_missing(track, ctx) -> list[Side]:
+        ours = Side(name="ours", kind=SideKind.OURS, track=track.name, available=False, reason="no kernel")
+        return [ours, *fake_sides(track, ctx)[1:]]
+
+    assert main(run_args(tmp_path / "missing.json"), replace(fake, sides_for=ours_missing)) == 0
+    assert warm_calls_seen(tmp_path) == []
+
+
+def test_a_failing_warm_call_leaves_the_compile_to_the_jobs(fake: RunnerHooks, tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    hooks = replace(fake, prebuild_target="warm_record:no_such_function")
+    assert main(run_args(out, "--max-workloads", "1"), hooks) == 0
+    assert read_results(out).rows[0].sides["ours"].status == Status.PASSED
+    log = (tmp_path / "results.logs" / "fork-server-inherited.log").read_text()
+    assert "left warm_record:no_such_function(moe, ours) to the jobs: calling it failed: AttributeError" in log

@@ -107,8 +107,9 @@ DEFAULT_PRELOAD_IF_FORK_SAFE = ("cutlass.cute", "torch._dynamo")
 # How long a live server may take to acknowledge a fork or report a killed child.
 CONTROL_TIMEOUT_S = 30.0
 # How long a probe child may take (an import, or a warm call such as a kernel compile) before it
-# is killed and what it probed is left to the jobs.
-PROBE_TIMEOUT_S = 300.0
+# is killed and what it probed is left to the jobs. Our slowest compile_only() takes ~9 s on a
+# 2-core CPU machine; the bound only caps what a hang could cost a session's device time.
+PROBE_TIMEOUT_S = 120.0
 
 
 class WorkerPoolError(Exception):

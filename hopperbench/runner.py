@@ -83,6 +83,7 @@ from hopperbench.worker_pool import (
     WarmCall,
     WorkerPoolError,
     available_cpus,
+    describe_exit,
     split_cpus,
 )
 
@@ -542,15 +543,6 @@ def _tail(path: Path) -> str:
     return text[-LOG_TAIL_CHARS:].strip()
 
 
-def _exit_description(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit code {returncode}"
-
-
 def make_launcher(plan: RunPlan, slot: int, hooks: RunnerHooks) -> Launcher:
     """The launcher of one device slot: a fork server, or a fresh process per job (--no-preload)."""
     cuda_visible = plan.slots[slot]
@@ -614,7 +606,7 @@ def _job_result(job: WorkerJob, files: JobFiles, outcome: JobExit, timeout: floa
     if outcome.launcher_failure is not None or outcome.returncode is None:
         return failed(Status.CRASH, f"{outcome.launcher_failure}; log {files.log}\n{_tail(files.log)}")
     returncode = outcome.returncode
-    reason = _exit_description(returncode) if returncode != 0 else "exited without writing a result"
+    reason = describe_exit(returncode) if returncode != 0 else "exited without writing a result"
     return failed(Status.CRASH, f"worker {reason}; log {files.log}\n{_tail(files.log)}")
 
 

@@ -451,7 +451,7 @@ class ForkServerLauncher:
                 raise LaunchStopped
             why = reply.reason if isinstance(reply, Refused) else f"unexpected {reply.kind} reply"
             if returncode is not None and returncode > 0:
-                why += f" ({_describe(returncode)})"
+                why += f" ({describe_exit(returncode)})"
             raise WorkerPoolError(
                 f"the worker fork server did not start: {why}; log {self.log_path}; --no-preload runs without it"
             )
@@ -556,7 +556,8 @@ class ForkServerLauncher:
         self._discard()
 
 
-def _describe(returncode: int) -> str:
+def describe_exit(returncode: int) -> str:
+    """A process's exit status in words (a negative code is the signal that killed it)."""
     if returncode < 0:
         try:
             return f"killed by {signal.Signals(-returncode).name}"
@@ -709,7 +710,7 @@ def _probe_in_child(
         return None
     if verdict.startswith(_PROBE_UNSAFE):
         return verdict[1:].decode(errors="replace")
-    return f"the probe child died ({_describe(returncode)})"
+    return f"the probe child died ({describe_exit(returncode)})"
 
 
 def _probe_fork_safety(module: str) -> str | None:

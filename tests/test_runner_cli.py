@@ -21,7 +21,7 @@ from hopperbench.results import Journal, Status, read_results, write_results
 from hopperbench.runner import RunnerHooks, main
 from hopperbench.sides import Side, SideKind
 from hopperbench.tracks import TRACKS, CandidateSide
-from hopperbench.worker_pool import split_cpus
+from hopperbench.worker_pool import describe_exit, split_cpus
 
 # A stand-in for `python -m hopperbench.worker JOB.json RESULT.json`. It logs each call,
 # writes the reference's scratch files like the real one, and misbehaves on demand
@@ -423,8 +423,8 @@ def test_reference_only_smoke_run_on_the_gpu(tmp_path: Path) -> None:
 
 
 def test_sigsegv_constant_matches_platform() -> None:
-    assert runner._exit_description(-signal.SIGSEGV) == "killed by SIGSEGV"
-    assert runner._exit_description(3) == "exit code 3"
+    assert describe_exit(-signal.SIGSEGV) == "killed by SIGSEGV"
+    assert describe_exit(3) == "exit code 3"
 
 
 def test_resume_with_another_track_selection(fake: RunnerHooks, tmp_path: Path) -> None:

@@ -284,30 +284,73 @@ def test_scratch_and_buffers_keep_ldmatrix_rows_aligned():
         assert (2 * view[1][1]) % 16 == 0
 
 
-class _SharedMemory:
-    """float64 stand-ins for the kernel's shared buffers, NaN where nothing was written (so that a
-    read of an unwritten element poisons the result), with per-warp read/write masks per phase
-    (between two barriers), so that a cross-warp race inside a phase is an assertion error."""
+# The kernels' shared buffers as (storage region, element offset, shape, row stride), the padded
+# strides of the kernel's views. Two buffers in one region share storage (the compact candidate's
+# aliases), so a transcription that reads an alias while its partner is live sees the partner's
+# values or NaN, and the race check sees both.
+def _buffers(compact: bool) -> dict[str, tuple[str, int, tuple[int, int], int]]:
+    C, B, W, rows = chunked.CHUNK, chunked.BLOCK, chunked.NUM_WARPS, chunked.SLICE_ROWS
+    wide, narrow = chunked.WIDE_STRIDE, chunked.NARROW_STRIDE
+    buffers = {
+        "kq": ("kq", 0, (2 * C, chunked.HEAD_SIZE), wide),
+        "a16": ("a16", 0, (C, C), narrow),
+        "a_diag": ("a_diag", 0, (C, B), chunked.DIAG_STRIDE),
+        "t16": ("t16", 0, (C, C), narrow),
+        "p16": ("p16", 0, (C, C), narrow),
+        "s16": ("s16", 0, (rows, chunked.HEAD_SIZE), wide),
+        "xb_t": ("xb_t", 0, (rows, C), narrow),
+        "vn_t": ("vn_t", 0, (rows, C), narrow),
+        "vnc_t": ("vnc_t", 0, (rows, C), narrow),
+        "scratch": ("scratch", 0, (W * B, chunked.SCRATCH_COLS), chunked.SCRATCH_STRIDE),
+        "cum_log_g": ("cum_log_g", 0, (1, C), C),
+        "beta": ("beta", 0, (1, C), C),
+    }
+    if compact:
+        buffers["vn_t"] = ("a16", 0, (rows, C), narrow)
+        buffers["vnc_t"] = ("a16", rows * narrow, (rows, C), narrow)
+        buffers["scratch"] = ("s16", 0, (W * B, chunked.SCRATCH_COLS), chunked.SCRATCH_STRIDE)
+    return buffers
 
-    def __init__(self, shapes: dict[str, tuple[int, int]]):
-        self.data = {name: torch.full(shape, math.nan, dtype=torch.float64) for name, shape in shapes.items()}
+
+ASYNC_COPY = chunked.NUM_WARPS  # the agent index of cp.async copies in flight: they race with every warp
+
+
+class _SharedMemory:
+    """float64 stand-ins for the kernel's shared storage, NaN where nothing was written (so that a
+    read of an unwritten element poisons the result), with per-warp read/write masks per phase
+    (between two barriers), so that a cross-warp race inside a phase is an assertion error. Buffers
+    are strided views of their storage region, so aliased buffers share elements."""
+
+    def __init__(self, buffers: dict[str, tuple[str, int, tuple[int, int], int]]):
+        self.buffers = buffers
+        sizes: dict[str, int] = {}
+        for region, offset, (rows, cols), stride in buffers.values():
+            sizes[region] = max(sizes.get(region, 0), offset + (rows - 1) * stride + cols)
+        self.storage = {region: torch.full((size,), math.nan, dtype=torch.float64) for region, size in sizes.items()}
+        self.data = {name: self._view(self.storage[name_region[0]], name) for name, name_region in buffers.items()}
         self._start_phase()
 
-    def _start_phase(self) -> None:
-        def masks(buf):
-            return [torch.zeros_like(buf, dtype=torch.bool) for _ in range(chunked.NUM_WARPS)]
+    def _view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        _, offset, shape, stride = self.buffers[name]
+        return flat.as_strided(shape, (stride, 1), offset)
 
-        self.reads = {name: masks(buf) for name, buf in self.data.items()}
-        self.writes = {name: masks(buf) for name, buf in self.data.items()}
+    def _start_phase(self) -> None:
+        agents = chunked.NUM_WARPS + 1  # the warps and the async copies
+        self.reads = {r: [torch.zeros_like(f, dtype=torch.bool) for _ in range(agents)] for r, f in self.storage.items()}
+        self.writes = {r: [torch.zeros_like(f, dtype=torch.bool) for _ in range(agents)] for r, f in self.storage.items()}
+
+    def _mark(self, masks, agent: int, name: str, index) -> None:
+        self._view(masks[self.buffers[name][0]][agent], name)[index] = True
 
     def barrier(self) -> None:
-        """sync_threads: no element written by one warp may be touched by another in the phase."""
-        for name in self.data:
-            for w in range(chunked.NUM_WARPS):
-                touched = self.reads[name][w] | self.writes[name][w]
-                for other in range(chunked.NUM_WARPS):
+        """sync_threads: no element written by one agent may be touched by another in the phase."""
+        agents = chunked.NUM_WARPS + 1
+        for region in self.storage:
+            for w in range(agents):
+                touched = self.reads[region][w] | self.writes[region][w]
+                for other in range(agents):
                     if other != w:
-                        assert not (touched & self.writes[name][other]).any(), f"race on {name}: warps {w}, {other}"
+                        assert not (touched & self.writes[region][other]).any(), f"race on {region}: {w}, {other}"
         self._start_phase()
 
     def tile(self, warp_idx: int, name: str, shape, coord, transposed: bool = False) -> torch.Tensor:
@@ -315,33 +358,35 @@ class _SharedMemory:
         rows, cols = (shape[1], shape[0]) if transposed else shape
         r0, c0 = (coord[1] * rows, coord[0] * cols) if transposed else (coord[0] * rows, coord[1] * cols)
         index = (slice(r0, r0 + rows), slice(c0, c0 + cols))
-        self.reads[name][warp_idx][index] = True
-        value = self.data[name][index]
+        self._mark(self.reads, warp_idx, name, index)
+        value = self.data[name][index].clone()
         return value.T if transposed else value
 
     def read(self, warp_idx: int, name: str, index) -> torch.Tensor:
-        self.reads[name][warp_idx][index] = True
-        return self.data[name][index]
+        self._mark(self.reads, warp_idx, name, index)
+        value = self.data[name][index]
+        return value.clone() if isinstance(value, torch.Tensor) else value
 
     def write(self, warp_idx: int, name: str, index, value) -> None:
-        self.writes[name][warp_idx][index] = True
+        self._mark(self.writes, warp_idx, name, index)
         self.data[name][index] = value
 
 
-def _emulate_chunk_step(S0, q, k, v, log_g, beta, tokens_here: int):
+def _emulate_chunk_step(S0, q, k, v, log_g, beta, tokens_here: int, compact: bool = False):
     """One CTA's chunk step transcribed phase by phase from chunked.py (the warps' tile schedule,
     the masks, the buffers read and written), in float64. S0 [32, 128] is the state slice; q, k
     [64, 128], v [64, 32], log_g and beta [64] hold garbage (NaN) past `tokens_here`, as the
-    staging buffers do. Returns (O [64, 32] unscaled, S_next [32, 128])."""
+    staging buffers do. Returns (O [64, 32] unscaled, S_next [32, 128]).
+
+    `compact`: candidate_compact.py, the same schedule on aliased storage (V'^T, V'c^T in A's,
+    the scratch in the state copy's), with the next chunk's q rows copied (NaN here: they are not
+    this chunk's) into the q half of kq by cp.async from P2 until the next chunk's P0."""
     C, B, W = chunked.CHUNK, chunked.BLOCK, chunked.NUM_WARPS
-    smem = _SharedMemory(
-        {
-            "kq": (2 * C, chunked.HEAD_SIZE), "a16": (C, C), "a_diag": (C, B), "t16": (C, C), "p16": (C, C),
-            "s16": (chunked.SLICE_ROWS, chunked.HEAD_SIZE), "xb_t": (chunked.SLICE_ROWS, C),
-            "vn_t": (chunked.SLICE_ROWS, C), "vnc_t": (chunked.SLICE_ROWS, C), "scratch": (W * B, chunked.SCRATCH_COLS),
-            "cum_log_g": (1, C), "beta": (1, C),
-        }
-    )  # fmt: skip
+    smem = _SharedMemory(_buffers(compact))
+
+    def next_q_in_flight() -> None:
+        if compact:
+            smem.write(ASYNC_COPY, "kq", (slice(C, 2 * C), slice(None)), math.nan)
     # Kernel start: the upper blocks of T and P are zeroed once (thread t takes linear t, t + 128, ...).
     for linear in range(C * C):
         smem.data["t16"][linear // C, linear % C] = 0.0
@@ -396,6 +441,7 @@ def _emulate_chunk_step(S0, q, k, v, log_g, beta, tokens_here: int):
         acc = smem.tile(w, "kq", (B, 128), (W + w, 0)) @ smem.read(w, "s16", (slice(None), slice(None))).T
         acc_o[w] = torch.exp(G[w * B : (w + 1) * B])[:, None] * acc
     smem.barrier()
+    next_q_in_flight()
     # P2: the diagonal blocks of T, one thread per column (threads 0..63 are warps 0 and 1).
     for tidx in range(C):
         w, base, col = tidx // 32, (tidx // B) * B, tidx % B
@@ -406,6 +452,7 @@ def _emulate_chunk_step(S0, q, k, v, log_g, beta, tokens_here: int):
         for r in range(B):
             smem.write(w, "t16", (base + r, base + col), column[r])
     smem.barrier()
+    next_q_in_flight()
     # P3: T_hl = -(T_hh A_hl) T_ll, warps 0 and 1.
     for w in range(2):
         hi, lo = 2 * w + 1, 2 * w
@@ -415,6 +462,7 @@ def _emulate_chunk_step(S0, q, k, v, log_g, beta, tokens_here: int):
         t = -(x @ smem.tile(w, "t16", (B, B), (lo, lo), transposed=True).T)
         smem.write(w, "t16", (slice(hi * B, (hi + 1) * B), slice(lo * B, (lo + 1) * B)), t)
     smem.barrier()
+    next_q_in_flight()
     # P4: T[32:, :32] = -(T_B A_BA) T_A, warp w the tile (w // 2, w % 2).
     half = C // 2
     for w in range(W):
@@ -427,6 +475,7 @@ def _emulate_chunk_step(S0, q, k, v, log_g, beta, tokens_here: int):
         rows = slice(half + out_row * B, half + (out_row + 1) * B)
         smem.write(w, "t16", (rows, slice(out_col * B, (out_col + 1) * B)), t)
     smem.barrier()
+    next_q_in_flight()
     # P5: V' = T Xb -> V'^T and V'c^T.
     for w in range(W):
         G = smem.read(w, "cum_log_g", (0, slice(None)))
@@ -434,8 +483,9 @@ def _emulate_chunk_step(S0, q, k, v, log_g, beta, tokens_here: int):
         rows = slice(w * B, (w + 1) * B)
         smem.write(w, "vn_t", (slice(None), rows), acc_y.T)
         smem.write(w, "vnc_t", (slice(None), rows), (acc_y * torch.exp(G[C - 1] - G[rows])[:, None]).T)
-    g_last = smem.data["cum_log_g"][0, C - 1]
+    g_last = smem.data["cum_log_g"][0, C - 1].item()
     smem.barrier()
+    next_q_in_flight()
     # P6: O += P V'; S = exp(G_last) S + V'c^T K (warp w: state columns 32w..).
     out = torch.empty(C, chunked.SLICE_ROWS, dtype=torch.float64)
     S_next = torch.empty_like(S0)
@@ -451,8 +501,9 @@ def _emulate_chunk_step(S0, q, k, v, log_g, beta, tokens_here: int):
     return out, S_next
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["chunked", "candidate_compact"])
 @pytest.mark.parametrize("tokens_here", [1, 6, 37, 64])
-def test_kernel_tile_schedule_computes_the_model_chunk_step(tokens_here):
+def test_kernel_tile_schedule_computes_the_model_chunk_step(tokens_here, compact):
     # The kernel's per-warp tile schedule (transcribed) against chunked_model.chunk_step in float64:
     # same outputs and state, no read of an unwritten element (NaN), no race inside a phase.
     generator = torch.Generator().manual_seed(tokens_here)
@@ -468,7 +519,9 @@ def test_kernel_tile_schedule_computes_the_model_chunk_step(tokens_here):
     beta = torch.rand(C, generator=generator, dtype=torch.float64)
     garbage = torch.arange(C) >= tokens_here
     poison = lambda x: torch.where(garbage.view(-1, *[1] * (x.dim() - 1)), math.nan, x)  # noqa: E731
-    out, S_next = _emulate_chunk_step(S0, poison(q), poison(k), poison(v), poison(log_g), poison(beta), tokens_here)
+    out, S_next = _emulate_chunk_step(
+        S0, poison(q), poison(k), poison(v), poison(log_g), poison(beta), tokens_here, compact
+    )
 
     zero = lambda x: torch.where(garbage.view(-1, *[1] * (x.dim() - 1)), 0.0, x)  # noqa: E731
     ref_out, ref_S = model.chunk_step(

@@ -1,0 +1,731 @@
+"""GDN prefill for SM90 in CuTe-DSL, chunked on tensor cores, candidate v1.2 ("compact"): v1
+(`chunked.py`) with a shared-memory footprint small enough for two CTAs per SM.
+
+Why: ncu of v1 at 8192 tokens in 32 sequences (session 4) shows a latency-bound kernel: one CTA of
+4 warps per SM (140 KB of shared memory; registers would allow two), one warp per scheduler, an
+instruction issued every 4.8 cycles. v1.2 keeps v1's math, tile schedule and barriers and cuts the
+footprint to ~109 KB: the q rows of the next chunk are copied (bf16) straight into the q half of
+the fp16 operand buffer, which is dead after P1, and converted there in place; only k keeps a
+staging buffer. V'^T and V'c^T reuse the storage of A (dead after P4), and the inverse's per-warp
+scratch reuses the fp16 state copy (dead after P1). The carveout is set to the maximum, so two
+CTAs fit on an SM.
+
+The v1 description follows; the differences above are the only ones.
+
+The math is `chunked_model.py` (chunks of C = 64 tokens; A, P, T = (I + A)^-1, Xb, V', O, S as
+written there), with the same rounding points: every tensor-core operand is fp16 (`mma.sync`
+m16n8k16, fp32 accumulation), the state, the gates and every element-wise step are fp32.
+
+Work split. One CTA = one (sequence, v-head, 32-row V-slice): grid (8 heads x 4 slices, N). The V
+rows of a state evolve independently, so slicing V is exact; the K-side work of a chunk (the
+Gram products K K^T and Q K^T and the inverse T) is recomputed by each of the 4 slice CTAs. 128
+threads = 4 warps; every product is split into per-warp tiles and computed by one warp with a
+single-warp tiled MMA fed by `ldmatrix` (`warp_gemm`). The state slice [32, 128] lives in the
+accumulators of the state-update product (warp w owns columns [32w, 32w + 32)), in fp32, for the
+whole sequence; each chunk rounds a copy to fp16 in shared memory as the operand of K S0^T, Q S0^T.
+
+Per chunk (barriers between the phases):
+  P0  wait for the chunk's cp.async loads; q/k rows bf16 -> fp16 (tokens past the end zeroed);
+      gates of the 64 tokens by warp 0 (log g, beta, inclusive scan G); the fp16 state copy.
+  P1  prefetch the next chunk (raw q/k, v-slice, a, b) with cp.async;
+      Gram tiles (16x16, lower triangle only, 5 tiles per warp) -> A (fp16, and fp32 diagonal
+      blocks) and P (fp16); Yk = K S0^T -> Xb^T (fp16); Yq = Q S0^T -> the output accumulator.
+  P2  the four 16x16 diagonal blocks of T by forward substitution in fp32 (one thread per column).
+  P3  T10 = -(T11 A10) T00 and T32 = -(T33 A32) T22 (warps 0, 1).
+  P4  T[32:, :32] = -(T_B A_BA) T_A (4 warps, one 16x16 output tile each).
+  P5  V' = T Xb -> V'^T and (V' exp(G_last - G_i))^T in fp16.
+  P6  O += P V', scaled and stored (bf16); S = exp(G_last) S + V'c^T K.
+Tokens past the end of the sequence have k = q = 0 (zeroed in P0), log g = 0 and beta = 0, so they
+add nothing (T is the identity on them, G_last is the last real token's G); their outputs are not
+stored. A sequence of length 0 runs no chunk and stores a zero state.
+
+Everything is compiled once (dynamic T and N) into one TVM-FFI function on the current torch
+stream; `run` validates shapes (host metadata only) and launches it. No host sync, CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warp
+
+from .token_serial import (
+    GPU_ARCH,
+    HEAD_SIZE,
+    NUM_QK_HEADS,
+    NUM_V_HEADS,
+    SOFTPLUS_THRESHOLD,
+    V_HEADS_PER_QK_HEAD,
+    GdnPrefillSm90,
+    GdnShapeError,
+    compile_launcher,
+    resolve_scale,
+)
+from .token_serial import _check_inputs as check_inputs
+
+__all__ = ["GdnShapeError", "compile_only", "compiled_for", "resolve_scale", "run"]
+
+CHUNK = 64  # tokens per chunk
+BLOCK = 16  # MMA tile edge; diagonal blocks of T
+NUM_BLOCKS = CHUNK // BLOCK  # 4
+NUM_THREADS = 128
+WARP_SIZE = 32
+NUM_WARPS = NUM_THREADS // WARP_SIZE  # 4
+SLICE_ROWS = 32  # V rows of the state per CTA
+NUM_SLICES = HEAD_SIZE // SLICE_ROWS  # 4 CTAs per (sequence, head)
+STATE_COLS_PER_WARP = HEAD_SIZE // NUM_WARPS  # 32
+KQ_ROWS = 2 * CHUNK  # k rows 0..63, q rows 64..127 in one buffer
+COPY_ELEMS = 8  # 16-bit elements per 16-B cp.async / vector access
+PIECES_PER_ROW = HEAD_SIZE // COPY_ELEMS  # 16
+# fp16 rows read by ldmatrix are padded by 16 B, so that the 8 row addresses of one 8x8 matrix fall
+# on distinct bank groups (272 B and 144 B rows are odd multiples of 16 B).
+WIDE_STRIDE = HEAD_SIZE + 8  # 136: rows of 128 fp16
+NARROW_STRIDE = CHUNK + 8  # 72: rows of 64 fp16
+DIAG_STRIDE = BLOCK + 1  # fp32 diagonal blocks of A
+SCRATCH_COLS = 2 * BLOCK  # per-warp intermediate of the inverse, [16, 32] fp16
+SCRATCH_STRIDE = SCRATCH_COLS + 8
+NUM_STAGES = 2  # v, a, b double-buffered; k staged once and converted at the chunk start
+MAX_SMEM_CARVEOUT = 100  # percent of the unified L1/shared storage given to shared memory
+
+# (shape, stride) of the fp16 shared-memory views the MMAs read through ldmatrix (the tests emulate
+# ldmatrix on exactly these). A "_T" view is the transposed reading of the same buffer (ldmatrix.trans).
+KQ_VIEW = ((KQ_ROWS, HEAD_SIZE), (WIDE_STRIDE, 1))  # k rows 0..63, q rows 64..127
+KQ_T_VIEW = ((HEAD_SIZE, KQ_ROWS), (1, WIDE_STRIDE))
+SQUARE_VIEW = ((CHUNK, CHUNK), (NARROW_STRIDE, 1))  # A, T, P
+SQUARE_T_VIEW = ((CHUNK, CHUNK), (1, NARROW_STRIDE))
+STATE16_VIEW = ((SLICE_ROWS, HEAD_SIZE), (WIDE_STRIDE, 1))  # fp16 copy of the state slice
+SLICE_BY_TOKEN_VIEW = ((SLICE_ROWS, CHUNK), (NARROW_STRIDE, 1))  # Xb^T, V'^T, V'c^T
+SCRATCH_VIEW = ((NUM_WARPS, BLOCK, SCRATCH_COLS), (BLOCK * SCRATCH_STRIDE, SCRATCH_STRIDE, 1))
+
+# The CTA's threads cover its copies and element loops exactly.
+assert NUM_SLICES * SLICE_ROWS == HEAD_SIZE and NUM_WARPS * STATE_COLS_PER_WARP == HEAD_SIZE
+assert KQ_ROWS * PIECES_PER_ROW % NUM_THREADS == 0
+assert CHUNK * (SLICE_ROWS // COPY_ELEMS) % NUM_THREADS == 0
+assert 2 * CHUNK == NUM_THREADS  # one a or b row per thread
+assert 2 * WARP_SIZE == CHUNK  # the gate scan: two tokens per lane of warp 0
+assert NUM_WARPS * BLOCK == CHUNK  # one 16-row block of every [64, x] product per warp
+# The aliases: V'^T and V'c^T fill A's storage exactly; the scratch fits in the state copy's.
+assert 2 * SLICE_ROWS * NARROW_STRIDE == CHUNK * NARROW_STRIDE
+assert NUM_WARPS * BLOCK * SCRATCH_STRIDE <= SLICE_ROWS * WIDE_STRIDE
+
+
+def _make_warp_mma() -> cute.TiledMma:
+    # One warp; the 16x16x16 tile holds two n8 atoms, matching a 4-matrix ldmatrix of B.
+    return cute.make_tiled_mma(
+        warp.MmaF16BF16Op(cutlass.Float16, cutlass.Float32, (16, 8, 16)),
+        (1, 1, 1),
+        permutation_mnk=(BLOCK, BLOCK, BLOCK),
+    )
+
+
+def _make_operand_copies(tiled_mma: cute.TiledMma) -> tuple[cute.TiledCopy, cute.TiledCopy, cute.TiledCopy]:
+    """ldmatrix copies of a K-major A, a K-major B and an N-major B (transposed) operand."""
+    ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+    ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+    copy_a = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, cutlass.Float16), tiled_mma)
+    copy_b = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, cutlass.Float16), tiled_mma)
+    copy_bt = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, cutlass.Float16), tiled_mma)
+    return copy_a, copy_b, copy_bt
+
+
+def _layout(view: tuple[tuple[int, ...], tuple[int, ...]]) -> cute.Layout:
+    shape, stride = view
+    return cute.make_layout(shape, stride=stride)
+
+
+class _Chunked:
+    """The kernel: one CTA = one (sequence, v-head, 32-row V-slice); see the module docstring."""
+
+    @cute.jit
+    def launch(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        state: cute.Tensor,
+        A_log: cute.Tensor,
+        a: cute.Tensor,
+        dt_bias: cute.Tensor,
+        b: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        scale: cutlass.Float32,
+        has_state: cutlass.Int32,
+        output: cute.Tensor,
+        new_state: cute.Tensor,
+        stream,
+    ):
+        tiled_mma = _make_warp_mma()
+        f16, bf16, f32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32
+
+        @cute.struct
+        class SharedStorage:
+            raw_k: cute.struct.Align[cute.struct.MemRange[bf16, CHUNK * HEAD_SIZE], 128]
+            raw_v: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * SLICE_ROWS], 128]
+            raw_a: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
+            raw_b: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
+            kq: cute.struct.Align[cute.struct.MemRange[f16, KQ_ROWS * WIDE_STRIDE], 128]
+            # A (P1-P4), then V'^T and V'c^T (P5-P6) in the same storage.
+            a16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
+            a_diag: cute.struct.Align[cute.struct.MemRange[f32, CHUNK * DIAG_STRIDE], 128]
+            t16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
+            p16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
+            # The fp16 state copy (P0-P1), then the inverse's per-warp scratch (P3-P4).
+            s16: cute.struct.Align[cute.struct.MemRange[f16, SLICE_ROWS * WIDE_STRIDE], 128]
+            xb_t: cute.struct.Align[cute.struct.MemRange[f16, SLICE_ROWS * NARROW_STRIDE], 128]
+            cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
+            beta: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
+
+        self.kernel(
+            q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state,
+            tiled_mma, SharedStorage,
+        ).launch(  # fmt: skip
+            grid=[NUM_V_HEADS * NUM_SLICES, new_state.shape[0], 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            preferred_smem_carveout=MAX_SMEM_CARVEOUT,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        state: cute.Tensor,
+        A_log: cute.Tensor,
+        a: cute.Tensor,
+        dt_bias: cute.Tensor,
+        b: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        scale: cutlass.Float32,
+        has_state: cutlass.Int32,
+        output: cute.Tensor,
+        new_state: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        head_slice, seq, _ = cute.arch.block_idx()
+        head = head_slice // NUM_SLICES
+        slice_idx = head_slice % NUM_SLICES
+        v0 = slice_idx * SLICE_ROWS
+        warp_idx = tidx // WARP_SIZE
+        lane = tidx % WARP_SIZE
+
+        # Sequence bounds, clamped to [0, T] so that malformed cu_seqlens cannot read out of bounds.
+        total_tokens = cutlass.Int32(q.shape[0])
+        start = cutlass.Int32(cu_seqlens[seq])
+        end = cutlass.Int32(cu_seqlens[seq + 1])
+        start = cutlass.min(cutlass.max(start, cutlass.Int32(0)), total_tokens)
+        end = cutlass.min(cutlass.max(end, start), total_tokens)
+        length = end - start
+        num_chunks = (length + CHUNK - 1) // CHUNK
+
+        # ---- shared memory views ----
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(SharedStorage)
+        raw_k = st.raw_k.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1)))
+        raw_v = st.raw_v.get_tensor(
+            cute.make_layout((NUM_STAGES, CHUNK, SLICE_ROWS), stride=(CHUNK * SLICE_ROWS, SLICE_ROWS, 1))
+        )
+        ab_layout = cute.make_layout((NUM_STAGES, CHUNK, NUM_V_HEADS), stride=(CHUNK * NUM_V_HEADS, NUM_V_HEADS, 1))
+        raw_a = st.raw_a.get_tensor(ab_layout)
+        raw_b = st.raw_b.get_tensor(ab_layout)
+        kq = st.kq.get_tensor(_layout(KQ_VIEW))
+        # The same storage read as bf16: the q rows are copied there and converted in place.
+        kq_raw = cute.make_tensor(cute.recast_ptr(kq.iterator, dtype=cutlass.BFloat16), _layout(KQ_VIEW))
+        # kq_t[d, r] = kq[r, d]: the B operand of S += V'c^T K (ldmatrix.trans).
+        kq_t = cute.make_tensor(kq.iterator, _layout(KQ_T_VIEW))
+        a16 = st.a16.get_tensor(_layout(SQUARE_VIEW))
+        a16_t = cute.make_tensor(a16.iterator, _layout(SQUARE_T_VIEW))
+        a_diag = st.a_diag.get_tensor(cute.make_layout((CHUNK, BLOCK), stride=(DIAG_STRIDE, 1)))
+        t16 = st.t16.get_tensor(_layout(SQUARE_VIEW))
+        t16_t = cute.make_tensor(t16.iterator, _layout(SQUARE_T_VIEW))
+        p16 = st.p16.get_tensor(_layout(SQUARE_VIEW))
+        s16 = st.s16.get_tensor(_layout(STATE16_VIEW))
+        xb_t = st.xb_t.get_tensor(_layout(SLICE_BY_TOKEN_VIEW))
+        vn_t = cute.make_tensor(a16.iterator, _layout(SLICE_BY_TOKEN_VIEW))
+        vnc_t = cute.make_tensor(a16.iterator + SLICE_ROWS * NARROW_STRIDE, _layout(SLICE_BY_TOKEN_VIEW))
+        scratch = cute.make_tensor(s16.iterator, _layout(SCRATCH_VIEW))[warp_idx, None, None]
+        cum_log_g = st.cum_log_g.get_tensor(cute.make_layout(CHUNK))
+        beta = st.beta.get_tensor(cute.make_layout(CHUNK))
+
+        # ---- MMA and ldmatrix plumbing (one warp per tile) ----
+        copy_a, copy_b, copy_bt = _make_operand_copies(tiled_mma)
+        thr_mma = tiled_mma.get_slice(lane)
+        coords_sq = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, BLOCK)))
+        coords_rows = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, SLICE_ROWS)))
+        coords_state = thr_mma.partition_C(cute.make_identity_tensor((SLICE_ROWS, STATE_COLS_PER_WARP)))
+
+        # ---- the state slice: [32, 128] fp32 in the accumulators, warp w holds columns 32w.. ----
+        acc_state = cute.make_rmem_tensor(
+            thr_mma.partition_shape_C((SLICE_ROWS, STATE_COLS_PER_WARP)), cutlass.Float32
+        )
+        acc_state.fill(0.0)
+        state_tile = (SLICE_ROWS, STATE_COLS_PER_WARP)
+        if has_state != 0 and length > 0:
+            src = cute.local_tile(state[seq, head, None, None], state_tile, (slice_idx, warp_idx))
+            cute.autovec_copy(thr_mma.partition_C(src), acc_state)
+
+        # T and P are lower triangular; their upper 16x16 blocks are never written: zero them once.
+        for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            t16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
+            p16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
+
+        g2s = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
+        )
+        neg_decay_rate = -cute.math.exp(A_log[head])
+        bias = dt_bias[head]
+        if num_chunks > 0:
+            self.load_chunk(g2s, k, v, a, b, raw_k, raw_v, raw_a, raw_b, start, length, 0, 0, head, v0, tidx)
+            self.load_q(g2s, q, kq_raw, start, length, 0, head, tidx)
+        cute.arch.cp_async_commit_group()
+
+        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
+        acc_y = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
+        acc_sq = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
+        row0 = warp_idx * BLOCK  # this warp's 16 token rows in the [64, x] products
+
+        for chunk in cutlass.range(num_chunks, unroll=1):
+            stage = chunk % NUM_STAGES
+            chunk_start = chunk * CHUNK
+            tokens_here = cutlass.min(length - chunk_start, cutlass.Int32(CHUNK))
+
+            # ---- P0: inputs in fp16, gates, the fp16 state copy ----
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            self.convert_kq(raw_k, kq_raw, kq, tokens_here, tidx)
+            if warp_idx == 0:
+                self.chunk_gates(raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, lane, cum_log_g, beta)
+            for e in cutlass.range_constexpr(cute.size(acc_state)):
+                s16[coords_state[e][0], warp_idx * STATE_COLS_PER_WARP + coords_state[e][1]] = acc_state[e].to(
+                    cutlass.Float16
+                )
+            cute.arch.sync_threads()
+
+            # ---- P1: prefetch the next chunk; Gram tiles; K S0^T and Q S0^T ----
+            if chunk + 1 < num_chunks:
+                self.load_chunk(
+                    g2s, k, v, a, b, raw_k, raw_v, raw_a, raw_b, start, length,
+                    chunk + 1, (chunk + 1) % NUM_STAGES, head, v0, tidx,
+                )  # fmt: skip
+            cute.arch.cp_async_commit_group()
+
+            # A rows of k block w (columns 0..w) and P rows of q block 3 - w (columns 0..3-w):
+            # five 16x16 tiles per warp, the lower triangle of both [64, 64] products.
+            k_block = warp_idx
+            for col_block in cutlass.range(k_block + 1, unroll=1):
+                acc_sq.fill(0.0)
+                self.warp_gemm(
+                    tiled_mma, copy_a, copy_b, lane,
+                    cute.local_tile(kq, (BLOCK, HEAD_SIZE), (k_block, 0)),
+                    cute.local_tile(kq, (BLOCK, HEAD_SIZE), (col_block, 0)),
+                    acc_sq,
+                )  # fmt: skip
+                for e in cutlass.range_constexpr(cute.size(acc_sq)):
+                    i = k_block * BLOCK + coords_sq[e][0]
+                    j = col_block * BLOCK + coords_sq[e][1]
+                    value = cutlass.Float32(0.0)
+                    if j < i:
+                        value = beta[i] * cute.math.exp(cum_log_g[i] - cum_log_g[j]) * acc_sq[e]
+                    a16[i, j] = value.to(cutlass.Float16)
+                    if col_block == k_block:
+                        a_diag[i, coords_sq[e][1]] = value
+            q_block = NUM_BLOCKS - 1 - warp_idx
+            for col_block in cutlass.range(q_block + 1, unroll=1):
+                acc_sq.fill(0.0)
+                self.warp_gemm(
+                    tiled_mma, copy_a, copy_b, lane,
+                    cute.local_tile(kq, (BLOCK, HEAD_SIZE), (NUM_BLOCKS + q_block, 0)),
+                    cute.local_tile(kq, (BLOCK, HEAD_SIZE), (col_block, 0)),
+                    acc_sq,
+                )  # fmt: skip
+                for e in cutlass.range_constexpr(cute.size(acc_sq)):
+                    i = q_block * BLOCK + coords_sq[e][0]
+                    j = col_block * BLOCK + coords_sq[e][1]
+                    value = cutlass.Float32(0.0)
+                    if j <= i:
+                        value = cute.math.exp(cum_log_g[i] - cum_log_g[j]) * acc_sq[e]
+                    p16[i, j] = value.to(cutlass.Float16)
+
+            # Xb^T[v, i] = beta_i (v_i - exp(G_i) k_i S0^T); zero past the end (raw_v holds garbage there).
+            acc_y.fill(0.0)
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_b, lane, cute.local_tile(kq, (BLOCK, HEAD_SIZE), (warp_idx, 0)), s16, acc_y
+            )
+            for e in cutlass.range_constexpr(cute.size(acc_y)):
+                i = row0 + coords_rows[e][0]
+                col = coords_rows[e][1]
+                value = cutlass.Float32(0.0)
+                if i < tokens_here:
+                    predicted = cute.math.exp(cum_log_g[i]) * acc_y[e]
+                    value = beta[i] * (raw_v[stage, i, col].to(cutlass.Float32) - predicted)
+                xb_t[col, i] = value.to(cutlass.Float16)
+            # The inter-chunk part of the output, exp(G_i) q_i S0^T, stays in acc_o until P6.
+            acc_o.fill(0.0)
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_b, lane,
+                cute.local_tile(kq, (BLOCK, HEAD_SIZE), (NUM_BLOCKS + warp_idx, 0)), s16, acc_o,
+            )  # fmt: skip
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[e] = cute.math.exp(cum_log_g[row0 + coords_rows[e][0]]) * acc_o[e]
+            cute.arch.sync_threads()
+
+            # ---- P2: prefetch the next chunk's q rows (the q half of kq is dead after P1);
+            # diagonal blocks of T = (I + A)^-1, one thread per column, fp32 ----
+            if chunk + 1 < num_chunks:
+                self.load_q(g2s, q, kq_raw, start, length, chunk + 1, head, tidx)
+            cute.arch.cp_async_commit_group()
+            if tidx < CHUNK:
+                self.invert_diagonal_block(a_diag, t16, tidx)
+            cute.arch.sync_threads()
+
+            # ---- P3: T_hl = -(T_hh A_hl) T_ll for (h, l) = (1, 0), (3, 2) ----
+            if warp_idx < 2:
+                hi = 2 * warp_idx + 1
+                lo = 2 * warp_idx
+                acc_sq.fill(0.0)
+                self.warp_gemm(
+                    tiled_mma, copy_a, copy_bt, lane,
+                    cute.local_tile(t16, (BLOCK, BLOCK), (hi, hi)),
+                    cute.local_tile(a16_t, (BLOCK, BLOCK), (lo, hi)),
+                    acc_sq,
+                )  # fmt: skip
+                for e in cutlass.range_constexpr(cute.size(acc_sq)):
+                    scratch[coords_sq[e][0], coords_sq[e][1]] = acc_sq[e].to(cutlass.Float16)
+                cute.arch.sync_warp()
+                acc_sq.fill(0.0)
+                self.warp_gemm(
+                    tiled_mma, copy_a, copy_bt, lane,
+                    cute.local_tile(scratch, (BLOCK, BLOCK), (0, 0)),
+                    cute.local_tile(t16_t, (BLOCK, BLOCK), (lo, lo)),
+                    acc_sq,
+                )  # fmt: skip
+                for e in cutlass.range_constexpr(cute.size(acc_sq)):
+                    t16[hi * BLOCK + coords_sq[e][0], lo * BLOCK + coords_sq[e][1]] = (-acc_sq[e]).to(cutlass.Float16)
+            cute.arch.sync_threads()
+
+            # ---- P4: T[32:, :32] = -(T_B A_BA) T_A; warp w computes the 16x16 tile (w // 2, w % 2) ----
+            half = CHUNK // 2
+            out_row = warp_idx // 2
+            out_col = warp_idx % 2
+            acc_y.fill(0.0)
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_bt, lane,
+                cute.local_tile(t16, (BLOCK, half), (2 + out_row, 1)),
+                cute.local_tile(a16_t, (half, half), (0, 1)),
+                acc_y,
+            )  # fmt: skip
+            for e in cutlass.range_constexpr(cute.size(acc_y)):
+                scratch[coords_rows[e][0], coords_rows[e][1]] = acc_y[e].to(cutlass.Float16)
+            cute.arch.sync_warp()
+            acc_sq.fill(0.0)
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_bt, lane,
+                scratch,
+                cute.local_tile(t16_t, (BLOCK, half), (out_col, 0)),
+                acc_sq,
+            )  # fmt: skip
+            for e in cutlass.range_constexpr(cute.size(acc_sq)):
+                t16[half + out_row * BLOCK + coords_sq[e][0], out_col * BLOCK + coords_sq[e][1]] = (-acc_sq[e]).to(
+                    cutlass.Float16
+                )
+            cute.arch.sync_threads()
+
+            # ---- P5: V' = T Xb ----
+            g_last = cum_log_g[CHUNK - 1]
+            acc_y.fill(0.0)
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_b, lane, cute.local_tile(t16, (BLOCK, CHUNK), (warp_idx, 0)), xb_t, acc_y
+            )
+            for e in cutlass.range_constexpr(cute.size(acc_y)):
+                i = row0 + coords_rows[e][0]
+                col = coords_rows[e][1]
+                vn_t[col, i] = acc_y[e].to(cutlass.Float16)
+                vnc_t[col, i] = (acc_y[e] * cute.math.exp(g_last - cum_log_g[i])).to(cutlass.Float16)
+            cute.arch.sync_threads()
+
+            # ---- P6: O = exp(G) Q S0^T + P V'; S = exp(G_last) S + V'c^T K ----
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_b, lane, cute.local_tile(p16, (BLOCK, CHUNK), (warp_idx, 0)), vn_t, acc_o
+            )
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                i = row0 + coords_rows[e][0]
+                if i < tokens_here:
+                    output[start + chunk_start + i, head, v0 + coords_rows[e][1]] = (scale * acc_o[e]).to(
+                        cutlass.BFloat16
+                    )
+            chunk_decay = cute.math.exp(g_last)
+            for e in cutlass.range_constexpr(cute.size(acc_state)):
+                acc_state[e] = chunk_decay * acc_state[e]
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_bt, lane,
+                vnc_t,
+                cute.local_tile(kq_t, (STATE_COLS_PER_WARP, CHUNK), (warp_idx, 0)),
+                acc_state,
+            )  # fmt: skip
+            # The next chunk's P0 barrier orders these reads before kq's k rows, s16, A ... are
+            # rewritten; kq's q rows are not read after P1.
+
+        dst = cute.local_tile(new_state[seq, head, None, None], state_tile, (slice_idx, warp_idx))
+        cute.autovec_copy(acc_state, thr_mma.partition_C(dst))
+
+    @cute.jit
+    def warp_gemm(
+        self,
+        tiled_mma: cute.TiledMma,
+        copy_a: cute.TiledCopy,
+        copy_b: cute.TiledCopy,
+        lane: cutlass.Int32,
+        s_a: cute.Tensor,
+        s_b: cute.Tensor,
+        acc: cute.Tensor,
+    ):
+        """acc[M, N] += s_a[M, K] s_b[N, K]^T by one warp (shared-memory fp16 operands via ldmatrix)."""
+        thr_mma = tiled_mma.get_slice(lane)
+        thr_a = copy_a.get_slice(lane)
+        thr_b = copy_b.get_slice(lane)
+        t_sa = thr_a.partition_S(s_a)
+        t_ra = thr_mma.make_fragment_A(thr_mma.partition_A(s_a))
+        t_ra_view = thr_a.retile(t_ra)
+        t_sb = thr_b.partition_S(s_b)
+        t_rb = thr_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        t_rb_view = thr_b.retile(t_rb)
+        for kk in cutlass.range_constexpr(cute.size(t_sa.shape[2])):
+            cute.copy(copy_a, t_sa[None, None, kk], t_ra_view[None, None, kk])
+            cute.copy(copy_b, t_sb[None, None, kk], t_rb_view[None, None, kk])
+            cute.gemm(tiled_mma, acc, t_ra[None, None, kk], t_rb[None, None, kk], acc)
+
+    @cute.jit
+    def load_chunk(
+        self,
+        g2s: cute.CopyAtom,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        raw_k: cute.Tensor,
+        raw_v: cute.Tensor,
+        raw_a: cute.Tensor,
+        raw_b: cute.Tensor,
+        start: cutlass.Int32,
+        length: cutlass.Int32,
+        chunk: cutlass.Int32,
+        stage: cutlass.Int32,
+        head: cutlass.Int32,
+        v0: cutlass.Int32,
+        tidx: cutlass.Int32,
+    ):
+        """Issue the cp.async copies of one chunk but its q rows (k rows of the head's q/k head, the
+        32 values of this slice, the 8-head rows of a and b); tokens past the end are skipped."""
+        qk_head = head // V_HEADS_PER_QK_HEAD
+        first = chunk * CHUNK
+        rounds = CHUNK * PIECES_PER_ROW // NUM_THREADS  # 8 rounds
+        for i in cutlass.range_constexpr(rounds):
+            linear = i * NUM_THREADS + tidx
+            j = linear // PIECES_PER_ROW
+            piece = linear % PIECES_PER_ROW
+            if first + j < length:
+                token = start + first + j
+                cute.copy(
+                    g2s,
+                    cute.local_tile(k[token, qk_head, None], (COPY_ELEMS,), (piece,)),
+                    cute.local_tile(raw_k[j, None], (COPY_ELEMS,), (piece,)),
+                )
+        v_pieces = SLICE_ROWS // COPY_ELEMS  # 4 per token
+        for i in cutlass.range_constexpr(CHUNK * v_pieces // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            j = linear // v_pieces
+            piece = linear % v_pieces
+            if first + j < length:
+                cute.copy(
+                    g2s,
+                    cute.local_tile(v[start + first + j, head, None], (COPY_ELEMS,), (v0 // COPY_ELEMS + piece,)),
+                    cute.local_tile(raw_v[stage, j, None], (COPY_ELEMS,), (piece,)),
+                )
+        j = tidx % CHUNK
+        if first + j < length:
+            if tidx < CHUNK:
+                cute.copy(g2s, a[start + first + j, None], raw_a[stage, j, None])
+            else:
+                cute.copy(g2s, b[start + first + j, None], raw_b[stage, j, None])
+
+    @cute.jit
+    def load_q(
+        self,
+        g2s: cute.CopyAtom,
+        q: cute.Tensor,
+        kq_raw: cute.Tensor,
+        start: cutlass.Int32,
+        length: cutlass.Int32,
+        chunk: cutlass.Int32,
+        head: cutlass.Int32,
+        tidx: cutlass.Int32,
+    ):
+        """Issue the cp.async copies of one chunk's q rows (bf16) into the q half of kq; tokens past
+        the end are skipped."""
+        qk_head = head // V_HEADS_PER_QK_HEAD
+        first = chunk * CHUNK
+        for i in cutlass.range_constexpr(CHUNK * PIECES_PER_ROW // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            j = linear // PIECES_PER_ROW
+            piece = linear % PIECES_PER_ROW
+            if first + j < length:
+                cute.copy(
+                    g2s,
+                    cute.local_tile(q[start + first + j, qk_head, None], (COPY_ELEMS,), (piece,)),
+                    cute.local_tile(kq_raw[CHUNK + j, None], (COPY_ELEMS,), (piece,)),
+                )
+
+    @cute.jit
+    def convert_kq(
+        self,
+        raw_k: cute.Tensor,
+        kq_raw: cute.Tensor,
+        kq: cute.Tensor,
+        tokens_here: cutlass.Int32,
+        tidx: cutlass.Int32,
+    ):
+        """kq = fp16 of (raw_k; the bf16 q rows already in kq), rows of tokens past the end zeroed.
+        Each thread reads and rewrites the same 16 B of a q row, so the in-place conversion needs no
+        barrier. Exact for |x| >= 2^-14 (bf16 has fewer mantissa bits); below, fp16 subnormals
+        round to 2^-24 as the model's fp16 rounding does."""
+        for i in cutlass.range_constexpr(KQ_ROWS * PIECES_PER_ROW // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            row = linear // PIECES_PER_ROW
+            piece = linear % PIECES_PER_ROW
+            # Rounds 0-7 cover the k rows 0..63, rounds 8-15 the q rows 64..127.
+            source = raw_k if i < CHUNK * PIECES_PER_ROW // NUM_THREADS else kq_raw
+            dst = cute.local_tile(kq[row, None], (COPY_ELEMS,), (piece,))
+            if row % CHUNK < tokens_here:
+                values = cute.local_tile(source[row % CHUNK if i < CHUNK * PIECES_PER_ROW // NUM_THREADS else row, None], (COPY_ELEMS,), (piece,)).load()
+                dst.store(values.to(cutlass.Float32).to(cutlass.Float16))
+            else:
+                dst.fill(0.0)
+
+    @cute.jit
+    def chunk_gates(
+        self,
+        raw_a: cute.Tensor,
+        raw_b: cute.Tensor,
+        stage: cutlass.Int32,
+        head: cutlass.Int32,
+        neg_decay_rate: cutlass.Float32,
+        bias: cutlass.Float32,
+        tokens_here: cutlass.Int32,
+        lane: cutlass.Int32,
+        cum_log_g: cute.Tensor,
+        beta: cute.Tensor,
+    ):
+        """Warp 0: log g and beta of the chunk's 64 tokens (lane l takes tokens 2l, 2l + 1; zero
+        past the end), then G = inclusive cumulative sum of log g by a shuffle scan."""
+        first = 2 * lane
+        log_g0, beta0 = self.token_gates(raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, first)
+        log_g1, beta1 = self.token_gates(raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, first + 1)
+        inclusive = log_g0 + log_g1
+        offset = 1
+        while offset < WARP_SIZE:
+            from_below = cute.arch.shuffle_sync_up(inclusive, offset)
+            inclusive = inclusive + (from_below if lane >= offset else cutlass.Float32(0.0))
+            offset *= 2
+        exclusive = cute.arch.shuffle_sync_up(inclusive, 1)
+        exclusive = exclusive if lane > 0 else cutlass.Float32(0.0)
+        g_first = exclusive + log_g0
+        cum_log_g[first] = g_first
+        cum_log_g[first + 1] = g_first + log_g1
+        beta[first] = beta0
+        beta[first + 1] = beta1
+
+    @cute.jit
+    def token_gates(
+        self,
+        raw_a: cute.Tensor,
+        raw_b: cute.Tensor,
+        stage: cutlass.Int32,
+        head: cutlass.Int32,
+        neg_decay_rate: cutlass.Float32,
+        bias: cutlass.Float32,
+        tokens_here: cutlass.Int32,
+        token: cutlass.Int32,
+    ):
+        """(log g, beta) of one token in fp32; (0, 0) past the end (its a/b slots hold garbage)."""
+        log_g = cutlass.Float32(0.0)
+        gate_beta = cutlass.Float32(0.0)
+        if token < tokens_here:
+            x = raw_a[stage, token, head].to(cutlass.Float32) + bias
+            softplus = x if x > SOFTPLUS_THRESHOLD else cute.math.log1p(cute.math.exp(x))
+            log_g = neg_decay_rate * softplus
+            gate_beta = cutlass.Float32(1.0) / (
+                cutlass.Float32(1.0) + cute.math.exp(-raw_b[stage, token, head].to(cutlass.Float32))
+            )
+        return log_g, gate_beta
+
+    @cute.jit
+    def invert_diagonal_block(self, a_diag: cute.Tensor, t16: cute.Tensor, tidx: cutlass.Int32):
+        """Thread c < 64: column c % 16 of the inverse of I + A_bb, b = c // 16, by forward
+        substitution in fp32 (column-oriented: once t_j is final, it updates the rows below)."""
+        base = (tidx // BLOCK) * BLOCK
+        col = tidx % BLOCK
+        column = cute.make_rmem_tensor((BLOCK,), cutlass.Float32)
+        for r in cutlass.range_constexpr(BLOCK):
+            column[r] = cutlass.Float32(1.0) if col == r else cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr(BLOCK):
+            for r in cutlass.range_constexpr(j + 1, BLOCK):
+                column[r] = column[r] - a_diag[base + r, j] * column[j]
+        for r in cutlass.range_constexpr(BLOCK):
+            t16[base + r, base + col] = column[r].to(cutlass.Float16)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host side: compile once per architecture, then each call is one TVM-FFI launch.
+# ------------------------------------------------------------------------------------------------
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def _compile(arch: str) -> Callable:
+    return compile_launcher(GdnPrefillSm90(_Chunked), arch)
+
+
+def compiled_for(arch: str = GPU_ARCH) -> Callable:
+    """The compiled launcher for `arch` (compiled on first use; needs no GPU)."""
+    fn = _COMPILED.get(arch)
+    if fn is None:
+        fn = _COMPILED[arch] = _compile(arch)
+    return fn
+
+
+def compile_only(arch: str = GPU_ARCH) -> Callable:
+    """Compile the kernel for `arch` without touching a GPU (for CI and warm-up)."""
+    return compiled_for(arch)
+
+
+def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+    """Destination-passing entry, same contract as kernel.run: fills `output` [T,8,128] bf16 and
+    `new_state` [N,8,128,128] fp32; `state` None means zeros; `scale` None or 0 means 1/sqrt(128).
+    No device reads, no host synchronisation: one kernel launch on the current stream."""
+    check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
+    if new_state.shape[0] == 0:
+        return
+    has_state = state is not None
+    compiled_for()(
+        q,
+        k,
+        v,
+        state if has_state else new_state,  # a placeholder the kernel never reads
+        A_log,
+        a,
+        dt_bias,
+        b,
+        cu_seqlens,
+        resolve_scale(scale),
+        int(has_state),
+        output,
+        new_state,
+    )
+

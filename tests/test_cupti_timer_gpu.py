@@ -150,3 +150,21 @@ def test_host_gap_between_kernels_counts():
 @needs_cuda
 def test_cupti_python_is_the_pinned_major():
     assert int(importlib.metadata.version("cupti-python").split(".")[0]) >= cupti_timer.MIN_CUPTI_MAJOR
+
+
+@needs_cuda
+def test_garbage_collector_is_off_only_inside_the_timed_iterations():
+    import gc
+
+    seen: list[bool] = []
+    scratch = torch.zeros(1, device="cuda")
+
+    def call(x):
+        seen.append(gc.isenabled())
+        x.add_(1.0)
+
+    assert gc.isenabled()
+    time_cold_l2(call, (scratch,), warmup=2, iterations=5)
+    # untimed call and warm-up with the collector on, the 5 timed calls with it off, then on again
+    assert seen == [True] * 3 + [False] * 5
+    assert gc.isenabled()

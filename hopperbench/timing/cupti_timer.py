@@ -7,6 +7,7 @@ instead of silently switching to CUDA events, which would time different things.
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import statistics
 from collections.abc import Callable, Sequence
@@ -32,6 +33,10 @@ PROTOCOL: dict[str, Any] = {
     "activity_kinds": list(_API_KINDS + _GPU_KINDS),
     "span": "last end - first start of the GPU work whose API call started inside [t0, t1]",
     "aggregation": "median",
+    # A collection of Python's cyclic garbage collector inside a timed window would add its pause
+    # to the span of a host-bound side (a Python reference, a multi-launch library) in some
+    # iterations and runs but not others; it runs before the timed loop instead.
+    "python_gc": "collected before the timed iterations, disabled during them",
 }
 
 
@@ -195,6 +200,9 @@ def record_cold_l2(
 
         collector = _RecordCollector(cupti)
         trace = ActivityTrace()
+        gc_was_enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
         _start_tracing(cupti, collector)
         try:
             for _ in range(iterations):
@@ -207,6 +215,8 @@ def record_cold_l2(
                 torch.cuda.synchronize(dev)
                 trace.windows.append((t0, t1))
         finally:
+            if gc_was_enabled:
+                gc.enable()
             _stop_tracing(cupti)
     trace.api_records = collector.api_records
     trace.gpu_records = collector.gpu_records
@@ -227,8 +237,8 @@ def time_cold_l2(
     2. one untimed call, then synchronize;
     3. `warmup` x {flush; call}, then synchronize;
     4. enable CUPTI activity kinds RUNTIME, DRIVER, CONCURRENT_KERNEL, MEMCPY, MEMSET;
-    5. `iterations` x {flush; synchronize; t0 = CUPTI timestamp; call; t1 = CUPTI
-       timestamp; synchronize};
+    5. collect Python's garbage and disable its collector; `iterations` x {flush; synchronize;
+       t0 = CUPTI timestamp; call; t1 = CUPTI timestamp; synchronize}; re-enable it;
     6. flush the activity buffers, disable the kinds, finalize CUPTI;
     7. per iteration, the span from the first start to the last end of the GPU work
        (kernels, memcpys, memsets) whose API call started inside [t0, t1]

@@ -162,13 +162,6 @@ GDN_PREFILL = Track(
             package="fla-core==0.6.0",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_compact",
-            entry="candidate_compact.py::run",
-            description="the chunked path with a shared-memory footprint for two CTAs per SM (v1.2)",
-        ),
-    ),
 )
 
 MOE = Track(

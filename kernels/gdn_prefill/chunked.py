@@ -1,4 +1,4 @@
-"""GDN prefill for SM90 in CuTe-DSL, chunked on tensor cores (v1): the path `kernel.py` takes above
+"""GDN prefill for SM90 in CuTe-DSL, chunked on tensor cores (v1.2): the path `kernel.py` takes above
 TOKEN_SERIAL_MAX_TOKENS tokens.
 
 The math is `chunked_model.py` (chunks of C = 64 tokens; A, P, T = (I + A)^-1, Xb, V', O, S as
@@ -16,10 +16,11 @@ whole sequence; each chunk rounds a copy to fp16 in shared memory as the operand
 Per chunk (barriers between the phases):
   P0  wait for the chunk's cp.async loads; q/k rows bf16 -> fp16 (tokens past the end zeroed);
       gates of the 64 tokens by warp 0 (log g, beta, inclusive scan G); the fp16 state copy.
-  P1  prefetch the next chunk (raw q/k, v-slice, a, b) with cp.async;
+  P1  prefetch the next chunk's k, v-slice, a, b with cp.async;
       Gram tiles (16x16, lower triangle only, 5 tiles per warp) -> A (fp16, and fp32 diagonal
       blocks) and P (fp16); Yk = K S0^T -> Xb^T (fp16); Yq = Q S0^T -> the output accumulator.
-  P2  the four 16x16 diagonal blocks of T by forward substitution in fp32 (one thread per column).
+  P2  prefetch the next chunk's q rows into kq; the four 16x16 diagonal blocks of T by forward
+      substitution in fp32 (one thread per column).
   P3  T10 = -(T11 A10) T00 and T32 = -(T33 A32) T22 (warps 0, 1).
   P4  T[32:, :32] = -(T_B A_BA) T_A (4 warps, one 16x16 output tile each).
   P5  V' = T Xb -> V'^T and (V' exp(G_last - G_i))^T in fp16.
@@ -27,6 +28,13 @@ Per chunk (barriers between the phases):
 Tokens past the end of the sequence have k = q = 0 (zeroed in P0), log g = 0 and beta = 0, so they
 add nothing (T is the identity on them, G_last is the last real token's G); their outputs are not
 stored. A sequence of length 0 runs no chunk and stores a zero state.
+
+Shared memory (~107 KB, so that two CTAs fit on an SM: v1 took 140 KB, and ncu showed it
+latency-bound at one warp per scheduler, kernels/gdn_prefill/NOTES.md): the q rows of the next
+chunk are copied (bf16) straight into the q half of the fp16 operand buffer kq, which is dead after
+P1, and converted there in place at the next P0; only k has a staging buffer. V'^T and V'c^T live
+in A's storage (A is dead after P4), the inverse's per-warp scratch in the fp16 state copy's (dead
+after P1). The carveout is set to the maximum.
 
 Everything is compiled once (dynamic T and N) into one TVM-FFI function on the current torch
 stream; `run` validates shapes (host metadata only) and launches it. No host sync, CUDA-graph safe.
@@ -75,7 +83,8 @@ NARROW_STRIDE = CHUNK + 8  # 72: rows of 64 fp16
 DIAG_STRIDE = BLOCK + 1  # fp32 diagonal blocks of A
 SCRATCH_COLS = 2 * BLOCK  # per-warp intermediate of the inverse, [16, 32] fp16
 SCRATCH_STRIDE = SCRATCH_COLS + 8
-NUM_STAGES = 2  # v, a, b double-buffered; q/k staged once and converted at the chunk start
+NUM_STAGES = 2  # v, a, b double-buffered; k staged once and converted at the chunk start
+MAX_SMEM_CARVEOUT = 100  # percent of the unified L1/shared storage given to shared memory
 
 # (shape, stride) of the fp16 shared-memory views the MMAs read through ldmatrix (the tests emulate
 # ldmatrix on exactly these). A "_T" view is the transposed reading of the same buffer (ldmatrix.trans).
@@ -94,6 +103,9 @@ assert CHUNK * (SLICE_ROWS // COPY_ELEMS) % NUM_THREADS == 0
 assert 2 * CHUNK == NUM_THREADS  # one a or b row per thread
 assert 2 * WARP_SIZE == CHUNK  # the gate scan: two tokens per lane of warp 0
 assert NUM_WARPS * BLOCK == CHUNK  # one 16-row block of every [64, x] product per warp
+# The aliases: V'^T and V'c^T fill A's storage exactly; the scratch fits in the state copy's.
+assert 2 * SLICE_ROWS * NARROW_STRIDE == CHUNK * NARROW_STRIDE
+assert NUM_WARPS * BLOCK * SCRATCH_STRIDE <= SLICE_ROWS * WIDE_STRIDE
 
 
 def _make_warp_mma() -> cute.TiledMma:
@@ -146,20 +158,19 @@ class _Chunked:
 
         @cute.struct
         class SharedStorage:
-            raw_kq: cute.struct.Align[cute.struct.MemRange[bf16, KQ_ROWS * HEAD_SIZE], 128]
+            raw_k: cute.struct.Align[cute.struct.MemRange[bf16, CHUNK * HEAD_SIZE], 128]
             raw_v: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * SLICE_ROWS], 128]
             raw_a: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
             raw_b: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
             kq: cute.struct.Align[cute.struct.MemRange[f16, KQ_ROWS * WIDE_STRIDE], 128]
+            # A (P1-P4), then V'^T and V'c^T (P5-P6) in the same storage.
             a16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
             a_diag: cute.struct.Align[cute.struct.MemRange[f32, CHUNK * DIAG_STRIDE], 128]
             t16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
             p16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
+            # The fp16 state copy (P0-P1), then the inverse's per-warp scratch (P3-P4).
             s16: cute.struct.Align[cute.struct.MemRange[f16, SLICE_ROWS * WIDE_STRIDE], 128]
             xb_t: cute.struct.Align[cute.struct.MemRange[f16, SLICE_ROWS * NARROW_STRIDE], 128]
-            vn_t: cute.struct.Align[cute.struct.MemRange[f16, SLICE_ROWS * NARROW_STRIDE], 128]
-            vnc_t: cute.struct.Align[cute.struct.MemRange[f16, SLICE_ROWS * NARROW_STRIDE], 128]
-            scratch: cute.struct.Align[cute.struct.MemRange[f16, NUM_WARPS * BLOCK * SCRATCH_STRIDE], 128]
             cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
             beta: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
 
@@ -171,6 +182,7 @@ class _Chunked:
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
+            preferred_smem_carveout=MAX_SMEM_CARVEOUT,
         )
 
     @cute.kernel
@@ -212,7 +224,7 @@ class _Chunked:
         # ---- shared memory views ----
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(SharedStorage)
-        raw_kq = st.raw_kq.get_tensor(cute.make_layout((KQ_ROWS, HEAD_SIZE), stride=(HEAD_SIZE, 1)))
+        raw_k = st.raw_k.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1)))
         raw_v = st.raw_v.get_tensor(
             cute.make_layout((NUM_STAGES, CHUNK, SLICE_ROWS), stride=(CHUNK * SLICE_ROWS, SLICE_ROWS, 1))
         )
@@ -220,6 +232,8 @@ class _Chunked:
         raw_a = st.raw_a.get_tensor(ab_layout)
         raw_b = st.raw_b.get_tensor(ab_layout)
         kq = st.kq.get_tensor(_layout(KQ_VIEW))
+        # The same storage read as bf16: the q rows are copied there and converted in place.
+        kq_raw = cute.make_tensor(cute.recast_ptr(kq.iterator, dtype=cutlass.BFloat16), _layout(KQ_VIEW))
         # kq_t[d, r] = kq[r, d]: the B operand of S += V'c^T K (ldmatrix.trans).
         kq_t = cute.make_tensor(kq.iterator, _layout(KQ_T_VIEW))
         a16 = st.a16.get_tensor(_layout(SQUARE_VIEW))
@@ -230,9 +244,9 @@ class _Chunked:
         p16 = st.p16.get_tensor(_layout(SQUARE_VIEW))
         s16 = st.s16.get_tensor(_layout(STATE16_VIEW))
         xb_t = st.xb_t.get_tensor(_layout(SLICE_BY_TOKEN_VIEW))
-        vn_t = st.vn_t.get_tensor(_layout(SLICE_BY_TOKEN_VIEW))
-        vnc_t = st.vnc_t.get_tensor(_layout(SLICE_BY_TOKEN_VIEW))
-        scratch = st.scratch.get_tensor(_layout(SCRATCH_VIEW))[warp_idx, None, None]
+        vn_t = cute.make_tensor(a16.iterator, _layout(SLICE_BY_TOKEN_VIEW))
+        vnc_t = cute.make_tensor(a16.iterator + SLICE_ROWS * NARROW_STRIDE, _layout(SLICE_BY_TOKEN_VIEW))
+        scratch = cute.make_tensor(s16.iterator, _layout(SCRATCH_VIEW))[warp_idx, None, None]
         cum_log_g = st.cum_log_g.get_tensor(cute.make_layout(CHUNK))
         beta = st.beta.get_tensor(cute.make_layout(CHUNK))
 
@@ -265,7 +279,8 @@ class _Chunked:
         neg_decay_rate = -cute.math.exp(A_log[head])
         bias = dt_bias[head]
         if num_chunks > 0:
-            self.load_chunk(g2s, q, k, v, a, b, raw_kq, raw_v, raw_a, raw_b, start, length, 0, 0, head, v0, tidx)
+            self.load_chunk(g2s, k, v, a, b, raw_k, raw_v, raw_a, raw_b, start, length, 0, 0, head, v0, tidx)
+            self.load_q(g2s, q, kq_raw, start, length, 0, head, tidx)
         cute.arch.cp_async_commit_group()
 
         acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
@@ -281,7 +296,7 @@ class _Chunked:
             # ---- P0: inputs in fp16, gates, the fp16 state copy ----
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
-            self.convert_kq(raw_kq, kq, tokens_here, tidx)
+            self.convert_kq(raw_k, kq_raw, kq, tokens_here, tidx)
             if warp_idx == 0:
                 self.chunk_gates(raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, lane, cum_log_g, beta)
             for e in cutlass.range_constexpr(cute.size(acc_state)):
@@ -293,7 +308,7 @@ class _Chunked:
             # ---- P1: prefetch the next chunk; Gram tiles; K S0^T and Q S0^T ----
             if chunk + 1 < num_chunks:
                 self.load_chunk(
-                    g2s, q, k, v, a, b, raw_kq, raw_v, raw_a, raw_b, start, length,
+                    g2s, k, v, a, b, raw_k, raw_v, raw_a, raw_b, start, length,
                     chunk + 1, (chunk + 1) % NUM_STAGES, head, v0, tidx,
                 )  # fmt: skip
             cute.arch.cp_async_commit_group()
@@ -358,7 +373,11 @@ class _Chunked:
                 acc_o[e] = cute.math.exp(cum_log_g[row0 + coords_rows[e][0]]) * acc_o[e]
             cute.arch.sync_threads()
 
-            # ---- P2: diagonal blocks of T = (I + A)^-1, one thread per column, fp32 ----
+            # ---- P2: prefetch the next chunk's q rows (the q half of kq is dead after P1);
+            # diagonal blocks of T = (I + A)^-1, one thread per column, fp32 ----
+            if chunk + 1 < num_chunks:
+                self.load_q(g2s, q, kq_raw, start, length, chunk + 1, head, tidx)
+            cute.arch.cp_async_commit_group()
             if tidx < CHUNK:
                 self.invert_diagonal_block(a_diag, t16, tidx)
             cute.arch.sync_threads()
@@ -447,7 +466,8 @@ class _Chunked:
                 cute.local_tile(kq_t, (STATE_COLS_PER_WARP, CHUNK), (warp_idx, 0)),
                 acc_state,
             )  # fmt: skip
-            # The next chunk's P0 barrier orders these reads before kq, s16 ... are rewritten.
+            # The next chunk's P0 barrier orders these reads before kq's k rows, s16, A ... are
+            # rewritten; kq's q rows are not read after P1.
 
         dst = cute.local_tile(new_state[seq, head, None, None], state_tile, (slice_idx, warp_idx))
         cute.autovec_copy(acc_state, thr_mma.partition_C(dst))
@@ -482,12 +502,11 @@ class _Chunked:
     def load_chunk(
         self,
         g2s: cute.CopyAtom,
-        q: cute.Tensor,
         k: cute.Tensor,
         v: cute.Tensor,
         a: cute.Tensor,
         b: cute.Tensor,
-        raw_kq: cute.Tensor,
+        raw_k: cute.Tensor,
         raw_v: cute.Tensor,
         raw_a: cute.Tensor,
         raw_b: cute.Tensor,
@@ -499,11 +518,11 @@ class _Chunked:
         v0: cutlass.Int32,
         tidx: cutlass.Int32,
     ):
-        """Issue the cp.async copies of one chunk (k and q rows of the head's q/k head, the 32 values
-        of this slice, the 8-head rows of a and b); tokens past the end are skipped."""
+        """Issue the cp.async copies of one chunk but its q rows (k rows of the head's q/k head, the
+        32 values of this slice, the 8-head rows of a and b); tokens past the end are skipped."""
         qk_head = head // V_HEADS_PER_QK_HEAD
         first = chunk * CHUNK
-        rounds = CHUNK * PIECES_PER_ROW // NUM_THREADS  # 8 rounds for k, 8 for q
+        rounds = CHUNK * PIECES_PER_ROW // NUM_THREADS  # 8 rounds
         for i in cutlass.range_constexpr(rounds):
             linear = i * NUM_THREADS + tidx
             j = linear // PIECES_PER_ROW
@@ -513,12 +532,7 @@ class _Chunked:
                 cute.copy(
                     g2s,
                     cute.local_tile(k[token, qk_head, None], (COPY_ELEMS,), (piece,)),
-                    cute.local_tile(raw_kq[j, None], (COPY_ELEMS,), (piece,)),
-                )
-                cute.copy(
-                    g2s,
-                    cute.local_tile(q[token, qk_head, None], (COPY_ELEMS,), (piece,)),
-                    cute.local_tile(raw_kq[CHUNK + j, None], (COPY_ELEMS,), (piece,)),
+                    cute.local_tile(raw_k[j, None], (COPY_ELEMS,), (piece,)),
                 )
         v_pieces = SLICE_ROWS // COPY_ELEMS  # 4 per token
         for i in cutlass.range_constexpr(CHUNK * v_pieces // NUM_THREADS):
@@ -539,16 +553,54 @@ class _Chunked:
                 cute.copy(g2s, b[start + first + j, None], raw_b[stage, j, None])
 
     @cute.jit
-    def convert_kq(self, raw_kq: cute.Tensor, kq: cute.Tensor, tokens_here: cutlass.Int32, tidx: cutlass.Int32):
-        """kq = fp16(raw_kq), rows of tokens past the end zeroed. Exact for |x| >= 2^-14 (bf16 has
-        fewer mantissa bits); below, fp16 subnormals round to 2^-24 as the model's fp16 rounding does."""
+    def load_q(
+        self,
+        g2s: cute.CopyAtom,
+        q: cute.Tensor,
+        kq_raw: cute.Tensor,
+        start: cutlass.Int32,
+        length: cutlass.Int32,
+        chunk: cutlass.Int32,
+        head: cutlass.Int32,
+        tidx: cutlass.Int32,
+    ):
+        """Issue the cp.async copies of one chunk's q rows (bf16) into the q half of kq; tokens past
+        the end are skipped."""
+        qk_head = head // V_HEADS_PER_QK_HEAD
+        first = chunk * CHUNK
+        for i in cutlass.range_constexpr(CHUNK * PIECES_PER_ROW // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            j = linear // PIECES_PER_ROW
+            piece = linear % PIECES_PER_ROW
+            if first + j < length:
+                cute.copy(
+                    g2s,
+                    cute.local_tile(q[start + first + j, qk_head, None], (COPY_ELEMS,), (piece,)),
+                    cute.local_tile(kq_raw[CHUNK + j, None], (COPY_ELEMS,), (piece,)),
+                )
+
+    @cute.jit
+    def convert_kq(
+        self,
+        raw_k: cute.Tensor,
+        kq_raw: cute.Tensor,
+        kq: cute.Tensor,
+        tokens_here: cutlass.Int32,
+        tidx: cutlass.Int32,
+    ):
+        """kq = fp16 of (raw_k; the bf16 q rows already in kq), rows of tokens past the end zeroed.
+        Each thread reads and rewrites the same 16 B of a q row, so the in-place conversion needs no
+        barrier. Exact for |x| >= 2^-14 (bf16 has fewer mantissa bits); below, fp16 subnormals
+        round to 2^-24 as the model's fp16 rounding does."""
         for i in cutlass.range_constexpr(KQ_ROWS * PIECES_PER_ROW // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             row = linear // PIECES_PER_ROW
             piece = linear % PIECES_PER_ROW
+            # Rounds 0-7 cover the k rows 0..63 (raw_k's rows), rounds 8-15 the q rows 64..127.
+            source = raw_k if i < CHUNK * PIECES_PER_ROW // NUM_THREADS else kq_raw
             dst = cute.local_tile(kq[row, None], (COPY_ELEMS,), (piece,))
             if row % CHUNK < tokens_here:
-                values = cute.local_tile(raw_kq[row, None], (COPY_ELEMS,), (piece,)).load()
+                values = cute.local_tile(source[row, None], (COPY_ELEMS,), (piece,)).load()
                 dst.store(values.to(cutlass.Float32).to(cutlass.Float16))
             else:
                 dst.fill(0.0)

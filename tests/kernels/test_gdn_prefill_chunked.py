@@ -284,11 +284,11 @@ def test_scratch_and_buffers_keep_ldmatrix_rows_aligned():
         assert (2 * view[1][1]) % 16 == 0
 
 
-# The kernels' shared buffers as (storage region, element offset, shape, row stride), the padded
-# strides of the kernel's views. Two buffers in one region share storage (the compact candidate's
-# aliases), so a transcription that reads an alias while its partner is live sees the partner's
-# values or NaN, and the race check sees both.
-def _buffers(compact: bool) -> dict[str, tuple[str, int, tuple[int, int], int]]:
+# The kernel's shared buffers as (storage region, element offset, shape, row stride), the padded
+# strides of the kernel's views. Buffers in one region share storage (the kernel's aliases), so a
+# transcription that reads an alias while its partner is live sees the partner's values or NaN,
+# and the race check sees both.
+def _buffers() -> dict[str, tuple[str, int, tuple[int, int], int]]:
     C, B, W, rows = chunked.CHUNK, chunked.BLOCK, chunked.NUM_WARPS, chunked.SLICE_ROWS
     wide, narrow = chunked.WIDE_STRIDE, chunked.NARROW_STRIDE
     buffers = {
@@ -299,16 +299,13 @@ def _buffers(compact: bool) -> dict[str, tuple[str, int, tuple[int, int], int]]:
         "p16": ("p16", 0, (C, C), narrow),
         "s16": ("s16", 0, (rows, chunked.HEAD_SIZE), wide),
         "xb_t": ("xb_t", 0, (rows, C), narrow),
-        "vn_t": ("vn_t", 0, (rows, C), narrow),
-        "vnc_t": ("vnc_t", 0, (rows, C), narrow),
-        "scratch": ("scratch", 0, (W * B, chunked.SCRATCH_COLS), chunked.SCRATCH_STRIDE),
+        # V'^T and V'c^T in A's storage, the inverse's scratch in the fp16 state copy's.
+        "vn_t": ("a16", 0, (rows, C), narrow),
+        "vnc_t": ("a16", rows * narrow, (rows, C), narrow),
+        "scratch": ("s16", 0, (W * B, chunked.SCRATCH_COLS), chunked.SCRATCH_STRIDE),
         "cum_log_g": ("cum_log_g", 0, (1, C), C),
         "beta": ("beta", 0, (1, C), C),
     }
-    if compact:
-        buffers["vn_t"] = ("a16", 0, (rows, C), narrow)
-        buffers["vnc_t"] = ("a16", rows * narrow, (rows, C), narrow)
-        buffers["scratch"] = ("s16", 0, (W * B, chunked.SCRATCH_COLS), chunked.SCRATCH_STRIDE)
     return buffers
 
 
@@ -372,21 +369,18 @@ class _SharedMemory:
         self.data[name][index] = value
 
 
-def _emulate_chunk_step(S0, q, k, v, log_g, beta, tokens_here: int, compact: bool = False):
+def _emulate_chunk_step(S0, q, k, v, log_g, beta, tokens_here: int):
     """One CTA's chunk step transcribed phase by phase from chunked.py (the warps' tile schedule,
     the masks, the buffers read and written), in float64. S0 [32, 128] is the state slice; q, k
     [64, 128], v [64, 32], log_g and beta [64] hold garbage (NaN) past `tokens_here`, as the
-    staging buffers do. Returns (O [64, 32] unscaled, S_next [32, 128]).
-
-    `compact`: candidate_compact.py, the same schedule on aliased storage (V'^T, V'c^T in A's,
-    the scratch in the state copy's), with the next chunk's q rows copied (NaN here: they are not
-    this chunk's) into the q half of kq by cp.async from P2 until the next chunk's P0."""
+    staging buffers do. Returns (O [64, 32] unscaled, S_next [32, 128]). The next chunk's q rows
+    are copied (NaN here: they are not this chunk's) into the q half of kq by cp.async from P2
+    until the next chunk's P0."""
     C, B, W = chunked.CHUNK, chunked.BLOCK, chunked.NUM_WARPS
-    smem = _SharedMemory(_buffers(compact))
+    smem = _SharedMemory(_buffers())
 
     def next_q_in_flight() -> None:
-        if compact:
-            smem.write(ASYNC_COPY, "kq", (slice(C, 2 * C), slice(None)), math.nan)
+        smem.write(ASYNC_COPY, "kq", (slice(C, 2 * C), slice(None)), math.nan)
     # Kernel start: the upper blocks of T and P are zeroed once (thread t takes linear t, t + 128, ...).
     for linear in range(C * C):
         smem.data["t16"][linear // C, linear % C] = 0.0
@@ -501,9 +495,8 @@ def _emulate_chunk_step(S0, q, k, v, log_g, beta, tokens_here: int, compact: boo
     return out, S_next
 
 
-@pytest.mark.parametrize("compact", [False, True], ids=["chunked", "candidate_compact"])
 @pytest.mark.parametrize("tokens_here", [1, 6, 37, 64])
-def test_kernel_tile_schedule_computes_the_model_chunk_step(tokens_here, compact):
+def test_kernel_tile_schedule_computes_the_model_chunk_step(tokens_here):
     # The kernel's per-warp tile schedule (transcribed) against chunked_model.chunk_step in float64:
     # same outputs and state, no read of an unwritten element (NaN), no race inside a phase.
     generator = torch.Generator().manual_seed(tokens_here)
@@ -519,9 +512,7 @@ def test_kernel_tile_schedule_computes_the_model_chunk_step(tokens_here, compact
     beta = torch.rand(C, generator=generator, dtype=torch.float64)
     garbage = torch.arange(C) >= tokens_here
     poison = lambda x: torch.where(garbage.view(-1, *[1] * (x.dim() - 1)), math.nan, x)  # noqa: E731
-    out, S_next = _emulate_chunk_step(
-        S0, poison(q), poison(k), poison(v), poison(log_g), poison(beta), tokens_here, compact
-    )
+    out, S_next = _emulate_chunk_step(S0, poison(q), poison(k), poison(v), poison(log_g), poison(beta), tokens_here)
 
     zero = lambda x: torch.where(garbage.view(-1, *[1] * (x.dim() - 1)), 0.0, x)  # noqa: E731
     ref_out, ref_S = model.chunk_step(
@@ -534,8 +525,9 @@ def test_kernel_tile_schedule_computes_the_model_chunk_step(tokens_here, compact
 
 
 def test_copy_loops_cover_their_tiles_once():
-    # load_chunk: q/k pieces (8 rounds), v pieces (2 rounds), one a or b row per thread; convert_kq:
-    # 16 rounds; the zero fill of T and P: 32 rounds. Every (row, piece) exactly once.
+    # load_chunk: k pieces (8 rounds), v pieces (2 rounds), one a or b row per thread; load_q: q
+    # pieces (8 rounds); convert_kq: 16 rounds; the zero fill of T and P: 32 rounds. Every
+    # (row, piece) exactly once.
     C, P, threads = chunked.CHUNK, chunked.PIECES_PER_ROW, chunked.NUM_THREADS
 
     def covered(rounds: int, per_row: int) -> list[tuple[int, int]]:

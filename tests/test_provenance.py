@@ -97,3 +97,24 @@ def test_verdicts(repo: Path) -> None:
     assert verify.verdict_for(unknown, repo)[0] is verify.Verdict.UNKNOWN_COMMIT
     old = record.model_copy(update={"repo_tree": None})
     assert verify.verdict_for(old, repo)[0] is verify.Verdict.UNVERIFIABLE
+
+
+def test_untracked_helper_files_in_the_copy_are_named_and_the_commit_still_verified(
+    repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU-host case of session 4: helper scripts the copy's git did not ignore ran beside the
+    commit's files. Verified when this checkout holds the same helper files; a mismatch when any
+    tracked file differs or a helper's content here is not what ran."""
+    monkeypatch.setenv("HOPPERBENCH_SOURCE_COMMIT", git(repo, "rev-parse", "HEAD"))
+    (repo / "scratch").mkdir()
+    (repo / "scratch" / "run.sh").write_text("echo run\n")
+    record = EnvironmentRecord.model_validate(_repo_state(repo))
+    assert record.repo_changes == ["?? scratch/run.sh"]
+    verdict, detail = verify.verdict_for(record, repo)
+    assert verdict is verify.Verdict.VERIFIED_PLUS_UNTRACKED and "scratch/run.sh" in detail
+    (repo / "scratch" / "run.sh").write_text("echo changed since\n")
+    assert verify.verdict_for(record, repo)[0] is verify.Verdict.MISMATCH
+    (repo / "scratch" / "run.sh").write_text("echo run\n")
+    (repo / "kernel.py").write_text("A = 3\n")
+    edited = EnvironmentRecord.model_validate(_repo_state(repo))
+    assert verify.verdict_for(edited, repo)[0] is verify.Verdict.MISMATCH

@@ -5,17 +5,25 @@
 A results JSON's environment holds `repo_commit` (from git, or declared by whoever copied the
 tree to the GPU host) and `repo_tree`, the git tree id of the files as they ran
 (`hopperbench.environment.working_tree_id`). This checkout must know the commit; the files are
-verified when `<commit>^{tree}` equals `repo_tree`. One line per file; exit 1 if any file's tree
-differs from its commit's or names a commit this checkout lacks, 0 otherwise (a file recorded
-before trees were recorded is reported as unverifiable, not as a failure).
+verified when `<commit>^{tree}` equals `repo_tree`.
+
+A copy can also hold files that no commit tracks (a helper script carried to the GPU host that
+the copy's git does not ignore): the tree id then differs. If the files the copy listed as
+untracked (`repo_changes`, "??") exist here, and the commit's tree plus them is exactly
+`repo_tree`, the code that ran is the commit's and the extra files are named. One line per file;
+exit 1 if any file's tree differs from its commit's (plus such untracked files) or names a commit
+this checkout lacks, 0 otherwise (a file recorded before trees were recorded is reported as
+unverifiable, not as a failure).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from enum import Enum
 from pathlib import Path
 
@@ -25,6 +33,7 @@ from hopperbench.paths import REPO_ROOT
 
 class Verdict(str, Enum):
     VERIFIED = "verified"
+    VERIFIED_PLUS_UNTRACKED = "verified plus untracked files"
     MISMATCH = "MISMATCH"
     UNKNOWN_COMMIT = "UNKNOWN COMMIT"
     UNVERIFIABLE = "unverifiable"
@@ -36,6 +45,28 @@ def commit_tree(repo: Path, commit: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+def tree_with_files(repo: Path, commit: str, paths: list[str]) -> str | None:
+    """The tree id of `commit`'s tree with `paths` (as they are in this checkout) added; None if one
+    of them is missing here."""
+    if not all((repo / path).is_file() for path in paths):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+
+        def git(*args: str) -> str:
+            done = subprocess.run(["git", "-C", str(repo), *args], env=env, capture_output=True, text=True, check=True)
+            return done.stdout.strip()
+
+        git("read-tree", commit)
+        git("add", "-f", "--", *paths)
+        return git("write-tree")
+
+
+def untracked_in(changes: list[str] | None) -> list[str]:
+    """The paths `git status --porcelain` listed as untracked ("?? path")."""
+    return [line[3:] for line in changes or [] if line.startswith("?? ")]
+
+
 def verdict_for(environment: EnvironmentRecord, repo: Path) -> tuple[Verdict, str]:
     commit, tree = environment.repo_commit, environment.repo_tree
     if commit is None or tree is None:
@@ -43,6 +74,12 @@ def verdict_for(environment: EnvironmentRecord, repo: Path) -> tuple[Verdict, st
     expected = commit_tree(repo, commit)
     if expected is None:
         return Verdict.UNKNOWN_COMMIT, f"commit {commit} is not in this checkout"
+    extras = untracked_in(environment.repo_changes)
+    if expected != tree and extras and tree_with_files(repo, commit, extras) == tree:
+        return Verdict.VERIFIED_PLUS_UNTRACKED, (
+            f"files of commit {commit[:12]} ({environment.repo_commit_source}), plus {len(extras)} untracked "
+            f"file(s) no commit holds: {', '.join(extras)}"
+        )
     if expected != tree:
         changes = environment.repo_changes
         listed = "not recorded" if changes is None else ("; ".join(changes[:5]) or "none") + (" ..." if len(changes) > 5 else "")

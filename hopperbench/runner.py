@@ -326,8 +326,7 @@ class TrackPlan:
     track: Track
     workloads: list[Any]
     sides: list[Side]  # the reference first
-    reference_warmup: int
-    reference_iterations: int
+    reference: ReferenceTiming
 
 
 @dataclass
@@ -455,12 +454,12 @@ def plan_run(args: argparse.Namespace, hooks: RunnerHooks) -> RunPlan:
 
     # Every track's reference protocol, selected or not, so that a run resumes with any --track.
     reference_timing = {t.name: _reference_timing(t, args, wanted_sides) for t in TRACKS.values()}
-    protocol["reference"] = {name: {"warmup": w, "iterations": i} for name, (w, i) in reference_timing.items()}
+    protocol["reference"] = {name: timing.record() for name, timing in reference_timing.items()}
     plans = []
     for track in tracks:
         sides = [s for s in hooks.sides_for(track, ctx) if _side_wanted(s, wanted_sides)]
         sides.sort(key=lambda s: s.name != REFERENCE)  # stable: the reference first, the rest as resolved
-        plans.append(TrackPlan(track, workloads[track.name], sides, *reference_timing[track.name]))
+        plans.append(TrackPlan(track, workloads[track.name], sides, reference_timing[track.name]))
 
     planned = {
         tp.track.name: PlannedTrack(workloads=[w.uuid for w in tp.workloads], sides=[s.name for s in tp.sides])
@@ -498,13 +497,25 @@ def _first(*values: int | None) -> int:
     return next(v for v in values if v is not None)
 
 
-def _reference_timing(track: Track, args: argparse.Namespace, wanted_sides: set[str] | None) -> tuple[int, int]:
-    """(warmup, iterations) of the reference side: flag, else the track's default, else the kernels'."""
+@dataclass(frozen=True)
+class ReferenceTiming:
+    """The reference side's counts (flag, else the track's default, else the kernels') and the
+    track's time budget per trial, which caps them for slow calls (`cupti_timer.budgeted_counts`)."""
+
+    warmup: int
+    iterations: int
+    time_budget_s: float | None
+
+    def record(self) -> dict[str, Any]:
+        return {"warmup": self.warmup, "iterations": self.iterations, "time_budget_s": self.time_budget_s}
+
+
+def _reference_timing(track: Track, args: argparse.Namespace, wanted_sides: set[str] | None) -> ReferenceTiming:
     warmup = _first(args.reference_warmup, track.timing.reference_warmup, args.warmup)
     iterations = _first(args.reference_iterations, track.timing.reference_iterations, args.iterations)
     if wanted_sides is not None and REFERENCE not in wanted_sides:
         iterations = 0  # it still runs for the stored outputs, just untimed
-    return warmup, iterations
+    return ReferenceTiming(warmup, iterations, track.timing.reference_time_budget_s)
 
 
 # ------------------------------------------------------------------------------------------
@@ -661,7 +672,7 @@ def run_workload(plan: RunPlan, tp: TrackPlan, workload: Any, launcher: Launcher
     if not pending:
         return
 
-    def job(side: Side, warmup: int, iterations: int) -> WorkerJob:
+    def job(side: Side, warmup: int, iterations: int, time_budget_s: float | None = None) -> WorkerJob:
         return WorkerJob(
             track=tp.track.name,
             side=side,
@@ -670,17 +681,19 @@ def run_workload(plan: RunPlan, tp: TrackPlan, workload: Any, launcher: Launcher
             trials=plan.trials,
             warmup=warmup,
             iterations=iterations,
+            time_budget_s=time_budget_s,
             scratch_dir=plan.scratch_dir,
         )
 
-    def execute(side: Side, warmup: int, iterations: int) -> SideResult:
-        return execute_job(job(side, warmup, iterations), launcher, plan.timeout, plan.logs_dir)
+    def execute(side: Side, warmup: int, iterations: int, time_budget_s: float | None = None) -> SideResult:
+        return execute_job(job(side, warmup, iterations, time_budget_s), launcher, plan.timeout, plan.logs_dir)
 
     reference_side = tp.sides[0]
     others = [s for s in pending if s.name != REFERENCE]
     finished_reference = plan.finished.get((tp.track.name, workload.uuid, REFERENCE))
     if finished_reference is None:
-        reference = execute(reference_side, tp.reference_warmup, tp.reference_iterations)
+        timing = tp.reference
+        reference = execute(reference_side, timing.warmup, timing.iterations, timing.time_budget_s)
         state.record(key, reference)
     else:
         reference = finished_reference.result

@@ -53,6 +53,8 @@ class WorkerJob(BaseModel):
     warmup: int
     # 0 = no timing: the reference side then only stores its outputs, another side only gets checked.
     iterations: int
+    # Caps warmup and iterations of a slow call to about this many seconds per trial (None: no cap).
+    time_budget_s: float | None = None
     scratch_dir: Path
     device: str = "cuda"
 
@@ -70,7 +72,8 @@ class WorkerDeps:
     make_inputs: Callable[..., dict[str, InputValue]]
     check_outputs: Callable[[AcceptanceRule, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], Any]
     merge_verdicts: Callable[[list[Any]], Any]
-    time_fn: Callable[[Callable[..., Any], Sequence[Any], int, int], list[float]]
+    # (fn, args, warmup, iterations, time_budget_s=...) -> per-iteration spans in ms
+    time_fn: Callable[..., list[float]]
     build: Callable[[Side, Any], Callable[..., Any]]
     # The floor of one trial's inputs: (track, workload axes, inputs) -> TrialFloor; raises
     # hopperbench.floors.FloorInputError when the inputs do not fit the floor model.
@@ -333,7 +336,9 @@ class JobRunner:
             args = list(inputs.values())
             if dps:
                 args += allocate_poisoned_outputs(self.definition, self.workload.axes, self.device)
-            spans = self.checked(partial(self.deps.time_fn, fn, args, job.warmup, job.iterations))
+            spans = self.checked(
+                partial(self.deps.time_fn, fn, args, job.warmup, job.iterations, time_budget_s=job.time_budget_s)
+            )
             per_trial.append(statistics.median(spans))
             del inputs, args
         return self.result(

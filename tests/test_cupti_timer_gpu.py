@@ -37,6 +37,41 @@ def test_protocol_record_names_the_choices():
     json.dumps(PROTOCOL)  # goes into the environment record as is
 
 
+@pytest.mark.parametrize(
+    "first_call_s, budget, expected",
+    [
+        (1e-5, 0.5, (3, 50)),  # a kernel: the counts as given
+        (0.002, 0.5, (3, 50)),  # 250 calls fit
+        (0.02, 0.5, (0, 25)),  # 25 fit: all timed, no warm-up
+        (0.009, 0.5, (3, 50)),  # 55 fit: 50 timed, 3 warm-up (of the 5 left)
+        (0.0095, 0.5, (2, 50)),  # 52 fit: 50 timed, 2 warm-up
+        (0.3, 0.5, (0, 1)),  # one fits
+        (2.0, 0.5, (0, 1)),  # none fits: still one timed call
+        (2.0, None, (3, 50)),  # no budget
+    ],
+)
+def test_budgeted_counts(first_call_s, budget, expected):
+    assert cupti_timer.budgeted_counts(first_call_s, 3, 50, budget) == expected
+
+
+def test_budget_must_be_positive():
+    with pytest.raises(ValueError, match="time_budget_s"):
+        cupti_timer.budgeted_counts(0.1, 3, 50, 0.0)
+
+
+@needs_cuda
+def test_a_slow_call_gets_fewer_timed_iterations_under_a_budget():
+    scratch = torch.zeros(1, device="cuda")
+
+    def slow(x):
+        time.sleep(0.05)  # host time: the span sees one small kernel
+        x.add_(1.0)
+
+    spans = time_cold_l2(slow, (scratch,), warmup=3, iterations=50, time_budget_s=0.2)
+    assert 1 <= len(spans) <= 4
+    assert len(time_cold_l2(torch.Tensor.add_, (scratch, 1.0), 3, 50, time_budget_s=0.2)) == 50
+
+
 def test_missing_cupti_python_is_reported(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupti", None)  # makes `from cupti import cupti` raise ImportError
     with pytest.raises(TimerUnavailable, match="cupti-python is not importable"):

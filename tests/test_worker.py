@@ -71,6 +71,7 @@ class Recorder:
         self.events: list[str] = []  # "floor" and "time", in call order
         self.floored_x: list[torch.Tensor] = []  # input x of each trial_floor call
         self.timed_x: list[torch.Tensor] = []  # first argument of each time_fn call
+        self.budgets: list[float | None] = []  # time_budget_s of each time_fn call
 
     def make_inputs(self, track, workload, seed, trial, device):
         self.inputs_made.append((seed, trial))
@@ -84,11 +85,12 @@ class Recorder:
         self.floored_x.append(inputs["x"])
         return TrialFloor(bytes_min=100.0 * inputs["s"], core_us=float(inputs["x"].abs().sum()))
 
-    def time_fn(self, fn, args, warmup, iterations):
+    def time_fn(self, fn, args, warmup, iterations, time_budget_s=None):
         fn(*args)  # the args must make a valid call
         self.events.append("time")
         self.timed_x.append(args[0])
         self.timed.append((len(args), warmup, iterations))
+        self.budgets.append(time_budget_s)
         base = float(len(self.timed))  # trial t gets spans centred on t + 1
         return [base - 0.1, base, base + 0.5]
 
@@ -159,8 +161,15 @@ def test_reference_stores_outputs_then_times_itself(tmp_path: Path, recorder: Re
     # 3 input sets for the outputs, 3 fresh ones for timing; value-returning: inputs only.
     assert recorder.inputs_made == [(0, 0), (0, 1), (0, 2)] * 2
     assert recorder.timed == [(3, 2, 5)] * 3
+    assert recorder.budgets == [None] * 3
     assert result.per_trial_ms == [1.0, 2.0, 3.0]
     assert (result.latency_ms, result.min_ms, result.max_ms) == (2.0, 1.0, 3.0)
+
+
+def test_the_jobs_time_budget_reaches_the_timer_of_every_trial(tmp_path: Path, recorder: Recorder) -> None:
+    budgeted = job(tmp_path, reference_side()).model_copy(update={"time_budget_s": 0.5})
+    assert run_job(budgeted, deps(recorder)).status == Status.PASSED
+    assert recorder.budgets == [0.5] * 3
 
 
 def test_reference_outputs_are_cached_per_seed(tmp_path: Path, recorder: Recorder) -> None:

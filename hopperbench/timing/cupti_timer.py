@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -171,12 +173,27 @@ def _stop_tracing(cupti: Any) -> None:
         cupti.finalize()
 
 
+def budgeted_counts(first_call_s: float, warmup: int, iterations: int, time_budget_s: float | None) -> tuple[int, int]:
+    """(warmup, iterations) for a call that took `first_call_s` untimed, when the warm-up and timed
+    calls of one trial should take about `time_budget_s`: as many timed calls as fit (at least 1,
+    at most `iterations`), then warm-up calls with what is left (at most `warmup`). No budget, or a
+    call fast enough for all of them: the counts as given."""
+    if time_budget_s is None:
+        return warmup, iterations
+    if time_budget_s <= 0:
+        raise ValueError(f"time_budget_s must be positive, got {time_budget_s}")
+    fits = math.floor(time_budget_s / max(first_call_s, 1e-9))
+    timed = min(iterations, max(1, fits))
+    return min(warmup, max(0, fits - timed)), timed
+
+
 def record_cold_l2(
     fn: Callable[..., Any],
     args: Sequence[Any],
     warmup: int,
     iterations: int,
     device: torch.device | str | int | None = None,
+    time_budget_s: float | None = None,
 ) -> ActivityTrace:
     """Run the cold-L2 protocol (see `time_cold_l2`) and return the raw activity trace."""
     if warmup < 0 or iterations < 1:
@@ -191,8 +208,10 @@ def record_cold_l2(
         flush_buffer = torch.empty(flush_buffer_bytes(dev), dtype=torch.int8, device=dev)
 
         torch.cuda.synchronize(dev)
+        started = time.perf_counter()
         fn(*args)  # a lazy compile or autotune lands here, untimed
         torch.cuda.synchronize(dev)
+        warmup, iterations = budgeted_counts(time.perf_counter() - started, warmup, iterations, time_budget_s)
         for _ in range(warmup):
             flush_buffer.zero_()
             fn(*args)
@@ -229,12 +248,14 @@ def time_cold_l2(
     warmup: int,
     iterations: int,
     device: torch.device | str | int | None = None,
+    time_budget_s: float | None = None,
 ) -> list[float]:
     """Per-iteration kernel span in ms of `fn(*args)` with a cold L2, measured with CUPTI.
 
     Protocol (FlashInfer >= 0.6.9 `bench_gpu_time_with_cupti`, cold L2, no CUDA graph):
     1. flush buffer: int8, 2 x the device's L2 size, allocated once; a flush zeroes it;
-    2. one untimed call, then synchronize;
+    2. one untimed call, then synchronize; with `time_budget_s`, its wall time caps the counts
+       (`budgeted_counts`: at least one timed call, at most `iterations`);
     3. `warmup` x {flush; call}, then synchronize;
     4. enable CUPTI activity kinds RUNTIME, DRIVER, CONCURRENT_KERNEL, MEMCPY, MEMSET;
     5. collect Python's garbage and disable its collector; `iterations` x {flush; synchronize;
@@ -250,7 +271,7 @@ def time_cold_l2(
     launches no GPU work, or different work from one iteration to the next, raises
     `span.TimingError`. Arguments are reused unchanged in every call (no clones).
     """
-    return record_cold_l2(fn, args, warmup, iterations, device).spans()
+    return record_cold_l2(fn, args, warmup, iterations, device, time_budget_s).spans()
 
 
 def empty_kernel_span_ms(

@@ -64,6 +64,9 @@ class SideResult(BaseModel):
     min_ms: float | None = None  # min over trials of the per-trial medians
     max_ms: float | None = None  # max over trials of the per-trial medians
     per_trial_ms: list[float] = Field(default_factory=list)
+    # How many timed calls each trial's median is over (fewer than the protocol's iterations only
+    # for a call slowed down to a time budget); empty in records that predate it.
+    per_trial_iterations: list[int] = Field(default_factory=list)
     # The floor of each timed trial's inputs, aligned with per_trial_ms; empty when the worker
     # recorded none (records written before it existed, or inputs the floor model cannot read).
     per_trial_floor: list[TrialFloor] = Field(default_factory=list)

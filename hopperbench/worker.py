@@ -327,7 +327,7 @@ class JobRunner:
         job = self.job
         if job.iterations == 0:
             return self.result(Status.PASSED, **stats)
-        per_trial = []
+        per_trial, per_trial_iterations = [], []
         floors: list[TrialFloor] | None = []  # None once a trial's inputs have no floor
         for trial in range(job.trials):
             inputs = self.inputs(trial)  # fresh: never the inputs the correctness call saw
@@ -340,6 +340,7 @@ class JobRunner:
                 partial(self.deps.time_fn, fn, args, job.warmup, job.iterations, time_budget_s=job.time_budget_s)
             )
             per_trial.append(statistics.median(spans))
+            per_trial_iterations.append(len(spans))
             del inputs, args
         return self.result(
             Status.PASSED,
@@ -347,6 +348,7 @@ class JobRunner:
             min_ms=min(per_trial),
             max_ms=max(per_trial),
             per_trial_ms=per_trial,
+            per_trial_iterations=per_trial_iterations,
             per_trial_floor=floors or [],
             **stats,
         )

@@ -163,6 +163,7 @@ def test_reference_stores_outputs_then_times_itself(tmp_path: Path, recorder: Re
     assert recorder.timed == [(3, 2, 5)] * 3
     assert recorder.budgets == [None] * 3
     assert result.per_trial_ms == [1.0, 2.0, 3.0]
+    assert result.per_trial_iterations == [3, 3, 3]  # the recorder returns three spans per trial
     assert (result.latency_ms, result.min_ms, result.max_ms) == (2.0, 1.0, 3.0)
 
 

@@ -166,6 +166,13 @@ GDN_PREFILL = Track(
             package="fla-core==0.6.0",
         ),
     ),
+    candidates=(
+        CandidateSide(
+            name="cand_idle_prefetch",
+            entry="candidate_idle_prefetch.py::run",
+            description="the chunked path with the P2 q copy issued by the two idle warps (v1.3)",
+        ),
+    ),
 )
 
 MOE = Track(

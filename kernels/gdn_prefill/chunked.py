@@ -62,7 +62,7 @@ from .token_serial import (
 )
 from .token_serial import _check_inputs as check_inputs
 
-__all__ = ["GdnShapeError", "compile_only", "compiled_for", "resolve_scale", "run"]
+__all__ = ["GdnShapeError", "compile_only", "compiled_for", "resolve_scale", "run", "run_kernel"]
 
 CHUNK = 64  # tokens per chunk
 BLOCK = 16  # MMA tile edge; diagonal blocks of T
@@ -280,7 +280,7 @@ class _Chunked:
         bias = dt_bias[head]
         if num_chunks > 0:
             self.load_chunk(g2s, k, v, a, b, raw_k, raw_v, raw_a, raw_b, start, length, 0, 0, head, v0, tidx)
-            self.load_q(g2s, q, kq_raw, start, length, 0, head, tidx)
+            self.load_q(g2s, q, kq_raw, start, length, 0, head, tidx, NUM_THREADS)
         cute.arch.cp_async_commit_group()
 
         acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
@@ -376,7 +376,7 @@ class _Chunked:
             # ---- P2: prefetch the next chunk's q rows (the q half of kq is dead after P1);
             # diagonal blocks of T = (I + A)^-1, one thread per column, fp32 ----
             if chunk + 1 < num_chunks:
-                self.load_q(g2s, q, kq_raw, start, length, chunk + 1, head, tidx)
+                self.prefetch_next_q(g2s, q, kq_raw, start, length, chunk + 1, head, tidx)
             cute.arch.cp_async_commit_group()
             if tidx < CHUNK:
                 self.invert_diagonal_block(a_diag, t16, tidx)
@@ -553,7 +553,7 @@ class _Chunked:
                 cute.copy(g2s, b[start + first + j, None], raw_b[stage, j, None])
 
     @cute.jit
-    def load_q(
+    def prefetch_next_q(
         self,
         g2s: cute.CopyAtom,
         q: cute.Tensor,
@@ -564,12 +564,29 @@ class _Chunked:
         head: cutlass.Int32,
         tidx: cutlass.Int32,
     ):
-        """Issue the cp.async copies of one chunk's q rows (bf16) into the q half of kq; tokens past
-        the end are skipped."""
+        """P2's copy of the next chunk's q rows: by all threads (a candidate may issue it from
+        fewer)."""
+        self.load_q(g2s, q, kq_raw, start, length, chunk, head, tidx, NUM_THREADS)
+
+    @cute.jit
+    def load_q(
+        self,
+        g2s: cute.CopyAtom,
+        q: cute.Tensor,
+        kq_raw: cute.Tensor,
+        start: cutlass.Int32,
+        length: cutlass.Int32,
+        chunk: cutlass.Int32,
+        head: cutlass.Int32,
+        worker: cutlass.Int32,
+        num_workers: cutlass.Constexpr[int],
+    ):
+        """Issue the cp.async copies of one chunk's q rows (bf16) into the q half of kq, from the
+        threads numbered `worker` = 0 .. num_workers - 1; tokens past the end are skipped."""
         qk_head = head // V_HEADS_PER_QK_HEAD
         first = chunk * CHUNK
-        for i in cutlass.range_constexpr(CHUNK * PIECES_PER_ROW // NUM_THREADS):
-            linear = i * NUM_THREADS + tidx
+        for i in cutlass.range_constexpr(CHUNK * PIECES_PER_ROW // num_workers):
+            linear = i * num_workers + worker
             j = linear // PIECES_PER_ROW
             piece = linear % PIECES_PER_ROW
             if first + j < length:
@@ -682,18 +699,15 @@ class _Chunked:
 # Host side: compile once per architecture, then each call is one TVM-FFI launch.
 # ------------------------------------------------------------------------------------------------
 
-_COMPILED: dict[str, Callable] = {}
+_COMPILED: dict[tuple[str, type], Callable] = {}
 
 
-def _compile(arch: str) -> Callable:
-    return compile_launcher(GdnPrefillSm90(_Chunked), arch)
-
-
-def compiled_for(arch: str = GPU_ARCH) -> Callable:
-    """The compiled launcher for `arch` (compiled on first use; needs no GPU)."""
-    fn = _COMPILED.get(arch)
+def compiled_for(arch: str = GPU_ARCH, kernel: type = _Chunked) -> Callable:
+    """The compiled launcher of `kernel` (this file's, or a candidate's subclass of it) for `arch`
+    (compiled on first use; needs no GPU)."""
+    fn = _COMPILED.get((arch, kernel))
     if fn is None:
-        fn = _COMPILED[arch] = _compile(arch)
+        fn = _COMPILED[(arch, kernel)] = compile_launcher(GdnPrefillSm90(kernel), arch)
     return fn
 
 
@@ -706,11 +720,16 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
     """Destination-passing entry, same contract as kernel.run: fills `output` [T,8,128] bf16 and
     `new_state` [N,8,128,128] fp32; `state` None means zeros; `scale` None or 0 means 1/sqrt(128).
     No device reads, no host synchronisation: one kernel launch on the current stream."""
+    run_kernel(_Chunked, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+
+
+def run_kernel(kernel: type, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+    """`run` with `kernel` (this file's kernel class or a candidate's subclass of it)."""
     check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
     if new_state.shape[0] == 0:
         return
     has_state = state is not None
-    compiled_for()(
+    compiled_for(GPU_ARCH, kernel)(
         q,
         k,
         v,

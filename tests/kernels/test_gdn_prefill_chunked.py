@@ -11,7 +11,9 @@ chunk step for full and partial chunks; the copy loops cover their tiles once; t
 (chunked_model.py) matches the token-serial reference in float64 (the algebra: orientation,
 decays, masking of partial chunks, the blocked inverse) and, with the kernel's fp16 operand
 rounding, passes the track's acceptance rule with a wide margin on long-memory and fast-decay gates.
-GPU: the GPU tests of tests/kernels/test_gdn_prefill_kernel.py run `chunked.run` too (every check
+The candidate `candidate_idle_prefetch.py` (a subclass that changes who issues P2's q copy) compiles
+separately and its copy loop covers the q rows once.
+GPU: the GPU tests of tests/kernels/test_gdn_prefill_kernel.py run `chunked.run` and the candidate too (every check
 case against the reference, the input state untouched, CUDA-graph replay with new bounds).
 """
 
@@ -31,6 +33,7 @@ from hopperbench.paths import REPO_ROOT
 cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 device_check = load_module_by_path(REPO_ROOT / "tools/device_check_gdn.py", "device_check_gdn")
 chunked = device_check.load_kernel_module("chunked")  # imports its sibling token_serial.py as a package would
+candidate = device_check.load_kernel_module("candidate_idle_prefetch")
 model = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/chunked_model.py", "gdn_chunked_model")
 reference_run = cases.load_reference_run()
 
@@ -58,6 +61,17 @@ def test_compiles_for_sm90a_without_gpu():
     compiled = chunked.compile_only("sm_90a")
     assert callable(compiled)
     assert chunked.compile_only("sm_90a") is compiled  # cached: no second compile
+
+
+def test_candidate_compiles_separately_and_shares_the_entry_checks():
+    compiled = candidate.compile_only("sm_90a")
+    assert callable(compiled) and compiled is not chunked.compile_only("sm_90a")  # keyed on the kernel class
+    assert candidate.compile_only("sm_90a") is compiled
+    case = next(c for c in cases.CASES if c.name == "len6_state_scale05")
+    inputs = cases.make_inputs(case, "cpu", seed=1)
+    output, new_state = cases.poisoned_outputs(case, "cpu")
+    with pytest.raises(chunked.GdnShapeError, match="cu_seqlens"):
+        candidate.run(*dict(inputs, cu_seqlens=inputs["cu_seqlens"].int()).values(), output, new_state)
 
 
 def test_tiling_covers_state_and_chunk():
@@ -538,6 +552,10 @@ def test_copy_loops_cover_their_tiles_once():
     assert covered(C * v_pieces // threads, v_pieces) == [(j, p) for j in range(C) for p in range(v_pieces)]
     assert sorted((t % C, t // C) for t in range(threads)) == [(j, r) for j in range(C) for r in range(2)]
     assert covered(2 * C * P // threads, P) == [(r, p) for r in range(2 * C) for p in range(P)]
+    # load_q from the candidate's 64 prefetching threads (workers 0..63): 16 rounds.
+    workers = candidate.PREFETCH_THREADS
+    by_workers = sorted(divmod(i * workers + t, P) for i in range(C * P // workers) for t in range(workers))
+    assert by_workers == [(j, p) for j in range(C) for p in range(P)]
     assert covered(C * C // threads, C) == [(r, c) for r in range(C) for c in range(C)]
 
 

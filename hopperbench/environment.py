@@ -9,6 +9,7 @@ its own process, so that the runner itself never holds a CUDA context or CUPTI.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import platform
@@ -16,7 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -196,6 +197,21 @@ def _torch_cuda_version() -> str | None:
     return torch.version.cuda
 
 
+@contextlib.contextmanager
+def temporary_index(repo_root: Path) -> Iterator[Callable[..., str]]:
+    """A `git` runner for `repo_root` whose index is a temporary file: the real index is never
+    touched. Yields git(*args) -> stdout (stripped); a failing command raises."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+
+        def git(*args: str) -> str:
+            done = subprocess.run(["git", "-C", str(repo_root), *args], env=env, capture_output=True, text=True,
+                                  timeout=60, check=True)  # fmt: skip
+            return done.stdout.strip()
+
+        yield git
+
+
 def working_tree_id(repo_root: Path) -> str:
     """The git tree id of the working tree's files as they are now.
 
@@ -205,14 +221,7 @@ def working_tree_id(repo_root: Path) -> str:
     those of <commit>, whatever HEAD the copy's .git holds. Like `git stash create`, it writes blob
     objects into the repository's object store and changes nothing else.
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
-
-        def git(*args: str) -> str:
-            done = subprocess.run(["git", "-C", str(repo_root), *args], env=env, capture_output=True, text=True,
-                                  timeout=60, check=True)  # fmt: skip
-            return done.stdout.strip()
-
+    with temporary_index(repo_root) as git:
         git("read-tree", "HEAD")
         gitlinks = [line.split("\t", 1)[1] for line in git("ls-files", "--stage").splitlines() if line.startswith("160000")]
         git("add", "-A", "--", ".", *(f":(exclude){path}" for path in gitlinks))

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import tempfile
 from enum import Enum
 from pathlib import Path
 
-from hopperbench.environment import EnvironmentRecord
+from hopperbench.environment import EnvironmentRecord, temporary_index
 from hopperbench.paths import REPO_ROOT
 
 
@@ -50,13 +48,7 @@ def tree_with_files(repo: Path, commit: str, paths: list[str]) -> str | None:
     of them is missing here."""
     if not all((repo / path).is_file() for path in paths):
         return None
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
-
-        def git(*args: str) -> str:
-            done = subprocess.run(["git", "-C", str(repo), *args], env=env, capture_output=True, text=True, check=True)
-            return done.stdout.strip()
-
+    with temporary_index(repo) as git:
         git("read-tree", commit)
         git("add", "-f", "--", *paths)
         return git("write-tree")

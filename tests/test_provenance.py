@@ -115,6 +115,9 @@ def test_untracked_helper_files_in_the_copy_are_named_and_the_commit_still_verif
     (repo / "scratch" / "run.sh").write_text("echo changed since\n")
     assert verify.verdict_for(record, repo)[0] is verify.Verdict.MISMATCH
     (repo / "scratch" / "run.sh").write_text("echo run\n")
+    # A file the commit tracks but the copy's older HEAD did not is listed "??" there: not an extra.
+    assert verify.untracked_in(["?? kernel.py", "?? scratch/run.sh"]) == ["kernel.py", "scratch/run.sh"]
+    assert verify.tracked_by(repo, "HEAD", "kernel.py") and not verify.tracked_by(repo, "HEAD", "scratch/run.sh")
     (repo / "kernel.py").write_text("A = 3\n")
     edited = EnvironmentRecord.model_validate(_repo_state(repo))
     assert verify.verdict_for(edited, repo)[0] is verify.Verdict.MISMATCH

@@ -54,6 +54,11 @@ def tree_with_files(repo: Path, commit: str, paths: list[str]) -> str | None:
         return git("write-tree")
 
 
+def tracked_by(repo: Path, commit: str, path: str) -> bool:
+    done = subprocess.run(["git", "-C", str(repo), "cat-file", "-e", f"{commit}:{path}"], capture_output=True, check=False)
+    return done.returncode == 0
+
+
 def untracked_in(changes: list[str] | None) -> list[str]:
     """The paths `git status --porcelain` listed as untracked ("?? path")."""
     return [line[3:] for line in changes or [] if line.startswith("?? ")]
@@ -66,7 +71,8 @@ def verdict_for(environment: EnvironmentRecord, repo: Path) -> tuple[Verdict, st
     expected = commit_tree(repo, commit)
     if expected is None:
         return Verdict.UNKNOWN_COMMIT, f"commit {commit} is not in this checkout"
-    extras = untracked_in(environment.repo_changes)
+    # Untracked in the copy, whose .git may sit at an older commit: only files `commit` lacks.
+    extras = [path for path in untracked_in(environment.repo_changes) if not tracked_by(repo, commit, path)]
     if expected != tree and extras and tree_with_files(repo, commit, extras) == tree:
         return Verdict.VERIFIED_PLUS_UNTRACKED, (
             f"files of commit {commit[:12]} ({environment.repo_commit_source}), plus {len(extras)} untracked "

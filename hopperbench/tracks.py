@@ -172,6 +172,11 @@ GDN_PREFILL = Track(
             entry="candidate_idle_prefetch.py::run",
             description="the chunked path with the P2 q copy issued by the two idle warps (v1.3)",
         ),
+        CandidateSide(
+            name="cand_base2_decay",
+            entry="candidate_base2_decay.py::run",
+            description="the chunked path with base-2 log decays and one ex2.approx per decay factor (v1.4)",
+        ),
     ),
 )
 

@@ -135,6 +135,15 @@ def _layout(view: tuple[tuple[int, ...], tuple[int, ...]]) -> cute.Layout:
 class _Chunked:
     """The kernel: one CTA = one (sequence, v-head, 32-row V-slice); see the module docstring."""
 
+    # cum_log_g holds the chunk's cumulative log decays G times this factor (1: natural logs), and
+    # `decay` turns a difference of such values into the decay factor exp(G_i - G_j) (a candidate
+    # may keep them in base 2 for a cheaper exponential).
+    LOG_DECAY_SCALE = 1.0
+
+    @cute.jit
+    def decay(self, scaled_log_decay: cutlass.Float32) -> cutlass.Float32:
+        return cute.math.exp(scaled_log_decay)
+
     @cute.jit
     def launch(
         self,
@@ -277,6 +286,8 @@ class _Chunked:
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
         )
         neg_decay_rate = -cute.math.exp(A_log[head])
+        if cutlass.const_expr(self.LOG_DECAY_SCALE != 1.0):
+            neg_decay_rate = neg_decay_rate * self.LOG_DECAY_SCALE  # log g, hence G, in those units
         bias = dt_bias[head]
         if num_chunks > 0:
             self.load_chunk(g2s, k, v, a, b, raw_k, raw_v, raw_a, raw_b, start, length, 0, 0, head, v0, tidx)
@@ -329,7 +340,7 @@ class _Chunked:
                     j = col_block * BLOCK + coords_sq[e][1]
                     value = cutlass.Float32(0.0)
                     if j < i:
-                        value = beta[i] * cute.math.exp(cum_log_g[i] - cum_log_g[j]) * acc_sq[e]
+                        value = beta[i] * self.decay(cum_log_g[i] - cum_log_g[j]) * acc_sq[e]
                     a16[i, j] = value.to(cutlass.Float16)
                     if col_block == k_block:
                         a_diag[i, coords_sq[e][1]] = value
@@ -347,7 +358,7 @@ class _Chunked:
                     j = col_block * BLOCK + coords_sq[e][1]
                     value = cutlass.Float32(0.0)
                     if j <= i:
-                        value = cute.math.exp(cum_log_g[i] - cum_log_g[j]) * acc_sq[e]
+                        value = self.decay(cum_log_g[i] - cum_log_g[j]) * acc_sq[e]
                     p16[i, j] = value.to(cutlass.Float16)
 
             # Xb^T[v, i] = beta_i (v_i - exp(G_i) k_i S0^T); zero past the end (raw_v holds garbage there).
@@ -360,7 +371,7 @@ class _Chunked:
                 col = coords_rows[e][1]
                 value = cutlass.Float32(0.0)
                 if i < tokens_here:
-                    predicted = cute.math.exp(cum_log_g[i]) * acc_y[e]
+                    predicted = self.decay(cum_log_g[i]) * acc_y[e]
                     value = beta[i] * (raw_v[stage, i, col].to(cutlass.Float32) - predicted)
                 xb_t[col, i] = value.to(cutlass.Float16)
             # The inter-chunk part of the output, exp(G_i) q_i S0^T, stays in acc_o until P6.
@@ -370,7 +381,7 @@ class _Chunked:
                 cute.local_tile(kq, (BLOCK, HEAD_SIZE), (NUM_BLOCKS + warp_idx, 0)), s16, acc_o,
             )  # fmt: skip
             for e in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[e] = cute.math.exp(cum_log_g[row0 + coords_rows[e][0]]) * acc_o[e]
+                acc_o[e] = self.decay(cum_log_g[row0 + coords_rows[e][0]]) * acc_o[e]
             cute.arch.sync_threads()
 
             # ---- P2: prefetch the next chunk's q rows (the q half of kq is dead after P1);
@@ -444,7 +455,7 @@ class _Chunked:
                 i = row0 + coords_rows[e][0]
                 col = coords_rows[e][1]
                 vn_t[col, i] = acc_y[e].to(cutlass.Float16)
-                vnc_t[col, i] = (acc_y[e] * cute.math.exp(g_last - cum_log_g[i])).to(cutlass.Float16)
+                vnc_t[col, i] = (acc_y[e] * self.decay(g_last - cum_log_g[i])).to(cutlass.Float16)
             cute.arch.sync_threads()
 
             # ---- P6: O = exp(G) Q S0^T + P V'; S = exp(G_last) S + V'c^T K ----
@@ -457,7 +468,7 @@ class _Chunked:
                     output[start + chunk_start + i, head, v0 + coords_rows[e][1]] = (scale * acc_o[e]).to(
                         cutlass.BFloat16
                     )
-            chunk_decay = cute.math.exp(g_last)
+            chunk_decay = self.decay(g_last)
             for e in cutlass.range_constexpr(cute.size(acc_state)):
                 acc_state[e] = chunk_decay * acc_state[e]
             self.warp_gemm(
@@ -637,7 +648,8 @@ class _Chunked:
         beta: cute.Tensor,
     ):
         """Warp 0: log g and beta of the chunk's 64 tokens (lane l takes tokens 2l, 2l + 1; zero
-        past the end), then G = inclusive cumulative sum of log g by a shuffle scan."""
+        past the end), then G = inclusive cumulative sum of log g by a shuffle scan (both in units of
+        LOG_DECAY_SCALE: `neg_decay_rate` carries it)."""
         first = 2 * lane
         log_g0, beta0 = self.token_gates(raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, first)
         log_g1, beta1 = self.token_gates(raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, first + 1)

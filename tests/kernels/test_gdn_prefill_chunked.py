@@ -11,8 +11,9 @@ chunk step for full and partial chunks; the copy loops cover their tiles once; t
 (chunked_model.py) matches the token-serial reference in float64 (the algebra: orientation,
 decays, masking of partial chunks, the blocked inverse) and, with the kernel's fp16 operand
 rounding, passes the track's acceptance rule with a wide margin on long-memory and fast-decay gates.
-The candidate `candidate_idle_prefetch.py` (a subclass that changes who issues P2's q copy) compiles
-separately and its copy loop covers the q rows once.
+The candidates `candidate_idle_prefetch.py` (a subclass that changes who issues P2's q copy) and
+`candidate_base2_decay.py` (G in base 2, one ex2.approx per decay factor) compile separately; the
+first one's copy loop covers the q rows once.
 GPU: the GPU tests of tests/kernels/test_gdn_prefill_kernel.py run `chunked.run` and the candidate too (every check
 case against the reference, the input state untouched, CUDA-graph replay with new bounds).
 """
@@ -34,6 +35,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "g
 device_check = load_module_by_path(REPO_ROOT / "tools/device_check_gdn.py", "device_check_gdn")
 chunked = device_check.load_kernel_module("chunked")  # imports its sibling token_serial.py as a package would
 candidate = device_check.load_kernel_module("candidate_idle_prefetch")
+base2 = device_check.load_kernel_module("candidate_base2_decay")
 model = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/chunked_model.py", "gdn_chunked_model")
 reference_run = cases.load_reference_run()
 
@@ -63,15 +65,23 @@ def test_compiles_for_sm90a_without_gpu():
     assert chunked.compile_only("sm_90a") is compiled  # cached: no second compile
 
 
-def test_candidate_compiles_separately_and_shares_the_entry_checks():
-    compiled = candidate.compile_only("sm_90a")
+@pytest.mark.parametrize("module", [candidate, base2], ids=["idle_prefetch", "base2_decay"])
+def test_candidates_compile_separately_and_share_the_entry_checks(module):
+    compiled = module.compile_only("sm_90a")
     assert callable(compiled) and compiled is not chunked.compile_only("sm_90a")  # keyed on the kernel class
-    assert candidate.compile_only("sm_90a") is compiled
+    assert module.compile_only("sm_90a") is compiled
     case = next(c for c in cases.CASES if c.name == "len6_state_scale05")
     inputs = cases.make_inputs(case, "cpu", seed=1)
     output, new_state = cases.poisoned_outputs(case, "cpu")
     with pytest.raises(chunked.GdnShapeError, match="cu_seqlens"):
-        candidate.run(*dict(inputs, cu_seqlens=inputs["cu_seqlens"].int()).values(), output, new_state)
+        module.run(*dict(inputs, cu_seqlens=inputs["cu_seqlens"].int()).values(), output, new_state)
+
+
+def test_base2_decays_are_the_same_factors():
+    # G in units of log2(e) and 2^x give exp(G): the identity the base-2 candidate relies on.
+    G = torch.tensor([0.0, -0.3, -7.5, -80.0], dtype=torch.float64)
+    assert torch.allclose(torch.exp2(G * base2._Base2Decay.LOG_DECAY_SCALE), torch.exp(G), rtol=1e-12)
+    assert chunked._Chunked.LOG_DECAY_SCALE == 1.0
 
 
 def test_tiling_covers_state_and_chunk():

@@ -173,9 +173,9 @@ GDN_PREFILL = Track(
             description="the chunked path with the P2 q copy issued by the two idle warps (v1.3)",
         ),
         CandidateSide(
-            name="cand_base2_decay",
-            entry="candidate_base2_decay.py::run",
-            description="the chunked path with base-2 log decays and one ex2.approx per decay factor (v1.4)",
+            name="cand_lean_epilogues",
+            entry="candidate_lean_epilogues.py::run",
+            description="the chunked path with branch-free epilogues and one ex2.approx per decay factor (v1.4)",
         ),
     ),
 )

@@ -144,6 +144,74 @@ class _Chunked:
     def decay(self, scaled_log_decay: cutlass.Float32) -> cutlass.Float32:
         return cute.math.exp(scaled_log_decay)
 
+    # The three masked epilogues of P1 (a candidate may compute them without branches).
+    @cute.jit
+    def a_tile_epilogue(
+        self,
+        acc: cute.Tensor,
+        coords: cute.Tensor,
+        row_block: cutlass.Int32,
+        col_block: cutlass.Int32,
+        cum_log_g: cute.Tensor,
+        beta: cute.Tensor,
+        a16: cute.Tensor,
+        a_diag: cute.Tensor,
+    ):
+        """A[i, j] = beta_i exp(G_i - G_j) (k_i . k_j) strictly below the diagonal, else 0, for the
+        16x16 tile (row_block, col_block): into a16, and into a_diag on a diagonal tile."""
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i = row_block * BLOCK + coords[e][0]
+            j = col_block * BLOCK + coords[e][1]
+            value = cutlass.Float32(0.0)
+            if j < i:
+                value = beta[i] * self.decay(cum_log_g[i] - cum_log_g[j]) * acc[e]
+            a16[i, j] = value.to(cutlass.Float16)
+            if col_block == row_block:
+                a_diag[i, coords[e][1]] = value
+
+    @cute.jit
+    def p_tile_epilogue(
+        self,
+        acc: cute.Tensor,
+        coords: cute.Tensor,
+        row_block: cutlass.Int32,
+        col_block: cutlass.Int32,
+        cum_log_g: cute.Tensor,
+        p16: cute.Tensor,
+    ):
+        """P[i, j] = exp(G_i - G_j) (q_i . k_j) on and below the diagonal, else 0, for the tile."""
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i = row_block * BLOCK + coords[e][0]
+            j = col_block * BLOCK + coords[e][1]
+            value = cutlass.Float32(0.0)
+            if j <= i:
+                value = self.decay(cum_log_g[i] - cum_log_g[j]) * acc[e]
+            p16[i, j] = value.to(cutlass.Float16)
+
+    @cute.jit
+    def xb_epilogue(
+        self,
+        acc: cute.Tensor,
+        coords: cute.Tensor,
+        row0: cutlass.Int32,
+        cum_log_g: cute.Tensor,
+        beta: cute.Tensor,
+        raw_v: cute.Tensor,
+        stage: cutlass.Int32,
+        tokens_here: cutlass.Int32,
+        xb_t: cute.Tensor,
+    ):
+        """Xb^T[col, i] = beta_i (v_i - exp(G_i) k_i S0^T) for the warp's 16 token rows; 0 past the
+        end (raw_v holds garbage there)."""
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i = row0 + coords[e][0]
+            col = coords[e][1]
+            value = cutlass.Float32(0.0)
+            if i < tokens_here:
+                predicted = self.decay(cum_log_g[i]) * acc[e]
+                value = beta[i] * (raw_v[stage, i, col].to(cutlass.Float32) - predicted)
+            xb_t[col, i] = value.to(cutlass.Float16)
+
     @cute.jit
     def launch(
         self,
@@ -335,15 +403,7 @@ class _Chunked:
                     cute.local_tile(kq, (BLOCK, HEAD_SIZE), (col_block, 0)),
                     acc_sq,
                 )  # fmt: skip
-                for e in cutlass.range_constexpr(cute.size(acc_sq)):
-                    i = k_block * BLOCK + coords_sq[e][0]
-                    j = col_block * BLOCK + coords_sq[e][1]
-                    value = cutlass.Float32(0.0)
-                    if j < i:
-                        value = beta[i] * self.decay(cum_log_g[i] - cum_log_g[j]) * acc_sq[e]
-                    a16[i, j] = value.to(cutlass.Float16)
-                    if col_block == k_block:
-                        a_diag[i, coords_sq[e][1]] = value
+                self.a_tile_epilogue(acc_sq, coords_sq, k_block, col_block, cum_log_g, beta, a16, a_diag)
             q_block = NUM_BLOCKS - 1 - warp_idx
             for col_block in cutlass.range(q_block + 1, unroll=1):
                 acc_sq.fill(0.0)
@@ -353,27 +413,14 @@ class _Chunked:
                     cute.local_tile(kq, (BLOCK, HEAD_SIZE), (col_block, 0)),
                     acc_sq,
                 )  # fmt: skip
-                for e in cutlass.range_constexpr(cute.size(acc_sq)):
-                    i = q_block * BLOCK + coords_sq[e][0]
-                    j = col_block * BLOCK + coords_sq[e][1]
-                    value = cutlass.Float32(0.0)
-                    if j <= i:
-                        value = self.decay(cum_log_g[i] - cum_log_g[j]) * acc_sq[e]
-                    p16[i, j] = value.to(cutlass.Float16)
+                self.p_tile_epilogue(acc_sq, coords_sq, q_block, col_block, cum_log_g, p16)
 
             # Xb^T[v, i] = beta_i (v_i - exp(G_i) k_i S0^T); zero past the end (raw_v holds garbage there).
             acc_y.fill(0.0)
             self.warp_gemm(
                 tiled_mma, copy_a, copy_b, lane, cute.local_tile(kq, (BLOCK, HEAD_SIZE), (warp_idx, 0)), s16, acc_y
             )
-            for e in cutlass.range_constexpr(cute.size(acc_y)):
-                i = row0 + coords_rows[e][0]
-                col = coords_rows[e][1]
-                value = cutlass.Float32(0.0)
-                if i < tokens_here:
-                    predicted = self.decay(cum_log_g[i]) * acc_y[e]
-                    value = beta[i] * (raw_v[stage, i, col].to(cutlass.Float32) - predicted)
-                xb_t[col, i] = value.to(cutlass.Float16)
+            self.xb_epilogue(acc_y, coords_rows, row0, cum_log_g, beta, raw_v, stage, tokens_here, xb_t)
             # The inter-chunk part of the output, exp(G_i) q_i S0^T, stays in acc_o until P6.
             acc_o.fill(0.0)
             self.warp_gemm(

@@ -12,7 +12,7 @@ chunk step for full and partial chunks; the copy loops cover their tiles once; t
 decays, masking of partial chunks, the blocked inverse) and, with the kernel's fp16 operand
 rounding, passes the track's acceptance rule with a wide margin on long-memory and fast-decay gates.
 The candidates `candidate_idle_prefetch.py` (a subclass that changes who issues P2's q copy) and
-`candidate_base2_decay.py` (G in base 2, one ex2.approx per decay factor) compile separately; the
+`candidate_lean_epilogues.py` (branch-free epilogues, one ex2.approx per decay factor) compile separately; the
 first one's copy loop covers the q rows once.
 GPU: the GPU tests of tests/kernels/test_gdn_prefill_kernel.py run `chunked.run` and the candidate too (every check
 case against the reference, the input state untouched, CUDA-graph replay with new bounds).
@@ -35,7 +35,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "g
 device_check = load_module_by_path(REPO_ROOT / "tools/device_check_gdn.py", "device_check_gdn")
 chunked = device_check.load_kernel_module("chunked")  # imports its sibling token_serial.py as a package would
 candidate = device_check.load_kernel_module("candidate_idle_prefetch")
-base2 = device_check.load_kernel_module("candidate_base2_decay")
+lean = device_check.load_kernel_module("candidate_lean_epilogues")
 model = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/chunked_model.py", "gdn_chunked_model")
 reference_run = cases.load_reference_run()
 
@@ -65,7 +65,7 @@ def test_compiles_for_sm90a_without_gpu():
     assert chunked.compile_only("sm_90a") is compiled  # cached: no second compile
 
 
-@pytest.mark.parametrize("module", [candidate, base2], ids=["idle_prefetch", "base2_decay"])
+@pytest.mark.parametrize("module", [candidate, lean], ids=["idle_prefetch", "lean_epilogues"])
 def test_candidates_compile_separately_and_share_the_entry_checks(module):
     compiled = module.compile_only("sm_90a")
     assert callable(compiled) and compiled is not chunked.compile_only("sm_90a")  # keyed on the kernel class
@@ -78,9 +78,9 @@ def test_candidates_compile_separately_and_share_the_entry_checks(module):
 
 
 def test_base2_decays_are_the_same_factors():
-    # G in units of log2(e) and 2^x give exp(G): the identity the base-2 candidate relies on.
+    # G in units of log2(e) and 2^x give exp(G): the identity the lean-epilogue candidate relies on.
     G = torch.tensor([0.0, -0.3, -7.5, -80.0], dtype=torch.float64)
-    assert torch.allclose(torch.exp2(G * base2._Base2Decay.LOG_DECAY_SCALE), torch.exp(G), rtol=1e-12)
+    assert torch.allclose(torch.exp2(G * lean._LeanEpilogues.LOG_DECAY_SCALE), torch.exp(G), rtol=1e-12)
     assert chunked._Chunked.LOG_DECAY_SCALE == 1.0
 
 

@@ -2,8 +2,8 @@
 for T > 2048 tokens, where 64 x 128 tiles do more MMA work per weight byte than weight streaming.
 It was the whole of `kernel.py` until the streaming path (v1) was promoted (see NOTES.md).
 
-Five kernels, all launched by one TVM-FFI call with no host synchronisation and no data-dependent
-host logic (grids are sized from T only):
+Five kernels, all launched by one TVM-FFI call (`host.py`, shared with `kernel.py`'s streaming
+path) with no host synchronisation and no data-dependent host logic (grids are sized from T only):
 
 1. `routing.ZeroCountsKernel`: zeroes the 32 per-expert token counters (a workspace of this call).
 2. `routing.RoutingKernel`, one warp per token: DeepSeek-V3 no-aux routing in fp32 (sigmoid, +bias, top-2
@@ -41,13 +41,8 @@ from typing import Callable
 
 import torch
 
-import cutlass
-import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-
-from .combine import CombineKernel
+from . import host
 from .grouped_gemm import GroupedGemm
-from .routing import RoutingKernel, ZeroCountsKernel
 from .shapes import (
     BLOCK,
     BLOCK_M,
@@ -59,7 +54,6 @@ from .shapes import (
     MAX_TOKENS,
     NUM_EXPERTS,
     NUM_LOCAL_EXPERTS,
-    TOP_K,
     max_row_tiles,
 )
 
@@ -73,118 +67,15 @@ class MoeShapeError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------
-# host function of all five kernels
-# ------------------------------------------------------------------------------------------------
-
-
-class MoeFp8BlockScaleSm90:
-    """One compile serves every T (dynamic) and every offset / scaling factor (runtime scalars)."""
-
-    @cute.jit
-    def __call__(
-        self,
-        routing_logits: cute.Tensor,
-        routing_bias: cute.Tensor,
-        hidden_states: cute.Tensor,
-        hidden_states_scale: cute.Tensor,
-        gemm1_weights: cute.Tensor,
-        gemm1_weights_scale: cute.Tensor,
-        gemm2_weights: cute.Tensor,
-        gemm2_weights_scale: cute.Tensor,
-        local_expert_offset: cutlass.Int32,
-        routed_scaling_factor: cutlass.Float32,
-        output: cute.Tensor,
-        counts: cute.Tensor,
-        expert_tokens: cute.Tensor,
-        slot_expert: cute.Tensor,
-        slot_rank: cute.Tensor,
-        slot_weight: cute.Tensor,
-        intermediate: cute.Tensor,
-        expert_out: cute.Tensor,
-        num_row_tiles: cutlass.Int32,
-        stream,
-    ):
-        ZeroCountsKernel().launch(counts, stream)
-        RoutingKernel().launch(
-            routing_logits,
-            routing_bias,
-            local_expert_offset,
-            routed_scaling_factor,
-            counts,
-            expert_tokens,
-            slot_expert,
-            slot_rank,
-            slot_weight,
-            stream,
-        )
-        GroupedGemm(gemm1=True).launch(
-            hidden_states,
-            hidden_states_scale,
-            gemm1_weights,
-            gemm1_weights_scale,
-            intermediate,
-            counts,
-            expert_tokens,
-            num_row_tiles,
-            stream,
-        )
-        GroupedGemm(gemm1=False).launch(
-            intermediate,
-            hidden_states_scale,
-            gemm2_weights,
-            gemm2_weights_scale,
-            expert_out,
-            counts,
-            expert_tokens,
-            num_row_tiles,
-            stream,
-        )
-        CombineKernel().launch(counts, slot_expert, slot_rank, slot_weight, expert_out, output, stream)
-
-
-# ------------------------------------------------------------------------------------------------
-# Host side: compile once per architecture, then each call is one TVM-FFI launch.
+# Host side (host.py: the five launches): compile once per architecture, then each call is one
+# TVM-FFI launch.
 # ------------------------------------------------------------------------------------------------
 
 _COMPILED: dict[str, Callable] = {}
 
 
-def fake_tensor_arguments() -> tuple:
-    """Compile-time stand-ins (symbolic T and packed-row count) for the host launcher's arguments
-    from `routing_logits` through the workspaces, in call order; each launcher appends its own
-    trailing scalars and the stream. Shared by every MoE kernel of this folder."""
-    num_tokens = cute.sym_int()
-    num_rows = cute.sym_int()  # packed workspace rows (8 T)
-
-    def rowmajor(dtype, shape):
-        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
-
-    f32, bf16, fp8, i32 = cutlass.Float32, cutlass.BFloat16, cutlass.Float8E4M3FN, cutlass.Int32
-    return (
-        rowmajor(f32, (num_tokens, NUM_EXPERTS)),
-        rowmajor(bf16, (NUM_EXPERTS,)),
-        rowmajor(fp8, (num_tokens, HIDDEN)),
-        rowmajor(f32, (HIDDEN_BLOCKS, num_tokens)),
-        rowmajor(fp8, (NUM_LOCAL_EXPERTS, GEMM1_OUT, HIDDEN)),
-        rowmajor(f32, (NUM_LOCAL_EXPERTS, GEMM1_OUT // BLOCK, HIDDEN_BLOCKS)),
-        rowmajor(fp8, (NUM_LOCAL_EXPERTS, HIDDEN, INTERMEDIATE)),
-        rowmajor(f32, (NUM_LOCAL_EXPERTS, HIDDEN_BLOCKS, INTERMEDIATE_BLOCKS)),
-        0,
-        1.0,
-        rowmajor(bf16, (num_tokens, HIDDEN)),
-        rowmajor(i32, (NUM_LOCAL_EXPERTS,)),
-        rowmajor(i32, (NUM_LOCAL_EXPERTS, num_tokens)),
-        rowmajor(i32, (num_tokens, TOP_K)),
-        rowmajor(i32, (num_tokens, TOP_K)),
-        rowmajor(f32, (num_tokens, TOP_K)),
-        rowmajor(bf16, (num_rows, INTERMEDIATE)),
-        rowmajor(f32, (num_rows, HIDDEN)),
-    )
-
-
 def _compile(arch: str) -> Callable:
-    args = (*fake_tensor_arguments(), 0, make_fake_stream(use_tvm_ffi_env_stream=True))
-    return cute.compile(MoeFp8BlockScaleSm90(), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+    return host.compile_host(host.MoeHostSm90(GroupedGemm(gemm1=True), GroupedGemm(gemm1=False)), arch)
 
 
 def compiled_for(arch: str = GPU_ARCH) -> Callable:
@@ -269,16 +160,7 @@ def run(
     num_tokens = routing_logits.shape[0]
     if num_tokens == 0:
         return
-    device = routing_logits.device
-    num_rows = TOP_K * num_tokens  # worst case: all 8 chosen experts are local
-    counts = torch.empty(NUM_LOCAL_EXPERTS, dtype=torch.int32, device=device)  # zeroed by our kernel
-    expert_tokens = torch.empty(NUM_LOCAL_EXPERTS, num_tokens, dtype=torch.int32, device=device)
-    slot_expert = torch.empty(num_tokens, TOP_K, dtype=torch.int32, device=device)
-    slot_rank = torch.empty(num_tokens, TOP_K, dtype=torch.int32, device=device)
-    slot_weight = torch.empty(num_tokens, TOP_K, dtype=torch.float32, device=device)
-    intermediate = torch.empty(num_rows, INTERMEDIATE, dtype=torch.bfloat16, device=device)
-    expert_out = torch.empty(num_rows, HIDDEN, dtype=torch.float32, device=device)
-    compiled_for()(
+    inputs = (
         routing_logits,
         routing_bias,
         hidden_states,
@@ -287,15 +169,8 @@ def run(
         gemm1_weights_scale,
         gemm2_weights,
         gemm2_weights_scale,
-        int(local_expert_offset),
-        float(routed_scaling_factor),
-        output,
-        counts,
-        expert_tokens,
-        slot_expert,
-        slot_rank,
-        slot_weight,
-        intermediate,
-        expert_out,
-        max_row_tiles(num_tokens),
+        local_expert_offset,
+        routed_scaling_factor,
     )
+    row_tiles = max_row_tiles(num_tokens)  # both GEMMs' grids
+    host.launch(compiled_for(), inputs, output, host.Workspaces.allocate(num_tokens, routing_logits.device), row_tiles, row_tiles)

@@ -5,7 +5,7 @@ kernels of the grouped pipeline around weight-streaming expert GEMMs (streaming_
 Destination passing, definition order, no host sync, no data-dependent host logic, graph-safe. The
 path is chosen from T alone (a shape):
 
-- T <= STREAMING_MAX_TOKENS: five kernels in one TVM-FFI call with the two GEMMs as persistent
+- T <= STREAMING_MAX_TOKENS: the five kernels of `host.py` in one TVM-FFI call, the two GEMMs persistent
   weight-streaming GEMMs. Row tiles of 16 tokens up to SMALL_T_MAX_TOKENS, 32 above (so that at
   T ~ 900, ~28 tokens per expert, most experts' weights are streamed once).
 - Larger T: the grouped-GEMM pipeline (`grouped_pipeline.run`, v0), whose 64 x 128 tiles do more
@@ -23,15 +23,9 @@ from typing import Callable
 
 import torch
 
-import cutlass
-import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream
-
-from . import grouped_pipeline
-from .combine import CombineKernel
+from . import grouped_pipeline, host
 from .grouped_pipeline import GPU_ARCH, MAX_TOKENS, MoeShapeError
-from .routing import RoutingKernel, ZeroCountsKernel
-from .shapes import HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS, TOP_K
+from .host import Workspaces
 from .streaming_gemm import StreamingGemm, StreamingGemmConfig
 
 __all__ = [
@@ -88,83 +82,12 @@ def variant_for(num_tokens: int) -> StreamingVariant | None:
     return None
 
 
-class MoeStreamingSm90:
-    """Host function of the five kernels for one streaming variant (dynamic T)."""
-
-    def __init__(self, variant: StreamingVariant):
-        self.gemm1 = StreamingGemm(variant.gemm1())
-        self.gemm2 = StreamingGemm(variant.gemm2())
-
-    @cute.jit
-    def __call__(
-        self,
-        routing_logits: cute.Tensor,
-        routing_bias: cute.Tensor,
-        hidden_states: cute.Tensor,
-        hidden_states_scale: cute.Tensor,
-        gemm1_weights: cute.Tensor,
-        gemm1_weights_scale: cute.Tensor,
-        gemm2_weights: cute.Tensor,
-        gemm2_weights_scale: cute.Tensor,
-        local_expert_offset: cutlass.Int32,
-        routed_scaling_factor: cutlass.Float32,
-        output: cute.Tensor,
-        counts: cute.Tensor,
-        expert_tokens: cute.Tensor,
-        slot_expert: cute.Tensor,
-        slot_rank: cute.Tensor,
-        slot_weight: cute.Tensor,
-        intermediate: cute.Tensor,
-        expert_out: cute.Tensor,
-        gemm1_ctas: cutlass.Int32,
-        gemm2_ctas: cutlass.Int32,
-        stream,
-    ):
-        ZeroCountsKernel().launch(counts, stream)
-        RoutingKernel().launch(
-            routing_logits,
-            routing_bias,
-            local_expert_offset,
-            routed_scaling_factor,
-            counts,
-            expert_tokens,
-            slot_expert,
-            slot_rank,
-            slot_weight,
-            stream,
-        )
-        self.gemm1.launch(
-            hidden_states,
-            hidden_states_scale,
-            gemm1_weights,
-            gemm1_weights_scale,
-            intermediate,
-            counts,
-            expert_tokens,
-            gemm1_ctas,
-            stream,
-        )
-        self.gemm2.launch(
-            intermediate,
-            hidden_states_scale,
-            gemm2_weights,
-            gemm2_weights_scale,
-            expert_out,
-            counts,
-            expert_tokens,
-            gemm2_ctas,
-            stream,
-        )
-        CombineKernel().launch(counts, slot_expert, slot_rank, slot_weight, expert_out, output, stream)
-
-
 _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
 
 
 def _compile(arch: str, variant: StreamingVariant) -> Callable:
-    # The grouped pipeline's arguments, then the two persistent grid sizes (GEMM1, GEMM2) and the stream.
-    args = (*grouped_pipeline.fake_tensor_arguments(), 0, 0, make_fake_stream(use_tvm_ffi_env_stream=True))
-    return cute.compile(MoeStreamingSm90(variant), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+    # The five launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs).
+    return host.compile_host(host.MoeHostSm90(StreamingGemm(variant.gemm1()), StreamingGemm(variant.gemm2())), arch)
 
 
 def compiled_for(variant: StreamingVariant, arch: str = GPU_ARCH) -> Callable:
@@ -202,32 +125,6 @@ def persistent_ctas(config: StreamingGemmConfig, num_sms: int) -> int:
 def _grids(variant: StreamingVariant, num_sms: int) -> tuple[int, int]:
     """(GEMM1, GEMM2) persistent grids; cached, since building the configurations costs ~0.5 ms."""
     return persistent_ctas(variant.gemm1(), num_sms), persistent_ctas(variant.gemm2(), num_sms)
-
-
-@dataclass(frozen=True)
-class Workspaces:
-    """The device workspaces of one streaming call (the grouped pipeline's layout: packed rows offset[e] + rank)."""
-
-    counts: torch.Tensor  # [32] int32: tokens per local expert
-    expert_tokens: torch.Tensor  # [32, T] int32: expert_tokens[e, rank] = token
-    slot_expert: torch.Tensor  # [T, 8] int32: local expert of each choice, -1 if not local
-    slot_rank: torch.Tensor  # [T, 8] int32
-    slot_weight: torch.Tensor  # [T, 8] fp32
-    intermediate: torch.Tensor  # [8 T, 2048] bf16: C = silu(gate) * up per packed row
-    expert_out: torch.Tensor  # [8 T, 7168] fp32: C W2^T per packed row
-
-    @classmethod
-    def allocate(cls, num_tokens: int, device: torch.device) -> Workspaces:
-        num_rows = TOP_K * num_tokens  # worst case: all 8 chosen experts are local
-        return cls(
-            counts=torch.empty(NUM_LOCAL_EXPERTS, dtype=torch.int32, device=device),  # zeroed by our kernel
-            expert_tokens=torch.empty(NUM_LOCAL_EXPERTS, num_tokens, dtype=torch.int32, device=device),
-            slot_expert=torch.empty(num_tokens, TOP_K, dtype=torch.int32, device=device),
-            slot_rank=torch.empty(num_tokens, TOP_K, dtype=torch.int32, device=device),
-            slot_weight=torch.empty(num_tokens, TOP_K, dtype=torch.float32, device=device),
-            intermediate=torch.empty(num_rows, INTERMEDIATE, dtype=torch.bfloat16, device=device),
-            expert_out=torch.empty(num_rows, HIDDEN, dtype=torch.float32, device=device),
-        )
 
 
 def run(
@@ -297,28 +194,7 @@ def run_keeping_workspaces(
     device = routing_logits.device
     workspaces = Workspaces.allocate(num_tokens, device)
     gemm1_ctas, gemm2_ctas = _grids(variant, _num_sms(device))
-    compiled_for(variant)(
-        routing_logits,
-        routing_bias,
-        hidden_states,
-        hidden_states_scale,
-        gemm1_weights,
-        gemm1_weights_scale,
-        gemm2_weights,
-        gemm2_weights_scale,
-        int(local_expert_offset),
-        float(routed_scaling_factor),
-        output,
-        workspaces.counts,
-        workspaces.expert_tokens,
-        workspaces.slot_expert,
-        workspaces.slot_rank,
-        workspaces.slot_weight,
-        workspaces.intermediate,
-        workspaces.expert_out,
-        gemm1_ctas,
-        gemm2_ctas,
-    )
+    host.launch(compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas)
     return workspaces
 
 

@@ -1,0 +1,218 @@
+"""The host side shared by the MoE paths of this folder (`kernel.py`'s weight streaming and
+`grouped_pipeline.py`): one host function that launches the five kernels of a call with a given
+pair of expert GEMMs, the device workspaces of a call, and the compile-time stand-ins of its
+arguments.
+
+The five launches, all in one TVM-FFI call on the current stream, no host synchronisation:
+zero the per-expert counters (`routing.ZeroCountsKernel`), route (`routing.RoutingKernel`),
+GEMM1 + SwiGLU into `intermediate`, GEMM2 into `expert_out`, and the weighted combine into
+`output` (`combine.CombineKernel`). The expert GEMMs differ between the paths; each takes
+`launch(a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream)`, where `grid` is the
+path's own grid parameter (row tiles for the grouped GEMMs, persistent CTAs for streaming).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+from .combine import CombineKernel
+from .routing import RoutingKernel, ZeroCountsKernel
+from .shapes import (
+    BLOCK,
+    GEMM1_OUT,
+    HIDDEN,
+    HIDDEN_BLOCKS,
+    INTERMEDIATE,
+    INTERMEDIATE_BLOCKS,
+    NUM_EXPERTS,
+    NUM_LOCAL_EXPERTS,
+    TOP_K,
+)
+
+__all__ = ["ExpertGemm", "MoeHostSm90", "Workspaces", "compile_host", "fake_tensor_arguments", "launch"]
+
+
+class ExpertGemm(Protocol):
+    def launch(self, a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream) -> None: ...
+
+
+class MoeHostSm90:
+    """Host function of the five kernels with `gemm1` (G1 + SwiGLU) and `gemm2` (G2); one compile
+    serves every T (dynamic) and every offset / scaling factor (runtime scalars)."""
+
+    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm):
+        self.gemm1 = gemm1
+        self.gemm2 = gemm2
+
+    @cute.jit
+    def __call__(
+        self,
+        routing_logits: cute.Tensor,
+        routing_bias: cute.Tensor,
+        hidden_states: cute.Tensor,
+        hidden_states_scale: cute.Tensor,
+        gemm1_weights: cute.Tensor,
+        gemm1_weights_scale: cute.Tensor,
+        gemm2_weights: cute.Tensor,
+        gemm2_weights_scale: cute.Tensor,
+        local_expert_offset: cutlass.Int32,
+        routed_scaling_factor: cutlass.Float32,
+        output: cute.Tensor,
+        counts: cute.Tensor,
+        expert_tokens: cute.Tensor,
+        slot_expert: cute.Tensor,
+        slot_rank: cute.Tensor,
+        slot_weight: cute.Tensor,
+        intermediate: cute.Tensor,
+        expert_out: cute.Tensor,
+        gemm1_grid: cutlass.Int32,
+        gemm2_grid: cutlass.Int32,
+        stream,
+    ):
+        ZeroCountsKernel().launch(counts, stream)
+        RoutingKernel().launch(
+            routing_logits,
+            routing_bias,
+            local_expert_offset,
+            routed_scaling_factor,
+            counts,
+            expert_tokens,
+            slot_expert,
+            slot_rank,
+            slot_weight,
+            stream,
+        )
+        self.gemm1.launch(
+            hidden_states,
+            hidden_states_scale,
+            gemm1_weights,
+            gemm1_weights_scale,
+            intermediate,
+            counts,
+            expert_tokens,
+            gemm1_grid,
+            stream,
+        )
+        self.gemm2.launch(
+            intermediate,
+            hidden_states_scale,
+            gemm2_weights,
+            gemm2_weights_scale,
+            expert_out,
+            counts,
+            expert_tokens,
+            gemm2_grid,
+            stream,
+        )
+        CombineKernel().launch(counts, slot_expert, slot_rank, slot_weight, expert_out, output, stream)
+
+
+@dataclass(frozen=True)
+class Workspaces:
+    """The device workspaces of one call (packed GEMM rows: row offset[e] + rank of expert e)."""
+
+    counts: torch.Tensor  # [32] int32: tokens per local expert
+    expert_tokens: torch.Tensor  # [32, T] int32: expert_tokens[e, rank] = token
+    slot_expert: torch.Tensor  # [T, 8] int32: local expert of each choice, -1 if not local
+    slot_rank: torch.Tensor  # [T, 8] int32
+    slot_weight: torch.Tensor  # [T, 8] fp32
+    intermediate: torch.Tensor  # [8 T, 2048] bf16: C = silu(gate) * up per packed row
+    expert_out: torch.Tensor  # [8 T, 7168] fp32: C W2^T per packed row
+
+    @classmethod
+    def allocate(cls, num_tokens: int, device: torch.device) -> Workspaces:
+        num_rows = TOP_K * num_tokens  # worst case: all 8 chosen experts are local
+        return cls(
+            counts=torch.empty(NUM_LOCAL_EXPERTS, dtype=torch.int32, device=device),  # zeroed by our kernel
+            expert_tokens=torch.empty(NUM_LOCAL_EXPERTS, num_tokens, dtype=torch.int32, device=device),
+            slot_expert=torch.empty(num_tokens, TOP_K, dtype=torch.int32, device=device),
+            slot_rank=torch.empty(num_tokens, TOP_K, dtype=torch.int32, device=device),
+            slot_weight=torch.empty(num_tokens, TOP_K, dtype=torch.float32, device=device),
+            intermediate=torch.empty(num_rows, INTERMEDIATE, dtype=torch.bfloat16, device=device),
+            expert_out=torch.empty(num_rows, HIDDEN, dtype=torch.float32, device=device),
+        )
+
+
+def fake_tensor_arguments() -> tuple:
+    """Compile-time stand-ins (symbolic T and packed-row count) for the host function's arguments
+    from `routing_logits` through the workspaces, in call order."""
+    num_tokens = cute.sym_int()
+    num_rows = cute.sym_int()  # packed workspace rows (8 T)
+
+    def rowmajor(dtype, shape):
+        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
+
+    f32, bf16, fp8, i32 = cutlass.Float32, cutlass.BFloat16, cutlass.Float8E4M3FN, cutlass.Int32
+    return (
+        rowmajor(f32, (num_tokens, NUM_EXPERTS)),
+        rowmajor(bf16, (NUM_EXPERTS,)),
+        rowmajor(fp8, (num_tokens, HIDDEN)),
+        rowmajor(f32, (HIDDEN_BLOCKS, num_tokens)),
+        rowmajor(fp8, (NUM_LOCAL_EXPERTS, GEMM1_OUT, HIDDEN)),
+        rowmajor(f32, (NUM_LOCAL_EXPERTS, GEMM1_OUT // BLOCK, HIDDEN_BLOCKS)),
+        rowmajor(fp8, (NUM_LOCAL_EXPERTS, HIDDEN, INTERMEDIATE)),
+        rowmajor(f32, (NUM_LOCAL_EXPERTS, HIDDEN_BLOCKS, INTERMEDIATE_BLOCKS)),
+        0,
+        1.0,
+        rowmajor(bf16, (num_tokens, HIDDEN)),
+        rowmajor(i32, (NUM_LOCAL_EXPERTS,)),
+        rowmajor(i32, (NUM_LOCAL_EXPERTS, num_tokens)),
+        rowmajor(i32, (num_tokens, TOP_K)),
+        rowmajor(i32, (num_tokens, TOP_K)),
+        rowmajor(f32, (num_tokens, TOP_K)),
+        rowmajor(bf16, (num_rows, INTERMEDIATE)),
+        rowmajor(f32, (num_rows, HIDDEN)),
+    )
+
+
+def compile_host(host: MoeHostSm90, arch: str) -> Callable:
+    """`cute.compile` of `host` for `arch` as a TVM-FFI function on the current torch stream (the
+    two grid parameters are runtime scalars; needs no GPU)."""
+    args = (*fake_tensor_arguments(), 0, 0, make_fake_stream(use_tvm_ffi_env_stream=True))
+    return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+
+
+def launch(compiled: Callable, inputs: tuple[Any, ...], output, workspaces: Workspaces, gemm1_grid: int, gemm2_grid: int) -> None:
+    """One call of a compiled host function: the definition's ten inputs (in order), the output,
+    the workspaces and the two grid parameters."""
+    (
+        routing_logits,
+        routing_bias,
+        hidden_states,
+        hidden_states_scale,
+        gemm1_weights,
+        gemm1_weights_scale,
+        gemm2_weights,
+        gemm2_weights_scale,
+        local_expert_offset,
+        routed_scaling_factor,
+    ) = inputs
+    compiled(
+        routing_logits,
+        routing_bias,
+        hidden_states,
+        hidden_states_scale,
+        gemm1_weights,
+        gemm1_weights_scale,
+        gemm2_weights,
+        gemm2_weights_scale,
+        int(local_expert_offset),
+        float(routed_scaling_factor),
+        output,
+        workspaces.counts,
+        workspaces.expert_tokens,
+        workspaces.slot_expert,
+        workspaces.slot_rank,
+        workspaces.slot_weight,
+        workspaces.intermediate,
+        workspaces.expert_out,
+        gemm1_grid,
+        gemm2_grid,
+    )

@@ -227,6 +227,13 @@ DSA_ATTENTION = Track(
             package="flash_mla==1.0.0+9241ae3",
         ),
     ),
+    candidates=(
+        CandidateSide(
+            name="cand_wide_combine",
+            entry="candidate_wide_combine.py::run",
+            description="v1 with a combine of 4x the CTAs and every split's load in flight (v1.1)",
+        ),
+    ),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

@@ -498,7 +498,11 @@ def cache_rows(ckv_cache: cute.Tensor, kpe_cache: cute.Tensor):
 
 
 class DsaSparseAttentionSm90:
-    """Host entry of the two kernels; one compile serves every T, P and split count."""
+    """Host entry of the two kernels; one compile serves every T, P and split count. `combine` is
+    the combine kernel's class: this file's, or a candidate's subclass of it."""
+
+    def __init__(self, combine: type = _CombineKernel) -> None:
+        self.combine = combine
 
     @cute.jit
     def __call__(
@@ -517,17 +521,17 @@ class DsaSparseAttentionSm90:
         ckv_rows, kpe_rows = cache_rows(ckv_cache, kpe_cache)
         scale_log2 = sm_scale * LOG2_E
         _SplitKernel().launch(q_nope, q_pe, ckv_rows, kpe_rows, sparse_indices, scale_log2, workspace, stream)
-        _CombineKernel().launch(workspace, output, lse, stream)
+        self.combine().launch(workspace, output, lse, stream)
 
 
 # ------------------------------------------------------------------------------------------------
 # Host side: compile once per architecture, then each call is one TVM-FFI launch.
 # ------------------------------------------------------------------------------------------------
 
-_COMPILED: dict[str, Callable] = {}
+_COMPILED: dict[tuple[str, type], Callable] = {}
 
 
-def _compile(arch: str) -> Callable:
+def _compile(arch: str, combine: type) -> Callable:
     num_tokens = cute.sym_int()
     num_pages = cute.sym_int()
     num_splits = cute.sym_int()
@@ -548,14 +552,15 @@ def _compile(arch: str) -> Callable:
         rowmajor(f32, (num_tokens, num_splits, NUM_HEADS, WS_COLS)),
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    return cute.compile(DsaSparseAttentionSm90(), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+    return cute.compile(DsaSparseAttentionSm90(combine), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
-def compiled_for(arch: str = GPU_ARCH) -> Callable:
-    """The compiled launcher for `arch` (compiled on first use; needs no GPU)."""
-    fn = _COMPILED.get(arch)
+def compiled_for(arch: str = GPU_ARCH, combine: type = _CombineKernel) -> Callable:
+    """The compiled launcher for `arch` with `combine` as the combine kernel (compiled on first use;
+    needs no GPU)."""
+    fn = _COMPILED.get((arch, combine))
     if fn is None:
-        fn = _COMPILED[arch] = _compile(arch)
+        fn = _COMPILED[(arch, combine)] = _compile(arch, combine)
     return fn
 
 
@@ -605,9 +610,12 @@ def run(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale, output, ls
     run_with_splits(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale, output, lse, None)
 
 
-def run_with_splits(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale, output, lse, num_splits) -> None:
+def run_with_splits(
+    q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale, output, lse, num_splits, combine: type = _CombineKernel
+) -> None:
     """`run` with an explicit split count (a power of two dividing 32); None picks `num_splits_for(T)`.
-    For tuning sweeps; `run` is the entry the benchmark uses."""
+    For tuning sweeps and candidates (`combine`: a subclass of the combine kernel); `run` is the
+    entry the benchmark uses."""
     _check_inputs(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, output, lse)
     num_tokens = q_nope.shape[0]
     if num_tokens == 0:
@@ -617,4 +625,4 @@ def run_with_splits(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale
     elif num_splits not in VALID_SPLITS:
         raise DsaShapeError(f"num_splits must be one of {VALID_SPLITS}, got {num_splits}")
     workspace = torch.empty((num_tokens, num_splits, NUM_HEADS, WS_COLS), dtype=torch.float32, device=q_nope.device)
-    compiled_for()(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, float(sm_scale), output, lse, workspace)
+    compiled_for(GPU_ARCH, combine)(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, float(sm_scale), output, lse, workspace)

@@ -16,22 +16,23 @@ import zlib
 import pytest
 import torch
 
-from hopperbench.devcheck import load_module_by_path, replay_on_fresh_inputs, total_nan
+from hopperbench.devcheck import load_folder_module, load_module_by_path, replay_on_fresh_inputs, total_nan
 from hopperbench.paths import REPO_ROOT
 
 # kernels/ is not a package: load the case helpers and the kernel by path, as the harness does.
 cases = load_module_by_path(REPO_ROOT / "kernels/dsa_attention/check_cases.py", "dsa_check_cases")
 kernel = cases.load_kernel()
 # kernel.py and the candidates of its folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel",)
+SOLUTIONS = ("kernel", "candidate_wide_combine")
 
 
 @functools.cache
 def solution_module(name: str):
-    """kernel.py, or the candidate kernels/dsa_attention/<name>.py (loaded once)."""
+    """kernel.py, or the candidate kernels/dsa_attention/<name>.py (loaded once, as a module of a
+    package made of the folder, as the harness packs it: a candidate imports kernel.py)."""
     if name == "kernel":
         return kernel
-    return load_module_by_path(REPO_ROOT / f"kernels/dsa_attention/{name}.py", f"dsa_attention_{name}")
+    return load_folder_module(REPO_ROOT / "kernels/dsa_attention", "dsa_solution", name)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -46,6 +47,14 @@ def test_compiles_for_sm90a_without_gpu():
     assert callable(compiled)
     # Cached: a second request must not recompile.
     assert kernel.compile_only("sm_90a") is compiled
+
+
+def test_candidate_compiles_separately():
+    candidate = solution_module("candidate_wide_combine")
+    compiled = candidate.compile_only("sm_90a")
+    assert callable(compiled) and candidate.compile_only("sm_90a") is compiled  # cached per combine class
+    assert candidate.COLUMN_GROUPS * candidate.NUM_THREADS == candidate.CKV_DIM  # one column per thread
+    assert candidate.MAX_SPLITS == max(candidate.kernel.VALID_SPLITS)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 7, 8, 9, 37, 100, 128, 129, 4096, 100_000])

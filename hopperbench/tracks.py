@@ -177,6 +177,11 @@ GDN_PREFILL = Track(
             entry="candidate_lean_epilogues.py::run",
             description="the chunked path with branch-free epilogues and one ex2.approx per decay factor (v1.4)",
         ),
+        CandidateSide(
+            name="cand_lean_ilp",
+            entry="candidate_lean_ilp.py::run",
+            description="v1.4 with P1's Gram tiles in pairs of overlapping MMA chains (v1.5)",
+        ),
     ),
 )
 

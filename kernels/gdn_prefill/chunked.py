@@ -144,6 +144,46 @@ class _Chunked:
     def decay(self, scaled_log_decay: cutlass.Float32) -> cutlass.Float32:
         return cute.math.exp(scaled_log_decay)
 
+    @cute.jit
+    def gram_tiles(
+        self,
+        tiled_mma: cute.TiledMma,
+        copy_a: cute.TiledCopy,
+        copy_b: cute.TiledCopy,
+        lane: cutlass.Int32,
+        warp_idx: cutlass.Int32,
+        kq: cute.Tensor,
+        acc_sq: cute.Tensor,
+        coords_sq: cute.Tensor,
+        cum_log_g: cute.Tensor,
+        beta: cute.Tensor,
+        a16: cute.Tensor,
+        a_diag: cute.Tensor,
+        p16: cute.Tensor,
+    ):
+        """P1's Gram tiles of warp w: A rows of k block w (columns 0..w) and P rows of q block 3 - w
+        (columns 0..3-w), five 16x16 tiles per warp, the lower triangle of both [64, 64] products."""
+        k_block = warp_idx
+        for col_block in cutlass.range(k_block + 1, unroll=1):
+            acc_sq.fill(0.0)
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_b, lane,
+                cute.local_tile(kq, (BLOCK, HEAD_SIZE), (k_block, 0)),
+                cute.local_tile(kq, (BLOCK, HEAD_SIZE), (col_block, 0)),
+                acc_sq,
+            )  # fmt: skip
+            self.a_tile_epilogue(acc_sq, coords_sq, k_block, col_block, cum_log_g, beta, a16, a_diag)
+        q_block = NUM_BLOCKS - 1 - warp_idx
+        for col_block in cutlass.range(q_block + 1, unroll=1):
+            acc_sq.fill(0.0)
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_b, lane,
+                cute.local_tile(kq, (BLOCK, HEAD_SIZE), (NUM_BLOCKS + q_block, 0)),
+                cute.local_tile(kq, (BLOCK, HEAD_SIZE), (col_block, 0)),
+                acc_sq,
+            )  # fmt: skip
+            self.p_tile_epilogue(acc_sq, coords_sq, q_block, col_block, cum_log_g, p16)
+
     # The three masked epilogues of P1 (a candidate may compute them without branches).
     @cute.jit
     def a_tile_epilogue(
@@ -392,28 +432,9 @@ class _Chunked:
                 )  # fmt: skip
             cute.arch.cp_async_commit_group()
 
-            # A rows of k block w (columns 0..w) and P rows of q block 3 - w (columns 0..3-w):
-            # five 16x16 tiles per warp, the lower triangle of both [64, 64] products.
-            k_block = warp_idx
-            for col_block in cutlass.range(k_block + 1, unroll=1):
-                acc_sq.fill(0.0)
-                self.warp_gemm(
-                    tiled_mma, copy_a, copy_b, lane,
-                    cute.local_tile(kq, (BLOCK, HEAD_SIZE), (k_block, 0)),
-                    cute.local_tile(kq, (BLOCK, HEAD_SIZE), (col_block, 0)),
-                    acc_sq,
-                )  # fmt: skip
-                self.a_tile_epilogue(acc_sq, coords_sq, k_block, col_block, cum_log_g, beta, a16, a_diag)
-            q_block = NUM_BLOCKS - 1 - warp_idx
-            for col_block in cutlass.range(q_block + 1, unroll=1):
-                acc_sq.fill(0.0)
-                self.warp_gemm(
-                    tiled_mma, copy_a, copy_b, lane,
-                    cute.local_tile(kq, (BLOCK, HEAD_SIZE), (NUM_BLOCKS + q_block, 0)),
-                    cute.local_tile(kq, (BLOCK, HEAD_SIZE), (col_block, 0)),
-                    acc_sq,
-                )  # fmt: skip
-                self.p_tile_epilogue(acc_sq, coords_sq, q_block, col_block, cum_log_g, p16)
+            self.gram_tiles(
+                tiled_mma, copy_a, copy_b, lane, warp_idx, kq, acc_sq, coords_sq, cum_log_g, beta, a16, a_diag, p16
+            )
 
             # Xb^T[v, i] = beta_i (v_i - exp(G_i) k_i S0^T); zero past the end (raw_v holds garbage there).
             acc_y.fill(0.0)

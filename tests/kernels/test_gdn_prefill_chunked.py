@@ -12,8 +12,9 @@ chunk step for full and partial chunks; the copy loops cover their tiles once; t
 decays, masking of partial chunks, the blocked inverse) and, with the kernel's fp16 operand
 rounding, passes the track's acceptance rule with a wide margin on long-memory and fast-decay gates.
 The candidates `candidate_idle_prefetch.py` (a subclass that changes who issues P2's q copy) and
-`candidate_lean_epilogues.py` (branch-free epilogues, one ex2.approx per decay factor) compile separately; the
-first one's copy loop covers the q rows once.
+`candidate_lean_epilogues.py` (branch-free epilogues, one ex2.approx per decay factor) and
+`candidate_lean_ilp.py` (its Gram tiles as overlapping MMA chains) compile separately; the first
+one's copy loop covers the q rows once and the last one's slots are the schedule's tiles.
 GPU: the GPU tests of tests/kernels/test_gdn_prefill_kernel.py run `chunked.run` and the candidate too (every check
 case against the reference, the input state untouched, CUDA-graph replay with new bounds).
 """
@@ -36,6 +37,7 @@ device_check = load_module_by_path(REPO_ROOT / "tools/device_check_gdn.py", "dev
 chunked = device_check.load_kernel_module("chunked")  # imports its sibling token_serial.py as a package would
 candidate = device_check.load_kernel_module("candidate_idle_prefetch")
 lean = device_check.load_kernel_module("candidate_lean_epilogues")
+lean_ilp = device_check.load_kernel_module("candidate_lean_ilp")
 model = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/chunked_model.py", "gdn_chunked_model")
 reference_run = cases.load_reference_run()
 
@@ -65,7 +67,7 @@ def test_compiles_for_sm90a_without_gpu():
     assert chunked.compile_only("sm_90a") is compiled  # cached: no second compile
 
 
-@pytest.mark.parametrize("module", [candidate, lean], ids=["idle_prefetch", "lean_epilogues"])
+@pytest.mark.parametrize("module", [candidate, lean, lean_ilp], ids=["idle_prefetch", "lean_epilogues", "lean_ilp"])
 def test_candidates_compile_separately_and_share_the_entry_checks(module):
     compiled = module.compile_only("sm_90a")
     assert callable(compiled) and compiled is not chunked.compile_only("sm_90a")  # keyed on the kernel class
@@ -82,6 +84,16 @@ def test_base2_decays_are_the_same_factors():
     G = torch.tensor([0.0, -0.3, -7.5, -80.0], dtype=torch.float64)
     assert torch.allclose(torch.exp2(G * lean._LeanEpilogues.LOG_DECAY_SCALE), torch.exp(G), rtol=1e-12)
     assert chunked._Chunked.LOG_DECAY_SCALE == 1.0
+
+
+def test_ilp_slots_are_the_tiles_of_the_schedule():
+    # v1.5's static slots (t <= w: A tile (w, t); else P tile (3 - w, t - w - 1)) are, per warp,
+    # exactly v1.2's two loops' tiles: five per warp, the lower triangles of A and P once each.
+    B = chunked.NUM_BLOCKS
+    for w in range(chunked.NUM_WARPS):
+        slots = [("A", w, t) if t <= w else ("P", B - 1 - w, t - w - 1) for t in range(lean_ilp.TILES_PER_WARP)]
+        loops = [("A", w, c) for c in range(w + 1)] + [("P", B - 1 - w, c) for c in range(B - w)]
+        assert slots == loops
 
 
 def test_tiling_covers_state_and_chunk():

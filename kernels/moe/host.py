@@ -182,27 +182,9 @@ def compile_host(host: MoeHostSm90, arch: str) -> Callable:
 def launch(compiled: Callable, inputs: tuple[Any, ...], output, workspaces: Workspaces, gemm1_grid: int, gemm2_grid: int) -> None:
     """One call of a compiled host function: the definition's ten inputs (in order), the output,
     the workspaces and the two grid parameters."""
-    (
-        routing_logits,
-        routing_bias,
-        hidden_states,
-        hidden_states_scale,
-        gemm1_weights,
-        gemm1_weights_scale,
-        gemm2_weights,
-        gemm2_weights_scale,
-        local_expert_offset,
-        routed_scaling_factor,
-    ) = inputs
+    *tensors, local_expert_offset, routed_scaling_factor = inputs
     compiled(
-        routing_logits,
-        routing_bias,
-        hidden_states,
-        hidden_states_scale,
-        gemm1_weights,
-        gemm1_weights_scale,
-        gemm2_weights,
-        gemm2_weights_scale,
+        *tensors,
         int(local_expert_offset),
         float(routed_scaling_factor),
         output,

@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 
 from . import kernel
-from .kernel import CKV_DIM, NUM_CHUNKS, NUM_HEADS, NUM_THREADS, WS_MAX_COL, WS_SUM_COL, DsaShapeError
+from .kernel import CKV_DIM, NUM_CHUNKS, NUM_HEADS, NUM_THREADS, DsaShapeError
 
 __all__ = ["DsaShapeError", "compile_only", "run", "run_with_splits"]
 
@@ -52,17 +52,7 @@ class _WideCombine(kernel._CombineKernel):
         lane = cute.arch.lane_idx()
         col = group * NUM_THREADS + tidx
 
-        # Lane s of every warp holds split s's statistics (-inf, 0 past the count), as in v1.
-        split_stats = cute.make_rmem_tensor((2,), cutlass.Float32)
-        split_stats[0] = -cutlass.Float32.inf
-        split_stats[1] = cutlass.Float32(0.0)
-        if lane < num_splits:
-            split_stats[0] = workspace[token, lane, head, WS_MAX_COL]
-            split_stats[1] = workspace[token, lane, head, WS_SUM_COL]
-        global_max = self.warp_allreduce(split_stats[0], cute.arch.fmax)
-        shift = cutlass.Float32(0.0) if global_max == -cutlass.Float32.inf else global_max
-        weight = cute.math.exp2(split_stats[0] - shift, fastmath=True)  # 0 on lanes past num_splits
-        total = self.warp_allreduce(weight * split_stats[1], lambda a, b: a + b)
+        global_max, weight, total = self.split_weights(workspace, token, head, num_splits, lane)
 
         last = num_splits - 1
         acc = cutlass.Float32(0.0)

@@ -451,14 +451,17 @@ class _CombineKernel:
             offset //= 2
         return value
 
-    @cute.kernel
-    def kernel(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        token, head, _ = cute.arch.block_idx()
-        num_splits = workspace.shape[1]
-        lane = cute.arch.lane_idx()
-        col0 = tidx * COMBINE_COLS_PER_THREAD
-
+    @cute.jit
+    def split_weights(
+        self,
+        workspace: cute.Tensor,
+        token: cutlass.Int32,
+        head: cutlass.Int32,
+        num_splits: cutlass.Int32,
+        lane: cutlass.Int32,
+    ):
+        """(max over the splits, this lane's split weight, the weighted sum total): lane s of every
+        warp reads split s's max and sum; weights are 0 on lanes past num_splits."""
         split_stats = cute.make_rmem_tensor((2,), cutlass.Float32)  # this lane's split: max, sum
         split_stats[0] = -cutlass.Float32.inf
         split_stats[1] = cutlass.Float32(0.0)
@@ -470,6 +473,17 @@ class _CombineKernel:
         shift = cutlass.Float32(0.0) if global_max == -cutlass.Float32.inf else global_max
         weight = cute.math.exp2(split_stats[0] - shift, fastmath=True)  # 0 on lanes past num_splits
         total = self.warp_allreduce(weight * split_stats[1], lambda a, b: a + b)
+        return global_max, weight, total
+
+    @cute.kernel
+    def kernel(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        token, head, _ = cute.arch.block_idx()
+        num_splits = workspace.shape[1]
+        lane = cute.arch.lane_idx()
+        col0 = tidx * COMBINE_COLS_PER_THREAD
+
+        global_max, weight, total = self.split_weights(workspace, token, head, num_splits, lane)
 
         acc = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD,), cutlass.Float32)
         acc.fill(0.0)

@@ -166,23 +166,6 @@ GDN_PREFILL = Track(
             package="fla-core==0.6.0",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_idle_prefetch",
-            entry="candidate_idle_prefetch.py::run",
-            description="the chunked path with the P2 q copy issued by the two idle warps (v1.3)",
-        ),
-        CandidateSide(
-            name="cand_lean_epilogues",
-            entry="candidate_lean_epilogues.py::run",
-            description="the chunked path with branch-free epilogues and one ex2.approx per decay factor (v1.4)",
-        ),
-        CandidateSide(
-            name="cand_lean_ilp",
-            entry="candidate_lean_ilp.py::run",
-            description="v1.4 with P1's Gram tiles in pairs of overlapping MMA chains (v1.5)",
-        ),
-    ),
 )
 
 MOE = Track(
@@ -230,13 +213,6 @@ DSA_ATTENTION = Track(
             ),
             submodule="third_party/FlashMLA",
             package="flash_mla==1.0.0+9241ae3",
-        ),
-    ),
-    candidates=(
-        CandidateSide(
-            name="cand_wide_combine",
-            entry="candidate_wide_combine.py::run",
-            description="v1 with a combine of 4x the CTAs and every split's load in flight (v1.1)",
         ),
     ),
 )

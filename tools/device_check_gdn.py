@@ -31,14 +31,11 @@ from hopperbench.paths import REPO_ROOT
 cases = devcheck.load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 
 KERNEL_DIR = REPO_ROOT / "kernels" / "gdn_prefill"
-# Modules of KERNEL_DIR with the `run` entry: kernel.py, its two paths, and the candidates.
+# Modules of KERNEL_DIR with the `run` entry: kernel.py, its two paths, and any candidates.
 KERNEL_CHOICES = (
     "kernel",
     "token_serial",
     "chunked",
-    "candidate_idle_prefetch",
-    "candidate_lean_epilogues",
-    "candidate_lean_ilp",
 )
 
 GRAPH_CASE = cases.CheckCase("graph_replay_new_bounds", (40, 30, 58), True, 0.0, "mamba2")

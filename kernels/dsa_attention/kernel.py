@@ -14,8 +14,8 @@ Flash-decoding over the 2048 selected cache rows of each token, in two kernels:
      the ckv part of the same shared-memory rows, read transposed by `ldmatrix.trans`);
    - writes its unnormalised O (fp32) and its running max m and sum l per head to a workspace
      [T, num_splits, 16, 516] (O in columns 0..511, m in 512, l in 513).
-2. `_CombineKernel`, grid (T, 16 heads): merges the splits by log-sum-exp and writes the bf16
-   output and the base-2 lse. A token with no valid row gets output 0 and lse -inf; a split with
+2. `_CombineKernel`, grid (T, 16 heads, 4 column groups): merges the splits by log-sum-exp and
+   writes the bf16 output and the base-2 lse. A token with no valid row gets output 0 and lse -inf; a split with
    no valid row has m = -inf, l = 0, O = 0 and weighs nothing.
 
 Both kernels are compiled once (dynamic T, P and num_splits) into one TVM-FFI function that takes
@@ -53,9 +53,10 @@ S_ROW_STRIDE = BLOCK_N + 4
 COPY_ELEMS = 8  # bf16 elements per 16-B cp.async
 THREADS_PER_SOFTMAX_ROW = NUM_THREADS // NUM_HEADS  # 8
 COLS_PER_SOFTMAX_THREAD = BLOCK_N // THREADS_PER_SOFTMAX_ROW  # 8
-COMBINE_COLS_PER_THREAD = CKV_DIM // NUM_THREADS  # 4
+COMBINE_COLUMN_GROUPS = CKV_DIM // NUM_THREADS  # 4 combine CTAs per (token, head), one column per thread
 # Split counts the split kernel accepts (each split takes a whole number of chunks).
 VALID_SPLITS = tuple(1 << i for i in range(NUM_CHUNKS.bit_length()) if NUM_CHUNKS % (1 << i) == 0)
+MAX_SPLITS = max(VALID_SPLITS)  # 32: the combine's unrolled loop; its split statistics fit one warp
 # The split kernel's CTAs use ~175 KB of shared memory, so one fits per SM: one wave is the H200's
 # 132 SMs. The split count keeps T * splits within it (v0 aimed at >= 128 CTAs, which made T = 5-7
 # run two waves of 160-224 CTAs: 34-36 us against 23 us at T = 8).
@@ -72,6 +73,7 @@ MAX_CACHE_ELEMENTS = 2**31
 GPU_ARCH = "sm_90a"
 
 assert TOPK % BLOCK_N == 0 and NUM_THREADS % NUM_HEADS == 0 and CKV_DIM % NUM_THREADS == 0
+assert MAX_SPLITS == NUM_CHUNKS <= cute.arch.WARP_SIZE
 
 
 class DsaShapeError(ValueError):
@@ -427,18 +429,24 @@ class _SplitKernel:
 
 
 class _CombineKernel:
-    """Merges the splits of one (token, head) by log-sum-exp; one thread per 4 output columns.
+    """Merges the splits of one (token, head, quarter of the 512 columns) by log-sum-exp; one thread
+    per output column.
 
-    Latency, not bandwidth, decides this kernel (it reads 33 KB per CTA), so no load may wait for
+    Latency, not bandwidth, decides this kernel (it reads 8 KB per CTA), so no load may wait for
     another: lane s of every warp reads split s's max and sum at once (num_splits <= 32), warp
-    shuffles reduce them, and the loop over the splits' O rows is unrolled so that its loads are
-    in flight together. (v0 walked the splits twice with dependent scalar loads: 29 us at T = 1.)
+    shuffles reduce them, and the loop over the splits' O columns is unrolled over the largest split
+    count with branch-free loads, so that all 32 are in flight together: a split index past the
+    actual count reads the last split again (an address that is always valid) and weighs 0, since
+    its lane's weight is exp2(-inf) = 0. The sum runs over the splits in order, so the extra terms
+    add +0. (v0 walked the splits twice with dependent scalar loads: 29 us at T = 1; v1, one CTA
+    per (token, head) with 4 columns per thread and the loop unrolled by 8 over the dynamic count,
+    6.5 us; this v1.1 form took 1.23x off the whole call in the A/B, NOTES.md.)
     """
 
     @cute.jit
     def launch(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor, stream):
         self.kernel(workspace, output, lse).launch(
-            grid=[output.shape[0], NUM_HEADS, 1],
+            grid=[output.shape[0], NUM_HEADS, COMBINE_COLUMN_GROUPS],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
         )
@@ -478,25 +486,22 @@ class _CombineKernel:
     @cute.kernel
     def kernel(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        token, head, _ = cute.arch.block_idx()
+        token, head, group = cute.arch.block_idx()
         num_splits = workspace.shape[1]
         lane = cute.arch.lane_idx()
-        col0 = tidx * COMBINE_COLS_PER_THREAD
+        col = group * NUM_THREADS + tidx
 
         global_max, weight, total = self.split_weights(workspace, token, head, num_splits, lane)
 
-        acc = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD,), cutlass.Float32)
-        acc.fill(0.0)
-        for s in cutlass.range(num_splits, unroll=8):
-            split_weight = cute.arch.shuffle_sync(weight, s)
-            for j in cutlass.range_constexpr(COMBINE_COLS_PER_THREAD):
-                acc[j] = acc[j] + split_weight * workspace[token, s, head, col0 + j]
+        last = num_splits - 1
+        acc = cutlass.Float32(0.0)
+        for s in cutlass.range_constexpr(MAX_SPLITS):
+            acc = acc + cute.arch.shuffle_sync(weight, s) * workspace[token, cutlass.min(s, last), head, col]
 
         # total >= 1 whenever some row was valid (the max element contributes exp2(0) = 1).
         inv_total = cutlass.Float32(0.0) if total == cutlass.Float32(0.0) else cutlass.Float32(1.0) / total
-        for j in cutlass.range_constexpr(COMBINE_COLS_PER_THREAD):
-            output[token, head, col0 + j] = (acc[j] * inv_total).to(cutlass.BFloat16)
-        if tidx == 0:
+        output[token, head, col] = (acc * inv_total).to(cutlass.BFloat16)
+        if group == 0 and tidx == 0:
             # -inf + log2(0) = -inf for a token without valid rows.
             lse[token, head] = global_max + cute.math.log2(total)
 

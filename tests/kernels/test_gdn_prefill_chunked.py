@@ -11,11 +11,8 @@ chunk step for full and partial chunks; the copy loops cover their tiles once; t
 (chunked_model.py) matches the token-serial reference in float64 (the algebra: orientation,
 decays, masking of partial chunks, the blocked inverse) and, with the kernel's fp16 operand
 rounding, passes the track's acceptance rule with a wide margin on long-memory and fast-decay gates.
-The candidates `candidate_idle_prefetch.py` (a subclass that changes who issues P2's q copy) and
-`candidate_lean_epilogues.py` (branch-free epilogues, one ex2.approx per decay factor) and
-`candidate_lean_ilp.py` (its Gram tiles as overlapping MMA chains) compile separately; the first
-one's copy loop covers the q rows once and the last one's slots are the schedule's tiles.
-GPU: the GPU tests of tests/kernels/test_gdn_prefill_kernel.py run `chunked.run` and the candidate too (every check
+The base-2 decays the kernel keeps (G times log2(e), one 2^x per factor) are the same factors.
+GPU: the GPU tests of tests/kernels/test_gdn_prefill_kernel.py run `chunked.run` too (every check
 case against the reference, the input state untouched, CUDA-graph replay with new bounds).
 """
 
@@ -35,9 +32,6 @@ from hopperbench.paths import REPO_ROOT
 cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 device_check = load_module_by_path(REPO_ROOT / "tools/device_check_gdn.py", "device_check_gdn")
 chunked = device_check.load_kernel_module("chunked")  # imports its sibling token_serial.py as a package would
-candidate = device_check.load_kernel_module("candidate_idle_prefetch")
-lean = device_check.load_kernel_module("candidate_lean_epilogues")
-lean_ilp = device_check.load_kernel_module("candidate_lean_ilp")
 model = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/chunked_model.py", "gdn_chunked_model")
 reference_run = cases.load_reference_run()
 
@@ -67,33 +61,10 @@ def test_compiles_for_sm90a_without_gpu():
     assert chunked.compile_only("sm_90a") is compiled  # cached: no second compile
 
 
-@pytest.mark.parametrize("module", [candidate, lean, lean_ilp], ids=["idle_prefetch", "lean_epilogues", "lean_ilp"])
-def test_candidates_compile_separately_and_share_the_entry_checks(module):
-    compiled = module.compile_only("sm_90a")
-    assert callable(compiled) and compiled is not chunked.compile_only("sm_90a")  # keyed on the kernel class
-    assert module.compile_only("sm_90a") is compiled
-    case = next(c for c in cases.CASES if c.name == "len6_state_scale05")
-    inputs = cases.make_inputs(case, "cpu", seed=1)
-    output, new_state = cases.poisoned_outputs(case, "cpu")
-    with pytest.raises(chunked.GdnShapeError, match="cu_seqlens"):
-        module.run(*dict(inputs, cu_seqlens=inputs["cu_seqlens"].int()).values(), output, new_state)
-
-
 def test_base2_decays_are_the_same_factors():
-    # G in units of log2(e) and 2^x give exp(G): the identity the lean-epilogue candidate relies on.
+    # G in units of log2(e) and 2^x give exp(G): the identity the kernel's decays rely on.
     G = torch.tensor([0.0, -0.3, -7.5, -80.0], dtype=torch.float64)
-    assert torch.allclose(torch.exp2(G * lean._LeanEpilogues.LOG_DECAY_SCALE), torch.exp(G), rtol=1e-12)
-    assert chunked._Chunked.LOG_DECAY_SCALE == 1.0
-
-
-def test_ilp_slots_are_the_tiles_of_the_schedule():
-    # v1.5's static slots (t <= w: A tile (w, t); else P tile (3 - w, t - w - 1)) are, per warp,
-    # exactly v1.2's two loops' tiles: five per warp, the lower triangles of A and P once each.
-    B = chunked.NUM_BLOCKS
-    for w in range(chunked.NUM_WARPS):
-        slots = [("A", w, t) if t <= w else ("P", B - 1 - w, t - w - 1) for t in range(lean_ilp.TILES_PER_WARP)]
-        loops = [("A", w, c) for c in range(w + 1)] + [("P", B - 1 - w, c) for c in range(B - w)]
-        assert slots == loops
+    assert torch.allclose(torch.exp2(G * chunked.LOG2_E), torch.exp(G), rtol=1e-12)
 
 
 def test_tiling_covers_state_and_chunk():
@@ -574,10 +545,6 @@ def test_copy_loops_cover_their_tiles_once():
     assert covered(C * v_pieces // threads, v_pieces) == [(j, p) for j in range(C) for p in range(v_pieces)]
     assert sorted((t % C, t // C) for t in range(threads)) == [(j, r) for j in range(C) for r in range(2)]
     assert covered(2 * C * P // threads, P) == [(r, p) for r in range(2 * C) for p in range(P)]
-    # load_q from the candidate's 64 prefetching threads (workers 0..63): 16 rounds.
-    workers = candidate.PREFETCH_THREADS
-    by_workers = sorted(divmod(i * workers + t, P) for i in range(C * P // workers) for t in range(workers))
-    assert by_workers == [(j, p) for j in range(C) for p in range(P)]
     assert covered(C * C // threads, C) == [(r, c) for r in range(C) for c in range(C)]
 
 

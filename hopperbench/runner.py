@@ -84,6 +84,7 @@ from hopperbench.worker_pool import (
     WorkerPoolError,
     available_cpus,
     describe_exit,
+    physical_cores,
     split_cpus,
 )
 
@@ -315,6 +316,7 @@ class RunnerHooks:
     # The fork server's warm call for each kernel side of ours (called with [track, side]).
     prebuild_target: str = PREBUILD_TARGET
     available_cpus: Callable[[], set[int]] = available_cpus
+    physical_cores: Callable[[set[int]], list[list[int]]] = physical_cores
 
 
 # ------------------------------------------------------------------------------------------
@@ -407,7 +409,8 @@ def _cpu_shares(slots: list[str | None], args: argparse.Namespace, hooks: Runner
     if args.no_pin_cpus:
         return None
     try:
-        return split_cpus(hooks.available_cpus(), len(slots))
+        cpus = hooks.available_cpus()
+        return split_cpus(cpus, len(slots), hooks.physical_cores(cpus))
     except CpuSplitError as e:
         raise CliError(f"{e}; pass --no-pin-cpus to run unpinned") from None
 

@@ -49,8 +49,9 @@ Isolation guarantees of the fork server, and where they differ from a fresh proc
   reseeded in each child by Python itself; the job's inputs are seeded explicitly anyway.
 
 Both launchers start their processes pinned to a set of CPU cores (`split_cpus` gives
-each device a disjoint share) so that the host-bound work of one device's jobs does not
-compete with another device's for the same cores. Pinning is done on the spawning thread
+each device a disjoint share of whole physical cores, SMT siblings together) so that the
+host-bound work of one device's jobs does not compete with another device's for the same
+cores. Pinning is done on the spawning thread
 (Linux affinity is per thread and inherited), so the new process is pinned from its
 first instruction.
 """
@@ -128,22 +129,69 @@ class CpuSplitError(ValueError):
 # CPU cores
 
 
-def split_cpus(cpus: Iterable[int], parts: int) -> list[list[int]]:
-    """`parts` disjoint, contiguous, as-even-as-possible shares of the cores, in core order.
+SYSFS_CPU_DIR = Path("/sys/devices/system/cpu")
 
-    Contiguous shares keep a device's cores together (on most hosts neighbouring core numbers
-    share a socket); the first `len(cpus) % parts` shares get one core more.
+
+def parse_cpu_list(text: str) -> set[int]:
+    """The CPUs of a kernel CPU list such as "0,16" or "0-3,8-11"."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def physical_cores(cpus: Iterable[int], sysfs_cpu_dir: Path = SYSFS_CPU_DIR) -> list[list[int]]:
+    """`cpus` grouped by the physical core they run on (SMT siblings together, from sysfs
+    `cpuN/topology/thread_siblings_list`), each group sorted, the groups in order of their lowest
+    CPU; a CPU whose topology cannot be read is a core of its own."""
+    wanted = set(cpus)
+    groups: dict[frozenset[int], None] = {}
+    for cpu in sorted(wanted):
+        try:
+            siblings = parse_cpu_list((sysfs_cpu_dir / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text())
+        except (OSError, ValueError):
+            siblings = {cpu}
+        groups[frozenset((siblings & wanted) | {cpu})] = None
+    seen: set[int] = set()
+    cores = []
+    for group in groups:  # a CPU listed in two groups (inconsistent sysfs) stays in its first
+        core = sorted(group - seen)
+        if core:
+            cores.append(core)
+            seen.update(core)
+    return sorted(cores)
+
+
+def split_cpus(cpus: Iterable[int], parts: int, cores: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+    """`parts` disjoint, contiguous, as-even-as-possible shares of the CPUs, in CPU order.
+
+    With `cores` (`physical_cores` of the same CPUs), the shares are made of whole physical cores
+    whenever there are at least `parts` of them: on an SMT host, numbering usually puts the two
+    threads of a core far apart (0 and 16 of 32), so contiguous halves of the CPU numbers would
+    give two devices' workers the two threads of the same cores, and one device's host-bound work
+    (a Python reference, a Triton launch) would slow the other's. Contiguous shares keep a
+    device's cores together (on most hosts neighbouring numbers share a socket); the first shares
+    get one core more when they do not divide evenly.
     """
     ordered = sorted(set(cpus))
     if parts < 1:
         raise CpuSplitError(f"cannot split cores into {parts} shares")
     if len(ordered) < parts:
         raise CpuSplitError(f"{parts} devices but only {len(ordered)} CPU core(s) to give each its own")
-    size, extra = divmod(len(ordered), parts)
+    units: list[list[int]] = [[c] for c in ordered]
+    if cores is not None:
+        grouped = sorted(sorted(set(core) & set(ordered)) for core in cores)
+        grouped = [core for core in grouped if core]
+        if len(grouped) >= parts and sorted(c for core in grouped for c in core) == ordered:
+            units = grouped
+    size, extra = divmod(len(units), parts)
     shares, start = [], 0
     for part in range(parts):
         end = start + size + (1 if part < extra else 0)
-        shares.append(ordered[start:end])
+        shares.append(sorted(c for unit in units[start:end] for c in unit))
         start = end
     return shares
 

@@ -21,7 +21,7 @@ from hopperbench.results import Journal, Status, read_results, write_results
 from hopperbench.runner import RunnerHooks, main
 from hopperbench.sides import Side, SideKind
 from hopperbench.tracks import TRACKS, CandidateSide
-from hopperbench.worker_pool import describe_exit, split_cpus
+from hopperbench.worker_pool import describe_exit, physical_cores, split_cpus
 
 # A stand-in for `python -m hopperbench.worker JOB.json RESULT.json`. It logs each call,
 # writes the reference's scratch files like the real one, and misbehaves on demand
@@ -652,7 +652,7 @@ def test_a_fork_server_that_cannot_start_stops_the_run(fake: RunnerHooks, tmp_pa
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores")
 def test_each_device_gets_its_own_cores_and_the_record_says_which(fake: RunnerHooks, tmp_path: Path) -> None:
     cores = sorted(os.sched_getaffinity(0))
-    shares = split_cpus(cores, 2)
+    shares = split_cpus(cores, 2, physical_cores(set(cores)))  # whole physical cores where the host has SMT
     out = tmp_path / "pinned.json"
     assert main(run_args(out, "--max-workloads", "3", "--devices", "0,1"), fake) == 0
     seen = {(c["cuda"], tuple(c["cpus"])) for c in calls(tmp_path)}

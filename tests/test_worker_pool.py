@@ -27,6 +27,8 @@ from hopperbench.worker_pool import (
     WarmCall,
     WorkerPoolError,
     cuda_driver_mapped,
+    parse_cpu_list,
+    physical_cores,
     spawn_pinned,
     split_cpus,
 )
@@ -144,6 +146,41 @@ def test_split_cpus_is_even_disjoint_contiguous_and_complete() -> None:
         shares = split_cpus(cpus, parts)
         assert sorted(c for share in shares for c in share) == list(cpus)
         assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def _fake_sysfs(root: Path, siblings: dict[int, str]) -> Path:
+    for cpu, text in siblings.items():
+        topology = root / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "thread_siblings_list").write_text(text + "\n")
+    return root
+
+
+def test_cpu_lists_parse_as_the_kernel_writes_them() -> None:
+    assert parse_cpu_list("0,16\n") == {0, 16}
+    assert parse_cpu_list("0-3,8-9") == {0, 1, 2, 3, 8, 9}
+    assert parse_cpu_list("5") == {5}
+
+
+def test_physical_cores_group_smt_siblings(tmp_path: Path) -> None:
+    # 8 CPUs, the two threads of core i numbered i and i + 4 (the usual Linux numbering).
+    sysfs = _fake_sysfs(tmp_path, {c: f"{c % 4},{c % 4 + 4}" for c in range(8)})
+    assert physical_cores(range(8), sysfs) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # Only the CPUs asked about (a cpuset), and a CPU without topology is a core of its own.
+    assert physical_cores([0, 1, 4, 9], sysfs) == [[0, 4], [1], [9]]
+
+
+def test_split_cpus_gives_each_device_whole_physical_cores(tmp_path: Path) -> None:
+    sysfs = _fake_sysfs(tmp_path, {c: f"{c % 4},{c % 4 + 4}" for c in range(8)})
+    cores = physical_cores(range(8), sysfs)
+    # Halves of the numbers would give both devices the two threads of the same four cores.
+    assert split_cpus(range(8), 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_cpus(range(8), 2, cores) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert split_cpus(range(8), 3, cores) == [[0, 1, 4, 5], [2, 6], [3, 7]]
+    # Fewer physical cores than devices: threads are split after all, rather than refused.
+    assert split_cpus([0, 4], 2, [[0, 4]]) == [[0], [4]]
+    # Cores that do not cover the CPUs (a stale topology) are ignored.
+    assert split_cpus(range(4), 2, [[0, 1]]) == [[0, 1], [2, 3]]
 
 
 def test_split_cpus_refuses_fewer_cores_than_devices() -> None:

@@ -54,6 +54,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
+from . import token_serial
 from .token_serial import (
     GPU_ARCH,
     HEAD_SIZE,
@@ -61,12 +62,9 @@ from .token_serial import (
     NUM_V_HEADS,
     SOFTPLUS_THRESHOLD,
     V_HEADS_PER_QK_HEAD,
-    GdnPrefillSm90,
     GdnShapeError,
-    compile_launcher,
     resolve_scale,
 )
-from .token_serial import _check_inputs as check_inputs
 
 __all__ = ["GdnShapeError", "compile_only", "compiled_for", "resolve_scale", "run", "run_kernel"]
 
@@ -770,19 +768,14 @@ class _Chunked:
 
 
 # ------------------------------------------------------------------------------------------------
-# Host side: compile once per architecture, then each call is one TVM-FFI launch.
+# Host side: token_serial.py's launcher and compile cache (keyed on the kernel class).
 # ------------------------------------------------------------------------------------------------
-
-_COMPILED: dict[tuple[str, type], Callable] = {}
 
 
 def compiled_for(arch: str = GPU_ARCH, kernel: type = _Chunked) -> Callable:
     """The compiled launcher of `kernel` (this file's, or a candidate's subclass of it) for `arch`
     (compiled on first use; needs no GPU)."""
-    fn = _COMPILED.get((arch, kernel))
-    if fn is None:
-        fn = _COMPILED[(arch, kernel)] = compile_launcher(GdnPrefillSm90(kernel), arch)
-    return fn
+    return token_serial.compiled_for(arch, kernel)
 
 
 def compile_only(arch: str = GPU_ARCH) -> Callable:
@@ -794,28 +787,9 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
     """Destination-passing entry, same contract as kernel.run: fills `output` [T,8,128] bf16 and
     `new_state` [N,8,128,128] fp32; `state` None means zeros; `scale` None or 0 means 1/sqrt(128).
     No device reads, no host synchronisation: one kernel launch on the current stream."""
-    run_kernel(_Chunked, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+    token_serial.run_kernel(_Chunked, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
 
 
 def run_kernel(kernel: type, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
     """`run` with `kernel` (this file's kernel class or a candidate's subclass of it)."""
-    check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
-    if new_state.shape[0] == 0:
-        return
-    has_state = state is not None
-    compiled_for(GPU_ARCH, kernel)(
-        q,
-        k,
-        v,
-        state if has_state else new_state,  # a placeholder the kernel never reads
-        A_log,
-        a,
-        dt_bias,
-        b,
-        cu_seqlens,
-        resolve_scale(scale),
-        int(has_state),
-        output,
-        new_state,
-    )
-
+    token_serial.run_kernel(kernel, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)

@@ -255,8 +255,6 @@ class _Recurrence:
             self.stage_chunk(g2s, q, k, v, a, b, sq, sk, sv, sa, sb, start, length, 0, 0, head, slice_v0, tidx)
         cute.arch.cp_async_commit_group()
 
-        k_reg = cute.make_rmem_tensor((COLS_PER_LANE,), cutlass.Float32)
-        q_reg = cute.make_rmem_tensor((COLS_PER_LANE,), cutlass.Float32)
         for chunk in cutlass.range(num_chunks, unroll=1):
             stage = chunk % NUM_STAGES
             # Prefetch the next chunk into the other stage; its readers finished at the barrier
@@ -282,22 +280,77 @@ class _Recurrence:
                 )
             cute.arch.sync_threads()
 
-            # ---- the recurrence over the tokens of this chunk ----
-            for j in cutlass.range(tokens_here, unroll=2):
-                self.load_lane_columns(sk[stage, j, None], k_reg, lane_in_row)
-                self.load_lane_columns(sq[stage, j, None], q_reg, lane_in_row)
-                dot_sk = self.row_sum(self.lane_dot(s_reg, k_reg))
-                dot_sq = self.row_sum(self.lane_dot(s_reg, q_reg))
-                dot_kq = self.row_sum(self.lane_dot(k_reg, q_reg))
-                g = sg[stage, j]
-                delta = sbeta[stage, j] * (sv[stage, j, row_in_slice].to(cutlass.Float32) - g * dot_sk)
-                for i in cutlass.range_constexpr(COLS_PER_LANE):
-                    s_reg[i] = g * s_reg[i] + delta * k_reg[i]
-                if lane_in_row == 0:
-                    out = scale * (g * dot_sq + delta * dot_kq)
-                    output[start + chunk_start + j, head, v_row] = out.to(cutlass.BFloat16)
+            self.advance_chunk(
+                sq, sk, sv, sg, sbeta, stage, tokens_here, s_reg, scale, output,
+                start + chunk_start, head, v_row, row_in_slice, lane_in_row,
+            )  # fmt: skip
             # The next iteration prefetches into the stage just read.
             cute.arch.sync_threads()
+
+    @cute.jit
+    def advance_chunk(
+        self,
+        sq: cute.Tensor,
+        sk: cute.Tensor,
+        sv: cute.Tensor,
+        sg: cute.Tensor,
+        sbeta: cute.Tensor,
+        stage: cutlass.Int32,
+        tokens_here: cutlass.Int32,
+        s_reg: cute.Tensor,
+        scale: cutlass.Float32,
+        output: cute.Tensor,
+        first_token: cutlass.Int32,
+        head: cutlass.Int32,
+        v_row: cutlass.Int32,
+        row_in_slice: cutlass.Int32,
+        lane_in_row: cutlass.Int32,
+    ):
+        """The recurrence over the `tokens_here` staged tokens of one chunk (gates in sg, sbeta),
+        token `first_token` + j of the batch at slot j: this thread's state registers advance and
+        lane 0 of each row writes the row's outputs (a candidate may regroup the tokens)."""
+        k_reg = cute.make_rmem_tensor((COLS_PER_LANE,), cutlass.Float32)
+        q_reg = cute.make_rmem_tensor((COLS_PER_LANE,), cutlass.Float32)
+        for j in cutlass.range(tokens_here, unroll=2):
+            self.advance_token(
+                sq, sk, sv, sg, sbeta, stage, j, s_reg, k_reg, q_reg, scale, output,
+                first_token, head, v_row, row_in_slice, lane_in_row,
+            )  # fmt: skip
+
+    @cute.jit
+    def advance_token(
+        self,
+        sq: cute.Tensor,
+        sk: cute.Tensor,
+        sv: cute.Tensor,
+        sg: cute.Tensor,
+        sbeta: cute.Tensor,
+        stage: cutlass.Int32,
+        j: cutlass.Int32,
+        s_reg: cute.Tensor,
+        k_reg: cute.Tensor,
+        q_reg: cute.Tensor,
+        scale: cutlass.Float32,
+        output: cute.Tensor,
+        first_token: cutlass.Int32,
+        head: cutlass.Int32,
+        v_row: cutlass.Int32,
+        row_in_slice: cutlass.Int32,
+        lane_in_row: cutlass.Int32,
+    ):
+        """One token (slot j of the stage) of the recurrence; k_reg and q_reg are scratch."""
+        self.load_lane_columns(sk[stage, j, None], k_reg, lane_in_row)
+        self.load_lane_columns(sq[stage, j, None], q_reg, lane_in_row)
+        dot_sk = self.row_sum(self.lane_dot(s_reg, k_reg))
+        dot_sq = self.row_sum(self.lane_dot(s_reg, q_reg))
+        dot_kq = self.row_sum(self.lane_dot(k_reg, q_reg))
+        g = sg[stage, j]
+        delta = sbeta[stage, j] * (sv[stage, j, row_in_slice].to(cutlass.Float32) - g * dot_sk)
+        for i in cutlass.range_constexpr(COLS_PER_LANE):
+            s_reg[i] = g * s_reg[i] + delta * k_reg[i]
+        if lane_in_row == 0:
+            out = scale * (g * dot_sq + delta * dot_kq)
+            output[first_token + j, head, v_row] = out.to(cutlass.BFloat16)
 
     @cute.jit
     def stage_chunk(
@@ -426,7 +479,7 @@ class GdnPrefillSm90:
 # Host side: compile once per architecture, then each call is one TVM-FFI launch.
 # ------------------------------------------------------------------------------------------------
 
-_COMPILED: dict[str, Callable] = {}
+_COMPILED: dict[tuple[str, type], Callable] = {}
 
 
 def compile_launcher(launcher: object, arch: str) -> Callable:
@@ -465,15 +518,13 @@ def compile_launcher(launcher: object, arch: str) -> Callable:
     return cute.compile(launcher, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
-def _compile(arch: str) -> Callable:
-    return compile_launcher(GdnPrefillSm90(), arch)
-
-
-def compiled_for(arch: str = GPU_ARCH) -> Callable:
-    """The compiled launcher for `arch` (compiled on first use; needs no GPU)."""
-    fn = _COMPILED.get(arch)
+def compiled_for(arch: str = GPU_ARCH, kernel: type = _Recurrence) -> Callable:
+    """The compiled launcher of `kernel` for `arch`: this file's kernel class, chunked.py's, or a
+    candidate's subclass of either (compiled on first use; needs no GPU). One cache, keyed on what
+    changes the code."""
+    fn = _COMPILED.get((arch, kernel))
     if fn is None:
-        fn = _COMPILED[arch] = _compile(arch)
+        fn = _COMPILED[(arch, kernel)] = compile_launcher(GdnPrefillSm90(kernel), arch)
     return fn
 
 
@@ -526,11 +577,16 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
 
     `state` None means a zero initial state; `scale` None or 0 means 1/sqrt(128). No device reads,
     no host synchronisation: one kernel launch on the current stream."""
+    run_kernel(_Recurrence, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+
+
+def run_kernel(kernel: type, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+    """`run` with `kernel` (the kernel class of this file or of chunked.py, or a candidate's subclass)."""
     _check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
     if new_state.shape[0] == 0:
         return
     has_state = state is not None
-    compiled_for()(
+    compiled_for(GPU_ARCH, kernel)(
         q,
         k,
         v,

@@ -1,14 +1,14 @@
 """GDN prefill for SM90 in CuTe-DSL: `gdn_prefill_qk4_v8_d128_k_last`.
 
-v1.2: two kernels of this folder, chosen from the total token count T (a shape, known on the host;
+v1.4: two kernels of this folder, chosen from the total token count T (a shape, known on the host;
 no device reads, no host synchronisation):
 
 - T <= TOKEN_SERIAL_MAX_TOKENS: `token_serial.py` (v0), one CTA per (sequence, head, 16-row V slice)
   stepping token by token;
-- larger T: `chunked.py` (v1.2), 64-token chunks in the WY form on tensor cores, two CTAs per SM.
+- larger T: `chunked.py` (v1.4), 64-token chunks in the WY form on tensor cores, two CTAs per SM.
 
-Why the split (measured with v1, whose chunk step v1.2 keeps on one CTA per SM): in the runner run
-of 2026-11-29 (100 workloads, kernels/gdn_prefill/NOTES.md) the
+Why the split (measured with v1, whose chunk step took ~8 us; v1.4's takes ~5.5 us at 2107 tokens in
+one sequence): in the runner run of 2026-11-29 (100 workloads, kernels/gdn_prefill/NOTES.md) the
 token-serial kernel took about 3 us + 0.19 us per token of the longest sequence, and the chunked one
 about 9 us for its first chunk and 8 us per further chunk; the token-serial kernel was faster on
 every workload of up to 42 tokens, the chunked one on all above 42 but ten of 67-132 tokens whose

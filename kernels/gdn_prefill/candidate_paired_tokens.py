@@ -1,5 +1,5 @@
-"""GDN prefill candidate v1.6 ("paired tokens"): `kernel.py` with its token-serial path (T <= 40)
-stepping two tokens per round of reductions.
+"""GDN prefill candidate v1.6 ("paired tokens"): `kernel.py` with its token-serial path stepping two
+tokens per round of reductions, and taken up to 64 tokens instead of 40.
 
 Why: the token-serial kernel costs ~2.6 us plus ~0.19 us (~370 cycles) per token of the longest
 sequence, and Kachua's fast path beats it on the short inputs with a state (12-35 tokens: 5.7-6.2 us
@@ -33,10 +33,15 @@ from typing import Callable
 import cutlass
 import cutlass.cute as cute
 
-from . import chunked, kernel, token_serial
+from . import chunked, token_serial
 from .token_serial import COLS_PER_LANE, GdnShapeError, resolve_scale
 
-__all__ = ["GdnShapeError", "compile_only", "pair_step", "resolve_scale", "run"]
+__all__ = ["GdnShapeError", "TOKEN_SERIAL_MAX_TOKENS", "compile_only", "pair_step", "resolve_scale", "run"]
+
+# kernel.py switches to the chunked kernel above 40 tokens. The candidate keeps its token-serial path
+# up to 64, so that the A/B rows of 41-64 tokens (paired token steps against one or two chunks of
+# v1.4) say where the threshold should go if it is promoted.
+TOKEN_SERIAL_MAX_TOKENS = 64
 
 
 def pair_step(scale, g0, g1, beta0, beta1, v0, v1, s_k0, s_q0, s_k1, s_q1, k0_q0, k0_k1, k0_q1, k1_q1):
@@ -115,8 +120,8 @@ def compile_only(arch: str = token_serial.GPU_ARCH) -> tuple[Callable, Callable]
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
-    """`kernel.run`'s contract and dispatch, with this candidate's token-serial kernel."""
-    if kernel.path_for(q.shape[0]) is token_serial:
+    """`kernel.run`'s contract, with this candidate's token-serial kernel up to TOKEN_SERIAL_MAX_TOKENS."""
+    if q.shape[0] <= TOKEN_SERIAL_MAX_TOKENS:
         token_serial.run_kernel(_PairedTokens, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
     else:
         chunked.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)

@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -216,6 +217,37 @@ def one_line(exc: BaseException, limit: int = 500) -> str:
 # The job
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc, 10 ms resolution), or None elsewhere."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started_ticks = int(fields[19])  # field 22 of stat(5), counted after "pid (comm)"
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime_s - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class PhaseLog:
+    """Wall time of a job's phases, printed as one line to the job's log (stderr) when it ends, so
+    that a run's logs show where its wall time goes (process start to the first phase included)."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.phases: list[tuple[str, float]] = []
+        age = process_age_s()
+        if age is not None:
+            self.phases.append(("process_start", age))
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases.append((name, now - self.last))
+        self.last = now
+
+    def line(self) -> str:
+        return "job phases (s): " + ", ".join(f"{name} {seconds:.3f}" for name, seconds in self.phases)
+
+
 class _Outcome(Exception):
     """Ends the job early with a finished result."""
 
@@ -229,6 +261,7 @@ class JobRunner:
         self.deps = deps
         self.track = get_track(job.track)
         self.device = torch.device(job.device)
+        self.phases = PhaseLog()
         self.definition = deps.load_definition(job.track)
         self.workload = deps.parse_workload(job.workload)
 
@@ -239,14 +272,22 @@ class JobRunner:
         return self.deps.make_inputs(self.job.track, self.workload, self.job.seed, trial, self.device)
 
     def run(self) -> SideResult:
+        try:
+            return self._run()
+        finally:
+            print(self.phases.line(), file=sys.stderr)
+
+    def _run(self) -> SideResult:
         side = self.job.side
         if not side.available:
             return self.result(Status.UNAVAILABLE, message=side.reason)
+        self.phases.mark("setup")
         try:
             fn = self.deps.build(side, self.definition)
         except Exception as e:
             traceback.print_exc()
             return self.result(Status.RUNTIME_ERROR, message=f"build failed: {one_line(e)}")
+        self.phases.mark("build")
         try:
             if side.kind == SideKind.REFERENCE:
                 return self.run_reference(fn)
@@ -266,6 +307,7 @@ class JobRunner:
             result = self.call(fn, list(inputs.values()))
             save_reference_outputs(path, self.checked(partial(as_output_dict, self.definition, result)), job.seed)
             del inputs, result
+        self.phases.mark("reference_outputs")
         return self.timed(fn, dps=False)
 
     # -- any other side --------------------------------------------------------------------
@@ -296,6 +338,7 @@ class JobRunner:
                 )
             verdicts.append(self.deps.check_outputs(self.track.acceptance_for(job.side.kind), outputs, reference))
             del inputs, snapshot, outputs, reference  # free before the next trial's inputs
+        self.phases.mark("checks")
         verdict = self.deps.merge_verdicts(verdicts)
         stats = error_stats(verdict)
         if not verdict.passed:
@@ -342,6 +385,7 @@ class JobRunner:
             per_trial.append(statistics.median(spans))
             per_trial_iterations.append(len(spans))
             del inputs, args
+            self.phases.mark(f"timing_trial{trial}")
         return self.result(
             Status.PASSED,
             latency_ms=statistics.median(per_trial),

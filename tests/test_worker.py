@@ -167,6 +167,19 @@ def test_reference_stores_outputs_then_times_itself(tmp_path: Path, recorder: Re
     assert (result.latency_ms, result.min_ms, result.max_ms) == (2.0, 1.0, 3.0)
 
 
+def test_a_job_logs_where_its_wall_time_went(tmp_path: Path, recorder: Recorder, capsys) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    capsys.readouterr()
+    assert run_job(job(tmp_path, kernel_side(tmp_path, "correct")), deps(recorder)).status == Status.PASSED
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("job phases (s): ")]
+    assert len(lines) == 1
+    names = [part.rsplit(" ", 1)[0] for part in lines[0].removeprefix("job phases (s): ").split(", ")]
+    assert names == ["process_start", "setup", "build", "checks", "timing_trial0", "timing_trial1", "timing_trial2"]
+    # A job that ends early still logs what it did.
+    run_job(job(tmp_path, kernel_side(tmp_path, "raises")), deps(recorder))
+    assert ", setup " in capsys.readouterr().err.splitlines()[-1]
+
+
 def test_the_jobs_time_budget_reaches_the_timer_of_every_trial(tmp_path: Path, recorder: Recorder) -> None:
     budgeted = job(tmp_path, reference_side()).model_copy(update={"time_budget_s": 0.5})
     assert run_job(budgeted, deps(recorder)).status == Status.PASSED

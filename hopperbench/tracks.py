@@ -199,6 +199,13 @@ MOE = Track(
             package="deep_gemm==2.6.1+54e2261",
         ),
     ),
+    candidates=(
+        CandidateSide(
+            name="cand_deep_stream",
+            entry="candidate_deep_stream.py::run",
+            description="kernel.py with two GEMM2 CTAs per SM up to 192 tokens (8-token tiles up to 64) (v1.1)",
+        ),
+    ),
 )
 
 DSA_ATTENTION = Track(

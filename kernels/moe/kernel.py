@@ -54,16 +54,23 @@ DEFAULT_NUM_SMS = 132
 
 @dataclass(frozen=True)
 class StreamingVariant:
-    """One compiled streaming configuration: tokens per row tile and pipeline depth."""
+    """One compiled streaming configuration: tokens per row tile and pipeline depth of GEMM1, and of
+    GEMM2 where they differ (the packed rows do not depend on the tiles, so each GEMM may have its own)."""
 
     block_tokens: int
     num_stages: int = NUM_STAGES
+    gemm2_block_tokens: int | None = None  # None: block_tokens
+    gemm2_num_stages: int | None = None  # None: num_stages
 
     def gemm1(self) -> StreamingGemmConfig:
         return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
 
     def gemm2(self) -> StreamingGemmConfig:
-        return StreamingGemmConfig(gemm1=False, block_tokens=self.block_tokens, num_stages=self.num_stages)
+        return StreamingGemmConfig(
+            gemm1=False,
+            block_tokens=self.gemm2_block_tokens or self.block_tokens,
+            num_stages=self.gemm2_num_stages or self.num_stages,
+        )
 
 
 SMALL_T = StreamingVariant(block_tokens=16)
@@ -168,9 +175,11 @@ def run_keeping_workspaces(
     local_expert_offset,
     routed_scaling_factor,
     output,
+    choose: Callable[[int], StreamingVariant | None] = variant_for,
 ) -> Workspaces | None:
     """`run`, returning the streaming path's workspaces (None for T = 0 and the grouped path), so that a
-    device check can tell a wrong GEMM1 from a wrong GEMM2."""
+    device check can tell a wrong GEMM1 from a wrong GEMM2. `choose` maps T to the streaming variant
+    (None: the grouped pipeline); a candidate passes its own."""
     inputs = (
         routing_logits,
         routing_bias,
@@ -187,7 +196,7 @@ def run_keeping_workspaces(
     num_tokens = routing_logits.shape[0]
     if num_tokens == 0:
         return None
-    variant = variant_for(num_tokens)
+    variant = choose(num_tokens)
     if variant is None:
         grouped_pipeline.run(*inputs, output)
         return None

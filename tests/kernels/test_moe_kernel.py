@@ -30,7 +30,7 @@ kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py, its grouped pipeline alone (kernel.py takes it only above 2048 tokens, so it is checked at
 # every case here) and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "grouped_pipeline")
+SOLUTIONS = ("kernel", "grouped_pipeline", "candidate_deep_stream")
 
 
 @functools.cache
@@ -56,6 +56,13 @@ def test_compiles_for_sm90a_without_gpu():
     assert compiled[-1] is grouped.compiled_for("sm_90a")
     # Cached: a second request must not recompile.
     assert kernel.compile_only("sm_90a") == compiled
+
+
+def test_deep_stream_candidate_compiles_its_own_variants():
+    candidate = solution_module("candidate_deep_stream")
+    compiled = candidate.compile_only("sm_90a")
+    assert len(compiled) == len(candidate.VARIANTS) + len(kernel.VARIANTS) + 1
+    assert len({id(fn) for fn in compiled}) == len(compiled)  # cached per variant: each its own
 
 
 def _row_tiles(counts: list[int]) -> int:

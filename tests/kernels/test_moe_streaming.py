@@ -21,6 +21,7 @@ import torch
 from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, reference, solution_module
 
 streaming = solution_module("streaming_gemm")
+candidate = solution_module("candidate_deep_stream")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -47,7 +48,11 @@ def test_variant_for_rejects_an_empty_batch():
         kernel.variant_for(0)
 
 
-@pytest.mark.parametrize("variant", kernel.VARIANTS, ids=lambda v: f"bt{v.block_tokens}")
+@pytest.mark.parametrize(
+    "variant",
+    [*kernel.VARIANTS, *candidate.VARIANTS],
+    ids=lambda v: f"bt{v.block_tokens}_{v.gemm2_block_tokens or v.block_tokens}x{v.gemm2_num_stages or v.num_stages}",
+)
 def test_every_configuration_fits_shared_memory_and_fills_every_sm(variant):
     for config in (variant.gemm1(), variant.gemm2()):
         per_cta = config.smem_bytes() + streaming.SMEM_RESERVED_PER_CTA
@@ -56,6 +61,18 @@ def test_every_configuration_fits_shared_memory_and_fills_every_sm(variant):
     # The small-T GEMM1 (the 2/3 of the weight bytes at T <= 192) keeps two CTAs per SM.
     if variant.block_tokens == 16:
         assert variant.gemm1().ctas_per_sm() == 2
+
+
+@pytest.mark.parametrize(("num_tokens", "gemm2_tiles"), [(1, (8, 4)), (64, (8, 4)), (65, (16, 3)), (192, (16, 3))])
+def test_deep_stream_candidate_keeps_two_gemm2_ctas_per_sm_up_to_192_tokens(num_tokens, gemm2_tiles):
+    variant = candidate.variant_for(num_tokens)
+    gemm2 = variant.gemm2()
+    assert (gemm2.block_tokens, gemm2.num_stages) == gemm2_tiles and gemm2.ctas_per_sm() == 2
+    assert variant.gemm1().block_tokens == kernel.variant_for(num_tokens).gemm1().block_tokens
+    # 8 (or 6) weight stages in flight per SM, against kernel.py's 4 for GEMM2
+    assert gemm2.num_stages * gemm2.ctas_per_sm() > kernel.variant_for(num_tokens).gemm2().num_stages
+    for large in (193, 2048, 2049):
+        assert candidate.variant_for(large) is kernel.variant_for(large)
 
 
 def test_one_item_per_sm_at_one_active_expert():
@@ -214,7 +231,7 @@ def _isa_operands(a_regs, b_regs, mt: int, nt: int, j: int):
 
 
 @pytest.mark.parametrize("gemm1", [True, False], ids=["gemm1_fp8_x", "gemm2_bf16_x"])
-@pytest.mark.parametrize("block_tokens", [16, 32])
+@pytest.mark.parametrize("block_tokens", [8, 16, 32])
 def test_mma_pairs_weight_k_with_activation_k_exactly_once(gemm1, block_tokens):
     config = streaming.StreamingGemmConfig(gemm1=gemm1, block_tokens=block_tokens, num_stages=4)
     n_tile, k_stage = 3, 1
@@ -306,9 +323,10 @@ def _schedule_counts(num_tokens: int) -> list[list[int]]:
     return shapes
 
 
+@pytest.mark.parametrize("choose", [kernel.variant_for, candidate.variant_for], ids=["kernel", "deep_stream"])
 @pytest.mark.parametrize("num_tokens", [1, 7, 33, 192, 901])
-def test_persistent_schedule_covers_every_row_and_column_tile_once(num_tokens):
-    variant = kernel.variant_for(num_tokens)
+def test_persistent_schedule_covers_every_row_and_column_tile_once(num_tokens, choose):
+    variant = choose(num_tokens)
     for config in (variant.gemm1(), variant.gemm2()):
         bt = config.block_tokens
         for counts in _schedule_counts(num_tokens):

@@ -205,6 +205,11 @@ MOE = Track(
             entry="candidate_deep_stream.py::run",
             description="kernel.py with two GEMM2 CTAs per SM up to 192 tokens (8-token tiles up to 64) (v1.1)",
         ),
+        CandidateSide(
+            name="cand_one_cta_routing",
+            entry="candidate_one_cta_routing.py::run",
+            description="kernel.py with the counter zeroing and the routing in one launch up to 32 tokens (v1.2)",
+        ),
     ),
 )
 

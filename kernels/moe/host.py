@@ -23,7 +23,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .combine import CombineKernel
-from .routing import RoutingKernel, ZeroCountsKernel
+from .routing import OneCtaRoutingKernel, RoutingKernel, ZeroCountsKernel
 from .shapes import (
     BLOCK,
     GEMM1_OUT,
@@ -45,11 +45,14 @@ class ExpertGemm(Protocol):
 
 class MoeHostSm90:
     """Host function of the five kernels with `gemm1` (G1 + SwiGLU) and `gemm2` (G2); one compile
-    serves every T (dynamic) and every offset / scaling factor (runtime scalars)."""
+    serves every T (dynamic) and every offset / scaling factor (runtime scalars). With
+    `one_cta_routing` the zeroing and the routing are one launch (`routing.OneCtaRoutingKernel`,
+    for small batches): four launches."""
 
-    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm):
+    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm, one_cta_routing: bool = False):
         self.gemm1 = gemm1
         self.gemm2 = gemm2
+        self.one_cta_routing = one_cta_routing
 
     @cute.jit
     def __call__(
@@ -76,19 +79,33 @@ class MoeHostSm90:
         gemm2_grid: cutlass.Int32,
         stream,
     ):
-        ZeroCountsKernel().launch(counts, stream)
-        RoutingKernel().launch(
-            routing_logits,
-            routing_bias,
-            local_expert_offset,
-            routed_scaling_factor,
-            counts,
-            expert_tokens,
-            slot_expert,
-            slot_rank,
-            slot_weight,
-            stream,
-        )
+        if cutlass.const_expr(self.one_cta_routing):
+            OneCtaRoutingKernel().launch(
+                routing_logits,
+                routing_bias,
+                local_expert_offset,
+                routed_scaling_factor,
+                counts,
+                expert_tokens,
+                slot_expert,
+                slot_rank,
+                slot_weight,
+                stream,
+            )
+        else:
+            ZeroCountsKernel().launch(counts, stream)
+            RoutingKernel().launch(
+                routing_logits,
+                routing_bias,
+                local_expert_offset,
+                routed_scaling_factor,
+                counts,
+                expert_tokens,
+                slot_expert,
+                slot_rank,
+                slot_weight,
+                stream,
+            )
         self.gemm1.launch(
             hidden_states,
             hidden_states_scale,

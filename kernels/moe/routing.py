@@ -56,6 +56,79 @@ def _sigmoid(x: cutlass.Float32) -> cutlass.Float32:
     return cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-x, fastmath=False))
 
 
+@cute.jit
+def route_token(
+    routing_logits: cute.Tensor,
+    routing_bias: cute.Tensor,
+    local_expert_offset: cutlass.Int32,
+    routed_scaling_factor: cutlass.Float32,
+    counts: cute.Tensor,
+    expert_tokens: cute.Tensor,
+    slot_expert: cute.Tensor,
+    slot_rank: cute.Tensor,
+    slot_weight: cute.Tensor,
+    token: cutlass.Int32,
+    lane: cutlass.Int32,
+):
+    """One warp routes one token: its top-8 experts, their weights, and for each local one a rank
+    taken by an atomic increment of `counts` (global or shared memory) and the packed-list entry."""
+    neg_inf = -cutlass.Float32.inf
+    # biased[g] = sigmoid(logit) + bias of expert g*32 + lane.
+    biased = cute.make_rmem_tensor((NUM_GROUPS,), cutlass.Float32)
+    group_score = cute.make_rmem_tensor((NUM_GROUPS,), cutlass.Float32)
+    for g in cutlass.range_constexpr(NUM_GROUPS):
+        expert = g * GROUP_SIZE + lane
+        score = _sigmoid(routing_logits[token, expert])
+        biased[g] = score + routing_bias[expert].to(cutlass.Float32)
+    # Group score: the sum of the group's two largest biased scores (a tie counts twice).
+    for g in cutlass.range_constexpr(NUM_GROUPS):
+        top1, top1_lane = _warp_argmax(biased[g], lane)
+        top2 = _warp_max(neg_inf if lane == top1_lane else biased[g])
+        group_score[g] = top1 + top2
+    # Keep the 4 best groups (ties: the lower group); every lane computes the same.
+    candidate = cute.make_rmem_tensor((NUM_GROUPS,), cutlass.Float32)
+    for g in cutlass.range_constexpr(NUM_GROUPS):
+        better = cutlass.Int32(0)
+        for h in cutlass.range_constexpr(NUM_GROUPS):
+            if cutlass.const_expr(h != g):
+                if group_score[h] > group_score[g] or (group_score[h] == group_score[g] and h < g):
+                    better = better + 1
+        candidate[g] = biased[g] if better < TOP_K_GROUPS else neg_inf
+    # Top-8 experts among the kept groups; lane k keeps the k-th choice.
+    my_expert = cutlass.Int32(0)
+    for k in cutlass.range_constexpr(TOP_K):
+        best = neg_inf
+        best_expert = cutlass.Int32(lane)
+        for g in cutlass.range_constexpr(NUM_GROUPS):
+            if candidate[g] > best:
+                best = candidate[g]
+                best_expert = cutlass.Int32(g * GROUP_SIZE) + lane
+        best, best_expert = _warp_argmax(best, best_expert)
+        for g in cutlass.range_constexpr(NUM_GROUPS):
+            if best_expert == g * GROUP_SIZE + lane:
+                candidate[g] = neg_inf
+        if lane == k:
+            my_expert = best_expert
+    # Weights from the unbiased scores of the 8 chosen experts (lanes 0..7).
+    my_score = _sigmoid(routing_logits[token, my_expert])
+    total = my_score if lane < TOP_K else cutlass.Float32(0.0)
+    for shift in cutlass.range_constexpr(3):  # lanes 0..7 form one butterfly group
+        total = total + cute.arch.shuffle_sync_bfly(total, offset=4 >> shift)
+    weight = my_score / (total + cutlass.Float32(NORMALISATION_EPS)) * routed_scaling_factor
+    if lane < TOP_K:
+        local = my_expert - local_expert_offset
+        if local >= 0 and local < NUM_LOCAL_EXPERTS:
+            rank = cute.arch.atomic_add((counts.iterator + local).llvm_ptr, cutlass.Int32(1))
+            expert_tokens[local, rank] = token
+            slot_expert[token, lane] = local
+            slot_rank[token, lane] = rank
+            slot_weight[token, lane] = weight
+        else:
+            slot_expert[token, lane] = cutlass.Int32(-1)
+            slot_rank[token, lane] = cutlass.Int32(0)
+            slot_weight[token, lane] = cutlass.Float32(0.0)
+
+
 class RoutingKernel:
     @cute.jit
     def launch(
@@ -103,64 +176,91 @@ class RoutingKernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
         token = bidx * ROUTING_WARPS + tidx // 32
+        if token < routing_logits.shape[0]:
+            route_token(
+                routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, counts,
+                expert_tokens, slot_expert, slot_rank, slot_weight, token, tidx % 32,
+            )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# 1 + 2 in one launch, for small batches
+# ------------------------------------------------------------------------------------------------
+
+ONE_CTA_WARPS = 32  # one token per warp up to 32 tokens
+
+
+class OneCtaRoutingKernel:
+    """Zeroes the counters and routes in one launch of one CTA: the counters live in shared memory
+    while the warps route (warp w takes tokens w, w + 32, ...) and are stored once at the end. For
+    small batches, where the separate zeroing launch costs a launch and its host gap before the
+    routing one (0.6 + 5.6 us at T = 1, session 4); correct for any T, but one CTA of 32 warps only
+    pays off while there are few tokens per warp."""
+
+    @cute.jit
+    def launch(
+        self,
+        routing_logits: cute.Tensor,
+        routing_bias: cute.Tensor,
+        local_expert_offset: cutlass.Int32,
+        routed_scaling_factor: cutlass.Float32,
+        counts: cute.Tensor,
+        expert_tokens: cute.Tensor,
+        slot_expert: cute.Tensor,
+        slot_rank: cute.Tensor,
+        slot_weight: cute.Tensor,
+        stream,
+    ):
+        @cute.struct
+        class SharedStorage:
+            counts: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, NUM_LOCAL_EXPERTS], 16]
+
+        self.kernel(
+            routing_logits,
+            routing_bias,
+            local_expert_offset,
+            routed_scaling_factor,
+            counts,
+            expert_tokens,
+            slot_expert,
+            slot_rank,
+            slot_weight,
+            SharedStorage,
+        ).launch(
+            grid=[1, 1, 1],
+            block=[ONE_CTA_WARPS * 32, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        routing_logits: cute.Tensor,
+        routing_bias: cute.Tensor,
+        local_expert_offset: cutlass.Int32,
+        routed_scaling_factor: cutlass.Float32,
+        counts: cute.Tensor,
+        expert_tokens: cute.Tensor,
+        slot_expert: cute.Tensor,
+        slot_rank: cute.Tensor,
+        slot_weight: cute.Tensor,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        shared_counts = storage.counts.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+        if tidx < NUM_LOCAL_EXPERTS:
+            shared_counts[tidx] = cutlass.Int32(0)
+        cute.arch.sync_threads()
+        warp = tidx // 32
         num_tokens = routing_logits.shape[0]
-        if token < num_tokens:
-            neg_inf = -cutlass.Float32.inf
-            # biased[g] = sigmoid(logit) + bias of expert g*32 + lane.
-            biased = cute.make_rmem_tensor((NUM_GROUPS,), cutlass.Float32)
-            group_score = cute.make_rmem_tensor((NUM_GROUPS,), cutlass.Float32)
-            for g in cutlass.range_constexpr(NUM_GROUPS):
-                expert = g * GROUP_SIZE + lane
-                score = _sigmoid(routing_logits[token, expert])
-                biased[g] = score + routing_bias[expert].to(cutlass.Float32)
-            # Group score: the sum of the group's two largest biased scores (a tie counts twice).
-            for g in cutlass.range_constexpr(NUM_GROUPS):
-                top1, top1_lane = _warp_argmax(biased[g], lane)
-                top2 = _warp_max(neg_inf if lane == top1_lane else biased[g])
-                group_score[g] = top1 + top2
-            # Keep the 4 best groups (ties: the lower group); every lane computes the same.
-            candidate = cute.make_rmem_tensor((NUM_GROUPS,), cutlass.Float32)
-            for g in cutlass.range_constexpr(NUM_GROUPS):
-                better = cutlass.Int32(0)
-                for h in cutlass.range_constexpr(NUM_GROUPS):
-                    if cutlass.const_expr(h != g):
-                        if group_score[h] > group_score[g] or (group_score[h] == group_score[g] and h < g):
-                            better = better + 1
-                candidate[g] = biased[g] if better < TOP_K_GROUPS else neg_inf
-            # Top-8 experts among the kept groups; lane k keeps the k-th choice.
-            my_expert = cutlass.Int32(0)
-            for k in cutlass.range_constexpr(TOP_K):
-                best = neg_inf
-                best_expert = cutlass.Int32(lane)
-                for g in cutlass.range_constexpr(NUM_GROUPS):
-                    if candidate[g] > best:
-                        best = candidate[g]
-                        best_expert = cutlass.Int32(g * GROUP_SIZE) + lane
-                best, best_expert = _warp_argmax(best, best_expert)
-                for g in cutlass.range_constexpr(NUM_GROUPS):
-                    if best_expert == g * GROUP_SIZE + lane:
-                        candidate[g] = neg_inf
-                if lane == k:
-                    my_expert = best_expert
-            # Weights from the unbiased scores of the 8 chosen experts (lanes 0..7).
-            my_score = _sigmoid(routing_logits[token, my_expert])
-            total = my_score if lane < TOP_K else cutlass.Float32(0.0)
-            for shift in cutlass.range_constexpr(3):  # lanes 0..7 form one butterfly group
-                total = total + cute.arch.shuffle_sync_bfly(total, offset=4 >> shift)
-            weight = my_score / (total + cutlass.Float32(NORMALISATION_EPS)) * routed_scaling_factor
-            if lane < TOP_K:
-                local = my_expert - local_expert_offset
-                if local >= 0 and local < NUM_LOCAL_EXPERTS:
-                    rank = cute.arch.atomic_add((counts.iterator + local).llvm_ptr, cutlass.Int32(1))
-                    expert_tokens[local, rank] = token
-                    slot_expert[token, lane] = local
-                    slot_rank[token, lane] = rank
-                    slot_weight[token, lane] = weight
-                else:
-                    slot_expert[token, lane] = cutlass.Int32(-1)
-                    slot_rank[token, lane] = cutlass.Int32(0)
-                    slot_weight[token, lane] = cutlass.Float32(0.0)
-
-
+        for i in cutlass.range((num_tokens - warp + ONE_CTA_WARPS - 1) // ONE_CTA_WARPS, unroll=1):
+            route_token(
+                routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, shared_counts,
+                expert_tokens, slot_expert, slot_rank, slot_weight, warp + i * ONE_CTA_WARPS, tidx % 32,
+            )  # fmt: skip
+        cute.arch.sync_threads()
+        if tidx < NUM_LOCAL_EXPERTS:
+            counts[tidx] = shared_counts[tidx]

@@ -30,7 +30,7 @@ kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py, its grouped pipeline alone (kernel.py takes it only above 2048 tokens, so it is checked at
 # every case here) and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "grouped_pipeline", "candidate_deep_stream")
+SOLUTIONS = ("kernel", "grouped_pipeline", "candidate_deep_stream", "candidate_one_cta_routing")
 
 
 @functools.cache
@@ -56,6 +56,16 @@ def test_compiles_for_sm90a_without_gpu():
     assert compiled[-1] is grouped.compiled_for("sm_90a")
     # Cached: a second request must not recompile.
     assert kernel.compile_only("sm_90a") == compiled
+
+
+def test_one_cta_routing_candidate_takes_small_batches_only():
+    candidate = solution_module("candidate_one_cta_routing")
+    for num_tokens in (1, 7, 32):
+        assert candidate.variant_for(num_tokens).one_cta_routing
+    for num_tokens in (33, 192, 2048, 2049):
+        assert candidate.variant_for(num_tokens) is kernel.variant_for(num_tokens)
+    compiled = candidate.compile_only("sm_90a")
+    assert compiled[0] is kernel.compiled_for(candidate.FEW_TOKENS, "sm_90a") and compiled[0] not in compiled[1:]
 
 
 def test_deep_stream_candidate_compiles_its_own_variants():

@@ -51,9 +51,8 @@ Isolation guarantees of the fork server, and where they differ from a fresh proc
 Both launchers start their processes pinned to a set of CPU cores (`split_cpus` gives
 each device a disjoint share of whole physical cores, SMT siblings together) so that the
 host-bound work of one device's jobs does not compete with another device's for the same
-cores. Pinning is done on the spawning thread
-(Linux affinity is per thread and inherited), so the new process is pinned from its
-first instruction.
+cores. Pinning is done on the spawning thread (Linux affinity is per thread and
+inherited), so the new process is pinned from its first instruction.
 """
 
 from __future__ import annotations

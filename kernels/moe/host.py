@@ -53,6 +53,7 @@ class MoeHostSm90:
         self.gemm1 = gemm1
         self.gemm2 = gemm2
         self.one_cta_routing = one_cta_routing
+        self.routing = OneCtaRoutingKernel() if one_cta_routing else RoutingKernel()
 
     @cute.jit
     def __call__(
@@ -79,33 +80,20 @@ class MoeHostSm90:
         gemm2_grid: cutlass.Int32,
         stream,
     ):
-        if cutlass.const_expr(self.one_cta_routing):
-            OneCtaRoutingKernel().launch(
-                routing_logits,
-                routing_bias,
-                local_expert_offset,
-                routed_scaling_factor,
-                counts,
-                expert_tokens,
-                slot_expert,
-                slot_rank,
-                slot_weight,
-                stream,
-            )
-        else:
+        if cutlass.const_expr(not self.one_cta_routing):
             ZeroCountsKernel().launch(counts, stream)
-            RoutingKernel().launch(
-                routing_logits,
-                routing_bias,
-                local_expert_offset,
-                routed_scaling_factor,
-                counts,
-                expert_tokens,
-                slot_expert,
-                slot_rank,
-                slot_weight,
-                stream,
-            )
+        self.routing.launch(
+            routing_logits,
+            routing_bias,
+            local_expert_offset,
+            routed_scaling_factor,
+            counts,
+            expert_tokens,
+            slot_expert,
+            slot_rank,
+            slot_weight,
+            stream,
+        )
         self.gemm1.launch(
             hidden_states,
             hidden_states_scale,

@@ -6,7 +6,8 @@ arguments.
 The five launches, all in one TVM-FFI call on the current stream, no host synchronisation:
 zero the per-expert counters (`routing.ZeroCountsKernel`), route (`routing.RoutingKernel`),
 GEMM1 + SwiGLU into `intermediate`, GEMM2 into `expert_out`, and the weighted combine into
-`output` (`combine.CombineKernel`). The expert GEMMs differ between the paths; each takes
+`output` (`combine.CombineKernel`); or four, with the first two as one (`one_cta_routing`, for small
+batches: `routing.OneCtaRoutingKernel`). The expert GEMMs differ between the paths; each takes
 `launch(a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream)`, where `grid` is the
 path's own grid parameter (row tiles for the grouped GEMMs, persistent CTAs for streaming).
 """

@@ -1,4 +1,5 @@
-"""Kernels 1 and 2 of the MoE: zero the per-expert counters; DeepSeek-V3 no-aux routing, one warp per token."""
+"""Kernels 1 and 2 of the MoE: zero the per-expert counters; DeepSeek-V3 no-aux routing, one warp per token
+(`route_token`). For small batches both in one launch of one CTA (`OneCtaRoutingKernel`)."""
 
 from __future__ import annotations
 

@@ -93,6 +93,10 @@ def _make_tiled_mma() -> cute.TiledMma:
 class _SplitKernel:
     """Partial attention of one token over 2048 / num_splits of its rows (see module docstring)."""
 
+    # Programmatic dependent launch: the split kernel lets the combine kernel's CTAs launch at once,
+    # and they wait (griddepcontrol.wait) until its results are visible (a candidate turns it on).
+    PROGRAMMATIC = False
+
     @cute.jit
     def launch(
         self,
@@ -164,6 +168,8 @@ class _SplitKernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         token, split, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.PROGRAMMATIC):
+            cute.arch.griddepcontrol_launch_dependents()
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -443,12 +449,15 @@ class _CombineKernel:
     6.5 us; this v1.1 form took 1.23x off the whole call in the A/B, NOTES.md.)
     """
 
+    PROGRAMMATIC = False  # launched as a programmatic dependent of the split kernel (see _SplitKernel)
+
     @cute.jit
     def launch(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor, stream):
         self.kernel(workspace, output, lse).launch(
             grid=[output.shape[0], NUM_HEADS, COMBINE_COLUMN_GROUPS],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
+            use_pdl=self.PROGRAMMATIC,
         )
 
     @cute.jit
@@ -485,6 +494,8 @@ class _CombineKernel:
 
     @cute.kernel
     def kernel(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor):
+        if cutlass.const_expr(self.PROGRAMMATIC):
+            cute.arch.griddepcontrol_wait()  # the split kernel's workspace, complete and visible
         tidx, _, _ = cute.arch.thread_idx()
         token, head, group = cute.arch.block_idx()
         num_splits = workspace.shape[1]
@@ -517,10 +528,11 @@ def cache_rows(ckv_cache: cute.Tensor, kpe_cache: cute.Tensor):
 
 
 class DsaSparseAttentionSm90:
-    """Host entry of the two kernels; one compile serves every T, P and split count. `combine` is
-    the combine kernel's class: this file's, or a candidate's subclass of it."""
+    """Host entry of the two kernels; one compile serves every T, P and split count. `split` and
+    `combine` are the kernels' classes: this file's, or a candidate's subclasses of them."""
 
-    def __init__(self, combine: type = _CombineKernel) -> None:
+    def __init__(self, split: type = _SplitKernel, combine: type = _CombineKernel) -> None:
+        self.split = split
         self.combine = combine
 
     @cute.jit
@@ -539,7 +551,7 @@ class DsaSparseAttentionSm90:
     ):
         ckv_rows, kpe_rows = cache_rows(ckv_cache, kpe_cache)
         scale_log2 = sm_scale * LOG2_E
-        _SplitKernel().launch(q_nope, q_pe, ckv_rows, kpe_rows, sparse_indices, scale_log2, workspace, stream)
+        self.split().launch(q_nope, q_pe, ckv_rows, kpe_rows, sparse_indices, scale_log2, workspace, stream)
         self.combine().launch(workspace, output, lse, stream)
 
 
@@ -547,10 +559,10 @@ class DsaSparseAttentionSm90:
 # Host side: compile once per architecture, then each call is one TVM-FFI launch.
 # ------------------------------------------------------------------------------------------------
 
-_COMPILED: dict[tuple[str, type], Callable] = {}
+_COMPILED: dict[tuple[str, type, type], Callable] = {}
 
 
-def _compile(arch: str, combine: type) -> Callable:
+def _compile(arch: str, split: type, combine: type) -> Callable:
     num_tokens = cute.sym_int()
     num_pages = cute.sym_int()
     num_splits = cute.sym_int()
@@ -571,15 +583,15 @@ def _compile(arch: str, combine: type) -> Callable:
         rowmajor(f32, (num_tokens, num_splits, NUM_HEADS, WS_COLS)),
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    return cute.compile(DsaSparseAttentionSm90(combine), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+    return cute.compile(DsaSparseAttentionSm90(split, combine), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
-def compiled_for(arch: str = GPU_ARCH, combine: type = _CombineKernel) -> Callable:
-    """The compiled launcher for `arch` with `combine` as the combine kernel (compiled on first use;
-    needs no GPU)."""
-    fn = _COMPILED.get((arch, combine))
+def compiled_for(arch: str = GPU_ARCH, combine: type = _CombineKernel, split: type = _SplitKernel) -> Callable:
+    """The compiled launcher for `arch` with these kernel classes (compiled on first use; needs no GPU)."""
+    key = (arch, split, combine)
+    fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[(arch, combine)] = _compile(arch, combine)
+        fn = _COMPILED[key] = _compile(arch, split, combine)
     return fn
 
 
@@ -630,10 +642,20 @@ def run(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale, output, ls
 
 
 def run_with_splits(
-    q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale, output, lse, num_splits, combine: type = _CombineKernel
+    q_nope,
+    q_pe,
+    ckv_cache,
+    kpe_cache,
+    sparse_indices,
+    sm_scale,
+    output,
+    lse,
+    num_splits,
+    combine: type = _CombineKernel,
+    split: type = _SplitKernel,
 ) -> None:
     """`run` with an explicit split count (a power of two dividing 32); None picks `num_splits_for(T)`.
-    For tuning sweeps and candidates (`combine`: a subclass of the combine kernel); `run` is the
+    For tuning sweeps and candidates (`split`, `combine`: subclasses of the kernels); `run` is the
     entry the benchmark uses."""
     _check_inputs(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, output, lse)
     num_tokens = q_nope.shape[0]
@@ -644,4 +666,6 @@ def run_with_splits(
     elif num_splits not in VALID_SPLITS:
         raise DsaShapeError(f"num_splits must be one of {VALID_SPLITS}, got {num_splits}")
     workspace = torch.empty((num_tokens, num_splits, NUM_HEADS, WS_COLS), dtype=torch.float32, device=q_nope.device)
-    compiled_for(GPU_ARCH, combine)(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, float(sm_scale), output, lse, workspace)
+    compiled_for(GPU_ARCH, combine, split)(
+        q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, float(sm_scale), output, lse, workspace
+    )

@@ -20,8 +20,14 @@ import torch
 from hopperbench.timing.span import ActivityTrace, ApiRecord, GpuRecord
 
 MIN_CUPTI_MAJOR = 13
-# FlashInfer asks CUPTI for 8 MiB activity buffers with no record limit.
-_ACTIVITY_BUFFER_BYTES = 8 * 1024 * 1024
+# FlashInfer asks CUPTI for 8 MiB activity buffers. A buffer that fills inside the timed loop is
+# handed to our Python callback on CUPTI's thread, which holds the GIL while it copies the records
+# out (a few us per record): the launching thread of a host-bound side then stalls inside some
+# iteration's span. By estimate (~350 B of records per launch), 8 MiB fill after ~24k launches, and
+# a trial of a Python reference comes close: the GDN reference at 134 tokens makes ~1k launches per
+# call and ~14 calls per trial. 64 MiB keep such trials in one buffer, so that the copying happens
+# at the flush after the loop. Trials with more records than that still pay it inside the loop.
+_ACTIVITY_BUFFER_BYTES = 64 * 1024 * 1024
 _API_KINDS = ("RUNTIME", "DRIVER")
 _GPU_KINDS = ("CONCURRENT_KERNEL", "MEMCPY", "MEMSET")
 
@@ -33,6 +39,7 @@ PROTOCOL: dict[str, Any] = {
     "sync_after_flush": True,
     "untimed_calls_before_warmup": 1,
     "activity_kinds": list(_API_KINDS + _GPU_KINDS),
+    "activity_buffer_bytes": _ACTIVITY_BUFFER_BYTES,
     "span": "last end - first start of the GPU work whose API call started inside [t0, t1]",
     "aggregation": "median",
     # A collection of Python's cyclic garbage collector inside a timed window would add its pause

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from hopperbench.paths import REPO_ROOT
+from hopperbench.worker_pool import SYSFS_CPU_DIR, available_cpus, physical_cores
 
 T = TypeVar("T")
 
@@ -96,6 +97,9 @@ class EnvironmentRecord(BaseModel):
     # TRITON_CACHE_AUTOTUNING), as the workers saw them; empty in records that predate it.
     worker_env: dict[str, str] = Field(default_factory=dict)
     hostname: str | None = None
+    # The host's CPU as the run saw it (`host_cpu`): model, the CPUs the runner could use grouped by
+    # physical core, the frequency governor. Host-bound sides depend on it; None in older records.
+    host_cpu: dict[str, Any] | None = None
     timestamp: str | None = None
 
 
@@ -239,6 +243,32 @@ def repo_changes(repo_root: Path) -> list[str]:
     return done.stdout.splitlines()[:REPO_CHANGES_LIMIT]
 
 
+def host_cpu(
+    cpus: Iterable[int] | None = None,
+    cpuinfo: Path = Path("/proc/cpuinfo"),
+    sysfs_cpu_dir: Path = SYSFS_CPU_DIR,
+) -> dict[str, Any]:
+    """The CPU model, the usable CPUs grouped by physical core (SMT siblings together) and the
+    frequency governor of the first of them; a field that cannot be read is None."""
+    usable = sorted(available_cpus() if cpus is None else set(cpus))
+
+    def model() -> str | None:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+        return None
+
+    governor = None
+    if usable:
+        governor = _safe(lambda: (sysfs_cpu_dir / f"cpu{usable[0]}" / "cpufreq" / "scaling_governor").read_text().strip())
+    return {
+        "model": _safe(model),
+        "usable_cpus": len(usable),
+        "physical_cores": physical_cores(usable, sysfs_cpu_dir),
+        "governor": governor,
+    }
+
+
 def _repo_state(repo_root: Path) -> dict[str, Any]:
     head = _safe(lambda: _git(repo_root, "rev-parse", "HEAD"))
     tree = _safe(lambda: working_tree_id(repo_root)) if head is not None else None
@@ -271,6 +301,7 @@ def collect_environment(request: EnvironmentRequest, repo_root: Path = REPO_ROOT
         worker_launch=request.worker_launch,
         worker_env=dict(request.worker_env),
         hostname=_safe(socket.gethostname),
+        host_cpu=_safe(host_cpu),
         timestamp=datetime.now(UTC).isoformat(timespec="seconds"),
         cuda_version=_safe(_torch_cuda_version),
     )

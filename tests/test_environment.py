@@ -1,0 +1,39 @@
+"""The host CPU part of the environment record (hopperbench/environment.py): read from /proc and sysfs
+files, here fakes of them, and recorded by collect_environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hopperbench.environment import EnvironmentRequest, collect_environment, host_cpu
+
+
+def test_host_cpu_reads_the_model_the_cores_and_the_governor(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Example CPU @ 2.00GHz\nflags\t: fpu\n\nprocessor\t: 1\n")
+    sysfs = tmp_path / "cpu"
+    for cpu in range(4):  # two cores of two threads, numbered i and i + 2
+        (sysfs / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(f"{cpu % 2},{cpu % 2 + 2}\n")
+    (sysfs / "cpu0" / "cpufreq").mkdir()
+    (sysfs / "cpu0" / "cpufreq" / "scaling_governor").write_text("performance\n")
+    assert host_cpu(range(4), cpuinfo, sysfs) == {
+        "model": "Example CPU @ 2.00GHz",
+        "usable_cpus": 4,
+        "physical_cores": [[0, 2], [1, 3]],
+        "governor": "performance",
+    }
+    # Unreadable files leave their fields empty rather than failing the record.
+    assert host_cpu([1], tmp_path / "missing", tmp_path / "missing") == {
+        "model": None,
+        "usable_cpus": 1,
+        "physical_cores": [[1]],
+        "governor": None,
+    }
+
+
+def test_the_environment_record_holds_the_host_cpu(tmp_path: Path) -> None:
+    record = collect_environment(EnvironmentRequest(seed=0, protocol={}, probe_gpu=False), repo_root=tmp_path)
+    assert record.host_cpu is not None and record.host_cpu["usable_cpus"] >= 1
+    cpus = [c for core in record.host_cpu["physical_cores"] for c in core]
+    assert len(cpus) == len(set(cpus)) == record.host_cpu["usable_cpus"]  # every usable CPU in one core

@@ -38,31 +38,5 @@ def compile_only(arch: str = kernel.GPU_ARCH) -> tuple[Callable, ...]:
     return kernel.compiled_for(FEW_TOKENS, arch), *kernel.compile_only(arch)
 
 
-def run(
-    routing_logits,
-    routing_bias,
-    hidden_states,
-    hidden_states_scale,
-    gemm1_weights,
-    gemm1_weights_scale,
-    gemm2_weights,
-    gemm2_weights_scale,
-    local_expert_offset,
-    routed_scaling_factor,
-    output,
-) -> None:
-    """`kernel.run`'s contract, with this candidate's variant for small batches."""
-    kernel.run_keeping_workspaces(
-        routing_logits,
-        routing_bias,
-        hidden_states,
-        hidden_states_scale,
-        gemm1_weights,
-        gemm1_weights_scale,
-        gemm2_weights,
-        gemm2_weights_scale,
-        local_expert_offset,
-        routed_scaling_factor,
-        output,
-        choose=variant_for,
-    )
+# `kernel.py`'s contract, with this candidate's variants.
+run = kernel.make_run(variant_for)

@@ -38,6 +38,7 @@ __all__ = [
     "Workspaces",
     "compile_only",
     "compiled_for",
+    "make_run",
     "run",
     "run_keeping_workspaces",
     "variant_for",
@@ -137,21 +138,11 @@ def _grids(variant: StreamingVariant, num_sms: int) -> tuple[int, int]:
     return persistent_ctas(variant.gemm1(), num_sms), persistent_ctas(variant.gemm2(), num_sms)
 
 
-def run(
-    routing_logits,
-    routing_bias,
-    hidden_states,
-    hidden_states_scale,
-    gemm1_weights,
-    gemm1_weights_scale,
-    gemm2_weights,
-    gemm2_weights_scale,
-    local_expert_offset,
-    routed_scaling_factor,
-    output,
-) -> None:
-    """Destination-passing entry: fills `output` [T, 7168] bf16 (every row)."""
-    run_keeping_workspaces(
+def make_run(choose: Callable[[int], StreamingVariant | None]) -> Callable[..., None]:
+    """The definition's destination-passing `run` with `choose` as the map from T to the streaming
+    variant: `kernel.py`'s own `run`, and each candidate's."""
+
+    def run(
         routing_logits,
         routing_bias,
         hidden_states,
@@ -163,7 +154,24 @@ def run(
         local_expert_offset,
         routed_scaling_factor,
         output,
-    )
+    ) -> None:
+        """Destination-passing entry: fills `output` [T, 7168] bf16 (every row)."""
+        run_keeping_workspaces(
+            routing_logits,
+            routing_bias,
+            hidden_states,
+            hidden_states_scale,
+            gemm1_weights,
+            gemm1_weights_scale,
+            gemm2_weights,
+            gemm2_weights_scale,
+            local_expert_offset,
+            routed_scaling_factor,
+            output,
+            choose=choose,
+        )
+
+    return run
 
 
 def run_keeping_workspaces(
@@ -211,3 +219,6 @@ def run_keeping_workspaces(
 
 
 assert MAX_TOKENS >= STREAMING_MAX_TOKENS
+
+
+run = make_run(variant_for)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -268,17 +267,12 @@ def regenerated_trial_floors(row: WorkloadRow, trials: int) -> list[TrialFloor] 
     floor_inputs = _CPU_FLOOR_INPUTS.get(row.track)
     if floor_inputs is None or row.data_source != "synthesized":
         return None
-    spec = _synthesized_workloads(row.track).get(row.uuid)
+    from hopperbench.workloads import synthesized_workloads
+
+    spec = synthesized_workloads(row.track).get(row.uuid)
     if spec is None or spec.axes != row.axes:
         return None
     return [trial_floor(row.track, row.axes, floor_inputs(spec, row.seed, trial)) for trial in range(trials)]
-
-
-@cache
-def _synthesized_workloads(track: str) -> dict[str, WorkloadSpec]:
-    from hopperbench.workloads import load_workloads
-
-    return {w.uuid: w for w in load_workloads(track) if w.data_source == "synthesized"}
 
 
 def _dsa_floor_inputs(spec: WorkloadSpec, seed: int, trial: int) -> dict[str, object]:

@@ -100,6 +100,10 @@ class WorkloadKey(BaseModel):
     axes: dict[str, int]
     data_source: str
     seed: int
+    # The definition's optional inputs this workload passed as None (sorted; e.g. GDN's `state`):
+    # it changes what a call must do (a kernel that zero-fills a missing state pays for it), so the
+    # summary splits speedups by it. None: not recorded (journals written before the field existed).
+    absent_inputs: list[str] | None = None
 
 
 class SideRecord(BaseModel):
@@ -127,6 +131,7 @@ class WorkloadRow(BaseModel):
     axes: dict[str, int]
     data_source: str
     seed: int
+    absent_inputs: list[str] | None = None
     sides: dict[str, SideResult]
     speedup_vs_human: float | None = None
     speedup_vs_reference: float | None = None
@@ -252,6 +257,16 @@ class SpeedupSummary(BaseModel):
     workloads: int  # how many workloads entered the mean (both sides passed)
 
 
+class InputGroupSummary(BaseModel):
+    """The speedups over the workloads of a track that passed the same optional inputs as None."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workloads: int
+    vs_human: SpeedupSummary
+    vs_best_reference: SpeedupSummary
+
+
 class TrackSummary(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -265,6 +280,9 @@ class TrackSummary(BaseModel):
     # Per candidate side: geometric mean of ours' latency / the candidate's (> 1: the candidate is
     # faster), over the workloads where both passed.
     candidates_vs_ours: dict[str, SpeedupSummary] = Field(default_factory=dict)
+    # Keyed by `absent_inputs_label`, only when the track's workloads differ in their absent
+    # optional inputs: one mean over both kinds of call hides which one a speedup comes from.
+    by_absent_inputs: dict[str, InputGroupSummary] = Field(default_factory=dict)
     passed: dict[str, int]
     # Ran (or should have run) and did not pass: every status but PASSED and UNAVAILABLE.
     failed: dict[str, int]
@@ -280,6 +298,28 @@ def geometric_mean(values: Sequence[float]) -> float | None:
 def _speedup_summary(values: Iterable[float | None]) -> SpeedupSummary:
     present = [v for v in values if v is not None]
     return SpeedupSummary(geomean=geometric_mean(present), workloads=len(present))
+
+
+def absent_inputs_label(absent: Sequence[str] | None) -> str:
+    if absent is None:
+        return "not recorded"
+    return "all inputs" if not absent else "no " + ", ".join(absent)
+
+
+def _by_absent_inputs(rows: Sequence[WorkloadRow]) -> dict[str, InputGroupSummary]:
+    groups: dict[str, list[WorkloadRow]] = {}
+    for row in rows:
+        groups.setdefault(absent_inputs_label(row.absent_inputs), []).append(row)
+    if len(groups) < 2:
+        return {}
+    return {
+        label: InputGroupSummary(
+            workloads=len(group),
+            vs_human=_speedup_summary(r.speedup_vs_human for r in group),
+            vs_best_reference=_speedup_summary(r.speedup_vs_best_reference for r in group),
+        )
+        for label, group in sorted(groups.items())
+    }
 
 
 def summarize(rows: Sequence[WorkloadRow]) -> dict[str, TrackSummary]:
@@ -316,6 +356,7 @@ def summarize(rows: Sequence[WorkloadRow]) -> dict[str, TrackSummary]:
                 for name in side_names
                 if is_candidate_side(name)
             },
+            by_absent_inputs=_by_absent_inputs(track_rows),
             passed=passed,
             failed=failed,
             unavailable=unavailable,
@@ -347,7 +388,14 @@ def format_summary_table(summary: Mapping[str, TrackSummary]) -> str:
             ]
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+    table = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+    for s in summary.values():
+        for label, group in s.by_absent_inputs.items():
+            table.append(
+                f"{s.track} with {label} ({group.workloads}): vs human {_fmt_speedup(group.vs_human)},"
+                f" vs best ref {_fmt_speedup(group.vs_best_reference)}"
+            )
+    return "\n".join(table)
 
 
 # ------------------------------------------------------------------------------------------
@@ -484,7 +532,7 @@ class Journal:
 # JSON and CSV files
 
 SIDE_FIELDS = ("status", "latency_ms", "min_ms", "max_ms", "max_abs_err", "max_rel_err", "relative_l2")
-WORKLOAD_FIELDS = ("track", "definition", "uuid", "index", "axes", "data_source", "seed")
+WORKLOAD_FIELDS = ("track", "definition", "uuid", "index", "axes", "data_source", "seed", "absent_inputs")
 DERIVED_FIELDS = (
     "speedup_vs_human",
     "speedup_vs_reference",
@@ -579,6 +627,23 @@ def format_axes(axes: Mapping[str, int]) -> str:
     return ";".join(f"{k}={v}" for k, v in axes.items())
 
 
+# CSV cell of `absent_inputs`: "-" when every input was given, so that an empty cell keeps
+# meaning "not recorded" (an older run).
+ALL_INPUTS_GIVEN = "-"
+
+
+def format_absent_inputs(absent: Sequence[str] | None) -> str | None:
+    if absent is None:
+        return None
+    return ";".join(absent) if absent else ALL_INPUTS_GIVEN
+
+
+def parse_absent_inputs(text: str | None) -> list[str] | None:
+    if not text:
+        return None
+    return [] if text == ALL_INPUTS_GIVEN else text.split(";")
+
+
 def parse_axes(text: str) -> dict[str, int]:
     if not text:
         return {}
@@ -602,6 +667,7 @@ def rows_to_csv(rows: Sequence[WorkloadRow]) -> str:
     for row in rows:
         flat: dict[str, Any] = {f: getattr(row, f) for f in WORKLOAD_FIELDS + DERIVED_FIELDS}
         flat["axes"] = format_axes(row.axes)
+        flat["absent_inputs"] = format_absent_inputs(row.absent_inputs)
         for side, result in row.sides.items():
             for field in SIDE_FIELDS:
                 flat[f"{side}_{field}"] = getattr(result, field)
@@ -629,6 +695,7 @@ def read_csv_rows(path: Path) -> list[WorkloadRow]:
                 axes=parse_axes(line["axes"]),
                 data_source=line["data_source"],
                 seed=int(line["seed"]),
+                absent_inputs=parse_absent_inputs(line.get("absent_inputs")),
             )
             sides = {}
             for side in side_names:
@@ -706,12 +773,25 @@ def write_journal_results(
     return write_results(
         output_json,
         environment,
-        build_rows(records),
+        _with_absent_inputs(build_rows(records)),
         completeness=assess_completeness(header.plan, records),
         environment_source=environment_source,
         resumed_at=header.resumed_at,
         floor_fallback=journal_floor_fallback(header, environment),
     )
+
+
+def _with_absent_inputs(rows: Sequence[WorkloadRow]) -> list[WorkloadRow]:
+    """Rows of synthesized data whose records predate `absent_inputs` get it regenerated."""
+    out = []
+    for row in rows:
+        if row.absent_inputs is None and row.data_source == "synthesized":
+            # Imported here: the synthesizer needs torch, reading and writing results does not.
+            from hopperbench.synth import regenerated_absent_inputs
+
+            row = row.model_copy(update={"absent_inputs": regenerated_absent_inputs(row.track, row.uuid, row.axes)})
+        out.append(row)
+    return out
 
 
 def journal_trials(header: JournalHeader, environment: EnvironmentRecord) -> int | None:

@@ -647,6 +647,7 @@ class RunState:
 
 
 def _workload_key(plan: RunPlan, tp: TrackPlan, workload: Any) -> WorkloadKey:
+    from hopperbench.synth import absent_optional_inputs
     from hopperbench.workloads import data_source_label
 
     return WorkloadKey(
@@ -657,6 +658,7 @@ def _workload_key(plan: RunPlan, tp: TrackPlan, workload: Any) -> WorkloadKey:
         axes=dict(workload.axes),
         data_source=data_source_label(workload),
         seed=plan.seed,
+        absent_inputs=sorted(absent_optional_inputs(tp.track.name, workload)),
     )
 
 

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -76,7 +76,7 @@ import torch
 from flashinfer_bench.data import Definition
 from safetensors import safe_open
 
-from hopperbench.workloads import WorkloadSpec, track_definition
+from hopperbench.workloads import WorkloadSpec, synthesized_workloads, track_definition
 
 InputValue = torch.Tensor | int | float | None
 GateRegime = Literal["mamba2", "fast_decay"]
@@ -165,7 +165,7 @@ def input_bytes(track: str, workload: WorkloadSpec) -> int:
     definition = track_definition(track)
     shapes = dict(zip(definition.inputs, definition.get_input_shapes(workload.axes), strict=True))
     dtypes = dict(zip(definition.inputs, definition.torch_input_dtypes, strict=True))
-    absent = _absent_optional_inputs(track, workload)
+    absent = absent_optional_inputs(track, workload)
     return sum(
         math.prod(shape) * dtypes[name].itemsize
         for name, shape in shapes.items()
@@ -280,10 +280,21 @@ class _BlobReader:
             raise SynthesisError(f"cannot load tensor {key!r} from blob {path}: {e}") from None
 
 
-def _absent_optional_inputs(track: str, workload: WorkloadSpec) -> set[str]:
+def absent_optional_inputs(track: str, workload: WorkloadSpec) -> set[str]:
+    """The optional inputs `make_inputs` passes as None for `workload`."""
     if track == "gdn_prefill" and not gdn_has_initial_state(workload):
         return {"state"}
     return set()
+
+
+def regenerated_absent_inputs(track: str, uuid: str, axes: Mapping[str, int]) -> list[str] | None:
+    """The absent optional inputs a run on synthesized data gave the workload `uuid` (a pure
+    function of the workload), for records written before runs recorded them; None when the
+    workload is not in the embedded list with these axes."""
+    spec = synthesized_workloads(track).get(uuid)
+    if spec is None or spec.axes != dict(axes):
+        return None
+    return sorted(absent_optional_inputs(track, spec))
 
 
 # ---------------------------------------------------------------------------------------------

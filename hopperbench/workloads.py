@@ -104,6 +104,17 @@ def load_workloads(track: str, data_dir: Path | None = None) -> list[WorkloadSpe
     return workloads
 
 
+@cache
+def synthesized_workloads(track: str) -> dict[str, WorkloadSpec]:
+    """The embedded (synthesized) workload list of `track` by uuid, whatever data is downloaded:
+    for regenerating what a run recorded on synthesized inputs."""
+    track_info = get_track(track)
+    definition = track_definition(track_info.name)
+    workloads = _read_embedded(track_info, definition)
+    _validate(definition, workloads)
+    return {w.uuid: w for w in workloads}
+
+
 def select_workloads(
     workloads: list[WorkloadSpec], uuids: list[str] | None = None, max_count: int | None = None
 ) -> list[WorkloadSpec]:

@@ -371,7 +371,8 @@ def test_render_results_writes_tables_and_plots(tmp_path: Path, capsys) -> None:
     assert "| track | workloads | ours passed | human passed | reference passed |" in text
     # Geometric means: vs human only workload 0 (2x); vs reference sqrt(8 * 4).
     assert "| moe | 2 | 2/2 | 1/2 | 2/2 | 2.00× (1) | 5.66× (2) | 5.66× (2) |" in text
-    assert "| 1 | moe-uuid | seq_len=2 other=7 | synthesized | 2 | FAILED | 8 | reference | – | 4.00× | 4.00× |" in text
+    assert "| 1 | moe-uuid | seq_len=2 other=7 | ? | synthesized | 2 | FAILED | 8 | reference | – | 4.00× | 4.00× |" in text
+    assert "By the optional inputs" not in text  # every row alike: no split
     png = results_dir / "h200" / "results_moe_speedup.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "](results/h200/results_moe_speedup.png)" in text
@@ -506,6 +507,84 @@ def test_finalizing_an_old_journal_regenerates_the_floors_the_synthesizer_allows
     bare = write_journal_results(tmp_path / "s.json", JournalHeader(seed=5, protocol={}), records,
                                  EnvironmentRecord(empty_kernel_span_ms=0.001), "journal header")  # fmt: skip
     assert all(r.floor_ms is None for r in bare.rows)
+
+
+def with_absent(r: WorkloadRow, absent: list[str] | None) -> WorkloadRow:
+    return r.model_copy(update={"absent_inputs": absent})
+
+
+def test_absent_inputs_survive_json_and_csv_and_old_csvs_read_as_not_recorded(tmp_path: Path) -> None:
+    rows = [
+        with_absent(row(0, [passed("ours", 1.0), passed("human", 2.0)], track="gdn_prefill"), ["state"]),
+        with_absent(row(1, [passed("ours", 1.0), passed("human", 2.0)], track="gdn_prefill"), []),
+        with_absent(row(2, [passed("ours", 1.0), passed("human", 2.0)], track="gdn_prefill"), None),
+    ]
+    output = tmp_path / "results.json"
+    write_results(output, EnvironmentRecord(), rows)
+    assert [r.absent_inputs for r in read_results(output).rows] == [["state"], [], None]
+    with open(csv_path_for(output), newline="") as f:
+        assert [line["absent_inputs"] for line in csv.DictReader(f)] == ["state", "-", ""]
+    assert [r.absent_inputs for r in read_csv_rows(csv_path_for(output))] == [["state"], [], None]
+    # A CSV written before the column existed.
+    old = tmp_path / "old.csv"
+    with open(csv_path_for(output), newline="") as f:
+        lines = list(csv.DictReader(f))
+    with open(old, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[c for c in lines[0] if c != "absent_inputs"], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(lines)
+    assert [r.absent_inputs for r in read_csv_rows(old)] == [None, None, None]
+
+
+def test_the_summary_splits_speedups_by_absent_inputs_only_when_workloads_differ() -> None:
+    def gdn(index: int, human_ms: float, absent: list[str] | None) -> WorkloadRow:
+        sides = [passed("ours", 1.0), passed("human", human_ms), passed("fla", 4.0 * human_ms)]
+        return with_absent(row(index, sides, track="gdn_prefill"), absent)
+
+    split = summarize([gdn(0, 1.0, []), gdn(1, 4.0, []), gdn(2, 9.0, ["state"])])["gdn_prefill"]
+    assert set(split.by_absent_inputs) == {"all inputs", "no state"}
+    given, missing = split.by_absent_inputs["all inputs"], split.by_absent_inputs["no state"]
+    assert (given.workloads, given.vs_human.geomean, given.vs_human.workloads) == (2, pytest.approx(2.0), 2)
+    assert given.vs_best_reference.geomean == pytest.approx(8.0)
+    assert (missing.workloads, missing.vs_human.geomean) == (1, pytest.approx(9.0))
+    assert split.vs_human.geomean == pytest.approx(36 ** (1 / 3))  # the overall mean is unchanged
+    assert summarize([gdn(0, 1.0, []), gdn(1, 4.0, [])])["gdn_prefill"].by_absent_inputs == {}
+    assert summarize([gdn(0, 1.0, None), gdn(1, 4.0, None)])["gdn_prefill"].by_absent_inputs == {}
+
+
+def test_render_results_shows_the_split_by_absent_inputs() -> None:
+    render = _load_renderer()
+    rows = [
+        with_absent(row(0, [passed("ours", 1.0), passed("human", 2.0)], track="gdn_prefill"), []),
+        with_absent(row(1, [passed("ours", 1.0), passed("human", 8.0)], track="gdn_prefill"), ["state"]),
+    ]
+    text = "\n".join(render.summary_table(summarize(rows)))
+    assert "| track | inputs | workloads | ours vs human | ours vs best reference |" in text
+    assert "| gdn_prefill | all inputs | 1 | 2.00× (1) | – |" in text
+    assert "| gdn_prefill | no state | 1 | 8.00× (1) | – |" in text
+    assert "| 1 | gdn_pref | seq_len=2 other=7 | state | synthesized |" in "\n".join(render.workload_table(rows))
+
+
+def test_finalizing_an_old_journal_regenerates_the_absent_inputs_of_synthesized_rows(tmp_path: Path) -> None:
+    from hopperbench.synth import gdn_has_initial_state
+    from hopperbench.workloads import synthesized_workloads
+
+    specs = list(synthesized_workloads("gdn_prefill").values())
+    with_state = next(w for w in specs if gdn_has_initial_state(w))
+    without_state = next(w for w in specs if not gdn_has_initial_state(w))
+
+    def record(spec, uuid: str | None = None) -> SideRecord:
+        # As written before `absent_inputs` existed: the key has no such field.
+        workload = WorkloadKey(track="gdn_prefill", definition="d", uuid=uuid or spec.uuid, index=spec.index,
+                               axes=spec.axes, data_source="synthesized", seed=0).model_dump()  # fmt: skip
+        del workload["absent_inputs"]
+        return SideRecord.model_validate({"workload": workload, "result": passed("ours", 0.02).model_dump()})
+
+    records = [record(with_state), record(without_state), record(with_state, uuid="not-in-the-list")]
+    header = JournalHeader(seed=0, protocol={"trials": 3})
+    rows = write_journal_results(tmp_path / "r.json", header, records, EnvironmentRecord(), "journal header").rows
+    by_uuid = {r.uuid: r.absent_inputs for r in rows}
+    assert by_uuid == {with_state.uuid: [], without_state.uuid: ["state"], "not-in-the-list": None}
 
 
 def test_side_results_written_before_per_trial_floors_still_load() -> None:

@@ -394,6 +394,12 @@ def test_workloads_filter_spans_tracks(fake: RunnerHooks, tmp_path: Path) -> Non
         ("gdn_prefill", "gdn_prefill-0", 0),
         ("moe", "moe-2", 2),
     ]
+    # Each row records which optional inputs its calls got as None (GDN's state by uuid parity).
+    from hopperbench.synth import gdn_has_initial_state
+
+    absent = {r.track: r.absent_inputs for r in rows}
+    gdn_spec = fake_lists("gdn_prefill", None)[0]
+    assert absent == {"moe": [], "gdn_prefill": [] if gdn_has_initial_state(gdn_spec) else ["state"]}
 
 
 def test_integrity_refusal_is_one_line(fake: RunnerHooks, tmp_path: Path, capsys) -> None:

@@ -138,7 +138,20 @@ def summary_table(summary: dict[str, TrackSummary]) -> list[str]:
         )
         if with_candidates:
             rows[-1].append(", ".join(f"{n} {_speedup(v)}" for n, v in t.candidates_vs_ours.items()) or "–")
-    return _table(header, rows)
+    return _table(header, rows) + input_group_table(summary)
+
+
+def input_group_table(summary: dict[str, TrackSummary]) -> list[str]:
+    """The speedups per set of absent optional inputs, for tracks whose workloads differ in it."""
+    rows = [
+        [t.track, label, str(g.workloads), _speedup(g.vs_human), _speedup(g.vs_best_reference)]
+        for t in summary.values()
+        for label, g in t.by_absent_inputs.items()
+    ]
+    if not rows:
+        return []
+    header = ["track", "inputs", "workloads", "ours vs human", "ours vs best reference"]
+    return ["", "By the optional inputs a workload passes (a missing one is None):", ""] + _table(header, rows)
 
 
 def _latency(row: WorkloadRow, side: str) -> str:
@@ -150,12 +163,19 @@ def _latency(row: WorkloadRow, side: str) -> str:
     return "passed" if result.latency_ms is None else f"{result.latency_ms:.4g}"
 
 
+def _absent(absent: Sequence[str] | None) -> str:
+    if absent is None:
+        return "?"
+    return " ".join(absent) or "–"
+
+
 def workload_table(rows: Sequence[WorkloadRow]) -> list[str]:
     sides = canonical_side_order({s for r in rows for s in r.sides})
     header = [
         "#",
         "uuid",
         "axes",
+        "absent inputs",
         "data",
         *(f"{s} ms" for s in sides),
         "best ref",
@@ -171,6 +191,7 @@ def workload_table(rows: Sequence[WorkloadRow]) -> list[str]:
             str(r.index),
             r.uuid[:8],
             format_axes(r.axes).replace(";", " "),
+            _absent(r.absent_inputs),
             r.data_source,
             *(_latency(r, s) for s in sides),
             r.best_reference or "–",

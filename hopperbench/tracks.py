@@ -166,13 +166,6 @@ GDN_PREFILL = Track(
             package="fla-core==0.6.0",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_paired_tokens",
-            entry="candidate_paired_tokens.py::run",
-            description="kernel.py with its token-serial path stepping two tokens per round of row sums (v1.6)",
-        ),
-    ),
 )
 
 MOE = Track(

@@ -36,7 +36,6 @@ KERNEL_CHOICES = (
     "kernel",
     "token_serial",
     "chunked",
-    "candidate_paired_tokens",
 )
 
 GRAPH_CASE = cases.CheckCase("graph_replay_new_bounds", (40, 30, 58), True, 0.0, "mamba2")

@@ -183,88 +183,42 @@ def test_mishandled_initial_state_fails_the_comparison(corrupt):
     assert result.outputs["output"].bad_count > 0 and result.outputs["new_state"].bad_count > 0
 
 
-def _regrouped_recurrence(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, paired=False, dtype=torch.float32):
-    """The kernel's per-token update in torch, token by token, all heads at once:
+def _regrouped_recurrence(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale):
+    """The kernel's per-token update in torch (fp32), token by token, all heads at once:
     u = S k, w = S q on the OLD state; delta = beta (v - g u); o = scale (g w + delta k.q);
-    S = g S + delta k^T. v-head h reads q/k head h // 2; S is [V, K]. `paired`: the token pairs
-    (0, 1), (2, 3), ... of each sequence through the paired candidate's `pair_step` (its chunks hold
-    an even number of tokens, so pairs never straddle them), an odd last token alone."""
+    S = g S + delta k^T. v-head h reads q/k head h // 2; S is [V, K]."""
     scale = kernel.resolve_scale(scale)
-    qh = q.to(dtype).repeat_interleave(2, dim=1)
-    kh = k.to(dtype).repeat_interleave(2, dim=1)
-    gate = torch.exp(-A_log.to(dtype).exp() * torch.nn.functional.softplus(a.to(dtype) + dt_bias.to(dtype)))
-    beta = torch.sigmoid(b.to(dtype))
+    qh = q.float().repeat_interleave(2, dim=1)
+    kh = k.float().repeat_interleave(2, dim=1)
+    gate = torch.exp(-A_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias))
+    beta = torch.sigmoid(b.float())
     num_seqs = cu_seqlens.numel() - 1
-    new_state = torch.zeros(num_seqs, 8, 128, 128, dtype=dtype)
-    output = torch.empty(q.shape[0], 8, 128, dtype=dtype)
-
-    def row_sums(s, x):
-        return torch.einsum("hvk,hk->hv", s, x)
-
-    def dots(x, y):
-        return (x * y).sum(-1, keepdim=True)
-
+    new_state = torch.zeros(num_seqs, 8, 128, 128)
+    output = torch.empty(q.shape[0], 8, 128)
     for n in range(num_seqs):
         start, end = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
         if start == end:
             continue
-        s = state[n].to(dtype).clone() if state is not None else torch.zeros(8, 128, 128, dtype=dtype)
-        t = start
-        while t < end:
-            if paired and t + 1 < end:
-                k0, q0, k1, q1 = kh[t], qh[t], kh[t + 1], qh[t + 1]
-                out0, out1, decay, weight0, weight1 = paired_module().pair_step(
-                    scale, gate[t][:, None], gate[t + 1][:, None], beta[t][:, None], beta[t + 1][:, None],
-                    v[t].to(dtype), v[t + 1].to(dtype), row_sums(s, k0), row_sums(s, q0), row_sums(s, k1),
-                    row_sums(s, q1), dots(k0, q0), dots(k0, k1), dots(k0, q1), dots(k1, q1),
-                )  # fmt: skip
-                output[t], output[t + 1] = out0, out1
-                s = decay[:, :, None] * s + weight0[:, :, None] * k0[:, None, :] + weight1[:, :, None] * k1[:, None, :]
-                t += 2
-                continue
+        s = state[n].clone() if state is not None else torch.zeros(8, 128, 128)
+        for t in range(start, end):
+            u = torch.einsum("hvk,hk->hv", s, kh[t])
+            w = torch.einsum("hvk,hk->hv", s, qh[t])
+            kq = (kh[t] * qh[t]).sum(-1, keepdim=True)
             g = gate[t][:, None]
-            delta = beta[t][:, None] * (v[t].to(dtype) - g * row_sums(s, kh[t]))
-            output[t] = scale * (g * row_sums(s, qh[t]) + delta * dots(kh[t], qh[t]))
+            delta = beta[t][:, None] * (v[t].float() - g * u)
+            output[t] = scale * (g * w + delta * kq)
             s = g[:, :, None] * s + delta[:, :, None] * kh[t][:, None, :]
-            t += 1
         new_state[n] = s
-    return output, new_state
+    return output.to(torch.bfloat16), new_state
 
 
-def paired_module():
-    return solution_module("candidate_paired_tokens")
-
-
-@pytest.mark.parametrize("paired", [False, True], ids=["token_by_token", "paired"])
 @pytest.mark.parametrize("case_name", ["len6_state_scale05", "len6_nostate", "zero_length_seqs"])
-def test_regrouped_update_matches_reference(case_name, paired):
+def test_regrouped_update_matches_reference(case_name):
     case = next(c for c in cases.CASES if c.name == case_name)
     inputs = cases.make_inputs(case, "cpu", seed=6)
-    output, new_state = _regrouped_recurrence(*inputs.values(), paired=paired)
-    result = cases.compare(output.to(torch.bfloat16), new_state, *reference_run(*inputs.values()))
+    result = cases.compare(*_regrouped_recurrence(*inputs.values()), *reference_run(*inputs.values()))
     assert result.passed, result
     assert result.outputs["new_state"].max_abs_err < 1e-4
-
-
-def test_paired_steps_are_the_token_steps_regrouped():
-    # In float64 the pair algebra must equal two single steps to rounding, for odd and even lengths,
-    # with and without a state, on fast-decay gates too.
-    for lengths, with_state, gates in (((7, 4, 1), True, "mamba2"), ((9, 2), False, "fast_decay")):
-        case = cases.CheckCase("pairs", lengths, with_state, 0.05, gates)
-        inputs = cases.make_inputs(case, "cpu", seed=7)
-        single = _regrouped_recurrence(*inputs.values(), dtype=torch.float64)
-        paired = _regrouped_recurrence(*inputs.values(), paired=True, dtype=torch.float64)
-        assert torch.allclose(paired[0], single[0], rtol=1e-9, atol=1e-12)
-        assert torch.allclose(paired[1], single[1], rtol=1e-9, atol=1e-12)
-        assert not torch.equal(paired[1], torch.zeros_like(paired[1]))
-
-
-def test_paired_candidate_compiles_separately_and_keeps_the_dispatch():
-    candidate = paired_module()
-    token_serial_fn, chunked_fn = candidate.compile_only("sm_90a")
-    assert token_serial_fn is not kernel.compile_only("sm_90a")[0]  # the cache is keyed on the kernel class
-    assert chunked_fn is kernel.compile_only("sm_90a")[1]
-    assert candidate.compile_only("sm_90a")[0] is token_serial_fn
 
 
 # ------------------------------------------------------------------------------------------------

@@ -64,6 +64,11 @@ class SideResult(BaseModel):
     min_ms: float | None = None  # min over trials of the per-trial medians
     max_ms: float | None = None  # max over trials of the per-trial medians
     per_trial_ms: list[float] = Field(default_factory=list)
+    # GPU-busy time inside the span (`span.iteration_busy`): median over trials of the per-trial
+    # medians, and those medians. latency_ms - busy_ms is idle time inside the call (host work
+    # between launches, a host sync), which moves with the host. None/empty in older records.
+    busy_ms: float | None = None
+    per_trial_busy_ms: list[float] = Field(default_factory=list)
     # How many timed calls each trial's median is over (fewer than the protocol's iterations only
     # for a call slowed down to a time budget); empty in records that predate it.
     per_trial_iterations: list[int] = Field(default_factory=list)
@@ -531,7 +536,7 @@ class Journal:
 # ------------------------------------------------------------------------------------------
 # JSON and CSV files
 
-SIDE_FIELDS = ("status", "latency_ms", "min_ms", "max_ms", "max_abs_err", "max_rel_err", "relative_l2")
+SIDE_FIELDS = ("status", "latency_ms", "min_ms", "max_ms", "busy_ms", "max_abs_err", "max_rel_err", "relative_l2")
 WORKLOAD_FIELDS = ("track", "definition", "uuid", "index", "axes", "data_source", "seed", "absent_inputs")
 DERIVED_FIELDS = (
     "speedup_vs_human",
@@ -701,7 +706,8 @@ def read_csv_rows(path: Path) -> list[WorkloadRow]:
             for side in side_names:
                 if not line[f"{side}_status"]:
                     continue
-                values = {f: _float_or_none(line[f"{side}_{f}"]) for f in SIDE_FIELDS if f != "status"}
+                # .get: CSVs written before a field existed lack its column.
+                values = {f: _float_or_none(line.get(f"{side}_{f}") or "") for f in SIDE_FIELDS if f != "status"}
                 sides[side] = SideResult(side=side, status=Status(line[f"{side}_status"]), **values)
             if HUMAN in sides and line.get("human_pinned"):
                 sides[HUMAN].pinned = line["human_pinned"] == "True"

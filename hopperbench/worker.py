@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict
 from hopperbench.floors import FloorInputError, trial_floor
 from hopperbench.results import SideResult, Status, TrialFloor
 from hopperbench.sides import Side, SideKind
+from hopperbench.timing.span import ActivityTrace
 from hopperbench.tracks import AcceptanceRule, get_track
 
 InputValue = Any  # torch.Tensor | int | float | None, as hopperbench.synth makes them
@@ -73,8 +74,9 @@ class WorkerDeps:
     make_inputs: Callable[..., dict[str, InputValue]]
     check_outputs: Callable[[AcceptanceRule, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], Any]
     merge_verdicts: Callable[[list[Any]], Any]
-    # (fn, args, warmup, iterations, time_budget_s=...) -> per-iteration spans in ms
-    time_fn: Callable[..., list[float]]
+    # (fn, args, warmup, iterations, time_budget_s=...) -> the timed calls' activity trace, whose
+    # spans (the protocol's latency) and busy times the worker reads
+    time_fn: Callable[..., ActivityTrace]
     build: Callable[[Side, Any], Callable[..., Any]]
     # The floor of one trial's inputs: (track, workload axes, inputs) -> TrialFloor; raises
     # hopperbench.floors.FloorInputError when the inputs do not fit the floor model.
@@ -85,7 +87,7 @@ class WorkerDeps:
         from hopperbench.acceptance import check_outputs, merge_verdicts
         from hopperbench.definitions import load_definition
         from hopperbench.synth import make_inputs
-        from hopperbench.timing.cupti_timer import time_cold_l2
+        from hopperbench.timing.cupti_timer import record_cold_l2
         from hopperbench.workloads import WorkloadSpec
 
         return cls(
@@ -94,7 +96,7 @@ class WorkerDeps:
             make_inputs=make_inputs,
             check_outputs=check_outputs,
             merge_verdicts=merge_verdicts,
-            time_fn=time_cold_l2,
+            time_fn=record_cold_l2,
             build=lambda side, definition: side.build(definition),
             trial_floor=trial_floor,
         )
@@ -370,7 +372,7 @@ class JobRunner:
         job = self.job
         if job.iterations == 0:
             return self.result(Status.PASSED, **stats)
-        per_trial, per_trial_iterations = [], []
+        per_trial, per_trial_busy, per_trial_iterations = [], [], []
         floors: list[TrialFloor] | None = []  # None once a trial's inputs have no floor
         for trial in range(job.trials):
             inputs = self.inputs(trial)  # fresh: never the inputs the correctness call saw
@@ -379,10 +381,12 @@ class JobRunner:
             args = list(inputs.values())
             if dps:
                 args += allocate_poisoned_outputs(self.definition, self.workload.axes, self.device)
-            spans = self.checked(
+            trace = self.checked(
                 partial(self.deps.time_fn, fn, args, job.warmup, job.iterations, time_budget_s=job.time_budget_s)
             )
+            spans, busy = self.checked(lambda: (trace.spans(), trace.busy()))
             per_trial.append(statistics.median(spans))
+            per_trial_busy.append(statistics.median(busy))
             per_trial_iterations.append(len(spans))
             del inputs, args
             self.phases.mark(f"timing_trial{trial}")
@@ -392,6 +396,8 @@ class JobRunner:
             min_ms=min(per_trial),
             max_ms=max(per_trial),
             per_trial_ms=per_trial,
+            busy_ms=statistics.median(per_trial_busy),
+            per_trial_busy_ms=per_trial_busy,
             per_trial_iterations=per_trial_iterations,
             per_trial_floor=floors or [],
             **stats,

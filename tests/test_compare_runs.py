@@ -68,3 +68,17 @@ def test_unreadable_or_disjoint_runs_exit_2(tmp_path: Path, capsys) -> None:
     assert compare_runs.main([str(a), str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
     assert all(len(line) < 300 for line in err.splitlines()) and "share no timed" in err
+
+
+def test_each_runs_gpu_busy_share_is_shown_where_recorded(tmp_path: Path, capsys) -> None:
+    host_bound = timed("fla", 1.0).model_copy(update={"busy_ms": 0.25})
+    a = write_run(tmp_path / "a.json", {0: [host_bound, timed("ours", 0.3)]})
+    b = write_run(tmp_path / "b.json", {0: [timed("fla", 1.0).model_copy(update={"busy_ms": 0.2}), timed("ours", 0.3)]})
+    rows = compare_runs.compare(compare_runs.read_results(a), compare_runs.read_results(b), min_ms=0.05)
+    by_side = {c.side: c for c in rows}
+    fla, ours = by_side["fla"], by_side["ours"]
+    assert (fla.first_busy, fla.second_busy) == (pytest.approx(0.25), pytest.approx(0.2))
+    assert ours.first_busy is None  # a run that predates the busy time
+    compare_runs.main([str(a), str(b)])
+    fla_line = next(line for line in capsys.readouterr().out.splitlines() if " fla " in line)
+    assert "25%" in fla_line and "20%" in fla_line

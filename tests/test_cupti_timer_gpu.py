@@ -176,9 +176,12 @@ def test_host_gap_between_kernels_counts():
         time.sleep(0.002)
         x.add_(1.0)
 
-    spans = time_cold_l2(two_kernels_with_a_host_gap, (), warmup=2, iterations=5)
+    trace = record_cold_l2(two_kernels_with_a_host_gap, (), warmup=2, iterations=5)
+    spans, busy = trace.spans(), trace.busy()
     assert min(spans) >= 2.0
     assert statistics.median(spans) < 20.0
+    # The GPU was busy only for the two tiny kernels, not the 2 ms sleep between them.
+    assert all(0 < b < 0.1 for b in busy)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ from hopperbench.timing.span import (
     ApiRecord,
     GpuRecord,
     TimingError,
+    iteration_busy,
     iteration_gpu_records,
     iteration_spans,
     summarize_spans,
@@ -57,6 +58,30 @@ def test_span_covers_host_gaps_between_first_and_last_gpu_record():
     for records, span in zip(per_iteration, spans):
         busy_ns = sum(g.end - g.start for g in records)
         assert span * 1e6 > busy_ns  # the idle gaps between records are part of the span
+
+
+def test_busy_time_counts_overlaps_once_and_leaves_out_gaps_and_the_flush():
+    api = [ApiRecord(start=t, end=t + 1, correlation_id=c, kind=RUNTIME, callback_id=211)
+           for t, c in ((5, 9), (100, 1), (110, 2), (120, 3))]  # fmt: skip
+    gpu = [
+        GpuRecord(name="flush", start=500, end=1_200, correlation_id=9, kind=KERNEL),  # launched before t0
+        GpuRecord(name="a", start=1_000, end=2_000, correlation_id=1, kind=KERNEL),
+        GpuRecord(name="b", start=1_500, end=2_500, correlation_id=2, kind=KERNEL),  # overlaps a
+        GpuRecord(name="c", start=6_000, end=6_500, correlation_id=3, kind=KERNEL),  # after a host gap
+    ]
+    assert iteration_spans([(100, 130)], api, gpu) == [pytest.approx(5_500 / 1e6)]
+    assert iteration_busy([(100, 130)], api, gpu) == [pytest.approx(2_000 / 1e6)]
+    # Nested and touching records.
+    nested = [GpuRecord(name="outer", start=0, end=1_000, correlation_id=1, kind=KERNEL),
+              GpuRecord(name="inner", start=200, end=300, correlation_id=2, kind=KERNEL),
+              GpuRecord(name="next", start=1_000, end=1_100, correlation_id=3, kind=KERNEL)]  # fmt: skip
+    assert iteration_busy([(100, 130)], api, nested) == [pytest.approx(1_100 / 1e6)]
+
+
+def test_busy_time_of_a_recorded_trace_is_within_its_spans():
+    trace, _ = load_fixture("consistent")
+    for busy, span in zip(trace.busy(), trace.spans(), strict=True):
+        assert 0 < busy < span
 
 
 def test_record_order_does_not_matter():

@@ -16,6 +16,7 @@ from hopperbench.acceptance import check_outputs, merge_verdicts
 from hopperbench.floors import FloorInputError
 from hopperbench.results import SideResult, Status, TrialFloor
 from hopperbench.sides import Side, SideKind
+from hopperbench.timing.span import ActivityTrace, ApiRecord, GpuRecord
 from hopperbench.worker import (
     WorkerDeps,
     WorkerJob,
@@ -92,7 +93,22 @@ class Recorder:
         self.timed.append((len(args), warmup, iterations))
         self.budgets.append(time_budget_s)
         base = float(len(self.timed))  # trial t gets spans centred on t + 1
-        return [base - 0.1, base, base + 0.5]
+        return trace_of_spans([base - 0.1, base, base + 0.5])
+
+
+def trace_of_spans(spans_ms: list[float]) -> ActivityTrace:
+    """A trace whose iteration i spans spans_ms[i]: two kernels, busy for the first half and the
+    last quarter of the span (busy time 3/4 of it)."""
+    trace = ActivityTrace()
+    for i, span in enumerate(spans_ms):
+        t0, ns = 10**9 * (i + 1), round(span * 1e6)
+        trace.windows.append((t0, t0 + 10))
+        trace.api_records.append(ApiRecord(start=t0 + 1, end=t0 + 2, correlation_id=i, kind=0, callback_id=0))
+        trace.gpu_records += [
+            GpuRecord(name="first", start=t0, end=t0 + ns // 2, correlation_id=i, kind=0),
+            GpuRecord(name="second", start=t0 + ns - ns // 4, end=t0 + ns, correlation_id=i, kind=0),
+        ]
+    return trace
 
 
 @pytest.fixture(autouse=True)
@@ -163,6 +179,9 @@ def test_reference_stores_outputs_then_times_itself(tmp_path: Path, recorder: Re
     assert recorder.timed == [(3, 2, 5)] * 3
     assert recorder.budgets == [None] * 3
     assert result.per_trial_ms == [1.0, 2.0, 3.0]
+    # Busy time: 3/4 of each trial's median span, and its median over trials.
+    assert result.per_trial_busy_ms == pytest.approx([0.75, 1.5, 2.25])
+    assert result.busy_ms == pytest.approx(1.5)
     assert result.per_trial_iterations == [3, 3, 3]  # the recorder returns three spans per trial
     assert (result.latency_ms, result.min_ms, result.max_ms) == (2.0, 1.0, 3.0)
 

@@ -3,7 +3,8 @@
     uv run tools/compare_runs.py results/checks/RUN1.json results/checks/RUN2.json [--tolerance 5] [--min-ms 0.05]
 
 For every (track, workload, side) timed in both runs it prints both median latencies, their
-relative difference and each run's spread over trials ((max - min) / median). Rows whose
+relative difference, each run's spread over trials ((max - min) / median) and the share of the
+span in which the GPU was busy (runs that recorded it; a low share means host time). Rows whose
 latency is below --min-ms in both runs are shown but not judged (the issue's bar applies to
 workloads above 50 us). Exit 1 if any judged row differs by more than --tolerance percent, 2 if
 the files cannot be read or share no timed row, 0 otherwise.
@@ -33,6 +34,9 @@ class Comparison:
     first_spread: float
     second_spread: float
     judged: bool
+    # busy_ms / latency_ms of each run; None where the run predates the busy time.
+    first_busy: float | None = None
+    second_busy: float | None = None
 
     @property
     def change(self) -> float:
@@ -45,6 +49,12 @@ def _spread(result: SideResult) -> float:
     if result.min_ms is None or result.max_ms is None:
         return 0.0
     return (result.max_ms - result.min_ms) / result.latency_ms
+
+
+def _busy_share(result: SideResult) -> float | None:
+    if result.busy_ms is None or not result.latency_ms:
+        return None
+    return result.busy_ms / result.latency_ms
 
 
 def compare(first: ResultsFile, second: ResultsFile, min_ms: float) -> list[Comparison]:
@@ -71,19 +81,26 @@ def compare(first: ResultsFile, second: ResultsFile, min_ms: float) -> list[Comp
                     first_spread=_spread(a),
                     second_spread=_spread(b),
                     judged=max(a.latency_ms, b.latency_ms) >= min_ms,
+                    first_busy=_busy_share(a),
+                    second_busy=_busy_share(b),
                 )
             )
     return out
 
 
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
 def format_table(rows: Sequence[Comparison], tolerance: float) -> str:
     lines = [f"{'track':14} {'#':>3} {'side':18} {'run 1 ms':>10} {'run 2 ms':>10} {'change':>8} "
-             f"{'spread 1':>8} {'spread 2':>8}  verdict"]  # fmt: skip
+             f"{'spread 1':>8} {'spread 2':>8} {'busy 1':>6} {'busy 2':>6}  verdict"]  # fmt: skip
     for c in rows:
         verdict = "not judged (fast)" if not c.judged else ("ok" if abs(c.change) * 100 <= tolerance else "OVER")
         lines.append(
             f"{c.track:14} {c.index:>3} {c.side:18} {c.first_ms:>10.4g} {c.second_ms:>10.4g} {c.change:>+8.1%} "
-            f"{c.first_spread:>8.1%} {c.second_spread:>8.1%}  {verdict}"
+            f"{c.first_spread:>8.1%} {c.second_spread:>8.1%} {_share(c.first_busy):>6} {_share(c.second_busy):>6}"
+            f"  {verdict}"
         )
     return "\n".join(lines)
 

@@ -94,6 +94,9 @@ class ActivityTrace:
     def spans(self) -> list[float]:
         return iteration_spans(self.windows, self.api_records, self.gpu_records)
 
+    def busy(self) -> list[float]:
+        return iteration_busy(self.windows, self.api_records, self.gpu_records)
+
 
 def _describe_difference(first: set[str], other: set[str]) -> str:
     missing = sorted(first - other)
@@ -155,6 +158,33 @@ def iteration_spans(
     return [
         (max(g.end for g in records) - min(g.start for g in records)) / NS_PER_MS
         for records in iteration_gpu_records(windows, api_records, gpu_records)
+    ]
+
+
+def _covered_ns(records: Sequence[GpuRecord]) -> int:
+    """Nanoseconds in which at least one of `records` ran (overlaps count once)."""
+    covered, reached = 0, None
+    for record in sorted(records, key=lambda r: r.start):
+        if reached is None or record.start >= reached:
+            covered += record.end - record.start
+            reached = record.end
+        elif record.end > reached:
+            covered += record.end - reached
+            reached = record.end
+    return covered
+
+
+def iteration_busy(
+    windows: Sequence[tuple[int, int]],
+    api_records: Sequence[ApiRecord],
+    gpu_records: Sequence[GpuRecord],
+) -> list[float]:
+    """Per-iteration GPU-busy time in ms: how much of the span at least one of the call's GPU
+    records was running. The rest of the span is idle time between them (host work between
+    launches, launch latency, a host sync): a span far above its busy time is host-bound, and
+    moves with the host. Not part of the contest's protocol; recorded beside it."""
+    return [
+        _covered_ns(records) / NS_PER_MS for records in iteration_gpu_records(windows, api_records, gpu_records)
     ]
 
 

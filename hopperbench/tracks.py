@@ -166,6 +166,13 @@ GDN_PREFILL = Track(
             package="fla-core==0.6.0",
         ),
     ),
+    candidates=(
+        CandidateSide(
+            name="cand_longest_first",
+            entry="candidate_longest_first.py::run",
+            description="kernel.py with the chunked kernel's grid rows serving the longest sequences first (v1.7)",
+        ),
+    ),
 )
 
 MOE = Track(

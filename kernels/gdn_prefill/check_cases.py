@@ -76,6 +76,8 @@ def random_composition(total: int, parts: int, seed: int) -> tuple[int, ...]:
 
 
 MANY_SHORT = random_composition(1000, 57, seed=57)
+# More sequences than a CTA ranks by length (candidate_longest_first.MAX_RANKED_SEQS = 128).
+MANY_130 = random_composition(700, 130, seed=130)
 
 CASES: tuple[CheckCase, ...] = (
     CheckCase("len1_state", (1,), True, 0.0, "mamba2"),
@@ -88,6 +90,9 @@ CASES: tuple[CheckCase, ...] = (
     CheckCase("len63_64_65_nostate", (63, 64, 65), False, 0.0, "mamba2"),
     CheckCase("chunk_edges_31_32_33_1", (31, 32, 33, 1), True, 0.0, "fast_decay"),
     CheckCase("zero_length_seqs", (5, 0, 3, 0), True, 0.0, "mamba2"),
+    # Above the token-serial threshold: equal lengths and empty sequences in the chunked path.
+    CheckCase("ties_and_empty_357", (70, 0, 70, 5, 0, 70, 1, 70, 0, 71), True, 0.0, "mamba2"),
+    CheckCase("many_130_state", MANY_130, True, 0.05, "mamba2"),
     CheckCase("all_empty", (0, 0), True, 0.0, "mamba2"),
     CheckCase("many_short_57x1000_state", MANY_SHORT, True, 0.0, "mamba2"),
     CheckCase("many_short_57x1000_fast", MANY_SHORT, False, 0.05, "fast_decay"),

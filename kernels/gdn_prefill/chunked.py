@@ -264,6 +264,19 @@ class _Chunked:
 
 
     @cute.jit
+    def sequence_of_block(
+        self,
+        cu_seqlens: cute.Tensor,
+        block_y: cutlass.Int32,
+        num_seqs: cutlass.Int32,
+        tidx: cutlass.Int32,
+        scratch: cute.Tensor,
+    ) -> cutlass.Int32:
+        """The sequence this CTA's grid row serves: row y serves sequence y (a candidate may order
+        them otherwise; `scratch` is shared memory free until the first chunk's P1)."""
+        return block_y
+
+    @cute.jit
     def launch(
         self,
         q: cute.Tensor,
@@ -333,12 +346,18 @@ class _Chunked:
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        head_slice, seq, _ = cute.arch.block_idx()
+        head_slice, block_y, _ = cute.arch.block_idx()
         head = head_slice // NUM_SLICES
         slice_idx = head_slice % NUM_SLICES
         v0 = slice_idx * SLICE_ROWS
         warp_idx = tidx // WARP_SIZE
         lane = tidx % WARP_SIZE
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(SharedStorage)
+        a_diag = st.a_diag.get_tensor(cute.make_layout((CHUNK, BLOCK), stride=(DIAG_STRIDE, 1)))
+        # a_diag is first written in chunk 0's P1, so the hook may use it as scratch.
+        seq = self.sequence_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, a_diag)
 
         # Sequence bounds, clamped to [0, T] so that malformed cu_seqlens cannot read out of bounds.
         total_tokens = cutlass.Int32(q.shape[0])
@@ -350,8 +369,6 @@ class _Chunked:
         num_chunks = (length + CHUNK - 1) // CHUNK
 
         # ---- shared memory views ----
-        smem = cutlass.memory.SmemAllocator()
-        st = smem.allocate(SharedStorage)
         raw_k = st.raw_k.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1)))
         raw_v = st.raw_v.get_tensor(
             cute.make_layout((NUM_STAGES, CHUNK, SLICE_ROWS), stride=(CHUNK * SLICE_ROWS, SLICE_ROWS, 1))
@@ -366,7 +383,6 @@ class _Chunked:
         kq_t = cute.make_tensor(kq.iterator, _layout(KQ_T_VIEW))
         a16 = st.a16.get_tensor(_layout(SQUARE_VIEW))
         a16_t = cute.make_tensor(a16.iterator, _layout(SQUARE_T_VIEW))
-        a_diag = st.a_diag.get_tensor(cute.make_layout((CHUNK, BLOCK), stride=(DIAG_STRIDE, 1)))
         t16 = st.t16.get_tensor(_layout(SQUARE_VIEW))
         t16_t = cute.make_tensor(t16.iterator, _layout(SQUARE_T_VIEW))
         p16 = st.p16.get_tensor(_layout(SQUARE_VIEW))

@@ -138,6 +138,37 @@ def test_cases_cover_the_required_shapes():
     assert {c.scale for c in cases.CASES} == {0.0, 0.05}
     assert {c.gates for c in cases.CASES} == {"mamba2", "fast_decay"}
     assert any(0 in c.lengths for c in cases.CASES)
+    assert len(cases.MANY_130) == 130 and sum(cases.MANY_130) == 700 and min(cases.MANY_130) >= 1
+
+
+def longest_first_module():
+    return solution_module("candidate_longest_first")
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [(5, 0, 3, 0, 9, 9, 0, 5, 2, 7), (3, -2, 3, 7, 1, 1, 1, 0, 4), cases.MANY_SHORT, tuple(range(1, 129))],
+)
+def test_the_kernels_length_ranking_serves_every_sequence_once_longest_first(lengths):
+    # The kernel's rule, transcribed: row y serves the i with rank(i) == y.
+    rank = [sum(lj > li or (lj == li and j < i) for j, lj in enumerate(lengths)) for i, li in enumerate(lengths)]
+    rows = [rank.index(y) for y in range(len(lengths))]
+    assert rows == longest_first_module().longest_first_order(lengths)
+    assert sorted(rows) == list(range(len(lengths)))
+    assert all(lengths[a] >= lengths[b] for a, b in zip(rows, rows[1:]))
+
+
+def test_outside_the_ranked_counts_the_rows_keep_their_order():
+    module = longest_first_module()
+    assert (module.MIN_RANKED_SEQS, module.MAX_RANKED_SEQS) == (9, 128)
+    assert module.longest_first_order(cases.MANY_130) == list(range(130))
+    assert module.longest_first_order((70, 0, 70, 5, 0, 99, 1, 2)) == list(range(8))
+
+
+def test_longest_first_compiles_its_own_chunked_kernel_and_shares_the_token_serial_one():
+    token_serial_fn, chunked_fn = longest_first_module().compile_only("sm_90a")
+    assert token_serial_fn is kernel.compile_only("sm_90a")[0]
+    assert chunked_fn is not kernel.compile_only("sm_90a")[1]  # the cache is keyed on the kernel class
 
 
 def test_inputs_follow_the_synth_distributions():

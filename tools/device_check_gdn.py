@@ -37,6 +37,7 @@ KERNEL_CHOICES = (
     "token_serial",
     "chunked",
     "candidate_longest_first",
+    "candidate_narrow_slices",
 )
 
 # Ten sequences, so that a kernel ordering its grid rows by length (candidate v1.7) re-ranks at replay:

@@ -10,7 +10,8 @@ The value rows of a head's state evolve independently (state S is [V, K], k-last
 - 128 threads. Eight consecutive lanes share one state row (V index); lane p of the eight holds the
   K columns [8p, 8p + 8) and [64 + 8p, 64 + 8p + 8) (16 fp32 registers), so a 16-B shared-memory
   load of k or q by 8 lanes covers 128 contiguous bytes (no bank conflicts). Reductions over K are
-  three butterfly shuffles inside the 8-lane group; no block-wide reduction per token.
+  three butterfly shuffles inside the 8-lane group; no block-wide reduction per token. This split
+  of the rows is the kernel class's `SPLIT` (a `RowSplit`), so a candidate can use another one.
 - Tokens are staged through shared memory in chunks of 32 with `cp.async` (double-buffered: chunk
   c + 1 is in flight while chunk c is computed): the q and k rows of the head's q/k head (h // 2),
   the 16 values of v in this slice, and the whole 8-head rows of a and b (16 B each, so that every
@@ -36,6 +37,7 @@ tensor-core kernel (chunked.py) replaces; it reuses this module's host launcher 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -51,13 +53,7 @@ HEAD_SIZE = 128  # K = V = 128
 V_HEADS_PER_QK_HEAD = NUM_V_HEADS // NUM_QK_HEADS
 
 NUM_THREADS = 128
-LANES_PER_ROW = 8  # lanes sharing one state row; reductions over K stay inside these 8 lanes
-ROWS_PER_CTA = NUM_THREADS // LANES_PER_ROW  # 16: the V-slice of one CTA
-NUM_SLICES = HEAD_SIZE // ROWS_PER_CTA  # 8 CTAs per (sequence, head)
-COPY_ELEMS = 8  # bf16 elements per 16-B cp.async
-COLS_PER_PIECE = COPY_ELEMS  # a lane's K columns come in two 8-wide pieces, 64 apart
-PIECE_STRIDE = HEAD_SIZE // 2  # 64
-COLS_PER_LANE = 2 * COLS_PER_PIECE  # 16 state registers per thread
+COPY_ELEMS = 8  # bf16 elements per 16-B cp.async; a lane's K columns come in pieces of this width
 DOT_CHAINS = 4  # independent accumulators per per-lane dot product
 CHUNK = 32  # tokens staged per cp.async stage
 NUM_STAGES = 2
@@ -69,11 +65,49 @@ MAX_TOKENS = (2**31 - 1) // (NUM_V_HEADS * HEAD_SIZE)
 # State offsets are 32-bit too (N * 8 * 128 * 128 elements); also below the grid.y limit of 65535.
 MAX_SEQS = (2**31 - 1) // (NUM_V_HEADS * HEAD_SIZE * HEAD_SIZE)
 
-assert LANES_PER_ROW * COLS_PER_LANE == HEAD_SIZE
-assert HEAD_SIZE % ROWS_PER_CTA == 0 and CHUNK <= NUM_THREADS  # one gate thread per token
-# stage_chunk: whole rounds of q/k pieces, and exactly one v/a/b piece per thread.
-assert CHUNK * (HEAD_SIZE // COPY_ELEMS) % NUM_THREADS == 0
-assert (ROWS_PER_CTA // COPY_ELEMS + 2) * CHUNK == NUM_THREADS
+assert CHUNK <= NUM_THREADS  # one gate thread per token
+assert CHUNK * (HEAD_SIZE // COPY_ELEMS) % NUM_THREADS == 0  # stage_chunk: whole rounds of q/k pieces
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """How a CTA's 128 threads share its V-slice: `lanes_per_row` consecutive lanes hold one state
+    row (V index), so the reductions over K stay inside them; lane p holds the 8-wide column pieces
+    p, p + lanes_per_row, ... (in units of 8 columns), so that the lanes of a row read 16-B pieces of
+    a k or q row side by side."""
+
+    lanes_per_row: int
+
+    def __post_init__(self) -> None:
+        assert HEAD_SIZE % (self.lanes_per_row * COPY_ELEMS) == 0 and NUM_THREADS % self.lanes_per_row == 0
+        assert self.rows_per_cta % COPY_ELEMS == 0
+        # stage_chunk: at most one v, a or b piece per thread.
+        assert (self.rows_per_cta // COPY_ELEMS + 2) * CHUNK <= NUM_THREADS
+
+    @property
+    def rows_per_cta(self) -> int:  # the V-slice of one CTA
+        return NUM_THREADS // self.lanes_per_row
+
+    @property
+    def num_slices(self) -> int:  # CTAs per (sequence, head)
+        return HEAD_SIZE // self.rows_per_cta
+
+    @property
+    def cols_per_lane(self) -> int:  # state registers per thread
+        return HEAD_SIZE // self.lanes_per_row
+
+    @property
+    def pieces_per_lane(self) -> int:
+        return self.cols_per_lane // COPY_ELEMS
+
+    def column_piece(self, piece: int, lane_in_row):
+        """Index (in 8-column pieces of a 128-wide row) of piece `piece` of lane `lane_in_row`."""
+        return piece * self.lanes_per_row + lane_in_row
+
+
+# v0: 8 lanes per row, 16 rows per CTA, 8 CTAs per (sequence, head); each lane holds the columns
+# [8p, 8p + 8) and [64 + 8p, 64 + 8p + 8).
+V0_SPLIT = RowSplit(lanes_per_row=8)
 
 
 class GdnShapeError(ValueError):
@@ -82,6 +116,8 @@ class GdnShapeError(ValueError):
 
 class _Recurrence:
     """The kernel: one CTA = one (sequence, v-head, 16-row V-slice); see the module docstring."""
+
+    SPLIT = V0_SPLIT  # a candidate's subclass may split the rows otherwise
 
     @cute.jit
     def launch(
@@ -102,7 +138,8 @@ class _Recurrence:
         stream,
     ):
         sqk_layout = cute.make_layout((NUM_STAGES, CHUNK, HEAD_SIZE), stride=(CHUNK * HEAD_SIZE, HEAD_SIZE, 1))
-        sv_layout = cute.make_layout((NUM_STAGES, CHUNK, ROWS_PER_CTA), stride=(CHUNK * ROWS_PER_CTA, ROWS_PER_CTA, 1))
+        rows = self.SPLIT.rows_per_cta
+        sv_layout = cute.make_layout((NUM_STAGES, CHUNK, rows), stride=(CHUNK * rows, rows, 1))
         sab_layout = cute.make_layout((NUM_STAGES, CHUNK, NUM_V_HEADS), stride=(CHUNK * NUM_V_HEADS, NUM_V_HEADS, 1))
         sgate_layout = cute.make_layout((NUM_STAGES, CHUNK), stride=(CHUNK, 1))
 
@@ -110,7 +147,7 @@ class _Recurrence:
         class SharedStorage:
             sq: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, NUM_STAGES * CHUNK * HEAD_SIZE], 128]
             sk: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, NUM_STAGES * CHUNK * HEAD_SIZE], 128]
-            sv: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, NUM_STAGES * CHUNK * ROWS_PER_CTA], 128]
+            sv: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, NUM_STAGES * CHUNK * rows], 128]
             sa: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
             sb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
             sg: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, NUM_STAGES * CHUNK], 16]
@@ -136,7 +173,7 @@ class _Recurrence:
             sgate_layout,
             SharedStorage,
         ).launch(
-            grid=[NUM_V_HEADS * NUM_SLICES, new_state.shape[0], 1],
+            grid=[NUM_V_HEADS * self.SPLIT.num_slices, new_state.shape[0], 1],
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -166,9 +203,10 @@ class _Recurrence:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         head_slice, seq, _ = cute.arch.block_idx()
-        head = head_slice // NUM_SLICES
-        v_row = (head_slice % NUM_SLICES) * ROWS_PER_CTA + tidx // LANES_PER_ROW
-        lane_in_row = tidx % LANES_PER_ROW
+        split = self.SPLIT
+        head = head_slice // split.num_slices
+        v_row = (head_slice % split.num_slices) * split.rows_per_cta + tidx // split.lanes_per_row
+        lane_in_row = tidx % split.lanes_per_row
 
         # Sequence bounds, clamped to [0, T] so that malformed cu_seqlens cannot read out of bounds.
         total_tokens = cutlass.Int32(q.shape[0])
@@ -189,14 +227,14 @@ class _Recurrence:
         sbeta = storage.sbeta.get_tensor(sgate_layout)
 
         # ---- initial state slice: this thread's 16 columns of row v_row ----
-        s_reg = cute.make_rmem_tensor((COLS_PER_LANE,), cutlass.Float32)
+        s_reg = cute.make_rmem_tensor((split.cols_per_lane,), cutlass.Float32)
         s_reg.fill(0.0)
         if has_state != 0 and length > 0:
             state_row = state[seq, head, v_row, None]
-            for piece in cutlass.range_constexpr(2):
+            for piece in cutlass.range_constexpr(split.pieces_per_lane):
                 cute.autovec_copy(
                     self.lane_piece(state_row, lane_in_row, piece),
-                    cute.local_tile(s_reg, (COLS_PER_PIECE,), (piece,)),
+                    cute.local_tile(s_reg, (COPY_ELEMS,), (piece,)),
                 )
 
         self.process_sequence(
@@ -206,9 +244,9 @@ class _Recurrence:
 
         # ---- final state slice ----
         out_row = new_state[seq, head, v_row, None]
-        for piece in cutlass.range_constexpr(2):
+        for piece in cutlass.range_constexpr(split.pieces_per_lane):
             cute.autovec_copy(
-                cute.local_tile(s_reg, (COLS_PER_PIECE,), (piece,)),
+                cute.local_tile(s_reg, (COPY_ELEMS,), (piece,)),
                 self.lane_piece(out_row, lane_in_row, piece),
             )
 
@@ -247,7 +285,7 @@ class _Recurrence:
         )
         neg_decay_rate = -cute.math.exp(A_log[head])
         bias = dt_bias[head]
-        row_in_slice = tidx // LANES_PER_ROW
+        row_in_slice = tidx // self.SPLIT.lanes_per_row
         slice_v0 = v_row - row_in_slice
         num_chunks = (length + CHUNK - 1) // CHUNK
 
@@ -309,8 +347,8 @@ class _Recurrence:
         """The recurrence over the `tokens_here` staged tokens of one chunk (gates in sg, sbeta),
         token `first_token` + j of the batch at slot j: this thread's state registers advance and
         lane 0 of each row writes the row's outputs (a candidate may regroup the tokens)."""
-        k_reg = cute.make_rmem_tensor((COLS_PER_LANE,), cutlass.Float32)
-        q_reg = cute.make_rmem_tensor((COLS_PER_LANE,), cutlass.Float32)
+        k_reg = cute.make_rmem_tensor((self.SPLIT.cols_per_lane,), cutlass.Float32)
+        q_reg = cute.make_rmem_tensor((self.SPLIT.cols_per_lane,), cutlass.Float32)
         for j in cutlass.range(tokens_here, unroll=2):
             self.advance_token(
                 sq, sk, sv, sg, sbeta, stage, j, s_reg, k_reg, q_reg, scale, output,
@@ -346,7 +384,7 @@ class _Recurrence:
         dot_kq = self.row_sum(self.lane_dot(k_reg, q_reg))
         g = sg[stage, j]
         delta = sbeta[stage, j] * (sv[stage, j, row_in_slice].to(cutlass.Float32) - g * dot_sk)
-        for i in cutlass.range_constexpr(COLS_PER_LANE):
+        for i in cutlass.range_constexpr(self.SPLIT.cols_per_lane):
             s_reg[i] = g * s_reg[i] + delta * k_reg[i]
         if lane_in_row == 0:
             out = scale * (g * dot_sq + delta * dot_kq)
@@ -395,8 +433,8 @@ class _Recurrence:
                     cute.local_tile(k[token, qk_head, None], (COPY_ELEMS,), (piece,)),
                     cute.local_tile(sk[stage, j, None], (COPY_ELEMS,), (piece,)),
                 )
-        # v (2 pieces per token), a and b (1 piece each per token): 4 * CHUNK = 128 copies.
-        v_pieces = ROWS_PER_CTA // COPY_ELEMS
+        # v (1 or 2 pieces per token), a and b (1 piece each per token): at most 128 copies.
+        v_pieces = self.SPLIT.rows_per_cta // COPY_ELEMS
         j = tidx % CHUNK
         role = tidx // CHUNK
         if first + j < length:
@@ -409,26 +447,27 @@ class _Recurrence:
                 )
             elif role == v_pieces:
                 cute.copy(g2s, a[token, None], sa[stage, j, None])
-            else:
+            elif cutlass.const_expr((v_pieces + 2) * CHUNK == NUM_THREADS) or role == v_pieces + 1:
+                # The last role copies b; with fewer v pieces (8-row slices) the spare role copies nothing.
                 cute.copy(g2s, b[token, None], sb[stage, j, None])
 
     @cute.jit
     def lane_piece(self, row: cute.Tensor, lane_in_row: cutlass.Int32, piece: cutlass.Constexpr) -> cute.Tensor:
-        """The 8 columns of a 128-wide row that piece 0/1 of lane `lane_in_row` holds."""
-        return cute.local_tile(row, (COLS_PER_PIECE,), (piece * (PIECE_STRIDE // COLS_PER_PIECE) + lane_in_row,))
+        """The 8 columns of a 128-wide row that piece `piece` of lane `lane_in_row` holds."""
+        return cute.local_tile(row, (COPY_ELEMS,), (self.SPLIT.column_piece(piece, lane_in_row),))
 
     @cute.jit
     def load_lane_columns(self, row: cute.Tensor, dst: cute.Tensor, lane_in_row: cutlass.Int32):
-        """This lane's 16 columns of a bf16 shared-memory row, as fp32 (two 16-B loads)."""
-        for piece in cutlass.range_constexpr(2):
+        """This lane's columns of a bf16 shared-memory row, as fp32 (one 16-B load per piece)."""
+        for piece in cutlass.range_constexpr(self.SPLIT.pieces_per_lane):
             values = self.lane_piece(row, lane_in_row, piece).load().to(cutlass.Float32)
-            cute.local_tile(dst, (COLS_PER_PIECE,), (piece,)).store(values)
+            cute.local_tile(dst, (COPY_ELEMS,), (piece,)).store(values)
 
     @cute.jit
     def lane_dot(self, x: cute.Tensor, y: cute.Tensor) -> cutlass.Float32:
-        """x . y over this lane's 16 columns, in DOT_CHAINS independent chains (shorter latency)."""
+        """x . y over this lane's columns, in DOT_CHAINS independent chains (shorter latency)."""
         partial = [cutlass.Float32(0.0)] * DOT_CHAINS
-        for i in cutlass.range_constexpr(COLS_PER_LANE):
+        for i in cutlass.range_constexpr(self.SPLIT.cols_per_lane):
             partial[i % DOT_CHAINS] = partial[i % DOT_CHAINS] + x[i] * y[i]
         total = partial[0]
         for c in cutlass.range_constexpr(1, DOT_CHAINS):
@@ -437,8 +476,8 @@ class _Recurrence:
 
     @cute.jit
     def row_sum(self, value: cutlass.Float32) -> cutlass.Float32:
-        """Sum over the 8 consecutive lanes that share a state row (all 8 get the result)."""
-        offset = LANES_PER_ROW // 2
+        """Sum over the consecutive lanes that share a state row (all of them get the result)."""
+        offset = self.SPLIT.lanes_per_row // 2
         while offset > 0:
             value = value + cute.arch.shuffle_sync_bfly(value, offset=offset)
             offset //= 2

@@ -75,18 +75,32 @@ def test_run_calls_exactly_the_chosen_path(num_tokens, monkeypatch):
     assert calls[0][1][-2] is output and calls[0][1][-1] is new_state
 
 
-def test_tiling_covers_every_state_element_once():
-    # Token-serial path: 8 slices x 16 rows cover V; 8 lanes x 16 columns cover K (two 8-wide
-    # pieces, 64 apart).
+@pytest.mark.parametrize("lanes_per_row", [8, 16])
+def test_tiling_covers_every_state_element_once(lanes_per_row):
+    # Token-serial path: the slices' rows cover V; the lanes of a row cover K, each with its 8-wide
+    # pieces (v0: 8 lanes x two pieces 64 apart; v1.8: 16 lanes x one piece).
     serial = solution_module("token_serial")
-    assert serial.NUM_SLICES * serial.ROWS_PER_CTA == serial.HEAD_SIZE
+    split = serial.RowSplit(lanes_per_row=lanes_per_row)
+    assert split.num_slices * split.rows_per_cta == serial.HEAD_SIZE
+    assert split.rows_per_cta * split.lanes_per_row == serial.NUM_THREADS
     columns = sorted(
-        piece * serial.PIECE_STRIDE + lane * serial.COLS_PER_PIECE + i
-        for lane in range(serial.LANES_PER_ROW)
-        for piece in range(2)
-        for i in range(serial.COLS_PER_PIECE)
+        split.column_piece(piece, lane) * serial.COPY_ELEMS + i
+        for lane in range(split.lanes_per_row)
+        for piece in range(split.pieces_per_lane)
+        for i in range(serial.COPY_ELEMS)
     )
     assert columns == list(range(serial.HEAD_SIZE))
+    assert split.cols_per_lane == split.pieces_per_lane * serial.COPY_ELEMS
+
+
+def test_v0_keeps_its_split_and_the_narrow_candidate_its_own():
+    serial = solution_module("token_serial")
+    assert (serial.V0_SPLIT.rows_per_cta, serial.V0_SPLIT.num_slices, serial.V0_SPLIT.cols_per_lane) == (16, 8, 16)
+    narrow = solution_module("candidate_narrow_slices")._NarrowSlices.SPLIT
+    assert (narrow.rows_per_cta, narrow.num_slices, narrow.cols_per_lane) == (8, 16, 8)
+    token_serial_fn, chunked_fn = solution_module("candidate_narrow_slices").compile_only("sm_90a")
+    assert token_serial_fn is not kernel.compile_only("sm_90a")[0]  # the cache is keyed on the kernel class
+    assert chunked_fn is kernel.compile_only("sm_90a")[1]
 
 
 @pytest.mark.parametrize("scale, expected", [(None, 128**-0.5), (0, 128**-0.5), (0.0, 128**-0.5), (0.05, 0.05)])

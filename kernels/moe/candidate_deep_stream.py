@@ -29,7 +29,7 @@ from typing import Callable
 from . import kernel
 from .kernel import MoeShapeError, StreamingVariant
 
-__all__ = ["FEW_TOKENS_MAX", "MoeShapeError", "compile_only", "run", "variant_for"]
+__all__ = ["FEW_TOKENS_MAX", "MoeShapeError", "choose_with", "compile_only", "run", "variant_for"]
 
 FEW_TOKENS_MAX = 64
 FEW_TOKENS = StreamingVariant(block_tokens=16, num_stages=4, gemm2_block_tokens=8, gemm2_num_stages=4)
@@ -37,12 +37,21 @@ SMALL_T = StreamingVariant(block_tokens=16, num_stages=4, gemm2_block_tokens=16,
 VARIANTS = (FEW_TOKENS, SMALL_T)
 
 
-def variant_for(num_tokens: int) -> StreamingVariant | None:
-    """The candidate's streaming variant for `num_tokens` tokens (None: the grouped pipeline)."""
-    chosen = kernel.variant_for(num_tokens)  # also rejects an empty batch
-    if chosen is kernel.SMALL_T:
-        return FEW_TOKENS if num_tokens <= FEW_TOKENS_MAX else SMALL_T
-    return chosen
+def choose_with(few_tokens: StreamingVariant) -> Callable[[int], StreamingVariant | None]:
+    """This candidate's choice of variant with `few_tokens` for T <= FEW_TOKENS_MAX (a later candidate
+    deepens that one only)."""
+
+    def variant_for(num_tokens: int) -> StreamingVariant | None:
+        """The candidate's streaming variant for `num_tokens` tokens (None: the grouped pipeline)."""
+        chosen = kernel.variant_for(num_tokens)  # also rejects an empty batch
+        if chosen is kernel.SMALL_T:
+            return few_tokens if num_tokens <= FEW_TOKENS_MAX else SMALL_T
+        return chosen
+
+    return variant_for
+
+
+variant_for = choose_with(FEW_TOKENS)
 
 
 def compile_only(arch: str = kernel.GPU_ARCH) -> tuple[Callable, ...]:

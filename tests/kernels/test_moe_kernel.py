@@ -30,7 +30,13 @@ kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py, its grouped pipeline alone (kernel.py takes it only above 2048 tokens, so it is checked at
 # every case here) and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "grouped_pipeline", "candidate_deep_stream", "candidate_one_cta_routing")
+SOLUTIONS = (
+    "kernel",
+    "grouped_pipeline",
+    "candidate_deep_stream",
+    "candidate_deeper_stream",
+    "candidate_one_cta_routing",
+)
 
 
 @functools.cache
@@ -68,8 +74,9 @@ def test_one_cta_routing_candidate_takes_small_batches_only():
     assert compiled[0] is kernel.compiled_for(candidate.FEW_TOKENS, "sm_90a") and compiled[0] not in compiled[1:]
 
 
-def test_deep_stream_candidate_compiles_its_own_variants():
-    candidate = solution_module("candidate_deep_stream")
+@pytest.mark.parametrize("name", ["candidate_deep_stream", "candidate_deeper_stream"])
+def test_deep_stream_candidates_compile_their_own_variants(name):
+    candidate = solution_module(name)
     compiled = candidate.compile_only("sm_90a")
     assert len(compiled) == len(candidate.VARIANTS) + len(kernel.VARIANTS) + 1
     assert len({id(fn) for fn in compiled}) == len(compiled)  # cached per variant: each its own

@@ -22,6 +22,7 @@ from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, reference, 
 
 streaming = solution_module("streaming_gemm")
 candidate = solution_module("candidate_deep_stream")
+deeper = solution_module("candidate_deeper_stream")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -50,8 +51,8 @@ def test_variant_for_rejects_an_empty_batch():
 
 @pytest.mark.parametrize(
     "variant",
-    [*kernel.VARIANTS, *candidate.VARIANTS],
-    ids=lambda v: f"bt{v.block_tokens}_{v.gemm2_block_tokens or v.block_tokens}x{v.gemm2_num_stages or v.num_stages}",
+    [*kernel.VARIANTS, *candidate.VARIANTS, deeper.FEW_TOKENS],
+    ids=lambda v: f"bt{v.block_tokens}x{v.num_stages}_{v.gemm2_block_tokens or v.block_tokens}x{v.gemm2_num_stages or v.num_stages}",
 )
 def test_every_configuration_fits_shared_memory_and_fills_every_sm(variant):
     for config in (variant.gemm1(), variant.gemm2()):
@@ -73,6 +74,19 @@ def test_deep_stream_candidate_keeps_two_gemm2_ctas_per_sm_up_to_192_tokens(num_
     assert gemm2.num_stages * gemm2.ctas_per_sm() > kernel.variant_for(num_tokens).gemm2().num_stages
     for large in (193, 2048, 2049):
         assert candidate.variant_for(large) is kernel.variant_for(large)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 65, 192, 193])
+def test_deeper_stream_candidate_deepens_only_gemm1_of_the_few_token_variant(num_tokens):
+    chosen, base = deeper.variant_for(num_tokens), candidate.variant_for(num_tokens)
+    if num_tokens > 64:
+        assert chosen is base
+        return
+    gemm1 = chosen.gemm1()
+    assert (gemm1.block_tokens, gemm1.num_stages, gemm1.ctas_per_sm()) == (8, 5, 2)
+    # 10 GEMM1 weight stages in flight per SM, against v1.1's (and kernel.py's) 8
+    assert gemm1.num_stages * gemm1.ctas_per_sm() > base.gemm1().num_stages * base.gemm1().ctas_per_sm()
+    assert (chosen.gemm2().block_tokens, chosen.gemm2().num_stages) == (base.gemm2().block_tokens, base.gemm2().num_stages)
 
 
 def test_one_item_per_sm_at_one_active_expert():
@@ -323,7 +337,9 @@ def _schedule_counts(num_tokens: int) -> list[list[int]]:
     return shapes
 
 
-@pytest.mark.parametrize("choose", [kernel.variant_for, candidate.variant_for], ids=["kernel", "deep_stream"])
+@pytest.mark.parametrize(
+    "choose", [kernel.variant_for, candidate.variant_for, deeper.variant_for], ids=["kernel", "deep_stream", "deeper"]
+)
 @pytest.mark.parametrize("num_tokens", [1, 7, 33, 192, 901])
 def test_persistent_schedule_covers_every_row_and_column_tile_once(num_tokens, choose):
     variant = choose(num_tokens)

@@ -94,6 +94,34 @@ def invert_unit_lower(A: torch.Tensor, precision: Precision) -> torch.Tensor:
     return T
 
 
+@dataclass(frozen=True)
+class KeySide:
+    """What a chunk needs that does not depend on the state or the values: the rounded keys and
+    queries, the cumulative log-decays G [H, C], P and T [H, C, C]."""
+
+    k_r: torch.Tensor
+    q_r: torch.Tensor
+    G: torch.Tensor
+    P: torch.Tensor
+    T: torch.Tensor
+
+
+def key_side(q: torch.Tensor, k: torch.Tensor, log_g: torch.Tensor, beta: torch.Tensor, precision: Precision) -> KeySide:
+    rnd = precision.round
+    c = q.shape[-2]
+    G = torch.cumsum(log_g, dim=-1)
+    diff = G[..., :, None] - G[..., None, :]
+    incl = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    strict = incl.tril(-1)
+    decay = torch.where(incl, torch.exp(torch.where(incl, diff, torch.zeros_like(diff))), torch.zeros_like(diff))
+    k_r, q_r = rnd(k), rnd(q)
+    kk = k_r @ k_r.transpose(-1, -2)
+    qk = q_r @ k_r.transpose(-1, -2)
+    A = torch.where(strict, beta[..., :, None] * decay * kk, torch.zeros_like(kk))
+    P = rnd(decay * qk)
+    return KeySide(k_r, q_r, G, P, invert_unit_lower(A, precision))
+
+
 def chunk_step(
     S0: torch.Tensor,
     q: torch.Tensor,
@@ -107,18 +135,8 @@ def chunk_step(
     """One chunk for all heads: S0 [H, V, K], q/k [H, C, K], v [H, C, V], log_g/beta [H, C] (padded
     tokens zero). Returns (O [H, C, V], S_next [H, V, K]) in the compute dtype."""
     rnd = precision.round
-    c = q.shape[-2]
-    G = torch.cumsum(log_g, dim=-1)
-    diff = G[..., :, None] - G[..., None, :]
-    incl = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    strict = incl.tril(-1)
-    decay = torch.where(incl, torch.exp(torch.where(incl, diff, torch.zeros_like(diff))), torch.zeros_like(diff))
-    k_r, q_r = rnd(k), rnd(q)
-    kk = k_r @ k_r.transpose(-1, -2)
-    qk = q_r @ k_r.transpose(-1, -2)
-    A = torch.where(strict, beta[..., :, None] * decay * kk, torch.zeros_like(kk))
-    P = rnd(decay * qk)
-    T = invert_unit_lower(A, precision)
+    ks = key_side(q, k, log_g, beta, precision)
+    k_r, q_r, G, P, T = ks.k_r, ks.q_r, ks.G, ks.P, ks.T
 
     S0_r = rnd(S0)
     y_k = k_r @ S0_r.transpose(-1, -2)  # [H, C, V]
@@ -133,10 +151,61 @@ def chunk_step(
     return out, S_next
 
 
+# ------------------------------------------------------------------------------------------------
+# The two-level form (the contract of a future kernel, kernels/gdn_prefill/NOTES.md): everything that
+# does not depend on the incoming state is computed for all chunks at once by a parallel prepass,
+#     U = T diag(beta) V,   W = T diag(beta exp(G)) K      (so that V' = U - W S0^T),
+# stored rounded (fp16) with P; the sequential pass per chunk is then only
+#     V' = U - W S0^T,   O = scale (exp(G) Q S0^T + P V'),   S = exp(G_last) S0 + (V' exp(G_last - G))^T K.
+# Same algebra as `chunk_step` (V' = T Xb with Xb = beta (V - exp(G) K S0^T)); other rounding points.
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrepassOperands:
+    """A chunk's state-independent operands, as the prepass would store them."""
+
+    key: KeySide
+    U: torch.Tensor  # [H, C, V]
+    W: torch.Tensor  # [H, C, K]
+
+
+def prepass(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, beta: torch.Tensor, precision: Precision
+) -> PrepassOperands:
+    rnd = precision.round
+    ks = key_side(q, k, log_g, beta, precision)
+    U = rnd(ks.T @ rnd(beta[..., None] * v))
+    W = rnd(ks.T @ rnd((beta * torch.exp(ks.G))[..., None] * ks.k_r))
+    return PrepassOperands(ks, U, W)
+
+
+def state_pass_step(
+    S0: torch.Tensor, ops: PrepassOperands, scale: float, precision: Precision
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequential pass over one chunk: (O [H, C, V], S_next [H, V, K])."""
+    rnd = precision.round
+    ks = ops.key
+    S0_r = rnd(S0)
+    V_new = ops.U - ops.W @ S0_r.transpose(-1, -2)
+    decay_in = torch.exp(ks.G)[..., None]
+    out = scale * (decay_in * (ks.q_r @ S0_r.transpose(-1, -2)) + ks.P @ rnd(V_new))
+    g_last = ks.G[..., -1:]
+    V_carry = rnd(V_new * torch.exp(g_last - ks.G)[..., None])
+    S_next = torch.exp(g_last)[..., None] * S0 + V_carry.transpose(-1, -2) @ ks.k_r
+    return out, S_next
+
+
+def two_level_step(S0, q, k, v, log_g, beta, scale, precision):
+    """`chunk_step`'s interface, computed as the prepass and the state pass of the two-level form."""
+    return state_pass_step(S0, prepass(q, k, v, log_g, beta, precision), scale, precision)
+
+
 @torch.no_grad()
-def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, precision: Precision = KERNEL):
+def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, precision: Precision = KERNEL, step=chunk_step):
     """The definition's outputs (output [T,8,128] bf16, new_state [N,8,128,128] fp32) by the chunked
-    algorithm, on any device. Sequences of length 0 get a zero state, as in the definition."""
+    algorithm (`step`: `chunk_step`, or `two_level_step`), on any device. Sequences of length 0 get
+    a zero state, as in the definition."""
     dtype = precision.compute
     group = NUM_V_HEADS // NUM_QK_HEADS
     scale = resolve_scale(scale)
@@ -164,7 +233,7 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, precision: Prec
                 x = x.transpose(0, 1)  # [H, L, ...]
                 return F.pad(x, (0, 0, 0, pad)) if x.dim() == 3 else F.pad(x, (0, pad))
 
-            out, S = chunk_step(
+            out, S = step(
                 S,
                 heads_first(q, group),
                 heads_first(k, group),

@@ -595,6 +595,32 @@ def test_kernel_precision_holds_over_a_long_memory_sequence():
     assert result.outputs["new_state"].max_abs_err < 2e-3
 
 
+@pytest.mark.parametrize("case", MODEL_CASES, ids=lambda c: c.name)
+def test_two_level_form_is_the_same_algebra(case):
+    # Prepass (U, W, P for all chunks at once) + state pass: in float64 the chunk step's results.
+    inputs = _case_inputs(case)
+    out, new_state = model.run(*inputs.values(), precision=model.EXACT, step=model.two_level_step)
+    ref_out, ref_state = model.run(*inputs.values(), precision=model.EXACT)
+    assert (new_state - ref_state).abs().max() < 1e-10
+    assert torch.equal(out, ref_out) or (out.float() - ref_out.float()).abs().max() <= 2**-8  # one bf16 ulp at most
+
+
+@pytest.mark.parametrize(
+    "case", [*MODEL_CASES, cases.CheckCase("m_long1024_state", (1024,), True, 0.0, "mamba2")], ids=lambda c: c.name
+)
+def test_two_level_form_with_fp16_operands_passes_with_margin(case):
+    # The prepass stores U and W rounded to fp16: the errors stay an order of magnitude inside the
+    # rule and within a small factor of the chunk step's own rounding.
+    inputs = _case_inputs(case)
+    ref = reference_run(*inputs.values())
+    two_level = cases.compare(*model.run(*inputs.values(), precision=model.KERNEL, step=model.two_level_step), *ref)
+    chunk = cases.compare(*model.run(*inputs.values(), precision=model.KERNEL), *ref)
+    assert two_level.passed, two_level
+    for name in ("output", "new_state"):
+        assert two_level.outputs[name].max_abs_err < 2e-3
+        assert two_level.outputs[name].max_abs_err <= 3 * max(chunk.outputs[name].max_abs_err, 2**-11)
+
+
 def test_model_depends_on_the_initial_state():
     # Guards the test inputs themselves: with long memory, dropping the state must change the answer.
     case = cases.CheckCase("m_state_matters", (65,), True, 0.0, "mamba2")

@@ -115,7 +115,8 @@ class GdnShapeError(ValueError):
 
 
 class _Recurrence:
-    """The kernel: one CTA = one (sequence, v-head, 16-row V-slice); see the module docstring."""
+    """The kernel: one CTA = one (sequence, v-head, V-slice of SPLIT.rows_per_cta rows); see the module
+    docstring."""
 
     SPLIT = V0_SPLIT  # a candidate's subclass may split the rows otherwise
 
@@ -226,7 +227,7 @@ class _Recurrence:
         sg = storage.sg.get_tensor(sgate_layout)
         sbeta = storage.sbeta.get_tensor(sgate_layout)
 
-        # ---- initial state slice: this thread's 16 columns of row v_row ----
+        # ---- initial state slice: this thread's columns of row v_row ----
         s_reg = cute.make_rmem_tensor((split.cols_per_lane,), cutlass.Float32)
         s_reg.fill(0.0)
         if has_state != 0 and length > 0:

@@ -267,10 +267,10 @@ def regenerated_trial_floors(row: WorkloadRow, trials: int) -> list[TrialFloor] 
     floor_inputs = _CPU_FLOOR_INPUTS.get(row.track)
     if floor_inputs is None or row.data_source != "synthesized":
         return None
-    from hopperbench.workloads import synthesized_workloads
+    from hopperbench.workloads import synthesized_workload
 
-    spec = synthesized_workloads(row.track).get(row.uuid)
-    if spec is None or spec.axes != row.axes:
+    spec = synthesized_workload(row.track, row.uuid, row.axes)
+    if spec is None:
         return None
     return [trial_floor(row.track, row.axes, floor_inputs(spec, row.seed, trial)) for trial in range(trials)]
 

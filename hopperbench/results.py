@@ -789,15 +789,17 @@ def write_journal_results(
 
 def _with_absent_inputs(rows: Sequence[WorkloadRow]) -> list[WorkloadRow]:
     """Rows of synthesized data whose records predate `absent_inputs` get it regenerated."""
-    out = []
-    for row in rows:
-        if row.absent_inputs is None and row.data_source == "synthesized":
-            # Imported here: the synthesizer needs torch, reading and writing results does not.
-            from hopperbench.synth import regenerated_absent_inputs
+    if not any(r.absent_inputs is None and r.data_source == "synthesized" for r in rows):
+        return list(rows)
+    # Imported here: the synthesizer needs torch, reading and writing results does not.
+    from hopperbench.synth import regenerated_absent_inputs
 
-            row = row.model_copy(update={"absent_inputs": regenerated_absent_inputs(row.track, row.uuid, row.axes)})
-        out.append(row)
-    return out
+    return [
+        r.model_copy(update={"absent_inputs": regenerated_absent_inputs(r.track, r.uuid, r.axes)})
+        if r.absent_inputs is None and r.data_source == "synthesized"
+        else r
+        for r in rows
+    ]
 
 
 def journal_trials(header: JournalHeader, environment: EnvironmentRecord) -> int | None:

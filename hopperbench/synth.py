@@ -76,7 +76,7 @@ import torch
 from flashinfer_bench.data import Definition
 from safetensors import safe_open
 
-from hopperbench.workloads import WorkloadSpec, synthesized_workloads, track_definition
+from hopperbench.workloads import WorkloadSpec, synthesized_workload, track_definition
 
 InputValue = torch.Tensor | int | float | None
 GateRegime = Literal["mamba2", "fast_decay"]
@@ -291,10 +291,8 @@ def regenerated_absent_inputs(track: str, uuid: str, axes: Mapping[str, int]) ->
     """The absent optional inputs a run on synthesized data gave the workload `uuid` (a pure
     function of the workload), for records written before runs recorded them; None when the
     workload is not in the embedded list with these axes."""
-    spec = synthesized_workloads(track).get(uuid)
-    if spec is None or spec.axes != dict(axes):
-        return None
-    return sorted(absent_optional_inputs(track, spec))
+    spec = synthesized_workload(track, uuid, axes)
+    return None if spec is None else sorted(absent_optional_inputs(track, spec))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import csv
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 from typing import Literal
@@ -113,6 +114,13 @@ def synthesized_workloads(track: str) -> dict[str, WorkloadSpec]:
     workloads = _read_embedded(track_info, definition)
     _validate(definition, workloads)
     return {w.uuid: w for w in workloads}
+
+
+def synthesized_workload(track: str, uuid: str, axes: Mapping[str, int]) -> WorkloadSpec | None:
+    """The embedded workload `uuid` of `track` if it has these axes (what a record of a run on
+    synthesized data names), else None."""
+    spec = synthesized_workloads(track).get(uuid)
+    return spec if spec is not None and spec.axes == dict(axes) else None
 
 
 def select_workloads(

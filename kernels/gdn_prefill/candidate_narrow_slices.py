@@ -18,10 +18,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import chunked, kernel, token_serial
+from . import chunked, token_serial
 from .token_serial import GdnShapeError, resolve_scale
 
-__all__ = ["GdnShapeError", "compile_only", "resolve_scale", "run"]
+__all__ = ["GdnShapeError", "TOKEN_SERIAL_MAX_TOKENS", "compile_only", "resolve_scale", "run"]
+
+# kernel.py switches to the chunked kernel above 40 tokens. The candidate keeps its token-serial path
+# up to 64, so that the A/B rows of 41-64 tokens say where the threshold goes if it is promoted
+# (at ~0.12 us per token it would tie the chunked kernel's ~8.5 us near 48 tokens).
+TOKEN_SERIAL_MAX_TOKENS = 64
 
 
 class _NarrowSlices(token_serial._Recurrence):
@@ -35,7 +40,7 @@ def compile_only(arch: str = token_serial.GPU_ARCH) -> tuple[Callable, Callable]
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
     """`kernel.run`'s contract and dispatch, with this candidate's token-serial kernel."""
-    if q.shape[0] <= kernel.TOKEN_SERIAL_MAX_TOKENS:
+    if q.shape[0] <= TOKEN_SERIAL_MAX_TOKENS:
         token_serial.run_kernel(_NarrowSlices, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
     else:
         chunked.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)

@@ -624,20 +624,8 @@ class _Chunked:
     ):
         """Issue the cp.async copies of one chunk but its q rows (k rows of the head's q/k head, the
         32 values of this slice, the 8-head rows of a and b); tokens past the end are skipped."""
-        qk_head = head // V_HEADS_PER_QK_HEAD
         first = chunk * CHUNK
-        rounds = CHUNK * PIECES_PER_ROW // NUM_THREADS  # 8 rounds
-        for i in cutlass.range_constexpr(rounds):
-            linear = i * NUM_THREADS + tidx
-            j = linear // PIECES_PER_ROW
-            piece = linear % PIECES_PER_ROW
-            if first + j < length:
-                token = start + first + j
-                cute.copy(
-                    g2s,
-                    cute.local_tile(k[token, qk_head, None], (COPY_ELEMS,), (piece,)),
-                    cute.local_tile(raw_k[j, None], (COPY_ELEMS,), (piece,)),
-                )
+        self.copy_head_rows(g2s, k, raw_k, 0, start, length, chunk, head, tidx)
         v_pieces = SLICE_ROWS // COPY_ELEMS  # 4 per token
         for i in cutlass.range_constexpr(CHUNK * v_pieces // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
@@ -670,6 +658,23 @@ class _Chunked:
     ):
         """Issue the cp.async copies of one chunk's q rows (bf16) into the q half of kq; tokens past
         the end are skipped."""
+        self.copy_head_rows(g2s, q, kq_raw, CHUNK, start, length, chunk, head, tidx)
+
+    @cute.jit
+    def copy_head_rows(
+        self,
+        g2s: cute.CopyAtom,
+        src: cute.Tensor,
+        dst: cute.Tensor,
+        dst_row0: cutlass.Constexpr,
+        start: cutlass.Int32,
+        length: cutlass.Int32,
+        chunk: cutlass.Int32,
+        head: cutlass.Int32,
+        tidx: cutlass.Int32,
+    ):
+        """cp.async of one chunk's rows of q or k (the head's q/k head) into rows dst_row0.. of `dst`,
+        in 16-B pieces over all threads (8 rounds); tokens past the end are skipped."""
         qk_head = head // V_HEADS_PER_QK_HEAD
         first = chunk * CHUNK
         for i in cutlass.range_constexpr(CHUNK * PIECES_PER_ROW // NUM_THREADS):
@@ -679,8 +684,8 @@ class _Chunked:
             if first + j < length:
                 cute.copy(
                     g2s,
-                    cute.local_tile(q[start + first + j, qk_head, None], (COPY_ELEMS,), (piece,)),
-                    cute.local_tile(kq_raw[CHUNK + j, None], (COPY_ELEMS,), (piece,)),
+                    cute.local_tile(src[start + first + j, qk_head, None], (COPY_ELEMS,), (piece,)),
+                    cute.local_tile(dst[dst_row0 + j, None], (COPY_ELEMS,), (piece,)),
                 )
 
     @cute.jit

@@ -29,15 +29,10 @@ from hopperbench.sides import SideContext
 from hopperbench.tracks import TRACKS, CandidateSide, UnknownTrackError, get_track
 from hopperbench.worker import WorkerJob
 from hopperbench.worker_pool import ForkServerLauncher, JobFiles, WarmCall
+from tests.test_sides import DEFINITION as TINY_SIDES_DEFINITION
 
-TINY_DEFINITION = dict(
-    name="tiny_add",
-    op_type="tiny",
-    axes={"n": {"type": "var"}},
-    inputs={"x": {"shape": ["n"], "dtype": "float32"}, "y": {"shape": ["n"], "dtype": "float32"}},
-    outputs={"out": {"shape": ["n"], "dtype": "float32"}},
-    reference="import torch\n\ndef run(x, y):\n    return x + 2 * y\n",
-)
+# test_sides.py's tiny definition, as the plain data a generated warm-up module can embed.
+TINY_DEFINITION = TINY_SIDES_DEFINITION.model_dump(mode="json")
 
 # A kernel folder whose module logs (to $PREBUILD_EVENTS, with its pid) when it is imported and
 # when it compiles. Its text names the test's folder, so no other test shares its solution hash.

@@ -690,10 +690,9 @@ def test_an_unexpected_error_keeps_the_partial_results_and_raises(fake: RunnerHo
     assert results.rows == [] and results.completeness is not None and results.completeness.partial
 
 
-def test_candidates_run_only_when_named_and_never_count_as_a_reference(
-    fake: RunnerHooks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    name = "cand_next"  # --sides accepts the names the registry holds
+def with_moe_candidate(fake: RunnerHooks, monkeypatch: pytest.MonkeyPatch, name: str) -> RunnerHooks:
+    """`fake` with a candidate `name` registered for MoE (--sides accepts the names the registry
+    holds) and built beside the fake sides."""
     candidate_side = CandidateSide(name=name, entry="next.py::run", description="a candidate")
     monkeypatch.setitem(TRACKS, "moe", replace(TRACKS["moe"], candidates=(candidate_side,)))
 
@@ -701,7 +700,14 @@ def test_candidates_run_only_when_named_and_never_count_as_a_reference(
         candidate = Side(name=name, kind=SideKind.CANDIDATE, track=track.name, available=True)
         return [*fake_sides(track, ctx), candidate]
 
-    hooks = replace(fake, sides_for=sides_with_candidate)
+    return replace(fake, sides_for=sides_with_candidate)
+
+
+def test_candidates_run_only_when_named_and_never_count_as_a_reference(
+    fake: RunnerHooks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = "cand_next"
+    hooks = with_moe_candidate(fake, monkeypatch, name)
     default = tmp_path / "default" / "results.json"
     assert main(run_args(default), hooks) == 0
     assert name not in read_results(default).rows[0].sides
@@ -730,14 +736,7 @@ def test_fork_server_prebuilds_ours_and_named_candidates_once_per_server(
     fake: RunnerHooks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     name = "cand_next"
-    candidate_side = CandidateSide(name=name, entry="next.py::run", description="a candidate")
-    monkeypatch.setitem(TRACKS, "moe", replace(TRACKS["moe"], candidates=(candidate_side,)))
-
-    def sides_with_candidates(track, ctx) -> list[Side]:
-        candidate = Side(name=name, kind=SideKind.CANDIDATE, track=track.name, available=True)
-        return [*fake_sides(track, ctx), candidate]
-
-    hooks = replace(fake, sides_for=sides_with_candidates)
+    hooks = with_moe_candidate(fake, monkeypatch, name)
     assert main(run_args(tmp_path / "default.json"), hooks) == 0
     # A default run: only ours (not the unnamed candidate, nor human or reference), in a probe
     # child and then in the server that forked every job.

@@ -121,3 +121,41 @@ def test_untracked_helper_files_in_the_copy_are_named_and_the_commit_still_verif
     (repo / "kernel.py").write_text("A = 3\n")
     edited = EnvironmentRecord.model_validate(_repo_state(repo))
     assert verify.verdict_for(edited, repo)[0] is verify.Verdict.MISMATCH
+
+
+def test_files_the_copy_left_out_are_counted_and_the_commit_still_verified(
+    repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU-host case of sessions 6 and 7: results/ was left out of the copy to fit the transfer
+    limit. Verified when the commit's tree less the deleted files is what ran; a mismatch when a
+    kept file differs too."""
+    (repo / "results").mkdir()
+    (repo / "results" / "run.csv").write_text("a,b\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "results")
+    monkeypatch.setenv("HOPPERBENCH_SOURCE_COMMIT", git(repo, "rev-parse", "HEAD"))
+    (repo / "results" / "run.csv").unlink()
+    record = EnvironmentRecord.model_validate(_repo_state(repo))
+    assert record.repo_changes == [" D results/run.csv"]
+    verdict, detail = verify.verdict_for(record, repo)
+    assert verdict is verify.Verdict.VERIFIED_LESS_DELETED and "results/ (1 listed)" in detail
+    (repo / "kernel.py").write_text("A = 2\n")
+    edited = EnvironmentRecord.model_validate(_repo_state(repo))
+    assert verify.verdict_for(edited, repo)[0] is verify.Verdict.MISMATCH
+
+
+def test_a_cut_short_deletion_list_is_verified_by_removing_its_whole_folder(repo: Path) -> None:
+    """The copy's status is cut at REPO_CHANGES_LIMIT lines, so it may name only some of the files
+    left out; the commit's tree less their folder must still be exactly what ran."""
+    (repo / "results").mkdir()
+    for name in ("a.csv", "b.csv"):
+        (repo / "results" / name).write_text(name)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "results")
+    head = git(repo, "rev-parse", "HEAD")
+    without_results = verify.tree_without(repo, head, ["results"])
+    record = EnvironmentRecord(repo_commit=head, repo_tree=without_results, repo_changes=[" D results/a.csv"])
+    verdict, detail = verify.verdict_for(record, repo)
+    assert verdict is verify.Verdict.VERIFIED_LESS_DELETED and "all of results/ (1 files listed)" in detail
+    only_a = record.model_copy(update={"repo_tree": verify.tree_without(repo, head, ["results/a.csv", "kernel.py"])})
+    assert verify.verdict_for(only_a, repo)[0] is verify.Verdict.MISMATCH

@@ -10,7 +10,11 @@ verified when `<commit>^{tree}` equals `repo_tree`.
 A copy can also hold files that no commit tracks (a helper script carried to the GPU host that
 the copy's git does not ignore): the tree id then differs. If the files the copy listed as
 untracked (`repo_changes`, "??") exist here, and the commit's tree plus them is exactly
-`repo_tree`, the code that ran is the commit's and the extra files are named. One line per file;
+`repo_tree`, the code that ran is the commit's and the extra files are named. Likewise a copy can
+leave tracked files out (`results/`, when the tree and the CuTe-DSL libraries would exceed the
+GPU host's transfer limit): if the commit's tree less the files the copy listed as deleted
+(" D") is exactly `repo_tree` (or less their whole top-level folders, since that list is cut
+short), the code that ran is the commit's less those files, which are named by folder. One line per file;
 exit 1 if any file's tree differs from its commit's (plus such untracked files) or names a commit
 this checkout lacks, 0 otherwise (a file recorded before trees were recorded is reported as
 unverifiable, not as a failure).
@@ -32,6 +36,7 @@ from hopperbench.paths import REPO_ROOT
 class Verdict(str, Enum):
     VERIFIED = "verified"
     VERIFIED_PLUS_UNTRACKED = "verified plus untracked files"
+    VERIFIED_LESS_DELETED = "verified less deleted files"
     MISMATCH = "MISMATCH"
     UNKNOWN_COMMIT = "UNKNOWN COMMIT"
     UNVERIFIABLE = "unverifiable"
@@ -54,6 +59,25 @@ def tree_with_files(repo: Path, commit: str, paths: list[str]) -> str | None:
         return git("write-tree")
 
 
+def tree_without(repo: Path, commit: str, paths: list[str]) -> str:
+    """The tree id of `commit`'s tree with `paths` (files or whole folders) removed."""
+    with temporary_index(repo) as git:
+        git("read-tree", commit)
+        git("rm", "-r", "-q", "-f", "--cached", "--ignore-unmatch", "--", *paths)
+        return git("write-tree")
+
+
+def left_out_of_copy(repo: Path, commit: str, deleted: list[str], tree: str) -> list[str] | None:
+    """What the copy left out of `commit`'s files, if that explains `tree` exactly: the files it
+    listed as deleted or, since the list is cut at REPO_CHANGES_LIMIT lines, their whole top-level
+    folders. The tree id's equality is the proof; the list only proposes what to remove."""
+    folders = sorted({path.split("/", 1)[0] for path in deleted if "/" in path})
+    for removed in (deleted, folders):
+        if removed and tree_without(repo, commit, removed) == tree:
+            return removed
+    return None
+
+
 def tracked_by(repo: Path, commit: str, path: str) -> bool:
     done = subprocess.run(["git", "-C", str(repo), "cat-file", "-e", f"{commit}:{path}"], capture_output=True, check=False)
     return done.returncode == 0
@@ -62,6 +86,19 @@ def tracked_by(repo: Path, commit: str, path: str) -> bool:
 def untracked_in(changes: list[str] | None) -> list[str]:
     """The paths `git status --porcelain` listed as untracked ("?? path")."""
     return [line[3:] for line in changes or [] if line.startswith("?? ")]
+
+
+def deleted_in(changes: list[str] | None) -> list[str]:
+    """The paths `git status --porcelain` listed as deleted from the work tree (" D path")."""
+    return [line[3:] for line in changes or [] if line.startswith(" D ")]
+
+
+def count_by_folder(paths: list[str]) -> str:
+    folders: dict[str, int] = {}
+    for path in paths:
+        folder = path.split("/", 1)[0] + "/" if "/" in path else path
+        folders[folder] = folders.get(folder, 0) + 1
+    return ", ".join(f"{folder} ({count} listed)" for folder, count in sorted(folders.items()))
 
 
 def verdict_for(environment: EnvironmentRecord, repo: Path) -> tuple[Verdict, str]:
@@ -77,6 +114,14 @@ def verdict_for(environment: EnvironmentRecord, repo: Path) -> tuple[Verdict, st
         return Verdict.VERIFIED_PLUS_UNTRACKED, (
             f"files of commit {commit[:12]} ({environment.repo_commit_source}), plus {len(extras)} untracked "
             f"file(s) no commit holds: {', '.join(extras)}"
+        )
+    deleted = deleted_in(environment.repo_changes)
+    left_out = left_out_of_copy(repo, commit, deleted, tree) if expected != tree else None
+    if left_out is not None:
+        what = count_by_folder(deleted) if left_out == deleted else (
+            ", ".join(f"all of {folder}/" for folder in left_out) + f" ({len(deleted)} files listed)")
+        return Verdict.VERIFIED_LESS_DELETED, (
+            f"files of commit {commit[:12]} ({environment.repo_commit_source}), less what the copy left out: {what}"
         )
     if expected != tree:
         changes = environment.repo_changes

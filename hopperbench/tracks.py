@@ -206,19 +206,9 @@ MOE = Track(
     ),
     candidates=(
         CandidateSide(
-            name="cand_deep_stream",
-            entry="candidate_deep_stream.py::run",
-            description="kernel.py with two GEMM2 CTAs per SM up to 192 tokens (8-token tiles up to 64) (v1.1)",
-        ),
-        CandidateSide(
-            name="cand_deeper_stream",
-            entry="candidate_deeper_stream.py::run",
-            description="v1.1 with GEMM1 also on 8-token tiles of 5 stages up to 64 tokens (v1.3)",
-        ),
-        CandidateSide(
             name="cand_one_cta_routing",
             entry="candidate_one_cta_routing.py::run",
-            description="kernel.py with the counter zeroing and the routing in one launch up to 32 tokens (v1.2)",
+            description="kernel.py (v1.1) with the counter zeroing and the routing in one launch up to 32 tokens (v1.2)",
         ),
     ),
 )

@@ -1,18 +1,22 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v1 (promoted from candidate after the runner run of 2026-11-29, NOTES.md): the routing and combine
+v1.1 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+1.15x over v1 on all 19 workloads in the run of 2026-11-30, NOTES.md): the routing and combine
 kernels of the grouped pipeline around weight-streaming expert GEMMs (streaming_gemm.py).
 Destination passing, definition order, no host sync, no data-dependent host logic, graph-safe. The
 path is chosen from T alone (a shape):
 
 - T <= STREAMING_MAX_TOKENS: the five kernels of `host.py` in one TVM-FFI call, the two GEMMs persistent
   weight-streaming GEMMs. Row tiles of 16 tokens up to SMALL_T_MAX_TOKENS, 32 above (so that at
-  T ~ 900, ~28 tokens per expert, most experts' weights are streamed once).
+  T ~ 900, ~28 tokens per expert, most experts' weights are streamed once). With few tokens per
+  expert a weight stream is bound by the bytes in flight over the latency, so up to SMALL_T_MAX_TOKENS
+  GEMM2 (whose bf16 activation stages are twice GEMM1's) gets tiles and stages that still fit two
+  CTAs per SM: 8-token tiles with 4 stages up to FEW_TOKENS_MAX, 16-token tiles with 3 stages above.
 - Larger T: the grouped-GEMM pipeline (`grouped_pipeline.run`, v0), whose 64 x 128 tiles do more
   MMA work per weight byte.
 
 Each configuration is compiled once (dynamic T) on first use and cached; `compile_only()` compiles
-all three.
+all four.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .host import Workspaces
 from .streaming_gemm import StreamingGemm, StreamingGemmConfig
 
 __all__ = [
+    "FEW_TOKENS_MAX",
     "GPU_ARCH",
     "MAX_TOKENS",
     "MoeShapeError",
@@ -45,7 +50,10 @@ __all__ = [
 ]
 
 # Row tiles of 16 tokens while an expert expects few tokens (T / 32 per expert under uniform
-# routing: <= 6 at T = 192), 32 tokens above. Beyond STREAMING_MAX_TOKENS v0 takes over.
+# routing: <= 6 at T = 192), 32 tokens above. Beyond STREAMING_MAX_TOKENS v0 takes over. Up to
+# FEW_TOKENS_MAX an active local expert gets ~1-8 tokens under the contest's routing, so GEMM2's
+# 8-token tiles rarely stream an expert's weights twice.
+FEW_TOKENS_MAX = 64
 SMALL_T_MAX_TOKENS = 192
 STREAMING_MAX_TOKENS = 2048
 NUM_STAGES = 4
@@ -75,15 +83,20 @@ class StreamingVariant:
         )
 
 
-SMALL_T = StreamingVariant(block_tokens=16)
+# GEMM2's shared memory per CTA: 103 KB (8 x 4) and 108 KB (16 x 3), two CTAs per SM each, i.e. 8
+# and 6 weight stages in flight per SM where 16-token tiles with 4 stages (141 KB) allow one CTA, 4.
+FEW_TOKENS = StreamingVariant(block_tokens=16, gemm2_block_tokens=8, gemm2_num_stages=4)
+SMALL_T = StreamingVariant(block_tokens=16, gemm2_block_tokens=16, gemm2_num_stages=3)
 MEDIUM_T = StreamingVariant(block_tokens=32)
-VARIANTS = (SMALL_T, MEDIUM_T)
+VARIANTS = (FEW_TOKENS, SMALL_T, MEDIUM_T)
 
 
 def variant_for(num_tokens: int) -> StreamingVariant | None:
     """The streaming variant for a batch of `num_tokens` tokens, or None for the grouped pipeline (v0)."""
     if num_tokens < 1:
         raise MoeShapeError(f"seq_len must be >= 1, got {num_tokens}")
+    if num_tokens <= FEW_TOKENS_MAX:
+        return FEW_TOKENS
     if num_tokens <= SMALL_T_MAX_TOKENS:
         return SMALL_T
     if num_tokens <= STREAMING_MAX_TOKENS:
@@ -111,7 +124,7 @@ def compiled_for(variant: StreamingVariant, arch: str = GPU_ARCH) -> Callable:
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
-    """Compile both streaming variants and the grouped pipeline for `arch` without touching a GPU
+    """Compile the streaming variants and the grouped pipeline for `arch` without touching a GPU
     (for CI and warm-up: no call compiles lazily afterwards)."""
     return (*(compiled_for(variant, arch) for variant in VARIANTS), grouped_pipeline.compiled_for(arch))
 

@@ -21,8 +21,6 @@ import torch
 from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, reference, solution_module
 
 streaming = solution_module("streaming_gemm")
-candidate = solution_module("candidate_deep_stream")
-deeper = solution_module("candidate_deeper_stream")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -51,7 +49,7 @@ def test_variant_for_rejects_an_empty_batch():
 
 @pytest.mark.parametrize(
     "variant",
-    [*kernel.VARIANTS, *candidate.VARIANTS, deeper.FEW_TOKENS],
+    kernel.VARIANTS,
     ids=lambda v: f"bt{v.block_tokens}x{v.num_stages}_{v.gemm2_block_tokens or v.block_tokens}x{v.gemm2_num_stages or v.num_stages}",
 )
 def test_every_configuration_fits_shared_memory_and_fills_every_sm(variant):
@@ -65,34 +63,25 @@ def test_every_configuration_fits_shared_memory_and_fills_every_sm(variant):
 
 
 @pytest.mark.parametrize(("num_tokens", "gemm2_tiles"), [(1, (8, 4)), (64, (8, 4)), (65, (16, 3)), (192, (16, 3))])
-def test_deep_stream_candidate_keeps_two_gemm2_ctas_per_sm_up_to_192_tokens(num_tokens, gemm2_tiles):
-    variant = candidate.variant_for(num_tokens)
+def test_gemm2_keeps_two_ctas_per_sm_up_to_192_tokens(num_tokens, gemm2_tiles):
+    """v1.1: with few tokens per expert GEMM2's weight stream is bound by the stages in flight, so its
+    bf16 activation stages are cut until two CTAs fit an SM: 8 (or 6) weight stages in flight per SM
+    where 16-token tiles with 4 stages allow one CTA, 4."""
+    variant = kernel.variant_for(num_tokens)
     gemm2 = variant.gemm2()
     assert (gemm2.block_tokens, gemm2.num_stages) == gemm2_tiles and gemm2.ctas_per_sm() == 2
-    assert variant.gemm1().block_tokens == kernel.variant_for(num_tokens).gemm1().block_tokens
-    # 8 (or 6) weight stages in flight per SM, against kernel.py's 4 for GEMM2
-    assert gemm2.num_stages * gemm2.ctas_per_sm() > kernel.variant_for(num_tokens).gemm2().num_stages
-    for large in (193, 2048, 2049):
-        assert candidate.variant_for(large) is kernel.variant_for(large)
-
-
-@pytest.mark.parametrize("num_tokens", [1, 64, 65, 192, 193])
-def test_deeper_stream_candidate_deepens_only_gemm1_of_the_few_token_variant(num_tokens):
-    chosen, base = deeper.variant_for(num_tokens), candidate.variant_for(num_tokens)
-    if num_tokens > 64:
-        assert chosen is base
-        return
-    gemm1 = chosen.gemm1()
-    assert (gemm1.block_tokens, gemm1.num_stages, gemm1.ctas_per_sm()) == (8, 5, 2)
-    # 10 GEMM1 weight stages in flight per SM, against v1.1's (and kernel.py's) 8
-    assert gemm1.num_stages * gemm1.ctas_per_sm() > base.gemm1().num_stages * base.gemm1().ctas_per_sm()
-    assert (chosen.gemm2().block_tokens, chosen.gemm2().num_stages) == (base.gemm2().block_tokens, base.gemm2().num_stages)
+    assert gemm2.num_stages * gemm2.ctas_per_sm() > 4
+    assert (variant.gemm1().block_tokens, variant.gemm1().num_stages) == (16, 4)
+    one_cta_per_sm = streaming.StreamingGemmConfig(gemm1=False, block_tokens=16, num_stages=4)
+    assert one_cta_per_sm.ctas_per_sm() == 1
+    for larger in (193, 2048):
+        assert kernel.variant_for(larger).gemm2().block_tokens == 32
 
 
 def test_one_item_per_sm_at_one_active_expert():
     # T = 1, one active expert: GEMM1 has 128 items of 32 weight rows and GEMM2 224, i.e. every
     # SM of an H200 (132) streams weights in GEMM1 and GEMM2 needs under two rounds.
-    config1, config2 = kernel.SMALL_T.gemm1(), kernel.SMALL_T.gemm2()
+    config1, config2 = kernel.FEW_TOKENS.gemm1(), kernel.FEW_TOKENS.gemm2()
     assert config1.items_per_row_tile * streaming.ITEM_ROWS == 4096
     assert config2.items_per_row_tile * streaming.ITEM_ROWS == 7168
     assert 120 <= config1.items_per_row_tile <= 132
@@ -337,12 +326,9 @@ def _schedule_counts(num_tokens: int) -> list[list[int]]:
     return shapes
 
 
-@pytest.mark.parametrize(
-    "choose", [kernel.variant_for, candidate.variant_for, deeper.variant_for], ids=["kernel", "deep_stream", "deeper"]
-)
-@pytest.mark.parametrize("num_tokens", [1, 7, 33, 192, 901])
-def test_persistent_schedule_covers_every_row_and_column_tile_once(num_tokens, choose):
-    variant = choose(num_tokens)
+@pytest.mark.parametrize("num_tokens", [1, 7, 33, 64, 65, 192, 901])
+def test_persistent_schedule_covers_every_row_and_column_tile_once(num_tokens):
+    variant = kernel.variant_for(num_tokens)
     for config in (variant.gemm1(), variant.gemm2()):
         bt = config.block_tokens
         for counts in _schedule_counts(num_tokens):

@@ -166,18 +166,6 @@ GDN_PREFILL = Track(
             package="fla-core==0.6.0",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_longest_first",
-            entry="candidate_longest_first.py::run",
-            description="kernel.py with the chunked kernel's grid rows serving the longest sequences first (v1.7)",
-        ),
-        CandidateSide(
-            name="cand_narrow_slices",
-            entry="candidate_narrow_slices.py::run",
-            description="kernel.py with its token-serial path on 8-row slices, 16 lanes per row (v1.8)",
-        ),
-    ),
 )
 
 MOE = Track(

@@ -76,7 +76,7 @@ def random_composition(total: int, parts: int, seed: int) -> tuple[int, ...]:
 
 
 MANY_SHORT = random_composition(1000, 57, seed=57)
-# More sequences than a CTA ranks by length (candidate_longest_first.MAX_RANKED_SEQS = 128).
+# More sequences than a CTA ranks by length (chunked.MAX_RANKED_SEQS = 128).
 MANY_130 = random_composition(700, 130, seed=130)
 
 CASES: tuple[CheckCase, ...] = (

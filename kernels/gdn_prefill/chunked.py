@@ -1,11 +1,13 @@
-"""GDN prefill for SM90 in CuTe-DSL, chunked on tensor cores (v1.4): the path `kernel.py` takes above
-TOKEN_SERIAL_MAX_TOKENS tokens.
+"""GDN prefill for SM90 in CuTe-DSL, chunked on tensor cores (v1.4, grid rows longest first since
+v1.7): the path `kernel.py` takes above TOKEN_SERIAL_MAX_TOKENS tokens.
 
 The math is `chunked_model.py` (chunks of C = 64 tokens; A, P, T = (I + A)^-1, Xb, V', O, S as
 written there), with the same rounding points: every tensor-core operand is fp16 (`mma.sync`
 m16n8k16, fp32 accumulation), the state, the gates and every element-wise step are fp32.
 
-Work split. One CTA = one (sequence, v-head, 32-row V-slice): grid (8 heads x 4 slices, N). The V
+Work split. One CTA = one (sequence, v-head, 32-row V-slice): grid (8 heads x 4 slices, N), row y
+serving the sequence of rank y in decreasing length when 9 to 128 sequences make more than one wave
+(`sequence_of_block`: 1.23x on the 18 workloads of >= 9 sequences in the A/B of 2026-11-30). The V
 rows of a state evolve independently, so slicing V is exact; the K-side work of a chunk (the
 Gram products K K^T and Q K^T and the inverse T) is recomputed by each of the 4 slice CTAs. 128
 threads = 4 warps; every product is split into per-warp tiles and computed by one warp with a
@@ -48,6 +50,7 @@ stream; `run` validates shapes (host metadata only) and launches it. No host syn
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Callable
 
 import cutlass
@@ -66,7 +69,17 @@ from .token_serial import (
     resolve_scale,
 )
 
-__all__ = ["GdnShapeError", "compile_only", "compiled_for", "resolve_scale", "run", "run_kernel"]
+__all__ = [
+    "GdnShapeError",
+    "MAX_RANKED_SEQS",
+    "MIN_RANKED_SEQS",
+    "compile_only",
+    "compiled_for",
+    "longest_first_order",
+    "resolve_scale",
+    "run",
+    "run_kernel",
+]
 
 CHUNK = 64  # tokens per chunk
 BLOCK = 16  # MMA tile edge; diagonal blocks of T
@@ -111,6 +124,27 @@ assert NUM_WARPS * BLOCK == CHUNK  # one 16-row block of every [64, x] product p
 # The aliases: V'^T and V'c^T fill A's storage exactly; the scratch fits in the state copy's.
 assert 2 * SLICE_ROWS * NARROW_STRIDE == CHUNK * NARROW_STRIDE
 assert NUM_WARPS * BLOCK * SCRATCH_STRIDE <= SLICE_ROWS * WIDE_STRIDE
+
+
+# Longest first (v1.7): the hardware starts CTAs in the order of their block index, and a CTA's time
+# is its sequence's chunk count times the chunk step. When the grid takes more than one wave, a long
+# sequence late in the list would run its chain of chunks alone at the end; serving the sequences in
+# order of decreasing length (the LPT rule) leaves only short CTAs for the tail. Each CTA ranks the
+# lengths itself, one thread per sequence (O(N) per thread, hence the upper bound); below the lower
+# bound every CTA starts in the first wave and the order would only decide which CTAs share an SM.
+MAX_RANKED_SEQS = NUM_THREADS  # one sequence per thread
+# More CTAs than two per SM of a 132-SM H200 (32 per sequence): the grid takes more than one wave.
+MIN_RANKED_SEQS = 2 * 132 // (NUM_V_HEADS * NUM_SLICES) + 1  # 9
+# The ranking's scratch: the lengths, then the selected sequence, in the fp32 diagonal blocks of A.
+assert MAX_RANKED_SEQS + 1 <= CHUNK * BLOCK
+
+
+def longest_first_order(lengths: Sequence[int]) -> list[int]:
+    """The sequence each grid row serves, by the kernel's ranking rule (ties by index, so the rows
+    are a permutation whatever `cu_seqlens` holds); for tests and models."""
+    if not MIN_RANKED_SEQS <= len(lengths) <= MAX_RANKED_SEQS:
+        return list(range(len(lengths)))
+    return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
 
 
 def _make_warp_mma() -> cute.TiledMma:
@@ -272,9 +306,34 @@ class _Chunked:
         tidx: cutlass.Int32,
         scratch: cute.Tensor,
     ) -> cutlass.Int32:
-        """The sequence this CTA's grid row serves: row y serves sequence y (a candidate may order
-        them otherwise; `scratch` is shared memory free until the first chunk's P1)."""
-        return block_y
+        """The sequence this CTA's grid row serves: the one of rank `block_y` in decreasing length
+        (`longest_first_order`) for MIN_RANKED_SEQS to MAX_RANKED_SEQS sequences, sequence `block_y`
+        otherwise. `scratch` is shared memory free until the first chunk's P1: the lengths, then the
+        selected sequence."""
+        seq = block_y
+        if num_seqs >= MIN_RANKED_SEQS and num_seqs <= MAX_RANKED_SEQS:
+            slots = cute.make_tensor(
+                cute.recast_ptr(scratch.iterator, dtype=cutlass.Int32), cute.make_layout(MAX_RANKED_SEQS + 1)
+            )
+            selected = MAX_RANKED_SEQS  # the slot after the lengths
+            my_length = cutlass.Int32(0)
+            if tidx < num_seqs:
+                my_length = cutlass.Int32(cu_seqlens[tidx + 1]) - cutlass.Int32(cu_seqlens[tidx])
+                slots[tidx] = my_length
+            if tidx == 0:
+                slots[selected] = block_y  # stays the identity if no rank matched (cannot happen)
+            cute.arch.sync_threads()
+            if tidx < num_seqs:
+                rank = cutlass.Int32(0)
+                for j in cutlass.range(num_seqs, unroll=4):
+                    other = slots[j]
+                    if other > my_length or (other == my_length and j < tidx):
+                        rank += 1
+                if rank == block_y:
+                    slots[selected] = tidx
+            cute.arch.sync_threads()
+            seq = slots[selected]
+        return seq
 
     @cute.jit
     def launch(

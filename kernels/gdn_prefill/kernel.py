@@ -1,11 +1,14 @@
 """GDN prefill for SM90 in CuTe-DSL: `gdn_prefill_qk4_v8_d128_k_last`.
 
-v1.4: two kernels of this folder, chosen from the total token count T (a shape, known on the host;
-no device reads, no host synchronisation):
+v1.9 (v1.4 with candidates v1.7 and v1.8 promoted after the A/B of 2026-11-30, NOTES.md): two kernels
+of this folder, chosen from the total token count T (a shape, known on the host; no device reads, no
+host synchronisation):
 
-- T <= TOKEN_SERIAL_MAX_TOKENS: `token_serial.py` (v0), one CTA per (sequence, head, 16-row V slice)
-  stepping token by token;
-- larger T: `chunked.py` (v1.4), 64-token chunks in the WY form on tensor cores, two CTAs per SM.
+- T <= TOKEN_SERIAL_MAX_TOKENS: `token_serial.py`, one CTA per (sequence, head, 8-row V slice)
+  stepping token by token (v1.8's rows over 16 lanes: 1.12x over v1.4 at <= 40 tokens);
+- larger T: `chunked.py`, 64-token chunks in the WY form on tensor cores, two CTAs per SM, the grid
+  rows serving the sequences longest first (v1.7: 1.23x over v1.4 on the 18 workloads of >= 9
+  sequences, 1.00x on the others).
 
 Why the split (measured with v1, whose chunk step took ~8 us; v1.4's takes ~5.5 us at 2107 tokens in
 one sequence): in the runner run of 2026-11-29 (100 workloads, kernels/gdn_prefill/NOTES.md) the
@@ -13,7 +16,9 @@ token-serial kernel took about 3 us + 0.19 us per token of the longest sequence,
 about 9 us for its first chunk and 8 us per further chunk; the token-serial kernel was faster on
 every workload of up to 42 tokens, the chunked one on all above 42 but ten of 67-132 tokens whose
 longest sequence needs a second chunk (by 4-16 %; T alone cannot tell them apart). Any threshold
-from 36 to 46 gives the same geomean; with T <= 40 no sequence can be longer than 40 tokens.
+from 36 to 46 gives the same geomean; with T <= 40 no sequence can be longer than 40 tokens. v1.8's
+token-serial kernel moves no threshold: in the A/B it lost to the chunked one at every T of 41-64
+(0.76-0.91x).
 
 Same contract as both: destination passing, definition order, `state` None means zeros, `scale`
 None or 0 means 1/sqrt(128), CUDA-graph safe.

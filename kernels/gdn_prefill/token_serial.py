@@ -1,24 +1,28 @@
-"""GDN prefill for SM90 in CuTe-DSL, token-serial recurrence (v0): the path `kernel.py` takes for short
-batches (up to TOKEN_SERIAL_MAX_TOKENS tokens), where one launch that steps token by token beats a
-64-token chunk step. It was the whole of `kernel.py` until the chunked kernel was promoted.
+"""GDN prefill for SM90 in CuTe-DSL, token-serial recurrence (v0; rows split over 16 lanes since v1.8):
+the path `kernel.py` takes for short batches (up to TOKEN_SERIAL_MAX_TOKENS tokens), where one launch
+that steps token by token beats a 64-token chunk step. It was the whole of `kernel.py` until the
+chunked kernel was promoted.
 
 The value rows of a head's state evolve independently (state S is [V, K], k-last), so one CTA owns a
-[16, 128] slice of one (sequence, v-head) state and steps through the sequence token by token:
+[8, 128] slice of one (sequence, v-head) state and steps through the sequence token by token:
 
-- Grid (8 v-heads x 8 slices, N sequences): x = head * 8 + slice, y = sequence. N comes from the
+- Grid (8 v-heads x 16 slices, N sequences): x = head * 16 + slice, y = sequence. N comes from the
   shape of `new_state`; each CTA reads its own bounds from `cu_seqlens` on the device.
-- 128 threads. Eight consecutive lanes share one state row (V index); lane p of the eight holds the
-  K columns [8p, 8p + 8) and [64 + 8p, 64 + 8p + 8) (16 fp32 registers), so a 16-B shared-memory
-  load of k or q by 8 lanes covers 128 contiguous bytes (no bank conflicts). Reductions over K are
-  three butterfly shuffles inside the 8-lane group; no block-wide reduction per token. This split
-  of the rows is the kernel class's `SPLIT` (a `RowSplit`), so a candidate can use another one.
+- 128 threads. Sixteen consecutive lanes share one state row (V index); lane p of the sixteen holds
+  the K columns [8p, 8p + 8) (8 fp32 registers), so a 16-B shared-memory load of k or q by 16 lanes
+  covers 256 contiguous bytes (no bank conflicts). Reductions over K are four butterfly shuffles
+  inside the 16-lane group; no block-wide reduction per token. This split of the rows is the kernel
+  class's `SPLIT` (a `RowSplit`). v0 split them over 8 lanes (16 rows per CTA, 16 columns per lane,
+  three shuffle levels); 16 lanes halve the per-token instructions of a warp, whose issue bounds the
+  token loop as much as its dependency chain, and give one sequence 128 CTAs instead of 64: 1.12x on
+  the 21 workloads of <= 40 tokens in the A/B of 2026-11-30.
 - Tokens are staged through shared memory in chunks of 32 with `cp.async` (double-buffered: chunk
   c + 1 is in flight while chunk c is computed): the q and k rows of the head's q/k head (h // 2),
-  the 16 values of v in this slice, and the whole 8-head rows of a and b (16 B each, so that every
+  the 8 values of v in this slice, and the whole 8-head rows of a and b (16 B each, so that every
   copy is an aligned 16-B `cp.async`). At the start of each chunk one thread per token computes the
   gates g and beta in fp32 and shares them through shared memory.
 - Per token, in fp32, with the old state S (one pass over the registers):
-      u  = S k,  w = S q,  kq = k . q        (partial dots, then 3 butterfly levels for all three)
+      u  = S k,  w = S q,  kq = k . q        (partial dots, then 4 butterfly levels for all three)
       delta = beta * (v - g u)               (= beta * (v - (g S) k))
       o  = scale * (g w + delta kq)          (= scale * S_new q, S_new = g S + delta k^T)
       S  = g S + delta k^T
@@ -105,9 +109,9 @@ class RowSplit:
         return piece * self.lanes_per_row + lane_in_row
 
 
-# v0: 8 lanes per row, 16 rows per CTA, 8 CTAs per (sequence, head); each lane holds the columns
-# [8p, 8p + 8) and [64 + 8p, 64 + 8p + 8).
-V0_SPLIT = RowSplit(lanes_per_row=8)
+# v1.8: 16 lanes per row, 8 rows per CTA, 16 CTAs per (sequence, head); each lane holds [8p, 8p + 8).
+# (v0 had 8 lanes per row, each holding [8p, 8p + 8) and [64 + 8p, 64 + 8p + 8).)
+NARROW_SPLIT = RowSplit(lanes_per_row=16)
 
 
 class GdnShapeError(ValueError):
@@ -118,7 +122,7 @@ class _Recurrence:
     """The kernel: one CTA = one (sequence, v-head, V-slice of SPLIT.rows_per_cta rows); see the module
     docstring."""
 
-    SPLIT = V0_SPLIT  # a candidate's subclass may split the rows otherwise
+    SPLIT = NARROW_SPLIT  # a candidate's subclass may split the rows otherwise
 
     @cute.jit
     def launch(

@@ -93,14 +93,10 @@ def test_tiling_covers_every_state_element_once(lanes_per_row):
     assert split.cols_per_lane == split.pieces_per_lane * serial.COPY_ELEMS
 
 
-def test_v0_keeps_its_split_and_the_narrow_candidate_its_own():
-    serial = solution_module("token_serial")
-    assert (serial.V0_SPLIT.rows_per_cta, serial.V0_SPLIT.num_slices, serial.V0_SPLIT.cols_per_lane) == (16, 8, 16)
-    narrow = solution_module("candidate_narrow_slices")._NarrowSlices.SPLIT
-    assert (narrow.rows_per_cta, narrow.num_slices, narrow.cols_per_lane) == (8, 16, 8)
-    token_serial_fn, chunked_fn = solution_module("candidate_narrow_slices").compile_only("sm_90a")
-    assert token_serial_fn is not kernel.compile_only("sm_90a")[0]  # the cache is keyed on the kernel class
-    assert chunked_fn is kernel.compile_only("sm_90a")[1]
+def test_token_serial_path_splits_each_row_over_16_lanes():
+    # v1.8 (promoted 2026-11-30): 8-row slices, 16 per head, 8 columns per lane.
+    split = solution_module("token_serial")._Recurrence.SPLIT
+    assert (split.rows_per_cta, split.num_slices, split.cols_per_lane) == (8, 16, 8)
 
 
 @pytest.mark.parametrize("scale, expected", [(None, 128**-0.5), (0, 128**-0.5), (0.0, 128**-0.5), (0.05, 0.05)])
@@ -155,10 +151,6 @@ def test_cases_cover_the_required_shapes():
     assert len(cases.MANY_130) == 130 and sum(cases.MANY_130) == 700 and min(cases.MANY_130) >= 1
 
 
-def longest_first_module():
-    return solution_module("candidate_longest_first")
-
-
 @pytest.mark.parametrize(
     "lengths",
     [(5, 0, 3, 0, 9, 9, 0, 5, 2, 7), (3, -2, 3, 7, 1, 1, 1, 0, 4), cases.MANY_SHORT, tuple(range(1, 129))],
@@ -167,22 +159,16 @@ def test_the_kernels_length_ranking_serves_every_sequence_once_longest_first(len
     # The kernel's rule, transcribed: row y serves the i with rank(i) == y.
     rank = [sum(lj > li or (lj == li and j < i) for j, lj in enumerate(lengths)) for i, li in enumerate(lengths)]
     rows = [rank.index(y) for y in range(len(lengths))]
-    assert rows == longest_first_module().longest_first_order(lengths)
+    assert rows == solution_module("chunked").longest_first_order(lengths)
     assert sorted(rows) == list(range(len(lengths)))
     assert all(lengths[a] >= lengths[b] for a, b in zip(rows, rows[1:]))
 
 
 def test_outside_the_ranked_counts_the_rows_keep_their_order():
-    module = longest_first_module()
+    module = solution_module("chunked")
     assert (module.MIN_RANKED_SEQS, module.MAX_RANKED_SEQS) == (9, 128)
     assert module.longest_first_order(cases.MANY_130) == list(range(130))
     assert module.longest_first_order((70, 0, 70, 5, 0, 99, 1, 2)) == list(range(8))
-
-
-def test_longest_first_compiles_its_own_chunked_kernel_and_shares_the_token_serial_one():
-    token_serial_fn, chunked_fn = longest_first_module().compile_only("sm_90a")
-    assert token_serial_fn is kernel.compile_only("sm_90a")[0]
-    assert chunked_fn is not kernel.compile_only("sm_90a")[1]  # the cache is keyed on the kernel class
 
 
 def test_inputs_follow_the_synth_distributions():

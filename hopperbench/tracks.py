@@ -222,13 +222,6 @@ DSA_ATTENTION = Track(
             package="flash_mla==1.0.0+9241ae3",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_pdl",
-            entry="candidate_pdl.py::run",
-            description="kernel.py with the combine launched as a programmatic dependent of the split kernel (v1.2)",
-        ),
-    ),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

@@ -18,6 +18,14 @@ Flash-decoding over the 2048 selected cache rows of each token, in two kernels:
    writes the bf16 output and the base-2 lse. A token with no valid row gets output 0 and lse -inf; a split with
    no valid row has m = -inf, l = 0, O = 0 and weighs nothing.
 
+The combine is launched as a programmatic dependent of the split kernel (Hopper's PDL, v1.2: 1.08x
+over v1.1 in the A/B of 2026-11-30, NOTES.md): each split CTA triggers its dependents as it starts,
+so the combine grid launches while the split kernel runs and its CTAs wait in `griddepcontrol.wait`,
+which returns once every split CTA has finished and its workspace writes are visible. Correctness
+does not depend on where the trigger is, and the combine can only launch once every split CTA has
+started, so its waiting CTAs never keep a split CTA off an SM. This hides the launch gap between the
+two kernels (~1 us) and the combine's ramp.
+
 Both kernels are compiled once (dynamic T, P and num_splits) into one TVM-FFI function that takes
 the torch tensors directly and runs on the current torch stream; `run` only picks the split count
 from T, allocates the workspace and calls it.
@@ -93,10 +101,6 @@ def _make_tiled_mma() -> cute.TiledMma:
 class _SplitKernel:
     """Partial attention of one token over 2048 / num_splits of its rows (see module docstring)."""
 
-    # Programmatic dependent launch: the split kernel lets the combine kernel's CTAs launch at once,
-    # and they wait (griddepcontrol.wait) until its results are visible (a candidate turns it on).
-    PROGRAMMATIC = False
-
     @cute.jit
     def launch(
         self,
@@ -168,8 +172,9 @@ class _SplitKernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         token, split, _ = cute.arch.block_idx()
-        if cutlass.const_expr(self.PROGRAMMATIC):
-            cute.arch.griddepcontrol_launch_dependents()
+        # Programmatic dependent launch: once every split CTA has started, the combine grid may
+        # launch; its CTAs wait in griddepcontrol.wait until this grid is complete and visible.
+        cute.arch.griddepcontrol_launch_dependents()
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -449,15 +454,13 @@ class _CombineKernel:
     6.5 us; this v1.1 form took 1.23x off the whole call in the A/B, NOTES.md.)
     """
 
-    PROGRAMMATIC = False  # launched as a programmatic dependent of the split kernel (see _SplitKernel)
-
     @cute.jit
     def launch(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor, stream):
         self.kernel(workspace, output, lse).launch(
             grid=[output.shape[0], NUM_HEADS, COMBINE_COLUMN_GROUPS],
             block=[NUM_THREADS, 1, 1],
             stream=stream,
-            use_pdl=self.PROGRAMMATIC,
+            use_pdl=True,  # a programmatic dependent of the split kernel
         )
 
     @cute.jit
@@ -494,8 +497,7 @@ class _CombineKernel:
 
     @cute.kernel
     def kernel(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor):
-        if cutlass.const_expr(self.PROGRAMMATIC):
-            cute.arch.griddepcontrol_wait()  # the split kernel's workspace, complete and visible
+        cute.arch.griddepcontrol_wait()  # the split kernel's workspace, complete and visible
         tidx, _, _ = cute.arch.thread_idx()
         token, head, group = cute.arch.block_idx()
         num_splits = workspace.shape[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
+from .chain import NO_CHAIN, ChainLink, enter
 from .shapes import HIDDEN, NUM_LOCAL_EXPERTS, NUM_THREADS, TOP_K
 
 COMBINE_COLS_PER_THREAD = 8
@@ -20,6 +21,9 @@ assert HIDDEN % COMBINE_COLS_PER_CTA == 0
 
 
 class CombineKernel:
+    def __init__(self, link: ChainLink = NO_CHAIN):
+        self.link = link
+
     @cute.jit
     def launch(
         self,
@@ -40,6 +44,7 @@ class CombineKernel:
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
+            use_pdl=self.link.waits,
         )
 
     @cute.kernel
@@ -53,6 +58,7 @@ class CombineKernel:
         output: cute.Tensor,
         SharedStorage: cutlass.Constexpr,
     ):
+        enter(self.link)
         tidx, _, _ = cute.arch.thread_idx()
         token, column_block, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()

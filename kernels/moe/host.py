@@ -10,6 +10,8 @@ GEMM1 + SwiGLU into `intermediate`, GEMM2 into `expert_out`, and the weighted co
 batches: `routing.OneCtaRoutingKernel`). The expert GEMMs differ between the paths; each takes
 `launch(a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream)`, where `grid` is the
 path's own grid parameter (row tiles for the grouped GEMMs, persistent CTAs for streaming).
+`chained`: the launches form a chain of programmatic dependent launches (`chain.py`); the GEMMs must
+then offer `with_link` (the streaming ones do).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
+from .chain import chain_links
 from .combine import CombineKernel
 from .routing import OneCtaRoutingKernel, RoutingKernel, ZeroCountsKernel
 from .shapes import (
@@ -48,13 +51,20 @@ class MoeHostSm90:
     """Host function of the five kernels with `gemm1` (G1 + SwiGLU) and `gemm2` (G2); one compile
     serves every T (dynamic) and every offset / scaling factor (runtime scalars). With
     `one_cta_routing` the zeroing and the routing are one launch (`routing.OneCtaRoutingKernel`,
-    for small batches): four launches."""
+    for small batches): four launches. With `chained` each launch after the first is a programmatic
+    dependent of the one before (`chain.py`)."""
 
-    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm, one_cta_routing: bool = False):
-        self.gemm1 = gemm1
-        self.gemm2 = gemm2
+    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm, one_cta_routing: bool = False, chained: bool = False):
+        links = list(chain_links(4 if one_cta_routing else 5, chained))
         self.one_cta_routing = one_cta_routing
-        self.routing = OneCtaRoutingKernel() if one_cta_routing else RoutingKernel()
+        self.zero_counts = None if one_cta_routing else ZeroCountsKernel(links.pop(0))
+        self.routing = (OneCtaRoutingKernel if one_cta_routing else RoutingKernel)(links.pop(0))
+        gemm1_link, gemm2_link, combine_link = links
+        if chained and not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
+            raise TypeError("a chained MoE host needs expert GEMMs with with_link (the streaming ones)")
+        self.gemm1 = gemm1.with_link(gemm1_link) if chained else gemm1
+        self.gemm2 = gemm2.with_link(gemm2_link) if chained else gemm2
+        self.combine = CombineKernel(combine_link)
 
     @cute.jit
     def __call__(
@@ -82,7 +92,7 @@ class MoeHostSm90:
         stream,
     ):
         if cutlass.const_expr(not self.one_cta_routing):
-            ZeroCountsKernel().launch(counts, stream)
+            self.zero_counts.launch(counts, stream)
         self.routing.launch(
             routing_logits,
             routing_bias,
@@ -117,7 +127,7 @@ class MoeHostSm90:
             gemm2_grid,
             stream,
         )
-        CombineKernel().launch(counts, slot_expert, slot_rank, slot_weight, expert_out, output, stream)
+        self.combine.launch(counts, slot_expert, slot_rank, slot_weight, expert_out, output, stream)
 
 
 @dataclass(frozen=True)

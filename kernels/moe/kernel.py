@@ -71,6 +71,7 @@ class StreamingVariant:
     gemm2_block_tokens: int | None = None  # None: block_tokens
     gemm2_num_stages: int | None = None  # None: num_stages
     one_cta_routing: bool = False  # zeroing and routing in one launch (host.MoeHostSm90)
+    chained: bool = False  # programmatic dependent launches between the call's kernels (chain.py)
 
     def gemm1(self) -> StreamingGemmConfig:
         return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
@@ -110,7 +111,10 @@ _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
 def _compile(arch: str, variant: StreamingVariant) -> Callable:
     # The five launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs).
     return host.compile_host(
-        host.MoeHostSm90(StreamingGemm(variant.gemm1()), StreamingGemm(variant.gemm2()), variant.one_cta_routing), arch
+        host.MoeHostSm90(
+            StreamingGemm(variant.gemm1()), StreamingGemm(variant.gemm2()), variant.one_cta_routing, variant.chained
+        ),
+        arch,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
+from .chain import NO_CHAIN, ChainLink, enter
 from .shapes import GROUP_SIZE, NORMALISATION_EPS, NUM_GROUPS, NUM_LOCAL_EXPERTS, TOP_K, TOP_K_GROUPS
 
 ROUTING_WARPS = 4  # tokens per CTA
@@ -17,12 +18,16 @@ ROUTING_WARPS = 4  # tokens per CTA
 
 
 class ZeroCountsKernel:
+    def __init__(self, link: ChainLink = NO_CHAIN):
+        self.link = link
+
     @cute.jit
     def launch(self, counts: cute.Tensor, stream):
-        self.kernel(counts).launch(grid=[1, 1, 1], block=[NUM_LOCAL_EXPERTS, 1, 1], stream=stream)
+        self.kernel(counts).launch(grid=[1, 1, 1], block=[NUM_LOCAL_EXPERTS, 1, 1], stream=stream, use_pdl=self.link.waits)
 
     @cute.kernel
     def kernel(self, counts: cute.Tensor):
+        enter(self.link)
         tidx, _, _ = cute.arch.thread_idx()
         counts[tidx] = cutlass.Int32(0)
 
@@ -131,6 +136,9 @@ def route_token(
 
 
 class RoutingKernel:
+    def __init__(self, link: ChainLink = NO_CHAIN):
+        self.link = link
+
     @cute.jit
     def launch(
         self,
@@ -160,6 +168,7 @@ class RoutingKernel:
             grid=[(num_tokens + ROUTING_WARPS - 1) // ROUTING_WARPS, 1, 1],
             block=[ROUTING_WARPS * 32, 1, 1],
             stream=stream,
+            use_pdl=self.link.waits,
         )
 
     @cute.kernel
@@ -175,6 +184,7 @@ class RoutingKernel:
         slot_rank: cute.Tensor,
         slot_weight: cute.Tensor,
     ):
+        enter(self.link)
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         token = bidx * ROUTING_WARPS + tidx // 32
@@ -198,6 +208,9 @@ class OneCtaRoutingKernel:
     small batches, where the separate zeroing launch costs a launch and its host gap before the
     routing one (0.6 + 5.6 us at T = 1, session 4); correct for any T, but one CTA of 32 warps only
     pays off while there are few tokens per warp."""
+
+    def __init__(self, link: ChainLink = NO_CHAIN):
+        self.link = link
 
     @cute.jit
     def launch(
@@ -233,6 +246,7 @@ class OneCtaRoutingKernel:
             block=[ONE_CTA_WARPS * 32, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
+            use_pdl=self.link.waits,
         )
 
     @cute.kernel
@@ -249,6 +263,7 @@ class OneCtaRoutingKernel:
         slot_weight: cute.Tensor,
         SharedStorage: cutlass.Constexpr,
     ):
+        enter(self.link)
         tidx, _, _ = cute.arch.thread_idx()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         shared_counts = storage.counts.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))

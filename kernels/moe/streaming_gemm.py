@@ -43,6 +43,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .chain import NO_CHAIN, ChainLink, enter
 from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
 
 NUM_THREADS = 128  # 4 warps, one per K block of a stage
@@ -270,8 +271,13 @@ class StreamingGemm:
            w = W2 [32, 7168, 2048], w_scale = [32, 56, 16], out = O [rows, 7168] fp32.
     """
 
-    def __init__(self, config: StreamingGemmConfig):
+    def __init__(self, config: StreamingGemmConfig, link: ChainLink = NO_CHAIN):
         self.cfg = config
+        self.link = link
+
+    def with_link(self, link: ChainLink) -> StreamingGemm:
+        """The same GEMM at `link` of a chain of programmatic dependent launches (chain.py)."""
+        return StreamingGemm(self.cfg, link)
 
     @cute.jit
     def launch(
@@ -316,6 +322,7 @@ class StreamingGemm:
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
+            use_pdl=self.link.waits,
         )
 
     @cute.kernel
@@ -335,6 +342,7 @@ class StreamingGemm:
         scratch_layout: cute.Layout,
         SharedStorage: cutlass.Constexpr,
     ):
+        enter(self.link)
         cfg = self.cfg
         bt = cfg.block_tokens
         ns = cfg.num_stages

@@ -12,6 +12,7 @@ CUDA-graph capture and replay.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -34,6 +35,7 @@ SOLUTIONS = (
     "kernel",
     "grouped_pipeline",
     "candidate_one_cta_routing",
+    "candidate_pdl_chain",
 )
 
 
@@ -70,6 +72,33 @@ def test_one_cta_routing_candidate_takes_small_batches_only():
         assert candidate.variant_for(num_tokens) is kernel.variant_for(num_tokens)
     compiled = candidate.compile_only("sm_90a")
     assert compiled[0] is kernel.compiled_for(candidate.FEW_TOKENS, "sm_90a") and compiled[0] not in compiled[1:]
+
+
+def test_pdl_chain_candidate_chains_every_streaming_variant_and_keeps_v12s_choice():
+    candidate = solution_module("candidate_pdl_chain")
+    one_cta = solution_module("candidate_one_cta_routing")
+    for num_tokens in (1, 32, 33, 64, 65, 192, 193, 2048):
+        chained = candidate.variant_for(num_tokens)
+        assert chained.chained and dataclasses.replace(chained, chained=False) == one_cta.variant_for(num_tokens)
+    assert candidate.variant_for(2049) is None  # the grouped pipeline, unchained
+    compiled = candidate.compile_only("sm_90a")
+    assert len(compiled) == len(candidate.VARIANTS) + len(kernel.VARIANTS) + 1
+    assert len({id(fn) for fn in compiled}) == len(compiled)  # cached per variant: each its own
+
+
+@pytest.mark.parametrize(("num_kernels", "expected"), [(4, "R WR WR W"), (5, "R WR WR WR W")])
+def test_a_chain_releases_from_every_kernel_but_the_last_and_waits_in_every_one_but_the_first(num_kernels, expected):
+    chain = solution_module("chain")
+    links = chain.chain_links(num_kernels, chained=True)
+    assert " ".join(("W" if link.waits else "") + ("R" if link.releases else "") for link in links) == expected
+    assert chain.chain_links(num_kernels, chained=False) == (chain.NO_CHAIN,) * num_kernels
+
+
+def test_a_chained_host_refuses_gemms_that_cannot_join_the_chain():
+    host = solution_module("host")
+    gemm = solution_module("grouped_gemm").GroupedGemm(gemm1=True)
+    with pytest.raises(TypeError, match="with_link"):
+        host.MoeHostSm90(gemm, gemm, chained=True)
 
 
 def _row_tiles(counts: list[int]) -> int:

@@ -201,6 +201,42 @@ def two_level_step(S0, q, k, v, log_g, beta, scale, precision):
     return state_pass_step(S0, prepass(q, k, v, log_g, beta, precision), scale, precision)
 
 
+@dataclass(frozen=True)
+class ChunkSlots:
+    """Design v2's map of a varlen batch onto chunk slots (NOTES.md, "Design v2: the kernel plan"),
+    as its kernels are to compute it on the device: `first[s]` is sequence s's first slot, `slots`
+    the grid bound ceil(T / C) + N that needs no device read, and `owner(c)` the (sequence, chunk of
+    it) of slot c, None past the last chunk."""
+
+    first: tuple[int, ...]  # N + 1 entries; first[N] = the number of chunks
+    slots: int
+
+    def owner(self, slot: int) -> tuple[int, int] | None:
+        if not 0 <= slot < self.first[-1]:
+            return None
+        # The last s with first[s] <= slot (a sequence without chunks has first[s] == first[s + 1]).
+        lo, hi = 0, len(self.first) - 2
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.first[mid] <= slot:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo, slot - self.first[lo]
+
+
+def chunk_slots(cu_seqlens: list[int], total_tokens: int) -> ChunkSlots:
+    """The chunk slots of a batch, with the bounds clamped as `chunked.py` clamps them (to [0, T],
+    end >= start), so that malformed `cu_seqlens` cannot send a slot out of the tokens."""
+    first = [0]
+    for s in range(len(cu_seqlens) - 1):
+        start = min(max(cu_seqlens[s], 0), total_tokens)
+        end = min(max(cu_seqlens[s + 1], start), total_tokens)
+        first.append(first[-1] + (end - start + CHUNK - 1) // CHUNK)
+    num_seqs = len(cu_seqlens) - 1
+    return ChunkSlots(first=tuple(first), slots=(total_tokens + CHUNK - 1) // CHUNK + num_seqs)
+
+
 @torch.no_grad()
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, precision: Precision = KERNEL, step=chunk_step):
     """The definition's outputs (output [T,8,128] bf16, new_state [N,8,128,128] fp32) by the chunked

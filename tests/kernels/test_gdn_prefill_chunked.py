@@ -628,3 +628,28 @@ def test_model_depends_on_the_initial_state():
     with_state = model.run(*inputs.values(), precision=model.EXACT)
     without = model.run(*dict(inputs, state=None).values(), precision=model.EXACT)
     assert not cases.compare(*without, *with_state).passed
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [(1,), (64,), (65,), (0, 64, 0, 129, 1), cases.MANY_SHORT, (8192,), tuple(range(0, 300, 7))],
+    ids=lambda lengths: f"{len(lengths)}seqs_{sum(lengths)}tok",
+)
+def test_design_v2_chunk_slots_cover_every_chunk_once_within_the_grid_bound(lengths):
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + length)
+    slots = model.chunk_slots(bounds, bounds[-1])
+    expected = [(s, c) for s, length in enumerate(lengths) for c in range(math.ceil(length / model.CHUNK))]
+    assert [slots.owner(slot) for slot in range(slots.first[-1])] == expected
+    assert slots.first[-1] <= slots.slots  # the grid bound ceil(T / 64) + N always holds them
+    assert all(slots.owner(slot) is None for slot in range(slots.first[-1], slots.slots))
+    assert slots.owner(-1) is None
+
+
+def test_design_v2_chunk_slots_clamp_malformed_bounds_as_the_kernel_does():
+    # Decreasing and out-of-range bounds: clamped to [0, T] with end >= start, like chunked.py.
+    slots = model.chunk_slots([0, 200, 100, 500, -5], 300)
+    # [0, 200) -> 4 chunks; [200, 200) empty; [100, 300) -> 4 chunks; [300, 300) empty.
+    assert slots.first == (0, 4, 4, 8, 8)
+    assert slots.owner(3) == (0, 3) and slots.owner(4) == (2, 0) and slots.owner(8) is None

@@ -49,6 +49,12 @@ def test_compiles_for_sm90a_without_gpu():
     assert kernel.compile_only("sm_90a") is compiled
 
 
+@pytest.mark.parametrize("name", SOLUTIONS)
+def test_every_solution_offers_the_split_count_entry_the_gpu_tests_call(name):
+    # Session 7: a candidate without it failed every split-count GPU test before its kernel ran.
+    assert callable(getattr(solution_module(name), "run_with_splits", None))
+
+
 def test_combine_covers_the_columns_and_the_splits():
     assert kernel.COMBINE_COLUMN_GROUPS * kernel.NUM_THREADS == kernel.CKV_DIM  # one column per thread
     assert max(kernel.VALID_SPLITS) == kernel.MAX_SPLITS <= 32  # the split statistics fit one warp

@@ -82,3 +82,18 @@ def test_each_runs_gpu_busy_share_is_shown_where_recorded(tmp_path: Path, capsys
     compare_runs.main([str(a), str(b)])
     fla_line = next(line for line in capsys.readouterr().out.splitlines() if " fla " in line)
     assert "25%" in fla_line and "20%" in fla_line
+
+
+def test_the_busy_time_change_separates_host_time_from_gpu_time(tmp_path: Path, capsys) -> None:
+    # A host-bound side whose span moves 50 % while its GPU work stays put: the table and the last
+    # line say the GPU time repeated.
+    a = write_run(tmp_path / "a.json", {0: [timed("fla", 1.0).model_copy(update={"busy_ms": 0.1})]})
+    b = write_run(tmp_path / "b.json", {0: [timed("fla", 1.5).model_copy(update={"busy_ms": 0.101})]})
+    rows = compare_runs.compare(compare_runs.read_results(a), compare_runs.read_results(b), min_ms=0.05)
+    assert rows[0].busy_change == pytest.approx(0.01) and rows[0].change == pytest.approx(0.5)
+    assert compare_runs.main([str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "+1.0%" in out and "OVER" in out
+    assert "GPU-busy time of 1 rows within 1.0% between the runs" in out
+    no_busy = write_run(tmp_path / "c.json", {0: [timed("fla", 1.0)]})
+    assert compare_runs.compare(compare_runs.read_results(no_busy), compare_runs.read_results(b), 0.05)[0].busy_change is None

@@ -3,8 +3,10 @@
     uv run tools/compare_runs.py results/checks/RUN1.json results/checks/RUN2.json [--tolerance 5] [--min-ms 0.05]
 
 For every (track, workload, side) timed in both runs it prints both median latencies, their
-relative difference, each run's spread over trials ((max - min) / median) and the share of the
-span in which the GPU was busy (runs that recorded it; a low share means host time). Rows whose
+relative difference, each run's spread over trials ((max - min) / median), the share of the span
+in which the GPU was busy and the change of that busy time between the runs (runs that recorded
+it: a low share means host time, and a span that moves while its busy time does not moved on the
+host). The last line also gives the largest busy-time change of all rows. Rows whose
 latency is below --min-ms in both runs are shown but not judged (the issue's bar applies to
 workloads above 50 us). Exit 1 if any judged row differs by more than --tolerance percent, 2 if
 the files cannot be read or share no timed row, 0 otherwise.
@@ -37,6 +39,8 @@ class Comparison:
     # busy_ms / latency_ms of each run; None where the run predates the busy time.
     first_busy: float | None = None
     second_busy: float | None = None
+    # (second busy_ms - first busy_ms) / first busy_ms; None unless both runs recorded it.
+    busy_change: float | None = None
 
     @property
     def change(self) -> float:
@@ -55,6 +59,12 @@ def _busy_share(result: SideResult) -> float | None:
     if result.busy_ms is None or not result.latency_ms:
         return None
     return result.busy_ms / result.latency_ms
+
+
+def _busy_change(a: SideResult, b: SideResult) -> float | None:
+    if not a.busy_ms or b.busy_ms is None:
+        return None
+    return (b.busy_ms - a.busy_ms) / a.busy_ms
 
 
 def compare(first: ResultsFile, second: ResultsFile, min_ms: float) -> list[Comparison]:
@@ -83,6 +93,7 @@ def compare(first: ResultsFile, second: ResultsFile, min_ms: float) -> list[Comp
                     judged=max(a.latency_ms, b.latency_ms) >= min_ms,
                     first_busy=_busy_share(a),
                     second_busy=_busy_share(b),
+                    busy_change=_busy_change(a, b),
                 )
             )
     return out
@@ -92,15 +103,19 @@ def _share(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
+def _signed(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1%}"
+
+
 def format_table(rows: Sequence[Comparison], tolerance: float) -> str:
     lines = [f"{'track':14} {'#':>3} {'side':18} {'run 1 ms':>10} {'run 2 ms':>10} {'change':>8} "
-             f"{'spread 1':>8} {'spread 2':>8} {'busy 1':>6} {'busy 2':>6}  verdict"]  # fmt: skip
+             f"{'spread 1':>8} {'spread 2':>8} {'busy 1':>6} {'busy 2':>6} {'busy chg':>8}  verdict"]  # fmt: skip
     for c in rows:
         verdict = "not judged (fast)" if not c.judged else ("ok" if abs(c.change) * 100 <= tolerance else "OVER")
         lines.append(
             f"{c.track:14} {c.index:>3} {c.side:18} {c.first_ms:>10.4g} {c.second_ms:>10.4g} {c.change:>+8.1%} "
             f"{c.first_spread:>8.1%} {c.second_spread:>8.1%} {_share(c.first_busy):>6} {_share(c.second_busy):>6}"
-            f"  {verdict}"
+            f" {_signed(c.busy_change):>8}  {verdict}"
         )
     return "\n".join(lines)
 
@@ -126,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     judged = sum(c.judged for c in rows)
     print(f"{judged - len(over)} of {judged} judged rows within {args.tolerance:g} %"
           + (f"; over: {', '.join(sorted({c.side for c in over}))}" if over else ""))  # fmt: skip
+    busy_changes = [abs(c.busy_change) for c in rows if c.busy_change is not None]
+    if busy_changes:
+        print(f"GPU-busy time of {len(busy_changes)} rows within {max(busy_changes):.1%} between the runs")
     return 1 if over else 0
 
 

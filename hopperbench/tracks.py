@@ -227,6 +227,13 @@ DSA_ATTENTION = Track(
             package="flash_mla==1.0.0+9241ae3",
         ),
     ),
+    candidates=(
+        CandidateSide(
+            name="cand_s_ilp",
+            entry="candidate_s_ilp.py::run",
+            description="kernel.py with S = Q K^T summed into four partial accumulators (eight MMA chains of 9) (v1.3)",
+        ),
+    ),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

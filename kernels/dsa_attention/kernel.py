@@ -101,6 +101,11 @@ def _make_tiled_mma() -> cute.TiledMma:
 class _SplitKernel:
     """Partial attention of one token over 2048 / num_splits of its rows (see module docstring)."""
 
+    # S = Q K^T sums 36 k-steps of 16 dims into each accumulator, one dependent MMA after the other;
+    # with 4 warps per SM (one per scheduler) nothing hides that chain. A subclass may split the
+    # k-steps round-robin over this many partial accumulators, added up at the end.
+    S_PARTIAL_SUMS = 1
+
     @cute.jit
     def launch(
         self,
@@ -336,12 +341,21 @@ class _SplitKernel:
             tSsK = thr_ldsm_b.partition_S(sk_stage)
             tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sk_stage))
             tSrK_view = thr_ldsm_b.retile(tSrK)
-            acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((NUM_HEADS, BLOCK_N)), cutlass.Float32)
-            acc_s.fill(0.0)
+            partial_s = [
+                cute.make_rmem_tensor(thr_mma.partition_shape_C((NUM_HEADS, BLOCK_N)), cutlass.Float32)
+                for _ in range(self.S_PARTIAL_SUMS)
+            ]
+            for acc in partial_s:
+                acc.fill(0.0)
             for k in cutlass.range_constexpr(cute.size(tSsQ.shape[2])):
                 cute.copy(ldsm_a, tSsQ[None, None, k], tSrQ_view[None, None, k])
                 cute.copy(ldsm_b, tSsK[None, None, k], tSrK_view[None, None, k])
-                cute.gemm(tiled_mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+                acc = partial_s[k % self.S_PARTIAL_SUMS]
+                cute.gemm(tiled_mma, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
+            acc_s = partial_s[0]
+            for acc in partial_s[1:]:
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    acc_s[i] = acc_s[i] + acc[i]
             cute.autovec_copy(acc_s, tSsS)
             cute.arch.sync_threads()
 

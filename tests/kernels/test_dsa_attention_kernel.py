@@ -23,7 +23,7 @@ from hopperbench.paths import REPO_ROOT
 cases = load_module_by_path(REPO_ROOT / "kernels/dsa_attention/check_cases.py", "dsa_check_cases")
 kernel = cases.load_kernel()
 # kernel.py and the candidates of its folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel",)
+SOLUTIONS = ("kernel", "candidate_s_ilp")
 
 
 @functools.cache
@@ -53,6 +53,15 @@ def test_compiles_for_sm90a_without_gpu():
 def test_every_solution_offers_the_split_count_entry_the_gpu_tests_call(name):
     # Session 7: a candidate without it failed every split-count GPU test before its kernel ran.
     assert callable(getattr(solution_module(name), "run_with_splits", None))
+
+
+def test_s_ilp_candidate_compiles_its_own_split_kernel():
+    candidate = solution_module("candidate_s_ilp")
+    assert candidate._IlpSplit.S_PARTIAL_SUMS == 4 and kernel._SplitKernel.S_PARTIAL_SUMS == 1
+    # 36 k-steps of 16 dims (576 / 16) dealt round-robin: each partial sum gets 9 of them.
+    assert kernel.QK_DIM // 16 % candidate._IlpSplit.S_PARTIAL_SUMS == 0
+    compiled = candidate.compile_only("sm_90a")
+    assert callable(compiled) and compiled is not kernel.compile_only("sm_90a")  # keyed on the kernel classes
 
 
 def test_combine_covers_the_columns_and_the_splits():

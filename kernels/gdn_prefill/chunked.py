@@ -201,7 +201,26 @@ class _Chunked:
     ):
         """P1's Gram tiles of warp w: A rows of k block w (columns 0..w) and P rows of q block 3 - w
         (columns 0..3-w), five 16x16 tiles per warp, the lower triangle of both [64, 64] products."""
-        k_block = warp_idx
+        self.a_tiles(tiled_mma, copy_a, copy_b, lane, warp_idx, kq, acc_sq, coords_sq, cum_log_g, beta, a16, a_diag)
+        self.p_tiles(tiled_mma, copy_a, copy_b, lane, NUM_BLOCKS - 1 - warp_idx, kq, acc_sq, coords_sq, cum_log_g, p16)
+
+    @cute.jit
+    def a_tiles(
+        self,
+        tiled_mma: cute.TiledMma,
+        copy_a: cute.TiledCopy,
+        copy_b: cute.TiledCopy,
+        lane: cutlass.Int32,
+        k_block: cutlass.Int32,
+        kq: cute.Tensor,
+        acc_sq: cute.Tensor,
+        coords_sq: cute.Tensor,
+        cum_log_g: cute.Tensor,
+        beta: cute.Tensor,
+        a16: cute.Tensor,
+        a_diag: cute.Tensor,
+    ):
+        """The A tiles of row block `k_block` (columns 0..k_block) of the [64, 64] lower triangle."""
         for col_block in cutlass.range(k_block + 1, unroll=1):
             acc_sq.fill(0.0)
             self.warp_gemm(
@@ -211,7 +230,23 @@ class _Chunked:
                 acc_sq,
             )  # fmt: skip
             self.a_tile_epilogue(acc_sq, coords_sq, k_block, col_block, cum_log_g, beta, a16, a_diag)
-        q_block = NUM_BLOCKS - 1 - warp_idx
+
+    @cute.jit
+    def p_tiles(
+        self,
+        tiled_mma: cute.TiledMma,
+        copy_a: cute.TiledCopy,
+        copy_b: cute.TiledCopy,
+        lane: cutlass.Int32,
+        q_block: cutlass.Int32,
+        kq: cute.Tensor,
+        acc_sq: cute.Tensor,
+        coords_sq: cute.Tensor,
+        cum_log_g: cute.Tensor,
+        p16: cute.Tensor,
+    ):
+        """The P tiles of row block `q_block` (columns 0..q_block) of the [64, 64] lower triangle;
+        the q rows are kq's rows 64.., the k rows its rows 0..63."""
         for col_block in cutlass.range(q_block + 1, unroll=1):
             acc_sq.fill(0.0)
             self.warp_gemm(
@@ -541,61 +576,10 @@ class _Chunked:
             if chunk + 1 < num_chunks:
                 self.load_q(g2s, q, kq_raw, start, length, chunk + 1, head, tidx)
             cute.arch.cp_async_commit_group()
-            if tidx < CHUNK:
-                self.invert_diagonal_block(a_diag, t16, tidx)
-            cute.arch.sync_threads()
-
-            # ---- P3: T_hl = -(T_hh A_hl) T_ll for (h, l) = (1, 0), (3, 2) ----
-            if warp_idx < 2:
-                hi = 2 * warp_idx + 1
-                lo = 2 * warp_idx
-                acc_sq.fill(0.0)
-                self.warp_gemm(
-                    tiled_mma, copy_a, copy_bt, lane,
-                    cute.local_tile(t16, (BLOCK, BLOCK), (hi, hi)),
-                    cute.local_tile(a16_t, (BLOCK, BLOCK), (lo, hi)),
-                    acc_sq,
-                )  # fmt: skip
-                for e in cutlass.range_constexpr(cute.size(acc_sq)):
-                    scratch[coords_sq[e][0], coords_sq[e][1]] = acc_sq[e].to(cutlass.Float16)
-                cute.arch.sync_warp()
-                acc_sq.fill(0.0)
-                self.warp_gemm(
-                    tiled_mma, copy_a, copy_bt, lane,
-                    cute.local_tile(scratch, (BLOCK, BLOCK), (0, 0)),
-                    cute.local_tile(t16_t, (BLOCK, BLOCK), (lo, lo)),
-                    acc_sq,
-                )  # fmt: skip
-                for e in cutlass.range_constexpr(cute.size(acc_sq)):
-                    t16[hi * BLOCK + coords_sq[e][0], lo * BLOCK + coords_sq[e][1]] = (-acc_sq[e]).to(cutlass.Float16)
-            cute.arch.sync_threads()
-
-            # ---- P4: T[32:, :32] = -(T_B A_BA) T_A; warp w computes the 16x16 tile (w // 2, w % 2) ----
-            half = CHUNK // 2
-            out_row = warp_idx // 2
-            out_col = warp_idx % 2
-            acc_y.fill(0.0)
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_bt, lane,
-                cute.local_tile(t16, (BLOCK, half), (2 + out_row, 1)),
-                cute.local_tile(a16_t, (half, half), (0, 1)),
-                acc_y,
+            self.invert_unit_lower(
+                tiled_mma, copy_a, copy_bt, lane, warp_idx, tidx, a16_t, a_diag, t16, t16_t, scratch,
+                acc_sq, acc_y, coords_sq, coords_rows,
             )  # fmt: skip
-            for e in cutlass.range_constexpr(cute.size(acc_y)):
-                scratch[coords_rows[e][0], coords_rows[e][1]] = acc_y[e].to(cutlass.Float16)
-            cute.arch.sync_warp()
-            acc_sq.fill(0.0)
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_bt, lane,
-                scratch,
-                cute.local_tile(t16_t, (BLOCK, half), (out_col, 0)),
-                acc_sq,
-            )  # fmt: skip
-            for e in cutlass.range_constexpr(cute.size(acc_sq)):
-                t16[half + out_row * BLOCK + coords_sq[e][0], out_col * BLOCK + coords_sq[e][1]] = (-acc_sq[e]).to(
-                    cutlass.Float16
-                )
-            cute.arch.sync_threads()
 
             # ---- P5: V' = T Xb ----
             g_last = cum_log_g[CHUNK - 1]
@@ -634,6 +618,85 @@ class _Chunked:
 
         dst = cute.local_tile(new_state[seq, head, None, None], state_tile, (slice_idx, warp_idx))
         cute.autovec_copy(acc_state, thr_mma.partition_C(dst))
+
+    @cute.jit
+    def invert_unit_lower(
+        self,
+        tiled_mma: cute.TiledMma,
+        copy_a: cute.TiledCopy,
+        copy_bt: cute.TiledCopy,
+        lane: cutlass.Int32,
+        warp_idx: cutlass.Int32,
+        tidx: cutlass.Int32,
+        a16_t: cute.Tensor,
+        a_diag: cute.Tensor,
+        t16: cute.Tensor,
+        t16_t: cute.Tensor,
+        scratch: cute.Tensor,
+        acc_sq: cute.Tensor,
+        acc_y: cute.Tensor,
+        coords_sq: cute.Tensor,
+        coords_rows: cute.Tensor,
+    ):
+        """P2-P4: T = (I + A)^-1 into t16, from A's fp32 diagonal blocks (a_diag) and fp16 copy
+        (a16_t, read transposed): the four diagonal blocks by forward substitution (P2), then
+        T_hl = -(T_hh A_hl) T_ll for (h, l) = (1, 0), (3, 2) (P3), then T[32:, :32] = -(T_B A_BA) T_A
+        (P4); barriers after each. `scratch` is the calling warp's [16, 32] fp16 intermediate."""
+        if tidx < CHUNK:
+            self.invert_diagonal_block(a_diag, t16, tidx)
+        cute.arch.sync_threads()
+
+        # ---- P3: T_hl = -(T_hh A_hl) T_ll for (h, l) = (1, 0), (3, 2) ----
+        if warp_idx < 2:
+            hi = 2 * warp_idx + 1
+            lo = 2 * warp_idx
+            acc_sq.fill(0.0)
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_bt, lane,
+                cute.local_tile(t16, (BLOCK, BLOCK), (hi, hi)),
+                cute.local_tile(a16_t, (BLOCK, BLOCK), (lo, hi)),
+                acc_sq,
+            )  # fmt: skip
+            for e in cutlass.range_constexpr(cute.size(acc_sq)):
+                scratch[coords_sq[e][0], coords_sq[e][1]] = acc_sq[e].to(cutlass.Float16)
+            cute.arch.sync_warp()
+            acc_sq.fill(0.0)
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_bt, lane,
+                cute.local_tile(scratch, (BLOCK, BLOCK), (0, 0)),
+                cute.local_tile(t16_t, (BLOCK, BLOCK), (lo, lo)),
+                acc_sq,
+            )  # fmt: skip
+            for e in cutlass.range_constexpr(cute.size(acc_sq)):
+                t16[hi * BLOCK + coords_sq[e][0], lo * BLOCK + coords_sq[e][1]] = (-acc_sq[e]).to(cutlass.Float16)
+        cute.arch.sync_threads()
+
+        # ---- P4: T[32:, :32] = -(T_B A_BA) T_A; warp w computes the 16x16 tile (w // 2, w % 2) ----
+        half = CHUNK // 2
+        out_row = warp_idx // 2
+        out_col = warp_idx % 2
+        acc_y.fill(0.0)
+        self.warp_gemm(
+            tiled_mma, copy_a, copy_bt, lane,
+            cute.local_tile(t16, (BLOCK, half), (2 + out_row, 1)),
+            cute.local_tile(a16_t, (half, half), (0, 1)),
+            acc_y,
+        )  # fmt: skip
+        for e in cutlass.range_constexpr(cute.size(acc_y)):
+            scratch[coords_rows[e][0], coords_rows[e][1]] = acc_y[e].to(cutlass.Float16)
+        cute.arch.sync_warp()
+        acc_sq.fill(0.0)
+        self.warp_gemm(
+            tiled_mma, copy_a, copy_bt, lane,
+            scratch,
+            cute.local_tile(t16_t, (BLOCK, half), (out_col, 0)),
+            acc_sq,
+        )  # fmt: skip
+        for e in cutlass.range_constexpr(cute.size(acc_sq)):
+            t16[half + out_row * BLOCK + coords_sq[e][0], out_col * BLOCK + coords_sq[e][1]] = (-acc_sq[e]).to(
+                cutlass.Float16
+            )
+        cute.arch.sync_threads()
 
     @cute.jit
     def warp_gemm(

@@ -166,6 +166,13 @@ GDN_PREFILL = Track(
             package="fla-core==0.6.0",
         ),
     ),
+    candidates=(
+        CandidateSide(
+            name="cand_two_level",
+            entry="candidate_two_level.py::run",
+            description="kernel.py with the two-level form (prepass over all chunks, short state pass) above 40 tokens (v2.0)",
+        ),
+    ),
 )
 
 MOE = Track(

@@ -5,7 +5,7 @@
 For every (track, workload, side) timed in both runs it prints both median latencies, their
 relative difference, each run's spread over trials ((max - min) / median), the share of the span
 in which the GPU was busy and the change of that busy time between the runs (runs that recorded
-it: a low share means host time, and a span that moves while its busy time does not moved on the
+it: a low share means host time, and a span that moves while its busy time stays put moved on the
 host). The last line also gives the largest busy-time change of all rows. Rows whose
 latency is below --min-ms in both runs are shown but not judged (the issue's bar applies to
 workloads above 50 us). Exit 1 if any judged row differs by more than --tolerance percent, 2 if

@@ -13,9 +13,10 @@ The value rows of a head's state evolve independently (state S is [V, K], k-last
   covers 256 contiguous bytes (no bank conflicts). Reductions over K are four butterfly shuffles
   inside the 16-lane group; no block-wide reduction per token. This split of the rows is the kernel
   class's `SPLIT` (a `RowSplit`). v0 split them over 8 lanes (16 rows per CTA, 16 columns per lane,
-  three shuffle levels); 16 lanes halve the per-token instructions of a warp, whose issue bounds the
-  token loop as much as its dependency chain, and give one sequence 128 CTAs instead of 64: 1.12x on
-  the 21 workloads of <= 40 tokens in the A/B of 2026-11-30.
+  three shuffle levels); 16 lanes cut a warp's instructions per token by a third (~115 against ~175
+  in SASS), shorten the dependent FMAs of each dot product and give one sequence 128 CTAs instead
+  of 64: 1.12x on the 21 workloads of <= 40 tokens in the A/B of 2026-11-30 (ncu: the loop stays
+  bound by its dependency chain, one warp per scheduler).
 - Tokens are staged through shared memory in chunks of 32 with `cp.async` (double-buffered: chunk
   c + 1 is in flight while chunk c is computed): the q and k rows of the head's q/k head (h // 2),
   the 8 values of v in this slice, and the whole 8-head rows of a and b (16 B each, so that every

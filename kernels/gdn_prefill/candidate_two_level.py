@@ -2,11 +2,12 @@
 chunk at once, then the short sequential state pass) where it takes the chunked kernel, above
 `kernel.TOKEN_SERIAL_MAX_TOKENS` tokens.
 
-Why and the prediction: NOTES.md, "Design v2: the kernel plan". The chunk step on the sequential
-path drops from seven barrier-separated phases (~4.5-5.5 us) to three (predicted ~1-1.5 us), for
-one more launch and the workspaces' traffic: 1377 tokens in one sequence ~122 -> ~40 us, 8192
-tokens in 20-57 sequences ~150-245 -> ~50-70 us; one-chunk sequences gain nothing and pay the extra
-launch (the A/B's 41-134-token rows say how much).
+Why and the prediction: NOTES.md, "Design v2: the kernel plan" and "Candidate v2.0". The chunk step
+on the sequential path drops from seven barrier-separated phases (~4.5-5.5 us) to three (predicted
+~1-1.5 us), for one more launch, a prepass of 32 CTAs per chunk slot and the workspaces' traffic:
+1377 tokens in one sequence ~122 -> ~45 us, 8192 tokens in 20-57 sequences ~150-245 -> ~100-120 us
+(the prepass ~60-90 us of it); one-chunk sequences gain nothing and pay the extra launch (the
+41-134-token rows say how much).
 """
 
 from __future__ import annotations

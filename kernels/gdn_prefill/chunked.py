@@ -147,6 +147,17 @@ def longest_first_order(lengths: Sequence[int]) -> list[int]:
     return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
 
 
+@cute.jit
+def sequence_bounds(cu_seqlens: cute.Tensor, seq: cutlass.Int32, total_tokens: cutlass.Int32):
+    """(start, length) of sequence `seq`, its bounds clamped to [0, T] with end >= start, so that
+    malformed `cu_seqlens` cannot send a kernel out of the tokens."""
+    start = cutlass.Int32(cu_seqlens[seq])
+    end = cutlass.Int32(cu_seqlens[seq + 1])
+    start = cutlass.min(cutlass.max(start, cutlass.Int32(0)), total_tokens)
+    end = cutlass.min(cutlass.max(end, start), total_tokens)
+    return start, end - start
+
+
 def _make_warp_mma() -> cute.TiledMma:
     # One warp; the 16x16x16 tile holds two n8 atoms, matching a 4-matrix ldmatrix of B.
     return cute.make_tiled_mma(
@@ -455,11 +466,7 @@ class _Chunked:
 
         # Sequence bounds, clamped to [0, T] so that malformed cu_seqlens cannot read out of bounds.
         total_tokens = cutlass.Int32(q.shape[0])
-        start = cutlass.Int32(cu_seqlens[seq])
-        end = cutlass.Int32(cu_seqlens[seq + 1])
-        start = cutlass.min(cutlass.max(start, cutlass.Int32(0)), total_tokens)
-        end = cutlass.min(cutlass.max(end, start), total_tokens)
-        length = end - start
+        start, length = sequence_bounds(cu_seqlens, seq, total_tokens)
         num_chunks = (length + CHUNK - 1) // CHUNK
 
         # ---- shared memory views ----
@@ -532,16 +539,10 @@ class _Chunked:
             tokens_here = cutlass.min(length - chunk_start, cutlass.Int32(CHUNK))
 
             # ---- P0: inputs in fp16, gates, the fp16 state copy ----
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()
-            self.convert_kq(raw_k, kq_raw, kq, tokens_here, tidx)
-            if warp_idx == 0:
-                self.chunk_gates(raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, lane, cum_log_g, beta)
-            for e in cutlass.range_constexpr(cute.size(acc_state)):
-                s16[coords_state[e][0], warp_idx * STATE_COLS_PER_WARP + coords_state[e][1]] = acc_state[e].to(
-                    cutlass.Float16
-                )
-            cute.arch.sync_threads()
+            self.enter_chunk(
+                raw_k, kq_raw, kq, raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, cum_log_g, beta,
+                acc_state, coords_state, s16, tidx, warp_idx, lane,
+            )  # fmt: skip
 
             # ---- P1: prefetch the next chunk; Gram tiles; K S0^T and Q S0^T ----
             if chunk + 1 < num_chunks:
@@ -595,29 +596,97 @@ class _Chunked:
             cute.arch.sync_threads()
 
             # ---- P6: O = exp(G) Q S0^T + P V'; S = exp(G_last) S + V'c^T K ----
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_b, lane, cute.local_tile(p16, (BLOCK, CHUNK), (warp_idx, 0)), vn_t, acc_o
-            )
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                i = row0 + coords_rows[e][0]
-                if i < tokens_here:
-                    output[start + chunk_start + i, head, v0 + coords_rows[e][1]] = (scale * acc_o[e]).to(
-                        cutlass.BFloat16
-                    )
-            chunk_decay = self.decay(g_last)
-            for e in cutlass.range_constexpr(cute.size(acc_state)):
-                acc_state[e] = chunk_decay * acc_state[e]
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_bt, lane,
-                vnc_t,
-                cute.local_tile(kq_t, (STATE_COLS_PER_WARP, CHUNK), (warp_idx, 0)),
-                acc_state,
+            self.output_and_carry(
+                tiled_mma, copy_a, copy_b, copy_bt, lane, warp_idx, p16, vn_t, vnc_t, kq_t, acc_o, acc_state, coords_rows,
+                g_last, tokens_here, output, start, chunk_start, head, v0, scale,
             )  # fmt: skip
             # The next chunk's P0 barrier orders these reads before kq's k rows, s16, A ... are
             # rewritten; kq's q rows are not read after P1.
 
         dst = cute.local_tile(new_state[seq, head, None, None], state_tile, (slice_idx, warp_idx))
         cute.autovec_copy(acc_state, thr_mma.partition_C(dst))
+
+    @cute.jit
+    def enter_chunk(
+        self,
+        raw_k: cute.Tensor,
+        kq_raw: cute.Tensor,
+        kq: cute.Tensor,
+        raw_a: cute.Tensor,
+        raw_b: cute.Tensor,
+        stage: cutlass.Int32,
+        head: cutlass.Int32,
+        neg_decay_rate: cutlass.Float32,
+        bias: cutlass.Float32,
+        tokens_here: cutlass.Int32,
+        cum_log_g: cute.Tensor,
+        beta: cute.Tensor,
+        acc_state: cute.Tensor,
+        coords_state: cute.Tensor,
+        s16: cute.Tensor,
+        tidx: cutlass.Int32,
+        warp_idx: cutlass.Int32,
+        lane: cutlass.Int32,
+    ):
+        """P0: wait for the chunk's cp.async loads; k and q rows to fp16 (tokens past the end
+        zeroed); the gates (warp 0); the fp16 copy of the state slice. Barriers before and after."""
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        self.convert_kq(raw_k, kq_raw, kq, tokens_here, tidx)
+        if warp_idx == 0:
+            self.chunk_gates(raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, lane, cum_log_g, beta)
+        for e in cutlass.range_constexpr(cute.size(acc_state)):
+            s16[coords_state[e][0], warp_idx * STATE_COLS_PER_WARP + coords_state[e][1]] = acc_state[e].to(
+                cutlass.Float16
+            )
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def output_and_carry(
+        self,
+        tiled_mma: cute.TiledMma,
+        copy_a: cute.TiledCopy,
+        copy_b: cute.TiledCopy,
+        copy_bt: cute.TiledCopy,
+        lane: cutlass.Int32,
+        warp_idx: cutlass.Int32,
+        p16: cute.Tensor,
+        vn_t: cute.Tensor,
+        vnc_t: cute.Tensor,
+        kq_t: cute.Tensor,
+        acc_o: cute.Tensor,
+        acc_state: cute.Tensor,
+        coords_rows: cute.Tensor,
+        g_last: cutlass.Float32,
+        tokens_here: cutlass.Int32,
+        output: cute.Tensor,
+        start: cutlass.Int32,
+        chunk_start: cutlass.Int32,
+        head: cutlass.Int32,
+        v0: cutlass.Int32,
+        scale: cutlass.Float32,
+    ):
+        """The chunk's last phase: O += P V' (acc_o holds exp(G) Q S0^T), scaled and stored for the
+        chunk's tokens (rows start + chunk_start.. of `output`); S = exp(G_last) S + V'c^T K."""
+        row0 = warp_idx * BLOCK
+        self.warp_gemm(
+            tiled_mma, copy_a, copy_b, lane, cute.local_tile(p16, (BLOCK, CHUNK), (warp_idx, 0)), vn_t, acc_o
+        )
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            i = row0 + coords_rows[e][0]
+            if i < tokens_here:
+                output[start + chunk_start + i, head, v0 + coords_rows[e][1]] = (scale * acc_o[e]).to(
+                    cutlass.BFloat16
+                )
+        chunk_decay = self.decay(g_last)
+        for e in cutlass.range_constexpr(cute.size(acc_state)):
+            acc_state[e] = chunk_decay * acc_state[e]
+        self.warp_gemm(
+            tiled_mma, copy_a, copy_bt, lane,
+            vnc_t,
+            cute.local_tile(kq_t, (STATE_COLS_PER_WARP, CHUNK), (warp_idx, 0)),
+            acc_state,
+        )  # fmt: skip
 
     @cute.jit
     def invert_unit_lower(

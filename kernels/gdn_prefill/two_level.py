@@ -117,12 +117,9 @@ class _SlotMap:
 
     @cute.jit
     def seq_chunks(self, cu_seqlens: cute.Tensor, seq: cutlass.Int32, total_tokens: cutlass.Int32) -> cutlass.Int32:
-        """ceil(L / 64) of sequence `seq`, its bounds clamped to [0, T] with end >= start."""
-        start = cutlass.Int32(cu_seqlens[seq])
-        end = cutlass.Int32(cu_seqlens[seq + 1])
-        start = cutlass.min(cutlass.max(start, cutlass.Int32(0)), total_tokens)
-        end = cutlass.min(cutlass.max(end, start), total_tokens)
-        return (end - start + CHUNK - 1) // CHUNK
+        """ceil(L / 64) of sequence `seq`, its bounds clamped as `chunked.sequence_bounds` clamps them."""
+        _, length = chunked.sequence_bounds(cu_seqlens, seq, total_tokens)
+        return (length + CHUNK - 1) // CHUNK
 
     @cute.jit
     def block_sum(self, value: cutlass.Int32, ints: cute.Tensor, tidx: cutlass.Int32) -> cutlass.Int32:
@@ -281,10 +278,7 @@ class _Prepass(chunked._Chunked, _SlotMap):
         total_tokens = cutlass.Int32(k.shape[0])
         seq, chunk = self.locate_slot(cu_seqlens, cu_seqlens.shape[0] - 1, slot, total_tokens, tidx, ints)
         if seq >= 0:
-            start = cutlass.Int32(cu_seqlens[seq])
-            start = cutlass.min(cutlass.max(start, cutlass.Int32(0)), total_tokens)
-            end = cutlass.min(cutlass.max(cutlass.Int32(cu_seqlens[seq + 1]), start), total_tokens)
-            length = end - start
+            start, length = chunked.sequence_bounds(cu_seqlens, seq, total_tokens)
             tokens_here = cutlass.min(length - chunk * CHUNK, cutlass.Int32(CHUNK))
 
             raw_k = st.raw_k.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1)))
@@ -520,11 +514,7 @@ class _StatePass(chunked._Chunked, _SlotMap):
         # thread's read of the selected sequence.
         first_slot = self.first_slot(cu_seqlens, seq, total_tokens, tidx, ints)
 
-        start = cutlass.Int32(cu_seqlens[seq])
-        end = cutlass.Int32(cu_seqlens[seq + 1])
-        start = cutlass.min(cutlass.max(start, cutlass.Int32(0)), total_tokens)
-        end = cutlass.min(cutlass.max(end, start), total_tokens)
-        length = end - start
+        start, length = chunked.sequence_bounds(cu_seqlens, seq, total_tokens)
         num_chunks = (length + CHUNK - 1) // CHUNK
 
         # ---- shared memory views ----
@@ -589,16 +579,10 @@ class _StatePass(chunked._Chunked, _SlotMap):
             tokens_here = cutlass.min(length - chunk_start, cutlass.Int32(CHUNK))
 
             # ---- P0: k and q in fp16, gates, the fp16 state copy ----
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()
-            self.convert_kq(raw_k, kq_raw, kq, tokens_here, tidx)
-            if warp_idx == 0:
-                self.chunk_gates(raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, lane, cum_log_g, beta)
-            for e in cutlass.range_constexpr(cute.size(acc_state)):
-                s16[coords_state[e][0], warp_idx * STATE_COLS_PER_WARP + coords_state[e][1]] = acc_state[e].to(
-                    cutlass.Float16
-                )
-            cute.arch.sync_threads()
+            self.enter_chunk(
+                raw_k, kq_raw, kq, raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, cum_log_g, beta,
+                acc_state, coords_state, s16, tidx, warp_idx, lane,
+            )  # fmt: skip
 
             # ---- P1: prefetch the next chunk's k, a, b; P's tiles; V' = U - W S0^T; Q S0^T ----
             if chunk + 1 < num_chunks:
@@ -635,23 +619,9 @@ class _StatePass(chunked._Chunked, _SlotMap):
                 self.load_q(g2s, q, kq_raw, start, length, chunk + 1, head, tidx)
                 self.load_step(g2s, g2s16, w_ws, u_ws, w16, u16, first_slot + chunk + 1, head, v0, tidx)
             cute.arch.cp_async_commit_group()
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_b, lane, cute.local_tile(p16, (BLOCK, CHUNK), (warp_idx, 0)), vn_t, acc_o
-            )
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                i = row0 + coords_rows[e][0]
-                if i < tokens_here:
-                    output[start + chunk_start + i, head, v0 + coords_rows[e][1]] = (scale * acc_o[e]).to(
-                        cutlass.BFloat16
-                    )
-            chunk_decay = self.decay(g_last)
-            for e in cutlass.range_constexpr(cute.size(acc_state)):
-                acc_state[e] = chunk_decay * acc_state[e]
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_bt, lane,
-                vnc_t,
-                cute.local_tile(kq_t, (STATE_COLS_PER_WARP, CHUNK), (warp_idx, 0)),
-                acc_state,
+            self.output_and_carry(
+                tiled_mma, copy_a, copy_b, copy_bt, lane, warp_idx, p16, vn_t, vnc_t, kq_t, acc_o, acc_state, coords_rows,
+                g_last, tokens_here, output, start, chunk_start, head, v0, scale,
             )  # fmt: skip
             # The next chunk's P0 barrier orders these reads before kq's k rows, p16 and vn are
             # rewritten.

@@ -828,6 +828,25 @@ class _Chunked:
                     cute.local_tile(v[start + first + j, head, None], (COPY_ELEMS,), (v0 // COPY_ELEMS + piece,)),
                     cute.local_tile(raw_v[stage, j, None], (COPY_ELEMS,), (piece,)),
                 )
+        self.copy_gate_rows(g2s, a, b, raw_a, raw_b, start, length, chunk, stage, tidx)
+
+    @cute.jit
+    def copy_gate_rows(
+        self,
+        g2s: cute.CopyAtom,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        raw_a: cute.Tensor,
+        raw_b: cute.Tensor,
+        start: cutlass.Int32,
+        length: cutlass.Int32,
+        chunk: cutlass.Int32,
+        stage: cutlass.Int32,
+        tidx: cutlass.Int32,
+    ):
+        """cp.async of one chunk's 8-head rows of a (threads 0..63) and b (64..127) into `stage`;
+        tokens past the end are skipped."""
+        first = chunk * CHUNK
         j = tidx % CHUNK
         if first + j < length:
             if tidx < CHUNK:

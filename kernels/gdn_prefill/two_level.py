@@ -468,13 +468,7 @@ class _StatePass(chunked._Chunked, _SlotMap):
         """Issue the cp.async copies of one chunk's k rows and its a and b rows (as `load_chunk`,
         without v: the state pass reads U instead)."""
         self.copy_head_rows(g2s, k, raw_k, 0, start, length, chunk, head, tidx)
-        first = chunk * CHUNK
-        j = tidx % CHUNK
-        if first + j < length:
-            if tidx < CHUNK:
-                cute.copy(g2s, a[start + first + j, None], raw_a[stage, j, None])
-            else:
-                cute.copy(g2s, b[start + first + j, None], raw_b[stage, j, None])
+        self.copy_gate_rows(g2s, a, b, raw_a, raw_b, start, length, chunk, stage, tidx)
 
     @cute.kernel
     def kernel(

@@ -503,14 +503,7 @@ class _Chunked:
         coords_state = thr_mma.partition_C(cute.make_identity_tensor((SLICE_ROWS, STATE_COLS_PER_WARP)))
 
         # ---- the state slice: [32, 128] fp32 in the accumulators, warp w holds columns 32w.. ----
-        acc_state = cute.make_rmem_tensor(
-            thr_mma.partition_shape_C((SLICE_ROWS, STATE_COLS_PER_WARP)), cutlass.Float32
-        )
-        acc_state.fill(0.0)
-        state_tile = (SLICE_ROWS, STATE_COLS_PER_WARP)
-        if has_state != 0 and length > 0:
-            src = cute.local_tile(state[seq, head, None, None], state_tile, (slice_idx, warp_idx))
-            cute.autovec_copy(thr_mma.partition_C(src), acc_state)
+        acc_state = self.load_state_slice(thr_mma, state, seq, head, slice_idx, warp_idx, has_state, length)
 
         # T and P are lower triangular; their upper 16x16 blocks are never written: zero them once.
         for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
@@ -603,8 +596,42 @@ class _Chunked:
             # The next chunk's P0 barrier orders these reads before kq's k rows, s16, A ... are
             # rewritten; kq's q rows are not read after P1.
 
-        dst = cute.local_tile(new_state[seq, head, None, None], state_tile, (slice_idx, warp_idx))
-        cute.autovec_copy(acc_state, thr_mma.partition_C(dst))
+        cute.autovec_copy(acc_state, thr_mma.partition_C(self.state_tile(new_state, seq, head, slice_idx, warp_idx)))
+
+    @cute.jit
+    def state_tile(
+        self,
+        state: cute.Tensor,
+        seq: cutlass.Int32,
+        head: cutlass.Int32,
+        slice_idx: cutlass.Int32,
+        warp_idx: cutlass.Int32,
+    ) -> cute.Tensor:
+        """The [32, 32] tile of a [N, 8, 128, 128] state that warp `warp_idx` of slice `slice_idx`
+        holds in its accumulators (rows of the slice, columns 32 w..)."""
+        return cute.local_tile(state[seq, head, None, None], (SLICE_ROWS, STATE_COLS_PER_WARP), (slice_idx, warp_idx))
+
+    @cute.jit
+    def load_state_slice(
+        self,
+        thr_mma: cute.ThrMma,
+        state: cute.Tensor,
+        seq: cutlass.Int32,
+        head: cutlass.Int32,
+        slice_idx: cutlass.Int32,
+        warp_idx: cutlass.Int32,
+        has_state: cutlass.Int32,
+        length: cutlass.Int32,
+    ) -> cute.Tensor:
+        """The state slice in fp32 accumulators: the initial state's tile, or zeros without one (and
+        for an empty sequence, whose new state is zero whatever the initial one)."""
+        acc_state = cute.make_rmem_tensor(
+            thr_mma.partition_shape_C((SLICE_ROWS, STATE_COLS_PER_WARP)), cutlass.Float32
+        )
+        acc_state.fill(0.0)
+        if has_state != 0 and length > 0:
+            cute.autovec_copy(thr_mma.partition_C(self.state_tile(state, seq, head, slice_idx, warp_idx)), acc_state)
+        return acc_state
 
     @cute.jit
     def enter_chunk(

@@ -534,14 +534,7 @@ class _StatePass(chunked._Chunked, _SlotMap):
         coords_rows = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, SLICE_ROWS)))
         coords_state = thr_mma.partition_C(cute.make_identity_tensor((SLICE_ROWS, STATE_COLS_PER_WARP)))
 
-        acc_state = cute.make_rmem_tensor(
-            thr_mma.partition_shape_C((SLICE_ROWS, STATE_COLS_PER_WARP)), cutlass.Float32
-        )
-        acc_state.fill(0.0)
-        state_tile = (SLICE_ROWS, STATE_COLS_PER_WARP)
-        if has_state != 0 and length > 0:
-            src = cute.local_tile(state[seq, head, None, None], state_tile, (slice_idx, warp_idx))
-            cute.autovec_copy(thr_mma.partition_C(src), acc_state)
+        acc_state = self.load_state_slice(thr_mma, state, seq, head, slice_idx, warp_idx, has_state, length)
 
         # P is lower triangular; its upper 16x16 blocks are never written: zero them once.
         for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
@@ -620,8 +613,7 @@ class _StatePass(chunked._Chunked, _SlotMap):
             # The next chunk's P0 barrier orders these reads before kq's k rows, p16 and vn are
             # rewritten.
 
-        dst = cute.local_tile(new_state[seq, head, None, None], state_tile, (slice_idx, warp_idx))
-        cute.autovec_copy(acc_state, thr_mma.partition_C(dst))
+        cute.autovec_copy(acc_state, thr_mma.partition_C(self.state_tile(new_state, seq, head, slice_idx, warp_idx)))
 
 
 class TwoLevelSm90:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import cutlass.cute as cute
 
-__all__ = ["ChainLink", "NO_CHAIN", "chain_links", "enter"]
+__all__ = ["ChainLink", "Linked", "NO_CHAIN", "chain_links", "enter"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,13 @@ class ChainLink:
 
 
 NO_CHAIN = ChainLink()
+
+
+class Linked:
+    """A kernel class that takes its place in a chain (`link`; NO_CHAIN: launched plainly)."""
+
+    def __init__(self, link: ChainLink = NO_CHAIN):
+        self.link = link
 
 
 def chain_links(num_kernels: int, chained: bool) -> tuple[ChainLink, ...]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from .chain import NO_CHAIN, ChainLink, enter
+from .chain import Linked, enter
 from .shapes import HIDDEN, NUM_LOCAL_EXPERTS, NUM_THREADS, TOP_K
 
 COMBINE_COLS_PER_THREAD = 8
@@ -20,10 +20,7 @@ assert HIDDEN % COMBINE_COLS_PER_CTA == 0
 # ------------------------------------------------------------------------------------------------
 
 
-class CombineKernel:
-    def __init__(self, link: ChainLink = NO_CHAIN):
-        self.link = link
-
+class CombineKernel(Linked):
     @cute.jit
     def launch(
         self,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from .chain import NO_CHAIN, ChainLink, enter
+from .chain import Linked, enter
 from .shapes import GROUP_SIZE, NORMALISATION_EPS, NUM_GROUPS, NUM_LOCAL_EXPERTS, TOP_K, TOP_K_GROUPS
 
 ROUTING_WARPS = 4  # tokens per CTA
@@ -17,10 +17,7 @@ ROUTING_WARPS = 4  # tokens per CTA
 # ------------------------------------------------------------------------------------------------
 
 
-class ZeroCountsKernel:
-    def __init__(self, link: ChainLink = NO_CHAIN):
-        self.link = link
-
+class ZeroCountsKernel(Linked):
     @cute.jit
     def launch(self, counts: cute.Tensor, stream):
         self.kernel(counts).launch(grid=[1, 1, 1], block=[NUM_LOCAL_EXPERTS, 1, 1], stream=stream, use_pdl=self.link.waits)
@@ -135,10 +132,7 @@ def route_token(
             slot_weight[token, lane] = cutlass.Float32(0.0)
 
 
-class RoutingKernel:
-    def __init__(self, link: ChainLink = NO_CHAIN):
-        self.link = link
-
+class RoutingKernel(Linked):
     @cute.jit
     def launch(
         self,
@@ -202,15 +196,12 @@ class RoutingKernel:
 ONE_CTA_WARPS = 32  # one token per warp up to 32 tokens
 
 
-class OneCtaRoutingKernel:
+class OneCtaRoutingKernel(Linked):
     """Zeroes the counters and routes in one launch of one CTA: the counters live in shared memory
     while the warps route (warp w takes tokens w, w + 32, ...) and are stored once at the end. For
     small batches, where the separate zeroing launch costs a launch and its host gap before the
     routing one (0.6 + 5.6 us at T = 1, session 4); correct for any T, but one CTA of 32 warps only
     pays off while there are few tokens per warp."""
-
-    def __init__(self, link: ChainLink = NO_CHAIN):
-        self.link = link
 
     @cute.jit
     def launch(

@@ -199,18 +199,7 @@ MOE = Track(
             package="deep_gemm==2.6.1+54e2261",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_one_cta_routing",
-            entry="candidate_one_cta_routing.py::run",
-            description="kernel.py (v1.1) with the counter zeroing and the routing in one launch up to 32 tokens (v1.2)",
-        ),
-        CandidateSide(
-            name="cand_pdl_chain",
-            entry="candidate_pdl_chain.py::run",
-            description="v1.2 with each launch after the first a programmatic dependent of the one before (v1.4)",
-        ),
-    ),
+    candidates=(),
 )
 
 DSA_ATTENTION = Track(

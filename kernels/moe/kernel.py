@@ -1,13 +1,16 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v1.1 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
-1.15x over v1 on all 19 workloads in the run of 2026-11-30, NOTES.md): the routing and combine
-kernels of the grouped pipeline around weight-streaming expert GEMMs (streaming_gemm.py).
+v1.4 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+1.15x over v1; the zeroing and routing in one launch up to 32 tokens (v1.2) and every launch after
+the first a programmatic dependent of the one before (v1.4, `chain.py`): 1.07x over v1.1 at T <= 16,
+1.17x at T = 1, in the run of 2026-11-30, NOTES.md): the routing and combine kernels of the grouped
+pipeline around weight-streaming expert GEMMs (streaming_gemm.py).
 Destination passing, definition order, no host sync, no data-dependent host logic, graph-safe. The
 path is chosen from T alone (a shape):
 
-- T <= STREAMING_MAX_TOKENS: the five kernels of `host.py` in one TVM-FFI call, the two GEMMs persistent
-  weight-streaming GEMMs. Row tiles of 16 tokens up to SMALL_T_MAX_TOKENS, 32 above (so that at
+- T <= STREAMING_MAX_TOKENS: the kernels of `host.py` in one TVM-FFI call (four up to
+  ONE_CTA_ROUTING_MAX_TOKENS, where one CTA zeroes the counters and routes, five above), chained by
+  programmatic dependent launches, the two GEMMs persistent weight-streaming GEMMs. Row tiles of 16 tokens up to SMALL_T_MAX_TOKENS, 32 above (so that at
   T ~ 900, ~28 tokens per expert, most experts' weights are streamed once). With few tokens per
   expert a weight stream is bound by the bytes in flight over the latency, so up to SMALL_T_MAX_TOKENS
   GEMM2 (whose bf16 activation stages are twice GEMM1's) gets tiles and stages that still fit two
@@ -16,11 +19,12 @@ path is chosen from T alone (a shape):
   MMA work per weight byte.
 
 Each configuration is compiled once (dynamic T) on first use and cached; `compile_only()` compiles
-all four.
+all five.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -30,6 +34,7 @@ import torch
 from . import grouped_pipeline, host
 from .grouped_pipeline import GPU_ARCH, MAX_TOKENS, MoeShapeError
 from .host import Workspaces
+from .routing import ONE_CTA_WARPS
 from .streaming_gemm import StreamingGemm, StreamingGemmConfig
 
 __all__ = [
@@ -37,6 +42,7 @@ __all__ = [
     "GPU_ARCH",
     "MAX_TOKENS",
     "MoeShapeError",
+    "ONE_CTA_ROUTING_MAX_TOKENS",
     "SMALL_T_MAX_TOKENS",
     "STREAMING_MAX_TOKENS",
     "StreamingVariant",
@@ -54,6 +60,9 @@ __all__ = [
 # FEW_TOKENS_MAX an active local expert gets ~1-8 tokens under the contest's routing, so GEMM2's
 # 8-token tiles rarely stream an expert's weights twice.
 FEW_TOKENS_MAX = 64
+# One warp routes one token, so one CTA routes up to this many in the launch that zeroes the counters;
+# beyond it the warps would route several tokens one after the other, and a separate routing grid wins.
+ONE_CTA_ROUTING_MAX_TOKENS = ONE_CTA_WARPS
 SMALL_T_MAX_TOKENS = 192
 STREAMING_MAX_TOKENS = 2048
 NUM_STAGES = 4
@@ -86,16 +95,20 @@ class StreamingVariant:
 
 # GEMM2's shared memory per CTA: 103 KB (8 x 4) and 108 KB (16 x 3), two CTAs per SM each, i.e. 8
 # and 6 weight stages in flight per SM where 16-token tiles with 4 stages (141 KB) allow one CTA, 4.
-FEW_TOKENS = StreamingVariant(block_tokens=16, gemm2_block_tokens=8, gemm2_num_stages=4)
-SMALL_T = StreamingVariant(block_tokens=16, gemm2_block_tokens=16, gemm2_num_stages=3)
-MEDIUM_T = StreamingVariant(block_tokens=32)
-VARIANTS = (FEW_TOKENS, SMALL_T, MEDIUM_T)
+# Every variant is chained: the span of a call then equals its kernels' busy time (session 8).
+FEW_TOKENS = StreamingVariant(block_tokens=16, gemm2_block_tokens=8, gemm2_num_stages=4, chained=True)
+ONE_CTA_ROUTED = dataclasses.replace(FEW_TOKENS, one_cta_routing=True)
+SMALL_T = StreamingVariant(block_tokens=16, gemm2_block_tokens=16, gemm2_num_stages=3, chained=True)
+MEDIUM_T = StreamingVariant(block_tokens=32, chained=True)
+VARIANTS = (ONE_CTA_ROUTED, FEW_TOKENS, SMALL_T, MEDIUM_T)
 
 
 def variant_for(num_tokens: int) -> StreamingVariant | None:
     """The streaming variant for a batch of `num_tokens` tokens, or None for the grouped pipeline (v0)."""
     if num_tokens < 1:
         raise MoeShapeError(f"seq_len must be >= 1, got {num_tokens}")
+    if num_tokens <= ONE_CTA_ROUTING_MAX_TOKENS:
+        return ONE_CTA_ROUTED
     if num_tokens <= FEW_TOKENS_MAX:
         return FEW_TOKENS
     if num_tokens <= SMALL_T_MAX_TOKENS:
@@ -109,7 +122,7 @@ _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
 
 
 def _compile(arch: str, variant: StreamingVariant) -> Callable:
-    # The five launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs).
+    # The launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs).
     return host.compile_host(
         host.MoeHostSm90(
             StreamingGemm(variant.gemm1()), StreamingGemm(variant.gemm2()), variant.one_cta_routing, variant.chained

@@ -12,7 +12,6 @@ CUDA-graph capture and replay.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import math
@@ -34,8 +33,6 @@ reference = cases.load_reference()
 SOLUTIONS = (
     "kernel",
     "grouped_pipeline",
-    "candidate_one_cta_routing",
-    "candidate_pdl_chain",
 )
 
 
@@ -64,26 +61,14 @@ def test_compiles_for_sm90a_without_gpu():
     assert kernel.compile_only("sm_90a") == compiled
 
 
-def test_one_cta_routing_candidate_takes_small_batches_only():
-    candidate = solution_module("candidate_one_cta_routing")
-    for num_tokens in (1, 7, 32):
-        assert candidate.variant_for(num_tokens).one_cta_routing
-    for num_tokens in (33, 192, 2048, 2049):
-        assert candidate.variant_for(num_tokens) is kernel.variant_for(num_tokens)
-    compiled = candidate.compile_only("sm_90a")
-    assert compiled[0] is kernel.compiled_for(candidate.FEW_TOKENS, "sm_90a") and compiled[0] not in compiled[1:]
-
-
-def test_pdl_chain_candidate_chains_every_streaming_variant_and_keeps_v12s_choice():
-    candidate = solution_module("candidate_pdl_chain")
-    one_cta = solution_module("candidate_one_cta_routing")
-    for num_tokens in (1, 32, 33, 64, 65, 192, 193, 2048):
-        chained = candidate.variant_for(num_tokens)
-        assert chained.chained and dataclasses.replace(chained, chained=False) == one_cta.variant_for(num_tokens)
-    assert candidate.variant_for(2049) is None  # the grouped pipeline, unchained
-    compiled = candidate.compile_only("sm_90a")
-    assert len(compiled) == len(candidate.VARIANTS) + len(kernel.VARIANTS) + 1
-    assert len({id(fn) for fn in compiled}) == len(compiled)  # cached per variant: each its own
+def test_streaming_variants_are_chained_and_route_in_one_cta_up_to_32_tokens():
+    for num_tokens in (1, 7, 32, 33, 64, 65, 192, 193, 2048):
+        variant = kernel.variant_for(num_tokens)
+        assert variant.chained
+        assert variant.one_cta_routing == (num_tokens <= kernel.ONE_CTA_ROUTING_MAX_TOKENS)
+    assert kernel.ONE_CTA_ROUTING_MAX_TOKENS == 32
+    assert kernel.variant_for(2049) is None  # the grouped pipeline, unchained
+    assert len(set(kernel.VARIANTS)) == len(kernel.VARIANTS)  # each compiled configuration once
 
 
 @pytest.mark.parametrize(("num_kernels", "expected"), [(4, "R WR WR W"), (5, "R WR WR WR W")])

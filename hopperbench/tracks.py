@@ -225,9 +225,9 @@ DSA_ATTENTION = Track(
     ),
     candidates=(
         CandidateSide(
-            name="cand_s_ilp",
-            entry="candidate_s_ilp.py::run",
-            description="kernel.py with S = Q K^T summed into four partial accumulators (eight MMA chains of 9) (v1.3)",
+            name="cand_eight_warps",
+            entry="candidate_eight_warps.py::run",
+            description="kernel.py with 8 warps per split CTA instead of 4, each taking half of each product (v1.4)",
         ),
     ),
 )

@@ -159,3 +159,28 @@ def test_a_cut_short_deletion_list_is_verified_by_removing_its_whole_folder(repo
     assert verdict is verify.Verdict.VERIFIED_LESS_DELETED and "all of results/ (1 files listed)" in detail
     only_a = record.model_copy(update={"repo_tree": verify.tree_without(repo, head, ["results/a.csv", "kernel.py"])})
     assert verify.verdict_for(only_a, repo)[0] is verify.Verdict.MISMATCH
+
+
+def test_files_the_commit_removed_since_the_copys_older_head_do_not_count_as_left_out(repo: Path) -> None:
+    """Session 8: the copy's .git sat at an older commit, so its status listed as deleted both the
+    results/ it left out and a kernel file the declared commit had removed. Only the first may be
+    taken away from the commit's tree; removing the second's whole folder would hide real code."""
+    (repo / "kernels").mkdir()
+    (repo / "kernels" / "old_candidate.py").write_text("B = 1\n")
+    (repo / "kernels" / "kernel.py").write_text("C = 1\n")
+    (repo / "results").mkdir()
+    (repo / "results" / "a.csv").write_text("a")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "older head")
+    git(repo, "rm", "-q", "kernels/old_candidate.py")
+    (repo / "results" / "b.csv").write_text("b")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "declared")
+    declared = git(repo, "rev-parse", "HEAD")
+    ran = verify.tree_without(repo, declared, ["results"])
+    changes = [" D kernels/old_candidate.py", " D results/a.csv"]
+    record = EnvironmentRecord(repo_commit=declared, repo_tree=ran, repo_changes=changes)
+    verdict, detail = verify.verdict_for(record, repo)
+    assert verdict is verify.Verdict.VERIFIED_LESS_DELETED and "all of results/" in detail
+    without_kernels = record.model_copy(update={"repo_tree": verify.tree_without(repo, declared, ["results", "kernels"])})
+    assert verify.verdict_for(without_kernels, repo)[0] is verify.Verdict.MISMATCH

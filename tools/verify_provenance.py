@@ -115,7 +115,9 @@ def verdict_for(environment: EnvironmentRecord, repo: Path) -> tuple[Verdict, st
             f"files of commit {commit[:12]} ({environment.repo_commit_source}), plus {len(extras)} untracked "
             f"file(s) no commit holds: {', '.join(extras)}"
         )
-    deleted = deleted_in(environment.repo_changes)
+    # Deleted against the copy's HEAD, which may be older than `commit`: a file `commit` itself
+    # removed is listed too, but only the files `commit` has can have been left out of the copy.
+    deleted = [path for path in deleted_in(environment.repo_changes) if tracked_by(repo, commit, path)]
     left_out = left_out_of_copy(repo, commit, deleted, tree) if expected != tree else None
     if left_out is not None:
         what = count_by_folder(deleted) if left_out == deleted else (

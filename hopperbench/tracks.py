@@ -166,13 +166,7 @@ GDN_PREFILL = Track(
             package="fla-core==0.6.0",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_two_level",
-            entry="candidate_two_level.py::run",
-            description="kernel.py with the two-level form (prepass over all chunks, short state pass) above 40 tokens (v2.0)",
-        ),
-    ),
+    candidates=(),
 )
 
 MOE = Track(
@@ -223,13 +217,7 @@ DSA_ATTENTION = Track(
             package="flash_mla==1.0.0+9241ae3",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_eight_warps",
-            entry="candidate_eight_warps.py::run",
-            description="kernel.py with 8 warps per split CTA instead of 4, each taking half of each product (v1.4)",
-        ),
-    ),
+    candidates=(),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

@@ -36,8 +36,6 @@ KERNEL_CHOICES = (
     "kernel",
     "token_serial",
     "chunked",
-    "two_level",
-    "candidate_two_level",
 )
 
 # Ten sequences, so that the chunked kernel, which orders its grid rows by length (v1.7), re-ranks at replay:

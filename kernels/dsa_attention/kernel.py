@@ -51,7 +51,7 @@ TOPK = 2048
 
 BLOCK_N = 64  # cache rows per chunk
 NUM_CHUNKS = TOPK // BLOCK_N  # 32
-NUM_THREADS = 128  # 4 warps per combine CTA, and per split CTA unless a subclass says otherwise
+NUM_THREADS = 128  # 4 warps
 NUM_STAGES = 2  # chunks resident in shared memory (double buffering)
 # Rows of Q and K in shared memory are padded by 16 B so that the 8 row addresses of one
 # ldmatrix fall on distinct bank groups (a 1152-B row would put them all on the same banks).
@@ -59,6 +59,8 @@ QK_ROW_STRIDE = QK_DIM + 8
 P_ROW_STRIDE = BLOCK_N + 8
 S_ROW_STRIDE = BLOCK_N + 4
 COPY_ELEMS = 8  # bf16 elements per 16-B cp.async
+THREADS_PER_SOFTMAX_ROW = NUM_THREADS // NUM_HEADS  # 8
+COLS_PER_SOFTMAX_THREAD = BLOCK_N // THREADS_PER_SOFTMAX_ROW  # 8
 COMBINE_COLUMN_GROUPS = CKV_DIM // NUM_THREADS  # 4 combine CTAs per (token, head), one column per thread
 # Split counts the split kernel accepts (each split takes a whole number of chunks).
 VALID_SPLITS = tuple(1 << i for i in range(NUM_CHUNKS.bit_length()) if NUM_CHUNKS % (1 << i) == 0)
@@ -86,40 +88,18 @@ class DsaShapeError(ValueError):
     """An input does not have the shape, dtype or layout of the definition."""
 
 
-def _make_tiled_mma(num_warps: int) -> cute.TiledMma:
-    # The warps side by side along N of a 64-wide N tile: 4 warps get two n8 atoms (16 columns) each,
-    # 8 warps one (8 columns).
+def _make_tiled_mma() -> cute.TiledMma:
+    # 4 warps side by side along N; a 64-wide N tile gives each warp two n8 atoms, i.e. 16 columns,
+    # which is what a 4-matrix ldmatrix of the B operand fills.
     return cute.make_tiled_mma(
         warp.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (16, 8, 16)),
-        (1, num_warps, 1),
-        permutation_mnk=(NUM_HEADS, BLOCK_N, 16),
+        (1, NUM_THREADS // 32, 1),
+        permutation_mnk=(NUM_HEADS, 64, 16),
     )
 
 
 class _SplitKernel:
     """Partial attention of one token over 2048 / num_splits of its rows (see module docstring)."""
-
-    # Warps of a CTA, side by side along N of both products (the 64 keys of S, the 512 columns of O).
-    # The CTA's shared memory allows one per SM, so these are the SM's only warps. A subclass may
-    # set 8.
-    NUM_WARPS = 4
-
-    @property
-    def num_threads(self) -> int:
-        return self.NUM_WARPS * cute.arch.WARP_SIZE
-
-    @property
-    def threads_per_softmax_row(self) -> int:
-        return self.num_threads // NUM_HEADS  # consecutive lanes that share one head's row
-
-    @property
-    def cols_per_softmax_thread(self) -> int:
-        return BLOCK_N // self.threads_per_softmax_row
-
-    @property
-    def b_ldmatrix_count(self) -> int:
-        # 8x8 matrices of one ldmatrix of a B fragment: a k-step of 16 over the warp's columns.
-        return BLOCK_N // self.NUM_WARPS // 8 * 2
 
     @cute.jit
     def launch(
@@ -133,7 +113,7 @@ class _SplitKernel:
         workspace: cute.Tensor,
         stream,
     ):
-        tiled_mma = _make_tiled_mma(self.NUM_WARPS)
+        tiled_mma = _make_tiled_mma()
         sq_layout = cute.make_layout((NUM_HEADS, QK_DIM), stride=(QK_ROW_STRIDE, 1))
         sk_layout = cute.make_layout(
             (BLOCK_N, QK_DIM, NUM_STAGES), stride=(QK_ROW_STRIDE, 1, BLOCK_N * QK_ROW_STRIDE)
@@ -168,7 +148,7 @@ class _SplitKernel:
             SharedStorage,
         ).launch(
             grid=[q_nope.shape[0], num_splits, 1],
-            block=[self.num_threads, 1, 1],
+            block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
@@ -223,14 +203,14 @@ class _SplitKernel:
             tidx,
         )
         thr_mma = tiled_mma.get_slice(tidx)
-        softmax_row = tidx // self.threads_per_softmax_row
+        softmax_row = tidx // THREADS_PER_SOFTMAX_ROW
 
         # ---- epilogue: unnormalised O, m and l of this split ----
         tOgO = thr_mma.partition_C(
             cute.local_tile(workspace[token, split, None, None], (NUM_HEADS, CKV_DIM), (0, 0))
         )
         cute.autovec_copy(acc_o, tOgO)
-        if tidx % self.threads_per_softmax_row == 0:
+        if tidx % THREADS_PER_SOFTMAX_ROW == 0:
             workspace[token, split, softmax_row, WS_MAX_COL] = row_max[0]
             workspace[token, split, softmax_row, WS_SUM_COL] = row_sum[0]
 
@@ -267,8 +247,8 @@ class _SplitKernel:
         )
 
         # ---- Q: [q_nope | q_pe] of this token into sq (part of the first cp.async group) ----
-        for i in cutlass.range_constexpr(NUM_HEADS * CKV_DIM // COPY_ELEMS // self.num_threads):
-            linear = i * self.num_threads + tidx
+        for i in cutlass.range_constexpr(NUM_HEADS * CKV_DIM // COPY_ELEMS // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
             head = linear // (CKV_DIM // COPY_ELEMS)
             seg = linear % (CKV_DIM // COPY_ELEMS)
             cute.copy(
@@ -295,15 +275,11 @@ class _SplitKernel:
             tiled_mma,
         )
         ldsm_b = cute.make_tiled_copy_B(
-            cute.make_copy_atom(
-                warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=self.b_ldmatrix_count), cutlass.BFloat16
-            ),
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), cutlass.BFloat16),
             tiled_mma,
         )
         ldsm_bt = cute.make_tiled_copy_B(
-            cute.make_copy_atom(
-                warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=self.b_ldmatrix_count), cutlass.BFloat16
-            ),
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), cutlass.BFloat16),
             tiled_mma,
         )
         thr_ldsm_a = ldsm_a.get_slice(tidx)
@@ -325,13 +301,13 @@ class _SplitKernel:
         tOcO = thr_mma.partition_C(cute.make_identity_tensor((NUM_HEADS, CKV_DIM)))
 
         # Softmax ownership: 8 consecutive lanes share one head row, 8 key columns each.
-        softmax_row = tidx // self.threads_per_softmax_row
-        softmax_col0 = (tidx % self.threads_per_softmax_row) * self.cols_per_softmax_thread
+        softmax_row = tidx // THREADS_PER_SOFTMAX_ROW
+        softmax_col0 = (tidx % THREADS_PER_SOFTMAX_ROW) * COLS_PER_SOFTMAX_THREAD
         row_max = cute.make_rmem_tensor((1,), cutlass.Float32)
         row_sum = cute.make_rmem_tensor((1,), cutlass.Float32)
         row_max[0] = -cutlass.Float32.inf
         row_sum[0] = cutlass.Float32(0.0)
-        scaled = cute.make_rmem_tensor((self.cols_per_softmax_thread,), cutlass.Float32)
+        scaled = cute.make_rmem_tensor((COLS_PER_SOFTMAX_THREAD,), cutlass.Float32)
 
         for chunk in cutlass.range(chunks_per_split, unroll=1):
             stage = chunk % NUM_STAGES
@@ -371,7 +347,7 @@ class _SplitKernel:
 
             # ---- online softmax (log2 domain) on row `softmax_row`, columns col0..col0+7 ----
             local_max = -cutlass.Float32.inf
-            for j in cutlass.range_constexpr(self.cols_per_softmax_thread):
+            for j in cutlass.range_constexpr(COLS_PER_SOFTMAX_THREAD):
                 col = softmax_col0 + j
                 row_id = sparse_indices[token, chunk_row + col]
                 valid = row_id >= 0 and row_id < num_cache_rows
@@ -383,7 +359,7 @@ class _SplitKernel:
             # While a row has seen no valid key its max is -inf; shift by 0 so exp2 gives 0, not NaN.
             shift = cutlass.Float32(0.0) if new_max == -cutlass.Float32.inf else new_max
             local_sum = cutlass.Float32(0.0)
-            for j in cutlass.range_constexpr(self.cols_per_softmax_thread):
+            for j in cutlass.range_constexpr(COLS_PER_SOFTMAX_THREAD):
                 p = cute.math.exp2(scaled[j] - shift, fastmath=True)
                 local_sum = local_sum + p
                 sp[softmax_row, softmax_col0 + j] = p.to(cutlass.BFloat16)
@@ -391,7 +367,7 @@ class _SplitKernel:
             alpha = cute.math.exp2(row_max[0] - shift, fastmath=True)
             row_sum[0] = row_sum[0] * alpha + local_sum
             row_max[0] = new_max
-            if tidx % self.threads_per_softmax_row == 0:
+            if tidx % THREADS_PER_SOFTMAX_ROW == 0:
                 salpha[softmax_row] = alpha
             cute.arch.sync_threads()
 
@@ -431,8 +407,8 @@ class _SplitKernel:
         contiguous bytes of a ckv row (and whole 128-B kpe rows)."""
         sk_stage = sk[None, None, stage]
         ckv_segs = CKV_DIM // COPY_ELEMS  # 64 pieces per ckv row
-        for i in cutlass.range_constexpr(BLOCK_N * ckv_segs // self.num_threads):
-            linear = i * self.num_threads + tidx
+        for i in cutlass.range_constexpr(BLOCK_N * ckv_segs // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
             row = linear // ckv_segs
             seg = linear % ckv_segs
             row_id = sparse_indices[token, chunk_row + row]
@@ -442,8 +418,8 @@ class _SplitKernel:
             else:
                 dst.fill(0.0)
         kpe_segs = KPE_DIM // COPY_ELEMS  # 8 pieces per kpe row
-        for i in cutlass.range_constexpr(BLOCK_N * kpe_segs // self.num_threads):
-            linear = i * self.num_threads + tidx
+        for i in cutlass.range_constexpr(BLOCK_N * kpe_segs // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
             row = linear // kpe_segs
             seg = linear % kpe_segs
             row_id = sparse_indices[token, chunk_row + row]
@@ -455,8 +431,8 @@ class _SplitKernel:
 
     @cute.jit
     def row_reduce(self, value: cutlass.Float32, op: cutlass.Constexpr) -> cutlass.Float32:
-        """Reduce over the consecutive lanes that share a softmax row (all of them get the result)."""
-        offset = self.threads_per_softmax_row // 2
+        """Reduce over the 8 consecutive lanes that share a softmax row (all 8 get the result)."""
+        offset = THREADS_PER_SOFTMAX_ROW // 2
         while offset > 0:
             value = op(value, cute.arch.shuffle_sync_bfly(value, offset=offset))
             offset //= 2

@@ -527,11 +527,10 @@ class GdnPrefillSm90:
 _COMPILED: dict[tuple[str, type], Callable] = {}
 
 
-def compile_launcher(launcher: object, arch: str, extra_args: Callable[[], tuple] = tuple) -> Callable:
-    """`cute.compile` of a host launcher taking `run`'s tensors in definition order (then
-    `scale`, `has_state`, the compile-time stand-ins `extra_args()` returns (a kernel's workspaces),
-    and the stream): one compile for every T and N (symbolic shapes), as a TVM-FFI function on the
-    current torch stream. Shared by every GDN kernel of this folder."""
+def compile_launcher(launcher: object, arch: str) -> Callable:
+    """`cute.compile` of a host launcher taking `run`'s tensors in definition order (then `scale`,
+    `has_state` and the stream): one compile for every T and N (symbolic shapes), as a TVM-FFI
+    function on the current torch stream. Shared by every GDN kernel of this folder."""
     num_tokens = cute.sym_int()
     num_seqs = cute.sym_int()
     num_bounds = cute.sym_int()  # N + 1
@@ -559,7 +558,6 @@ def compile_launcher(launcher: object, arch: str, extra_args: Callable[[], tuple
         1,  # has_state
         rowmajor(bf16, (num_tokens, NUM_V_HEADS, HEAD_SIZE), align=2),  # output
         rowmajor(f32, state_shape),  # new_state
-        *extra_args(),
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return cute.compile(launcher, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")

@@ -23,7 +23,7 @@ from hopperbench.paths import REPO_ROOT
 cases = load_module_by_path(REPO_ROOT / "kernels/dsa_attention/check_cases.py", "dsa_check_cases")
 kernel = cases.load_kernel()
 # kernel.py and the candidates of its folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_eight_warps")
+SOLUTIONS = ("kernel",)
 
 
 @functools.cache
@@ -53,36 +53,6 @@ def test_compiles_for_sm90a_without_gpu():
 def test_every_solution_offers_the_split_count_entry_the_gpu_tests_call(name):
     # Session 7: a candidate without it failed every split-count GPU test before its kernel ran.
     assert callable(getattr(solution_module(name), "run_with_splits", None))
-
-
-@pytest.mark.parametrize(
-    ("num_warps", "softmax_lanes", "softmax_cols", "b_matrices"), [(4, 8, 8, 4), (8, 16, 4, 2)]
-)
-def test_split_kernel_work_division_follows_its_warp_count(num_warps, softmax_lanes, softmax_cols, b_matrices):
-    split = type("Split", (kernel._SplitKernel,), {"NUM_WARPS": num_warps})()
-    assert split.num_threads == 32 * num_warps
-    # Every head row of S is shared by whole lanes of one warp (the row reduce shuffles within a warp).
-    assert split.threads_per_softmax_row == softmax_lanes and 32 % softmax_lanes == 0
-    assert split.cols_per_softmax_thread == softmax_cols
-    assert softmax_lanes * softmax_cols == kernel.BLOCK_N
-    # One B ldmatrix covers a k-step of 16 over the warp's n8 atoms of the 64-wide tile.
-    assert split.b_ldmatrix_count == b_matrices == kernel.BLOCK_N // num_warps // 8 * 2
-    # The copy loops divide evenly: Q, and a chunk's ckv and kpe pieces.
-    pieces = (
-        kernel.NUM_HEADS * kernel.CKV_DIM // kernel.COPY_ELEMS,
-        kernel.BLOCK_N * kernel.CKV_DIM // kernel.COPY_ELEMS,
-        kernel.BLOCK_N * kernel.KPE_DIM // kernel.COPY_ELEMS,
-    )
-    assert all(n % split.num_threads == 0 for n in pieces)
-    # q_pe's pieces are copied by the first threads, one each.
-    assert kernel.NUM_HEADS * kernel.KPE_DIM // kernel.COPY_ELEMS <= split.num_threads
-
-
-def test_eight_warp_candidate_compiles_its_own_split_kernel():
-    candidate = solution_module("candidate_eight_warps")
-    assert candidate._EightWarpSplit.NUM_WARPS == 8 and kernel._SplitKernel.NUM_WARPS == 4
-    compiled = candidate.compile_only("sm_90a")
-    assert callable(compiled) and compiled is not kernel.compile_only("sm_90a")  # keyed on the kernel classes
 
 
 def test_combine_covers_the_columns_and_the_splits():

@@ -193,7 +193,13 @@ MOE = Track(
             package="deep_gemm==2.6.1+54e2261",
         ),
     ),
-    candidates=(),
+    candidates=(
+        CandidateSide(
+            name="cand_clean_counters",
+            entry="candidate_clean_counters.py::run",
+            description="kernel.py v1.4 with the counters kept zeroed between calls: no zeroing launch, routing grid first (v1.5)",
+        ),
+    ),
 )
 
 DSA_ATTENTION = Track(

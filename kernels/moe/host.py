@@ -7,7 +7,9 @@ The five launches, all in one TVM-FFI call on the current stream, no host synchr
 zero the per-expert counters (`routing.ZeroCountsKernel`), route (`routing.RoutingKernel`),
 GEMM1 + SwiGLU into `intermediate`, GEMM2 into `expert_out`, and the weighted combine into
 `output` (`combine.CombineKernel`); or four, with the first two as one (`one_cta_routing`, for small
-batches: `routing.OneCtaRoutingKernel`). The expert GEMMs differ between the paths; each takes
+batches: `routing.OneCtaRoutingKernel`); or, `self_cleaning`, the routing first on counters that
+the previous call on the stream left at zero, and after the combine `routing.ReleaseCountsKernel`,
+which copies the counters into `counts_out` and zeroes them again (`counters.py` keeps them). The expert GEMMs differ between the paths; each takes
 `launch(a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream)`, where `grid` is the
 path's own grid parameter (row tiles for the grouped GEMMs, persistent CTAs for streaming).
 `chained`: the launches form a chain of programmatic dependent launches (`chain.py`); the GEMMs must
@@ -27,7 +29,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .chain import chain_links
 from .combine import CombineKernel
-from .routing import OneCtaRoutingKernel, RoutingKernel, ZeroCountsKernel
+from .routing import OneCtaRoutingKernel, ReleaseCountsKernel, RoutingKernel, ZeroCountsKernel
 from .shapes import (
     BLOCK,
     GEMM1_OUT,
@@ -51,14 +53,28 @@ class MoeHostSm90:
     """Host function of the five kernels with `gemm1` (G1 + SwiGLU) and `gemm2` (G2); one compile
     serves every T (dynamic) and every offset / scaling factor (runtime scalars). With
     `one_cta_routing` the zeroing and the routing are one launch (`routing.OneCtaRoutingKernel`,
-    for small batches): four launches. With `chained` each launch after the first is a programmatic
-    dependent of the one before (`chain.py`)."""
+    for small batches): four launches. With `self_cleaning` the counters come zeroed from the
+    previous call and the last launch zeroes them again (`routing.ReleaseCountsKernel`): five
+    launches, none of them first a tiny one. With `chained` each launch after the first is a
+    programmatic dependent of the one before (`chain.py`)."""
 
-    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm, one_cta_routing: bool = False, chained: bool = False):
+    def __init__(
+        self,
+        gemm1: ExpertGemm,
+        gemm2: ExpertGemm,
+        one_cta_routing: bool = False,
+        chained: bool = False,
+        self_cleaning: bool = False,
+    ):
+        if one_cta_routing and self_cleaning:
+            raise ValueError("a self-cleaning call needs no zeroing, so it has no one-CTA routing to fold it into")
+        zeroes_first = not (one_cta_routing or self_cleaning)
         links = list(chain_links(4 if one_cta_routing else 5, chained))
         self.one_cta_routing = one_cta_routing
-        self.zero_counts = None if one_cta_routing else ZeroCountsKernel(links.pop(0))
+        self.self_cleaning = self_cleaning
+        self.zero_counts = ZeroCountsKernel(links.pop(0)) if zeroes_first else None
         self.routing = (OneCtaRoutingKernel if one_cta_routing else RoutingKernel)(links.pop(0))
+        self.release_counts = ReleaseCountsKernel(links.pop()) if self_cleaning else None
         gemm1_link, gemm2_link, combine_link = links
         if chained and not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
             raise TypeError("a chained MoE host needs expert GEMMs with with_link (the streaming ones)")
@@ -81,6 +97,7 @@ class MoeHostSm90:
         routed_scaling_factor: cutlass.Float32,
         output: cute.Tensor,
         counts: cute.Tensor,
+        counts_out: cute.Tensor,
         expert_tokens: cute.Tensor,
         slot_expert: cute.Tensor,
         slot_rank: cute.Tensor,
@@ -91,7 +108,7 @@ class MoeHostSm90:
         gemm2_grid: cutlass.Int32,
         stream,
     ):
-        if cutlass.const_expr(not self.one_cta_routing):
+        if cutlass.const_expr(self.zero_counts is not None):
             self.zero_counts.launch(counts, stream)
         self.routing.launch(
             routing_logits,
@@ -128,6 +145,8 @@ class MoeHostSm90:
             stream,
         )
         self.combine.launch(counts, slot_expert, slot_rank, slot_weight, expert_out, output, stream)
+        if cutlass.const_expr(self.release_counts is not None):
+            self.release_counts.launch(counts, counts_out, stream)
 
 
 @dataclass(frozen=True)
@@ -179,6 +198,7 @@ def fake_tensor_arguments() -> tuple:
         1.0,
         rowmajor(bf16, (num_tokens, HIDDEN)),
         rowmajor(i32, (NUM_LOCAL_EXPERTS,)),
+        rowmajor(i32, (NUM_LOCAL_EXPERTS,)),
         rowmajor(i32, (NUM_LOCAL_EXPERTS, num_tokens)),
         rowmajor(i32, (num_tokens, TOP_K)),
         rowmajor(i32, (num_tokens, TOP_K)),
@@ -195,15 +215,26 @@ def compile_host(host: MoeHostSm90, arch: str) -> Callable:
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
-def launch(compiled: Callable, inputs: tuple[Any, ...], output, workspaces: Workspaces, gemm1_grid: int, gemm2_grid: int) -> None:
+def launch(
+    compiled: Callable,
+    inputs: tuple[Any, ...],
+    output,
+    workspaces: Workspaces,
+    gemm1_grid: int,
+    gemm2_grid: int,
+    kept_counts: torch.Tensor | None = None,
+) -> None:
     """One call of a compiled host function: the definition's ten inputs (in order), the output,
-    the workspaces and the two grid parameters."""
+    the workspaces and the two grid parameters. A self-cleaning host function counts in
+    `kept_counts` (zero on entry, left at zero) and copies the call's counts into
+    `workspaces.counts`; the others count in `workspaces.counts` itself."""
     *tensors, local_expert_offset, routed_scaling_factor = inputs
     compiled(
         *tensors,
         int(local_expert_offset),
         float(routed_scaling_factor),
         output,
+        workspaces.counts if kept_counts is None else kept_counts,
         workspaces.counts,
         workspaces.expert_tokens,
         workspaces.slot_expert,

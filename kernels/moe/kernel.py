@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from . import grouped_pipeline, host
+from . import counters, grouped_pipeline, host
 from .grouped_pipeline import GPU_ARCH, MAX_TOKENS, MoeShapeError
 from .host import Workspaces
 from .routing import ONE_CTA_WARPS
@@ -81,6 +81,7 @@ class StreamingVariant:
     gemm2_num_stages: int | None = None  # None: num_stages
     one_cta_routing: bool = False  # zeroing and routing in one launch (host.MoeHostSm90)
     chained: bool = False  # programmatic dependent launches between the call's kernels (chain.py)
+    self_cleaning: bool = False  # counters kept zeroed between calls, no zeroing launch (counters.py)
 
     def gemm1(self) -> StreamingGemmConfig:
         return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
@@ -125,7 +126,11 @@ def _compile(arch: str, variant: StreamingVariant) -> Callable:
     # The launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs).
     return host.compile_host(
         host.MoeHostSm90(
-            StreamingGemm(variant.gemm1()), StreamingGemm(variant.gemm2()), variant.one_cta_routing, variant.chained
+            StreamingGemm(variant.gemm1()),
+            StreamingGemm(variant.gemm2()),
+            variant.one_cta_routing,
+            variant.chained,
+            variant.self_cleaning,
         ),
         arch,
     )
@@ -244,7 +249,8 @@ def run_keeping_workspaces(
     device = routing_logits.device
     workspaces = Workspaces.allocate(num_tokens, device)
     gemm1_ctas, gemm2_ctas = _grids(variant, _num_sms(device))
-    host.launch(compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas)
+    kept = counters.kept_counts(device, GPU_ARCH) if variant.self_cleaning else None
+    host.launch(compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas, kept)
     return workspaces
 
 

@@ -1,5 +1,7 @@
 """Kernels 1 and 2 of the MoE: zero the per-expert counters; DeepSeek-V3 no-aux routing, one warp per token
-(`route_token`). For small batches both in one launch of one CTA (`OneCtaRoutingKernel`)."""
+(`route_token`). For small batches both in one launch of one CTA (`OneCtaRoutingKernel`). A
+self-cleaning call instead keeps its counters zeroed between calls (`ReleaseCountsKernel`, its last
+launch)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,25 @@ class ZeroCountsKernel(Linked):
     def kernel(self, counts: cute.Tensor):
         enter(self.link)
         tidx, _, _ = cute.arch.thread_idx()
+        counts[tidx] = cutlass.Int32(0)
+
+
+class ReleaseCountsKernel(Linked):
+    """The last kernel of a self-cleaning call (`host.MoeHostSm90(self_cleaning=True)`): copies the
+    call's counters out for inspection and leaves the kept counter buffer at zero for the next call
+    on the stream, so that no call has to start with the zeroing launch and its host gap."""
+
+    @cute.jit
+    def launch(self, counts: cute.Tensor, counts_out: cute.Tensor, stream):
+        self.kernel(counts, counts_out).launch(
+            grid=[1, 1, 1], block=[NUM_LOCAL_EXPERTS, 1, 1], stream=stream, use_pdl=self.link.waits
+        )
+
+    @cute.kernel
+    def kernel(self, counts: cute.Tensor, counts_out: cute.Tensor):
+        enter(self.link)
+        tidx, _, _ = cute.arch.thread_idx()
+        counts_out[tidx] = counts[tidx]
         counts[tidx] = cutlass.Int32(0)
 
 

@@ -1,0 +1,74 @@
+"""The per-expert counters that self-cleaning calls keep at zero between calls, one buffer per
+(device, stream).
+
+Why: a call that allocates its counters must zero them in its first launch. That launch is tiny
+(0.6 us), so the host is still issuing the routing launch when it ends, and the gap (5-9 us in the
+session-8 runs at 52-80 tokens) lands inside the call's span. A self-cleaning call
+(`host.MoeHostSm90(self_cleaning=True)`) starts with the routing on a buffer that the previous call
+on the same stream left at zero, and its last launch zeroes it again.
+
+Safety:
+- Calls on one stream run in order, and the next call's first kernel is launched plainly (not as a
+  programmatic dependent), so it starts only after the previous call's last kernel has zeroed the
+  buffer.
+- Streams never share a buffer.
+- During a CUDA-graph capture no buffer is kept: the call gets a fresh one, zeroed by a launch
+  that is captured with it. Replays then zero, use and re-zero that buffer. A buffer allocated from
+  the capture's private pool must not outlive the graph's use of it.
+- A new buffer is zeroed once by our own kernel (`routing.ZeroCountsKernel`), not by a PyTorch op.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+from .chain import NO_CHAIN
+from .routing import ZeroCountsKernel
+from .shapes import NUM_LOCAL_EXPERTS
+
+__all__ = ["kept_counts"]
+
+_KEPT: dict[tuple[int, int], torch.Tensor] = {}
+_ZERO: dict[str, Callable] = {}
+
+
+class _ZeroCounts:
+    """Host function of the one zeroing launch of a new buffer."""
+
+    @cute.jit
+    def __call__(self, counts: cute.Tensor, stream):
+        ZeroCountsKernel(NO_CHAIN).launch(counts, stream)
+
+
+def compiled_zero(arch: str) -> Callable:
+    """The zeroing launch for `arch` (compiled once; needs no GPU)."""
+    fn = _ZERO.get(arch)
+    if fn is None:
+        counts = make_fake_compact_tensor(cutlass.Int32, (NUM_LOCAL_EXPERTS,), assumed_align=16)
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        fn = _ZERO[arch] = cute.compile(_ZeroCounts(), counts, stream, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+    return fn
+
+
+def _zeroed(device: torch.device, arch: str) -> torch.Tensor:
+    counts = torch.empty(NUM_LOCAL_EXPERTS, dtype=torch.int32, device=device)
+    compiled_zero(arch)(counts)  # on the current stream, before the call that uses it
+    return counts
+
+
+def kept_counts(device: torch.device, arch: str) -> torch.Tensor:
+    """The zeroed counter buffer of the current stream of `device` (a fresh one inside a capture)."""
+    if torch.cuda.is_current_stream_capturing():
+        return _zeroed(device, arch)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    counts = _KEPT.get(key)
+    if counts is None:
+        counts = _KEPT[key] = _zeroed(device, arch)
+    return counts

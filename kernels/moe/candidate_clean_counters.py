@@ -27,7 +27,9 @@ from .kernel import MoeShapeError, StreamingVariant
 
 __all__ = ["MoeShapeError", "VARIANTS", "compile_only", "run", "variant_for"]
 
-VARIANTS = tuple(dataclasses.replace(v, self_cleaning=True) for v in (kernel.FEW_TOKENS, kernel.SMALL_T, kernel.MEDIUM_T))
+VARIANTS = tuple(
+    dataclasses.replace(variant, self_cleaning=True) for variant in (kernel.FEW_TOKENS, kernel.SMALL_T, kernel.MEDIUM_T)
+)
 
 
 def variant_for(num_tokens: int) -> StreamingVariant | None:

@@ -9,7 +9,8 @@ GEMM1 + SwiGLU into `intermediate`, GEMM2 into `expert_out`, and the weighted co
 `output` (`combine.CombineKernel`); or four, with the first two as one (`one_cta_routing`, for small
 batches: `routing.OneCtaRoutingKernel`); or, `self_cleaning`, the routing first on counters that
 the previous call on the stream left at zero, and after the combine `routing.ReleaseCountsKernel`,
-which copies the counters into `counts_out` and zeroes them again (`counters.py` keeps them). The expert GEMMs differ between the paths; each takes
+which copies the counters into `counts_out` and zeroes them again (`counters.py` keeps them). The
+expert GEMMs differ between the paths; each takes
 `launch(a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream)`, where `grid` is the
 path's own grid parameter (row tiles for the grouped GEMMs, persistent CTAs for streaming).
 `chained`: the launches form a chain of programmatic dependent launches (`chain.py`); the GEMMs must

@@ -2,15 +2,16 @@
 
 v1.4 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; the zeroing and routing in one launch up to 32 tokens (v1.2) and every launch after
-the first a programmatic dependent of the one before (v1.4, `chain.py`): 1.07x over v1.1 at T <= 16,
-1.17x at T = 1, in the run of 2026-11-30, NOTES.md): the routing and combine kernels of the grouped
-pipeline around weight-streaming expert GEMMs (streaming_gemm.py).
+the first a programmatic dependent of the one before (v1.4, `chain.py`): 1.05-1.17x over v1.1 at
+T <= 16 in the run of 2026-11-30, NOTES.md): the routing and combine kernels of the grouped pipeline
+around weight-streaming expert GEMMs (streaming_gemm.py).
 Destination passing, definition order, no host sync, no data-dependent host logic, graph-safe. The
 path is chosen from T alone (a shape):
 
 - T <= STREAMING_MAX_TOKENS: the kernels of `host.py` in one TVM-FFI call (four up to
   ONE_CTA_ROUTING_MAX_TOKENS, where one CTA zeroes the counters and routes, five above), chained by
-  programmatic dependent launches, the two GEMMs persistent weight-streaming GEMMs. Row tiles of 16 tokens up to SMALL_T_MAX_TOKENS, 32 above (so that at
+  programmatic dependent launches, the two GEMMs persistent weight-streaming GEMMs. Row tiles of 16
+  tokens up to SMALL_T_MAX_TOKENS, 32 above (so that at
   T ~ 900, ~28 tokens per expert, most experts' weights are streamed once). With few tokens per
   expert a weight stream is bound by the bytes in flight over the latency, so up to SMALL_T_MAX_TOKENS
   GEMM2 (whose bf16 activation stages are twice GEMM1's) gets tiles and stages that still fit two
@@ -61,7 +62,8 @@ __all__ = [
 # 8-token tiles rarely stream an expert's weights twice.
 FEW_TOKENS_MAX = 64
 # One warp routes one token, so one CTA routes up to this many in the launch that zeroes the counters;
-# beyond it the warps would route several tokens one after the other, and a separate routing grid wins.
+# beyond it each warp would route several tokens one after the other (already at 32 tokens the one CTA
+# costs ~6 us more GPU time than the routing grid; it wins there only by removing the host gap).
 ONE_CTA_ROUTING_MAX_TOKENS = ONE_CTA_WARPS
 SMALL_T_MAX_TOKENS = 192
 STREAMING_MAX_TOKENS = 2048

@@ -37,6 +37,7 @@ from .grouped_pipeline import GPU_ARCH, MAX_TOKENS, MoeShapeError
 from .host import Workspaces
 from .routing import ONE_CTA_WARPS
 from .streaming_gemm import StreamingGemm, StreamingGemmConfig
+from .wgmma_gemm1 import WgmmaGemm1, WgmmaGemm1Config
 
 __all__ = [
     "FEW_TOKENS_MAX",
@@ -84,9 +85,16 @@ class StreamingVariant:
     one_cta_routing: bool = False  # zeroing and routing in one launch (host.MoeHostSm90)
     chained: bool = False  # programmatic dependent launches between the call's kernels (chain.py)
     self_cleaning: bool = False  # counters kept zeroed between calls, no zeroing launch (counters.py)
+    wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
 
-    def gemm1(self) -> StreamingGemmConfig:
+    def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
+        if self.wgmma_gemm1:
+            return WgmmaGemm1Config(block_tokens=self.block_tokens, num_stages=self.num_stages)
         return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
+
+    def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:
+        config = self.gemm1()
+        return WgmmaGemm1(config) if isinstance(config, WgmmaGemm1Config) else StreamingGemm(config)
 
     def gemm2(self) -> StreamingGemmConfig:
         return StreamingGemmConfig(
@@ -128,7 +136,7 @@ def _compile(arch: str, variant: StreamingVariant) -> Callable:
     # The launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs).
     return host.compile_host(
         host.MoeHostSm90(
-            StreamingGemm(variant.gemm1()),
+            variant.make_gemm1(),
             StreamingGemm(variant.gemm2()),
             variant.one_cta_routing,
             variant.chained,
@@ -164,7 +172,7 @@ def _num_sms(device: torch.device) -> int:
     return count
 
 
-def persistent_ctas(config: StreamingGemmConfig, num_sms: int) -> int:
+def persistent_ctas(config: StreamingGemmConfig | WgmmaGemm1Config, num_sms: int) -> int:
     """Grid of a persistent streaming GEMM: every SM holds as many CTAs as shared memory allows."""
     return num_sms * config.ctas_per_sm()
 

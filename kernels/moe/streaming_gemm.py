@@ -258,6 +258,59 @@ class StreamingGemmConfig:
 
 
 # ------------------------------------------------------------------------------------------------
+# the work schedule (shared with wgmma_gemm1.py)
+# ------------------------------------------------------------------------------------------------
+
+
+@cute.jit
+def build_expert_tables(
+    counts: cute.Tensor,
+    block_tokens: cutlass.Constexpr,
+    tile_end: cute.Tensor,
+    expert_count: cute.Tensor,
+    expert_offset: cute.Tensor,
+    lane: Int32,
+):
+    """Warp 0 of a CTA: per local expert, its row tiles' inclusive prefix (`tile_end`), its token
+    count and its packed-row offset (exclusive prefix of the counts); the caller syncs."""
+    count = counts[lane]
+    tiles = (count + block_tokens - 1) // block_tokens
+    tiles_inclusive = tiles
+    rows_inclusive = count
+    for shift in cutlass.range_constexpr(5):
+        tiles_up = cute.arch.shuffle_sync_up(tiles_inclusive, offset=1 << shift)
+        rows_up = cute.arch.shuffle_sync_up(rows_inclusive, offset=1 << shift)
+        if lane >= (1 << shift):
+            tiles_inclusive = tiles_inclusive + tiles_up
+            rows_inclusive = rows_inclusive + rows_up
+    tile_end[lane] = tiles_inclusive
+    expert_count[lane] = count
+    expert_offset[lane] = rows_inclusive - count
+
+
+@cute.jit
+def locate_row_tile(
+    row_tile: Int32,
+    block_tokens: cutlass.Constexpr,
+    tile_end: cute.Tensor,
+    expert_count: cute.Tensor,
+    expert_offset: cute.Tensor,
+):
+    """(local expert, first row within its list, valid rows, first packed row) of a row tile:
+    the expert is the number of experts whose tiles end at or before it (binary lifting)."""
+    expert = cutlass.Int32(0)
+    for step_log in cutlass.range_constexpr(5):
+        step = 16 >> step_log
+        if tile_end[expert + step - 1] <= row_tile:
+            expert = expert + step
+    count = expert_count[expert]
+    first_tile = tile_end[expert] - (count + block_tokens - 1) // block_tokens
+    first_row = (row_tile - first_tile) * block_tokens
+    valid_rows = cutlass.min(count - first_row, block_tokens)
+    return expert, first_row, valid_rows, expert_offset[expert] + first_row
+
+
+# ------------------------------------------------------------------------------------------------
 # the kernel
 # ------------------------------------------------------------------------------------------------
 
@@ -365,21 +418,8 @@ class StreamingGemm:
         expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
         expert_offset = storage.expert_offset.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
 
-        # ---- per-expert tables: row tiles (inclusive prefix) and packed row offsets (exclusive) ----
         if warp_id == 0:
-            count = counts[lane]
-            tiles = (count + bt - 1) // bt
-            tiles_inclusive = tiles
-            rows_inclusive = count
-            for shift in cutlass.range_constexpr(5):
-                tiles_up = cute.arch.shuffle_sync_up(tiles_inclusive, offset=1 << shift)
-                rows_up = cute.arch.shuffle_sync_up(rows_inclusive, offset=1 << shift)
-                if lane >= (1 << shift):
-                    tiles_inclusive = tiles_inclusive + tiles_up
-                    rows_inclusive = rows_inclusive + rows_up
-            tile_end[lane] = tiles_inclusive
-            expert_count[lane] = count
-            expert_offset[lane] = rows_inclusive - count
+            build_expert_tables(counts, bt, tile_end, expert_count, expert_offset, lane)
         cute.arch.sync_threads()
 
         total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * cfg.items_per_row_tile
@@ -447,19 +487,7 @@ class StreamingGemm:
 
     @cute.jit
     def locate(self, row_tile: Int32, tile_end: cute.Tensor, expert_count: cute.Tensor, expert_offset: cute.Tensor):
-        """(local expert, first row within its list, valid rows, first packed row) of a row tile:
-        the expert is the number of experts whose tiles end at or before it (binary lifting)."""
-        bt = self.cfg.block_tokens
-        expert = cutlass.Int32(0)
-        for step_log in cutlass.range_constexpr(5):
-            step = 16 >> step_log
-            if tile_end[expert + step - 1] <= row_tile:
-                expert = expert + step
-        count = expert_count[expert]
-        first_tile = tile_end[expert] - (count + bt - 1) // bt
-        first_row = (row_tile - first_tile) * bt
-        valid_rows = cutlass.min(count - first_row, bt)
-        return expert, first_row, valid_rows, expert_offset[expert] + first_row
+        return locate_row_tile(row_tile, self.cfg.block_tokens, tile_end, expert_count, expert_offset)
 
     @cute.jit
     def load_stage(

@@ -35,6 +35,7 @@ SOLUTIONS = (
     "kernel",
     "grouped_pipeline",
     "candidate_clean_counters",
+    "candidate_wgmma_gemm1",
 )
 
 

@@ -416,12 +416,17 @@ def _bad_column_tiles(actual: torch.Tensor, expected: torch.Tensor, tile: int, b
     ids=lambda c: c.name,
 )
 def test_each_gemm_matches_torch_on_its_packed_rows(case):
-    # Localises a failure of test_matches_reference: the routing lists against the reference's
-    # routing, C (GEMM1 + SwiGLU, bf16) against torch on the dequantised operands, and O (GEMM2)
-    # against torch on our own C (so a GEMM1 error does not show up as a GEMM2 one).
+    check_each_gemm(case, kernel.variant_for)
+
+
+def check_each_gemm(case, choose) -> None:
+    """Localises a failure of test_matches_reference for the streaming variants `choose` picks: the
+    routing lists against the reference's routing, C (GEMM1 + SwiGLU, bf16) against torch on the
+    dequantised operands, and O (GEMM2) against torch on our own C (so a GEMM1 error does not show
+    up as a GEMM2 one)."""
     inputs = cases.make_inputs(case, "cuda", seed=5)
     output = cases.poisoned_output(case.num_tokens, "cuda")
-    workspaces = kernel.run_keeping_workspaces(*inputs.values(), output)
+    workspaces = kernel.run_keeping_workspaces(*inputs.values(), output, choose=choose)
     torch.cuda.synchronize()
     assert workspaces is not None
     experts, _ = reference._route(

@@ -1,0 +1,422 @@
+"""GEMM1 + SwiGLU of the MoE weight stream on Hopper's FP8 warpgroup MMA (`wgmma.m64nNk32.e4m3`).
+
+Why (NOTES.md, session 8): `streaming_gemm.py`'s GEMM1 feeds `mma.sync` with e4m3 -> f16 conversions
+in registers. At T = 901 it issues 153 M warp instructions from one warp per scheduler and is bound by
+instruction issue (553 us, DRAM at 17 %). FP8 `mma.sync` compiles to the same conversions on sm_90a;
+only the warpgroup MMA reads e4m3 operands from shared memory as they are.
+
+Design (the schedule and the numerics are `streaming_gemm.py`'s):
+- Work item = (row tile of `block_tokens` tokens of one expert, 32 up rows and their 32 gate rows).
+  The 64 weight rows are WGMMA's M and the tokens its N (8, 16 or 32), so SwiGLU stays in the CTA.
+  There are 64 items per row tile, and persistent CTAs walk them as the streaming GEMM does
+  (`build_expert_tables`, `locate_row_tile`).
+- One warpgroup per CTA. A flat `cp.async` pipeline over (item, K stage) never drains between
+  items. A K stage is 256 wide: two 128-wide quantisation blocks.
+  - The copies write the 128-B-swizzled K-major tiles WGMMA reads (the sm90 K_SW128 atom: 8 rows
+    x 128 B, `Swizzle<3,4,3>`); `swizzled_offset` is that layout's formula.
+  - A `fence.proxy.async` makes them visible to the tensor core before the barrier.
+- Per 128-K block: four k32 WGMMAs into a fresh accumulator, wait, then
+  acc += block x (the row half's weight block scale x the token's scale). This is v0's
+  promotion, as DeepGEMM does it.
+- Epilogue: the accumulator through shared memory; C = silu(gate) * up, in bf16, for the item's
+  valid tokens. Columns of absent tokens hold whatever the stage held and are never written out.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
+from cutlass.tensor_utils import LayoutEnum
+
+from .chain import NO_CHAIN, ChainLink, enter
+from .shapes import BLOCK, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
+from .streaming_gemm import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, StreamingConfigError, build_expert_tables, locate_row_tile
+
+__all__ = ["WgmmaGemm1", "WgmmaGemm1Config", "swizzled_offset"]
+
+NUM_THREADS = 128  # one warpgroup
+ITEM_ROWS = 64  # WGMMA's M: 32 up rows and their 32 gate rows
+HALF_ROWS = ITEM_ROWS // 2
+ITEMS_PER_ROW_TILE = INTERMEDIATE // HALF_ROWS  # 64
+BLOCKS_PER_STAGE = 2
+STAGE_K = BLOCKS_PER_STAGE * BLOCK  # 256
+K_STAGES = HIDDEN // STAGE_K  # 28
+K_STEPS_PER_BLOCK = BLOCK // 32  # k32 WGMMAs per quantisation block
+CHUNK = 16  # bytes per cp.async
+CHUNKS_PER_ROW = STAGE_K // CHUNK  # 16
+SWIZZLE_ATOM_ROWS = 8
+SWIZZLE_ROW_BYTES = 128
+
+assert HIDDEN % STAGE_K == 0 and BLOCK % HALF_ROWS == 0 and BLOCK % 32 == 0
+
+
+def swizzled_offset(row, k, stage, rows: int):
+    """Byte offset of element (row, k) of `stage` in a K-major e4m3 tile of `rows` x 256 staged as
+    the sm90 K_SW128 layout that `sm90_utils.make_smem_layout_a/b` builds for it: 8-row x 128-B atoms,
+    stacked along the rows, then along K, then by stage, with the 16-B chunk index XOR the row in the
+    atom. Plain arithmetic: the kernel calls it with DSL integers, the CPU tests with Python ints."""
+    linear = (
+        (row % SWIZZLE_ATOM_ROWS) * SWIZZLE_ROW_BYTES
+        + (row // SWIZZLE_ATOM_ROWS) * SWIZZLE_ATOM_ROWS * SWIZZLE_ROW_BYTES
+        + k % SWIZZLE_ROW_BYTES
+        + (k // SWIZZLE_ROW_BYTES) * rows * SWIZZLE_ROW_BYTES
+        + stage * rows * STAGE_K
+    )
+    return linear ^ (((linear >> 7) & 7) << 4)
+
+
+def item_weight_row(n_tile, row):
+    """Weight row of item row `row` (0..63) of column tile `n_tile`: rows [0, 32) are the up rows
+    32 n_tile + r, rows [32, 64) the gate rows 2048 + 32 n_tile + r - 32 (branch-free)."""
+    half = row // HALF_ROWS
+    return n_tile * HALF_ROWS + row + half * (INTERMEDIATE - HALF_ROWS)
+
+
+def item_weight_scale_row(n_tile, half):
+    """Row of the 128 x 128 weight block scales that holds the item's `half` (0: up, 1: gate)."""
+    return (half * INTERMEDIATE + n_tile * HALF_ROWS) // BLOCK
+
+
+class WgmmaGemm1Config:
+    """Compile-time shape of the WGMMA GEMM1: tokens per row tile (WGMMA's N) and pipeline depth."""
+
+    def __init__(self, block_tokens: int, num_stages: int):
+        if block_tokens not in (8, 16, 32):
+            raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
+        if num_stages < 3:
+            raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
+        self.gemm1 = True
+        self.block_tokens = block_tokens
+        self.num_stages = num_stages
+        self.k_stages = K_STAGES
+        self.items_per_row_tile = ITEMS_PER_ROW_TILE
+        self.threads_per_token = NUM_THREADS // block_tokens
+        self._smem_bytes: int | None = None
+        if self.smem_bytes() + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
+            raise StreamingConfigError(f"{self.smem_bytes()} B of shared memory per CTA do not fit an SM")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WgmmaGemm1Config) and (self.block_tokens, self.num_stages) == (
+            other.block_tokens,
+            other.num_stages,
+        )
+
+    def __hash__(self) -> int:
+        return hash(("wgmma_gemm1", self.block_tokens, self.num_stages))
+
+    def shared_storage(self):
+        ns, bt = self.num_stages, self.block_tokens
+
+        def region(dtype, count: int, alignment: int):
+            return cute.struct.Align[cute.struct.MemRange[dtype, count], alignment]
+
+        fields = {
+            # 1024-B aligned: the swizzle pattern repeats every 1024 B from the start of an atom
+            "w_stages": region(cutlass.Float8E4M3FN, ns * ITEM_ROWS * STAGE_K, 1024),
+            "x_stages": region(cutlass.Float8E4M3FN, ns * bt * STAGE_K, 1024),
+            "x_scales": region(Float32, ns * BLOCKS_PER_STAGE * bt, 128),
+            "w_scales": region(Float32, ns * BLOCKS_PER_STAGE * 2, 128),
+            "scratch": region(Float32, ITEM_ROWS * bt, 128),
+            "tile_end": region(Int32, NUM_LOCAL_EXPERTS, 16),
+            "expert_count": region(Int32, NUM_LOCAL_EXPERTS, 16),
+            "expert_offset": region(Int32, NUM_LOCAL_EXPERTS, 16),
+        }
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    def smem_bytes(self) -> int:
+        if self._smem_bytes is None:
+            self._smem_bytes = self.shared_storage().size_in_bytes()
+        return self._smem_bytes
+
+    def ctas_per_sm(self) -> int:
+        return max(1, min(2, SMEM_PER_SM // (self.smem_bytes() + SMEM_RESERVED_PER_CTA)))
+
+
+@cute.jit
+def wgmma_operands(block_tokens: cutlass.Constexpr, num_stages: cutlass.Constexpr):
+    """The FP8 tiled MMA (M = 64 weight rows, N = the tokens, k32) and the staged K_SW128 layouts
+    of its weight (A) and token (B) tiles."""
+    k_major = LayoutEnum.ROW_MAJOR  # K-major for A and for B alike
+    tiled_mma = sm90_utils.make_trivial_tiled_mma(
+        cutlass.Float8E4M3FN,
+        cutlass.Float8E4M3FN,
+        k_major.sm90_mma_major_mode(),
+        k_major.sm90_mma_major_mode(),
+        Float32,
+        (1, 1, 1),
+        tiler_mn=(ITEM_ROWS, block_tokens),
+    )
+    tile = (ITEM_ROWS, block_tokens, STAGE_K)
+    a_layout = sm90_utils.make_smem_layout_a(k_major, tile, cutlass.Float8E4M3FN, num_stages)
+    b_layout = sm90_utils.make_smem_layout_b(k_major, tile, cutlass.Float8E4M3FN, num_stages)
+    return tiled_mma, a_layout, b_layout
+
+
+class WgmmaGemm1:
+    """GEMM1 + SwiGLU with `launch(x, x_scale, w, w_scale, out, counts, expert_tokens, num_ctas,
+    stream)`, as `streaming_gemm.StreamingGemm` (x = hidden_states [T, 7168] e4m3 gathered by token,
+    x_scale [56, T], w = W13 [32, 4096, 7168], w_scale [32, 32, 56], out = C [rows, 2048] bf16)."""
+
+    def __init__(self, config: WgmmaGemm1Config, link: ChainLink = NO_CHAIN):
+        self.cfg = config
+        self.link = link
+
+    def with_link(self, link: ChainLink) -> WgmmaGemm1:
+        return WgmmaGemm1(self.cfg, link)
+
+    @cute.jit
+    def launch(
+        self,
+        x: cute.Tensor,
+        x_scale: cute.Tensor,
+        w: cute.Tensor,
+        w_scale: cute.Tensor,
+        out: cute.Tensor,
+        counts: cute.Tensor,
+        expert_tokens: cute.Tensor,
+        num_ctas: Int32,
+        stream,
+    ):
+        cfg = self.cfg
+        tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
+        SharedStorage = cfg.shared_storage()
+        self.kernel(
+            x, x_scale, w, w_scale, out, counts, expert_tokens, tiled_mma, a_layout, b_layout, SharedStorage
+        ).launch(
+            grid=[num_ctas, 1, 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            use_pdl=self.link.waits,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        x: cute.Tensor,
+        x_scale: cute.Tensor,
+        w: cute.Tensor,
+        w_scale: cute.Tensor,
+        out: cute.Tensor,
+        counts: cute.Tensor,
+        expert_tokens: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_layout: cute.ComposedLayout,
+        b_layout: cute.ComposedLayout,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        enter(self.link)
+        cfg = self.cfg
+        bt = cfg.block_tokens
+        ns = cfg.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp_id = tidx // 32
+        lane = tidx % 32
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        # The MMA's swizzled views, and flat byte views of the same buffers for the copies.
+        s_w = storage.w_stages.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        s_x = storage.x_stages.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        w_bytes = storage.w_stages.get_tensor(cute.make_layout(ns * ITEM_ROWS * STAGE_K))
+        x_bytes = storage.x_stages.get_tensor(cute.make_layout(ns * bt * STAGE_K))
+        x_scales = storage.x_scales.get_tensor(
+            cute.make_layout((bt, BLOCKS_PER_STAGE, ns), stride=(1, bt, BLOCKS_PER_STAGE * bt))
+        )
+        w_scales = storage.w_scales.get_tensor(
+            cute.make_layout((2, BLOCKS_PER_STAGE, ns), stride=(1, 2, 2 * BLOCKS_PER_STAGE))
+        )
+        scratch = storage.scratch.get_tensor(cute.make_layout((bt, ITEM_ROWS), stride=(ITEM_ROWS, 1)))
+        tile_end = storage.tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+        expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+        expert_offset = storage.expert_offset.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+
+        if warp_id == 0:
+            build_expert_tables(counts, bt, tile_end, expert_count, expert_offset, lane)
+        cute.arch.sync_threads()
+
+        total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * ITEMS_PER_ROW_TILE
+        my_items = cutlass.Int32(0)
+        if cta < total_items:
+            my_items = (total_items - cta + grid - 1) // grid
+        total_stages = my_items * K_STAGES
+
+        g2s_16 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
+        )
+        g2s_4_f32 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), Float32, num_bits_per_copy=32
+        )
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        t_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_w))  # (MMA, M, K steps, stage)
+        t_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_x))
+        acc_shape = thr_mma.partition_shape_C((ITEM_ROWS, bt))
+        acc = cute.make_rmem_tensor(acc_shape, Float32)
+        block_acc = cute.make_rmem_tensor(acc_shape, Float32)
+        coords = thr_mma.partition_C(cute.make_identity_tensor((ITEM_ROWS, bt)))  # (item row, token slot)
+        acc.fill(0.0)
+
+        for p in cutlass.range_constexpr(ns - 1):
+            if p < total_stages:
+                self.load_stage(
+                    p, p, cta, grid, x, x_scale, w, w_scale, expert_tokens, tile_end, expert_count, expert_offset,
+                    w_bytes, x_bytes, x_scales, w_scales, g2s_16, g2s_4_f32, tidx,
+                )
+            cute.arch.cp_async_commit_group()
+
+        for s in cutlass.range(total_stages, unroll=1):
+            # Stage s has landed once at most ns - 2 younger groups are pending. Each thread makes
+            # its own copies visible to the tensor core's (async) proxy; the barrier then covers
+            # everyone's, and tells every thread that the slot the next load overwrites is free.
+            cute.arch.cp_async_wait_group(ns - 2)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+            if s + ns - 1 < total_stages:
+                self.load_stage(
+                    s + ns - 1, (s + ns - 1) % ns, cta, grid, x, x_scale, w, w_scale, expert_tokens, tile_end,
+                    expert_count, expert_offset, w_bytes, x_bytes, x_scales, w_scales, g2s_16, g2s_4_f32, tidx,
+                )
+            cute.arch.cp_async_commit_group()
+
+            item = cta + (s // K_STAGES) * grid
+            k_stage = s % K_STAGES
+            expert, first_row, valid_rows, packed_row0 = locate_row_tile(
+                item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
+            )
+            if k_stage == 0:
+                acc.fill(0.0)
+            slot = s % ns
+            for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                cute.nvgpu.warpgroup.fence()
+                for k in cutlass.range_constexpr(K_STEPS_PER_BLOCK):
+                    step = b * K_STEPS_PER_BLOCK + k
+                    cute.gemm(tiled_mma, block_acc, t_a[None, None, step, slot], t_b[None, None, step, slot], block_acc)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                # v0's promotion: the block's exact fp32 sum times (weight block scale x token scale)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    row, token_slot = coords[i]
+                    scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
+                    acc[i] = acc[i] + block_acc[i] * scale
+            if k_stage == K_STAGES - 1:
+                self.epilogue(acc, coords, scratch, out, item % ITEMS_PER_ROW_TILE, packed_row0, valid_rows, tidx)
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def load_stage(
+        self,
+        s: Int32,
+        slot: Int32,
+        cta: Int32,
+        grid: Int32,
+        x: cute.Tensor,
+        x_scale: cute.Tensor,
+        w: cute.Tensor,
+        w_scale: cute.Tensor,
+        expert_tokens: cute.Tensor,
+        tile_end: cute.Tensor,
+        expert_count: cute.Tensor,
+        expert_offset: cute.Tensor,
+        w_bytes: cute.Tensor,
+        x_bytes: cute.Tensor,
+        x_scales: cute.Tensor,
+        w_scales: cute.Tensor,
+        g2s_16: cute.CopyAtom,
+        g2s_4_f32: cute.CopyAtom,
+        tidx: Int32,
+    ):
+        """Issue the cp.async copies of flat stage `s` of this CTA (weights, tokens, scales)."""
+        cfg = self.cfg
+        bt = cfg.block_tokens
+        item = cta + (s // K_STAGES) * grid
+        k_stage = s % K_STAGES
+        n_tile = item % ITEMS_PER_ROW_TILE
+        expert, first_row, valid_rows, packed_row0 = locate_row_tile(
+            item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
+        )
+
+        # ---- weights: 64 rows x 256 B; 16 consecutive threads read one row's 256 contiguous bytes ----
+        for i in cutlass.range_constexpr(ITEM_ROWS * CHUNKS_PER_ROW // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            row = linear // CHUNKS_PER_ROW
+            chunk = linear % CHUNKS_PER_ROW
+            cute.copy(
+                g2s_16,
+                cute.local_tile(w[expert, item_weight_row(n_tile, row), None], (CHUNK,), (k_stage * CHUNKS_PER_ROW + chunk,)),
+                cute.local_tile(
+                    w_bytes, (CHUNK,), (swizzled_offset(row, chunk * CHUNK, slot, ITEM_ROWS) // CHUNK,)
+                ),
+            )
+
+        # ---- tokens: thread group per token, the row's 16 chunks strided over the group ----
+        tpt = cfg.threads_per_token
+        token_slot = tidx // tpt
+        sub = tidx % tpt
+        if token_slot < valid_rows:
+            token = expert_tokens[expert, first_row + token_slot]
+            for i in cutlass.range_constexpr(CHUNKS_PER_ROW // tpt):
+                chunk = sub + i * tpt
+                cute.copy(
+                    g2s_16,
+                    cute.local_tile(x[token, None], (CHUNK,), (k_stage * CHUNKS_PER_ROW + chunk,)),
+                    cute.local_tile(
+                        x_bytes, (CHUNK,), (swizzled_offset(token_slot, chunk * CHUNK, slot, bt) // CHUNK,)
+                    ),
+                )
+            if sub < BLOCKS_PER_STAGE:  # x_scale is [56, T] (transposed)
+                cute.copy(
+                    g2s_4_f32,
+                    cute.local_tile(x_scale[k_stage * BLOCKS_PER_STAGE + sub, None], (1,), (token,)),
+                    cute.local_tile(x_scales[None, sub, slot], (1,), (token_slot,)),
+                )
+
+        # ---- weight block scales: one per (row half, K block) ----
+        if tidx < 2 * BLOCKS_PER_STAGE:
+            half = tidx // BLOCKS_PER_STAGE
+            block = tidx % BLOCKS_PER_STAGE
+            cute.copy(
+                g2s_4_f32,
+                cute.local_tile(
+                    w_scale[expert, item_weight_scale_row(n_tile, half), None],
+                    (1,),
+                    (k_stage * BLOCKS_PER_STAGE + block,),
+                ),
+                cute.local_tile(w_scales[half, None, slot], (1,), (block,)),
+            )
+
+    @cute.jit
+    def epilogue(
+        self,
+        acc: cute.Tensor,
+        coords: cute.Tensor,
+        scratch: cute.Tensor,
+        out: cute.Tensor,
+        n_tile: Int32,
+        packed_row0: Int32,
+        valid_rows: Int32,
+        tidx: Int32,
+    ):
+        """C = silu(gate) * up for the item's valid tokens, through shared memory (an up row and its
+        gate row sit in different warps of the accumulator)."""
+        bt = self.cfg.block_tokens
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            row, token_slot = coords[i]
+            scratch[token_slot, row] = acc[i]
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr(HALF_ROWS * bt // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            token_slot = linear // HALF_ROWS
+            column = linear % HALF_ROWS
+            if token_slot < valid_rows:
+                up = scratch[token_slot, column]
+                gate = scratch[token_slot, HALF_ROWS + column]
+                silu = gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=False))
+                out[packed_row0 + token_slot, n_tile * HALF_ROWS + column] = (silu * up).to(cutlass.BFloat16)

@@ -1,0 +1,135 @@
+"""MoE candidate v2.0: GEMM1 + SwiGLU on FP8 warpgroup MMA (kernels/moe/wgmma_gemm1.py).
+
+CPU: the byte offsets the cp.async copies write equal the offsets of the swizzled K_SW128 layouts
+the WGMMA reads (traced from CuTe's own layouts, for every token-tile width and three stages); item
+rows, SwiGLU pairing and block-scale rows; the shared-memory budget; the candidate's dispatch.
+GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py on the candidate's path (T = 901);
+the end-to-end checks are test_moe_kernel.py's, which runs every check case on the candidate.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor
+
+from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, solution_module
+from tests.kernels.test_moe_streaming import check_each_gemm
+
+wgmma = solution_module("wgmma_gemm1")
+candidate = solution_module("candidate_wgmma_gemm1")
+STAGES = 3
+
+
+def _traced_offsets(block_tokens: int) -> list[tuple[int, int, int, int, int]]:
+    """(rows, row, k, stage, offset) of both staged layouts at every 16-B chunk start, and of the
+    bytes inside a few chunks, evaluated by CuTe while it traces (no GPU)."""
+    seen: list[tuple[int, int, int, int, int]] = []
+
+    @cute.jit
+    def probe(unused: cute.Tensor):
+        _, a_layout, b_layout = wgmma.wgmma_operands(block_tokens, STAGES)
+        for layout, rows in ((a_layout, wgmma.ITEM_ROWS), (b_layout, block_tokens)):
+            for row in cutlass.range_constexpr(rows):
+                for k in cutlass.range_constexpr(0, wgmma.STAGE_K, wgmma.CHUNK):
+                    for stage in cutlass.range_constexpr(STAGES):
+                        seen.append((rows, row, k, stage, layout((row, k, stage))))
+                for k in cutlass.range_constexpr(wgmma.CHUNK):  # inside the first chunks of row `row`
+                    seen.append((rows, row, 112 + k, 1, layout((row, 112 + k, 1))))
+
+    unused = make_fake_compact_tensor(cutlass.Float32, (4,), assumed_align=16)
+    cute.compile(probe, unused, options="--gpu-arch sm_90a")
+    return seen
+
+
+@pytest.mark.parametrize("block_tokens", [8, 16, 32])
+def test_copy_offsets_are_the_mma_layouts_byte_for_byte(block_tokens):
+    seen = _traced_offsets(block_tokens)
+    assert len(seen) > 1000 and all(isinstance(offset, int) for *_, offset in seen)
+    wrong = [
+        (rows, row, k, stage, offset)
+        for rows, row, k, stage, offset in seen
+        if offset != wgmma.swizzled_offset(row, k, stage, rows)
+    ]
+    assert not wrong, wrong[:5]
+
+
+def test_a_chunk_is_contiguous_and_aligned_under_the_swizzle():
+    # The copies write 16 contiguous bytes from a 16-B aligned offset: the swizzle only permutes
+    # 16-B chunks within 128-B rows.
+    for rows in (8, 16, 32, 64):
+        for row in range(rows):
+            for k in range(0, wgmma.STAGE_K, wgmma.CHUNK):
+                start = wgmma.swizzled_offset(row, k, 2, rows)
+                assert start % wgmma.CHUNK == 0
+                assert [wgmma.swizzled_offset(row, k + j, 2, rows) for j in range(wgmma.CHUNK)] == list(
+                    range(start, start + wgmma.CHUNK)
+                )
+
+
+def test_items_cover_every_w13_row_once_and_pair_up_with_gate_rows():
+    rows = [wgmma.item_weight_row(n, r) for n in range(wgmma.ITEMS_PER_ROW_TILE) for r in range(wgmma.ITEM_ROWS)]
+    assert sorted(rows) == list(range(2 * wgmma.INTERMEDIATE))
+    for n in range(wgmma.ITEMS_PER_ROW_TILE):
+        for r in range(wgmma.HALF_ROWS):
+            up, gate = wgmma.item_weight_row(n, r), wgmma.item_weight_row(n, wgmma.HALF_ROWS + r)
+            assert gate == up + wgmma.INTERMEDIATE and up == n * wgmma.HALF_ROWS + r  # C column = up row
+        for half in (0, 1):
+            block_rows = {wgmma.item_weight_row(n, half * wgmma.HALF_ROWS + r) // wgmma.BLOCK for r in range(32)}
+            assert block_rows == {wgmma.item_weight_scale_row(n, half)}  # one scale per half and K block
+
+
+def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
+    for block_tokens in (8, 16, 32):
+        config = wgmma.WgmmaGemm1Config(block_tokens, 4)
+        assert config.ctas_per_sm() == 2, config.smem_bytes()
+    with pytest.raises(wgmma.StreamingConfigError):
+        wgmma.WgmmaGemm1Config(24, 4)
+    with pytest.raises(wgmma.StreamingConfigError):
+        wgmma.WgmmaGemm1Config(32, 2)
+    with pytest.raises(wgmma.StreamingConfigError, match="do not fit"):
+        wgmma.WgmmaGemm1Config(32, 16)
+
+
+def test_candidate_takes_the_32_token_variant_only():
+    for num_tokens in (1, 32, 64, 192):
+        assert candidate.variant_for(num_tokens) is kernel.variant_for(num_tokens)
+    for num_tokens in (193, 901, 2048):
+        chosen = candidate.variant_for(num_tokens)
+        assert chosen.wgmma_gemm1 and isinstance(chosen.gemm1(), wgmma.WgmmaGemm1Config)
+        assert isinstance(chosen.make_gemm1(), wgmma.WgmmaGemm1)
+    assert candidate.variant_for(2049) is None
+    compiled = candidate.compile_only("sm_90a")
+    assert len({id(fn) for fn in compiled}) == len(compiled) == len(candidate.VARIANTS) + len(kernel.VARIANTS) + 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "case",
+    [
+        cases.CheckCase("wgmma_t901", 901, 224),
+        cases.CheckCase("wgmma_t300_one_expert", 300, 0, "one_expert"),
+        cases.CheckCase("wgmma_t2048_all_local", 2048, 96, "all_local"),
+    ],
+    ids=lambda c: c.name,
+)
+def test_each_gemm_of_the_candidate_matches_torch(case):
+    check_each_gemm(case, candidate.variant_for)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_candidate_output_is_close_to_kernel_py(case=cases.CheckCase("wgmma_vs_v14", 901, 96)):
+    # Same products up to the tensor core's FP8 accumulation inside a 128-K block.
+    inputs = cases.make_inputs(case, "cuda", seed=11)
+    ours = cases.poisoned_output(case.num_tokens, "cuda")
+    theirs = cases.poisoned_output(case.num_tokens, "cuda")
+    kernel.run(*inputs.values(), ours)
+    candidate.run(*inputs.values(), theirs)
+    torch.cuda.synchronize()
+    difference = (theirs.float() - ours.float()).norm() / ours.float().norm()
+    assert float(difference) < 1e-3, float(difference)

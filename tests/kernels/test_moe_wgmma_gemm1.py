@@ -3,11 +3,13 @@
 CPU: the byte offsets the cp.async copies write equal the offsets of the swizzled K_SW128 layouts
 the WGMMA reads (traced from CuTe's own layouts, for every token-tile width and three stages); item
 rows, SwiGLU pairing and block-scale rows; the shared-memory budget; the candidate's dispatch.
-GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py on the candidate's path (T = 901);
+GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py on the candidate's paths (7-2048 tokens);
 the end-to-end checks are test_moe_kernel.py's, which runs every check case on the candidate.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -94,12 +96,11 @@ def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
         wgmma.WgmmaGemm1Config(32, 16)
 
 
-def test_candidate_takes_the_32_token_variant_only():
-    for num_tokens in (1, 32, 64, 192):
-        assert candidate.variant_for(num_tokens) is kernel.variant_for(num_tokens)
-    for num_tokens in (193, 901, 2048):
-        chosen = candidate.variant_for(num_tokens)
-        assert chosen.wgmma_gemm1 and isinstance(chosen.gemm1(), wgmma.WgmmaGemm1Config)
+def test_candidate_runs_gemm1_on_wgmma_in_every_streaming_variant():
+    for num_tokens in (1, 32, 33, 64, 65, 192, 193, 901, 2048):
+        chosen, ours = candidate.variant_for(num_tokens), kernel.variant_for(num_tokens)
+        assert chosen.wgmma_gemm1 and dataclasses.replace(chosen, wgmma_gemm1=False) == ours
+        assert isinstance(chosen.gemm1(), wgmma.WgmmaGemm1Config) and chosen.gemm1().block_tokens == ours.block_tokens
         assert isinstance(chosen.make_gemm1(), wgmma.WgmmaGemm1)
     assert candidate.variant_for(2049) is None
     compiled = candidate.compile_only("sm_90a")
@@ -111,6 +112,8 @@ def test_candidate_takes_the_32_token_variant_only():
 @pytest.mark.parametrize(
     "case",
     [
+        cases.CheckCase("wgmma_t7", 7, 96),
+        cases.CheckCase("wgmma_t80", 80, 0),
         cases.CheckCase("wgmma_t901", 901, 224),
         cases.CheckCase("wgmma_t300_one_expert", 300, 0, "one_expert"),
         cases.CheckCase("wgmma_t2048_all_local", 2048, 96, "all_local"),

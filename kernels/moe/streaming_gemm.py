@@ -315,7 +315,19 @@ def locate_row_tile(
 # ------------------------------------------------------------------------------------------------
 
 
-class StreamingGemm:
+class LinkedGemm:
+    """An expert GEMM of a configuration at its place in the call's chain of launches (chain.py)."""
+
+    def __init__(self, config, link: ChainLink = NO_CHAIN):
+        self.cfg = config
+        self.link = link
+
+    def with_link(self, link: ChainLink):
+        """The same GEMM at `link` of a chain of programmatic dependent launches."""
+        return type(self)(self.cfg, link)
+
+
+class StreamingGemm(LinkedGemm):
     """Both expert GEMMs; `config.gemm1` picks operands and epilogue.
 
     GEMM1: x = hidden_states [T, 7168] e4m3 gathered by token, x_scale = [56, T],
@@ -323,14 +335,6 @@ class StreamingGemm:
     GEMM2: x = C [rows, 2048] bf16 (packed rows), x_scale unused (C is unscaled),
            w = W2 [32, 7168, 2048], w_scale = [32, 56, 16], out = O [rows, 7168] fp32.
     """
-
-    def __init__(self, config: StreamingGemmConfig, link: ChainLink = NO_CHAIN):
-        self.cfg = config
-        self.link = link
-
-    def with_link(self, link: ChainLink) -> StreamingGemm:
-        """The same GEMM at `link` of a chain of programmatic dependent launches (chain.py)."""
-        return StreamingGemm(self.cfg, link)
 
     @cute.jit
     def launch(

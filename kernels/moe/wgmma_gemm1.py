@@ -31,9 +31,16 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
-from .chain import NO_CHAIN, ChainLink, enter
+from .chain import enter
 from .shapes import BLOCK, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
-from .streaming_gemm import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, StreamingConfigError, build_expert_tables, locate_row_tile
+from .streaming_gemm import (
+    SMEM_PER_SM,
+    SMEM_RESERVED_PER_CTA,
+    LinkedGemm,
+    StreamingConfigError,
+    build_expert_tables,
+    locate_row_tile,
+)
 
 __all__ = ["WgmmaGemm1", "WgmmaGemm1Config", "swizzled_offset"]
 
@@ -155,17 +162,10 @@ def wgmma_operands(block_tokens: cutlass.Constexpr, num_stages: cutlass.Constexp
     return tiled_mma, a_layout, b_layout
 
 
-class WgmmaGemm1:
+class WgmmaGemm1(LinkedGemm):
     """GEMM1 + SwiGLU with `launch(x, x_scale, w, w_scale, out, counts, expert_tokens, num_ctas,
     stream)`, as `streaming_gemm.StreamingGemm` (x = hidden_states [T, 7168] e4m3 gathered by token,
     x_scale [56, T], w = W13 [32, 4096, 7168], w_scale [32, 32, 56], out = C [rows, 2048] bf16)."""
-
-    def __init__(self, config: WgmmaGemm1Config, link: ChainLink = NO_CHAIN):
-        self.cfg = config
-        self.link = link
-
-    def with_link(self, link: ChainLink) -> WgmmaGemm1:
-        return WgmmaGemm1(self.cfg, link)
 
     @cute.jit
     def launch(

@@ -17,6 +17,7 @@ from .shapes import (
     NUM_LOCAL_EXPERTS,
     NUM_THREADS,
 )
+from .swiglu import swiglu_bf16
 
 BLOCK_N = 128  # B rows per tile: GEMM1 64 up + 64 gate rows, GEMM2 128 output columns
 BLOCK_K = BLOCK  # one quantisation block per main-loop step
@@ -447,8 +448,7 @@ class GroupedGemm:
                     column = chunk * BF16_CHUNK + j
                     up = tile_c[row, column]
                     gate = tile_c[row, GEMM1_HALF_N + column]
-                    silu = gate / (cutlass.Float32(1.0) + cute.math.exp(-gate, fastmath=False))
-                    values[j] = (silu * up).to(cutlass.BFloat16)
+                    values[j] = swiglu_bf16(gate, up)
                 destination = cute.make_tensor(
                     out.iterator + ((packed_row0 + row) * INTERMEDIATE + n_tile * GEMM1_HALF_N + chunk * BF16_CHUNK),
                     cute.make_layout((BF16_CHUNK,)),

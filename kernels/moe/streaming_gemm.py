@@ -45,6 +45,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .chain import NO_CHAIN, ChainLink, enter
 from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
+from .swiglu import swiglu_bf16
 
 NUM_THREADS = 128  # 4 warps, one per K block of a stage
 NUM_WARPS = NUM_THREADS // 32
@@ -289,6 +290,18 @@ def build_expert_tables(
 
 
 @cute.jit
+def cta_stage_count(
+    tile_end: cute.Tensor, items_per_row_tile: cutlass.Constexpr, k_stages: cutlass.Constexpr, cta: Int32, grid: Int32
+):
+    """Flat (item, K stage) steps of persistent CTA `cta` of `grid`: it takes items cta, cta + grid, ..."""
+    total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * items_per_row_tile
+    my_items = cutlass.Int32(0)
+    if cta < total_items:
+        my_items = (total_items - cta + grid - 1) // grid
+    return my_items * k_stages
+
+
+@cute.jit
 def locate_row_tile(
     row_tile: Int32,
     block_tokens: cutlass.Constexpr,
@@ -426,11 +439,7 @@ class StreamingGemm(LinkedGemm):
             build_expert_tables(counts, bt, tile_end, expert_count, expert_offset, lane)
         cute.arch.sync_threads()
 
-        total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * cfg.items_per_row_tile
-        my_items = cutlass.Int32(0)
-        if cta < total_items:
-            my_items = (total_items - cta + grid - 1) // grid
-        total_stages = my_items * cfg.k_stages
+        total_stages = cta_stage_count(tile_end, cfg.items_per_row_tile, cfg.k_stages, cta, grid)
 
         g2s_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
@@ -730,10 +739,7 @@ class StreamingGemm(LinkedGemm):
                     for wp in cutlass.range_constexpr(1, NUM_WARPS):
                         up = up + scratch[token_slot, column, wp]
                         gate = gate + scratch[token_slot, GEMM1_ITEM_COLUMNS + column, wp]
-                    silu = gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=False))
-                    out[packed_row0 + token_slot, n_tile * GEMM1_ITEM_COLUMNS + column] = (silu * up).to(
-                        cutlass.BFloat16
-                    )
+                    out[packed_row0 + token_slot, n_tile * GEMM1_ITEM_COLUMNS + column] = swiglu_bf16(gate, up)
         else:
             for i in cutlass.range_constexpr(ITEM_ROWS * bt // NUM_THREADS):
                 linear = i * NUM_THREADS + tidx

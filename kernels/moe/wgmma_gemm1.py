@@ -39,8 +39,10 @@ from .streaming_gemm import (
     LinkedGemm,
     StreamingConfigError,
     build_expert_tables,
+    cta_stage_count,
     locate_row_tile,
 )
+from .swiglu import swiglu_bf16
 
 __all__ = ["WgmmaGemm1", "WgmmaGemm1Config", "swizzled_offset"]
 
@@ -240,11 +242,7 @@ class WgmmaGemm1(LinkedGemm):
             build_expert_tables(counts, bt, tile_end, expert_count, expert_offset, lane)
         cute.arch.sync_threads()
 
-        total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * ITEMS_PER_ROW_TILE
-        my_items = cutlass.Int32(0)
-        if cta < total_items:
-            my_items = (total_items - cta + grid - 1) // grid
-        total_stages = my_items * K_STAGES
+        total_stages = cta_stage_count(tile_end, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid)
 
         g2s_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
@@ -418,5 +416,4 @@ class WgmmaGemm1(LinkedGemm):
             if token_slot < valid_rows:
                 up = scratch[token_slot, column]
                 gate = scratch[token_slot, HALF_ROWS + column]
-                silu = gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=False))
-                out[packed_row0 + token_slot, n_tile * HALF_ROWS + column] = (silu * up).to(cutlass.BFloat16)
+                out[packed_row0 + token_slot, n_tile * HALF_ROWS + column] = swiglu_bf16(gate, up)

@@ -746,53 +746,64 @@ class _Chunked:
         if warp_idx < 2:
             hi = 2 * warp_idx + 1
             lo = 2 * warp_idx
-            acc_sq.fill(0.0)
-            self.warp_gemm(
+            self.off_diagonal_tile(
                 tiled_mma, copy_a, copy_bt, lane,
                 cute.local_tile(t16, (BLOCK, BLOCK), (hi, hi)),
                 cute.local_tile(a16_t, (BLOCK, BLOCK), (lo, hi)),
-                acc_sq,
-            )  # fmt: skip
-            for e in cutlass.range_constexpr(cute.size(acc_sq)):
-                scratch[coords_sq[e][0], coords_sq[e][1]] = acc_sq[e].to(cutlass.Float16)
-            cute.arch.sync_warp()
-            acc_sq.fill(0.0)
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_bt, lane,
+                acc_sq, coords_sq,
                 cute.local_tile(scratch, (BLOCK, BLOCK), (0, 0)),
                 cute.local_tile(t16_t, (BLOCK, BLOCK), (lo, lo)),
-                acc_sq,
+                scratch, acc_sq, coords_sq, t16, hi * BLOCK, lo * BLOCK,
             )  # fmt: skip
-            for e in cutlass.range_constexpr(cute.size(acc_sq)):
-                t16[hi * BLOCK + coords_sq[e][0], lo * BLOCK + coords_sq[e][1]] = (-acc_sq[e]).to(cutlass.Float16)
         cute.arch.sync_threads()
 
         # ---- P4: T[32:, :32] = -(T_B A_BA) T_A; warp w computes the 16x16 tile (w // 2, w % 2) ----
         half = CHUNK // 2
         out_row = warp_idx // 2
         out_col = warp_idx % 2
-        acc_y.fill(0.0)
-        self.warp_gemm(
+        self.off_diagonal_tile(
             tiled_mma, copy_a, copy_bt, lane,
             cute.local_tile(t16, (BLOCK, half), (2 + out_row, 1)),
             cute.local_tile(a16_t, (half, half), (0, 1)),
-            acc_y,
-        )  # fmt: skip
-        for e in cutlass.range_constexpr(cute.size(acc_y)):
-            scratch[coords_rows[e][0], coords_rows[e][1]] = acc_y[e].to(cutlass.Float16)
-        cute.arch.sync_warp()
-        acc_sq.fill(0.0)
-        self.warp_gemm(
-            tiled_mma, copy_a, copy_bt, lane,
+            acc_y, coords_rows,
             scratch,
             cute.local_tile(t16_t, (BLOCK, half), (out_col, 0)),
-            acc_sq,
+            scratch, acc_sq, coords_sq, t16, half + out_row * BLOCK, out_col * BLOCK,
         )  # fmt: skip
-        for e in cutlass.range_constexpr(cute.size(acc_sq)):
-            t16[half + out_row * BLOCK + coords_sq[e][0], out_col * BLOCK + coords_sq[e][1]] = (-acc_sq[e]).to(
-                cutlass.Float16
-            )
         cute.arch.sync_threads()
+
+    @cute.jit
+    def off_diagonal_tile(
+        self,
+        tiled_mma: cute.TiledMma,
+        copy_a: cute.TiledCopy,
+        copy_bt: cute.TiledCopy,
+        lane: cutlass.Int32,
+        t_high: cute.Tensor,
+        a_low_high_t: cute.Tensor,
+        acc_first: cute.Tensor,
+        coords_first: cute.Tensor,
+        scratch_as_a: cute.Tensor,
+        t_low_t: cute.Tensor,
+        scratch: cute.Tensor,
+        acc_sq: cute.Tensor,
+        coords_sq: cute.Tensor,
+        t16: cute.Tensor,
+        row0: cutlass.Int32,
+        col0: cutlass.Int32,
+    ):
+        """One warp's step of the doubling inverse: the 16 x 16 tile of t16 at (row0, col0) is
+        -(T_high A_low,high) T_low. The first product goes through the warp's fp16 `scratch` (its
+        accumulator `acc_first` and coordinates `coords_first`), read back as `scratch_as_a`."""
+        acc_first.fill(0.0)
+        self.warp_gemm(tiled_mma, copy_a, copy_bt, lane, t_high, a_low_high_t, acc_first)
+        for e in cutlass.range_constexpr(cute.size(acc_first)):
+            scratch[coords_first[e][0], coords_first[e][1]] = acc_first[e].to(cutlass.Float16)
+        cute.arch.sync_warp()
+        acc_sq.fill(0.0)
+        self.warp_gemm(tiled_mma, copy_a, copy_bt, lane, scratch_as_a, t_low_t, acc_sq)
+        for e in cutlass.range_constexpr(cute.size(acc_sq)):
+            t16[row0 + coords_sq[e][0], col0 + coords_sq[e][1]] = (-acc_sq[e]).to(cutlass.Float16)
 
     @cute.jit
     def warp_gemm(

@@ -97,24 +97,12 @@ class WgmmaGemm1Config:
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
-        self.gemm1 = True
         self.block_tokens = block_tokens
         self.num_stages = num_stages
-        self.k_stages = K_STAGES
-        self.items_per_row_tile = ITEMS_PER_ROW_TILE
         self.threads_per_token = NUM_THREADS // block_tokens
         self._smem_bytes: int | None = None
         if self.smem_bytes() + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
             raise StreamingConfigError(f"{self.smem_bytes()} B of shared memory per CTA do not fit an SM")
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, WgmmaGemm1Config) and (self.block_tokens, self.num_stages) == (
-            other.block_tokens,
-            other.num_stages,
-        )
-
-    def __hash__(self) -> int:
-        return hash(("wgmma_gemm1", self.block_tokens, self.num_stages))
 
     def shared_storage(self):
         ns, bt = self.num_stages, self.block_tokens

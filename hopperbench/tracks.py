@@ -193,18 +193,7 @@ MOE = Track(
             package="deep_gemm==2.6.1+54e2261",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_clean_counters",
-            entry="candidate_clean_counters.py::run",
-            description="kernel.py v1.4 with the counters kept zeroed between calls: no zeroing launch, routing grid first (v1.5)",
-        ),
-        CandidateSide(
-            name="cand_wgmma_gemm1",
-            entry="candidate_wgmma_gemm1.py::run",
-            description="kernel.py v1.4 with GEMM1 of its 32-token variant (T = 193-2048) on FP8 warpgroup MMA (v2.0)",
-        ),
-    ),
+    candidates=(),
 )
 
 DSA_ATTENTION = Track(

@@ -6,8 +6,7 @@ arguments.
 The five launches, all in one TVM-FFI call on the current stream, no host synchronisation:
 zero the per-expert counters (`routing.ZeroCountsKernel`), route (`routing.RoutingKernel`),
 GEMM1 + SwiGLU into `intermediate`, GEMM2 into `expert_out`, and the weighted combine into
-`output` (`combine.CombineKernel`); or four, with the first two as one (`one_cta_routing`, for small
-batches: `routing.OneCtaRoutingKernel`); or, `self_cleaning`, the routing first on counters that
+`output` (`combine.CombineKernel`); or, `self_cleaning`, the routing first on counters that
 the previous call on the stream left at zero, and after the combine `routing.ReleaseCountsKernel`,
 which copies the counters into `counts_out` and zeroes them again (`counters.py` keeps them). The
 expert GEMMs differ between the paths; each takes
@@ -30,7 +29,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .chain import chain_links
 from .combine import CombineKernel
-from .routing import OneCtaRoutingKernel, ReleaseCountsKernel, RoutingKernel, ZeroCountsKernel
+from .routing import ReleaseCountsKernel, RoutingKernel, ZeroCountsKernel
 from .shapes import (
     BLOCK,
     GEMM1_OUT,
@@ -53,28 +52,21 @@ class ExpertGemm(Protocol):
 class MoeHostSm90:
     """Host function of the five kernels with `gemm1` (G1 + SwiGLU) and `gemm2` (G2); one compile
     serves every T (dynamic) and every offset / scaling factor (runtime scalars). With
-    `one_cta_routing` the zeroing and the routing are one launch (`routing.OneCtaRoutingKernel`,
-    for small batches): four launches. With `self_cleaning` the counters come zeroed from the
-    previous call and the last launch zeroes them again (`routing.ReleaseCountsKernel`): five
-    launches, none of them first a tiny one. With `chained` each launch after the first is a
+    `self_cleaning` the counters come zeroed from the previous call and the last launch zeroes them
+    again (`routing.ReleaseCountsKernel`): five launches, none of them first a tiny one. With `chained` each launch after the first is a
     programmatic dependent of the one before (`chain.py`)."""
 
     def __init__(
         self,
         gemm1: ExpertGemm,
         gemm2: ExpertGemm,
-        one_cta_routing: bool = False,
         chained: bool = False,
         self_cleaning: bool = False,
     ):
-        if one_cta_routing and self_cleaning:
-            raise ValueError("a self-cleaning call needs no zeroing, so it has no one-CTA routing to fold it into")
-        zeroes_first = not (one_cta_routing or self_cleaning)
-        links = list(chain_links(4 if one_cta_routing else 5, chained))
-        self.one_cta_routing = one_cta_routing
+        links = list(chain_links(5, chained))
         self.self_cleaning = self_cleaning
-        self.zero_counts = ZeroCountsKernel(links.pop(0)) if zeroes_first else None
-        self.routing = (OneCtaRoutingKernel if one_cta_routing else RoutingKernel)(links.pop(0))
+        self.zero_counts = None if self_cleaning else ZeroCountsKernel(links.pop(0))
+        self.routing = RoutingKernel(links.pop(0))
         self.release_counts = ReleaseCountsKernel(links.pop()) if self_cleaning else None
         gemm1_link, gemm2_link, combine_link = links
         if chained and not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):

@@ -1,26 +1,30 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v1.4 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
-1.15x over v1; the zeroing and routing in one launch up to 32 tokens (v1.2) and every launch after
-the first a programmatic dependent of the one before (v1.4, `chain.py`): 1.05-1.17x over v1.1 at
-T <= 16 in the run of 2026-11-30, NOTES.md): the routing and combine kernels of the grouped pipeline
-around weight-streaming expert GEMMs (streaming_gemm.py).
+v1.5 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
+`chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
+`counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
+`wgmma_gemm1.py`), both promoted from the run of 2026-11-30, session 9, NOTES.md): the routing and
+combine kernels of the grouped pipeline around weight-streaming expert GEMMs.
 Destination passing, definition order, no host sync, no data-dependent host logic, graph-safe. The
 path is chosen from T alone (a shape):
 
-- T <= STREAMING_MAX_TOKENS: the kernels of `host.py` in one TVM-FFI call (four up to
-  ONE_CTA_ROUTING_MAX_TOKENS, where one CTA zeroes the counters and routes, five above), chained by
-  programmatic dependent launches, the two GEMMs persistent weight-streaming GEMMs. Row tiles of 16
-  tokens up to SMALL_T_MAX_TOKENS, 32 above (so that at
-  T ~ 900, ~28 tokens per expert, most experts' weights are streamed once). With few tokens per
-  expert a weight stream is bound by the bytes in flight over the latency, so up to SMALL_T_MAX_TOKENS
-  GEMM2 (whose bf16 activation stages are twice GEMM1's) gets tiles and stages that still fit two
-  CTAs per SM: 8-token tiles with 4 stages up to FEW_TOKENS_MAX, 16-token tiles with 3 stages above.
+- T <= STREAMING_MAX_TOKENS: the five kernels of `host.py` in one TVM-FFI call, chained by
+  programmatic dependent launches: the routing grid on counters the previous call on the stream
+  left at zero, GEMM1 + SwiGLU, GEMM2, the combine, and a one-CTA kernel that copies the counters
+  out and zeroes them. Both GEMMs are persistent weight streams; GEMM1 on `mma.sync` below
+  WGMMA_GEMM1_MIN_TOKENS (its 32-row items keep twice as many CTAs streaming one or two experts'
+  weights) and on WGMMA from there (which removes its issue bound: 1.29x at T = 901). Row tiles
+  of 16 tokens up to SMALL_T_MAX_TOKENS, 32 above (so that at T ~ 900, ~28 tokens per expert, most
+  experts' weights are streamed once). With few tokens per expert a weight stream is bound by the
+  bytes in flight over the latency, so up to SMALL_T_MAX_TOKENS GEMM2 (whose bf16 activation stages
+  are twice GEMM1's) gets tiles and stages that still fit two CTAs per SM: 8-token tiles with 4
+  stages up to FEW_TOKENS_MAX, 16-token tiles with 3 stages above.
 - Larger T: the grouped-GEMM pipeline (`grouped_pipeline.run`, v0), whose 64 x 128 tiles do more
   MMA work per weight byte.
 
 Each configuration is compiled once (dynamic T) on first use and cached; `compile_only()` compiles
-all five.
+all of them.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ import torch
 from . import counters, grouped_pipeline, host
 from .grouped_pipeline import GPU_ARCH, MAX_TOKENS, MoeShapeError
 from .host import Workspaces
-from .routing import ONE_CTA_WARPS
 from .streaming_gemm import StreamingGemm, StreamingGemmConfig
 from .wgmma_gemm1 import WgmmaGemm1, WgmmaGemm1Config
 
@@ -44,10 +47,10 @@ __all__ = [
     "GPU_ARCH",
     "MAX_TOKENS",
     "MoeShapeError",
-    "ONE_CTA_ROUTING_MAX_TOKENS",
     "SMALL_T_MAX_TOKENS",
     "STREAMING_MAX_TOKENS",
     "StreamingVariant",
+    "WGMMA_GEMM1_MIN_TOKENS",
     "Workspaces",
     "compile_only",
     "compiled_for",
@@ -62,10 +65,10 @@ __all__ = [
 # FEW_TOKENS_MAX an active local expert gets ~1-8 tokens under the contest's routing, so GEMM2's
 # 8-token tiles rarely stream an expert's weights twice.
 FEW_TOKENS_MAX = 64
-# One warp routes one token, so one CTA routes up to this many in the launch that zeroes the counters;
-# beyond it each warp would route several tokens one after the other (already at 32 tokens the one CTA
-# costs ~6 us more GPU time than the routing grid; it wins there only by removing the host gap).
-ONE_CTA_ROUTING_MAX_TOKENS = ONE_CTA_WARPS
+# Below this, one or two experts are active and WGMMA's 64-row items halve the CTAs that stream them:
+# in session 9's run the WGMMA GEMM1 was 0.86x at T = 1, 0.90x at 7 and 0.97x at 32 (1.02x at 14-16),
+# and 1.015x (geometric mean) at 52-62, 1.05x at 80 and 1.29x at 901.
+WGMMA_GEMM1_MIN_TOKENS = 33
 SMALL_T_MAX_TOKENS = 192
 STREAMING_MAX_TOKENS = 2048
 NUM_STAGES = 4
@@ -82,7 +85,6 @@ class StreamingVariant:
     num_stages: int = NUM_STAGES
     gemm2_block_tokens: int | None = None  # None: block_tokens
     gemm2_num_stages: int | None = None  # None: num_stages
-    one_cta_routing: bool = False  # zeroing and routing in one launch (host.MoeHostSm90)
     chained: bool = False  # programmatic dependent launches between the call's kernels (chain.py)
     self_cleaning: bool = False  # counters kept zeroed between calls, no zeroing launch (counters.py)
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
@@ -106,20 +108,25 @@ class StreamingVariant:
 
 # GEMM2's shared memory per CTA: 103 KB (8 x 4) and 108 KB (16 x 3), two CTAs per SM each, i.e. 8
 # and 6 weight stages in flight per SM where 16-token tiles with 4 stages (141 KB) allow one CTA, 4.
-# Every variant is chained: the span of a call then equals its kernels' busy time (session 8).
-FEW_TOKENS = StreamingVariant(block_tokens=16, gemm2_block_tokens=8, gemm2_num_stages=4, chained=True)
-ONE_CTA_ROUTED = dataclasses.replace(FEW_TOKENS, one_cta_routing=True)
-SMALL_T = StreamingVariant(block_tokens=16, gemm2_block_tokens=16, gemm2_num_stages=3, chained=True)
-MEDIUM_T = StreamingVariant(block_tokens=32, chained=True)
-VARIANTS = (ONE_CTA_ROUTED, FEW_TOKENS, SMALL_T, MEDIUM_T)
+# Every variant is chained and self-cleaning: the span of a call then equals its kernels' busy time
+# and no call starts with a tiny zeroing launch and its host gap (sessions 8 and 9).
+TINY_T = StreamingVariant(
+    block_tokens=16, gemm2_block_tokens=8, gemm2_num_stages=4, chained=True, self_cleaning=True
+)
+FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True)
+SMALL_T = StreamingVariant(
+    block_tokens=16, gemm2_block_tokens=16, gemm2_num_stages=3, chained=True, self_cleaning=True, wgmma_gemm1=True
+)
+MEDIUM_T = StreamingVariant(block_tokens=32, chained=True, self_cleaning=True, wgmma_gemm1=True)
+VARIANTS = (TINY_T, FEW_TOKENS, SMALL_T, MEDIUM_T)
 
 
 def variant_for(num_tokens: int) -> StreamingVariant | None:
     """The streaming variant for a batch of `num_tokens` tokens, or None for the grouped pipeline (v0)."""
     if num_tokens < 1:
         raise MoeShapeError(f"seq_len must be >= 1, got {num_tokens}")
-    if num_tokens <= ONE_CTA_ROUTING_MAX_TOKENS:
-        return ONE_CTA_ROUTED
+    if num_tokens < WGMMA_GEMM1_MIN_TOKENS:
+        return TINY_T
     if num_tokens <= FEW_TOKENS_MAX:
         return FEW_TOKENS
     if num_tokens <= SMALL_T_MAX_TOKENS:
@@ -138,7 +145,6 @@ def _compile(arch: str, variant: StreamingVariant) -> Callable:
         host.MoeHostSm90(
             variant.make_gemm1(),
             StreamingGemm(variant.gemm2()),
-            variant.one_cta_routing,
             variant.chained,
             variant.self_cleaning,
         ),
@@ -156,9 +162,13 @@ def compiled_for(variant: StreamingVariant, arch: str = GPU_ARCH) -> Callable:
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
-    """Compile the streaming variants and the grouped pipeline for `arch` without touching a GPU
-    (for CI and warm-up: no call compiles lazily afterwards)."""
-    return (*(compiled_for(variant, arch) for variant in VARIANTS), grouped_pipeline.compiled_for(arch))
+    """Compile the streaming variants, the grouped pipeline and the zeroing of a new counter buffer
+    for `arch` without touching a GPU (for CI and warm-up: no call compiles lazily afterwards)."""
+    return (
+        *(compiled_for(variant, arch) for variant in VARIANTS),
+        grouped_pipeline.compiled_for(arch),
+        counters.compiled_zero(arch),
+    )
 
 
 _NUM_SMS: dict[int, int] = {}

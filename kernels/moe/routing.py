@@ -1,7 +1,6 @@
 """Kernels 1 and 2 of the MoE: zero the per-expert counters; DeepSeek-V3 no-aux routing, one warp per token
-(`route_token`). For small batches both in one launch of one CTA (`OneCtaRoutingKernel`). A
-self-cleaning call instead keeps its counters zeroed between calls (`ReleaseCountsKernel`, its last
-launch)."""
+(`route_token`). A self-cleaning call (every streaming call of `kernel.py`) instead keeps its counters
+zeroed between calls (`ReleaseCountsKernel`, its last launch), so it starts with the routing."""
 
 from __future__ import annotations
 
@@ -208,87 +207,3 @@ class RoutingKernel(Linked):
                 routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, counts,
                 expert_tokens, slot_expert, slot_rank, slot_weight, token, tidx % 32,
             )  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------------------
-# 1 + 2 in one launch, for small batches
-# ------------------------------------------------------------------------------------------------
-
-ONE_CTA_WARPS = 32  # one token per warp up to 32 tokens
-
-
-class OneCtaRoutingKernel(Linked):
-    """Zeroes the counters and routes in one launch of one CTA: the counters live in shared memory
-    while the warps route (warp w takes tokens w, w + 32, ...) and are stored once at the end. For
-    small batches, where the separate zeroing launch costs a launch and its host gap before the
-    routing one (0.6 + 5.6 us at T = 1, session 4); correct for any T, but one CTA of 32 warps only
-    pays off while there are few tokens per warp."""
-
-    @cute.jit
-    def launch(
-        self,
-        routing_logits: cute.Tensor,
-        routing_bias: cute.Tensor,
-        local_expert_offset: cutlass.Int32,
-        routed_scaling_factor: cutlass.Float32,
-        counts: cute.Tensor,
-        expert_tokens: cute.Tensor,
-        slot_expert: cute.Tensor,
-        slot_rank: cute.Tensor,
-        slot_weight: cute.Tensor,
-        stream,
-    ):
-        @cute.struct
-        class SharedStorage:
-            counts: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, NUM_LOCAL_EXPERTS], 16]
-
-        self.kernel(
-            routing_logits,
-            routing_bias,
-            local_expert_offset,
-            routed_scaling_factor,
-            counts,
-            expert_tokens,
-            slot_expert,
-            slot_rank,
-            slot_weight,
-            SharedStorage,
-        ).launch(
-            grid=[1, 1, 1],
-            block=[ONE_CTA_WARPS * 32, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            use_pdl=self.link.waits,
-        )
-
-    @cute.kernel
-    def kernel(
-        self,
-        routing_logits: cute.Tensor,
-        routing_bias: cute.Tensor,
-        local_expert_offset: cutlass.Int32,
-        routed_scaling_factor: cutlass.Float32,
-        counts: cute.Tensor,
-        expert_tokens: cute.Tensor,
-        slot_expert: cute.Tensor,
-        slot_rank: cute.Tensor,
-        slot_weight: cute.Tensor,
-        SharedStorage: cutlass.Constexpr,
-    ):
-        enter(self.link)
-        tidx, _, _ = cute.arch.thread_idx()
-        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        shared_counts = storage.counts.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-        if tidx < NUM_LOCAL_EXPERTS:
-            shared_counts[tidx] = cutlass.Int32(0)
-        cute.arch.sync_threads()
-        warp = tidx // 32
-        num_tokens = routing_logits.shape[0]
-        for i in cutlass.range((num_tokens - warp + ONE_CTA_WARPS - 1) // ONE_CTA_WARPS, unroll=1):
-            route_token(
-                routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, shared_counts,
-                expert_tokens, slot_expert, slot_rank, slot_weight, warp + i * ONE_CTA_WARPS, tidx % 32,
-            )  # fmt: skip
-        cute.arch.sync_threads()
-        if tidx < NUM_LOCAL_EXPERTS:
-            counts[tidx] = shared_counts[tidx]

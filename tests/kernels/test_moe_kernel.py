@@ -34,8 +34,6 @@ reference = cases.load_reference()
 SOLUTIONS = (
     "kernel",
     "grouped_pipeline",
-    "candidate_clean_counters",
-    "candidate_wgmma_gemm1",
 )
 
 
@@ -57,47 +55,37 @@ grouped = solution_module("grouped_pipeline")
 
 def test_compiles_for_sm90a_without_gpu():
     compiled = kernel.compile_only("sm_90a")
-    # Every streaming variant and the grouped pipeline, so that no call compiles lazily.
-    assert len(compiled) == len(kernel.VARIANTS) + 1 and all(callable(fn) for fn in compiled)
-    assert compiled[-1] is grouped.compiled_for("sm_90a")
+    # Every streaming variant, the grouped pipeline and the zeroing of a new counter buffer, so that no
+    # call compiles lazily.
+    assert len(compiled) == len(kernel.VARIANTS) + 2 and all(callable(fn) for fn in compiled)
+    assert compiled[len(kernel.VARIANTS)] is grouped.compiled_for("sm_90a")
+    assert compiled[-1] is solution_module("counters").compiled_zero("sm_90a")
     # Cached: a second request must not recompile.
     assert kernel.compile_only("sm_90a") == compiled
 
 
-def test_streaming_variants_are_chained_and_route_in_one_cta_up_to_32_tokens():
+def test_streaming_variants_are_chained_self_cleaning_and_on_wgmma_from_33_tokens():
     for num_tokens in (1, 7, 32, 33, 64, 65, 192, 193, 2048):
         variant = kernel.variant_for(num_tokens)
-        assert variant.chained
-        assert variant.one_cta_routing == (num_tokens <= kernel.ONE_CTA_ROUTING_MAX_TOKENS)
-    assert kernel.ONE_CTA_ROUTING_MAX_TOKENS == 32
+        assert variant.chained and variant.self_cleaning
+        assert variant.wgmma_gemm1 == (num_tokens >= kernel.WGMMA_GEMM1_MIN_TOKENS)
+        expected = solution_module("wgmma_gemm1").WgmmaGemm1 if variant.wgmma_gemm1 else solution_module("streaming_gemm").StreamingGemm
+        assert type(variant.make_gemm1()) is expected
+    assert kernel.WGMMA_GEMM1_MIN_TOKENS == 33
+    # Up to FEW_TOKENS_MAX the two variants differ only in GEMM1's instruction.
+    assert dataclasses.replace(kernel.variant_for(33), wgmma_gemm1=False) == kernel.variant_for(32)
     assert kernel.variant_for(2049) is None  # the grouped pipeline, unchained
     assert len(set(kernel.VARIANTS)) == len(kernel.VARIANTS)  # each compiled configuration once
 
 
-def test_clean_counters_candidate_routes_on_the_grid_with_kept_counters_at_every_streaming_size():
-    candidate = solution_module("candidate_clean_counters")
-    for num_tokens in (1, 32, 33, 64, 65, 192, 193, 2048):
-        chosen = candidate.variant_for(num_tokens)
-        assert chosen.self_cleaning and chosen.chained and not chosen.one_cta_routing
-        ours = kernel.variant_for(num_tokens)
-        assert dataclasses.replace(chosen, self_cleaning=False, one_cta_routing=ours.one_cta_routing) == ours
-    assert candidate.variant_for(2049) is None  # the grouped pipeline, unchanged
-    compiled = candidate.compile_only("sm_90a")
-    # Its variants, the zeroing of a new counter buffer, kernel.py's variants and the grouped pipeline.
-    assert len({id(fn) for fn in compiled}) == len(compiled) == len(candidate.VARIANTS) + 1 + len(kernel.VARIANTS) + 1
-    assert solution_module("counters").compiled_zero("sm_90a") in compiled
-
-
 def test_a_self_cleaning_host_routes_first_and_releases_the_counters_last():
     host = solution_module("host")
-    gemm = solution_module("streaming_gemm").StreamingGemm(kernel.FEW_TOKENS.gemm1())
+    gemm = solution_module("streaming_gemm").StreamingGemm(kernel.TINY_T.gemm1())
     cleaning = host.MoeHostSm90(gemm, gemm, chained=True, self_cleaning=True)
     assert cleaning.zero_counts is None
     assert (cleaning.routing.link.waits, cleaning.routing.link.releases) == (False, True)  # first: never waits
     assert cleaning.combine.link.releases  # no longer the last kernel
     assert (cleaning.release_counts.link.waits, cleaning.release_counts.link.releases) == (True, False)
-    with pytest.raises(ValueError, match="self-cleaning"):
-        host.MoeHostSm90(gemm, gemm, one_cta_routing=True, self_cleaning=True)
 
 
 @pytest.mark.parametrize(("num_kernels", "expected"), [(4, "R WR WR W"), (5, "R WR WR WR W")])
@@ -322,13 +310,12 @@ def test_cuda_graph_replay_follows_new_inputs(solution):
 @pytest.mark.gpu
 @needs_cuda
 def test_clean_counters_leave_the_kept_buffer_at_zero_and_copy_each_calls_counts_out():
-    candidate = solution_module("candidate_clean_counters")
     counters = solution_module("counters")
     case = cases.CheckCase("kept_counts", 58, 96)
     for seed in (1, 2):  # the second call must start from the zeros the first one left
         inputs = cases.make_inputs(case, "cuda", seed=seed)
         output = cases.poisoned_output(case.num_tokens, "cuda")
-        workspaces = kernel.run_keeping_workspaces(*inputs.values(), output, choose=candidate.variant_for)
+        workspaces = kernel.run_keeping_workspaces(*inputs.values(), output)
         torch.cuda.synchronize()
         kept = counters.kept_counts(torch.device("cuda"), kernel.GPU_ARCH)
         assert int(kept.abs().sum()) == 0

@@ -1,10 +1,12 @@
-"""MoE candidate v2.0: GEMM1 + SwiGLU on FP8 warpgroup MMA (kernels/moe/wgmma_gemm1.py).
+"""MoE GEMM1 + SwiGLU on FP8 warpgroup MMA (kernels/moe/wgmma_gemm1.py; candidate v2.0, in kernel.py
+v1.5 from 33 tokens).
 
 CPU: the byte offsets the cp.async copies write equal the offsets of the swizzled K_SW128 layouts
 the WGMMA reads (traced from CuTe's own layouts, for every token-tile width and three stages); item
-rows, SwiGLU pairing and block-scale rows; the shared-memory budget; the candidate's dispatch.
-GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py on the candidate's paths (7-2048 tokens);
-the end-to-end checks are test_moe_kernel.py's, which runs every check case on the candidate.
+rows, SwiGLU pairing and block-scale rows; the shared-memory budget.
+GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py with GEMM1 on WGMMA in every streaming
+variant, also those kernel.py keeps on mma.sync (7-2048 tokens); its accuracy against the mma.sync
+GEMM1's. The end-to-end checks are test_moe_kernel.py's.
 """
 
 from __future__ import annotations
@@ -22,7 +24,18 @@ from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, solution_mo
 from tests.kernels.test_moe_streaming import check_each_gemm
 
 wgmma = solution_module("wgmma_gemm1")
-candidate = solution_module("candidate_wgmma_gemm1")
+
+
+def on_wgmma(num_tokens: int):
+    """kernel.py's variant for `num_tokens` with GEMM1 on WGMMA (None: the grouped pipeline)."""
+    chosen = kernel.variant_for(num_tokens)
+    return None if chosen is None else dataclasses.replace(chosen, wgmma_gemm1=True)
+
+
+def on_mma_sync(num_tokens: int):
+    chosen = kernel.variant_for(num_tokens)
+    return None if chosen is None else dataclasses.replace(chosen, wgmma_gemm1=False)
+
 STAGES = 3
 
 
@@ -96,15 +109,11 @@ def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
         wgmma.WgmmaGemm1Config(32, 16)
 
 
-def test_candidate_runs_gemm1_on_wgmma_in_every_streaming_variant():
+def test_a_wgmma_variant_keeps_its_token_tile():
     for num_tokens in (1, 32, 33, 64, 65, 192, 193, 901, 2048):
-        chosen, ours = candidate.variant_for(num_tokens), kernel.variant_for(num_tokens)
-        assert chosen.wgmma_gemm1 and dataclasses.replace(chosen, wgmma_gemm1=False) == ours
-        assert isinstance(chosen.gemm1(), wgmma.WgmmaGemm1Config) and chosen.gemm1().block_tokens == ours.block_tokens
+        chosen, plain = on_wgmma(num_tokens), on_mma_sync(num_tokens)
+        assert isinstance(chosen.gemm1(), wgmma.WgmmaGemm1Config) and chosen.gemm1().block_tokens == plain.block_tokens
         assert isinstance(chosen.make_gemm1(), wgmma.WgmmaGemm1)
-    assert candidate.variant_for(2049) is None
-    compiled = candidate.compile_only("sm_90a")
-    assert len({id(fn) for fn in compiled}) == len(compiled) == len(candidate.VARIANTS) + len(kernel.VARIANTS) + 1
 
 
 @pytest.mark.gpu
@@ -120,19 +129,23 @@ def test_candidate_runs_gemm1_on_wgmma_in_every_streaming_variant():
     ],
     ids=lambda c: c.name,
 )
-def test_each_gemm_of_the_candidate_matches_torch(case):
-    check_each_gemm(case, candidate.variant_for)
+def test_each_gemm_with_gemm1_on_wgmma_matches_torch(case):
+    check_each_gemm(case, on_wgmma)
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_candidate_output_is_close_to_kernel_py(case=cases.CheckCase("wgmma_vs_v14", 901, 96)):
-    # Same products up to the tensor core's FP8 accumulation inside a 128-K block.
+def test_wgmma_gemm1_is_as_accurate_as_mma_sync(case=cases.CheckCase("wgmma_vs_mma_sync", 901, 96)):
+    # The tensor core's FP8 accumulation inside a 128-K block flips bf16 roundings of the intermediate
+    # and the output (session 9: 1.8e-3 relative L2 between the two outputs), so the WGMMA path is held
+    # to the mma.sync path's distance from the reference, not to its bits.
     inputs = cases.make_inputs(case, "cuda", seed=11)
-    ours = cases.poisoned_output(case.num_tokens, "cuda")
-    theirs = cases.poisoned_output(case.num_tokens, "cuda")
-    kernel.run(*inputs.values(), ours)
-    candidate.run(*inputs.values(), theirs)
-    torch.cuda.synchronize()
-    difference = (theirs.float() - ours.float()).norm() / ours.float().norm()
-    assert float(difference) < 1e-3, float(difference)
+    expected = cases.reference_run(cases.load_reference())(*inputs.values()).float()
+    errors = {}
+    for name, choose in (("mma.sync", on_mma_sync), ("wgmma", on_wgmma)):
+        output = cases.poisoned_output(case.num_tokens, "cuda")
+        kernel.run_keeping_workspaces(*inputs.values(), output, choose=choose)
+        torch.cuda.synchronize()
+        assert torch.isfinite(output).all(), name
+        errors[name] = float((output.float() - expected).norm() / expected.norm())
+    assert errors["wgmma"] < 1.1 * errors["mma.sync"] and errors["wgmma"] < 1e-2, errors

@@ -193,13 +193,7 @@ MOE = Track(
             package="deep_gemm==2.6.1+54e2261",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_medium_gemm2",
-            entry="candidate_medium_gemm2.py::run",
-            description="kernel.py v1.5 with GEMM2 of T = 193-2048 in 16-token tiles, 3 stages: two CTAs per SM (v1.6)",
-        ),
-    ),
+    candidates=(),
 )
 
 

@@ -1,10 +1,11 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v1.5 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v1.6 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
-`wgmma_gemm1.py`), both promoted from the run of 2026-11-30, session 9, NOTES.md): the routing and
+`wgmma_gemm1.py`), both promoted from the first run of 2026-11-30, session 9; GEMM2 at two CTAs per
+SM above SMALL_T_MAX_TOKENS too (v1.6, 1.29x at T = 901 in the second run; NOTES.md): the routing and
 combine kernels of the grouped pipeline around weight-streaming expert GEMMs.
 Destination passing, definition order, no host sync, no data-dependent host logic, graph-safe. The
 path is chosen from T alone (a shape):
@@ -16,10 +17,11 @@ path is chosen from T alone (a shape):
   WGMMA_GEMM1_MIN_TOKENS (its 32-row items keep twice as many CTAs streaming one or two experts'
   weights) and on WGMMA from there (which removes its issue bound: 1.29x at T = 901). Row tiles
   of 16 tokens up to SMALL_T_MAX_TOKENS, 32 above (so that at T ~ 900, ~28 tokens per expert, most
-  experts' weights are streamed once). With few tokens per expert a weight stream is bound by the
-  bytes in flight over the latency, so up to SMALL_T_MAX_TOKENS GEMM2 (whose bf16 activation stages
-  are twice GEMM1's) gets tiles and stages that still fit two CTAs per SM: 8-token tiles with 4
-  stages up to FEW_TOKENS_MAX, 16-token tiles with 3 stages above.
+  experts' weights are streamed once). GEMM2 (whose bf16 activation stages are twice GEMM1's) gets
+  tiles and stages that still fit two CTAs per SM: 8-token tiles with 4 stages up to FEW_TOKENS_MAX,
+  16-token tiles with 3 stages above. With few tokens per expert its weight stream is bound by the
+  bytes in flight over the latency; at ~28 tokens per expert (T ~ 900) by the latency of each
+  warp's chain of conversions and MMAs, which a second CTA per SM hides.
 - Larger T: the grouped-GEMM pipeline (`grouped_pipeline.run`, v0), whose 64 x 128 tiles do more
   MMA work per weight byte.
 
@@ -117,7 +119,11 @@ FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True)
 SMALL_T = StreamingVariant(
     block_tokens=16, gemm2_block_tokens=16, gemm2_num_stages=3, chained=True, self_cleaning=True, wgmma_gemm1=True
 )
-MEDIUM_T = StreamingVariant(block_tokens=32, chained=True, self_cleaning=True, wgmma_gemm1=True)
+# MEDIUM_T's GEMM2 is SMALL_T's: its own 32-token tiles with 4 stages (192 KB) fit one CTA per SM,
+# and the second CTA is worth converting each W2 twice at ~28 tokens per expert (v1.6: 1.29x at 901).
+MEDIUM_T = StreamingVariant(
+    block_tokens=32, gemm2_block_tokens=16, gemm2_num_stages=3, chained=True, self_cleaning=True, wgmma_gemm1=True
+)
 VARIANTS = (TINY_T, FEW_TOKENS, SMALL_T, MEDIUM_T)
 
 

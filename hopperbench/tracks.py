@@ -193,13 +193,7 @@ MOE = Track(
             package="deep_gemm==2.6.1+54e2261",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_routing_loads_first",
-            entry="candidate_routing_loads_first.py::run",
-            description="kernel.py v1.6 with the routing's logit and bias loads all issued before its first sigmoid (v1.7)",
-        ),
-    ),
+    candidates=(),
 )
 
 

@@ -53,8 +53,7 @@ class MoeHostSm90:
     """Host function of the five kernels with `gemm1` (G1 + SwiGLU) and `gemm2` (G2); one compile
     serves every T (dynamic) and every offset / scaling factor (runtime scalars). With
     `self_cleaning` the counters come zeroed from the previous call and the last launch zeroes them
-    again (`routing.ReleaseCountsKernel`): five launches, none of them first a tiny one.
-    `routing_loads_first`: see `routing.route_token`. With `chained` each launch after the first is a
+    again (`routing.ReleaseCountsKernel`): five launches, none of them first a tiny one. With `chained` each launch after the first is a
     programmatic dependent of the one before (`chain.py`)."""
 
     def __init__(
@@ -63,12 +62,11 @@ class MoeHostSm90:
         gemm2: ExpertGemm,
         chained: bool = False,
         self_cleaning: bool = False,
-        routing_loads_first: bool = False,
     ):
         links = list(chain_links(5, chained))
         self.self_cleaning = self_cleaning
         self.zero_counts = None if self_cleaning else ZeroCountsKernel(links.pop(0))
-        self.routing = RoutingKernel(links.pop(0), routing_loads_first)
+        self.routing = RoutingKernel(links.pop(0))
         self.release_counts = ReleaseCountsKernel(links.pop()) if self_cleaning else None
         gemm1_link, gemm2_link, combine_link = links
         if chained and not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):

@@ -90,7 +90,6 @@ class StreamingVariant:
     chained: bool = False  # programmatic dependent launches between the call's kernels (chain.py)
     self_cleaning: bool = False  # counters kept zeroed between calls, no zeroing launch (counters.py)
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
-    routing_loads_first: bool = False  # routing.route_token's loads_first
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -154,7 +153,6 @@ def _compile(arch: str, variant: StreamingVariant) -> Callable:
             StreamingGemm(variant.gemm2()),
             variant.chained,
             variant.self_cleaning,
-            variant.routing_loads_first,
         ),
         arch,
     )

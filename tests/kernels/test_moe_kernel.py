@@ -34,7 +34,6 @@ reference = cases.load_reference()
 SOLUTIONS = (
     "kernel",
     "grouped_pipeline",
-    "candidate_routing_loads_first",
 )
 
 

@@ -9,9 +9,7 @@ L2 <= 1e-2; NaN anywhere fails). Not imported by kernel.py.
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType

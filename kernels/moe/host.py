@@ -53,8 +53,9 @@ class MoeHostSm90:
     """Host function of the five kernels with `gemm1` (G1 + SwiGLU) and `gemm2` (G2); one compile
     serves every T (dynamic) and every offset / scaling factor (runtime scalars). With
     `self_cleaning` the counters come zeroed from the previous call and the last launch zeroes them
-    again (`routing.ReleaseCountsKernel`): five launches, none of them first a tiny one. With `chained` each launch after the first is a
-    programmatic dependent of the one before (`chain.py`)."""
+    again (`routing.ReleaseCountsKernel`): five launches, none of them first a tiny one. With
+    `chained` each launch after the first is a programmatic dependent of the one before
+    (`chain.py`)."""
 
     def __init__(
         self,

@@ -94,7 +94,7 @@ def route_token(
     lane: cutlass.Int32,
 ):
     """One warp routes one token: its top-8 experts, their weights, and for each local one a rank
-    taken by an atomic increment of `counts` (global or shared memory) and the packed-list entry."""
+    taken by an atomic increment of `counts` and the packed-list entry."""
     neg_inf = -cutlass.Float32.inf
     # biased[g] = sigmoid(logit) + bias of expert g*32 + lane.
     biased = cute.make_rmem_tensor((NUM_GROUPS,), cutlass.Float32)

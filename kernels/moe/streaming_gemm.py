@@ -529,14 +529,12 @@ class StreamingGemm(LinkedGemm):
     ):
         """Issue the cp.async copies of flat stage `s` of this CTA (weights, activations, scales)."""
         cfg = self.cfg
-        bt = cfg.block_tokens
         item = cta + (s // cfg.k_stages) * grid
         k_stage = s % cfg.k_stages
         n_tile = item % cfg.items_per_row_tile
         expert, first_row, valid_rows, packed_row0 = self.locate(
             item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset
         )
-        k0 = k_stage * STAGE_K
 
         # ---- weights: 32 rows x 512 bytes; one warp reads one row's 512 contiguous bytes ----
         chunks_per_row = STAGE_K // CHUNK  # 32

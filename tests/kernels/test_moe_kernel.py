@@ -69,8 +69,12 @@ def test_streaming_variants_are_chained_self_cleaning_and_on_wgmma_from_33_token
         variant = kernel.variant_for(num_tokens)
         assert variant.chained and variant.self_cleaning
         assert variant.wgmma_gemm1 == (num_tokens >= kernel.WGMMA_GEMM1_MIN_TOKENS)
-        gemm1_module = solution_module("wgmma_gemm1" if variant.wgmma_gemm1 else "streaming_gemm")
-        assert type(variant.make_gemm1()) is (gemm1_module.WgmmaGemm1 if variant.wgmma_gemm1 else gemm1_module.StreamingGemm)
+        expected = (
+            solution_module("wgmma_gemm1").WgmmaGemm1
+            if variant.wgmma_gemm1
+            else solution_module("streaming_gemm").StreamingGemm
+        )
+        assert type(variant.make_gemm1()) is expected
     assert kernel.WGMMA_GEMM1_MIN_TOKENS == 33
     # Up to FEW_TOKENS_MAX the two variants differ only in GEMM1's instruction.
     assert dataclasses.replace(kernel.variant_for(33), wgmma_gemm1=False) == kernel.variant_for(32)

@@ -14,7 +14,6 @@ workspaces that says which GEMM and which column tiles are wrong when the end-to
 from __future__ import annotations
 
 import dataclasses
-
 import random
 
 import pytest

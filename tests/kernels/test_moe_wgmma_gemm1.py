@@ -1,5 +1,5 @@
 """MoE GEMM1 + SwiGLU on FP8 warpgroup MMA (kernels/moe/wgmma_gemm1.py; candidate v2.0, in kernel.py
-v1.5 from 33 tokens).
+from 33 tokens since v1.5).
 
 CPU: the byte offsets the cp.async copies write equal the offsets of the swizzled K_SW128 layouts
 the WGMMA reads (traced from CuTe's own layouts, for every token-tile width and three stages); item
@@ -24,19 +24,21 @@ from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, solution_mo
 from tests.kernels.test_moe_streaming import check_each_gemm
 
 wgmma = solution_module("wgmma_gemm1")
-
-
-def on_wgmma(num_tokens: int):
-    """kernel.py's variant for `num_tokens` with GEMM1 on WGMMA (None: the grouped pipeline)."""
-    chosen = kernel.variant_for(num_tokens)
-    return None if chosen is None else dataclasses.replace(chosen, wgmma_gemm1=True)
-
-
-def on_mma_sync(num_tokens: int):
-    chosen = kernel.variant_for(num_tokens)
-    return None if chosen is None else dataclasses.replace(chosen, wgmma_gemm1=False)
-
 STAGES = 3
+
+
+def with_gemm1_on(use_wgmma: bool):
+    """A variant chooser: kernel.py's variant for T with GEMM1 on WGMMA or on mma.sync (None: the
+    grouped pipeline)."""
+
+    def choose(num_tokens: int):
+        chosen = kernel.variant_for(num_tokens)
+        return None if chosen is None else dataclasses.replace(chosen, wgmma_gemm1=use_wgmma)
+
+    return choose
+
+
+on_wgmma, on_mma_sync = with_gemm1_on(True), with_gemm1_on(False)
 
 
 def _traced_offsets(block_tokens: int) -> list[tuple[int, int, int, int, int]]:

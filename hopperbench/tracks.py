@@ -193,7 +193,13 @@ MOE = Track(
             package="deep_gemm==2.6.1+54e2261",
         ),
     ),
-    candidates=(),
+    candidates=(
+        CandidateSide(
+            name="cand_wgmma_gemm2",
+            entry="candidate_wgmma_gemm2.py::run",
+            description="kernel.py v1.6 with GEMM2 of T = 193-2048 on bf16 WGMMA, e4m3 weights converted in registers (v2.1)",
+        ),
+    ),
 )
 
 

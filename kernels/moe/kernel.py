@@ -43,6 +43,7 @@ from .grouped_pipeline import GPU_ARCH, MAX_TOKENS, MoeShapeError
 from .host import Workspaces
 from .streaming_gemm import StreamingGemm, StreamingGemmConfig
 from .wgmma_gemm1 import WgmmaGemm1, WgmmaGemm1Config
+from .wgmma_gemm2 import WgmmaGemm2, WgmmaGemm2Config
 
 __all__ = [
     "FEW_TOKENS_MAX",
@@ -90,22 +91,34 @@ class StreamingVariant:
     chained: bool = False  # programmatic dependent launches between the call's kernels (chain.py)
     self_cleaning: bool = False  # counters kept zeroed between calls, no zeroing launch (counters.py)
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
+    wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
+
+    def __post_init__(self) -> None:
+        if self.wgmma_gemm2 and not self.wgmma_gemm1:
+            # The WGMMA GEMM2 reads C in the column order only the WGMMA GEMM1 writes.
+            raise ValueError("wgmma_gemm2 needs wgmma_gemm1")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
-            return WgmmaGemm1Config(block_tokens=self.block_tokens, num_stages=self.num_stages)
+            return WgmmaGemm1Config(
+                block_tokens=self.block_tokens, num_stages=self.num_stages, permuted_c=self.wgmma_gemm2
+            )
         return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:
         config = self.gemm1()
         return WgmmaGemm1(config) if isinstance(config, WgmmaGemm1Config) else StreamingGemm(config)
 
-    def gemm2(self) -> StreamingGemmConfig:
-        return StreamingGemmConfig(
-            gemm1=False,
-            block_tokens=self.gemm2_block_tokens or self.block_tokens,
-            num_stages=self.gemm2_num_stages or self.num_stages,
-        )
+    def gemm2(self) -> StreamingGemmConfig | WgmmaGemm2Config:
+        block_tokens = self.gemm2_block_tokens or self.block_tokens
+        num_stages = self.gemm2_num_stages or self.num_stages
+        if self.wgmma_gemm2:
+            return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages)
+        return StreamingGemmConfig(gemm1=False, block_tokens=block_tokens, num_stages=num_stages)
+
+    def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:
+        config = self.gemm2()
+        return WgmmaGemm2(config) if isinstance(config, WgmmaGemm2Config) else StreamingGemm(config)
 
 
 # GEMM2's shared memory per CTA: 103 KB (8 x 4) and 108 KB (16 x 3), two CTAs per SM each, i.e. 8
@@ -150,7 +163,7 @@ def _compile(arch: str, variant: StreamingVariant) -> Callable:
     return host.compile_host(
         host.MoeHostSm90(
             variant.make_gemm1(),
-            StreamingGemm(variant.gemm2()),
+            variant.make_gemm2(),
             variant.chained,
             variant.self_cleaning,
         ),
@@ -188,7 +201,7 @@ def _num_sms(device: torch.device) -> int:
     return count
 
 
-def persistent_ctas(config: StreamingGemmConfig | WgmmaGemm1Config, num_sms: int) -> int:
+def persistent_ctas(config: StreamingGemmConfig | WgmmaGemm1Config | WgmmaGemm2Config, num_sms: int) -> int:
     """Grid of a persistent streaming GEMM: every SM holds as many CTAs as shared memory allows."""
     return num_sms * config.ctas_per_sm()
 

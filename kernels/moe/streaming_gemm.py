@@ -137,26 +137,27 @@ def accumulator_coords(m_tile, n_tile, i, group, quad):
 
 
 def _e4m3x2_to_mma_input(word: Int32, high: bool, bf16: bool) -> Int32:
-    return _e4m3x2_to_bf16x2(word, high) if bf16 else _e4m3x2_to_f16x2(word, high)
+    return e4m3x2_to_bf16x2(word, high) if bf16 else _e4m3x2_to_f16x2(word, high)
 
 
 @dsl_user_op
-def _lds128(pointer, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
-    """ld.shared.v4.b32 from a 16-B aligned shared-memory pointer. Volatile, so that it is never
-    moved across the barriers and cp.async waits that make the data valid."""
+def lds_shared(pointer, count: int, *, loc=None, ip=None) -> tuple[Int32, ...]:
+    """ld.shared.v`count`.b32 (count 2 or 4) from a shared-memory pointer aligned to 4 `count` bytes.
+    Volatile, so that it is never moved across the barriers and cp.async waits that make the data valid."""
     address = llvm.ptrtoint(T.i32(), pointer.llvm_ptr, loc=loc, ip=ip)
+    registers = ", ".join(f"${i}" for i in range(count))
     words = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()]),
+        llvm.StructType.get_literal([T.i32()] * count),
         [address],
-        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,r",
+        f"ld.shared.v{count}.b32 {{{registers}}}, [${count}];",
+        ",".join(["=r"] * count + ["r"]),
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,
         ip=ip,
     )
-    return tuple(Int32(llvm.extractvalue(T.i32(), words, [i], loc=loc, ip=ip)) for i in range(4))
+    return tuple(Int32(llvm.extractvalue(T.i32(), words, [i], loc=loc, ip=ip)) for i in range(count))
 
 
 def _e4m3x2_to_f16x2(word: Int32, high: bool) -> Int32:
@@ -169,7 +170,7 @@ def _e4m3x2_to_f16x2(word: Int32, high: bool) -> Int32:
     )
 
 
-def _e4m3x2_to_bf16x2(word: Int32, high: bool) -> Int32:
+def e4m3x2_to_bf16x2(word: Int32, high: bool) -> Int32:
     """Two e4m3 bytes as bf16x2, exactly (through f16 and f32: each step is exact for 4-bit
     significands)."""
     half = "hi" if high else "lo"
@@ -639,13 +640,15 @@ class StreamingGemm(LinkedGemm):
             for mt in cutlass.range_constexpr(M_TILES):
                 row_g = mt * 16 + group
                 row_g8 = row_g + 8
-                words_g = _lds128(
+                words_g = lds_shared(
                     w_stages[None, row_g, warp_id, slot].iterator
-                    + fp8_chunk_slot(fp8_thread_chunk(half, quad), row_g) * CHUNK
+                    + fp8_chunk_slot(fp8_thread_chunk(half, quad), row_g) * CHUNK,
+                    4,
                 )
-                words_g8 = _lds128(
+                words_g8 = lds_shared(
                     w_stages[None, row_g8, warp_id, slot].iterator
-                    + fp8_chunk_slot(fp8_thread_chunk(half, quad), row_g8) * CHUNK
+                    + fp8_chunk_slot(fp8_thread_chunk(half, quad), row_g8) * CHUNK,
+                    4,
                 )
                 for j in cutlass.range_constexpr(4):
                     for r in cutlass.range_constexpr(4):
@@ -658,8 +661,8 @@ class StreamingGemm(LinkedGemm):
                     x_row = x_stages[None, token_slot, warp_id, slot]
                     b_words = cute.make_rmem_tensor((8,), Int32)  # b_words[2 j + r]: register b_r of MMA j
                     if cutlass.const_expr(cfg.gemm1):
-                        x_words = _lds128(
-                            x_row.iterator + fp8_chunk_slot(fp8_thread_chunk(half, quad), token_slot) * CHUNK
+                        x_words = lds_shared(
+                            x_row.iterator + fp8_chunk_slot(fp8_thread_chunk(half, quad), token_slot) * CHUNK, 4
                         )
                         for j in cutlass.range_constexpr(4):
                             for r in cutlass.range_constexpr(2):
@@ -669,7 +672,7 @@ class StreamingGemm(LinkedGemm):
                         # 2 j + r holds elements 16 q + 4 j + 2 r, + 1, exactly the K slots of b_r of MMA j
                         for c in cutlass.range_constexpr(2):
                             chunk = bf16_chunk_slot(bf16_thread_chunk(half, quad, c), token_slot)
-                            x_words = _lds128(x_row.iterator + chunk * (CHUNK // 2))
+                            x_words = lds_shared(x_row.iterator + chunk * (CHUNK // 2), 4)
                             for w in cutlass.range_constexpr(4):
                                 b_words[4 * c + w] = x_words[w]
                     for mt in cutlass.range_constexpr(M_TILES):

@@ -32,6 +32,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
 from .chain import enter
+from .intermediate_order import GROUP, stored_position
 from .shapes import BLOCK, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
 from .streaming_gemm import (
     SMEM_PER_SM,
@@ -60,19 +61,21 @@ SWIZZLE_ATOM_ROWS = 8
 SWIZZLE_ROW_BYTES = 128
 
 assert HIDDEN % STAGE_K == 0 and BLOCK % HALF_ROWS == 0 and BLOCK % 32 == 0
+assert HALF_ROWS == GROUP  # an item's C columns are one group of the permuted order
 
 
-def swizzled_offset(row, k, stage, rows: int):
-    """Byte offset of element (row, k) of `stage` in a K-major e4m3 tile of `rows` x 256 staged as
-    the sm90 K_SW128 layout that `sm90_utils.make_smem_layout_a/b` builds for it: 8-row x 128-B atoms,
-    stacked along the rows, then along K, then by stage, with the 16-B chunk index XOR the row in the
-    atom. Plain arithmetic: the kernel calls it with DSL integers, the CPU tests with Python ints."""
+def swizzled_offset(row, k, stage, rows: int, row_bytes: int = STAGE_K):
+    """Byte offset of byte `k` of row `row` of `stage` in a K-major tile of `rows` rows of `row_bytes`
+    bytes (256 e4m3 here, 256 bf16 in `wgmma_gemm2.py`) staged as the sm90 K_SW128 layout that
+    `sm90_utils.make_smem_layout_a/b` builds for it: 8-row x 128-B atoms, stacked along the rows, then
+    along K, then by stage, with the 16-B chunk index XOR the row in the atom. Plain arithmetic: the
+    kernel calls it with DSL integers, the CPU tests with Python ints."""
     linear = (
         (row % SWIZZLE_ATOM_ROWS) * SWIZZLE_ROW_BYTES
         + (row // SWIZZLE_ATOM_ROWS) * SWIZZLE_ATOM_ROWS * SWIZZLE_ROW_BYTES
         + k % SWIZZLE_ROW_BYTES
         + (k // SWIZZLE_ROW_BYTES) * rows * SWIZZLE_ROW_BYTES
-        + stage * rows * STAGE_K
+        + stage * rows * row_bytes
     )
     return linear ^ (((linear >> 7) & 7) << 4)
 
@@ -90,15 +93,17 @@ def item_weight_scale_row(n_tile, half):
 
 
 class WgmmaGemm1Config:
-    """Compile-time shape of the WGMMA GEMM1: tokens per row tile (WGMMA's N) and pipeline depth."""
+    """Compile-time shape of the WGMMA GEMM1: tokens per row tile (WGMMA's N) and pipeline depth;
+    `permuted_c`: C's columns in the stored order `wgmma_gemm2.py` reads (`intermediate_order.py`)."""
 
-    def __init__(self, block_tokens: int, num_stages: int):
+    def __init__(self, block_tokens: int, num_stages: int, permuted_c: bool = False):
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
         self.block_tokens = block_tokens
         self.num_stages = num_stages
+        self.permuted_c = permuted_c
         self.threads_per_token = NUM_THREADS // block_tokens
         self._smem_bytes: int | None = None
         if self.smem_bytes() + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
@@ -404,4 +409,6 @@ class WgmmaGemm1(LinkedGemm):
             if token_slot < valid_rows:
                 up = scratch[token_slot, column]
                 gate = scratch[token_slot, HALF_ROWS + column]
+                if cutlass.const_expr(self.cfg.permuted_c):
+                    column = stored_position(column)
                 out[packed_row0 + token_slot, n_tile * HALF_ROWS + column] = swiglu_bf16(gate, up)

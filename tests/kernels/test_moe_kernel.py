@@ -34,6 +34,7 @@ reference = cases.load_reference()
 SOLUTIONS = (
     "kernel",
     "grouped_pipeline",
+    "candidate_wgmma_gemm2",
 )
 
 

@@ -423,6 +423,19 @@ def test_each_gemm_matches_torch_on_its_packed_rows(case):
     check_each_gemm(case, kernel.variant_for)
 
 
+def natural_intermediate(stored: torch.Tensor, variant) -> torch.Tensor:
+    """C in natural column order: the WGMMA GEMM2 variants store each 32-column group permuted
+    (kernels/moe/intermediate_order.py)."""
+    if not variant.wgmma_gemm2:
+        return stored
+    order = solution_module("intermediate_order")
+    columns = torch.arange(stored.shape[1], device=stored.device)
+    stored_columns = columns - columns % order.GROUP + torch.tensor(
+        [order.stored_position(c) for c in range(order.GROUP)], device=stored.device
+    )[columns % order.GROUP]
+    return stored[:, stored_columns]
+
+
 def check_each_gemm(case, choose) -> None:
     """Localises a failure of test_matches_reference for the streaming variants `choose` picks: the
     routing lists against the reference's routing, C (GEMM1 + SwiGLU, bf16) against torch on the
@@ -453,7 +466,7 @@ def check_each_gemm(case, choose) -> None:
         projected = x[tokens] @ w13.T
         del w13
         c_expected = torch.nn.functional.silu(projected[:, intermediate:]) * projected[:, :intermediate]
-        c = workspaces.intermediate[rows].float()
+        c = natural_intermediate(workspaces.intermediate[rows], choose(case.num_tokens)).float()
         assert not torch.isnan(c).any(), f"GEMM1 expert {expert}: NaN"
         bad = _bad_column_tiles(c, c_expected, streaming.GEMM1_ITEM_COLUMNS, 1e-2)
         assert not bad, f"GEMM1 expert {expert}: column tiles {bad[:8]} (rel L2 {_relative_l2(c, c_expected):.2e})"

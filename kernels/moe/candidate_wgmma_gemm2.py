@@ -1,0 +1,41 @@
+"""MoE candidate v2.1 ("WGMMA GEMM2"): `kernel.py` v1.6 with GEMM2 of its MEDIUM_T variant (193-2048
+tokens) on bf16 warpgroup MMA with the e4m3 weights converted in registers (`wgmma_gemm2.py`), in
+32-token row tiles with 3 stages (96 KB, two CTAs per SM), and GEMM1 writing C in the column order that
+GEMM2 reads (`intermediate_order.py`).
+
+Why (session 9, NOTES.md "Design v2.1"): at T = 901 GEMM1 streams W13 at ~3.06 TB/s, GEMM2 W2 at
+~1.5 TB/s: ~300 of the 611 us. Its `mma.sync` warps spend 80 % of their instructions on conversions in
+one dependent chain, and each W2 is converted once per 16-token row tile.
+
+Prediction: GEMM2 at T = 901 ~300 -> ~150-200 us, T = 901 ~611 -> ~460-510 us (1.2-1.3x); other
+workloads unchanged (kernel.py's variants). Outputs: the same products and the same per-128-K
+promotion, summed in another order inside a block (the tensor core's), so equal to kernel.py's up to
+fp32 rounding (the GPU tests bound the difference against the reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from . import kernel
+from .kernel import MoeShapeError, StreamingVariant
+
+__all__ = ["MEDIUM_T", "MoeShapeError", "compile_only", "run", "variant_for"]
+
+MEDIUM_T = dataclasses.replace(kernel.MEDIUM_T, gemm2_block_tokens=32, gemm2_num_stages=3, wgmma_gemm2=True)
+
+
+def variant_for(num_tokens: int) -> StreamingVariant | None:
+    """`kernel.py`'s choice of variant, with this candidate's MEDIUM_T."""
+    chosen = kernel.variant_for(num_tokens)  # also rejects an empty batch
+    return MEDIUM_T if chosen == kernel.MEDIUM_T else chosen
+
+
+def compile_only(arch: str = kernel.GPU_ARCH) -> tuple[Callable, ...]:
+    """Compile the candidate's MEDIUM_T and `kernel.py`'s configurations for `arch` without a GPU."""
+    return (kernel.compiled_for(MEDIUM_T, arch), *kernel.compile_only(arch))
+
+
+# `kernel.py`'s contract, with this candidate's MEDIUM_T.
+run = kernel.make_run(variant_for)

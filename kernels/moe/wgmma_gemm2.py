@@ -1,0 +1,369 @@
+"""GEMM2 of the MoE weight stream on Hopper's warpgroup MMA, with the e4m3 weights converted to bf16 in
+registers (`wgmma.m64nNk16.f32.bf16.bf16`, A from registers, B from shared memory). Design v2.1 A of
+NOTES.md.
+
+Why (NOTES.md, session 9): at T = 901 `streaming_gemm.py`'s GEMM2 takes ~300 us for ~470 MB of W2
+(~1.5 TB/s). Each warp's stage is a dependent chain of e4m3 -> bf16 conversions (80 % of its
+instructions) and `mma.sync`, and each W2 is converted once per 16-token row tile. Here one warpgroup
+converts a 64-row x 128-K block into registers and hands it to the asynchronous tensor core in eight
+k16 steps; with 32-token row tiles each W2 is converted about once at ~28 tokens per expert, and the
+two CTAs per SM overlap one's conversions with the other's MMAs.
+
+Design (the schedule, the promotion and the numerics are `streaming_gemm.py`'s GEMM2):
+- Work item = (row tile of `block_tokens` tokens of one expert, 64 output columns of 7168): 112 items
+  per row tile; persistent CTAs walk them as the other streaming GEMMs do.
+- One warpgroup per CTA; a flat `cp.async` pipeline of 256-wide K stages (two quantisation blocks):
+  - the weights, 64 rows x 256 B, row-major with the 16-B chunk index XOR the row (mod 8), so that
+    the 8-B loads of the eight row groups of a warp hit distinct banks;
+  - C, `block_tokens` rows x 256 bf16, in the 128-B-swizzled K-major layout the warpgroup MMA reads
+    (`wgmma_gemm1.swizzled_offset` with 512-B rows), then `fence.proxy.async`.
+- A operand: thread (warp w, group g, quad t) holds rows 16 w + g and + 8 at K slots 2 t, 2 t + 1,
+  2 t + 8, 2 t + 9 of a k16 step. It reads natural K 32 j + 8 t .. + 7 of both rows (one 8-B load
+  each) for the two k16 steps of group j, and C is stored in the matching column order
+  (`intermediate_order.py`, written so by GEMM1's epilogue), so no byte moves between threads.
+- Per 128-K block: eight k16 MMAs into a fresh accumulator, wait, then acc += block x the weight
+  block scale (C is unscaled). Epilogue: the fp32 accumulator straight to `expert_out` for the
+  item's valid tokens (columns of absent tokens hold whatever the stage held and are never stored).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from .chain import enter
+from .intermediate_order import GROUP
+from .shapes import BLOCK, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
+from .streaming_gemm import (
+    SMEM_PER_SM,
+    SMEM_RESERVED_PER_CTA,
+    LinkedGemm,
+    StreamingConfigError,
+    build_expert_tables,
+    cta_stage_count,
+    e4m3x2_to_bf16x2,
+    lds_shared,
+    locate_row_tile,
+)
+from .wgmma_gemm1 import swizzled_offset
+
+__all__ = ["WgmmaGemm2", "WgmmaGemm2Config", "weight_offset"]
+
+NUM_THREADS = 128  # one warpgroup
+ITEM_ROWS = 64  # WGMMA's M: output columns of the item
+ITEMS_PER_ROW_TILE = HIDDEN // ITEM_ROWS  # 112
+BLOCKS_PER_STAGE = 2
+STAGE_K = BLOCKS_PER_STAGE * BLOCK  # 256
+K_STAGES = INTERMEDIATE // STAGE_K  # 8
+GROUPS_PER_BLOCK = BLOCK // GROUP  # 4 k32 groups, 8 k16 steps
+CHUNK = 16  # bytes per cp.async
+W_CHUNKS_PER_ROW = STAGE_K // CHUNK  # 16: a weight row of a stage is 256 e4m3
+C_ROW_BYTES = 2 * STAGE_K  # 512: a C row of a stage is 256 bf16
+C_CHUNKS_PER_ROW = C_ROW_BYTES // CHUNK  # 32
+THREAD_BYTES = 8  # one thread's bytes of a weight row per k32 group
+ROW_GROUPS = 8  # rows g and g + 8 of a warp's 16: the 8 rows of one load phase
+
+assert INTERMEDIATE % STAGE_K == 0 and HIDDEN % ITEM_ROWS == 0 and BLOCK % ITEM_ROWS == 0
+assert GROUP == 4 * THREAD_BYTES  # four quads of 8 bytes cover a group
+
+
+def weight_offset(row, k, stage):
+    """Byte offset of weight byte `k` (0..255, natural K) of item row `row` of `stage`: row-major 256-B
+    rows with the 16-B chunk index XOR the row mod 8 (the eight rows of one 8-B load phase then use
+    distinct banks). Plain arithmetic, for the kernel and the CPU tests."""
+    chunk = (k // CHUNK) ^ (row % ROW_GROUPS)
+    return stage * ITEM_ROWS * STAGE_K + row * STAGE_K + chunk * CHUNK + k % CHUNK
+
+
+class WgmmaGemm2Config:
+    """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth."""
+
+    def __init__(self, block_tokens: int, num_stages: int):
+        if block_tokens not in (8, 16, 32):
+            raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
+        if num_stages < 3:
+            raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
+        self.block_tokens = block_tokens
+        self.num_stages = num_stages
+        self._smem_bytes: int | None = None
+        if self.smem_bytes() + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
+            raise StreamingConfigError(f"{self.smem_bytes()} B of shared memory per CTA do not fit an SM")
+
+    def shared_storage(self):
+        ns, bt = self.num_stages, self.block_tokens
+
+        def region(dtype, count: int, alignment: int):
+            return cute.struct.Align[cute.struct.MemRange[dtype, count], alignment]
+
+        fields = {
+            "w_stages": region(cutlass.Float8E4M3FN, ns * ITEM_ROWS * STAGE_K, 128),
+            # 1024-B aligned: the swizzle pattern repeats every 1024 B from the start of an atom
+            "c_stages": region(cutlass.BFloat16, ns * bt * STAGE_K, 1024),
+            "w_scales": region(Float32, ns * BLOCKS_PER_STAGE, 16),
+            "tile_end": region(Int32, NUM_LOCAL_EXPERTS, 16),
+            "expert_count": region(Int32, NUM_LOCAL_EXPERTS, 16),
+            "expert_offset": region(Int32, NUM_LOCAL_EXPERTS, 16),
+        }
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    def smem_bytes(self) -> int:
+        if self._smem_bytes is None:
+            self._smem_bytes = self.shared_storage().size_in_bytes()
+        return self._smem_bytes
+
+    def ctas_per_sm(self) -> int:
+        return max(1, min(2, SMEM_PER_SM // (self.smem_bytes() + SMEM_RESERVED_PER_CTA)))
+
+
+@cute.jit
+def wgmma_operands(block_tokens: cutlass.Constexpr, num_stages: cutlass.Constexpr):
+    """The bf16 tiled MMA (M = 64 weight rows from registers, N = the tokens, k16) and the staged
+    K_SW128 layout of its C (B) tile."""
+    k_major = LayoutEnum.ROW_MAJOR  # K-major for A and for B alike
+    tiled_mma = sm90_utils.make_trivial_tiled_mma(
+        cutlass.BFloat16,
+        cutlass.BFloat16,
+        k_major.sm90_mma_major_mode(),
+        k_major.sm90_mma_major_mode(),
+        Float32,
+        (1, 1, 1),
+        tiler_mn=(ITEM_ROWS, block_tokens),
+        a_source=warpgroup.OperandSource.RMEM,
+    )
+    b_layout = sm90_utils.make_smem_layout_b(
+        k_major, (ITEM_ROWS, block_tokens, STAGE_K), cutlass.BFloat16, num_stages
+    )
+    return tiled_mma, b_layout
+
+
+class WgmmaGemm2(LinkedGemm):
+    """GEMM2 with `launch(c, unused_scale, w, w_scale, out, counts, expert_tokens, num_ctas, stream)`,
+    as `streaming_gemm.StreamingGemm` (c = C [rows, 2048] bf16 in `intermediate_order.py`'s column
+    order, w = W2 [32, 7168, 2048], w_scale [32, 56, 16], out = O [rows, 7168] fp32)."""
+
+    @cute.jit
+    def launch(
+        self,
+        c: cute.Tensor,
+        unused_scale: cute.Tensor,
+        w: cute.Tensor,
+        w_scale: cute.Tensor,
+        out: cute.Tensor,
+        counts: cute.Tensor,
+        expert_tokens: cute.Tensor,
+        num_ctas: Int32,
+        stream,
+    ):
+        cfg = self.cfg
+        tiled_mma, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
+        SharedStorage = cfg.shared_storage()
+        self.kernel(c, w, w_scale, out, counts, tiled_mma, b_layout, SharedStorage).launch(
+            grid=[num_ctas, 1, 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            use_pdl=self.link.waits,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        c: cute.Tensor,
+        w: cute.Tensor,
+        w_scale: cute.Tensor,
+        out: cute.Tensor,
+        counts: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        b_layout: cute.ComposedLayout,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        enter(self.link)
+        cfg = self.cfg
+        bt = cfg.block_tokens
+        ns = cfg.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp_id = tidx // 32
+        lane = tidx % 32
+        group = lane // 4
+        quad = lane % 4
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        s_c = storage.c_stages.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        w_bytes = storage.w_stages.get_tensor(cute.make_layout(ns * ITEM_ROWS * STAGE_K))
+        c_bytes = storage.c_stages.get_tensor(cute.make_layout(ns * bt * STAGE_K))  # bf16 elements
+        w_scales = storage.w_scales.get_tensor(cute.make_layout((BLOCKS_PER_STAGE, ns)))
+        tile_end = storage.tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+        expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+        expert_offset = storage.expert_offset.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+
+        if warp_id == 0:
+            build_expert_tables(counts, bt, tile_end, expert_count, expert_offset, lane)
+        cute.arch.sync_threads()
+
+        total_stages = cta_stage_count(tile_end, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid)
+
+        g2s_16_w = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
+        )
+        g2s_16_c = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
+        )
+        g2s_4_f32 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), Float32, num_bits_per_copy=32
+        )
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        t_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_c))  # (MMA, N, k16 steps, stage)
+        # A fragments of one 128-K block: (values, M, k16 steps) bf16, viewed as 32-bit words
+        # ((1, v1, v2), M, step): word v1 + 2 v2 holds row g + 8 v1, K slots 2 t + 8 v2, + 1.
+        a_block = cute.make_rmem_tensor(thr_mma.partition_shape_A((ITEM_ROWS, BLOCK)), cutlass.BFloat16)
+        a_words = cute.recast_tensor(a_block, Int32)
+        acc_shape = thr_mma.partition_shape_C((ITEM_ROWS, bt))
+        acc = cute.make_rmem_tensor(acc_shape, Float32)
+        block_acc = cute.make_rmem_tensor(acc_shape, Float32)
+        coords = thr_mma.partition_C(cute.make_identity_tensor((ITEM_ROWS, bt)))  # (item row, token slot)
+        acc.fill(0.0)
+        row_g = warp_id * 16 + group
+
+        for p in cutlass.range_constexpr(ns - 1):
+            if p < total_stages:
+                self.load_stage(
+                    p, p, cta, grid, c, w, w_scale, tile_end, expert_count, expert_offset,
+                    w_bytes, c_bytes, w_scales, g2s_16_w, g2s_16_c, g2s_4_f32, tidx,
+                )  # fmt: skip
+            cute.arch.cp_async_commit_group()
+
+        for s in cutlass.range(total_stages, unroll=1):
+            # As wgmma_gemm1.py: stage s has landed, every thread's copies are visible to the async
+            # proxy after the barrier, and the slot the next load overwrites is free.
+            cute.arch.cp_async_wait_group(ns - 2)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+            if s + ns - 1 < total_stages:
+                self.load_stage(
+                    s + ns - 1, (s + ns - 1) % ns, cta, grid, c, w, w_scale, tile_end, expert_count,
+                    expert_offset, w_bytes, c_bytes, w_scales, g2s_16_w, g2s_16_c, g2s_4_f32, tidx,
+                )  # fmt: skip
+            cute.arch.cp_async_commit_group()
+
+            item = cta + (s // K_STAGES) * grid
+            k_stage = s % K_STAGES
+            expert, first_row, valid_rows, packed_row0 = locate_row_tile(
+                item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
+            )
+            if k_stage == 0:
+                acc.fill(0.0)
+            slot = s % ns
+            for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+                # This thread's weights of the block, converted once: 8 bytes of rows g and g + 8 per
+                # k32 group, natural K 32 j + 8 t .. + 7 (intermediate_order.py: words 0 and 1 of a
+                # row's load feed k16 steps 2 j and 2 j + 1, their halves K slots 2 t and 2 t + 8).
+                for j in cutlass.range_constexpr(GROUPS_PER_BLOCK):
+                    k = b * BLOCK + j * GROUP + quad * THREAD_BYTES
+                    for v1 in cutlass.range_constexpr(2):
+                        row = row_g + 8 * v1
+                        words = lds_shared(w_bytes.iterator + weight_offset(row, k, slot), 2)
+                        for step in cutlass.range_constexpr(2):
+                            for v2 in cutlass.range_constexpr(2):
+                                a_words[(0, v1, v2), 0, 2 * j + step] = e4m3x2_to_bf16x2(words[step], v2 == 1)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                warpgroup.fence()
+                for k16 in cutlass.range_constexpr(2 * GROUPS_PER_BLOCK):
+                    cute.gemm(
+                        tiled_mma,
+                        block_acc,
+                        a_block[None, None, k16],
+                        t_b[None, None, b * 2 * GROUPS_PER_BLOCK + k16, slot],
+                        block_acc,
+                    )
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                scale = w_scales[b, slot]
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = acc[i] + block_acc[i] * scale
+            if k_stage == K_STAGES - 1:
+                n_tile = item % ITEMS_PER_ROW_TILE
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    row, token_slot = coords[i]
+                    if token_slot < valid_rows:
+                        out[packed_row0 + token_slot, n_tile * ITEM_ROWS + row] = acc[i]
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def load_stage(
+        self,
+        s: Int32,
+        slot: Int32,
+        cta: Int32,
+        grid: Int32,
+        c: cute.Tensor,
+        w: cute.Tensor,
+        w_scale: cute.Tensor,
+        tile_end: cute.Tensor,
+        expert_count: cute.Tensor,
+        expert_offset: cute.Tensor,
+        w_bytes: cute.Tensor,
+        c_bytes: cute.Tensor,
+        w_scales: cute.Tensor,
+        g2s_16_w: cute.CopyAtom,
+        g2s_16_c: cute.CopyAtom,
+        g2s_4_f32: cute.CopyAtom,
+        tidx: Int32,
+    ):
+        """Issue the cp.async copies of flat stage `s` of this CTA (weights, C rows, weight scales)."""
+        bt = self.cfg.block_tokens
+        item = cta + (s // K_STAGES) * grid
+        k_stage = s % K_STAGES
+        n_tile = item % ITEMS_PER_ROW_TILE
+        expert, first_row, valid_rows, packed_row0 = locate_row_tile(
+            item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
+        )
+
+        # ---- weights: 64 rows x 256 B; 16 consecutive threads read one row's 256 contiguous bytes ----
+        for i in cutlass.range_constexpr(ITEM_ROWS * W_CHUNKS_PER_ROW // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            row = linear // W_CHUNKS_PER_ROW
+            chunk = linear % W_CHUNKS_PER_ROW
+            cute.copy(
+                g2s_16_w,
+                cute.local_tile(w[expert, n_tile * ITEM_ROWS + row, None], (CHUNK,), (k_stage * W_CHUNKS_PER_ROW + chunk,)),
+                cute.local_tile(w_bytes, (CHUNK,), (weight_offset(row, chunk * CHUNK, slot) // CHUNK,)),
+            )
+
+        # ---- C: the row tile's packed rows (stored column order), 512 B each; rows past the tile's
+        # tokens are not copied ----
+        c_chunk_elems = CHUNK // 2
+        for i in cutlass.range_constexpr(bt * C_CHUNKS_PER_ROW // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            token_slot = linear // C_CHUNKS_PER_ROW
+            chunk = linear % C_CHUNKS_PER_ROW
+            if token_slot < valid_rows:
+                cute.copy(
+                    g2s_16_c,
+                    cute.local_tile(
+                        c[packed_row0 + token_slot, None], (c_chunk_elems,), (k_stage * C_CHUNKS_PER_ROW + chunk,)
+                    ),
+                    cute.local_tile(
+                        c_bytes,
+                        (c_chunk_elems,),
+                        (swizzled_offset(token_slot, chunk * CHUNK, slot, bt, C_ROW_BYTES) // CHUNK,),
+                    ),
+                )
+
+        # ---- weight block scales: the item's 128-row block, the stage's two K blocks ----
+        if tidx < BLOCKS_PER_STAGE:
+            cute.copy(
+                g2s_4_f32,
+                cute.local_tile(
+                    w_scale[expert, (n_tile * ITEM_ROWS) // BLOCK, None], (1,), (k_stage * BLOCKS_PER_STAGE + tidx,)
+                ),
+                cute.local_tile(w_scales[None, slot], (1,), (tidx,)),
+            )

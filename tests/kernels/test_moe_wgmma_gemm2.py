@@ -1,0 +1,170 @@
+"""MoE candidate v2.1: GEMM2 on bf16 warpgroup MMA with the e4m3 weights converted in registers
+(kernels/moe/wgmma_gemm2.py, kernels/moe/intermediate_order.py, kernels/moe/candidate_wgmma_gemm2.py).
+
+CPU: the column order of C is a permutation, and it puts under every A-fragment value the column its
+weight byte multiplies (the fragment's coordinates traced from CuTe's own partition of the RS tiled
+MMA); the byte offsets of C's copies equal CuTe's swizzled B layout (traced, 8-32 tokens); the weight
+tile's swizzle keeps every chunk aligned and spreads a load phase's 8 rows over distinct banks; the
+configurations' shared memory and the candidate's dispatch. GPU (marked `gpu`): the per-GEMM check of
+test_moe_streaming.py on the candidate's MEDIUM_T (C un-permuted), and its accuracy against kernel.py's
+distance from the reference. The end-to-end checks are test_moe_kernel.py's (it is in SOLUTIONS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor
+
+from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, solution_module
+from tests.kernels.test_moe_streaming import check_each_gemm
+
+gemm2 = solution_module("wgmma_gemm2")
+gemm1 = solution_module("wgmma_gemm1")
+order = solution_module("intermediate_order")
+candidate = solution_module("candidate_wgmma_gemm2")
+STAGES = 3
+
+
+def test_the_column_order_is_a_permutation_of_each_group():
+    assert sorted(order.natural_column(slot) for slot in range(order.GROUP)) == list(range(order.GROUP))
+    assert all(order.natural_column(order.stored_position(c)) == c for c in range(order.GROUP))
+
+
+def _traced_a_coordinates() -> list[tuple[int, int, int, int]]:
+    """(thread, value, row, k) of the A fragment of one 32-wide K group (two k16 steps) for every
+    thread of the warpgroup, as CuTe partitions the RS tiled MMA."""
+    seen: list[tuple[int, int, int, int]] = []
+
+    @cute.jit
+    def probe(unused: cute.Tensor):
+        tiled_mma, _ = gemm2.wgmma_operands(32, STAGES)
+        for tid in cutlass.range_constexpr(gemm2.NUM_THREADS):
+            coords = tiled_mma.get_slice(tid).partition_A(cute.make_identity_tensor((gemm2.ITEM_ROWS, order.GROUP)))
+            for i in cutlass.range_constexpr(cute.size(coords)):
+                row, k = coords[i]
+                seen.append((tid, i, row, k))
+
+    cute.compile(probe, make_fake_compact_tensor(cutlass.Float32, (4,), assumed_align=16), options="--gpu-arch sm_90a")
+    return seen
+
+
+def test_every_a_fragment_value_meets_the_column_its_weight_byte_multiplies():
+    seen = _traced_a_coordinates()
+    assert len(seen) == gemm2.NUM_THREADS * 16
+    for tid, i, row, slot in seen:
+        warp, group, quad = tid // 32, (tid % 32) // 4, tid % 4
+        # fragment layout ((v0, v1, v2), M, step), element v0 + 2 v1 + 4 v2 + 8 step; word v1 + 2 v2
+        v0, v1, v2, step = i % 2, (i // 2) % 2, (i // 4) % 2, i // 8
+        assert row == 16 * warp + group + 8 * v1, (tid, i)
+        assert slot == 16 * step + 2 * quad + 8 * v2 + v0, (tid, i)
+        # the kernel feeds it byte 4 step + 2 v2 + v0 of the thread's 8 bytes at natural K 8 quad
+        assert order.natural_column(slot) == 8 * quad + 4 * step + 2 * v2 + v0, (tid, i)
+
+
+def _traced_c_layout(block_tokens: int) -> tuple[str, list[tuple[int, int, int, int]]]:
+    """The staged C (B) layout as CuTe builds it: its swizzle, which the shared-memory tensor applies to
+    byte addresses, and (row, k, stage, unswizzled byte offset) at every 16-B chunk start."""
+    seen: list[tuple[int, int, int, int]] = []
+    swizzle: list[str] = []
+
+    @cute.jit
+    def probe(unused: cute.Tensor):
+        _, b_layout = gemm2.wgmma_operands(block_tokens, STAGES)
+        swizzle.append(str(b_layout.inner))
+        for row in cutlass.range_constexpr(block_tokens):
+            for k in cutlass.range_constexpr(0, gemm2.STAGE_K, 8):
+                for stage in cutlass.range_constexpr(STAGES):
+                    seen.append((row, k, stage, b_layout.outer((row, k, stage)) * 2))  # bf16 elements -> bytes
+
+    cute.compile(probe, make_fake_compact_tensor(cutlass.Float32, (4,), assumed_align=16), options="--gpu-arch sm_90a")
+    return swizzle[0], seen
+
+
+@pytest.mark.parametrize("block_tokens", [8, 16, 32])
+def test_c_copy_offsets_are_the_mma_layout_byte_for_byte(block_tokens):
+    swizzle, seen = _traced_c_layout(block_tokens)
+    # Swizzle<3,4,3> on byte addresses: the 16-B chunk index (bits 4-6) XOR bits 7-9, the hardware's
+    # 128-B pattern, which `swizzled_offset` applies.
+    assert swizzle == "S<3,4,3>"
+    assert len(seen) == block_tokens * gemm2.C_CHUNKS_PER_ROW * STAGES
+    wrong = [
+        (row, k, stage, linear)
+        for row, k, stage, linear in seen
+        if linear ^ (((linear >> 7) & 7) << 4)
+        != gemm1.swizzled_offset(row, 2 * k, stage, block_tokens, gemm2.C_ROW_BYTES)
+    ]
+    assert not wrong, wrong[:5]
+
+
+def test_weight_tile_is_a_swizzled_permutation_with_conflict_free_load_phases():
+    offsets = {gemm2.weight_offset(row, k, 1) for row in range(gemm2.ITEM_ROWS) for k in range(gemm2.STAGE_K)}
+    base = gemm2.ITEM_ROWS * gemm2.STAGE_K
+    assert offsets == set(range(base, 2 * base))
+    for row in range(gemm2.ITEM_ROWS):
+        for k in range(0, gemm2.STAGE_K, gemm2.CHUNK):  # a cp.async chunk stays contiguous and aligned
+            first = gemm2.weight_offset(row, k, 0)
+            assert first % gemm2.CHUNK == 0
+            assert [gemm2.weight_offset(row, k + b, 0) for b in range(gemm2.CHUNK)] == list(range(first, first + 16))
+    for k in range(0, gemm2.STAGE_K, gemm2.THREAD_BYTES):  # rows g = 0..7 of one phase: 8 bank groups
+        banks = {(gemm2.weight_offset(16 + g, k, 0) % 128) // 16 for g in range(8)}
+        assert len(banks) == 8
+
+
+def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
+    for block_tokens in (8, 16, 32):
+        assert gemm2.WgmmaGemm2Config(block_tokens, 3).ctas_per_sm() == 2
+    with pytest.raises(gemm2.StreamingConfigError):
+        gemm2.WgmmaGemm2Config(24, 3)
+    with pytest.raises(gemm2.StreamingConfigError):
+        gemm2.WgmmaGemm2Config(32, 2)
+
+
+def test_candidate_changes_only_medium_t_and_pairs_its_gemms():
+    for num_tokens in (1, 32, 33, 64, 65, 192, 2049):
+        assert candidate.variant_for(num_tokens) == kernel.variant_for(num_tokens)
+    for num_tokens in (193, 901, 2048):
+        chosen = candidate.variant_for(num_tokens)
+        assert chosen is candidate.MEDIUM_T and chosen.wgmma_gemm2
+        assert chosen.gemm1().permuted_c and type(chosen.make_gemm2()) is gemm2.WgmmaGemm2
+        assert chosen.gemm2().block_tokens == 32 and chosen.gemm2().ctas_per_sm() == 2
+    with pytest.raises(ValueError, match="wgmma_gemm1"):
+        dataclasses.replace(kernel.TINY_T, wgmma_gemm2=True)
+    compiled = candidate.compile_only("sm_90a")
+    assert len({id(fn) for fn in compiled}) == len(compiled) == 1 + len(kernel.compile_only("sm_90a"))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "case",
+    [
+        cases.CheckCase("wgmma2_t901", 901, 224),
+        cases.CheckCase("wgmma2_t300_one_expert", 300, 0, "one_expert"),
+        cases.CheckCase("wgmma2_t2048_all_local", 2048, 96, "all_local"),
+        cases.CheckCase("wgmma2_t193", 193, 32),
+    ],
+    ids=lambda c: c.name,
+)
+def test_each_gemm_matches_torch(case):
+    check_each_gemm(case, candidate.variant_for)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_candidate_is_as_accurate_as_kernel_py(case=cases.CheckCase("wgmma2_vs_kernel", 901, 96)):
+    inputs = cases.make_inputs(case, "cuda", seed=19)
+    expected = cases.reference_run(cases.load_reference())(*inputs.values()).float()
+    errors = {}
+    for name, solution in (("kernel.py", kernel), ("candidate", candidate)):
+        output = cases.poisoned_output(case.num_tokens, "cuda")
+        solution.run(*inputs.values(), output)
+        torch.cuda.synchronize()
+        assert torch.isfinite(output).all(), name
+        errors[name] = float((output.float() - expected).norm() / expected.norm())
+    assert errors["candidate"] < 1.1 * errors["kernel.py"] and errors["candidate"] < 1e-2, errors

@@ -67,6 +67,24 @@ def test_every_a_fragment_value_meets_the_column_its_weight_byte_multiplies():
         assert order.natural_column(slot) == 8 * quad + 4 * step + 2 * v2 + v0, (tid, i)
 
 
+def test_the_a_fragment_words_are_the_value_pairs_the_kernel_writes():
+    # The kernel writes word (0, v1, v2) of step k of a bf16 fragment through its Int32 view; that word
+    # must hold values (v0 = 0, 1) of (v1, v2) of step k: compact, v0 fastest.
+    layouts: list[str] = []
+
+    @cute.jit
+    def probe(unused: cute.Tensor):
+        tiled_mma, _ = gemm2.wgmma_operands(32, STAGES)
+        block = cute.make_rmem_tensor(
+            tiled_mma.get_slice(0).partition_shape_A((gemm2.ITEM_ROWS, gemm2.BLOCK)), cutlass.BFloat16
+        )
+        layouts.append(str(block.layout))
+        layouts.append(str(cute.recast_tensor(block, cutlass.Int32).layout))
+
+    cute.compile(probe, make_fake_compact_tensor(cutlass.Float32, (4,), assumed_align=16), options="--gpu-arch sm_90a")
+    assert layouts == ["((2,2,2),1,8):((1,2,4),0,8)", "((1,2,2),1,8):((1,1,2),0,4)"]
+
+
 def _traced_c_layout(block_tokens: int) -> tuple[str, list[tuple[int, int, int, int]]]:
     """The staged C (B) layout as CuTe builds it: its swizzle, which the shared-memory tensor applies to
     byte addresses, and (row, k, stage, unswizzled byte offset) at every 16-B chunk start."""

@@ -199,6 +199,11 @@ MOE = Track(
             entry="candidate_wgmma_gemm2.py::run",
             description="kernel.py v1.6 with GEMM2 of T = 193-2048 on bf16 WGMMA, e4m3 weights converted in registers (v2.1)",
         ),
+        CandidateSide(
+            name="cand_wgmma_gemm2_overlapped",
+            entry="candidate_wgmma_gemm2.py::run_overlapped",
+            description="cand_wgmma_gemm2 with a stage's two K blocks overlapped: conversions and promotion beside the MMAs (v2.1)",
+        ),
     ),
 )
 

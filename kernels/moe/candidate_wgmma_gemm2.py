@@ -1,14 +1,17 @@
 """MoE candidate v2.1 ("WGMMA GEMM2"): `kernel.py` v1.6 with GEMM2 of its MEDIUM_T variant (193-2048
 tokens) on bf16 warpgroup MMA with the e4m3 weights converted in registers (`wgmma_gemm2.py`), in
 32-token row tiles with 3 stages (96 KB, two CTAs per SM), and GEMM1 writing C in the column order that
-GEMM2 reads (`intermediate_order.py`).
+GEMM2 reads (`intermediate_order.py`). Two entries: `run` converts, multiplies and promotes each 128-K
+block in turn (the SM's other CTA fills the gaps); `run_overlapped` converts a stage's second block while
+the first one's MMAs run and promotes the first while the second's run (two register sets).
 
 Why (session 9, NOTES.md "Design v2.1"): at T = 901 GEMM1 streams W13 at ~3.06 TB/s, GEMM2 W2 at
 ~1.5 TB/s: ~300 of the 611 us. Its `mma.sync` warps spend 80 % of their instructions on conversions in
 one dependent chain, and each W2 is converted once per 16-token row tile.
 
-Prediction: GEMM2 at T = 901 ~300 -> ~150-200 us, T = 901 ~611 -> ~460-510 us (1.2-1.3x); other
-workloads unchanged (kernel.py's variants). Outputs: the same products and the same per-128-K
+Prediction: GEMM2 at T = 901 ~300 -> ~150-250 us, T = 901 ~611 -> ~460-560 us (1.1-1.3x), the
+overlapped entry at the faster end if the conversions bound the plain one; other workloads unchanged
+(kernel.py's variants). Outputs: the same products and the same per-128-K
 promotion, summed in another order inside a block (the tensor core's), so equal to kernel.py's up to
 fp32 rounding (the GPU tests bound the difference against the reference).
 """
@@ -21,21 +24,43 @@ from typing import Callable
 from . import kernel
 from .kernel import MoeShapeError, StreamingVariant
 
-__all__ = ["MEDIUM_T", "MoeShapeError", "compile_only", "run", "variant_for"]
+__all__ = [
+    "MEDIUM_T",
+    "MEDIUM_T_OVERLAPPED",
+    "MoeShapeError",
+    "compile_only",
+    "run",
+    "run_overlapped",
+    "variant_for",
+    "variant_for_overlapped",
+]
 
 MEDIUM_T = dataclasses.replace(kernel.MEDIUM_T, gemm2_block_tokens=32, gemm2_num_stages=3, wgmma_gemm2=True)
+MEDIUM_T_OVERLAPPED = dataclasses.replace(MEDIUM_T, gemm2_overlapped=True)
 
 
-def variant_for(num_tokens: int) -> StreamingVariant | None:
-    """`kernel.py`'s choice of variant, with this candidate's MEDIUM_T."""
-    chosen = kernel.variant_for(num_tokens)  # also rejects an empty batch
-    return MEDIUM_T if chosen == kernel.MEDIUM_T else chosen
+def _chooser(medium: StreamingVariant) -> Callable[[int], StreamingVariant | None]:
+    def choose(num_tokens: int) -> StreamingVariant | None:
+        chosen = kernel.variant_for(num_tokens)  # also rejects an empty batch
+        return medium if chosen == kernel.MEDIUM_T else chosen
+
+    return choose
+
+
+# `kernel.py`'s choice of variant, with this candidate's MEDIUM_T (plain or overlapped).
+variant_for = _chooser(MEDIUM_T)
+variant_for_overlapped = _chooser(MEDIUM_T_OVERLAPPED)
 
 
 def compile_only(arch: str = kernel.GPU_ARCH) -> tuple[Callable, ...]:
-    """Compile the candidate's MEDIUM_T and `kernel.py`'s configurations for `arch` without a GPU."""
-    return (kernel.compiled_for(MEDIUM_T, arch), *kernel.compile_only(arch))
+    """Compile both MEDIUM_Ts and `kernel.py`'s configurations for `arch` without a GPU."""
+    return (
+        kernel.compiled_for(MEDIUM_T, arch),
+        kernel.compiled_for(MEDIUM_T_OVERLAPPED, arch),
+        *kernel.compile_only(arch),
+    )
 
 
 # `kernel.py`'s contract, with this candidate's MEDIUM_T.
 run = kernel.make_run(variant_for)
+run_overlapped = kernel.make_run(variant_for_overlapped)

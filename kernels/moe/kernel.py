@@ -92,11 +92,14 @@ class StreamingVariant:
     self_cleaning: bool = False  # counters kept zeroed between calls, no zeroing launch (counters.py)
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
+    gemm2_overlapped: bool = False  # wgmma_gemm2.WgmmaGemm2Config's overlapped; needs wgmma_gemm2
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
             # The WGMMA GEMM2 reads C in the column order only the WGMMA GEMM1 writes.
             raise ValueError("wgmma_gemm2 needs wgmma_gemm1")
+        if self.gemm2_overlapped and not self.wgmma_gemm2:
+            raise ValueError("gemm2_overlapped needs wgmma_gemm2")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -113,7 +116,7 @@ class StreamingVariant:
         block_tokens = self.gemm2_block_tokens or self.block_tokens
         num_stages = self.gemm2_num_stages or self.num_stages
         if self.wgmma_gemm2:
-            return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages)
+            return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages, overlapped=self.gemm2_overlapped)
         return StreamingGemmConfig(gemm1=False, block_tokens=block_tokens, num_stages=num_stages)
 
     def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:

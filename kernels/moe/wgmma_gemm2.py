@@ -22,7 +22,8 @@ Design (the schedule, the promotion and the numerics are `streaming_gemm.py`'s G
   each) for the two k16 steps of group j, and C is stored in the matching column order
   (`intermediate_order.py`, written so by GEMM1's epilogue), so no byte moves between threads.
 - Per 128-K block: eight k16 MMAs into a fresh accumulator, wait, then acc += block x the weight
-  block scale (C is unscaled). Epilogue: the fp32 accumulator straight to `expert_out` for the
+  block scale (C is unscaled); `overlapped` keeps both blocks of a stage in flight (the second one's
+  conversions beside the first one's MMAs). Epilogue: the fp32 accumulator straight to `expert_out` for the
   item's valid tokens (columns of absent tokens hold whatever the stage held and are never stored).
 """
 
@@ -80,15 +81,19 @@ def weight_offset(row, k, stage):
 
 
 class WgmmaGemm2Config:
-    """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth."""
+    """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth.
+    `overlapped`: a stage's second K block is converted while the first one's MMAs run, and the first
+    one promoted while the second one's run (two register sets); otherwise each block converts, runs
+    and promotes in turn, and only the SM's other CTA fills the gaps."""
 
-    def __init__(self, block_tokens: int, num_stages: int):
+    def __init__(self, block_tokens: int, num_stages: int, overlapped: bool = False):
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
         self.block_tokens = block_tokens
         self.num_stages = num_stages
+        self.overlapped = overlapped
         self._smem_bytes: int | None = None
         if self.smem_bytes() + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
             raise StreamingConfigError(f"{self.smem_bytes()} B of shared memory per CTA do not fit an SM")
@@ -221,13 +226,16 @@ class WgmmaGemm2(LinkedGemm):
 
         thr_mma = tiled_mma.get_slice(tidx)
         t_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_c))  # (MMA, N, k16 steps, stage)
-        # A fragments of one 128-K block: (values, M, k16 steps) bf16, viewed as 32-bit words
-        # ((1, v1, v2), M, step): word v1 + 2 v2 holds row g + 8 v1, K slots 2 t + 8 v2, + 1.
-        a_block = cute.make_rmem_tensor(thr_mma.partition_shape_A((ITEM_ROWS, BLOCK)), cutlass.BFloat16)
-        a_words = cute.recast_tensor(a_block, Int32)
+        # A fragments of a 128-K block: (values, M, k16 steps) bf16, and one accumulator per block,
+        # for each block in flight at once (two when overlapped).
+        sets = BLOCKS_PER_STAGE if cfg.overlapped else 1
+        a_blocks = [
+            cute.make_rmem_tensor(thr_mma.partition_shape_A((ITEM_ROWS, BLOCK)), cutlass.BFloat16)
+            for _ in range(sets)
+        ]
         acc_shape = thr_mma.partition_shape_C((ITEM_ROWS, bt))
         acc = cute.make_rmem_tensor(acc_shape, Float32)
-        block_acc = cute.make_rmem_tensor(acc_shape, Float32)
+        block_accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(sets)]
         coords = thr_mma.partition_C(cute.make_identity_tensor((ITEM_ROWS, bt)))  # (item row, token slot)
         acc.fill(0.0)
         row_g = warp_id * 16 + group
@@ -261,34 +269,19 @@ class WgmmaGemm2(LinkedGemm):
             if k_stage == 0:
                 acc.fill(0.0)
             slot = s % ns
-            for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                # This thread's weights of the block, converted once: 8 bytes of rows g and g + 8 per
-                # k32 group, natural K 32 j + 8 t .. + 7 (intermediate_order.py: words 0 and 1 of a
-                # row's load feed k16 steps 2 j and 2 j + 1, their halves K slots 2 t and 2 t + 8).
-                for j in cutlass.range_constexpr(GROUPS_PER_BLOCK):
-                    k = b * BLOCK + j * GROUP + quad * THREAD_BYTES
-                    for v1 in cutlass.range_constexpr(2):
-                        row = row_g + 8 * v1
-                        words = lds_shared(w_bytes.iterator + weight_offset(row, k, slot), 2)
-                        for step in cutlass.range_constexpr(2):
-                            for v2 in cutlass.range_constexpr(2):
-                                a_words[(0, v1, v2), 0, 2 * j + step] = e4m3x2_to_bf16x2(words[step], v2 == 1)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                warpgroup.fence()
-                for k16 in cutlass.range_constexpr(2 * GROUPS_PER_BLOCK):
-                    cute.gemm(
-                        tiled_mma,
-                        block_acc,
-                        a_block[None, None, k16],
-                        t_b[None, None, b * 2 * GROUPS_PER_BLOCK + k16, slot],
-                        block_acc,
-                    )
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                scale = w_scales[b, slot]
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    acc[i] = acc[i] + block_acc[i] * scale
+            if cutlass.const_expr(cfg.overlapped):
+                for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+                    self.convert_block(a_blocks[b], w_bytes, b, row_g, quad, slot)
+                    self.issue_block(tiled_mma, block_accs[b], a_blocks[b], t_b, b, slot)
+                for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+                    warpgroup.wait_group(BLOCKS_PER_STAGE - 1 - b)
+                    self.promote(acc, block_accs[b], w_scales[b, slot])
+            else:
+                for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+                    self.convert_block(a_blocks[0], w_bytes, b, row_g, quad, slot)
+                    self.issue_block(tiled_mma, block_accs[0], a_blocks[0], t_b, b, slot)
+                    warpgroup.wait_group(0)
+                    self.promote(acc, block_accs[0], w_scales[b, slot])
             if k_stage == K_STAGES - 1:
                 n_tile = item % ITEMS_PER_ROW_TILE
                 for i in cutlass.range_constexpr(cute.size(acc)):
@@ -296,6 +289,48 @@ class WgmmaGemm2(LinkedGemm):
                     if token_slot < valid_rows:
                         out[packed_row0 + token_slot, n_tile * ITEM_ROWS + row] = acc[i]
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def convert_block(
+        self, a_block: cute.Tensor, w_bytes: cute.Tensor, b: cutlass.Constexpr, row_g: Int32, quad: Int32, slot: Int32
+    ):
+        """This thread's weights of K block `b` of the stage in `slot`, converted into the A fragments of
+        its eight k16 steps: 8 bytes of rows g and g + 8 per k32 group j, natural K 32 j + 8 t .. + 7
+        (`intermediate_order.py`: word `step` of a row's load feeds k16 step 2 j + step, its halves K
+        slots 2 t and 2 t + 8). Through the fragment's word view ((1, v1, v2), M, step): word v1 + 2 v2
+        holds row g + 8 v1, K slots 2 t + 8 v2 and + 1."""
+        a_words = cute.recast_tensor(a_block, Int32)
+        for j in cutlass.range_constexpr(GROUPS_PER_BLOCK):
+            k = b * BLOCK + j * GROUP + quad * THREAD_BYTES
+            for v1 in cutlass.range_constexpr(2):
+                words = lds_shared(w_bytes.iterator + weight_offset(row_g + 8 * v1, k, slot), 2)
+                for step in cutlass.range_constexpr(2):
+                    for v2 in cutlass.range_constexpr(2):
+                        a_words[(0, v1, v2), 0, 2 * j + step] = e4m3x2_to_bf16x2(words[step], v2 == 1)
+
+    @cute.jit
+    def issue_block(
+        self,
+        tiled_mma: cute.TiledMma,
+        block_acc: cute.Tensor,
+        a_block: cute.Tensor,
+        t_b: cute.Tensor,
+        b: cutlass.Constexpr,
+        slot: Int32,
+    ):
+        """K block `b`'s eight k16 MMAs into a fresh `block_acc`, committed as one group (not waited for)."""
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        warpgroup.fence()
+        for k16 in cutlass.range_constexpr(2 * GROUPS_PER_BLOCK):
+            cute.gemm(tiled_mma, block_acc, a_block[None, None, k16], t_b[None, None, b * 2 * GROUPS_PER_BLOCK + k16, slot], block_acc)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def promote(self, acc: cute.Tensor, block_acc: cute.Tensor, scale: Float32):
+        """v0's promotion: the block's fp32 sum times the weight block scale (C is unscaled)."""
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = acc[i] + block_acc[i] * scale
 
     @cute.jit
     def load_stage(

@@ -136,25 +136,35 @@ def test_weight_tile_is_a_swizzled_permutation_with_conflict_free_load_phases():
 
 def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
     for block_tokens in (8, 16, 32):
-        assert gemm2.WgmmaGemm2Config(block_tokens, 3).ctas_per_sm() == 2
+        for overlapped in (False, True):
+            assert gemm2.WgmmaGemm2Config(block_tokens, 3, overlapped).ctas_per_sm() == 2
     with pytest.raises(gemm2.StreamingConfigError):
         gemm2.WgmmaGemm2Config(24, 3)
     with pytest.raises(gemm2.StreamingConfigError):
         gemm2.WgmmaGemm2Config(32, 2)
 
 
-def test_candidate_changes_only_medium_t_and_pairs_its_gemms():
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_candidate_changes_only_medium_t_and_pairs_its_gemms(overlapped):
+    choose = candidate.variant_for_overlapped if overlapped else candidate.variant_for
+    medium = candidate.MEDIUM_T_OVERLAPPED if overlapped else candidate.MEDIUM_T
     for num_tokens in (1, 32, 33, 64, 65, 192, 2049):
-        assert candidate.variant_for(num_tokens) == kernel.variant_for(num_tokens)
+        assert choose(num_tokens) == kernel.variant_for(num_tokens)
     for num_tokens in (193, 901, 2048):
-        chosen = candidate.variant_for(num_tokens)
-        assert chosen is candidate.MEDIUM_T and chosen.wgmma_gemm2
+        chosen = choose(num_tokens)
+        assert chosen is medium and chosen.wgmma_gemm2
         assert chosen.gemm1().permuted_c and type(chosen.make_gemm2()) is gemm2.WgmmaGemm2
-        assert chosen.gemm2().block_tokens == 32 and chosen.gemm2().ctas_per_sm() == 2
+        config = chosen.gemm2()
+        assert (config.block_tokens, config.overlapped, config.ctas_per_sm()) == (32, overlapped, 2)
+
+
+def test_the_wgmma_gemm2_flags_need_their_prerequisites_and_compile():
     with pytest.raises(ValueError, match="wgmma_gemm1"):
         dataclasses.replace(kernel.TINY_T, wgmma_gemm2=True)
+    with pytest.raises(ValueError, match="wgmma_gemm2"):
+        dataclasses.replace(kernel.MEDIUM_T, gemm2_overlapped=True)
     compiled = candidate.compile_only("sm_90a")
-    assert len({id(fn) for fn in compiled}) == len(compiled) == 1 + len(kernel.compile_only("sm_90a"))
+    assert len({id(fn) for fn in compiled}) == len(compiled) == 2 + len(kernel.compile_only("sm_90a"))
 
 
 @pytest.mark.gpu
@@ -169,8 +179,9 @@ def test_candidate_changes_only_medium_t_and_pairs_its_gemms():
     ],
     ids=lambda c: c.name,
 )
-def test_each_gemm_matches_torch(case):
-    check_each_gemm(case, candidate.variant_for)
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_each_gemm_matches_torch(case, overlapped):
+    check_each_gemm(case, candidate.variant_for_overlapped if overlapped else candidate.variant_for)
 
 
 @pytest.mark.gpu
@@ -186,3 +197,18 @@ def test_candidate_is_as_accurate_as_kernel_py(case=cases.CheckCase("wgmma2_vs_k
         assert torch.isfinite(output).all(), name
         errors[name] = float((output.float() - expected).norm() / expected.norm())
     assert errors["candidate"] < 1.1 * errors["kernel.py"] and errors["candidate"] < 1e-2, errors
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_tokens", [193, 901])
+def test_overlapped_outputs_are_the_plain_ones_bit_for_bit(num_tokens):
+    # The same MMAs and the same promotions in the same order; only their issue overlaps.
+    inputs = cases.make_inputs(cases.CheckCase("wgmma2_overlapped", num_tokens, 96), "cuda", seed=23)
+    outputs = []
+    for run in (candidate.run, candidate.run_overlapped):
+        output = cases.poisoned_output(num_tokens, "cuda")
+        run(*inputs.values(), output)
+        torch.cuda.synchronize()
+        outputs.append(output)
+    assert torch.isfinite(outputs[0]).all() and torch.equal(outputs[0], outputs[1])

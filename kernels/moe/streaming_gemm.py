@@ -202,7 +202,42 @@ def _mma_16816(
 # ------------------------------------------------------------------------------------------------
 
 
-class StreamingGemmConfig:
+def smem_region(dtype, count: int, alignment: int):
+    """One aligned array of a kernel's shared-memory struct."""
+    return cute.struct.Align[cute.struct.MemRange[dtype, count], alignment]
+
+
+class PersistentGemmConfig:
+    """What the persistent weight-streaming GEMMs' configurations (this file's, `wgmma_gemm1.py`'s and
+    `wgmma_gemm2.py`'s) share: a shared-memory struct made of the subclass's `fields()` followed by the
+    item walk's tables (`schedule_tables`), the bytes it takes and the CTAs per SM it allows."""
+
+    _smem_bytes: int | None = None
+
+    def fields(self) -> dict:
+        raise NotImplementedError
+
+    def shared_storage(self):
+        """The kernel's shared-memory struct (one definition for the kernel and the occupancy maths)."""
+        tables = {name: smem_region(Int32, NUM_LOCAL_EXPERTS, 16) for name in SCHEDULE_TABLES}
+        return cute.struct(type("SharedStorage", (), {"__annotations__": {**self.fields(), **tables}}))
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory per CTA (building the struct takes ~0.1 ms: computed once)."""
+        if self._smem_bytes is None:
+            self._smem_bytes = self.shared_storage().size_in_bytes()
+        return self._smem_bytes
+
+    def check_fits(self) -> None:
+        if self.smem_bytes() + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
+            raise StreamingConfigError(f"{self.smem_bytes()} B of shared memory per CTA do not fit an SM")
+
+    def ctas_per_sm(self) -> int:
+        """Resident CTAs per SM the shared memory allows (registers allow 2 at 128 threads), at most 2."""
+        return max(1, min(2, SMEM_PER_SM // (self.smem_bytes() + SMEM_RESERVED_PER_CTA)))
+
+
+class StreamingGemmConfig(PersistentGemmConfig):
     """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
 
     def __init__(self, gemm1: bool, block_tokens: int, num_stages: int):
@@ -220,48 +255,54 @@ class StreamingGemmConfig:
         self.weight_rows = GEMM1_OUT if gemm1 else HIDDEN
         # activation bytes per token and K block: fp8 rows for GEMM1, bf16 C rows for GEMM2
         self.x_block_row_bytes = BLOCK if gemm1 else 2 * BLOCK
-        self._smem_bytes: int | None = None
         self.threads_per_token = NUM_THREADS // block_tokens
         if self.gemm1 and self.threads_per_token < BLOCKS_PER_STAGE:
             raise StreamingConfigError("GEMM1 needs >= 4 threads per token for the activation scales")
-        if self.smem_bytes() + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
-            raise StreamingConfigError(f"{self.smem_bytes()} B of shared memory per CTA do not fit an SM")
+        self.check_fits()
 
-    def shared_storage(self):
-        """The kernel's shared-memory struct (one definition for the kernel and the occupancy maths)."""
+    def fields(self) -> dict:
         ns, bt = self.num_stages, self.block_tokens
         x_dtype = cutlass.Float8E4M3FN if self.gemm1 else cutlass.BFloat16
-
-        def region(dtype, count: int, alignment: int):
-            return cute.struct.Align[cute.struct.MemRange[dtype, count], alignment]
-
-        fields = {
-            "w_stages": region(cutlass.Float8E4M3FN, ns * BLOCKS_PER_STAGE * ITEM_ROWS * BLOCK, 128),
-            "x_stages": region(x_dtype, ns * BLOCKS_PER_STAGE * bt * BLOCK, 128),
+        return {
+            "w_stages": smem_region(cutlass.Float8E4M3FN, ns * BLOCKS_PER_STAGE * ITEM_ROWS * BLOCK, 128),
+            "x_stages": smem_region(x_dtype, ns * BLOCKS_PER_STAGE * bt * BLOCK, 128),
             # the activation-scale ring is allocated for GEMM2 too (unused there: C is unscaled)
-            "x_scales": region(Float32, ns * BLOCKS_PER_STAGE * bt, 128),
-            "w_scales": region(Float32, ns * M_TILES * BLOCKS_PER_STAGE, 128),
-            "scratch": region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
-            "tile_end": region(Int32, NUM_LOCAL_EXPERTS, 16),
-            "expert_count": region(Int32, NUM_LOCAL_EXPERTS, 16),
-            "expert_offset": region(Int32, NUM_LOCAL_EXPERTS, 16),
+            "x_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE * bt, 128),
+            "w_scales": smem_region(Float32, ns * M_TILES * BLOCKS_PER_STAGE, 128),
+            "scratch": smem_region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
         }
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
-
-    def smem_bytes(self) -> int:
-        """Dynamic shared memory per CTA (building the struct takes ~0.1 ms: computed once)."""
-        if self._smem_bytes is None:
-            self._smem_bytes = self.shared_storage().size_in_bytes()
-        return self._smem_bytes
-
-    def ctas_per_sm(self) -> int:
-        """Resident CTAs per SM the shared memory allows (registers allow 2 at 128 threads), at most 2."""
-        return max(1, min(2, SMEM_PER_SM // (self.smem_bytes() + SMEM_RESERVED_PER_CTA)))
 
 
 # ------------------------------------------------------------------------------------------------
-# the work schedule (shared with wgmma_gemm1.py)
+# the work schedule (shared with wgmma_gemm1.py and wgmma_gemm2.py)
 # ------------------------------------------------------------------------------------------------
+
+SCHEDULE_TABLES = ("tile_end", "expert_count", "expert_offset")  # shared memory, per local expert
+
+
+@cute.jit
+def schedule_tables(
+    storage,
+    counts: cute.Tensor,
+    block_tokens: cutlass.Constexpr,
+    items_per_row_tile: cutlass.Constexpr,
+    k_stages: cutlass.Constexpr,
+    cta: Int32,
+    grid: Int32,
+    warp_id: Int32,
+    lane: Int32,
+):
+    """The persistent item walk's start, in every streaming GEMM: warp 0 builds the expert tables in
+    shared memory (`build_expert_tables`), the CTA waits for them, and the CTA's stage count follows.
+    Returns (tile_end, expert_count, expert_offset, total_stages)."""
+    tile_end = storage.tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+    expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+    expert_offset = storage.expert_offset.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+    if warp_id == 0:
+        build_expert_tables(counts, block_tokens, tile_end, expert_count, expert_offset, lane)
+    cute.arch.sync_threads()
+    total_stages = cta_stage_count(tile_end, items_per_row_tile, k_stages, cta, grid)
+    return tile_end, expert_count, expert_offset, total_stages
 
 
 @cute.jit
@@ -432,15 +473,9 @@ class StreamingGemm(LinkedGemm):
         x_scales = storage.x_scales.get_tensor(x_scale_layout)
         w_scales = storage.w_scales.get_tensor(w_scale_layout)
         scratch = storage.scratch.get_tensor(scratch_layout)
-        tile_end = storage.tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-        expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-        expert_offset = storage.expert_offset.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-
-        if warp_id == 0:
-            build_expert_tables(counts, bt, tile_end, expert_count, expert_offset, lane)
-        cute.arch.sync_threads()
-
-        total_stages = cta_stage_count(tile_end, cfg.items_per_row_tile, cfg.k_stages, cta, grid)
+        tile_end, expert_count, expert_offset, total_stages = schedule_tables(
+            storage, counts, bt, cfg.items_per_row_tile, cfg.k_stages, cta, grid, warp_id, lane
+        )
 
         g2s_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128

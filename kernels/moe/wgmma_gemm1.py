@@ -33,15 +33,14 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .chain import enter
 from .intermediate_order import GROUP, stored_position
-from .shapes import BLOCK, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
+from .shapes import BLOCK, HIDDEN, INTERMEDIATE
 from .streaming_gemm import (
-    SMEM_PER_SM,
-    SMEM_RESERVED_PER_CTA,
     LinkedGemm,
+    PersistentGemmConfig,
     StreamingConfigError,
-    build_expert_tables,
-    cta_stage_count,
     locate_row_tile,
+    schedule_tables,
+    smem_region,
 )
 from .swiglu import swiglu_bf16
 
@@ -92,7 +91,7 @@ def item_weight_scale_row(n_tile, half):
     return (half * INTERMEDIATE + n_tile * HALF_ROWS) // BLOCK
 
 
-class WgmmaGemm1Config:
+class WgmmaGemm1Config(PersistentGemmConfig):
     """Compile-time shape of the WGMMA GEMM1: tokens per row tile (WGMMA's N) and pipeline depth;
     `permuted_c`: C's columns in the stored order `wgmma_gemm2.py` reads (`intermediate_order.py`)."""
 
@@ -105,36 +104,18 @@ class WgmmaGemm1Config:
         self.num_stages = num_stages
         self.permuted_c = permuted_c
         self.threads_per_token = NUM_THREADS // block_tokens
-        self._smem_bytes: int | None = None
-        if self.smem_bytes() + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
-            raise StreamingConfigError(f"{self.smem_bytes()} B of shared memory per CTA do not fit an SM")
+        self.check_fits()
 
-    def shared_storage(self):
+    def fields(self) -> dict:
         ns, bt = self.num_stages, self.block_tokens
-
-        def region(dtype, count: int, alignment: int):
-            return cute.struct.Align[cute.struct.MemRange[dtype, count], alignment]
-
-        fields = {
+        return {
             # 1024-B aligned: the swizzle pattern repeats every 1024 B from the start of an atom
-            "w_stages": region(cutlass.Float8E4M3FN, ns * ITEM_ROWS * STAGE_K, 1024),
-            "x_stages": region(cutlass.Float8E4M3FN, ns * bt * STAGE_K, 1024),
-            "x_scales": region(Float32, ns * BLOCKS_PER_STAGE * bt, 128),
-            "w_scales": region(Float32, ns * BLOCKS_PER_STAGE * 2, 128),
-            "scratch": region(Float32, ITEM_ROWS * bt, 128),
-            "tile_end": region(Int32, NUM_LOCAL_EXPERTS, 16),
-            "expert_count": region(Int32, NUM_LOCAL_EXPERTS, 16),
-            "expert_offset": region(Int32, NUM_LOCAL_EXPERTS, 16),
+            "w_stages": smem_region(cutlass.Float8E4M3FN, ns * ITEM_ROWS * STAGE_K, 1024),
+            "x_stages": smem_region(cutlass.Float8E4M3FN, ns * bt * STAGE_K, 1024),
+            "x_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE * bt, 128),
+            "w_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE * 2, 128),
+            "scratch": smem_region(Float32, ITEM_ROWS * bt, 128),
         }
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
-
-    def smem_bytes(self) -> int:
-        if self._smem_bytes is None:
-            self._smem_bytes = self.shared_storage().size_in_bytes()
-        return self._smem_bytes
-
-    def ctas_per_sm(self) -> int:
-        return max(1, min(2, SMEM_PER_SM // (self.smem_bytes() + SMEM_RESERVED_PER_CTA)))
 
 
 @cute.jit
@@ -227,15 +208,9 @@ class WgmmaGemm1(LinkedGemm):
             cute.make_layout((2, BLOCKS_PER_STAGE, ns), stride=(1, 2, 2 * BLOCKS_PER_STAGE))
         )
         scratch = storage.scratch.get_tensor(cute.make_layout((bt, ITEM_ROWS), stride=(ITEM_ROWS, 1)))
-        tile_end = storage.tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-        expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-        expert_offset = storage.expert_offset.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-
-        if warp_id == 0:
-            build_expert_tables(counts, bt, tile_end, expert_count, expert_offset, lane)
-        cute.arch.sync_threads()
-
-        total_stages = cta_stage_count(tile_end, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid)
+        tile_end, expert_count, expert_offset, total_stages = schedule_tables(
+            storage, counts, bt, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid, warp_id, lane
+        )
 
         g2s_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128

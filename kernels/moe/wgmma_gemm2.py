@@ -38,17 +38,16 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .chain import enter
 from .intermediate_order import GROUP
-from .shapes import BLOCK, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
+from .shapes import BLOCK, HIDDEN, INTERMEDIATE
 from .streaming_gemm import (
-    SMEM_PER_SM,
-    SMEM_RESERVED_PER_CTA,
     LinkedGemm,
+    PersistentGemmConfig,
     StreamingConfigError,
-    build_expert_tables,
-    cta_stage_count,
     e4m3x2_to_bf16x2,
     lds_shared,
     locate_row_tile,
+    schedule_tables,
+    smem_region,
 )
 from .wgmma_gemm1 import swizzled_offset
 
@@ -80,7 +79,7 @@ def weight_offset(row, k, stage):
     return stage * ITEM_ROWS * STAGE_K + row * STAGE_K + chunk * CHUNK + k % CHUNK
 
 
-class WgmmaGemm2Config:
+class WgmmaGemm2Config(PersistentGemmConfig):
     """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth.
     `overlapped`: a stage's second K block is converted while the first one's MMAs run, and the first
     one promoted while the second one's run (two register sets); otherwise each block converts, runs
@@ -94,34 +93,16 @@ class WgmmaGemm2Config:
         self.block_tokens = block_tokens
         self.num_stages = num_stages
         self.overlapped = overlapped
-        self._smem_bytes: int | None = None
-        if self.smem_bytes() + SMEM_RESERVED_PER_CTA > SMEM_PER_SM:
-            raise StreamingConfigError(f"{self.smem_bytes()} B of shared memory per CTA do not fit an SM")
+        self.check_fits()
 
-    def shared_storage(self):
+    def fields(self) -> dict:
         ns, bt = self.num_stages, self.block_tokens
-
-        def region(dtype, count: int, alignment: int):
-            return cute.struct.Align[cute.struct.MemRange[dtype, count], alignment]
-
-        fields = {
-            "w_stages": region(cutlass.Float8E4M3FN, ns * ITEM_ROWS * STAGE_K, 128),
+        return {
+            "w_stages": smem_region(cutlass.Float8E4M3FN, ns * ITEM_ROWS * STAGE_K, 128),
             # 1024-B aligned: the swizzle pattern repeats every 1024 B from the start of an atom
-            "c_stages": region(cutlass.BFloat16, ns * bt * STAGE_K, 1024),
-            "w_scales": region(Float32, ns * BLOCKS_PER_STAGE, 16),
-            "tile_end": region(Int32, NUM_LOCAL_EXPERTS, 16),
-            "expert_count": region(Int32, NUM_LOCAL_EXPERTS, 16),
-            "expert_offset": region(Int32, NUM_LOCAL_EXPERTS, 16),
+            "c_stages": smem_region(cutlass.BFloat16, ns * bt * STAGE_K, 1024),
+            "w_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE, 16),
         }
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
-
-    def smem_bytes(self) -> int:
-        if self._smem_bytes is None:
-            self._smem_bytes = self.shared_storage().size_in_bytes()
-        return self._smem_bytes
-
-    def ctas_per_sm(self) -> int:
-        return max(1, min(2, SMEM_PER_SM // (self.smem_bytes() + SMEM_RESERVED_PER_CTA)))
 
 
 @cute.jit
@@ -204,15 +185,9 @@ class WgmmaGemm2(LinkedGemm):
         w_bytes = storage.w_stages.get_tensor(cute.make_layout(ns * ITEM_ROWS * STAGE_K))
         c_bytes = storage.c_stages.get_tensor(cute.make_layout(ns * bt * STAGE_K))  # bf16 elements
         w_scales = storage.w_scales.get_tensor(cute.make_layout((BLOCKS_PER_STAGE, ns)))
-        tile_end = storage.tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-        expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-        expert_offset = storage.expert_offset.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-
-        if warp_id == 0:
-            build_expert_tables(counts, bt, tile_end, expert_count, expert_offset, lane)
-        cute.arch.sync_threads()
-
-        total_stages = cta_stage_count(tile_end, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid)
+        tile_end, expert_count, expert_offset, total_stages = schedule_tables(
+            storage, counts, bt, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid, warp_id, lane
+        )
 
         g2s_16_w = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128

@@ -204,6 +204,11 @@ MOE = Track(
             entry="candidate_wgmma_gemm2.py::run_overlapped",
             description="cand_wgmma_gemm2 with a stage's two K blocks overlapped: conversions and promotion beside the MMAs (v2.1)",
         ),
+        CandidateSide(
+            name="cand_wgmma_gemm2_from_33",
+            entry="candidate_wgmma_gemm2.py::run_overlapped_from_33",
+            description="cand_wgmma_gemm2_overlapped for GEMM2 of every variant with a WGMMA GEMM1 (33-2048 tokens) (v2.1)",
+        ),
     ),
 )
 

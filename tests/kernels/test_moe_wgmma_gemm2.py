@@ -158,13 +158,29 @@ def test_candidate_changes_only_medium_t_and_pairs_its_gemms(overlapped):
         assert (config.block_tokens, config.overlapped, config.ctas_per_sm()) == (32, overlapped, 2)
 
 
+def test_from_33_tokens_every_wgmma_gemm1_variant_gets_the_overlapped_wgmma_gemm2_with_its_own_tiles():
+    choose = candidate.variant_for_overlapped_from_33
+    for num_tokens in (1, 7, 32, 2049):
+        assert choose(num_tokens) == kernel.variant_for(num_tokens)
+    for num_tokens in (33, 58, 64, 65, 80, 192, 193, 901, 2048):
+        chosen, ours = choose(num_tokens), kernel.variant_for(num_tokens)
+        assert chosen.wgmma_gemm2 and chosen.gemm2_overlapped and chosen.gemm1().permuted_c
+        if ours is not kernel.MEDIUM_T:  # MEDIUM_T's WGMMA tiles are 32 x 3 (its mma.sync ones, 16 x 3)
+            assert (chosen.gemm2().block_tokens, chosen.gemm2().num_stages) == (
+                ours.gemm2().block_tokens,
+                ours.gemm2().num_stages,
+            )
+        assert chosen.gemm2().ctas_per_sm() == 2
+
+
 def test_the_wgmma_gemm2_flags_need_their_prerequisites_and_compile():
     with pytest.raises(ValueError, match="wgmma_gemm1"):
         dataclasses.replace(kernel.TINY_T, wgmma_gemm2=True)
     with pytest.raises(ValueError, match="wgmma_gemm2"):
         dataclasses.replace(kernel.MEDIUM_T, gemm2_overlapped=True)
     compiled = candidate.compile_only("sm_90a")
-    assert len({id(fn) for fn in compiled}) == len(compiled) == 2 + len(kernel.compile_only("sm_90a"))
+    expected = len(candidate.VARIANTS) + len(kernel.compile_only("sm_90a"))
+    assert len({id(fn) for fn in compiled}) == len(compiled) == expected
 
 
 @pytest.mark.gpu
@@ -186,13 +202,15 @@ def test_each_gemm_matches_torch(case, overlapped):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_candidate_is_as_accurate_as_kernel_py(case=cases.CheckCase("wgmma2_vs_kernel", 901, 96)):
+@pytest.mark.parametrize(("entry", "num_tokens"), [("run", 901), ("run_overlapped_from_33", 58), ("run_overlapped_from_33", 901)])
+def test_candidate_is_as_accurate_as_kernel_py(entry, num_tokens):
+    case = cases.CheckCase("wgmma2_vs_kernel", num_tokens, 96)
     inputs = cases.make_inputs(case, "cuda", seed=19)
     expected = cases.reference_run(cases.load_reference())(*inputs.values()).float()
     errors = {}
-    for name, solution in (("kernel.py", kernel), ("candidate", candidate)):
+    for name, run in (("kernel.py", kernel.run), ("candidate", getattr(candidate, entry))):
         output = cases.poisoned_output(case.num_tokens, "cuda")
-        solution.run(*inputs.values(), output)
+        run(*inputs.values(), output)
         torch.cuda.synchronize()
         assert torch.isfinite(output).all(), name
         errors[name] = float((output.float() - expected).norm() / expected.norm())
@@ -212,3 +230,14 @@ def test_overlapped_outputs_are_the_plain_ones_bit_for_bit(num_tokens):
         torch.cuda.synchronize()
         outputs.append(output)
     assert torch.isfinite(outputs[0]).all() and torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "case",
+    [cases.CheckCase("wgmma2_t58", 58, 96), cases.CheckCase("wgmma2_t80_one_expert", 80, 0, "one_expert")],
+    ids=lambda c: c.name,
+)
+def test_each_gemm_matches_torch_from_33_tokens(case):
+    check_each_gemm(case, candidate.variant_for_overlapped_from_33)

@@ -1,13 +1,18 @@
 """MoE candidate v2.1: GEMM2 on bf16 warpgroup MMA with the e4m3 weights converted in registers
 (kernels/moe/wgmma_gemm2.py, kernels/moe/intermediate_order.py, kernels/moe/candidate_wgmma_gemm2.py).
 
-CPU: the column order of C is a permutation, and it puts under every A-fragment value the column its
-weight byte multiplies (the fragment's coordinates traced from CuTe's own partition of the RS tiled
-MMA); the byte offsets of C's copies equal CuTe's swizzled B layout (traced, 8-32 tokens); the weight
-tile's swizzle keeps every chunk aligned and spreads a load phase's 8 rows over distinct banks; the
-configurations' shared memory and the candidate's dispatch. GPU (marked `gpu`): the per-GEMM check of
-test_moe_streaming.py on the candidate's MEDIUM_T (C un-permuted), and its accuracy against kernel.py's
-distance from the reference. The end-to-end checks are test_moe_kernel.py's (it is in SOLUTIONS).
+CPU:
+- one stage of the data path composed on integers (C stored permuted, both copies, the threads' weight
+  loads, CuTe's B layout under its swizzle) equals W C^T;
+- the column order of C is a permutation that puts under every A-fragment value the column its weight
+  byte multiplies (the fragment's coordinates traced from CuTe's partition of the RS tiled MMA), and the
+  fragment's Int32 word view has the layout the kernel writes through;
+- the byte offsets of C's copies equal CuTe's B layout under its swizzle (8-32 tokens); the weight tile's
+  swizzle keeps every chunk aligned and spreads a load phase's 8 rows over distinct banks;
+- the configurations' shared memory, the flags' prerequisites and the three entries' dispatch.
+GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py on each entry (C un-permuted), their
+accuracy against kernel.py's distance from the reference, and overlapped = plain bit for bit. The
+end-to-end checks are test_moe_kernel.py's (the module's `run` is in SOLUTIONS).
 """
 
 from __future__ import annotations
@@ -241,3 +246,71 @@ def test_overlapped_outputs_are_the_plain_ones_bit_for_bit(num_tokens):
 )
 def test_each_gemm_matches_torch_from_33_tokens(case):
     check_each_gemm(case, candidate.variant_for_overlapped_from_33)
+
+
+def _traced_block_operands(block_tokens: int):
+    """CuTe's view of one 128-K block: the A fragment coordinates (thread, value, row, k) of the RS tiled
+    MMA, and the unswizzled byte offsets of the B (C) layout at every (token, k) of a stage."""
+    a_coords: list[tuple[int, int, int, int]] = []
+    b_offsets: dict[tuple[int, int], int] = {}
+
+    @cute.jit
+    def probe(unused: cute.Tensor):
+        tiled_mma, b_layout = gemm2.wgmma_operands(block_tokens, STAGES)
+        for tid in cutlass.range_constexpr(gemm2.NUM_THREADS):
+            coords = tiled_mma.get_slice(tid).partition_A(cute.make_identity_tensor((gemm2.ITEM_ROWS, gemm2.BLOCK)))
+            for i in cutlass.range_constexpr(cute.size(coords)):
+                row, k = coords[i]
+                a_coords.append((tid, i, row, k))
+        for n in cutlass.range_constexpr(block_tokens):
+            for k in cutlass.range_constexpr(gemm2.STAGE_K):
+                b_offsets[(n, k)] = b_layout.outer((n, k, 1)) * 2
+
+    cute.compile(probe, make_fake_compact_tensor(cutlass.Float32, (4,), assumed_align=16), options="--gpu-arch sm_90a")
+    return a_coords, b_offsets
+
+
+def test_one_stage_of_the_data_path_computes_w_times_c_on_the_cpu():
+    """The kernel's index maps composed, on integers: GEMM1 stores C permuted, the copies place W and C in
+    shared memory (`weight_offset`, `swizzled_offset`), each thread loads and splits its weight bytes as
+    `convert_block` does, the tensor core reads C through CuTe's swizzled layout; the products summed
+    over the stage equal W C^T in natural order."""
+    block_tokens, slot = 16, 1
+    rng = torch.Generator().manual_seed(3)
+    w = torch.randint(-8, 8, (gemm2.ITEM_ROWS, gemm2.STAGE_K), generator=rng)
+    c = torch.randint(-8, 8, (block_tokens, gemm2.STAGE_K), generator=rng)
+    a_coords, b_offsets = _traced_block_operands(block_tokens)
+
+    # GEMM1's permuted store, then the copies into shared memory (bytes as Python dict cells).
+    c_stored = torch.empty_like(c)
+    for column in range(gemm2.STAGE_K):
+        group = column - column % order.GROUP
+        c_stored[:, group + order.stored_position(column % order.GROUP)] = c[:, column]
+    smem_w = {gemm2.weight_offset(r, k, slot): int(w[r, k]) for r in range(gemm2.ITEM_ROWS) for k in range(gemm2.STAGE_K)}
+    smem_c = {}
+    for n in range(block_tokens):
+        for chunk in range(gemm2.C_CHUNKS_PER_ROW):
+            base = gemm1.swizzled_offset(n, chunk * gemm2.CHUNK, slot, block_tokens, gemm2.C_ROW_BYTES)
+            for e in range(gemm2.CHUNK // 2):
+                smem_c[base + 2 * e] = int(c_stored[n, chunk * gemm2.CHUNK // 2 + e])
+
+    # A as the warpgroup holds it: value (v0, v1, v2) of k16 step 2 j + s of block b is byte 4 s + 2 v2 + v0
+    # of the thread's 8-byte load of row g + 8 v1 at K b * 128 + 32 j + 8 t.
+    a_logical = torch.zeros(gemm2.ITEM_ROWS, gemm2.STAGE_K, dtype=torch.long)
+    seen = set()
+    for b in range(gemm2.BLOCKS_PER_STAGE):
+        for tid, i, row, k in a_coords:
+            warp, group, quad = tid // 32, (tid % 32) // 4, tid % 4
+            v0, v1, v2, step16 = i % 2, (i // 2) % 2, (i // 4) % 2, i // 8
+            j, s = step16 // 2, step16 % 2
+            load = gemm2.weight_offset(16 * warp + group + 8 * v1, b * gemm2.BLOCK + j * order.GROUP + quad * 8, slot)
+            a_logical[row, b * gemm2.BLOCK + k] = smem_w[load + 4 * s + 2 * v2 + v0]
+            seen.add((row, b * gemm2.BLOCK + k))
+    assert len(seen) == gemm2.ITEM_ROWS * gemm2.STAGE_K
+
+    # B as the tensor core reads it: CuTe's layout, then the 128-B swizzle on byte addresses.
+    b_logical = torch.zeros(block_tokens, gemm2.STAGE_K, dtype=torch.long)
+    for (n, k), linear in b_offsets.items():
+        b_logical[n, k] = smem_c[linear ^ (((linear >> 7) & 7) << 4)]
+
+    assert torch.equal(a_logical @ b_logical.T, w @ c.T)

@@ -207,7 +207,12 @@ MOE = Track(
         CandidateSide(
             name="cand_wgmma_gemm2_from_33",
             entry="candidate_wgmma_gemm2.py::run_overlapped_from_33",
-            description="cand_wgmma_gemm2_overlapped for GEMM2 of every variant with a WGMMA GEMM1 (33-2048 tokens) (v2.1)",
+            description="cand_wgmma_gemm2_overlapped for GEMM2 of every variant with a WGMMA GEMM1, and streaming above 2048 tokens (v2.1)",
+        ),
+        CandidateSide(
+            name="cand_streaming_large_t",
+            entry="candidate_streaming_large_t.py::run",
+            description="kernel.py v1.6 with its MEDIUM_T streaming variant above 2048 tokens instead of v0's grouped pipeline (v1.8)",
         ),
     ),
 )

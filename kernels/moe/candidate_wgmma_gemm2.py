@@ -5,7 +5,9 @@ GEMM2 reads (`intermediate_order.py`). Three entries: `run` converts, multiplies
 128-K block in turn (the SM's other CTA fills the gaps); `run_overlapped` converts a stage's second block
 while the first one's MMAs run and promotes the first while the second's run (two register sets);
 `run_overlapped_from_33` also moves GEMM2 of the 33-192-token variants (FEW_TOKENS, SMALL_T, whose
-GEMM1 is already on WGMMA) to the overlapped WGMMA GEMM2, with their own token tiles and stages.
+GEMM1 is already on WGMMA) to the overlapped WGMMA GEMM2, with their own token tiles and stages, and
+streams every T above 2048 as MEDIUM_T_OVERLAPPED instead of taking v0's grouped pipeline (beside
+candidate v1.8, which streams them with `kernel.py`'s MEDIUM_T).
 
 Why (session 9, NOTES.md "Design v2.1"): at T = 901 GEMM1 streams W13 at ~3.06 TB/s, GEMM2 W2 at
 ~1.5 TB/s: ~300 of the 611 us. Its `mma.sync` warps spend 80 % of their instructions on conversions in
@@ -67,6 +69,7 @@ variant_for_overlapped_from_33 = _chooser(
         kernel.FEW_TOKENS: FEW_TOKENS_OVERLAPPED,
         kernel.SMALL_T: SMALL_T_OVERLAPPED,
         kernel.MEDIUM_T: MEDIUM_T_OVERLAPPED,
+        None: MEDIUM_T_OVERLAPPED,  # above 2048 tokens too, instead of v0's grouped pipeline
     }
 )
 VARIANTS = (MEDIUM_T, MEDIUM_T_OVERLAPPED, FEW_TOKENS_OVERLAPPED, SMALL_T_OVERLAPPED)

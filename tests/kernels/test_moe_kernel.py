@@ -35,6 +35,7 @@ SOLUTIONS = (
     "kernel",
     "grouped_pipeline",
     "candidate_wgmma_gemm2",
+    "candidate_streaming_large_t",
 )
 
 

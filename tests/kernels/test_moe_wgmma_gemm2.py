@@ -164,9 +164,11 @@ def test_candidate_changes_only_medium_t_and_pairs_its_gemms(overlapped):
 
 
 def test_from_33_tokens_every_wgmma_gemm1_variant_gets_the_overlapped_wgmma_gemm2_with_its_own_tiles():
+    # ... and the sizes above 2048 tokens that kernel.py gives v0's grouped pipeline are streamed
     choose = candidate.variant_for_overlapped_from_33
-    for num_tokens in (1, 7, 32, 2049):
+    for num_tokens in (1, 7, 32):
         assert choose(num_tokens) == kernel.variant_for(num_tokens)
+    assert choose(2049) is choose(16384) is candidate.MEDIUM_T_OVERLAPPED  # streamed, not v0's pipeline
     for num_tokens in (33, 58, 64, 65, 80, 192, 193, 901, 2048):
         chosen, ours = choose(num_tokens), kernel.variant_for(num_tokens)
         assert chosen.wgmma_gemm2 and chosen.gemm2_overlapped and chosen.gemm1().permuted_c
@@ -241,7 +243,11 @@ def test_overlapped_outputs_are_the_plain_ones_bit_for_bit(num_tokens):
 @needs_cuda
 @pytest.mark.parametrize(
     "case",
-    [cases.CheckCase("wgmma2_t58", 58, 96), cases.CheckCase("wgmma2_t80_one_expert", 80, 0, "one_expert")],
+    [
+        cases.CheckCase("wgmma2_t58", 58, 96),
+        cases.CheckCase("wgmma2_t80_one_expert", 80, 0, "one_expert"),
+        cases.CheckCase("wgmma2_t4096_all_local", 4096, 64, "all_local"),
+    ],
     ids=lambda c: c.name,
 )
 def test_each_gemm_matches_torch_from_33_tokens(case):

@@ -381,6 +381,17 @@ class LinkedGemm:
         """The same GEMM at `link` of a chain of programmatic dependent launches."""
         return type(self)(self.cfg, link)
 
+    def launch_persistent(self, kernel, num_ctas: Int32, shared_storage, stream) -> None:
+        """Launch `kernel` (the kernel applied to its arguments) as the GEMM's persistent grid of
+        `num_ctas` CTAs of 128 threads, at its place in the chain. Called while `launch` is traced."""
+        kernel.launch(
+            grid=[num_ctas, 1, 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=shared_storage.size_in_bytes(),
+            stream=stream,
+            use_pdl=self.link.waits,
+        )
+
 
 class StreamingGemm(LinkedGemm):
     """Both expert GEMMs; `config.gemm1` picks operands and epilogue.
@@ -426,16 +437,11 @@ class StreamingGemm(LinkedGemm):
         )
         scratch_layout = cute.make_layout((bt, ITEM_ROWS, NUM_WARPS), stride=(1, bt, ITEM_ROWS * bt))
 
-        self.kernel(
+        kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens,
             w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage,
-        ).launch(
-            grid=[num_ctas, 1, 1],
-            block=[NUM_THREADS, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            use_pdl=self.link.waits,
-        )
+        )  # fmt: skip
+        self.launch_persistent(kernel, num_ctas, SharedStorage, stream)
 
     @cute.kernel
     def kernel(

@@ -31,6 +31,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
+from . import streaming_gemm
 from .chain import enter
 from .intermediate_order import GROUP, stored_position
 from .shapes import BLOCK, HIDDEN, INTERMEDIATE
@@ -46,7 +47,7 @@ from .swiglu import swiglu_bf16
 
 __all__ = ["WgmmaGemm1", "WgmmaGemm1Config", "swizzled_offset"]
 
-NUM_THREADS = 128  # one warpgroup
+NUM_THREADS = streaming_gemm.NUM_THREADS  # 128: one warpgroup (LinkedGemm.launch_persistent's block)
 ITEM_ROWS = 64  # WGMMA's M: 32 up rows and their 32 gate rows
 HALF_ROWS = ITEM_ROWS // 2
 ITEMS_PER_ROW_TILE = INTERMEDIATE // HALF_ROWS  # 64
@@ -77,6 +78,22 @@ def swizzled_offset(row, k, stage, rows: int, row_bytes: int = STAGE_K):
         + stage * rows * row_bytes
     )
     return linear ^ (((linear >> 7) & 7) << 4)
+
+
+def copy_weight_tile(atom, w, expert, k_stage, source_row, w_bytes, destination, tidx) -> None:
+    """Issue the cp.async copies of one stage of a 64-row weight item (256 e4m3 per row), for both
+    WGMMA GEMMs: 16 consecutive threads read one row's 256 contiguous bytes. `source_row(row)` is the
+    W row of item row `row` and `destination(row, byte)` its byte offset in `w_bytes`; plain Python,
+    called while the kernel is traced."""
+    for i in range(ITEM_ROWS * CHUNKS_PER_ROW // NUM_THREADS):
+        linear = i * NUM_THREADS + tidx
+        row = linear // CHUNKS_PER_ROW
+        chunk = linear % CHUNKS_PER_ROW
+        cute.copy(
+            atom,
+            cute.local_tile(w[expert, source_row(row), None], (CHUNK,), (k_stage * CHUNKS_PER_ROW + chunk,)),
+            cute.local_tile(w_bytes, (CHUNK,), (destination(row, chunk * CHUNK) // CHUNK,)),
+        )
 
 
 def item_weight_row(n_tile, row):
@@ -159,15 +176,10 @@ class WgmmaGemm1(LinkedGemm):
         cfg = self.cfg
         tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
         SharedStorage = cfg.shared_storage()
-        self.kernel(
+        kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens, tiled_mma, a_layout, b_layout, SharedStorage
-        ).launch(
-            grid=[num_ctas, 1, 1],
-            block=[NUM_THREADS, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            use_pdl=self.link.waits,
         )
+        self.launch_persistent(kernel, num_ctas, SharedStorage, stream)
 
     @cute.kernel
     def kernel(
@@ -309,18 +321,16 @@ class WgmmaGemm1(LinkedGemm):
             item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
         )
 
-        # ---- weights: 64 rows x 256 B; 16 consecutive threads read one row's 256 contiguous bytes ----
-        for i in cutlass.range_constexpr(ITEM_ROWS * CHUNKS_PER_ROW // NUM_THREADS):
-            linear = i * NUM_THREADS + tidx
-            row = linear // CHUNKS_PER_ROW
-            chunk = linear % CHUNKS_PER_ROW
-            cute.copy(
-                g2s_16,
-                cute.local_tile(w[expert, item_weight_row(n_tile, row), None], (CHUNK,), (k_stage * CHUNKS_PER_ROW + chunk,)),
-                cute.local_tile(
-                    w_bytes, (CHUNK,), (swizzled_offset(row, chunk * CHUNK, slot, ITEM_ROWS) // CHUNK,)
-                ),
-            )
+        copy_weight_tile(
+            g2s_16,
+            w,
+            expert,
+            k_stage,
+            lambda row: item_weight_row(n_tile, row),
+            w_bytes,
+            lambda row, byte: swizzled_offset(row, byte, slot, ITEM_ROWS),
+            tidx,
+        )
 
         # ---- tokens: thread group per token, the row's 16 chunks strided over the group ----
         tpt = cfg.threads_per_token

@@ -49,19 +49,15 @@ from .streaming_gemm import (
     schedule_tables,
     smem_region,
 )
-from .wgmma_gemm1 import swizzled_offset
+# The weight item and stage are GEMM1's: one warpgroup, 64 rows (here output columns) x 256 e4m3 per
+# stage in two quantisation blocks, copied in 16-B chunks (`copy_weight_tile`).
+from .wgmma_gemm1 import BLOCKS_PER_STAGE, CHUNK, ITEM_ROWS, NUM_THREADS, STAGE_K, copy_weight_tile, swizzled_offset
 
 __all__ = ["WgmmaGemm2", "WgmmaGemm2Config", "weight_offset"]
 
-NUM_THREADS = 128  # one warpgroup
-ITEM_ROWS = 64  # WGMMA's M: output columns of the item
 ITEMS_PER_ROW_TILE = HIDDEN // ITEM_ROWS  # 112
-BLOCKS_PER_STAGE = 2
-STAGE_K = BLOCKS_PER_STAGE * BLOCK  # 256
 K_STAGES = INTERMEDIATE // STAGE_K  # 8
 GROUPS_PER_BLOCK = BLOCK // GROUP  # 4 k32 groups, 8 k16 steps
-CHUNK = 16  # bytes per cp.async
-W_CHUNKS_PER_ROW = STAGE_K // CHUNK  # 16: a weight row of a stage is 256 e4m3
 C_ROW_BYTES = 2 * STAGE_K  # 512: a C row of a stage is 256 bf16
 C_CHUNKS_PER_ROW = C_ROW_BYTES // CHUNK  # 32
 THREAD_BYTES = 8  # one thread's bytes of a weight row per k32 group
@@ -147,13 +143,8 @@ class WgmmaGemm2(LinkedGemm):
         cfg = self.cfg
         tiled_mma, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
         SharedStorage = cfg.shared_storage()
-        self.kernel(c, w, w_scale, out, counts, tiled_mma, b_layout, SharedStorage).launch(
-            grid=[num_ctas, 1, 1],
-            block=[NUM_THREADS, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            use_pdl=self.link.waits,
-        )
+        kernel = self.kernel(c, w, w_scale, out, counts, tiled_mma, b_layout, SharedStorage)
+        self.launch_persistent(kernel, num_ctas, SharedStorage, stream)
 
     @cute.kernel
     def kernel(
@@ -337,16 +328,16 @@ class WgmmaGemm2(LinkedGemm):
             item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
         )
 
-        # ---- weights: 64 rows x 256 B; 16 consecutive threads read one row's 256 contiguous bytes ----
-        for i in cutlass.range_constexpr(ITEM_ROWS * W_CHUNKS_PER_ROW // NUM_THREADS):
-            linear = i * NUM_THREADS + tidx
-            row = linear // W_CHUNKS_PER_ROW
-            chunk = linear % W_CHUNKS_PER_ROW
-            cute.copy(
-                g2s_16_w,
-                cute.local_tile(w[expert, n_tile * ITEM_ROWS + row, None], (CHUNK,), (k_stage * W_CHUNKS_PER_ROW + chunk,)),
-                cute.local_tile(w_bytes, (CHUNK,), (weight_offset(row, chunk * CHUNK, slot) // CHUNK,)),
-            )
+        copy_weight_tile(
+            g2s_16_w,
+            w,
+            expert,
+            k_stage,
+            lambda row: n_tile * ITEM_ROWS + row,
+            w_bytes,
+            lambda row, byte: weight_offset(row, byte, slot),
+            tidx,
+        )
 
         # ---- C: the row tile's packed rows (stored column order), 512 B each; rows past the tile's
         # tokens are not copied ----

@@ -193,28 +193,6 @@ MOE = Track(
             package="deep_gemm==2.6.1+54e2261",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_wgmma_gemm2",
-            entry="candidate_wgmma_gemm2.py::run",
-            description="kernel.py v1.6 with GEMM2 of T = 193-2048 on bf16 WGMMA, e4m3 weights converted in registers (v2.1)",
-        ),
-        CandidateSide(
-            name="cand_wgmma_gemm2_overlapped",
-            entry="candidate_wgmma_gemm2.py::run_overlapped",
-            description="cand_wgmma_gemm2 with a stage's two K blocks overlapped: conversions and promotion beside the MMAs (v2.1)",
-        ),
-        CandidateSide(
-            name="cand_wgmma_gemm2_from_33",
-            entry="candidate_wgmma_gemm2.py::run_overlapped_from_33",
-            description="cand_wgmma_gemm2_overlapped for GEMM2 of every variant with a WGMMA GEMM1, and streaming above 2048 tokens (v2.1)",
-        ),
-        CandidateSide(
-            name="cand_streaming_large_t",
-            entry="candidate_streaming_large_t.py::run",
-            description="kernel.py v1.6 with its MEDIUM_T streaming variant above 2048 tokens instead of v0's grouped pipeline (v1.8)",
-        ),
-    ),
 )
 
 

@@ -10,10 +10,9 @@ repeat check and a CUDA-graph capture/replay check. Exits 1 if anything failed, 
 device.
 
     uv run python tools/device_check_moe.py [--iters 20] [--warmup 3] [--cases t1_off0,t80_off96] [--skip-slow]
-        [--kernel {kernel,grouped_pipeline}]
+        [--kernel kernel]
 
---kernel picks the module of kernels/moe/ whose `run` is checked: kernel.py (default), or
-grouped_pipeline.py, the v0 pipeline that kernel.py uses above 2048 tokens, at every T.
+--kernel names the module of kernels/moe/ whose `run` is checked: kernel.py (default) or a candidate.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from hopperbench.paths import REPO_ROOT
 
 cases = devcheck.load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check_cases")
 
-KERNEL_MODULES = ("kernel", "grouped_pipeline")
 NAME_WIDTH = 26
 TABLE = Table(
     "case",
@@ -49,16 +47,22 @@ TABLE = Table(
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = devcheck.case_check_parser(__doc__.splitlines()[0], iters=20, warmup=3)
     parser.add_argument("--skip-slow", action="store_true", help=f"leave out {', '.join(sorted(cases.SLOW_CASES))}")
-    parser.add_argument(
-        "--kernel", choices=KERNEL_MODULES, default="kernel", help="module of kernels/moe/ whose run is checked"
-    )
+    parser.add_argument("--kernel", default="kernel", help="module of kernels/moe/ whose run is checked")
     return parser.parse_args(argv)
 
 
 def _load_kernel_module(name: str) -> ModuleType:
     """kernels/moe/<name>.py as a module of the folder's package (load_kernel registers it)."""
     kernel = cases.load_kernel()
-    return kernel if name == "kernel" else importlib.import_module(f"{kernel.__package__}.{name}")
+    if name == "kernel":
+        return kernel
+    try:
+        module = importlib.import_module(f"{kernel.__package__}.{name}")
+    except ModuleNotFoundError:
+        raise SystemExit(f"device_check_moe: no module kernels/moe/{name}.py") from None
+    if not callable(getattr(module, "run", None)):
+        raise SystemExit(f"device_check_moe: kernels/moe/{name}.py has no run()")
+    return module
 
 
 def _selected_cases(args: argparse.Namespace) -> list:

@@ -81,7 +81,7 @@ SLOW_CASES = frozenset({"t14107_off32"})
 
 def load_kernel() -> ModuleType:
     """kernel.py as the harness sees it: a module of a package made of this folder, so that its
-    relative imports (routing, grouped_gemm, combine, shapes) resolve."""
+    relative imports (routing, streaming_gemm, combine, shapes) resolve."""
     from hopperbench.devcheck import load_folder_module  # lazily: this folder is packed without hopperbench
 
     return load_folder_module(KERNEL_PATH.parent, "moe_solution", "kernel")

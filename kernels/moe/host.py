@@ -1,7 +1,6 @@
-"""The host side shared by the MoE paths of this folder (`kernel.py`'s weight streaming and
-`grouped_pipeline.py`): one host function that launches the five kernels of a call with a given
-pair of expert GEMMs, the device workspaces of a call, and the compile-time stand-ins of its
-arguments.
+"""The host side of `kernel.py`'s variants: one host function that launches the five kernels of a
+call with a given pair of expert GEMMs, the device workspaces of a call, and the compile-time
+stand-ins of its arguments.
 
 The five launches, all in one TVM-FFI call on the current stream, no host synchronisation:
 zero the per-expert counters (`routing.ZeroCountsKernel`), route (`routing.RoutingKernel`),
@@ -9,11 +8,10 @@ GEMM1 + SwiGLU into `intermediate`, GEMM2 into `expert_out`, and the weighted co
 `output` (`combine.CombineKernel`); or, `self_cleaning`, the routing first on counters that
 the previous call on the stream left at zero, and after the combine `routing.ReleaseCountsKernel`,
 which copies the counters into `counts_out` and zeroes them again (`counters.py` keeps them). The
-expert GEMMs differ between the paths; each takes
-`launch(a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream)`, where `grid` is the
-path's own grid parameter (row tiles for the grouped GEMMs, persistent CTAs for streaming).
-`chained`: the launches form a chain of programmatic dependent launches (`chain.py`); the GEMMs must
-then offer `with_link` (the streaming ones do).
+expert GEMMs differ between the variants; each takes
+`launch(a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream)`, where `grid` is its
+number of persistent CTAs. `chained`: the launches form a chain of programmatic dependent launches
+(`chain.py`); the GEMMs must then offer `with_link`.
 """
 
 from __future__ import annotations
@@ -71,7 +69,7 @@ class MoeHostSm90:
         self.release_counts = ReleaseCountsKernel(links.pop()) if self_cleaning else None
         gemm1_link, gemm2_link, combine_link = links
         if chained and not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
-            raise TypeError("a chained MoE host needs expert GEMMs with with_link (the streaming ones)")
+            raise TypeError("a chained MoE host needs expert GEMMs with with_link")
         self.gemm1 = gemm1.with_link(gemm1_link) if chained else gemm1
         self.gemm2 = gemm2.with_link(gemm2_link) if chained else gemm2
         self.combine = CombineKernel(combine_link)

@@ -1,5 +1,5 @@
 """The definition's activation between the two expert GEMMs, shared by every GEMM1 epilogue of this
-folder (`grouped_gemm.py`, `streaming_gemm.py`, `wgmma_gemm1.py`)."""
+folder (`streaming_gemm.py`, `wgmma_gemm1.py`)."""
 
 from __future__ import annotations
 

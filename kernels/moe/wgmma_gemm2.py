@@ -21,9 +21,11 @@ Design (the schedule, the promotion and the numerics are `streaming_gemm.py`'s G
   2 t + 8, 2 t + 9 of a k16 step. It reads natural K 32 j + 8 t .. + 7 of both rows (one 8-B load
   each) for the two k16 steps of group j, and C is stored in the matching column order
   (`intermediate_order.py`, written so by GEMM1's epilogue), so no byte moves between threads.
-- Per 128-K block: eight k16 MMAs into a fresh accumulator, wait, then acc += block x the weight
-  block scale (C is unscaled); `overlapped` keeps both blocks of a stage in flight (the second one's
-  conversions beside the first one's MMAs). Epilogue: the fp32 accumulator straight to `expert_out` for the
+- Per 128-K block: eight k16 MMAs into a fresh accumulator, then acc += block x the weight block
+  scale (C is unscaled). Both blocks of a stage are in flight at once: the second block is converted
+  while the first one's MMAs run, and the first promoted while the second one's run (two register
+  sets; session 10 measured 1.01x over converting, multiplying and promoting each block in turn).
+  Epilogue: the fp32 accumulator straight to `expert_out` for the
   item's valid tokens (columns of absent tokens hold whatever the stage held and are never stored).
 """
 
@@ -76,19 +78,15 @@ def weight_offset(row, k, stage):
 
 
 class WgmmaGemm2Config(PersistentGemmConfig):
-    """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth.
-    `overlapped`: a stage's second K block is converted while the first one's MMAs run, and the first
-    one promoted while the second one's run (two register sets); otherwise each block converts, runs
-    and promotes in turn, and only the SM's other CTA fills the gaps."""
+    """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth."""
 
-    def __init__(self, block_tokens: int, num_stages: int, overlapped: bool = False):
+    def __init__(self, block_tokens: int, num_stages: int):
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
         self.block_tokens = block_tokens
         self.num_stages = num_stages
-        self.overlapped = overlapped
         self.check_fits()
 
     def fields(self) -> dict:
@@ -193,15 +191,14 @@ class WgmmaGemm2(LinkedGemm):
         thr_mma = tiled_mma.get_slice(tidx)
         t_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_c))  # (MMA, N, k16 steps, stage)
         # A fragments of a 128-K block: (values, M, k16 steps) bf16, and one accumulator per block,
-        # for each block in flight at once (two when overlapped).
-        sets = BLOCKS_PER_STAGE if cfg.overlapped else 1
+        # for each block of a stage (both are in flight at once).
         a_blocks = [
             cute.make_rmem_tensor(thr_mma.partition_shape_A((ITEM_ROWS, BLOCK)), cutlass.BFloat16)
-            for _ in range(sets)
+            for _ in range(BLOCKS_PER_STAGE)
         ]
         acc_shape = thr_mma.partition_shape_C((ITEM_ROWS, bt))
         acc = cute.make_rmem_tensor(acc_shape, Float32)
-        block_accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(sets)]
+        block_accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(BLOCKS_PER_STAGE)]
         coords = thr_mma.partition_C(cute.make_identity_tensor((ITEM_ROWS, bt)))  # (item row, token slot)
         acc.fill(0.0)
         row_g = warp_id * 16 + group
@@ -235,19 +232,12 @@ class WgmmaGemm2(LinkedGemm):
             if k_stage == 0:
                 acc.fill(0.0)
             slot = s % ns
-            if cutlass.const_expr(cfg.overlapped):
-                for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                    self.convert_block(a_blocks[b], w_bytes, b, row_g, quad, slot)
-                    self.issue_block(tiled_mma, block_accs[b], a_blocks[b], t_b, b, slot)
-                for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                    warpgroup.wait_group(BLOCKS_PER_STAGE - 1 - b)
-                    self.promote(acc, block_accs[b], w_scales[b, slot])
-            else:
-                for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                    self.convert_block(a_blocks[0], w_bytes, b, row_g, quad, slot)
-                    self.issue_block(tiled_mma, block_accs[0], a_blocks[0], t_b, b, slot)
-                    warpgroup.wait_group(0)
-                    self.promote(acc, block_accs[0], w_scales[b, slot])
+            for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+                self.convert_block(a_blocks[b], w_bytes, b, row_g, quad, slot)
+                self.issue_block(tiled_mma, block_accs[b], a_blocks[b], t_b, b, slot)
+            for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+                warpgroup.wait_group(BLOCKS_PER_STAGE - 1 - b)
+                self.promote(acc, block_accs[b], w_scales[b, slot])
             if k_stage == K_STAGES - 1:
                 n_tile = item % ITEMS_PER_ROW_TILE
                 for i in cutlass.range_constexpr(cute.size(acc)):

@@ -1,9 +1,8 @@
-"""Our CuTe-DSL FP8 block-scale MoE kernel (kernels/moe/kernel.py) and its grouped pipeline.
+"""Our CuTe-DSL FP8 block-scale MoE kernel (kernels/moe/kernel.py).
 
-CPU: every configuration compiles for sm_90a without a GPU; the row-tile bound the grouped pipeline's
-GEMM grids rely on (grouped_pipeline.py, the path above 2048 tokens);
+CPU: every configuration compiles for sm_90a without a GPU; the variants' dispatch; the host's chain;
 input validation; the routing patterns of the check cases (verified with our reference's routing).
-GPU (marked `gpu`, skipped without CUDA), for kernel.py and its grouped pipeline alone
+GPU (marked `gpu`, skipped without CUDA), for kernel.py and any candidate of the folder
 (SOLUTIONS): `run` against hopperbench/references/moe.py on fresh inputs for every case in
 kernels/moe/check_cases.py (contest rule and relative L2 <= 1e-2, NaN-
 poisoned output), zero rows for tokens without a local expert, bitwise-repeatable calls, and
@@ -16,7 +15,6 @@ import dataclasses
 import functools
 import importlib
 import math
-import random
 import zlib
 
 import pytest
@@ -29,14 +27,8 @@ from hopperbench.paths import REPO_ROOT
 cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check_cases")
 kernel = cases.load_kernel()
 reference = cases.load_reference()
-# kernel.py, its grouped pipeline alone (kernel.py takes it only above 2048 tokens, so it is checked at
-# every case here) and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = (
-    "kernel",
-    "grouped_pipeline",
-    "candidate_wgmma_gemm2",
-    "candidate_streaming_large_t",
-)
+# kernel.py and any candidate of the folder: every GPU test below runs each of them.
+SOLUTIONS = ("kernel",)
 
 
 @functools.cache
@@ -52,36 +44,42 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # ------------------------------------------------------------------------------------------------
 
 
-grouped = solution_module("grouped_pipeline")
-
-
 def test_compiles_for_sm90a_without_gpu():
     compiled = kernel.compile_only("sm_90a")
-    # Every streaming variant, the grouped pipeline and the zeroing of a new counter buffer, so that no
-    # call compiles lazily.
-    assert len(compiled) == len(kernel.VARIANTS) + 2 and all(callable(fn) for fn in compiled)
-    assert compiled[len(kernel.VARIANTS)] is grouped.compiled_for("sm_90a")
+    # Every variant and the zeroing of a new counter buffer, so that no call compiles lazily.
+    assert len(compiled) == len(kernel.VARIANTS) + 1 and all(callable(fn) for fn in compiled)
     assert compiled[-1] is solution_module("counters").compiled_zero("sm_90a")
     # Cached: a second request must not recompile.
     assert kernel.compile_only("sm_90a") == compiled
 
 
-def test_streaming_variants_are_chained_self_cleaning_and_on_wgmma_from_33_tokens():
-    for num_tokens in (1, 7, 32, 33, 64, 65, 192, 193, 2048):
+def test_variants_are_chained_self_cleaning_and_on_wgmma_from_33_tokens():
+    streaming, wgmma_gemm1, wgmma_gemm2 = (
+        solution_module(name) for name in ("streaming_gemm", "wgmma_gemm1", "wgmma_gemm2")
+    )
+    for num_tokens in (1, 7, 32, 33, 64, 65, 192, 193, 2048, 2049, 14107, kernel.MAX_TOKENS):
         variant = kernel.variant_for(num_tokens)
         assert variant.chained and variant.self_cleaning
         assert variant.wgmma_gemm1 == (num_tokens >= kernel.WGMMA_GEMM1_MIN_TOKENS)
-        expected = (
-            solution_module("wgmma_gemm1").WgmmaGemm1
-            if variant.wgmma_gemm1
-            else solution_module("streaming_gemm").StreamingGemm
-        )
-        assert type(variant.make_gemm1()) is expected
+        # GEMM2 on WGMMA with GEMM1 except at 65-192 tokens (v2.1 measured 0.93x at 80 there).
+        small_t = kernel.FEW_TOKENS_MAX < num_tokens <= kernel.SMALL_T_MAX_TOKENS
+        assert variant.wgmma_gemm2 == (variant.wgmma_gemm1 and not small_t)
+        assert type(variant.make_gemm1()) is (wgmma_gemm1.WgmmaGemm1 if variant.wgmma_gemm1 else streaming.StreamingGemm)
+        assert type(variant.make_gemm2()) is (wgmma_gemm2.WgmmaGemm2 if variant.wgmma_gemm2 else streaming.StreamingGemm)
+        # GEMM1 stores C in the column order the WGMMA GEMM2 reads exactly when that one runs.
+        assert getattr(variant.gemm1(), "permuted_c", False) == variant.wgmma_gemm2
     assert kernel.WGMMA_GEMM1_MIN_TOKENS == 33
-    # Up to FEW_TOKENS_MAX the two variants differ only in GEMM1's instruction.
-    assert dataclasses.replace(kernel.variant_for(33), wgmma_gemm1=False) == kernel.variant_for(32)
-    assert kernel.variant_for(2049) is None  # the grouped pipeline, unchained
+    # Up to FEW_TOKENS_MAX the two variants differ only in the GEMMs' instructions.
+    assert dataclasses.replace(kernel.variant_for(33), wgmma_gemm1=False, wgmma_gemm2=False) == kernel.variant_for(32)
+    assert kernel.variant_for(2049) is kernel.variant_for(2048) is kernel.MEDIUM_T  # every T streams
     assert len(set(kernel.VARIANTS)) == len(kernel.VARIANTS)  # each compiled configuration once
+    with pytest.raises(kernel.MoeShapeError, match="seq_len"):
+        kernel.variant_for(0)
+
+
+def test_a_wgmma_gemm2_needs_the_wgmma_gemm1_that_permutes_c():
+    with pytest.raises(ValueError, match="wgmma_gemm1"):
+        dataclasses.replace(kernel.TINY_T, wgmma_gemm2=True)
 
 
 def test_a_self_cleaning_host_routes_first_and_releases_the_counters_last():
@@ -102,49 +100,17 @@ def test_a_chain_releases_from_every_kernel_but_the_last_and_waits_in_every_one_
     assert chain.chain_links(num_kernels, chained=False) == (chain.NO_CHAIN,) * num_kernels
 
 
+class _UnlinkableGemm:
+    """An expert GEMM without `with_link`: it cannot join a chain of dependent launches."""
+
+    def launch(self, a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream) -> None:
+        raise AssertionError("never launched")
+
+
 def test_a_chained_host_refuses_gemms_that_cannot_join_the_chain():
     host = solution_module("host")
-    gemm = solution_module("grouped_gemm").GroupedGemm(gemm1=True)
     with pytest.raises(TypeError, match="with_link"):
-        host.MoeHostSm90(gemm, gemm, chained=True)
-
-
-def _row_tiles(counts: list[int]) -> int:
-    return sum((c + grouped.BLOCK_M - 1) // grouped.BLOCK_M for c in counts)
-
-
-@pytest.mark.parametrize("num_tokens", [1, 2, 7, 63, 64, 65, 80, 901, 14107])
-def test_row_tile_bound_covers_every_routing(num_tokens):
-    bound = grouped.max_row_tiles(num_tokens)
-    rng = random.Random(num_tokens)
-    # Extremes: every token on all 8 of the same 8 experts; every token on one expert; spread out.
-    spread = min(32, 8 * num_tokens)  # experts one row each can reach
-    worst = [
-        [num_tokens] * 8 + [0] * 24,
-        [num_tokens] + [0] * 31,
-        [1] * spread + [0] * (32 - spread),
-    ]
-    for _ in range(200):
-        # A random routing: each token picks up to 8 distinct local experts.
-        counts = [0] * 32
-        for _ in range(num_tokens if num_tokens < 1000 else 50):
-            for e in rng.sample(range(32), rng.randint(0, 8)):
-                counts[e] += 1
-        worst.append(counts)
-    # Most tiles: the 8 T assignments spread evenly over as many experts as can take them.
-    per_expert = min(num_tokens, 8 * num_tokens // spread)
-    worst.append([per_expert] * spread + [0] * (32 - spread))
-    # Every expert one row past a tile boundary where the assignments allow it.
-    if 32 * (grouped.BLOCK_M + 1) <= 8 * num_tokens and grouped.BLOCK_M + 1 <= num_tokens:
-        worst.append([grouped.BLOCK_M + 1] * 32)
-    for counts in worst:
-        assert sum(counts) <= 8 * num_tokens and max(counts) <= num_tokens
-        assert _row_tiles(counts) <= bound, counts
-
-
-def test_row_tile_bound_is_tight_for_one_token():
-    # One token reaches at most 8 experts with one row each; the bound must not explode either.
-    assert 8 <= grouped.max_row_tiles(1) <= 32 + 1
+        host.MoeHostSm90(_UnlinkableGemm(), _UnlinkableGemm(), chained=True)
 
 
 def _meta_inputs(num_tokens: int = 3) -> tuple[dict, torch.Tensor]:

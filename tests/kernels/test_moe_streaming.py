@@ -1,4 +1,5 @@
-"""The weight-streaming path of the MoE kernel (kernels/moe/kernel.py v1 with streaming_gemm.py).
+"""The weight-streaming GEMMs of the MoE kernel (kernels/moe/kernel.py with streaming_gemm.py, and the
+variants' choice of WGMMA GEMMs).
 
 CPU: the T -> variant heuristic; the
 shared-memory budget and persistent grid of every configuration. Transcriptions
@@ -8,7 +9,8 @@ accumulator coordinates; item rows, SwiGLU pairing and block-scale rows; the per
 (every item once, every expert row once at combine's packed row); the cp.async group accounting.
 GPU (marked `gpu`, skipped without CUDA): the end-to-end checks are test_moe_kernel.py's (every
 check case, zero rows, bitwise-repeatable calls, graph replay); here, a per-GEMM check of the
-workspaces that says which GEMM and which column tiles are wrong when the end-to-end check fails.
+workspaces that says which GEMM and which column tiles are wrong when the end-to-end check fails
+(7-4096 tokens), and the contest rule and relative L2 at the official 11948 tokens.
 """
 
 from __future__ import annotations
@@ -31,16 +33,10 @@ streaming = solution_module("streaming_gemm")
 
 @pytest.mark.parametrize(
     ("num_tokens", "block_tokens"),
-    [(1, 16), (7, 16), (16, 16), (80, 16), (192, 16), (193, 32), (901, 32), (2048, 32)],
+    [(1, 16), (7, 16), (16, 16), (80, 16), (192, 16), (193, 32), (901, 32), (2048, 32), (2049, 32), (32768, 32)],
 )
-def test_small_and_medium_batches_stream(num_tokens, block_tokens):
-    variant = kernel.variant_for(num_tokens)
-    assert variant is not None and variant.block_tokens == block_tokens
-
-
-@pytest.mark.parametrize("num_tokens", [2049, 11948, 14107, 32768])
-def test_large_batches_take_the_grouped_pipeline(num_tokens):
-    assert kernel.variant_for(num_tokens) is None
+def test_every_batch_streams_with_row_tiles_by_its_size(num_tokens, block_tokens):
+    assert kernel.variant_for(num_tokens).block_tokens == block_tokens
 
 
 def test_variant_for_rejects_an_empty_batch():
@@ -65,14 +61,15 @@ def test_every_configuration_fits_shared_memory_and_fills_every_sm(variant):
 
 @pytest.mark.parametrize(
     ("num_tokens", "gemm2_tiles"),
-    [(1, (8, 4)), (64, (8, 4)), (65, (16, 3)), (192, (16, 3)), (193, (16, 3)), (2048, (16, 3))],
+    [(1, (8, 4)), (64, (8, 4)), (65, (16, 3)), (192, (16, 3)), (193, (32, 3)), (2048, (32, 3)), (14107, (32, 3))],
 )
-def test_gemm2_keeps_two_ctas_per_sm_at_every_streaming_size(num_tokens, gemm2_tiles):
+def test_gemm2_keeps_two_ctas_per_sm_at_every_size(num_tokens, gemm2_tiles):
     """v1.1: with few tokens per expert GEMM2's weight stream is bound by the stages in flight, so its
     bf16 activation stages are cut until two CTAs fit an SM: 8 (or 6) weight stages in flight per SM
     where 16-token tiles with 4 stages allow one CTA, 4. v1.6: at ~28 tokens per expert (T ~ 900) the
     second CTA hides the latency of each warp's conversions and MMAs (32-token tiles with 4 stages fit
-    one CTA and were 1.29x slower at T = 901)."""
+    one CTA and were 1.29x slower at T = 901). v2.1: the WGMMA GEMM2's 32-token tiles with 3 stages
+    (~97 KB) keep two CTAs."""
     variant = kernel.variant_for(num_tokens)
     gemm2 = variant.gemm2()
     assert (gemm2.block_tokens, gemm2.num_stages) == gemm2_tiles and gemm2.ctas_per_sm() == 2
@@ -331,8 +328,9 @@ def _schedule_counts(num_tokens: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 33, 64, 65, 192, 901])
 def test_persistent_schedule_covers_every_row_and_column_tile_once(num_tokens):
-    # The mma.sync GEMMs' schedule (GEMM1 on WGMMA walks its own items: test_moe_wgmma_gemm1.py).
-    variant = dataclasses.replace(kernel.variant_for(num_tokens), wgmma_gemm1=False)
+    # The mma.sync GEMMs' schedule at each variant's tiles (the WGMMA GEMMs walk their own items:
+    # test_moe_wgmma_gemm1.py).
+    variant = dataclasses.replace(kernel.variant_for(num_tokens), wgmma_gemm1=False, wgmma_gemm2=False)
     for config in (variant.gemm1(), variant.gemm2()):
         bt = config.block_tokens
         for counts in _schedule_counts(num_tokens):
@@ -382,10 +380,11 @@ def test_pipeline_waits_for_each_stage_and_never_overwrites_a_slot_in_use():
             assert len(committed) == ns - 1 + total
 
 
-def test_packed_workspace_offsets_fit_32_bits_at_the_streaming_limit():
-    # all 8 choices of every token local: 8 T packed rows of 7168 fp32 in expert_out
-    rows = 8 * kernel.STREAMING_MAX_TOKENS
-    assert rows * streaming.HIDDEN * 4 < 2**31
+def test_packed_workspace_element_offsets_fit_32_bits_at_the_token_limit():
+    # all 8 choices of every token local: 8 T packed rows of 7168 fp32 in expert_out, indexed with
+    # 32-bit element offsets (the byte addresses are 64-bit: test_largest_batch_with_every_choice_local)
+    rows = 8 * kernel.MAX_TOKENS
+    assert rows * streaming.HIDDEN < 2**31 <= rows * streaming.HIDDEN * 4
 
 
 # ------------------------------------------------------------------------------------------------
@@ -415,12 +414,50 @@ def _bad_column_tiles(actual: torch.Tensor, expected: torch.Tensor, tile: int, b
     [
         cases.CheckCase("stages_t7", 7, 96),
         cases.CheckCase("stages_t80_one_expert", 80, 0, "one_expert"),
+        cases.CheckCase("stages_t58", 58, 96),  # FEW_TOKENS: WGMMA GEMM2 with 8-token tiles
+        cases.CheckCase("stages_t193", 193, 32),
+        cases.CheckCase("stages_t300_one_expert", 300, 96, "one_expert"),
         cases.CheckCase("stages_t901", 901, 224),
+        cases.CheckCase("stages_t2048_all_local", 2048, 0, "all_local"),
+        cases.CheckCase("stages_t2049", 2049, 96),
+        cases.CheckCase("stages_t4096_one_expert", 4096, 0, "one_expert"),
     ],
     ids=lambda c: c.name,
 )
 def test_each_gemm_matches_torch_on_its_packed_rows(case):
     check_each_gemm(case, kernel.variant_for)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_largest_batch_with_every_choice_local(case=cases.CheckCase("t16384_all_local", 16384, 64, "all_local")):
+    # The issue's largest T with all 8 T assignments local: expert_out holds 131072 packed rows, 3.8 GB,
+    # so its byte offsets pass 2**31 (element offsets do not).
+    inputs = cases.make_inputs(case, "cuda", seed=31)
+    output = cases.poisoned_output(case.num_tokens, "cuda")
+    workspaces = kernel.run_keeping_workspaces(*inputs.values(), output)
+    torch.cuda.synchronize()
+    assert int(workspaces.counts.sum()) * streaming.HIDDEN * 4 > 2**31
+    stats = cases.compare(output, reference.run(*inputs.values()))
+    assert stats.passed and stats.relative_l2 < 1e-2, stats
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_official_large_batch_passes(case=cases.CheckCase("large_t11948", 11948, 128)):
+    inputs = cases.make_inputs(case, "cuda", seed=29)
+    output = cases.poisoned_output(case.num_tokens, "cuda")
+    kernel.run(*inputs.values(), output)
+    torch.cuda.synchronize()
+    stats = cases.compare(output, reference.run(*inputs.values()))
+    assert stats.passed and stats.relative_l2 < 1e-2, stats
+
+
+def on_mma_sync_gemm2(variant):
+    """`variant` with `streaming_gemm.py`'s GEMM2, at most 16-token tiles (v1.6's at 193-2048 tokens,
+    where the WGMMA GEMM2 has 32), reading C in natural column order."""
+    block_tokens = min(variant.gemm2_block_tokens or variant.block_tokens, 16)
+    return dataclasses.replace(variant, wgmma_gemm2=False, gemm2_block_tokens=block_tokens)
 
 
 def natural_intermediate(stored: torch.Tensor, variant) -> torch.Tensor:

@@ -4,9 +4,10 @@ from 33 tokens since v1.5).
 CPU: the byte offsets the cp.async copies write equal the offsets of the swizzled K_SW128 layouts
 the WGMMA reads (traced from CuTe's own layouts, for every token-tile width and three stages); item
 rows, SwiGLU pairing and block-scale rows; the shared-memory budget.
-GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py with GEMM1 on WGMMA in every streaming
+GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py with GEMM1 on WGMMA in every
 variant, also those kernel.py keeps on mma.sync (7-2048 tokens); its accuracy against the mma.sync
-GEMM1's. The end-to-end checks are test_moe_kernel.py's.
+GEMM1's. Both with the `mma.sync` GEMM2, so that only GEMM1 differs. The end-to-end checks are
+test_moe_kernel.py's.
 """
 
 from __future__ import annotations
@@ -21,19 +22,18 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor
 
 from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, solution_module
-from tests.kernels.test_moe_streaming import check_each_gemm
+from tests.kernels.test_moe_streaming import check_each_gemm, on_mma_sync_gemm2
 
 wgmma = solution_module("wgmma_gemm1")
 STAGES = 3
 
 
 def with_gemm1_on(use_wgmma: bool):
-    """A variant chooser: kernel.py's variant for T with GEMM1 on WGMMA or on mma.sync (None: the
-    grouped pipeline)."""
+    """A variant chooser: kernel.py's variant for T with GEMM1 on WGMMA or on mma.sync, and GEMM2 on
+    mma.sync."""
 
     def choose(num_tokens: int):
-        chosen = kernel.variant_for(num_tokens)
-        return None if chosen is None else dataclasses.replace(chosen, wgmma_gemm1=use_wgmma)
+        return dataclasses.replace(on_mma_sync_gemm2(kernel.variant_for(num_tokens)), wgmma_gemm1=use_wgmma)
 
     return choose
 

@@ -1,5 +1,6 @@
-"""MoE candidate v2.1: GEMM2 on bf16 warpgroup MMA with the e4m3 weights converted in registers
-(kernels/moe/wgmma_gemm2.py, kernels/moe/intermediate_order.py, kernels/moe/candidate_wgmma_gemm2.py).
+"""MoE GEMM2 on bf16 warpgroup MMA with the e4m3 weights converted in registers (v2.1,
+kernels/moe/wgmma_gemm2.py and kernels/moe/intermediate_order.py; kernel.py's variants from 33 tokens
+but 65-192).
 
 CPU:
 - one stage of the data path composed on integers (C stored permuted, both copies, the threads' weight
@@ -9,15 +10,14 @@ CPU:
   fragment's Int32 word view has the layout the kernel writes through;
 - the byte offsets of C's copies equal CuTe's B layout under its swizzle (8-32 tokens); the weight tile's
   swizzle keeps every chunk aligned and spreads a load phase's 8 rows over distinct banks;
-- the configurations' shared memory, the flags' prerequisites and the three entries' dispatch.
-GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py on each entry (C un-permuted), their
-accuracy against kernel.py's distance from the reference, and overlapped = plain bit for bit. The
-end-to-end checks are test_moe_kernel.py's (the module's `run` is in SOLUTIONS).
+- the configurations' shared memory.
+GPU (marked `gpu`): kernel.py's distance from the reference with the WGMMA GEMM2 against the same
+variant with the `mma.sync` GEMM2. The per-GEMM checks (C un-permuted) are test_moe_streaming.py's,
+the end-to-end checks test_moe_kernel.py's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -27,12 +27,11 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor
 
 from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, solution_module
-from tests.kernels.test_moe_streaming import check_each_gemm
+from tests.kernels.test_moe_streaming import on_mma_sync_gemm2
 
 gemm2 = solution_module("wgmma_gemm2")
 gemm1 = solution_module("wgmma_gemm1")
 order = solution_module("intermediate_order")
-candidate = solution_module("candidate_wgmma_gemm2")
 STAGES = 3
 
 
@@ -141,117 +140,31 @@ def test_weight_tile_is_a_swizzled_permutation_with_conflict_free_load_phases():
 
 def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
     for block_tokens in (8, 16, 32):
-        for overlapped in (False, True):
-            assert gemm2.WgmmaGemm2Config(block_tokens, 3, overlapped).ctas_per_sm() == 2
+        assert gemm2.WgmmaGemm2Config(block_tokens, 3).ctas_per_sm() == 2
     with pytest.raises(gemm2.StreamingConfigError):
         gemm2.WgmmaGemm2Config(24, 3)
     with pytest.raises(gemm2.StreamingConfigError):
         gemm2.WgmmaGemm2Config(32, 2)
 
 
-@pytest.mark.parametrize("overlapped", [False, True])
-def test_candidate_changes_only_medium_t_and_pairs_its_gemms(overlapped):
-    choose = candidate.variant_for_overlapped if overlapped else candidate.variant_for
-    medium = candidate.MEDIUM_T_OVERLAPPED if overlapped else candidate.MEDIUM_T
-    for num_tokens in (1, 32, 33, 64, 65, 192, 2049):
-        assert choose(num_tokens) == kernel.variant_for(num_tokens)
-    for num_tokens in (193, 901, 2048):
-        chosen = choose(num_tokens)
-        assert chosen is medium and chosen.wgmma_gemm2
-        assert chosen.gemm1().permuted_c and type(chosen.make_gemm2()) is gemm2.WgmmaGemm2
-        config = chosen.gemm2()
-        assert (config.block_tokens, config.overlapped, config.ctas_per_sm()) == (32, overlapped, 2)
-
-
-def test_from_33_tokens_every_wgmma_gemm1_variant_gets_the_overlapped_wgmma_gemm2_with_its_own_tiles():
-    # ... and the sizes above 2048 tokens that kernel.py gives v0's grouped pipeline are streamed
-    choose = candidate.variant_for_overlapped_from_33
-    for num_tokens in (1, 7, 32):
-        assert choose(num_tokens) == kernel.variant_for(num_tokens)
-    assert choose(2049) is choose(16384) is candidate.MEDIUM_T_OVERLAPPED  # streamed, not v0's pipeline
-    for num_tokens in (33, 58, 64, 65, 80, 192, 193, 901, 2048):
-        chosen, ours = choose(num_tokens), kernel.variant_for(num_tokens)
-        assert chosen.wgmma_gemm2 and chosen.gemm2_overlapped and chosen.gemm1().permuted_c
-        if ours is not kernel.MEDIUM_T:  # MEDIUM_T's WGMMA tiles are 32 x 3 (its mma.sync ones, 16 x 3)
-            assert (chosen.gemm2().block_tokens, chosen.gemm2().num_stages) == (
-                ours.gemm2().block_tokens,
-                ours.gemm2().num_stages,
-            )
-        assert chosen.gemm2().ctas_per_sm() == 2
-
-
-def test_the_wgmma_gemm2_flags_need_their_prerequisites_and_compile():
-    with pytest.raises(ValueError, match="wgmma_gemm1"):
-        dataclasses.replace(kernel.TINY_T, wgmma_gemm2=True)
-    with pytest.raises(ValueError, match="wgmma_gemm2"):
-        dataclasses.replace(kernel.MEDIUM_T, gemm2_overlapped=True)
-    compiled = candidate.compile_only("sm_90a")
-    expected = len(candidate.VARIANTS) + len(kernel.compile_only("sm_90a"))
-    assert len({id(fn) for fn in compiled}) == len(compiled) == expected
-
-
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(
-    "case",
-    [
-        cases.CheckCase("wgmma2_t901", 901, 224),
-        cases.CheckCase("wgmma2_t300_one_expert", 300, 0, "one_expert"),
-        cases.CheckCase("wgmma2_t2048_all_local", 2048, 96, "all_local"),
-        cases.CheckCase("wgmma2_t193", 193, 32),
-    ],
-    ids=lambda c: c.name,
-)
-@pytest.mark.parametrize("overlapped", [False, True])
-def test_each_gemm_matches_torch(case, overlapped):
-    check_each_gemm(case, candidate.variant_for_overlapped if overlapped else candidate.variant_for)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize(("entry", "num_tokens"), [("run", 901), ("run_overlapped_from_33", 58), ("run_overlapped_from_33", 901)])
-def test_candidate_is_as_accurate_as_kernel_py(entry, num_tokens):
-    case = cases.CheckCase("wgmma2_vs_kernel", num_tokens, 96)
+@pytest.mark.parametrize("num_tokens", [58, 901])
+def test_the_wgmma_gemm2_is_as_accurate_as_the_mma_sync_one(num_tokens):
+    # The same products and promotion; the tensor core sums a block's 128 products in its own order.
+    case = cases.CheckCase("wgmma2_vs_mma_sync", num_tokens, 96)
     inputs = cases.make_inputs(case, "cuda", seed=19)
     expected = cases.reference_run(cases.load_reference())(*inputs.values()).float()
+    variant = kernel.variant_for(num_tokens)
+    assert variant.wgmma_gemm2
     errors = {}
-    for name, run in (("kernel.py", kernel.run), ("candidate", getattr(candidate, entry))):
+    for name, chosen in (("wgmma", variant), ("mma.sync", on_mma_sync_gemm2(variant))):
         output = cases.poisoned_output(case.num_tokens, "cuda")
-        run(*inputs.values(), output)
+        kernel.run_keeping_workspaces(*inputs.values(), output, choose=lambda _: chosen)
         torch.cuda.synchronize()
         assert torch.isfinite(output).all(), name
         errors[name] = float((output.float() - expected).norm() / expected.norm())
-    assert errors["candidate"] < 1.1 * errors["kernel.py"] and errors["candidate"] < 1e-2, errors
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("num_tokens", [193, 901])
-def test_overlapped_outputs_are_the_plain_ones_bit_for_bit(num_tokens):
-    # The same MMAs and the same promotions in the same order; only their issue overlaps.
-    inputs = cases.make_inputs(cases.CheckCase("wgmma2_overlapped", num_tokens, 96), "cuda", seed=23)
-    outputs = []
-    for run in (candidate.run, candidate.run_overlapped):
-        output = cases.poisoned_output(num_tokens, "cuda")
-        run(*inputs.values(), output)
-        torch.cuda.synchronize()
-        outputs.append(output)
-    assert torch.isfinite(outputs[0]).all() and torch.equal(outputs[0], outputs[1])
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize(
-    "case",
-    [
-        cases.CheckCase("wgmma2_t58", 58, 96),
-        cases.CheckCase("wgmma2_t80_one_expert", 80, 0, "one_expert"),
-        cases.CheckCase("wgmma2_t4096_all_local", 4096, 64, "all_local"),
-    ],
-    ids=lambda c: c.name,
-)
-def test_each_gemm_matches_torch_from_33_tokens(case):
-    check_each_gemm(case, candidate.variant_for_overlapped_from_33)
+    assert errors["wgmma"] < 1.1 * errors["mma.sync"] and errors["wgmma"] < 1e-2, errors
 
 
 def _traced_block_operands(block_tokens: int):

@@ -193,6 +193,18 @@ MOE = Track(
             package="deep_gemm==2.6.1+54e2261",
         ),
     ),
+    candidates=(
+        CandidateSide(
+            name="cand_wide_gemm1",
+            entry="candidate_wide_tiles.py::run_wide_gemm1",
+            description="kernel.py v2.1 with GEMM1 in 64-token row tiles above 192 tokens (one CTA per SM; v2.2)",
+        ),
+        CandidateSide(
+            name="cand_wide_tiles",
+            entry="candidate_wide_tiles.py::run_wide",
+            description="kernel.py v2.1 with both GEMMs in 64-token row tiles above 192 tokens (one CTA per SM; v2.2)",
+        ),
+    ),
 )
 
 

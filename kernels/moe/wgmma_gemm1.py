@@ -7,7 +7,7 @@ only the warpgroup MMA reads e4m3 operands from shared memory as they are.
 
 Design (the schedule and the numerics are `streaming_gemm.py`'s):
 - Work item = (row tile of `block_tokens` tokens of one expert, 32 up rows and their 32 gate rows).
-  The 64 weight rows are WGMMA's M and the tokens its N (8, 16 or 32), so SwiGLU stays in the CTA.
+  The 64 weight rows are WGMMA's M and the tokens its N (8, 16, 32 or 64), so SwiGLU stays in the CTA.
   There are 64 items per row tile, and persistent CTAs walk them as the streaming GEMM does
   (`build_expert_tables`, `locate_row_tile`).
 - One warpgroup per CTA. A flat `cp.async` pipeline over (item, K stage) never drains between
@@ -113,8 +113,8 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     `permuted_c`: C's columns in the stored order `wgmma_gemm2.py` reads (`intermediate_order.py`)."""
 
     def __init__(self, block_tokens: int, num_stages: int, permuted_c: bool = False):
-        if block_tokens not in (8, 16, 32):
-            raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
+        if block_tokens not in (8, 16, 32, 64):
+            raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
         self.block_tokens = block_tokens

@@ -81,8 +81,8 @@ class WgmmaGemm2Config(PersistentGemmConfig):
     """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth."""
 
     def __init__(self, block_tokens: int, num_stages: int):
-        if block_tokens not in (8, 16, 32):
-            raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
+        if block_tokens not in (8, 16, 32, 64):
+            raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
         self.block_tokens = block_tokens

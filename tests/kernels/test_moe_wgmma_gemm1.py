@@ -62,7 +62,7 @@ def _traced_offsets(block_tokens: int) -> list[tuple[int, int, int, int, int]]:
     return seen
 
 
-@pytest.mark.parametrize("block_tokens", [8, 16, 32])
+@pytest.mark.parametrize("block_tokens", [8, 16, 32, 64])
 def test_copy_offsets_are_the_mma_layouts_byte_for_byte(block_tokens):
     seen = _traced_offsets(block_tokens)
     assert len(seen) > 1000 and all(isinstance(offset, int) for *_, offset in seen)
@@ -103,6 +103,8 @@ def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
     for block_tokens in (8, 16, 32):
         config = wgmma.WgmmaGemm1Config(block_tokens, 4)
         assert config.ctas_per_sm() == 2, config.smem_bytes()
+    # 64-token tiles (candidate v2.2): 146 KB with 4 stages, and 3 stages miss two CTAs by ~3 KB
+    assert wgmma.WgmmaGemm1Config(64, 4).ctas_per_sm() == wgmma.WgmmaGemm1Config(64, 3).ctas_per_sm() == 1
     with pytest.raises(wgmma.StreamingConfigError):
         wgmma.WgmmaGemm1Config(24, 4)
     with pytest.raises(wgmma.StreamingConfigError):

@@ -108,7 +108,7 @@ def _traced_c_layout(block_tokens: int) -> tuple[str, list[tuple[int, int, int, 
     return swizzle[0], seen
 
 
-@pytest.mark.parametrize("block_tokens", [8, 16, 32])
+@pytest.mark.parametrize("block_tokens", [8, 16, 32, 64])
 def test_c_copy_offsets_are_the_mma_layout_byte_for_byte(block_tokens):
     swizzle, seen = _traced_c_layout(block_tokens)
     # Swizzle<3,4,3> on byte addresses: the 16-B chunk index (bits 4-6) XOR bits 7-9, the hardware's
@@ -141,6 +141,7 @@ def test_weight_tile_is_a_swizzled_permutation_with_conflict_free_load_phases():
 def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
     for block_tokens in (8, 16, 32):
         assert gemm2.WgmmaGemm2Config(block_tokens, 3).ctas_per_sm() == 2
+    assert gemm2.WgmmaGemm2Config(64, 3).ctas_per_sm() == 1  # 144 KB (candidate v2.2)
     with pytest.raises(gemm2.StreamingConfigError):
         gemm2.WgmmaGemm2Config(24, 3)
     with pytest.raises(gemm2.StreamingConfigError):

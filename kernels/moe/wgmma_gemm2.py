@@ -25,8 +25,8 @@ Design (the schedule, the promotion and the numerics are `streaming_gemm.py`'s G
   scale (C is unscaled). Both blocks of a stage are in flight at once: the second block is converted
   while the first one's MMAs run, and the first promoted while the second one's run (two register
   sets; session 10 measured 1.01x over converting, multiplying and promoting each block in turn).
-  Epilogue: the fp32 accumulator straight to `expert_out` for the
-  item's valid tokens (columns of absent tokens hold whatever the stage held and are never stored).
+- Epilogue: the fp32 accumulator straight to `expert_out` for the item's valid tokens (columns of
+  absent tokens hold whatever the stage held and are never stored).
 """
 
 from __future__ import annotations

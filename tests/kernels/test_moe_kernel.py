@@ -64,8 +64,9 @@ def test_variants_are_chained_self_cleaning_and_on_wgmma_from_33_tokens():
         # GEMM2 on WGMMA with GEMM1 except at 65-192 tokens (v2.1 measured 0.93x at 80 there).
         small_t = kernel.FEW_TOKENS_MAX < num_tokens <= kernel.SMALL_T_MAX_TOKENS
         assert variant.wgmma_gemm2 == (variant.wgmma_gemm1 and not small_t)
-        assert type(variant.make_gemm1()) is (wgmma_gemm1.WgmmaGemm1 if variant.wgmma_gemm1 else streaming.StreamingGemm)
-        assert type(variant.make_gemm2()) is (wgmma_gemm2.WgmmaGemm2 if variant.wgmma_gemm2 else streaming.StreamingGemm)
+        gemm1_class = wgmma_gemm1.WgmmaGemm1 if variant.wgmma_gemm1 else streaming.StreamingGemm
+        gemm2_class = wgmma_gemm2.WgmmaGemm2 if variant.wgmma_gemm2 else streaming.StreamingGemm
+        assert type(variant.make_gemm1()) is gemm1_class and type(variant.make_gemm2()) is gemm2_class
         # GEMM1 stores C in the column order the WGMMA GEMM2 reads exactly when that one runs.
         assert getattr(variant.gemm1(), "permuted_c", False) == variant.wgmma_gemm2
     assert kernel.WGMMA_GEMM1_MIN_TOKENS == 33
@@ -73,8 +74,6 @@ def test_variants_are_chained_self_cleaning_and_on_wgmma_from_33_tokens():
     assert dataclasses.replace(kernel.variant_for(33), wgmma_gemm1=False, wgmma_gemm2=False) == kernel.variant_for(32)
     assert kernel.variant_for(2049) is kernel.variant_for(2048) is kernel.MEDIUM_T  # every T streams
     assert len(set(kernel.VARIANTS)) == len(kernel.VARIANTS)  # each compiled configuration once
-    with pytest.raises(kernel.MoeShapeError, match="seq_len"):
-        kernel.variant_for(0)
 
 
 def test_a_wgmma_gemm2_needs_the_wgmma_gemm1_that_permutes_c():

@@ -204,6 +204,11 @@ MOE = Track(
             entry="candidate_wide_tiles.py::run_wide",
             description="kernel.py v2.1 with both GEMMs in 64-token row tiles above 192 tokens (one CTA per SM; v2.2)",
         ),
+        CandidateSide(
+            name="cand_wide_gemm1_two_ctas",
+            entry="candidate_wide_tiles.py::run_wide_gemm1_two_ctas",
+            description="kernel.py v2.1 with GEMM1 in 64-token row tiles, 3 stages, its epilogue tile in a token stage (two CTAs per SM; v2.2)",
+        ),
     ),
 )
 

@@ -62,6 +62,7 @@ SWIZZLE_ROW_BYTES = 128
 
 assert HIDDEN % STAGE_K == 0 and BLOCK % HALF_ROWS == 0 and BLOCK % 32 == 0
 assert HALF_ROWS == GROUP  # an item's C columns are one group of the permuted order
+assert ITEM_ROWS * 4 == STAGE_K  # a token's fp32 epilogue row is as long as its stage row (scratch_in_stage)
 
 
 def swizzled_offset(row, k, stage, rows: int, row_bytes: int = STAGE_K):
@@ -110,9 +111,13 @@ def item_weight_scale_row(n_tile, half):
 
 class WgmmaGemm1Config(PersistentGemmConfig):
     """Compile-time shape of the WGMMA GEMM1: tokens per row tile (WGMMA's N) and pipeline depth;
-    `permuted_c`: C's columns in the stored order `wgmma_gemm2.py` reads (`intermediate_order.py`)."""
+    `permuted_c`: C's columns in the stored order `wgmma_gemm2.py` reads (`intermediate_order.py`);
+    `scratch_in_stage`: the epilogue's fp32 tile (`block_tokens` x 64, as many bytes as a token stage)
+    lives in the token stage the item's last K stage has just consumed instead of a region of its own,
+    which no copy in flight targets (candidate v2.2: 64-token tiles with 3 stages then fit two CTAs
+    per SM)."""
 
-    def __init__(self, block_tokens: int, num_stages: int, permuted_c: bool = False):
+    def __init__(self, block_tokens: int, num_stages: int, permuted_c: bool = False, scratch_in_stage: bool = False):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 3:
@@ -120,19 +125,22 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         self.block_tokens = block_tokens
         self.num_stages = num_stages
         self.permuted_c = permuted_c
+        self.scratch_in_stage = scratch_in_stage
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
 
     def fields(self) -> dict:
         ns, bt = self.num_stages, self.block_tokens
-        return {
+        fields = {
             # 1024-B aligned: the swizzle pattern repeats every 1024 B from the start of an atom
             "w_stages": smem_region(cutlass.Float8E4M3FN, ns * ITEM_ROWS * STAGE_K, 1024),
             "x_stages": smem_region(cutlass.Float8E4M3FN, ns * bt * STAGE_K, 1024),
             "x_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE * bt, 128),
             "w_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE * 2, 128),
-            "scratch": smem_region(Float32, ITEM_ROWS * bt, 128),
         }
+        if not self.scratch_in_stage:
+            fields["scratch"] = smem_region(Float32, ITEM_ROWS * bt, 128)
+        return fields
 
 
 @cute.jit
@@ -219,7 +227,9 @@ class WgmmaGemm1(LinkedGemm):
         w_scales = storage.w_scales.get_tensor(
             cute.make_layout((2, BLOCKS_PER_STAGE, ns), stride=(1, 2, 2 * BLOCKS_PER_STAGE))
         )
-        scratch = storage.scratch.get_tensor(cute.make_layout((bt, ITEM_ROWS), stride=(ITEM_ROWS, 1)))
+        scratch_layout = cute.make_layout((bt, ITEM_ROWS), stride=(ITEM_ROWS, 1))
+        if cutlass.const_expr(not cfg.scratch_in_stage):
+            scratch = storage.scratch.get_tensor(scratch_layout)
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid, warp_id, lane
         )
@@ -285,7 +295,22 @@ class WgmmaGemm1(LinkedGemm):
                     scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
                     acc[i] = acc[i] + block_acc[i] * scale
             if k_stage == K_STAGES - 1:
-                self.epilogue(acc, coords, scratch, out, item % ITEMS_PER_ROW_TILE, packed_row0, valid_rows, tidx)
+                n_tile = item % ITEMS_PER_ROW_TILE
+                if cutlass.const_expr(cfg.scratch_in_stage):
+                    # The token stage in `slot`. A warp's wait_group covers its own share of the
+                    # warpgroup's MMAs, which read all of the stage: the fence and barrier let no thread
+                    # write the tile before every warp's MMAs on it are done. The copies in flight target
+                    # the other slots, and the next load into this one comes after the barrier at the
+                    # top of the next stage, i.e. after every thread's epilogue.
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_threads()
+                    stage_scratch = cute.recast_ptr(x_bytes.iterator + slot * (bt * STAGE_K), dtype=Float32)
+                    self.epilogue(
+                        acc, coords, cute.make_tensor(stage_scratch, scratch_layout), out, n_tile, packed_row0,
+                        valid_rows, tidx,
+                    )  # fmt: skip
+                else:
+                    self.epilogue(acc, coords, scratch, out, n_tile, packed_row0, valid_rows, tidx)
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit

@@ -1,7 +1,7 @@
 """MoE candidate v2.2 (kernels/moe/candidate_wide_tiles.py): kernel.py v2.1 with 64-token row tiles above
-192 tokens, GEMM1 only or both GEMMs. CPU: the dispatch and the configurations' shared memory. GPU
-(marked `gpu`): the per-GEMM check of test_moe_streaming.py for both entries (C un-permuted), and both
-entries' outputs equal kernel.py's bit for bit. The end-to-end checks are test_moe_kernel.py's (the
+192 tokens: GEMM1 only (one or two CTAs per SM) or both GEMMs. CPU: the dispatch and the configurations'
+shared memory. GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py for every entry (C
+un-permuted), and every entry's output equal to kernel.py's bit for bit. The end-to-end checks are test_moe_kernel.py's (the
 module's `run_wide` is in SOLUTIONS through its alias `run`).
 """
 
@@ -14,7 +14,11 @@ from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, solution_mo
 from tests.kernels.test_moe_streaming import check_each_gemm
 
 candidate = solution_module("candidate_wide_tiles")
-ENTRIES = {"wide_gemm1": candidate.variant_for_wide_gemm1, "wide": candidate.variant_for_wide}
+ENTRIES = {
+    "wide_gemm1": candidate.variant_for_wide_gemm1,
+    "wide": candidate.variant_for_wide,
+    "wide_gemm1_two_ctas": candidate.variant_for_wide_gemm1_two_ctas,
+}
 
 
 def test_only_medium_t_changes_and_its_tiles_take_one_cta_per_sm():
@@ -31,6 +35,10 @@ def test_only_medium_t_changes_and_its_tiles_take_one_cta_per_sm():
             assert variant.gemm1().ctas_per_sm() == 1
         assert gemm1_only.gemm2().block_tokens == 32 and gemm1_only.gemm2().ctas_per_sm() == 2  # v2.1's
         assert both.gemm2().block_tokens == 64 and both.gemm2().ctas_per_sm() == 1
+        two_ctas = candidate.variant_for_wide_gemm1_two_ctas(num_tokens)
+        assert two_ctas is candidate.MEDIUM_T_WIDE_GEMM1_TWO_CTAS and two_ctas.gemm1().scratch_in_stage
+        assert (two_ctas.gemm1().block_tokens, two_ctas.gemm1().num_stages, two_ctas.gemm1().ctas_per_sm()) == (64, 3, 2)
+        assert two_ctas.gemm2().block_tokens == 32 and two_ctas.gemm2().ctas_per_sm() == 2
     compiled = candidate.compile_only("sm_90a")
     expected = len(candidate.VARIANTS) + len(kernel.compile_only("sm_90a"))
     assert len({id(fn) for fn in compiled}) == len(compiled) == expected
@@ -62,10 +70,10 @@ def test_outputs_are_kernel_py_bit_for_bit(num_tokens):
     # block's products per output element, whatever N is.
     inputs = cases.make_inputs(cases.CheckCase("wide_vs_kernel", num_tokens, 96), "cuda", seed=37)
     outputs = []
-    for run in (kernel.run, candidate.run_wide_gemm1, candidate.run_wide):
+    for run in (kernel.run, candidate.run_wide_gemm1, candidate.run_wide, candidate.run_wide_gemm1_two_ctas):
         output = cases.poisoned_output(num_tokens, "cuda")
         run(*inputs.values(), output)
         torch.cuda.synchronize()
         outputs.append(output)
     assert torch.isfinite(outputs[0]).all()
-    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+    assert all(torch.equal(outputs[0], other) for other in outputs[1:])

@@ -76,9 +76,12 @@ def test_variants_are_chained_self_cleaning_and_on_wgmma_from_33_tokens():
     assert len(set(kernel.VARIANTS)) == len(kernel.VARIANTS)  # each compiled configuration once
 
 
-def test_a_wgmma_gemm2_needs_the_wgmma_gemm1_that_permutes_c():
+def test_the_wgmma_flags_need_the_wgmma_gemm1():
     with pytest.raises(ValueError, match="wgmma_gemm1"):
-        dataclasses.replace(kernel.TINY_T, wgmma_gemm2=True)
+        dataclasses.replace(kernel.TINY_T, wgmma_gemm2=True)  # C in the order only that GEMM1 writes
+    with pytest.raises(ValueError, match="wgmma_gemm1"):
+        dataclasses.replace(kernel.TINY_T, gemm1_scratch_in_stage=True)
+    assert not any(variant.gemm1_scratch_in_stage for variant in kernel.VARIANTS)
 
 
 def test_a_self_cleaning_host_routes_first_and_releases_the_counters_last():

@@ -103,14 +103,28 @@ def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
     for block_tokens in (8, 16, 32):
         config = wgmma.WgmmaGemm1Config(block_tokens, 4)
         assert config.ctas_per_sm() == 2, config.smem_bytes()
-    # 64-token tiles (candidate v2.2): 146 KB with 4 stages, and 3 stages miss two CTAs by ~3 KB
+    # 64-token tiles (candidate v2.2): 146 KB with 4 stages, and 3 stages miss two CTAs by ~3 KB unless
+    # the epilogue tile lives in a token stage
     assert wgmma.WgmmaGemm1Config(64, 4).ctas_per_sm() == wgmma.WgmmaGemm1Config(64, 3).ctas_per_sm() == 1
+    in_stage = wgmma.WgmmaGemm1Config(64, 3, scratch_in_stage=True)
+    assert "scratch" not in in_stage.fields() and in_stage.ctas_per_sm() == 2
     with pytest.raises(wgmma.StreamingConfigError):
         wgmma.WgmmaGemm1Config(24, 4)
     with pytest.raises(wgmma.StreamingConfigError):
         wgmma.WgmmaGemm1Config(32, 2)
     with pytest.raises(wgmma.StreamingConfigError, match="do not fit"):
         wgmma.WgmmaGemm1Config(32, 16)
+
+
+@pytest.mark.parametrize("num_stages", [3, 4])
+def test_the_epilogue_tile_takes_a_token_stage_no_copy_in_flight_targets(num_stages):
+    """scratch_in_stage: at the epilogue of flat stage s (after the load of stage s + ns - 1 was issued),
+    the copies in flight are those of stages s + 1 .. s + ns - 1, whose slots are not s's; and a token's
+    fp32 row of the tile (64 values) is exactly its row of a token stage (256 e4m3)."""
+    assert wgmma.ITEM_ROWS * 4 == wgmma.STAGE_K
+    for s in range(3 * num_stages):
+        in_flight = {t % num_stages for t in range(s + 1, s + num_stages)}
+        assert s % num_stages not in in_flight
 
 
 def test_a_wgmma_variant_keeps_its_token_tile():

@@ -209,6 +209,16 @@ MOE = Track(
             entry="candidate_wide_tiles.py::run_wide_gemm1_two_ctas",
             description="kernel.py v2.1 with GEMM1 in 64-token row tiles, 3 stages, its epilogue tile in a token stage (two CTAs per SM; v2.2)",
         ),
+        CandidateSide(
+            name="cand_few_to_192",
+            entry="candidate_deep_few_tokens.py::run_few_to_192",
+            description="kernel.py v2.1 with its 33-64-token variant (WGMMA GEMM2 8 x 4) up to 192 tokens (v2.3)",
+        ),
+        CandidateSide(
+            name="cand_deep_few",
+            entry="candidate_deep_few_tokens.py::run_deep_few",
+            description="cand_few_to_192 with five pipeline stages in both WGMMA GEMMs at 33-192 tokens (v2.3)",
+        ),
     ),
 )
 

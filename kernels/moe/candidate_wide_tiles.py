@@ -1,8 +1,8 @@
 """MoE candidate v2.2 ("wide tiles"): `kernel.py` v2.1 with 64-token row tiles above 192 tokens (MEDIUM_T),
 where its 32-token tiles read an expert's weights once per 32 tokens.
 
-Why (NOTES.md, "Where T = 901 goes after v2.1"): at T = 901 the synthesized routing gives 24-27 experts
-~1000 assignments, up to ~180 to one, i.e. 43-55 row tiles of 32 tokens. Every work item reads its 64
+Why (NOTES.md, "Where T = 901 goes after v2.1"): at T = 901 the synthesized routing gives 20-27 experts
+~1000 assignments, up to ~180 to one, i.e. 43-55 row tiles of 32 tokens (CPU draws). Every work item reads its 64
 weight rows and its row tile's tokens through L2: GEMM1 moves ~1.9 GB through L2 (~6.2 TB/s) for ~0.74
 GB of unique weights, GEMM2 ~1.2 GB. If the L2 bounds them, halving the weight re-reads is the lever:
 64-token tiles give 30-36 row tiles at 901 (GEMM1 ~1.43 GB, -25 %; GEMM2 ~0.96 GB, -20 %) and half the

@@ -18,7 +18,7 @@ GEMMs are persistent weight streams; the variant is chosen from T alone (a shape
 - GEMM1 on `mma.sync` below WGMMA_GEMM1_MIN_TOKENS (its 32-row items keep twice as many CTAs
   streaming one or two experts' weights) and on FP8 WGMMA from there (which removes its issue bound).
   Row tiles of 16 tokens up to SMALL_T_MAX_TOKENS, 32 above (at T = 901 the synthesized routing
-  gives 24-27 active experts ~40 tokens each, up to ~180: ~1.8 row tiles per expert; NOTES.md).
+  gives 20-27 active experts ~40 tokens each, up to ~180: ~1.8 row tiles per expert; NOTES.md).
 - GEMM2 (whose bf16 activation stages are twice GEMM1's) gets tiles and stages that still fit two
   CTAs per SM: 8-token tiles with 4 stages up to FEW_TOKENS_MAX, 16-token tiles with 3 stages up to
   SMALL_T_MAX_TOKENS, 32-token tiles with 3 stages above. It runs on bf16 WGMMA with the e4m3

@@ -606,3 +606,34 @@ def test_the_summary_table_shows_candidates_only_when_a_run_timed_some() -> None
     assert row(0, [passed("ours", 2.0), passed("cand_next", 1.0), passed("reference", 9.0)]).best_reference == "reference"
     table = "\n".join(render.summary_table(with_candidate))
     assert "candidates vs ours" in table and "cand_next 2.00× (1)" in table
+
+
+def test_render_results_puts_the_newest_run_first_and_each_tracks_latest_complete_run_on_top(tmp_path: Path) -> None:
+    render = _load_renderer()
+    results_dir = tmp_path / "results"
+
+    def run(name: str, timestamp: str | None, track: str, ours_ms: float, partial: bool = False) -> Path:
+        env = EnvironmentRecord(timestamp=timestamp, repo_commit="abcdef1234567")
+        rows = [row(0, [passed("ours", ours_ms), passed("reference", 8.0)], track=track)]
+        path = results_dir / "h200" / f"{name}.json"
+        write_results(path, env, rows)
+        if partial:  # as a run stopped early records it
+            data = json.loads(path.read_text())
+            data["completeness"] = {"partial": True, "planned": 2, "complete": 1, "tracks": {}}
+            path.write_text(json.dumps(data))
+        return path.with_suffix(".csv")
+
+    old_moe = run("a_old_moe", "2026-11-29T10:00:00+00:00", "moe", 4.0)
+    new_moe = run("b_new_moe", "2026-11-30T10:00:00+00:00", "moe", 2.0)
+    newest_partial = run("c_partial_moe", "2026-11-30T12:00:00+00:00", "moe", 1.0, partial=True)
+    gdn = run("d_gdn", "2026-11-29T12:00:00+00:00", "gdn_prefill", 1.0)
+    unstamped = run("e_unstamped", None, "moe", 1.0)
+
+    ordered = render.newest_first([old_moe, new_moe, newest_partial, gdn, unstamped])
+    assert ordered == [newest_partial, new_moe, gdn, old_moe, unstamped]
+    table = render.latest_table(ordered, results_dir)
+    assert table[2] == "| gdn_prefill | `h200/d_gdn.csv` | 2026-11-29 | abcdef1234 | 1/1 | – | 8.00× (1) | – |"
+    # the newest complete MoE run, not the newer partial one
+    assert table[3] == "| moe | `h200/b_new_moe.csv` | 2026-11-30 | abcdef1234 | 1/1 | – | 4.00× (1) | – |"
+    text = render.render(results_dir, tmp_path, write_plots=False)
+    assert text.index("### h200/c_partial_moe.csv") < text.index("### h200/b_new_moe.csv") < text.index("### h200/a_old_moe.csv")

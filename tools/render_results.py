@@ -6,7 +6,8 @@
 Reads every results CSV under `results/` except `results/checks/` (and the JSON beside each, for the
 environment line), writes markdown tables between `<!-- results:begin -->` and
 `<!-- results:end -->` in README.md, and one per-workload speedup plot per CSV and
-track beside the CSV. No results table in the README is typed by hand.
+track beside the CSV. First a table of each track's latest complete run, then every file, newest run
+first. No results table in the README is typed by hand.
 """
 
 from __future__ import annotations
@@ -92,6 +93,47 @@ def environment_line(env: EnvironmentRecord | None) -> str:
     if env.timestamp:
         parts.append(env.timestamp)
     return "; ".join(parts) + "."
+
+
+def _is_partial(csv_path: Path) -> bool:
+    return completeness_line(csv_path) is not None
+
+
+def newest_first(csvs: Sequence[Path]) -> list[Path]:
+    """The files by their run's timestamp (environment record), newest first; files without one last,
+    by name."""
+    stamped = [(p, env.timestamp) for p in csvs if (env := _environment(p)) is not None and env.timestamp]
+    unstamped = sorted(p for p in csvs if p not in {q for q, _ in stamped})
+    return [p for p, _ in sorted(stamped, key=lambda item: (item[1], item[0].name), reverse=True)] + unstamped
+
+
+def latest_table(csvs_newest_first: Sequence[Path], results_dir: Path) -> list[str]:
+    """One row per track: its newest complete run (no partial file), with that run's summary."""
+    rows: list[list[str]] = []
+    seen: set[str] = set()
+    for csv_path in csvs_newest_first:
+        if _is_partial(csv_path):
+            continue
+        env = _environment(csv_path)
+        for track, t in summarize(read_csv_rows(csv_path)).items():
+            if track in seen:
+                continue
+            seen.add(track)
+            rows.append(
+                [
+                    track,
+                    f"`{csv_path.relative_to(results_dir).as_posix()}`",
+                    (env.timestamp or "")[:10] if env else "",
+                    (env.repo_commit or "")[:10] if env else "",
+                    f"{t.passed.get('ours', 0)}/{t.workloads}",
+                    _speedup(t.vs_human),
+                    _speedup(t.vs_best_reference),
+                    "–" if t.ours_over_floor is None else _speedup(t.ours_over_floor),
+                ]
+            )
+    header = ["track", "latest complete run", "date", "commit", "ours passed", "ours vs human",
+              "ours vs best reference", "ours / floor"]  # fmt: skip
+    return _table(header, sorted(rows))
 
 
 def _speedup(s: SpeedupSummary) -> str:
@@ -248,10 +290,16 @@ def write_plot(path: Path, track: str, rows: Sequence[WorkloadRow], title_suffix
 def render(results_dir: Path, readme_dir: Path, write_plots: bool) -> str:
     """The markdown for between the markers; writes the plots when asked."""
     # results/checks/ holds the harness's own self-checks (e.g. repeatability runs), not benchmark results.
-    csvs = sorted(p for p in results_dir.rglob("*.csv") if CHECKS_DIR not in p.relative_to(results_dir).parts)
+    csvs = newest_first([p for p in results_dir.rglob("*.csv") if CHECKS_DIR not in p.relative_to(results_dir).parts])
     if not csvs:
         return "_No results committed yet._"
-    out: list[str] = []
+    out: list[str] = [
+        "**Latest complete run per track** (`ours` there is the `kernel.py` of that run's commit; "
+        "`results/README.md` says which version):",
+        "",
+        *latest_table(csvs, results_dir),
+        "",
+    ]
     for csv_path in csvs:
         rows = read_csv_rows(csv_path)
         env = _environment(csv_path)

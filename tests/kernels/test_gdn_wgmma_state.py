@@ -1,29 +1,26 @@
-"""GDN design v3, step 1 (kernels/gdn_prefill/wgmma_state.py): one chunk's state products on warpgroup MMA
-with the state as an fp32 accumulator of two warpgroups.
+"""GDN design v3, steps 1-2 (kernels/gdn_prefill/wgmma_state.py): the value side of one chunk on warpgroup
+MMA with the state as an fp32 accumulator of two warpgroups.
 
-CPU: the layout facts the kernel relies on, traced from CuTe's own layouts (the state accumulator's
-fragment is the products' A fragment, coordinate for coordinate and in order, in every thread; one
-swizzled copy of the keys is both B operands), the one step 2 will rely on (a products accumulator is
-the register A of a product over the tokens), and the kernel compiles for sm_90a. GPU (marked `gpu`):
-Yk = K S0^T, Yq = Q S0^T and S1 = g S0 + Vc^T K against PyTorch with the model's rounding points
-(`chunked_model.py`: S0 and the operands in fp16, fp32 accumulation), outputs NaN-poisoned first.
+CPU: the layout facts the kernel relies on, traced from CuTe's own layouts for every thread (each
+accumulator it hands to the next product's register A holds the same coordinates in the same order;
+one swizzled copy of the keys is both B operands), and the kernel compiles for sm_90a. GPU (marked
+`gpu`): O and S1 of a full and a partial chunk against `chunked_model.chunk_step` at KERNEL precision,
+outputs NaN-poisoned first.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 import pytest
 import torch
-from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor
-from cutlass.tensor_utils import LayoutEnum
 
-from hopperbench.devcheck import load_folder_module
+from hopperbench.devcheck import load_folder_module, load_module_by_path
 from hopperbench.paths import REPO_ROOT
 
 state_products = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "wgmma_state")
+model = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/chunked_model.py", "gdn_chunked_model")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -32,51 +29,48 @@ def _probe(body) -> None:
     cute.compile(body, make_fake_compact_tensor(cutlass.Float32, (4,), assumed_align=16), options="--gpu-arch sm_90a")
 
 
-def test_the_state_accumulator_is_the_products_a_operand_in_order():
-    traced: dict[int, tuple[list, list]] = {}
-    size = state_products.HEAD_SIZE
+def _trace_pairs(pairs) -> dict[int, list[tuple[list, list]]]:
+    """For every thread: the coordinates of each (accumulator, A operand) pair `pairs(ops)` names, where
+    ops = `operands()` and each pair is (tiled MMA of the C, its tile, tiled MMA of the A, its tile)."""
+    traced: dict[int, list[tuple[list, list]]] = {}
 
     @cute.jit
     def body(unused: cute.Tensor):
-        state_mma, products_mma, *_ = state_products.operands()
+        ops = state_products.operands()
         for tid in cutlass.range_constexpr(state_products.NUM_THREADS):
-            c = state_mma.get_slice(tid).partition_C(cute.make_identity_tensor((size, size)))
-            a = products_mma.get_slice(tid).partition_A(cute.make_identity_tensor((size, size)))
-            traced[tid] = ([tuple(c[i]) for i in range(cute.size(c))], [tuple(a[i]) for i in range(cute.size(a))])
+            traced[tid] = []
+            for c_mma, c_tile, a_mma, a_tile in pairs(ops):
+                c = c_mma.get_slice(tid).partition_C(cute.make_identity_tensor(c_tile))
+                a = a_mma.get_slice(tid).partition_A(cute.make_identity_tensor(a_tile))
+                traced[tid].append(([tuple(c[i]) for i in range(cute.size(c))], [tuple(a[i]) for i in range(cute.size(a))]))
 
     _probe(body)
-    assert len(traced) == state_products.NUM_THREADS
-    for tid, (c_coords, a_coords) in traced.items():
-        assert len(c_coords) == size * size // state_products.NUM_THREADS
-        assert c_coords == a_coords, tid
-    # and the threads together hold the whole state once
-    assert sorted(c for c_coords, _ in traced.values() for c in c_coords) == [(v, k) for v in range(size) for k in range(size)]
+    return traced
 
 
-def test_a_products_accumulator_is_the_register_a_operand_of_a_product_over_the_tokens():
-    """For step 2 (no kernel yet): V' = (V^T - Yk^T) T^T comes out as a [v, token] accumulator of the
-    products' shape and feeds S += V'c K and O += V' P^T as their register A operand (K = tokens): that
-    too is an element-wise conversion in every thread."""
-    traced: dict[int, tuple[list, list]] = {}
+def test_every_accumulator_hand_over_is_element_wise_in_order():
+    """The kernel converts an accumulator into the next product's register A by index: the state [v, k]
+    into the A of Yk^T, Yq^T (K = 128); Yk^T-shaped [v, token] accumulators into the A of V'^T, O^T and
+    of the state update (K = 64 tokens). Each needs the same coordinates in the same order, in every
+    thread."""
     size, chunk = state_products.HEAD_SIZE, state_products.CHUNK
 
-    @cute.jit
-    def body(unused: cute.Tensor):
-        _, products_mma, *_ = state_products.operands()
-        over_tokens = sm90_utils.make_trivial_tiled_mma(
-            cutlass.Float16, cutlass.Float16, LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
-            LayoutEnum.COL_MAJOR.sm90_mma_major_mode(), cutlass.Float32, (state_products.NUM_WARPGROUPS, 1, 1),
-            tiler_mn=(64, size), a_source=warpgroup.OperandSource.RMEM,
-        )  # fmt: skip
-        for tid in cutlass.range_constexpr(state_products.NUM_THREADS):
-            c = products_mma.get_slice(tid).partition_C(cute.make_identity_tensor((size, chunk)))
-            a = over_tokens.get_slice(tid).partition_A(cute.make_identity_tensor((size, chunk)))
-            traced[tid] = ([tuple(c[i]) for i in range(cute.size(c))], [tuple(a[i]) for i in range(cute.size(a))])
+    def pairs(ops):
+        update, products = ops[0], ops[1]
+        return (
+            (update, (size, size), products, (size, size)),
+            (products, (size, chunk), products, (size, chunk)),
+            (products, (size, chunk), update, (size, chunk)),
+        )
 
-    _probe(body)
+    traced = _trace_pairs(pairs)
     assert len(traced) == state_products.NUM_THREADS
-    assert all(c_coords == a_coords and len(c_coords) == size * chunk // state_products.NUM_THREADS
-               for c_coords, a_coords in traced.values())  # fmt: skip
+    for tid, hand_overs in traced.items():
+        for number, (c_coords, a_coords) in enumerate(hand_overs):
+            assert c_coords == a_coords and len(c_coords) > 0, (tid, number)
+    # and the threads together hold the whole state once
+    held = sorted(c for hand_overs in traced.values() for c in hand_overs[0][0])
+    assert held == [(v, k) for v in range(size) for k in range(size)]
 
 
 def test_one_swizzled_copy_of_the_keys_is_both_b_operands():
@@ -85,18 +79,16 @@ def test_one_swizzled_copy_of_the_keys_is_both_b_operands():
 
     @cute.jit
     def body(unused: cute.Tensor):
-        *_, keys_k_major, keys_mn_major, values_t = state_products.operands()
-        swizzles.extend(str(layout.inner) for layout in (keys_k_major, keys_mn_major, values_t))
+        _, _, keys_k_major, keys_mn_major, square = state_products.operands()
+        swizzles.extend(str(layout.inner) for layout in (keys_k_major, keys_mn_major, square))
         for token in cutlass.range_constexpr(state_products.CHUNK):
             for col in cutlass.range_constexpr(state_products.HEAD_SIZE):
-                # (token, k) of the keys in both views, and (v, token) of Vc^T against Vc's (token, v)
                 offsets.append((keys_k_major.outer((token, col, 0)), keys_mn_major.outer((col, token, 0))))
-                offsets.append((keys_k_major.outer((token, col, 0)), values_t.outer((col, token, 0))))
 
     _probe(body)
     assert len(set(swizzles)) == 1 and swizzles[0] == "S<3,4,3>"
     assert all(a == b for a, b in offsets)
-    assert sorted({a for a, _ in offsets}) == list(range(state_products.CHUNK * state_products.HEAD_SIZE))
+    assert sorted(a for a, _ in offsets) == list(range(state_products.CHUNK * state_products.HEAD_SIZE))
 
 
 def test_compiles_for_sm90a_without_gpu():
@@ -106,30 +98,41 @@ def test_compiles_for_sm90a_without_gpu():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("g_last", [0.83, 1.0])
-def test_state_products_match_the_model(g_last):
-    generator = torch.Generator(device="cuda").manual_seed(int(g_last * 100))
+@pytest.mark.parametrize("tokens", [64, 37])
+def test_the_value_side_of_a_chunk_matches_the_model(tokens):
+    """`chunked_model.chunk_step` at KERNEL precision (one head), the key side (G, beta, T, P) from the
+    model; a partial chunk pads its tokens as the model does (k = q = v = 0, log g = 0, beta = 0)."""
+    generator = torch.Generator(device="cuda").manual_seed(tokens)
     size, chunk = state_products.HEAD_SIZE, state_products.CHUNK
 
-    def randn(*shape, scale=1.0):
-        return torch.randn(*shape, device="cuda", generator=generator) * scale
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=generator)
 
-    s0 = randn(size, size, scale=0.5)
-    k = torch.nn.functional.normalize(randn(chunk, size), dim=-1).half()
-    q = torch.nn.functional.normalize(randn(chunk, size), dim=-1).half()
-    vc = randn(chunk, size, scale=0.3).half()
-    yk, yq = (torch.full((chunk, size), float("nan"), device="cuda") for _ in range(2))
+    q = torch.nn.functional.normalize(randn(1, chunk, size), dim=-1).bfloat16().float()
+    k = torch.nn.functional.normalize(randn(1, chunk, size), dim=-1).bfloat16().float()
+    v = randn(1, chunk, size).bfloat16().float()
+    # A = 1, dt around softplus(-2): log g ~ -0.1 to -0.3 per token, G down to ~-13 over the chunk.
+    zero = torch.zeros(1, device="cuda")
+    log_g, beta = model.gates(zero, randn(chunk, 1) - 2.0, zero, randn(chunk, 1))  # [C, 1] each
+    log_g, beta = log_g.T.contiguous(), beta.T.contiguous()
+    for tensor in (q, k, v):
+        tensor[:, tokens:] = 0.0
+    log_g[:, tokens:] = 0.0
+    beta[:, tokens:] = 0.0
+    s0 = randn(1, size, size) * 0.5
+    scale = model.resolve_scale(None)
+    expected_o, expected_s1 = model.chunk_step(s0, q, k, v, log_g, beta, scale, model.KERNEL)
+    side = model.key_side(q, k, log_g, beta, model.KERNEL)
+
+    o = torch.full((chunk, size), float("nan"), device="cuda")
     s1 = torch.full((size, size), float("nan"), device="cuda")
-    state_products.run(s0, k, q, vc, g_last, yk, yq, s1)
+    state_products.run(
+        s0[0].contiguous(), side.k_r[0].half(), side.q_r[0].half(), v[0].contiguous(), side.G[0].contiguous(),
+        beta[0].contiguous(), side.T[0].half(), side.P[0].half(), scale, o, s1,
+    )  # fmt: skip
     torch.cuda.synchronize()
-
-    s0_r = s0.half().float()
-    expected = {
-        "yk": k.float() @ s0_r.T,
-        "yq": q.float() @ s0_r.T,
-        "s1": g_last * s0 + vc.float().T @ k.float(),
-    }
-    for name, got in (("yk", yk), ("yq", yq), ("s1", s1)):
+    for name, got, want in (("O", o[:tokens], expected_o[0, :tokens]), ("S1", s1, expected_s1[0])):
         assert torch.isfinite(got).all(), name
-        err = float((got - expected[name]).norm() / expected[name].norm())
-        assert err < 1e-4, (name, err)  # a wrong layout gives O(1); fp32 sums in another order ~1e-6
+        err = float((got - want).norm() / want.norm())
+        # A wrong layout gives O(1); the fp32 sums in another order flip an fp16 rounding now and then.
+        assert err < 2e-3, (name, err)

@@ -1,11 +1,18 @@
-"""GDN design v3, steps 1-2 (NOTES.md, "Design v3"): the value side of one chunk on Hopper's warpgroup MMA,
-with the 128 x 128 state held as an fp32 WGMMA accumulator by two warpgroups (64 value rows each).
+"""GDN design v3, steps 1-3 (NOTES.md, "Design v3"): one chunk of the chunked gated delta rule on Hopper's
+warpgroup MMA, with the 128 x 128 state held as an fp32 WGMMA accumulator by two warpgroups (64 value rows
+each).
 
 Not used by `kernel.py`: a building block with its own GPU test against `chunked_model.chunk_step`, so
-that the next steps (the key side and the inverse in-kernel, the chunk loop, varlen) start from products
-known to be right. For one chunk of one (sequence, v-head), given what the key side computes (G, beta,
-T = (I + A)^-1 and P, as `chunked_model.key_side` does), with every accumulator [v, token] or [v, k]:
+that the next steps (the chunk loop, the loads, the gates, varlen) start from a chunk step known to be
+right. For one chunk of one (sequence, v-head), given keys and queries (fp16), values (fp32), log g and
+beta per token, with the model's algebra and rounding points (`chunked_model.py`, KERNEL precision):
 
+Key side (step 3):
+    G = cumsum(log g);  K K^T (warpgroup 0) and Q K^T (warpgroup 1): m64n64k16 x 8, both from shared memory
+    A = strict_tril(beta exp(G_i - G_j) K K^T),  P = tril(exp(G_i - G_j) Q K^T)   element-wise, gated
+    T = (I + A)^-1: 16 x 16 diagonal blocks by forward substitution (fp32), then two doubling levels
+        (SIMT fp32 products of fp16-rounded operands), as `chunked_model.invert_unit_lower`
+Value side (steps 1-2), every accumulator [v, token] or [v, k]:
     Yk^T = S0 K^T,  Yq^T = S0 Q^T                      m64n64k16 x 8, A = S0 (fp16) in registers
     Xb^T = beta (V^T - exp(G) Yk^T)                    element-wise, into fp16 registers
     V'^T = Xb^T T^T                                    m64n64k16 x 4, A in registers
@@ -18,10 +25,9 @@ Layout facts that make every hand-over an element-wise conversion in the thread 
   K = 128, in the same order;
 - a products accumulator [v, token] is likewise the A fragment of the products and of the state
   update over K = 64 tokens;
-- one 128-B-swizzled copy of the keys (k contiguous) is both the K-major B of `K S0^T` and the
-  MN-major B of the state update.
-The rounding points are `chunked_model.py`'s (KERNEL precision): S0, Xb, V' and V'c in fp16 as operands,
-fp32 accumulation and element-wise math.
+- one 128-B-swizzled copy of the keys (k contiguous) is the K-major A and B of the Gram products, the
+  K-major B of `K S0^T` and the MN-major B of the state update.
+The inverse and the gating are plain SIMT code here (a prototype: correctness first, speed later).
 """
 
 from __future__ import annotations
@@ -31,18 +37,20 @@ from typing import Callable
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float16, Float32
+from cutlass import Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.tensor_utils import LayoutEnum
 
-__all__ = ["CHUNK", "HEAD_SIZE", "NUM_THREADS", "NUM_WARPGROUPS", "compiled_for", "operands", "run"]
+__all__ = ["BLOCK", "CHUNK", "HEAD_SIZE", "NUM_THREADS", "NUM_WARPGROUPS", "compiled_for", "operands", "run"]
 
 GPU_ARCH = "sm_90a"
 CHUNK = 64  # tokens per chunk
 HEAD_SIZE = 128  # K = V = 128
+BLOCK = 16  # diagonal blocks of T solved directly; the rest by two doubling levels
 NUM_WARPGROUPS = 2  # each owns 64 of the 128 value rows of the state
 NUM_THREADS = 128 * NUM_WARPGROUPS
+SQUARE_STRIDE = CHUNK + 1  # fp32 [token, token] work arrays of the inverse (odd: no bank conflicts by column)
 
 K_MAJOR = LayoutEnum.ROW_MAJOR
 MN_MAJOR = LayoutEnum.COL_MAJOR
@@ -50,8 +58,8 @@ MN_MAJOR = LayoutEnum.COL_MAJOR
 
 @cute.jit
 def operands():
-    """(state update MMA, products MMA, keys as the products' B, keys as the update's B, T or P as the
-    products' B): the two register-A tiled MMAs over both warpgroups and the 128-B-swizzled
+    """(state update MMA, products MMA, Gram MMA, keys as the products' B, keys as the update's B, keys or
+    queries as the Gram A, T or P as the products' B): the tiled MMAs and the 128-B-swizzled
     shared-memory layouts."""
     update_mma = sm90_utils.make_trivial_tiled_mma(
         Float16, Float16, K_MAJOR.sm90_mma_major_mode(), MN_MAJOR.sm90_mma_major_mode(), Float32,
@@ -61,20 +69,26 @@ def operands():
         Float16, Float16, K_MAJOR.sm90_mma_major_mode(), K_MAJOR.sm90_mma_major_mode(), Float32,
         (NUM_WARPGROUPS, 1, 1), tiler_mn=(64, CHUNK), a_source=warpgroup.OperandSource.RMEM,
     )  # fmt: skip
+    # one warpgroup per Gram product (warpgroup 0: K K^T, warpgroup 1: Q K^T)
+    gram_mma = sm90_utils.make_trivial_tiled_mma(
+        Float16, Float16, K_MAJOR.sm90_mma_major_mode(), K_MAJOR.sm90_mma_major_mode(), Float32,
+        (1, 1, 1), tiler_mn=(CHUNK, CHUNK),
+    )  # fmt: skip
     keys_k_major = sm90_utils.make_smem_layout_b(K_MAJOR, (HEAD_SIZE, CHUNK, HEAD_SIZE), Float16, 1)
     keys_mn_major = sm90_utils.make_smem_layout_b(MN_MAJOR, (HEAD_SIZE, HEAD_SIZE, CHUNK), Float16, 1)
+    gram_a = sm90_utils.make_smem_layout_a(K_MAJOR, (CHUNK, CHUNK, HEAD_SIZE), Float16, 1)
     square = sm90_utils.make_smem_layout_b(K_MAJOR, (HEAD_SIZE, CHUNK, CHUNK), Float16, 1)
-    return update_mma, products_mma, keys_k_major, keys_mn_major, square
+    return update_mma, products_mma, gram_mma, keys_k_major, keys_mn_major, gram_a, square
 
 
-class ChunkValueSideSm90:
-    """`launch(s0, k, q, v, g, beta, t, p, scale, o, s1, stream)` for one chunk: s0/s1 [128, 128] fp32
-    (v, k); k/q [64, 128] fp16 (token, k); v [64, 128] fp32 (token, v); g (the inclusive cumulative
-    log-decays G) and beta [64] fp32; t/p [64, 64] fp16 (token, token'); o [64, 128] fp32 (token, v)."""
+class ChunkStepSm90:
+    """`launch(s0, k, q, v, log_g, beta, scale, o, s1, stream)` for one chunk: s0/s1 [128, 128] fp32 (v, k);
+    k/q [64, 128] fp16 (token, k); v [64, 128] fp32 (token, v); log_g and beta [64] fp32 (tokens past the
+    end: k = q = v = 0, log g = 0, beta = 0); o [64, 128] fp32 (token, v)."""
 
     @cute.jit
-    def launch(self, s0, k, q, v, g, beta, t, p, scale: Float32, o, s1, stream):
-        update_mma, products_mma, keys_k_major, keys_mn_major, square = operands()
+    def launch(self, s0, k, q, v, log_g, beta, scale: Float32, o, s1, stream):
+        update_mma, products_mma, gram_mma, keys_k_major, keys_mn_major, gram_a, square = operands()
         rows = cute.cosize(keys_k_major.outer)
         square_size = cute.cosize(square.outer)
 
@@ -84,12 +98,15 @@ class ChunkValueSideSm90:
             queries: cute.struct.Align[cute.struct.MemRange[Float16, rows], 1024]
             t: cute.struct.Align[cute.struct.MemRange[Float16, square_size], 1024]
             p: cute.struct.Align[cute.struct.MemRange[Float16, square_size], 1024]
+            a: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * SQUARE_STRIDE], 16]  # A, unrounded
+            t_work: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * SQUARE_STRIDE], 16]  # T, rounded
+            x: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * SQUARE_STRIDE], 16]  # doubling scratch
             g: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             beta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
 
         self.kernel(
-            s0, k, q, v, g, beta, t, p, scale, o, s1, update_mma, products_mma, keys_k_major, keys_mn_major, square,
-            SharedStorage,
+            s0, k, q, v, log_g, beta, scale, o, s1, update_mma, products_mma, gram_mma, keys_k_major, keys_mn_major,
+            gram_a, square, SharedStorage,
         ).launch(grid=[1, 1, 1], block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)  # fmt: skip
 
     @cute.kernel
@@ -99,46 +116,153 @@ class ChunkValueSideSm90:
         k: cute.Tensor,
         q: cute.Tensor,
         v: cute.Tensor,
-        g: cute.Tensor,
+        log_g: cute.Tensor,
         beta: cute.Tensor,
-        t: cute.Tensor,
-        p: cute.Tensor,
         scale: Float32,
         o: cute.Tensor,
         s1: cute.Tensor,
         update_mma: cute.TiledMma,
         products_mma: cute.TiledMma,
+        gram_mma: cute.TiledMma,
         keys_k_major: cute.ComposedLayout,
         keys_mn_major: cute.ComposedLayout,
+        gram_a: cute.ComposedLayout,
         square: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         s_keys = storage.keys.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)  # (token, k, 1)
-        s_keys_mn = storage.keys.get_tensor(keys_mn_major.outer, swizzle=keys_mn_major.inner)  # (k, token, 1)
         s_queries = storage.queries.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
         s_t = storage.t.get_tensor(square.outer, swizzle=square.inner)  # (token, token', 1)
         s_p = storage.p.get_tensor(square.outer, swizzle=square.inner)
+        square_layout = cute.make_layout((CHUNK, CHUNK), stride=(SQUARE_STRIDE, 1))
+        s_a = storage.a.get_tensor(square_layout)
+        s_tw = storage.t_work.get_tensor(square_layout)
+        s_x = storage.x.get_tensor(square_layout)
         s_g = storage.g.get_tensor(cute.make_layout(CHUNK))
         s_beta = storage.beta.get_tensor(cute.make_layout(CHUNK))
 
-        # Element-wise loads through the swizzled views (a prototype: correctness, not bandwidth).
+        # Element-wise loads through the swizzled views (a prototype: correctness, not bandwidth); G by
+        # one thread (64 adds in order, as torch.cumsum).
         for i in cutlass.range_constexpr(CHUNK * HEAD_SIZE // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             token, col = linear // HEAD_SIZE, linear % HEAD_SIZE
             s_keys[token, col, 0] = k[token, col]
             s_queries[token, col, 0] = q[token, col]
-        for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
-            linear = i * NUM_THREADS + tidx
-            token, other = linear // CHUNK, linear % CHUNK
-            s_t[token, other, 0] = t[token, other]
-            s_p[token, other, 0] = p[token, other]
         if tidx < CHUNK:
-            s_g[tidx] = g[tidx]
             s_beta[tidx] = beta[tidx]
+        if tidx == 0:
+            total = Float32(0.0)
+            for token in cutlass.range_constexpr(CHUNK):
+                total = total + log_g[token]
+                s_g[token] = total
         cute.arch.fence_view_async_shared()  # the generic-proxy stores, before the tensor core reads them
         cute.arch.sync_threads()
+
+        self.key_side(gram_mma, gram_a, storage, s_g, s_beta, s_a, s_p, tidx)
+        self.invert(s_a, s_tw, s_x, s_t, tidx)
+        self.value_side(
+            s0, v, scale, o, s1, update_mma, products_mma, keys_k_major, keys_mn_major, storage, s_t, s_p, s_g,
+            s_beta, tidx,
+        )  # fmt: skip
+
+    @cute.jit
+    def key_side(self, gram_mma, gram_a, storage, s_g, s_beta, s_a, s_p, tidx: Int32):
+        """K K^T (warpgroup 0) and Q K^T (warpgroup 1), gated: A (fp32, strictly lower) into `s_a`, P
+        (fp16, lower with the diagonal) into `s_p`."""
+        warpgroup_id = tidx // 128
+        thr_gram = gram_mma.get_slice(tidx % 128)
+        s_keys_a = storage.keys.get_tensor(gram_a.outer, swizzle=gram_a.inner)  # (token, k, 1)
+        s_queries_a = storage.queries.get_tensor(gram_a.outer, swizzle=gram_a.inner)
+        s_keys_b = storage.keys.get_tensor(gram_a.outer, swizzle=gram_a.inner)  # (token', k, 1) as B
+        gram = cute.make_rmem_tensor(thr_gram.partition_shape_C((CHUNK, CHUNK)), Float32)
+        coords = thr_gram.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))  # (token i, token j)
+        t_b = gram_mma.make_fragment_B(thr_gram.partition_B(s_keys_b))
+        if warpgroup_id == 0:
+            self.gram_product(gram_mma, gram, gram_mma.make_fragment_A(thr_gram.partition_A(s_keys_a)), t_b)
+            for i in cutlass.range_constexpr(cute.size(gram)):
+                row, col = coords[i]
+                decay = cute.math.exp(s_g[row] - s_g[col], fastmath=False) if row > col else Float32(0.0)
+                s_a[row, col] = s_beta[row] * decay * gram[i] if row > col else Float32(0.0)
+        else:
+            self.gram_product(gram_mma, gram, gram_mma.make_fragment_A(thr_gram.partition_A(s_queries_a)), t_b)
+            for i in cutlass.range_constexpr(cute.size(gram)):
+                row, col = coords[i]
+                decay = cute.math.exp(s_g[row] - s_g[col], fastmath=False) if row >= col else Float32(0.0)
+                s_p[row, col, 0] = (decay * gram[i]).to(Float16)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def gram_product(self, gram_mma, acc, t_a, t_b):
+        """acc = A B^T over the 128 k, both operands from shared memory (waited for)."""
+        gram_mma.set(warpgroup.Field.ACCUMULATE, False)
+        warpgroup.fence()
+        for step in cutlass.range_constexpr(HEAD_SIZE // 16):
+            cute.gemm(gram_mma, acc, t_a[None, None, step, 0], t_b[None, None, step, 0], acc)
+            gram_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def invert(self, s_a, s_tw, s_x, s_t, tidx: Int32):
+        """T = (I + A)^-1 as `chunked_model.invert_unit_lower`: the four 16 x 16 diagonal blocks by forward
+        substitution on the unrounded A (thread c < 64: column c % 16 of block c // 16), rounded; then for
+        sizes 16 and 32, X = rnd(T_hh rnd(A_hl)) and T_hl = rnd(-(X T_ll)). fp32 SIMT dot products of
+        rounded operands; the fp16 result also goes into `s_t`, T's B layout."""
+        for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            s_tw[linear // CHUNK, linear % CHUNK] = Float32(0.0)
+        cute.arch.sync_threads()
+        if tidx < CHUNK:
+            base = (tidx // BLOCK) * BLOCK
+            col = tidx % BLOCK
+            column = cute.make_rmem_tensor((BLOCK,), Float32)
+            for r in cutlass.range_constexpr(BLOCK):
+                column[r] = Float32(1.0) if col == r else Float32(0.0)
+            for j in cutlass.range_constexpr(BLOCK):
+                for r in cutlass.range_constexpr(j + 1, BLOCK):
+                    column[r] = column[r] - s_a[base + r, base + j] * column[j]
+            for r in cutlass.range_constexpr(BLOCK):
+                s_tw[base + r, base + col] = column[r].to(Float16).to(Float32)
+        cute.arch.sync_threads()
+        for size in cutlass.range_constexpr(BLOCK, CHUNK, BLOCK):  # 16, then 32 (48 is not a level)
+            if cutlass.const_expr(size in (BLOCK, 2 * BLOCK)):
+                pairs = CHUNK // (2 * size)
+                # X = rnd(T_hh rnd(A_hl)) for every pair (hi = lo + size), one element per step
+                for i in cutlass.range_constexpr(pairs * size * size // NUM_THREADS):
+                    linear = i * NUM_THREADS + tidx
+                    top = (linear // (size * size)) * 2 * size
+                    r, c = (linear // size) % size, linear % size
+                    dot = Float32(0.0)
+                    for m in cutlass.range_constexpr(size):
+                        dot = dot + s_tw[top + size + r, top + size + m] * s_a[top + size + m, top + c].to(Float16).to(Float32)
+                    s_x[top + size + r, top + c] = dot.to(Float16).to(Float32)
+                cute.arch.sync_threads()
+                for i in cutlass.range_constexpr(pairs * size * size // NUM_THREADS):
+                    linear = i * NUM_THREADS + tidx
+                    top = (linear // (size * size)) * 2 * size
+                    r, c = (linear // size) % size, linear % size
+                    dot = Float32(0.0)
+                    for m in cutlass.range_constexpr(size):
+                        dot = dot + s_x[top + size + r, top + m] * s_tw[top + m, top + c]
+                    s_tw[top + size + r, top + c] = (-dot).to(Float16).to(Float32)
+                cute.arch.sync_threads()
+        for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            s_t[linear // CHUNK, linear % CHUNK, 0] = s_tw[linear // CHUNK, linear % CHUNK].to(Float16)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def value_side(
+        self, s0, v, scale: Float32, o, s1, update_mma, products_mma, keys_k_major, keys_mn_major, storage, s_t, s_p,
+        s_g, s_beta, tidx: Int32,
+    ):  # fmt: skip
+        """Steps 1-2: Yk, Yq, Xb, V', O and S1 (module docstring), every hand-over in registers."""
+        s_keys = storage.keys.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
+        s_keys_mn = storage.keys.get_tensor(keys_mn_major.outer, swizzle=keys_mn_major.inner)  # (k, token, 1)
+        s_queries = storage.queries.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
         g_last = s_g[CHUNK - 1]
 
         thr_update = update_mma.get_slice(tidx)
@@ -235,17 +359,16 @@ def compiled_for(arch: str = GPU_ARCH) -> Callable:
         def fake(dtype, shape, align=16):
             return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align)
 
-        square, chunk, tokens = (HEAD_SIZE, HEAD_SIZE), (CHUNK, HEAD_SIZE), (CHUNK, CHUNK)
+        square, chunk = (HEAD_SIZE, HEAD_SIZE), (CHUNK, HEAD_SIZE)
         fn = _COMPILED[arch] = cute.compile(
-            ChunkValueSideSm90().launch,
+            ChunkStepSm90().launch,
             fake(Float32, square), fake(Float16, chunk), fake(Float16, chunk), fake(Float32, chunk),
-            fake(Float32, (CHUNK,)), fake(Float32, (CHUNK,)), fake(Float16, tokens), fake(Float16, tokens), 1.0,
-            fake(Float32, chunk), fake(Float32, square), make_fake_stream(use_tvm_ffi_env_stream=True),
-            options=f"--enable-tvm-ffi --gpu-arch {arch}",
+            fake(Float32, (CHUNK,)), fake(Float32, (CHUNK,)), 1.0, fake(Float32, chunk), fake(Float32, square),
+            make_fake_stream(use_tvm_ffi_env_stream=True), options=f"--enable-tvm-ffi --gpu-arch {arch}",
         )  # fmt: skip
     return fn
 
 
-def run(s0, k, q, v, g, beta, t, p, scale: float, o, s1) -> None:
-    """One chunk's value side on the current torch stream (torch tensors of the shapes above)."""
-    compiled_for()(s0, k, q, v, g, beta, t, p, scale, o, s1)
+def run(s0, k, q, v, log_g, beta, scale: float, o, s1) -> None:
+    """One chunk step on the current torch stream (torch tensors of the shapes above)."""
+    compiled_for()(s0, k, q, v, log_g, beta, scale, o, s1)

@@ -1,11 +1,11 @@
-"""GDN design v3, steps 1-2 (kernels/gdn_prefill/wgmma_state.py): the value side of one chunk on warpgroup
-MMA with the state as an fp32 accumulator of two warpgroups.
+"""GDN design v3, steps 1-3 (kernels/gdn_prefill/wgmma_state.py): one chunk step on warpgroup MMA with the
+state as an fp32 accumulator of two warpgroups.
 
 CPU: the layout facts the kernel relies on, traced from CuTe's own layouts for every thread (each
 accumulator it hands to the next product's register A holds the same coordinates in the same order;
-one swizzled copy of the keys is both B operands), and the kernel compiles for sm_90a. GPU (marked
-`gpu`): O and S1 of a full and a partial chunk against `chunked_model.chunk_step` at KERNEL precision,
-outputs NaN-poisoned first.
+one swizzled copy of the keys is the Gram products' A and B and both B operands of the value side), and
+the kernel compiles for sm_90a. GPU (marked `gpu`): O and S1 of a full and a partial chunk against
+`chunked_model.chunk_step` at KERNEL precision, outputs NaN-poisoned first.
 """
 
 from __future__ import annotations
@@ -73,22 +73,28 @@ def test_every_accumulator_hand_over_is_element_wise_in_order():
     assert held == [(v, k) for v in range(size) for k in range(size)]
 
 
-def test_one_swizzled_copy_of_the_keys_is_both_b_operands():
-    offsets: list[tuple[int, int]] = []
+def test_one_swizzled_copy_of_the_keys_is_every_operand_view_of_them():
+    offsets: list[tuple[int, int, int]] = []
     swizzles: list[str] = []
 
     @cute.jit
     def body(unused: cute.Tensor):
-        _, _, keys_k_major, keys_mn_major, square = state_products.operands()
-        swizzles.extend(str(layout.inner) for layout in (keys_k_major, keys_mn_major, square))
+        *_, keys_k_major, keys_mn_major, gram_a, square = state_products.operands()
+        swizzles.extend(str(layout.inner) for layout in (keys_k_major, keys_mn_major, gram_a, square))
         for token in cutlass.range_constexpr(state_products.CHUNK):
             for col in cutlass.range_constexpr(state_products.HEAD_SIZE):
-                offsets.append((keys_k_major.outer((token, col, 0)), keys_mn_major.outer((col, token, 0))))
+                offsets.append(
+                    (
+                        keys_k_major.outer((token, col, 0)),  # B of K S0^T and of the Gram products
+                        keys_mn_major.outer((col, token, 0)),  # B of the state update
+                        gram_a.outer((token, col, 0)),  # A of K K^T and Q K^T
+                    )
+                )
 
     _probe(body)
     assert len(set(swizzles)) == 1 and swizzles[0] == "S<3,4,3>"
-    assert all(a == b for a, b in offsets)
-    assert sorted(a for a, _ in offsets) == list(range(state_products.CHUNK * state_products.HEAD_SIZE))
+    assert all(a == b == c for a, b, c in offsets)
+    assert sorted(a for a, _, _ in offsets) == list(range(state_products.CHUNK * state_products.HEAD_SIZE))
 
 
 def test_compiles_for_sm90a_without_gpu():
@@ -100,8 +106,9 @@ def test_compiles_for_sm90a_without_gpu():
 @needs_cuda
 @pytest.mark.parametrize("tokens", [64, 37])
 def test_the_value_side_of_a_chunk_matches_the_model(tokens):
-    """`chunked_model.chunk_step` at KERNEL precision (one head), the key side (G, beta, T, P) from the
-    model; a partial chunk pads its tokens as the model does (k = q = v = 0, log g = 0, beta = 0)."""
+    """`chunked_model.chunk_step` at KERNEL precision (one head): the kernel computes the key side too (G, the
+    gated Gram products, T); a partial chunk pads its tokens as the model does (k = q = v = 0, log g = 0,
+    beta = 0)."""
     generator = torch.Generator(device="cuda").manual_seed(tokens)
     size, chunk = state_products.HEAD_SIZE, state_products.CHUNK
 
@@ -122,13 +129,12 @@ def test_the_value_side_of_a_chunk_matches_the_model(tokens):
     s0 = randn(1, size, size) * 0.5
     scale = model.resolve_scale(None)
     expected_o, expected_s1 = model.chunk_step(s0, q, k, v, log_g, beta, scale, model.KERNEL)
-    side = model.key_side(q, k, log_g, beta, model.KERNEL)
 
     o = torch.full((chunk, size), float("nan"), device="cuda")
     s1 = torch.full((size, size), float("nan"), device="cuda")
     state_products.run(
-        s0[0].contiguous(), side.k_r[0].half(), side.q_r[0].half(), v[0].contiguous(), side.G[0].contiguous(),
-        beta[0].contiguous(), side.T[0].half(), side.P[0].half(), scale, o, s1,
+        s0[0].contiguous(), k[0].half(), q[0].half(), v[0].contiguous(), log_g[0].contiguous(), beta[0].contiguous(),
+        scale, o, s1,
     )  # fmt: skip
     torch.cuda.synchronize()
     for name, got, want in (("O", o[:tokens], expected_o[0, :tokens]), ("S1", s1, expected_s1[0])):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, solution_module
-from tests.kernels.test_moe_streaming import check_each_gemm
+from tests.kernels.test_moe_streaming import check_each_gemm, outputs_of
 
 candidate = solution_module("candidate_deep_few_tokens")
 ENTRIES = {"few_to_192": candidate.variant_for_few_to_192, "deep_few": candidate.variant_for_deep_few}
@@ -58,11 +58,5 @@ def test_each_gemm_matches_torch(case, entry):
 @needs_cuda
 def test_deep_outputs_are_kernel_py_bit_for_bit(num_tokens=58):
     # Deeper pipelines move the same bytes earlier; every product and sum is the same.
-    inputs = cases.make_inputs(cases.CheckCase("deep_vs_kernel", num_tokens, 96), "cuda", seed=41)
-    outputs = []
-    for run in (kernel.run, candidate.run_deep_few):
-        output = cases.poisoned_output(num_tokens, "cuda")
-        run(*inputs.values(), output)
-        torch.cuda.synchronize()
-        outputs.append(output)
+    outputs = outputs_of((kernel.run, candidate.run_deep_few), cases.CheckCase("deep_vs_kernel", num_tokens, 96), seed=41)
     assert torch.isfinite(outputs[0]).all() and torch.equal(outputs[0], outputs[1])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, solution_module
-from tests.kernels.test_moe_streaming import check_each_gemm
+from tests.kernels.test_moe_streaming import check_each_gemm, outputs_of
 
 candidate = solution_module("candidate_wide_tiles")
 ENTRIES = {
@@ -68,12 +68,7 @@ def test_each_gemm_matches_torch(case, entry):
 def test_outputs_are_kernel_py_bit_for_bit(num_tokens):
     # Each token's products and promotions do not depend on the tile it sits in: the tensor core sums a
     # block's products per output element, whatever N is.
-    inputs = cases.make_inputs(cases.CheckCase("wide_vs_kernel", num_tokens, 96), "cuda", seed=37)
-    outputs = []
-    for run in (kernel.run, candidate.run_wide_gemm1, candidate.run_wide, candidate.run_wide_gemm1_two_ctas):
-        output = cases.poisoned_output(num_tokens, "cuda")
-        run(*inputs.values(), output)
-        torch.cuda.synchronize()
-        outputs.append(output)
+    runs = (kernel.run, candidate.run_wide_gemm1, candidate.run_wide, candidate.run_wide_gemm1_two_ctas)
+    outputs = outputs_of(runs, cases.CheckCase("wide_vs_kernel", num_tokens, 96), seed=37)
     assert torch.isfinite(outputs[0]).all()
     assert all(torch.equal(outputs[0], other) for other in outputs[1:])

@@ -473,6 +473,19 @@ def natural_intermediate(stored: torch.Tensor, variant) -> torch.Tensor:
     return stored[:, stored_columns]
 
 
+def outputs_of(runs, case, seed: int) -> list[torch.Tensor]:
+    """Each of `runs` (destination-passing `run`s) on the same fresh inputs of `case`, into NaN-poisoned
+    outputs: for the bitwise comparisons of candidates with kernel.py."""
+    inputs = cases.make_inputs(case, "cuda", seed=seed)
+    outputs = []
+    for run in runs:
+        output = cases.poisoned_output(case.num_tokens, "cuda")
+        run(*inputs.values(), output)
+        torch.cuda.synchronize()
+        outputs.append(output)
+    return outputs
+
+
 def check_each_gemm(case, choose) -> None:
     """Localises a failure of test_matches_reference for the streaming variants `choose` picks: the
     routing lists against the reference's routing, C (GEMM1 + SwiGLU, bf16) against torch on the

@@ -166,7 +166,13 @@ GDN_PREFILL = Track(
             package="fla-core==0.6.0",
         ),
     ),
-    candidates=(),
+    candidates=(
+        CandidateSide(
+            name="cand_wgmma_v3",
+            entry="candidate_wgmma_v3.py::run",
+            description="design v3 prototype: one CTA per (sequence, head), the state a warpgroup-MMA accumulator (v3.0)",
+        ),
+    ),
 )
 
 MOE = Track(

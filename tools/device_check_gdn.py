@@ -36,6 +36,7 @@ KERNEL_CHOICES = (
     "kernel",
     "token_serial",
     "chunked",
+    "candidate_wgmma_v3",
 )
 
 # Ten sequences, so that the chunked kernel, which orders its grid rows by length (v1.7), re-ranks at replay:

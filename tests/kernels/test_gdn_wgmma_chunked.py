@@ -1,11 +1,13 @@
-"""GDN design v3, steps 1-3 (kernels/gdn_prefill/wgmma_state.py): one chunk step on warpgroup MMA with the
-state as an fp32 accumulator of two warpgroups.
+"""GDN design v3 (kernels/gdn_prefill/wgmma_chunked.py, candidate v3.0 `candidate_wgmma_v3.py`): the chunks
+of a sequence on warpgroup MMA with the state as an fp32 accumulator of two warpgroups.
 
 CPU: the layout facts the kernel relies on, traced from CuTe's own layouts for every thread (each
 accumulator it hands to the next product's register A holds the same coordinates in the same order;
 one swizzled copy of the keys is the Gram products' A and B and both B operands of the value side), and
-the kernel compiles for sm_90a. GPU (marked `gpu`): O and S1 of a full and a partial chunk against
-`chunked_model.chunk_step` at KERNEL precision, outputs NaN-poisoned first.
+the candidate compiles for sm_90a. GPU (marked `gpu`): output and new state against `chunked_model.run`
+at KERNEL precision (the same rounding points, so much tighter than the contest rule) on one and several
+chunks, with and without a state; the contest-rule checks of every check case are
+test_gdn_prefill_kernel.py's (the candidate is in its SOLUTIONS).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from cutlass.cute.runtime import make_fake_compact_tensor
 from hopperbench.devcheck import load_folder_module, load_module_by_path
 from hopperbench.paths import REPO_ROOT
 
-state_products = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "wgmma_state")
+state_products = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "wgmma_chunked")
+candidate = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "candidate_wgmma_v3")
+cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 model = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/chunked_model.py", "gdn_chunked_model")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -98,47 +102,29 @@ def test_one_swizzled_copy_of_the_keys_is_every_operand_view_of_them():
 
 
 def test_compiles_for_sm90a_without_gpu():
-    fn = state_products.compiled_for("sm_90a")
-    assert callable(fn) and state_products.compiled_for("sm_90a") is fn
+    fn = candidate.compile_only("sm_90a")
+    assert callable(fn) and candidate.compile_only("sm_90a") is fn
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("tokens", [64, 37])
-def test_the_value_side_of_a_chunk_matches_the_model(tokens):
-    """`chunked_model.chunk_step` at KERNEL precision (one head): the kernel computes the key side too (G, the
-    gated Gram products, T); a partial chunk pads its tokens as the model does (k = q = v = 0, log g = 0,
-    beta = 0)."""
-    generator = torch.Generator(device="cuda").manual_seed(tokens)
-    size, chunk = state_products.HEAD_SIZE, state_products.CHUNK
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=generator)
-
-    q = torch.nn.functional.normalize(randn(1, chunk, size), dim=-1).bfloat16().float()
-    k = torch.nn.functional.normalize(randn(1, chunk, size), dim=-1).bfloat16().float()
-    v = randn(1, chunk, size).bfloat16().float()
-    # A = 1, dt around softplus(-2): log g ~ -0.1 to -0.3 per token, G down to ~-13 over the chunk.
-    zero = torch.zeros(1, device="cuda")
-    log_g, beta = model.gates(zero, randn(chunk, 1) - 2.0, zero, randn(chunk, 1))  # [C, 1] each
-    log_g, beta = log_g.T.contiguous(), beta.T.contiguous()
-    for tensor in (q, k, v):
-        tensor[:, tokens:] = 0.0
-    log_g[:, tokens:] = 0.0
-    beta[:, tokens:] = 0.0
-    s0 = randn(1, size, size) * 0.5
-    scale = model.resolve_scale(None)
-    expected_o, expected_s1 = model.chunk_step(s0, q, k, v, log_g, beta, scale, model.KERNEL)
-
-    o = torch.full((chunk, size), float("nan"), device="cuda")
-    s1 = torch.full((size, size), float("nan"), device="cuda")
-    state_products.run(
-        s0[0].contiguous(), k[0].half(), q[0].half(), v[0].contiguous(), log_g[0].contiguous(), beta[0].contiguous(),
-        scale, o, s1,
-    )  # fmt: skip
+@pytest.mark.parametrize(
+    "case",
+    [
+        cases.CheckCase("v3_len64_state", (64,), True, 0.0, "mamba2"),
+        cases.CheckCase("v3_len37_nostate", (37,), False, 0.0, "mamba2"),
+        cases.CheckCase("v3_len200_65_state_fast", (200, 65), True, 0.05, "fast_decay"),
+    ],
+    ids=lambda c: c.name,
+)
+def test_matches_the_chunked_model_at_kernel_precision(case):
+    inputs = cases.make_inputs(case, "cuda", seed=7)
+    output, new_state = cases.poisoned_outputs(case, "cuda")
+    candidate.run(*inputs.values(), output, new_state)
     torch.cuda.synchronize()
-    for name, got, want in (("O", o[:tokens], expected_o[0, :tokens]), ("S1", s1, expected_s1[0])):
+    want_output, want_state = model.run(*inputs.values(), precision=model.KERNEL)
+    for name, got, want in (("output", output.float(), want_output.float()), ("new_state", new_state, want_state)):
         assert torch.isfinite(got).all(), name
         err = float((got - want).norm() / want.norm())
-        # A wrong layout gives O(1); the fp32 sums in another order flip an fp16 rounding now and then.
+        # A wrong layout gives O(1); fp32 sums in another order flip an fp16 or bf16 rounding now and then.
         assert err < 2e-3, (name, err)

@@ -1,23 +1,23 @@
-"""GDN design v3, steps 1-3 (NOTES.md, "Design v3"): one chunk of the chunked gated delta rule on Hopper's
-warpgroup MMA, with the 128 x 128 state held as an fp32 WGMMA accumulator by two warpgroups (64 value rows
-each).
+"""GDN prefill on Hopper's warpgroup MMA (design v3, NOTES.md), steps 1-4: every sequence's chunks in one CTA
+per (sequence, v-head), the 128 x 128 state an fp32 WGMMA accumulator of two warpgroups (64 value rows
+each) for the whole sequence. Candidate v3.0 (`candidate_wgmma_v3.py`); not yet `kernel.py`'s.
 
-Not used by `kernel.py`: a building block with its own GPU test against `chunked_model.chunk_step`, so
-that the next steps (the chunk loop, the loads, the gates, varlen) start from a chunk step known to be
-right. For one chunk of one (sequence, v-head), given keys and queries (fp16), values (fp32), log g and
-beta per token, with the model's algebra and rounding points (`chunked_model.py`, KERNEL precision):
+Per chunk of 64 tokens, with `chunked_model.py`'s algebra and rounding points (KERNEL precision):
 
+Loads and gates: keys and queries (bf16 -> fp16) into 128-B-swizzled shared memory, log g and beta per
+token from `a`, `b`, `A_log`, `dt_bias`; tokens past the end of the sequence are k = q = v = 0, log g = 0,
+beta = 0 (inert, as in the model). G = cumsum(log g) by one thread.
 Key side (step 3):
-    G = cumsum(log g);  K K^T (warpgroup 0) and Q K^T (warpgroup 1): m64n64k16 x 8, both from shared memory
+    K K^T (warpgroup 0) and Q K^T (warpgroup 1): m64n64k16 x 8, both operands from shared memory
     A = strict_tril(beta exp(G_i - G_j) K K^T),  P = tril(exp(G_i - G_j) Q K^T)   element-wise, gated
     T = (I + A)^-1: 16 x 16 diagonal blocks by forward substitution (fp32), then two doubling levels
         (SIMT fp32 products of fp16-rounded operands), as `chunked_model.invert_unit_lower`
 Value side (steps 1-2), every accumulator [v, token] or [v, k]:
-    Yk^T = S0 K^T,  Yq^T = S0 Q^T                      m64n64k16 x 8, A = S0 (fp16) in registers
+    Yk^T = S K^T,  Yq^T = S Q^T                        m64n64k16 x 8, A = S (fp16) in registers
     Xb^T = beta (V^T - exp(G) Yk^T)                    element-wise, into fp16 registers
     V'^T = Xb^T T^T                                    m64n64k16 x 4, A in registers
     O^T  = scale (exp(G) Yq^T + V'^T P^T)              m64n64k16 x 4, A = V' (fp16) in registers
-    S1   = exp(G_last) S0 + (V' exp(G_last - G))^T K   m64n128k16 x 4, onto the state, A in registers
+    S    = exp(G_last) S + (V' exp(G_last - G))^T K    m64n128k16 x 4, onto the state, A in registers
 
 Layout facts that make every hand-over an element-wise conversion in the thread that holds the value
 (no shuffles, no shared memory), each checked on CuTe's own layouts by the CPU tests:
@@ -26,27 +26,26 @@ Layout facts that make every hand-over an element-wise conversion in the thread 
 - a products accumulator [v, token] is likewise the A fragment of the products and of the state
   update over K = 64 tokens;
 - one 128-B-swizzled copy of the keys (k contiguous) is the K-major A and B of the Gram products, the
-  K-major B of `K S0^T` and the MN-major B of the state update.
-The inverse and the gating are plain SIMT code here (a prototype: correctness first, speed later).
+  K-major B of `K S^T` and the MN-major B of the state update.
+A prototype: element-wise loads, a SIMT inverse, no overlap between chunks (correctness first; NOTES.md
+says what comes next). Same contract as `kernel.py`'s `run` through `token_serial`'s host launcher.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.tensor_utils import LayoutEnum
 
-__all__ = ["BLOCK", "CHUNK", "HEAD_SIZE", "NUM_THREADS", "NUM_WARPGROUPS", "compiled_for", "operands", "run"]
+from .chunked import sequence_bounds
+from .token_serial import HEAD_SIZE, NUM_V_HEADS, SOFTPLUS_THRESHOLD, V_HEADS_PER_QK_HEAD
 
-GPU_ARCH = "sm_90a"
+__all__ = ["BLOCK", "CHUNK", "NUM_THREADS", "NUM_WARPGROUPS", "WgmmaChunked", "operands"]
+
 CHUNK = 64  # tokens per chunk
-HEAD_SIZE = 128  # K = V = 128
 BLOCK = 16  # diagonal blocks of T solved directly; the rest by two doubling levels
 NUM_WARPGROUPS = 2  # each owns 64 of the 128 value rows of the state
 NUM_THREADS = 128 * NUM_WARPGROUPS
@@ -81,13 +80,12 @@ def operands():
     return update_mma, products_mma, gram_mma, keys_k_major, keys_mn_major, gram_a, square
 
 
-class ChunkStepSm90:
-    """`launch(s0, k, q, v, log_g, beta, scale, o, s1, stream)` for one chunk: s0/s1 [128, 128] fp32 (v, k);
-    k/q [64, 128] fp16 (token, k); v [64, 128] fp32 (token, v); log_g and beta [64] fp32 (tokens past the
-    end: k = q = v = 0, log g = 0, beta = 0); o [64, 128] fp32 (token, v)."""
+class WgmmaChunked:
+    """The kernel, launched by `token_serial.GdnPrefillSm90` with `run`'s arguments: grid (8 v-heads, N
+    sequences), 256 threads; see the module docstring."""
 
     @cute.jit
-    def launch(self, s0, k, q, v, log_g, beta, scale: Float32, o, s1, stream):
+    def launch(self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, stream):
         update_mma, products_mma, gram_mma, keys_k_major, keys_mn_major, gram_a, square = operands()
         rows = cute.cosize(keys_k_major.outer)
         square_size = cute.cosize(square.outer)
@@ -101,26 +99,34 @@ class ChunkStepSm90:
             a: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * SQUARE_STRIDE], 16]  # A, unrounded
             t_work: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * SQUARE_STRIDE], 16]  # T, rounded
             x: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * SQUARE_STRIDE], 16]  # doubling scratch
+            log_g: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             g: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             beta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
 
         self.kernel(
-            s0, k, q, v, log_g, beta, scale, o, s1, update_mma, products_mma, gram_mma, keys_k_major, keys_mn_major,
-            gram_a, square, SharedStorage,
-        ).launch(grid=[1, 1, 1], block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)  # fmt: skip
+            q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, update_mma,
+            products_mma, gram_mma, keys_k_major, keys_mn_major, gram_a, square, SharedStorage,
+        ).launch(
+            grid=[NUM_V_HEADS, new_state.shape[0], 1], block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )  # fmt: skip
 
     @cute.kernel
     def kernel(
         self,
-        s0: cute.Tensor,
-        k: cute.Tensor,
         q: cute.Tensor,
+        k: cute.Tensor,
         v: cute.Tensor,
-        log_g: cute.Tensor,
-        beta: cute.Tensor,
+        state_in: cute.Tensor,
+        A_log: cute.Tensor,
+        a: cute.Tensor,
+        dt_bias: cute.Tensor,
+        b: cute.Tensor,
+        cu_seqlens: cute.Tensor,
         scale: Float32,
-        o: cute.Tensor,
-        s1: cute.Tensor,
+        has_state: Int32,
+        output: cute.Tensor,
+        new_state: cute.Tensor,
         update_mma: cute.TiledMma,
         products_mma: cute.TiledMma,
         gram_mma: cute.TiledMma,
@@ -131,6 +137,7 @@ class ChunkStepSm90:
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
+        head, seq, _ = cute.arch.block_idx()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         s_keys = storage.keys.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)  # (token, k, 1)
         s_queries = storage.queries.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
@@ -140,32 +147,74 @@ class ChunkStepSm90:
         s_a = storage.a.get_tensor(square_layout)
         s_tw = storage.t_work.get_tensor(square_layout)
         s_x = storage.x.get_tensor(square_layout)
+        s_log_g = storage.log_g.get_tensor(cute.make_layout(CHUNK))
         s_g = storage.g.get_tensor(cute.make_layout(CHUNK))
         s_beta = storage.beta.get_tensor(cute.make_layout(CHUNK))
 
-        # Element-wise loads through the swizzled views (a prototype: correctness, not bandwidth); G by
-        # one thread (64 adds in order, as torch.cumsum).
+        start, length = sequence_bounds(cu_seqlens, seq, q.shape[0])
+        qk_head = head // V_HEADS_PER_QK_HEAD
+        neg_decay_rate = -cute.math.exp(A_log[head], fastmath=False)
+        bias = dt_bias[head]
+
+        # The state of (sequence, head) for the whole sequence: the update MMA's accumulator.
+        thr_update = update_mma.get_slice(tidx)
+        state = cute.make_rmem_tensor(thr_update.partition_shape_C((HEAD_SIZE, HEAD_SIZE)), Float32)
+        state_coords = thr_update.partition_C(cute.make_identity_tensor((HEAD_SIZE, HEAD_SIZE)))
+        for i in cutlass.range_constexpr(cute.size(state)):
+            v_row, k_col = state_coords[i]
+            state[i] = state_in[seq, head, v_row, k_col] if has_state != 0 else Float32(0.0)
+
+        for chunk in cutlass.range((length + CHUNK - 1) // CHUNK, unroll=1):
+            first = start + chunk * CHUNK
+            tokens_here = cutlass.min(length - chunk * CHUNK, CHUNK)
+            self.load_chunk(q, k, a, b, first, tokens_here, qk_head, head, neg_decay_rate, bias, s_keys, s_queries,
+                            s_log_g, s_g, s_beta, tidx)  # fmt: skip
+            self.key_side(gram_mma, gram_a, storage, s_g, s_beta, s_a, s_p, tidx)
+            self.invert(s_a, s_tw, s_x, s_t, tidx)
+            self.value_side(
+                state, v, scale, output, first, tokens_here, head, update_mma, products_mma, keys_k_major,
+                keys_mn_major, storage, s_t, s_p, s_g, s_beta, tidx,
+            )  # fmt: skip
+            cute.arch.sync_threads()  # the next chunk's loads overwrite what this one read
+
+        # A sequence of length 0 stores a zero state, as the definition does.
+        for i in cutlass.range_constexpr(cute.size(state)):
+            v_row, k_col = state_coords[i]
+            new_state[seq, head, v_row, k_col] = state[i] if length > 0 else Float32(0.0)
+
+    @cute.jit
+    def load_chunk(self, q, k, a, b, first: Int32, tokens_here: Int32, qk_head: Int32, head: Int32,
+                   neg_decay_rate: Float32, bias: Float32, s_keys, s_queries, s_log_g, s_g, s_beta, tidx: Int32):  # fmt: skip
+        """The chunk's keys and queries (bf16 -> fp16, zero past the end) into shared memory, element-wise
+        through the swizzled views; log g and beta per token (0 past the end); G by one thread (in order,
+        as torch.cumsum)."""
         for i in cutlass.range_constexpr(CHUNK * HEAD_SIZE // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             token, col = linear // HEAD_SIZE, linear % HEAD_SIZE
-            s_keys[token, col, 0] = k[token, col]
-            s_queries[token, col, 0] = q[token, col]
+            if token < tokens_here:
+                s_keys[token, col, 0] = k[first + token, qk_head, col].to(Float32).to(Float16)
+                s_queries[token, col, 0] = q[first + token, qk_head, col].to(Float32).to(Float16)
+            else:
+                s_keys[token, col, 0] = Float16(0.0)
+                s_queries[token, col, 0] = Float16(0.0)
         if tidx < CHUNK:
-            s_beta[tidx] = beta[tidx]
+            log_g = Float32(0.0)
+            gate_beta = Float32(0.0)
+            if tidx < tokens_here:
+                x = a[first + tidx, head].to(Float32) + bias
+                softplus = x if x > SOFTPLUS_THRESHOLD else cute.math.log1p(cute.math.exp(x))
+                log_g = neg_decay_rate * softplus
+                gate_beta = Float32(1.0) / (Float32(1.0) + cute.math.exp(-b[first + tidx, head].to(Float32)))
+            s_log_g[tidx] = log_g
+            s_beta[tidx] = gate_beta
+        cute.arch.sync_threads()
         if tidx == 0:
             total = Float32(0.0)
             for token in cutlass.range_constexpr(CHUNK):
-                total = total + log_g[token]
+                total = total + s_log_g[token]
                 s_g[token] = total
         cute.arch.fence_view_async_shared()  # the generic-proxy stores, before the tensor core reads them
         cute.arch.sync_threads()
-
-        self.key_side(gram_mma, gram_a, storage, s_g, s_beta, s_a, s_p, tidx)
-        self.invert(s_a, s_tw, s_x, s_t, tidx)
-        self.value_side(
-            s0, v, scale, o, s1, update_mma, products_mma, keys_k_major, keys_mn_major, storage, s_t, s_p, s_g,
-            s_beta, tidx,
-        )  # fmt: skip
 
     @cute.jit
     def key_side(self, gram_mma, gram_a, storage, s_g, s_beta, s_a, s_p, tidx: Int32):
@@ -256,23 +305,19 @@ class ChunkStepSm90:
 
     @cute.jit
     def value_side(
-        self, s0, v, scale: Float32, o, s1, update_mma, products_mma, keys_k_major, keys_mn_major, storage, s_t, s_p,
-        s_g, s_beta, tidx: Int32,
+        self, state, v, scale: Float32, output, first: Int32, tokens_here: Int32, head: Int32, update_mma, products_mma,
+        keys_k_major, keys_mn_major, storage, s_t, s_p, s_g, s_beta, tidx: Int32,
     ):  # fmt: skip
-        """Steps 1-2: Yk, Yq, Xb, V', O and S1 (module docstring), every hand-over in registers."""
+        """Steps 1-2 on the state accumulator: Yk, Yq, Xb, V', the chunk's output rows (bf16, the tokens of
+        the sequence only) and the state update, every hand-over in registers."""
         s_keys = storage.keys.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
         s_keys_mn = storage.keys.get_tensor(keys_mn_major.outer, swizzle=keys_mn_major.inner)  # (k, token, 1)
         s_queries = storage.queries.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
         g_last = s_g[CHUNK - 1]
-
         thr_update = update_mma.get_slice(tidx)
         thr_products = products_mma.get_slice(tidx)
-        # The state, and its fp16 copy as the products' A operand (same coordinates, same order).
-        state = cute.make_rmem_tensor(thr_update.partition_shape_C((HEAD_SIZE, HEAD_SIZE)), Float32)
-        state_coords = thr_update.partition_C(cute.make_identity_tensor((HEAD_SIZE, HEAD_SIZE)))
-        for i in cutlass.range_constexpr(cute.size(state)):
-            v_row, k_col = state_coords[i]
-            state[i] = s0[v_row, k_col]
+
+        # The state's fp16 copy as the products' A operand (same coordinates, same order).
         state_a = cute.make_rmem_tensor(thr_products.partition_shape_A((HEAD_SIZE, HEAD_SIZE)), Float16)
         for i in cutlass.range_constexpr(cute.size(state)):
             state_a[i] = state[i].to(Float16)
@@ -295,8 +340,11 @@ class ChunkStepSm90:
         xb = cute.make_rmem_tensor(over_tokens_shape, Float16)
         for i in cutlass.range_constexpr(cute.size(yk)):
             v_row, token = by_token[i]
+            value = Float32(0.0)
+            if token < tokens_here:
+                value = v[first + token, head, v_row].to(Float32)
             decay_in = cute.math.exp(s_g[token], fastmath=False)
-            xb[i] = (s_beta[token] * (v[token, v_row] - decay_in * yk[i])).to(Float16)
+            xb[i] = (s_beta[token] * (value - decay_in * yk[i])).to(Float16)
         v_new = cute.make_rmem_tensor(by_token_shape, Float32)
         t_t = products_mma.make_fragment_B(thr_products.partition_B(s_t))
         warpgroup.fence()
@@ -305,7 +353,7 @@ class ChunkStepSm90:
         warpgroup.wait_group(0)
 
         # O^T = exp(G) Yq^T + V'^T P^T (scaled at the store), and V'c^T = V'^T exp(G_last - G), both
-        # rounded V' operands in registers; S1 = exp(G_last) S0 + V'c^T K onto the state.
+        # rounded V' operands in registers; S = exp(G_last) S + V'c^T K onto the state.
         v_new_a = cute.make_rmem_tensor(over_tokens_shape, Float16)
         v_carry_a = cute.make_rmem_tensor(thr_update.partition_shape_A((HEAD_SIZE, CHUNK)), Float16)
         for i in cutlass.range_constexpr(cute.size(v_new)):
@@ -326,10 +374,8 @@ class ChunkStepSm90:
 
         for i in cutlass.range_constexpr(cute.size(yq)):
             v_row, token = by_token[i]
-            o[token, v_row] = scale * yq[i]
-        for i in cutlass.range_constexpr(cute.size(state)):
-            v_row, k_col = state_coords[i]
-            s1[v_row, k_col] = state[i]
+            if token < tokens_here:
+                output[first + token, head, v_row] = (scale * yq[i]).to(cutlass.BFloat16)
 
     @cute.jit
     def product(
@@ -346,29 +392,3 @@ class ChunkStepSm90:
         for step in cutlass.range_constexpr(k_steps):
             cute.gemm(tiled_mma, acc, a[None, None, step], t_b[None, None, step, 0], acc)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-
-
-_COMPILED: dict[str, Callable] = {}
-
-
-def compiled_for(arch: str = GPU_ARCH) -> Callable:
-    """The compiled launcher for `arch` (compiled on first use; needs no GPU)."""
-    fn = _COMPILED.get(arch)
-    if fn is None:
-
-        def fake(dtype, shape, align=16):
-            return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align)
-
-        square, chunk = (HEAD_SIZE, HEAD_SIZE), (CHUNK, HEAD_SIZE)
-        fn = _COMPILED[arch] = cute.compile(
-            ChunkStepSm90().launch,
-            fake(Float32, square), fake(Float16, chunk), fake(Float16, chunk), fake(Float32, chunk),
-            fake(Float32, (CHUNK,)), fake(Float32, (CHUNK,)), 1.0, fake(Float32, chunk), fake(Float32, square),
-            make_fake_stream(use_tvm_ffi_env_stream=True), options=f"--enable-tvm-ffi --gpu-arch {arch}",
-        )  # fmt: skip
-    return fn
-
-
-def run(s0, k, q, v, log_g, beta, scale: float, o, s1) -> None:
-    """One chunk step on the current torch stream (torch tensors of the shapes above)."""
-    compiled_for()(s0, k, q, v, log_g, beta, scale, o, s1)

@@ -175,7 +175,9 @@ class WgmmaChunked:
                 state, v, scale, output, first, tokens_here, head, update_mma, products_mma, keys_k_major,
                 keys_mn_major, storage, s_t, s_p, s_g, s_beta, tidx,
             )  # fmt: skip
-            cute.arch.sync_threads()  # the next chunk's loads overwrite what this one read
+            # The next chunk's (generic-proxy) loads overwrite what this one's MMAs read.
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
 
         # A sequence of length 0 stores a zero state, as the definition does.
         for i in cutlass.range_constexpr(cute.size(state)):

@@ -224,20 +224,20 @@ class WgmmaChunked:
         (fp16, lower with the diagonal) into `s_p`."""
         warpgroup_id = tidx // 128
         thr_gram = gram_mma.get_slice(tidx % 128)
-        s_keys_a = storage.keys.get_tensor(gram_a.outer, swizzle=gram_a.inner)  # (token, k, 1)
-        s_queries_a = storage.queries.get_tensor(gram_a.outer, swizzle=gram_a.inner)
-        s_keys_b = storage.keys.get_tensor(gram_a.outer, swizzle=gram_a.inner)  # (token', k, 1) as B
+        # (token, k, 1): the Gram products' A, and the keys' view is also their B as (token', k, 1)
+        s_keys = storage.keys.get_tensor(gram_a.outer, swizzle=gram_a.inner)
+        s_queries = storage.queries.get_tensor(gram_a.outer, swizzle=gram_a.inner)
         gram = cute.make_rmem_tensor(thr_gram.partition_shape_C((CHUNK, CHUNK)), Float32)
         coords = thr_gram.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))  # (token i, token j)
-        t_b = gram_mma.make_fragment_B(thr_gram.partition_B(s_keys_b))
+        t_b = gram_mma.make_fragment_B(thr_gram.partition_B(s_keys))
         if warpgroup_id == 0:
-            self.gram_product(gram_mma, gram, gram_mma.make_fragment_A(thr_gram.partition_A(s_keys_a)), t_b)
+            self.gram_product(gram_mma, gram, gram_mma.make_fragment_A(thr_gram.partition_A(s_keys)), t_b)
             for i in cutlass.range_constexpr(cute.size(gram)):
                 row, col = coords[i]
                 decay = cute.math.exp(s_g[row] - s_g[col], fastmath=False) if row > col else Float32(0.0)
                 s_a[row, col] = s_beta[row] * decay * gram[i] if row > col else Float32(0.0)
         else:
-            self.gram_product(gram_mma, gram, gram_mma.make_fragment_A(thr_gram.partition_A(s_queries_a)), t_b)
+            self.gram_product(gram_mma, gram, gram_mma.make_fragment_A(thr_gram.partition_A(s_queries)), t_b)
             for i in cutlass.range_constexpr(cute.size(gram)):
                 row, col = coords[i]
                 decay = cute.math.exp(s_g[row] - s_g[col], fastmath=False) if row >= col else Float32(0.0)
@@ -277,28 +277,28 @@ class WgmmaChunked:
             for r in cutlass.range_constexpr(BLOCK):
                 s_tw[base + r, base + col] = column[r].to(Float16).to(Float32)
         cute.arch.sync_threads()
-        for size in cutlass.range_constexpr(BLOCK, CHUNK, BLOCK):  # 16, then 32 (48 is not a level)
-            if cutlass.const_expr(size in (BLOCK, 2 * BLOCK)):
-                pairs = CHUNK // (2 * size)
-                # X = rnd(T_hh rnd(A_hl)) for every pair (hi = lo + size), one element per step
-                for i in cutlass.range_constexpr(pairs * size * size // NUM_THREADS):
-                    linear = i * NUM_THREADS + tidx
-                    top = (linear // (size * size)) * 2 * size
-                    r, c = (linear // size) % size, linear % size
-                    dot = Float32(0.0)
-                    for m in cutlass.range_constexpr(size):
-                        dot = dot + s_tw[top + size + r, top + size + m] * s_a[top + size + m, top + c].to(Float16).to(Float32)
-                    s_x[top + size + r, top + c] = dot.to(Float16).to(Float32)
-                cute.arch.sync_threads()
-                for i in cutlass.range_constexpr(pairs * size * size // NUM_THREADS):
-                    linear = i * NUM_THREADS + tidx
-                    top = (linear // (size * size)) * 2 * size
-                    r, c = (linear // size) % size, linear % size
-                    dot = Float32(0.0)
-                    for m in cutlass.range_constexpr(size):
-                        dot = dot + s_x[top + size + r, top + m] * s_tw[top + m, top + c]
-                    s_tw[top + size + r, top + c] = (-dot).to(Float16).to(Float32)
-                cute.arch.sync_threads()
+        for level in cutlass.range_constexpr(2):  # blocks of 16, then of 32
+            size = BLOCK << level
+            pairs = CHUNK // (2 * size)
+            # X = rnd(T_hh rnd(A_hl)) for every pair (hi = lo + size), one element per step
+            for i in cutlass.range_constexpr(pairs * size * size // NUM_THREADS):
+                linear = i * NUM_THREADS + tidx
+                top = (linear // (size * size)) * 2 * size
+                r, c = (linear // size) % size, linear % size
+                dot = Float32(0.0)
+                for m in cutlass.range_constexpr(size):
+                    dot = dot + s_tw[top + size + r, top + size + m] * s_a[top + size + m, top + c].to(Float16).to(Float32)
+                s_x[top + size + r, top + c] = dot.to(Float16).to(Float32)
+            cute.arch.sync_threads()
+            for i in cutlass.range_constexpr(pairs * size * size // NUM_THREADS):
+                linear = i * NUM_THREADS + tidx
+                top = (linear // (size * size)) * 2 * size
+                r, c = (linear // size) % size, linear % size
+                dot = Float32(0.0)
+                for m in cutlass.range_constexpr(size):
+                    dot = dot + s_x[top + size + r, top + m] * s_tw[top + m, top + c]
+                s_tw[top + size + r, top + c] = (-dot).to(Float16).to(Float32)
+            cute.arch.sync_threads()
         for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             s_t[linear // CHUNK, linear % CHUNK, 0] = s_tw[linear // CHUNK, linear % CHUNK].to(Float16)

@@ -2,7 +2,7 @@
 chunks on warpgroup MMA, the 128 x 128 state an fp32 register accumulator of two warpgroups
 (`wgmma_chunked.py`; design v3 of NOTES.md, steps 1-4). Every T takes it (no token-serial path).
 
-A correctness-first prototype (element-wise loads, a SIMT inverse, no overlap between chunks): its first
+A correctness-first prototype (loads not ahead of the chunk, a SIMT inverse, no overlap between chunks): its first
 GPU run says whether the warpgroup-MMA chain is right at every shape and how long its chunk step takes
 against `kernel.py` v1.9's ~5 us, not whether it is faster yet. Contract in NOTES.md.
 """

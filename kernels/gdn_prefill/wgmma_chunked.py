@@ -4,7 +4,8 @@ each) for the whole sequence. Candidate v3.0 (`candidate_wgmma_v3.py`); not yet 
 
 Per chunk of 64 tokens, with `chunked_model.py`'s algebra and rounding points (KERNEL precision):
 
-Loads and gates: keys and queries (bf16 -> fp16) into 128-B-swizzled shared memory, log g and beta per
+Loads and gates: keys and queries (bf16 -> fp16) into 128-B-swizzled shared memory and the values (bf16)
+into a [v, token] staging buffer, 16 B per global load, issued and waited for in the chunk; log g and beta per
 token from `a`, `b`, `A_log`, `dt_bias`; tokens past the end of the sequence are k = q = v = 0, log g = 0,
 beta = 0 (inert, as in the model). G = cumsum(log g) by one thread.
 Key side (step 3):
@@ -27,7 +28,7 @@ Layout facts that make every hand-over an element-wise conversion in the thread 
   update over K = 64 tokens;
 - one 128-B-swizzled copy of the keys (k contiguous) is the K-major A and B of the Gram products, the
   K-major B of `K S^T` and the MN-major B of the state update.
-A prototype: element-wise loads, a SIMT inverse, no overlap between chunks (correctness first; NOTES.md
+A prototype: loads not ahead of the chunk, a SIMT inverse, no overlap between chunks (correctness first; NOTES.md
 says what comes next). Same contract as `kernel.py`'s `run` through `token_serial`'s host launcher.
 """
 
@@ -50,6 +51,8 @@ BLOCK = 16  # diagonal blocks of T solved directly; the rest by two doubling lev
 NUM_WARPGROUPS = 2  # each owns 64 of the 128 value rows of the state
 NUM_THREADS = 128 * NUM_WARPGROUPS
 SQUARE_STRIDE = CHUNK + 1  # fp32 [token, token] work arrays of the inverse (odd: no bank conflicts by column)
+VEC = 8  # 16-bit elements per 16-B global load
+VALUES_STRIDE = CHUNK + 8  # bf16 [v, token] staging of the values: a thread's token pairs, rows 144 B apart
 
 K_MAJOR = LayoutEnum.ROW_MAJOR
 MN_MAJOR = LayoutEnum.COL_MAJOR
@@ -99,6 +102,7 @@ class WgmmaChunked:
             a: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * SQUARE_STRIDE], 16]  # A, unrounded
             t_work: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * SQUARE_STRIDE], 16]  # T, rounded
             x: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * SQUARE_STRIDE], 16]  # doubling scratch
+            values: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, HEAD_SIZE * VALUES_STRIDE], 16]
             log_g: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             g: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             beta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
@@ -147,6 +151,7 @@ class WgmmaChunked:
         s_a = storage.a.get_tensor(square_layout)
         s_tw = storage.t_work.get_tensor(square_layout)
         s_x = storage.x.get_tensor(square_layout)
+        s_values = storage.values.get_tensor(cute.make_layout((HEAD_SIZE, CHUNK), stride=(VALUES_STRIDE, 1)))
         s_log_g = storage.log_g.get_tensor(cute.make_layout(CHUNK))
         s_g = storage.g.get_tensor(cute.make_layout(CHUNK))
         s_beta = storage.beta.get_tensor(cute.make_layout(CHUNK))
@@ -167,12 +172,12 @@ class WgmmaChunked:
         for chunk in cutlass.range((length + CHUNK - 1) // CHUNK, unroll=1):
             first = start + chunk * CHUNK
             tokens_here = cutlass.min(length - chunk * CHUNK, CHUNK)
-            self.load_chunk(q, k, a, b, first, tokens_here, qk_head, head, neg_decay_rate, bias, s_keys, s_queries,
-                            s_log_g, s_g, s_beta, tidx)  # fmt: skip
+            self.load_chunk(q, k, v, a, b, first, tokens_here, qk_head, head, neg_decay_rate, bias, s_keys, s_queries,
+                            s_values, s_log_g, s_g, s_beta, tidx)  # fmt: skip
             self.key_side(gram_mma, gram_a, storage, s_g, s_beta, s_a, s_p, tidx)
             self.invert(s_a, s_tw, s_x, s_t, tidx)
             self.value_side(
-                state, v, scale, output, first, tokens_here, head, update_mma, products_mma, keys_k_major,
+                state, s_values, scale, output, first, tokens_here, head, update_mma, products_mma, keys_k_major,
                 keys_mn_major, storage, s_t, s_p, s_g, s_beta, tidx,
             )  # fmt: skip
             # The next chunk's (generic-proxy) loads overwrite what this one's MMAs read.
@@ -185,20 +190,27 @@ class WgmmaChunked:
             new_state[seq, head, v_row, k_col] = state[i] if length > 0 else Float32(0.0)
 
     @cute.jit
-    def load_chunk(self, q, k, a, b, first: Int32, tokens_here: Int32, qk_head: Int32, head: Int32,
-                   neg_decay_rate: Float32, bias: Float32, s_keys, s_queries, s_log_g, s_g, s_beta, tidx: Int32):  # fmt: skip
-        """The chunk's keys and queries (bf16 -> fp16, zero past the end) into shared memory, element-wise
-        through the swizzled views; log g and beta per token (0 past the end); G by one thread (in order,
-        as torch.cumsum)."""
-        for i in cutlass.range_constexpr(CHUNK * HEAD_SIZE // NUM_THREADS):
+    def load_chunk(self, q, k, v, a, b, first: Int32, tokens_here: Int32, qk_head: Int32, head: Int32,
+                   neg_decay_rate: Float32, bias: Float32, s_keys, s_queries, s_values, s_log_g, s_g, s_beta,
+                   tidx: Int32):  # fmt: skip
+        """The chunk's keys and queries (bf16 -> fp16) into the swizzled operand buffers and its values
+        (bf16, [v, token]) into their staging buffer, 16 B per global load, zero past the end of the
+        sequence; log g and beta per token (0 past the end); G by one thread (in order, as torch.cumsum)."""
+        for i in cutlass.range_constexpr(CHUNK * (HEAD_SIZE // VEC) // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
-            token, col = linear // HEAD_SIZE, linear % HEAD_SIZE
+            token, piece = linear // (HEAD_SIZE // VEC), linear % (HEAD_SIZE // VEC)
+            key_dst = cute.local_tile(s_keys[token, None, 0], (VEC,), (piece,))
+            query_dst = cute.local_tile(s_queries[token, None, 0], (VEC,), (piece,))
+            value_dst = cute.local_tile(s_values[None, token], (VEC,), (piece,))
             if token < tokens_here:
-                s_keys[token, col, 0] = k[first + token, qk_head, col].to(Float32).to(Float16)
-                s_queries[token, col, 0] = q[first + token, qk_head, col].to(Float32).to(Float16)
+                row = first + token
+                key_dst.store(cute.local_tile(k[row, qk_head, None], (VEC,), (piece,)).load().to(Float32).to(Float16))
+                query_dst.store(cute.local_tile(q[row, qk_head, None], (VEC,), (piece,)).load().to(Float32).to(Float16))
+                value_dst.store(cute.local_tile(v[row, head, None], (VEC,), (piece,)).load())
             else:
-                s_keys[token, col, 0] = Float16(0.0)
-                s_queries[token, col, 0] = Float16(0.0)
+                key_dst.fill(0.0)
+                query_dst.fill(0.0)
+                value_dst.fill(0.0)
         if tidx < CHUNK:
             log_g = Float32(0.0)
             gate_beta = Float32(0.0)
@@ -307,8 +319,8 @@ class WgmmaChunked:
 
     @cute.jit
     def value_side(
-        self, state, v, scale: Float32, output, first: Int32, tokens_here: Int32, head: Int32, update_mma, products_mma,
-        keys_k_major, keys_mn_major, storage, s_t, s_p, s_g, s_beta, tidx: Int32,
+        self, state, s_values, scale: Float32, output, first: Int32, tokens_here: Int32, head: Int32, update_mma,
+        products_mma, keys_k_major, keys_mn_major, storage, s_t, s_p, s_g, s_beta, tidx: Int32,
     ):  # fmt: skip
         """Steps 1-2 on the state accumulator: Yk, Yq, Xb, V', the chunk's output rows (bf16, the tokens of
         the sequence only) and the state update, every hand-over in registers."""
@@ -342,11 +354,8 @@ class WgmmaChunked:
         xb = cute.make_rmem_tensor(over_tokens_shape, Float16)
         for i in cutlass.range_constexpr(cute.size(yk)):
             v_row, token = by_token[i]
-            value = Float32(0.0)
-            if token < tokens_here:
-                value = v[first + token, head, v_row].to(Float32)
             decay_in = cute.math.exp(s_g[token], fastmath=False)
-            xb[i] = (s_beta[token] * (value - decay_in * yk[i])).to(Float16)
+            xb[i] = (s_beta[token] * (s_values[v_row, token].to(Float32) - decay_in * yk[i])).to(Float16)
         v_new = cute.make_rmem_tensor(by_token_shape, Float32)
         t_t = products_mma.make_fragment_B(thr_products.partition_B(s_t))
         warpgroup.fence()

@@ -61,7 +61,6 @@ from . import token_serial
 from .token_serial import (
     GPU_ARCH,
     HEAD_SIZE,
-    NUM_QK_HEADS,
     NUM_V_HEADS,
     SOFTPLUS_THRESHOLD,
     V_HEADS_PER_QK_HEAD,

@@ -104,6 +104,8 @@ class _SplitKernel:
     # Chunks resident in shared memory: two (double buffering) serve any number of chunks per split;
     # a subclass with one serves exactly one chunk per split (a candidate's two CTAs per SM).
     num_stages = NUM_STAGES
+    # Percent of the unified L1 / shared storage asked for as shared memory (None: the driver's choice).
+    smem_carveout: int | None = None
 
     @cute.jit
     def launch(
@@ -155,6 +157,7 @@ class _SplitKernel:
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
+            preferred_smem_carveout=self.smem_carveout,
         )
 
     @cute.kernel

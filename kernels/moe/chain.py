@@ -41,11 +41,9 @@ class Linked:
         self.link = link
 
 
-def chain_links(num_kernels: int, chained: bool) -> tuple[ChainLink, ...]:
+def chain_links(num_kernels: int) -> tuple[ChainLink, ...]:
     """The links of `num_kernels` kernels launched in order: the first releases, the middle ones
-    wait and release, the last waits (all NO_CHAIN when not `chained`)."""
-    if not chained:
-        return (NO_CHAIN,) * num_kernels
+    wait and release, the last waits."""
     return tuple(ChainLink(waits=i > 0, releases=i < num_kernels - 1) for i in range(num_kernels))
 
 

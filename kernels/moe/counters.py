@@ -1,11 +1,11 @@
-"""The per-expert counters that self-cleaning calls keep at zero between calls, one buffer per
+"""The per-expert counters that `kernel.py`'s calls keep at zero between calls, one buffer per
 (device, stream).
 
 Why: a call that allocates its counters must zero them in its first launch. That launch is tiny
 (0.6 us), so the host is still issuing the routing launch when it ends, and the gap (5-9 us in the
-session-8 runs at 52-80 tokens) lands inside the call's span. A self-cleaning call
-(`host.MoeHostSm90(self_cleaning=True)`) starts with the routing on a buffer that the previous call
-on the same stream left at zero, and its last launch zeroes it again.
+session-8 runs at 52-80 tokens) lands inside the call's span. A call (`host.MoeHostSm90`) starts
+with the routing on a buffer that the previous call on the same stream left at zero, and its last
+launch zeroes it again.
 
 Safety:
 - Calls on one stream run in order, and the next call's first kernel is launched plainly (not as a

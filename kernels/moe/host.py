@@ -2,16 +2,14 @@
 call with a given pair of expert GEMMs, the device workspaces of a call, and the compile-time
 stand-ins of its arguments.
 
-The five launches, all in one TVM-FFI call on the current stream, no host synchronisation:
-zero the per-expert counters (`routing.ZeroCountsKernel`), route (`routing.RoutingKernel`),
-GEMM1 + SwiGLU into `intermediate`, GEMM2 into `expert_out`, and the weighted combine into
-`output` (`combine.CombineKernel`); or, `self_cleaning`, the routing first on counters that
-the previous call on the stream left at zero, and after the combine `routing.ReleaseCountsKernel`,
-which copies the counters into `counts_out` and zeroes them again (`counters.py` keeps them). The
-expert GEMMs differ between the variants; each takes
-`launch(a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream)`, where `grid` is its
-number of persistent CTAs. `chained`: the launches form a chain of programmatic dependent launches
-(`chain.py`); the GEMMs must then offer `with_link`.
+The five launches, all in one TVM-FFI call on the current stream, no host synchronisation, each
+after the first a programmatic dependent of the one before (`chain.py`): route
+(`routing.RoutingKernel`) on counters that the previous call on the stream left at zero
+(`counters.py` keeps them), GEMM1 + SwiGLU into `intermediate`, GEMM2 into `expert_out`, the
+weighted combine into `output` (`combine.CombineKernel`), and `routing.ReleaseCountsKernel`, which
+copies the counters into `counts_out` and zeroes them again. The expert GEMMs differ between the
+variants; each takes `launch(a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream)`,
+where `grid` is its number of persistent CTAs, and `with_link(link)` for its place in the chain.
 """
 
 from __future__ import annotations
@@ -25,9 +23,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-from .chain import chain_links
+from .chain import ChainLink, chain_links
 from .combine import CombineKernel
-from .routing import ReleaseCountsKernel, RoutingKernel, ZeroCountsKernel
+from .routing import ReleaseCountsKernel, RoutingKernel
 from .shapes import (
     BLOCK,
     GEMM1_OUT,
@@ -46,33 +44,24 @@ __all__ = ["ExpertGemm", "MoeHostSm90", "Workspaces", "compile_host", "fake_tens
 class ExpertGemm(Protocol):
     def launch(self, a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream) -> None: ...
 
+    def with_link(self, link: ChainLink) -> ExpertGemm: ...
+
 
 class MoeHostSm90:
-    """Host function of the five kernels with `gemm1` (G1 + SwiGLU) and `gemm2` (G2); one compile
-    serves every T (dynamic) and every offset / scaling factor (runtime scalars). With
-    `self_cleaning` the counters come zeroed from the previous call and the last launch zeroes them
-    again (`routing.ReleaseCountsKernel`): five launches, none of them first a tiny one. With
-    `chained` each launch after the first is a programmatic dependent of the one before
-    (`chain.py`)."""
+    """Host function of the five chained kernels with `gemm1` (G1 + SwiGLU) and `gemm2` (G2); one
+    compile serves every T (dynamic) and every offset / scaling factor (runtime scalars). The counters
+    come zeroed from the previous call and the last launch zeroes them again, so no call starts with
+    a tiny zeroing launch and its host gap (sessions 8 and 9)."""
 
-    def __init__(
-        self,
-        gemm1: ExpertGemm,
-        gemm2: ExpertGemm,
-        chained: bool = False,
-        self_cleaning: bool = False,
-    ):
-        links = list(chain_links(5, chained))
-        self.self_cleaning = self_cleaning
-        self.zero_counts = None if self_cleaning else ZeroCountsKernel(links.pop(0))
-        self.routing = RoutingKernel(links.pop(0))
-        self.release_counts = ReleaseCountsKernel(links.pop()) if self_cleaning else None
-        gemm1_link, gemm2_link, combine_link = links
-        if chained and not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
-            raise TypeError("a chained MoE host needs expert GEMMs with with_link")
-        self.gemm1 = gemm1.with_link(gemm1_link) if chained else gemm1
-        self.gemm2 = gemm2.with_link(gemm2_link) if chained else gemm2
+    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm):
+        if not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
+            raise TypeError("the MoE host chains its launches: the expert GEMMs need with_link")
+        routing_link, gemm1_link, gemm2_link, combine_link, release_link = chain_links(5)
+        self.routing = RoutingKernel(routing_link)
+        self.gemm1 = gemm1.with_link(gemm1_link)
+        self.gemm2 = gemm2.with_link(gemm2_link)
         self.combine = CombineKernel(combine_link)
+        self.release_counts = ReleaseCountsKernel(release_link)
 
     @cute.jit
     def __call__(
@@ -100,8 +89,6 @@ class MoeHostSm90:
         gemm2_grid: cutlass.Int32,
         stream,
     ):
-        if cutlass.const_expr(self.zero_counts is not None):
-            self.zero_counts.launch(counts, stream)
         self.routing.launch(
             routing_logits,
             routing_bias,
@@ -137,8 +124,7 @@ class MoeHostSm90:
             stream,
         )
         self.combine.launch(counts, slot_expert, slot_rank, slot_weight, expert_out, output, stream)
-        if cutlass.const_expr(self.release_counts is not None):
-            self.release_counts.launch(counts, counts_out, stream)
+        self.release_counts.launch(counts, counts_out, stream)
 
 
 @dataclass(frozen=True)
@@ -214,19 +200,18 @@ def launch(
     workspaces: Workspaces,
     gemm1_grid: int,
     gemm2_grid: int,
-    kept_counts: torch.Tensor | None = None,
+    kept_counts: torch.Tensor,
 ) -> None:
     """One call of a compiled host function: the definition's ten inputs (in order), the output,
-    the workspaces and the two grid parameters. A self-cleaning host function counts in
-    `kept_counts` (zero on entry, left at zero) and copies the call's counts into
-    `workspaces.counts`; the others count in `workspaces.counts` itself."""
+    the workspaces and the two grid parameters. It counts in `kept_counts` (zero on entry, left at
+    zero; `counters.kept_counts`) and copies the call's counts into `workspaces.counts`."""
     *tensors, local_expert_offset, routed_scaling_factor = inputs
     compiled(
         *tensors,
         int(local_expert_offset),
         float(routed_scaling_factor),
         output,
-        workspaces.counts if kept_counts is None else kept_counts,
+        kept_counts,
         workspaces.counts,
         workspaces.expert_tokens,
         workspaces.slot_expert,

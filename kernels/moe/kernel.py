@@ -87,8 +87,6 @@ class StreamingVariant:
     num_stages: int = NUM_STAGES
     gemm2_block_tokens: int | None = None  # None: block_tokens
     gemm2_num_stages: int | None = None  # None: num_stages
-    chained: bool = False  # programmatic dependent launches between the call's kernels (chain.py)
-    self_cleaning: bool = False  # counters kept zeroed between calls, no zeroing launch (counters.py)
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
@@ -128,18 +126,12 @@ class StreamingVariant:
 
 # GEMM2's shared memory per CTA fits two CTAs per SM in every variant: on `mma.sync` 103 KB (8 x 4)
 # and 108 KB (16 x 3), where 16-token tiles with 4 stages (141 KB) allow one CTA; on WGMMA ~80 KB
-# (8 x 4) and ~97 KB (32 x 3). Every variant is chained and self-cleaning: the span of a call then
-# equals its kernels' busy time and no call starts with a tiny zeroing launch and its host gap
-# (sessions 8 and 9).
-TINY_T = StreamingVariant(
-    block_tokens=16, gemm2_block_tokens=8, gemm2_num_stages=4, chained=True, self_cleaning=True
-)
+# (8 x 4) and ~97 KB (32 x 3).
+TINY_T = StreamingVariant(block_tokens=16, gemm2_block_tokens=8, gemm2_num_stages=4)
 # From 33 tokens both GEMMs are on WGMMA (v2.0, v2.1: 1.02x over the `mma.sync` GEMM2 at 52-62).
 FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True)
 # At 65-192 tokens the `mma.sync` GEMM2 stays: the WGMMA one (16 x 3) measured 0.93x at T = 80.
-SMALL_T = StreamingVariant(
-    block_tokens=16, gemm2_block_tokens=16, gemm2_num_stages=3, chained=True, self_cleaning=True, wgmma_gemm1=True
-)
+SMALL_T = StreamingVariant(block_tokens=16, gemm2_block_tokens=16, gemm2_num_stages=3, wgmma_gemm1=True)
 # Above 192 tokens GEMM2 converts each W2 once per 32-token tile into WGMMA's registers (v2.1: 1.22x
 # at 901 over v1.6's `mma.sync` 16 x 3), and every larger T streams too (1.51-1.65x over v0's grouped
 # pipeline at 11948 and 14107 tokens).
@@ -147,8 +139,6 @@ MEDIUM_T = StreamingVariant(
     block_tokens=32,
     gemm2_block_tokens=32,
     gemm2_num_stages=3,
-    chained=True,
-    self_cleaning=True,
     wgmma_gemm1=True,
     wgmma_gemm2=True,
 )
@@ -174,12 +164,7 @@ _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
 def _compile(arch: str, variant: StreamingVariant) -> Callable:
     # The launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs).
     return host.compile_host(
-        host.MoeHostSm90(
-            variant.make_gemm1(),
-            variant.make_gemm2(),
-            variant.chained,
-            variant.self_cleaning,
-        ),
+        host.MoeHostSm90(variant.make_gemm1(), variant.make_gemm2()),
         arch,
     )
 
@@ -293,7 +278,7 @@ def run_keeping_workspaces(
     device = routing_logits.device
     workspaces = Workspaces.allocate(num_tokens, device)
     gemm1_ctas, gemm2_ctas = _grids(variant, _num_sms(device))
-    kept = counters.kept_counts(device, GPU_ARCH) if variant.self_cleaning else None
+    kept = counters.kept_counts(device, GPU_ARCH)
     host.launch(compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas, kept)
     return workspaces
 

@@ -31,7 +31,7 @@ class ZeroCountsKernel(Linked):
 
 
 class ReleaseCountsKernel(Linked):
-    """The last kernel of a self-cleaning call (`host.MoeHostSm90(self_cleaning=True)`): copies the
+    """The last kernel of a call (`host.MoeHostSm90`): copies the
     call's counters out for inspection and leaves the kept counter buffer at zero for the next call
     on the stream, so that no call has to start with the zeroing launch and its host gap."""
 

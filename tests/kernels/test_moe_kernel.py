@@ -53,13 +53,12 @@ def test_compiles_for_sm90a_without_gpu():
     assert kernel.compile_only("sm_90a") == compiled
 
 
-def test_variants_are_chained_self_cleaning_and_on_wgmma_from_33_tokens():
+def test_variants_are_on_wgmma_from_33_tokens():
     streaming, wgmma_gemm1, wgmma_gemm2 = (
         solution_module(name) for name in ("streaming_gemm", "wgmma_gemm1", "wgmma_gemm2")
     )
     for num_tokens in (1, 7, 32, 33, 64, 65, 192, 193, 2048, 2049, 14107, kernel.MAX_TOKENS):
         variant = kernel.variant_for(num_tokens)
-        assert variant.chained and variant.self_cleaning
         assert variant.wgmma_gemm1 == (num_tokens >= kernel.WGMMA_GEMM1_MIN_TOKENS)
         # GEMM2 on WGMMA with GEMM1 except at 65-192 tokens (v2.1 measured 0.93x at 80 there).
         small_t = kernel.FEW_TOKENS_MAX < num_tokens <= kernel.SMALL_T_MAX_TOKENS
@@ -84,22 +83,24 @@ def test_the_wgmma_flags_need_the_wgmma_gemm1():
     assert not any(variant.gemm1_scratch_in_stage for variant in kernel.VARIANTS)
 
 
-def test_a_self_cleaning_host_routes_first_and_releases_the_counters_last():
+def test_the_host_routes_first_and_releases_the_counters_last_in_one_chain():
     host = solution_module("host")
     gemm = solution_module("streaming_gemm").StreamingGemm(kernel.TINY_T.gemm1())
-    cleaning = host.MoeHostSm90(gemm, gemm, chained=True, self_cleaning=True)
-    assert cleaning.zero_counts is None
-    assert (cleaning.routing.link.waits, cleaning.routing.link.releases) == (False, True)  # first: never waits
-    assert cleaning.combine.link.releases  # no longer the last kernel
-    assert (cleaning.release_counts.link.waits, cleaning.release_counts.link.releases) == (True, False)
+    moe_host = host.MoeHostSm90(gemm, gemm)
+    assert not hasattr(moe_host, "zero_counts")  # the counters come zeroed: no zeroing launch first
+    assert (moe_host.routing.link.waits, moe_host.routing.link.releases) == (False, True)  # first: never waits
+    for middle in (moe_host.gemm1, moe_host.gemm2, moe_host.combine):
+        assert (middle.link.waits, middle.link.releases) == (True, True)
+    assert moe_host.combine.link.releases  # no longer the last kernel
+    assert (moe_host.release_counts.link.waits, moe_host.release_counts.link.releases) == (True, False)
 
 
 @pytest.mark.parametrize(("num_kernels", "expected"), [(4, "R WR WR W"), (5, "R WR WR WR W")])
 def test_a_chain_releases_from_every_kernel_but_the_last_and_waits_in_every_one_but_the_first(num_kernels, expected):
     chain = solution_module("chain")
-    links = chain.chain_links(num_kernels, chained=True)
+    links = chain.chain_links(num_kernels)
     assert " ".join(("W" if link.waits else "") + ("R" if link.releases else "") for link in links) == expected
-    assert chain.chain_links(num_kernels, chained=False) == (chain.NO_CHAIN,) * num_kernels
+    assert chain.NO_CHAIN == chain.ChainLink(waits=False, releases=False)  # a plain launch (counters.py)
 
 
 class _UnlinkableGemm:
@@ -109,10 +110,10 @@ class _UnlinkableGemm:
         raise AssertionError("never launched")
 
 
-def test_a_chained_host_refuses_gemms_that_cannot_join_the_chain():
+def test_the_host_refuses_gemms_that_cannot_join_the_chain():
     host = solution_module("host")
     with pytest.raises(TypeError, match="with_link"):
-        host.MoeHostSm90(_UnlinkableGemm(), _UnlinkableGemm(), chained=True)
+        host.MoeHostSm90(_UnlinkableGemm(), _UnlinkableGemm())
 
 
 def _meta_inputs(num_tokens: int = 3) -> tuple[dict, torch.Tensor]:

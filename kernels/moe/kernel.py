@@ -74,8 +74,6 @@ FEW_TOKENS_MAX = 64
 WGMMA_GEMM1_MIN_TOKENS = 33
 SMALL_T_MAX_TOKENS = 192
 NUM_STAGES = 4
-# Used when no device is visible (compile_only on CPU); run() asks the device.
-DEFAULT_NUM_SMS = 132
 
 
 @dataclass(frozen=True)

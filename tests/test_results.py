@@ -629,8 +629,8 @@ def test_render_results_puts_the_newest_run_first_and_each_tracks_latest_complet
     gdn = run("d_gdn", "2026-11-29T12:00:00+00:00", "gdn_prefill", 1.0)
     unstamped = run("e_unstamped", None, "moe", 1.0)
 
-    ordered = render.newest_first([old_moe, new_moe, newest_partial, gdn, unstamped])
-    assert ordered == [newest_partial, new_moe, gdn, old_moe, unstamped]
+    ordered = render.newest_first([render.load_run(p) for p in (old_moe, new_moe, newest_partial, gdn, unstamped)])
+    assert [run.path for run in ordered] == [newest_partial, new_moe, gdn, old_moe, unstamped]
     table = render.latest_table(ordered, results_dir)
     assert table[2] == "| gdn_prefill | `h200/d_gdn.csv` | 2026-11-29 | abcdef1234 | 1/1 | – | 8.00× (1) | – |"
     # the newest complete MoE run, not the newer partial one

@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from hopperbench.environment import EnvironmentRecord
 from hopperbench.paths import REPO_ROOT, RESULTS_DIR
@@ -95,34 +96,46 @@ def environment_line(env: EnvironmentRecord | None) -> str:
     return "; ".join(parts) + "."
 
 
-def _is_partial(csv_path: Path) -> bool:
-    return completeness_line(csv_path) is not None
+class RunFile(NamedTuple):
+    """One results CSV as the renderer uses it, read once: its rows, their summary, the environment
+    record and the partial-run warning (None for a complete run) of the JSON beside it."""
+
+    path: Path
+    rows: list[WorkloadRow]
+    summary: dict[str, TrackSummary]
+    env: EnvironmentRecord | None
+    partial_line: str | None
 
 
-def newest_first(csvs: Sequence[Path]) -> list[Path]:
+def load_run(csv_path: Path) -> RunFile:
+    rows = read_csv_rows(csv_path)
+    return RunFile(csv_path, rows, summarize(rows), _environment(csv_path), completeness_line(csv_path))
+
+
+def newest_first(runs: Sequence[RunFile]) -> list[RunFile]:
     """The files by their run's timestamp (environment record), newest first; files without one last,
     by name."""
-    stamped = [(p, env.timestamp) for p in csvs if (env := _environment(p)) is not None and env.timestamp]
-    unstamped = sorted(p for p in csvs if p not in {q for q, _ in stamped})
-    return [p for p, _ in sorted(stamped, key=lambda item: (item[1], item[0].name), reverse=True)] + unstamped
+    stamped = [r for r in runs if r.env is not None and r.env.timestamp]
+    unstamped = sorted((r for r in runs if r.env is None or not r.env.timestamp), key=lambda r: r.path)
+    return sorted(stamped, key=lambda r: (r.env.timestamp, r.path.name), reverse=True) + unstamped
 
 
-def latest_table(csvs_newest_first: Sequence[Path], results_dir: Path) -> list[str]:
+def latest_table(runs_newest_first: Sequence[RunFile], results_dir: Path) -> list[str]:
     """One row per track: its newest complete run (no partial file), with that run's summary."""
     rows: list[list[str]] = []
     seen: set[str] = set()
-    for csv_path in csvs_newest_first:
-        if _is_partial(csv_path):
+    for run in runs_newest_first:
+        if run.partial_line is not None:
             continue
-        env = _environment(csv_path)
-        for track, t in summarize(read_csv_rows(csv_path)).items():
+        env = run.env
+        for track, t in run.summary.items():
             if track in seen:
                 continue
             seen.add(track)
             rows.append(
                 [
                     track,
-                    f"`{csv_path.relative_to(results_dir).as_posix()}`",
+                    f"`{run.path.relative_to(results_dir).as_posix()}`",
                     (env.timestamp or "")[:10] if env else "",
                     (env.repo_commit or "")[:10] if env else "",
                     f"{t.passed.get('ours', 0)}/{t.workloads}",
@@ -290,27 +303,26 @@ def write_plot(path: Path, track: str, rows: Sequence[WorkloadRow], title_suffix
 def render(results_dir: Path, readme_dir: Path, write_plots: bool) -> str:
     """The markdown for between the markers; writes the plots when asked."""
     # results/checks/ holds the harness's own self-checks (e.g. repeatability runs), not benchmark results.
-    csvs = newest_first([p for p in results_dir.rglob("*.csv") if CHECKS_DIR not in p.relative_to(results_dir).parts])
+    csvs = [p for p in results_dir.rglob("*.csv") if CHECKS_DIR not in p.relative_to(results_dir).parts]
     if not csvs:
         return "_No results committed yet._"
+    runs = newest_first([load_run(p) for p in csvs])
     out: list[str] = [
         "**Latest complete run per track** (`ours` there is the `kernel.py` of that run's commit; "
         "`results/README.md` says which version):",
         "",
-        *latest_table(csvs, results_dir),
+        *latest_table(runs, results_dir),
         "",
     ]
-    for csv_path in csvs:
-        rows = read_csv_rows(csv_path)
-        env = _environment(csv_path)
-        summary = summarize(rows)
-        out += [f"### {csv_path.relative_to(results_dir).as_posix()}", "", environment_line(env), ""]
-        if (partial := completeness_line(csv_path)) is not None:
-            out += [partial, ""]
-        out += summary_table(summary) + [""]
-        for track in summary:
-            track_rows = [r for r in rows if r.track == track]
-            png = plot_path(csv_path, track)
+    for run in runs:
+        env = run.env
+        out += [f"### {run.path.relative_to(results_dir).as_posix()}", "", environment_line(env), ""]
+        if run.partial_line is not None:
+            out += [run.partial_line, ""]
+        out += summary_table(run.summary) + [""]
+        for track in run.summary:
+            track_rows = [r for r in run.rows if r.track == track]
+            png = plot_path(run.path, track)
             if write_plots:
                 write_plot(png, track, track_rows, f" on {env.gpu_name}" if env and env.gpu_name else "")
             link = Path(os.path.relpath(png, readme_dir)).as_posix()

@@ -26,7 +26,7 @@ import torch
 
 from hopperbench.floors import moe_local_expert_counts
 from hopperbench.synth import make_inputs
-from hopperbench.workloads import load_workloads
+from hopperbench.workloads import WorkloadSpec, load_workloads
 
 W13_BYTES_PER_EXPERT = 4096 * 7168  # e4m3
 W2_BYTES_PER_EXPERT = 7168 * 2048
@@ -60,9 +60,8 @@ def tile_traffic(counts: Sequence[int], tile: int) -> TileTraffic:
     )
 
 
-def routing_counts(workload_index: int, seed: int, trial: int, device: str) -> tuple[int, int, list[int]]:
+def routing_counts(workload: WorkloadSpec, seed: int, trial: int, device: str) -> tuple[int, int, list[int]]:
     """(T, local_expert_offset, tokens per local expert) of one synthesized input set."""
-    workload = load_workloads("moe")[workload_index]
     inputs = make_inputs("moe", workload, seed, trial, device, only=ROUTING_INPUTS)
     offset = int(inputs["local_expert_offset"])
     counts = moe_local_expert_counts(inputs["routing_logits"], inputs["routing_bias"], offset)
@@ -103,10 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parse_args(argv)
     except SystemExit as exit_:
         return 2 if exit_.code else 0
-    count = len(load_workloads("moe"))
-    bad = [i for i in args.workloads if i >= count]
+    workloads = load_workloads("moe")
+    bad = [i for i in args.workloads if i >= len(workloads)]
     if bad:
-        print(f"moe_routing_stats: workload indices {bad} out of range (the MoE list has {count})", file=sys.stderr)
+        print(f"moe_routing_stats: workload indices {bad} out of range (the MoE list has {len(workloads)})", file=sys.stderr)
         return 2
     if args.device != "cpu" and not torch.cuda.is_available():
         print(f"moe_routing_stats: --device {args.device} needs CUDA", file=sys.stderr)
@@ -115,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'#':>3} {'T':>6} {'off':>4} {'trial':>5} {'active':>7} {'assign':>7} {'max':>4}{tile_columns}")
     for index in args.workloads:
         for trial in range(args.trials):
-            num_tokens, offset, counts = routing_counts(index, args.seed, trial, args.device)
+            num_tokens, offset, counts = routing_counts(workloads[index], args.seed, trial, args.device)
             active = sum(1 for c in counts if c)
             cells = "".join(
                 f"  {tt.row_tiles:9d} {tt.gemm1_bytes / 1e9:8.2f} {tt.gemm2_bytes / 1e9:8.2f}"

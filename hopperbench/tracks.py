@@ -201,29 +201,9 @@ MOE = Track(
     ),
     candidates=(
         CandidateSide(
-            name="cand_wide_gemm1",
-            entry="candidate_wide_tiles.py::run_wide_gemm1",
-            description="kernel.py v2.1 with GEMM1 in 64-token row tiles above 192 tokens (one CTA per SM; v2.2)",
-        ),
-        CandidateSide(
-            name="cand_wide_tiles",
-            entry="candidate_wide_tiles.py::run_wide",
-            description="kernel.py v2.1 with both GEMMs in 64-token row tiles above 192 tokens (one CTA per SM; v2.2)",
-        ),
-        CandidateSide(
-            name="cand_wide_gemm1_two_ctas",
-            entry="candidate_wide_tiles.py::run_wide_gemm1_two_ctas",
-            description="kernel.py v2.1 with GEMM1 in 64-token row tiles, 3 stages, its epilogue tile in a token stage (two CTAs per SM; v2.2)",
-        ),
-        CandidateSide(
-            name="cand_few_to_192",
-            entry="candidate_deep_few_tokens.py::run_few_to_192",
-            description="kernel.py v2.1 with its 33-64-token variant (WGMMA GEMM2 8 x 4) up to 192 tokens (v2.3)",
-        ),
-        CandidateSide(
-            name="cand_deep_few",
-            entry="candidate_deep_few_tokens.py::run_deep_few",
-            description="cand_few_to_192 with five pipeline stages in both WGMMA GEMMs at 33-192 tokens (v2.3)",
+            name="cand_wide_from_193",
+            entry="candidate_wide_from_193.py::run",
+            description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 2048: the threshold's other side",
         ),
     ),
 )

@@ -1,14 +1,16 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.1 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v2.3 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
-`wgmma_gemm1.py`), both promoted in session 9; GEMM2 at two CTAs per SM above SMALL_T_MAX_TOKENS
-(v1.6, 1.29x at T = 901); GEMM2 on bf16 warpgroup MMA (v2.1, `wgmma_gemm2.py`, session 10: 1.22x at
+`wgmma_gemm1.py`), both promoted in session 9; GEMM2 at two CTAs per SM above 192 tokens (v1.6,
+1.29x at T = 901); GEMM2 on bf16 warpgroup MMA (v2.1, `wgmma_gemm2.py`, session 10: 1.22x at
 T = 901, 1.02x at 52-62 tokens) and weight streaming at every T (1.51x and 1.65x at 14107 and 11948
-tokens over v0's grouped pipeline, which it replaced); NOTES.md). Destination passing, definition
-order, no host sync, no data-dependent host logic, graph-safe.
+tokens over v0's grouped pipeline, which it replaced); in session 11 the 33-64-token variant up to
+FEW_TOKENS_MAX (v2.3, 1.06x at 80 tokens) and 64-token GEMM1 tiles above MEDIUM_T_MAX_TOKENS (v2.2,
+1.15x / 1.17x at 11948 / 14107 tokens); NOTES.md). Destination passing, definition order, no host
+sync, no data-dependent host logic, graph-safe.
 
 Every call is the five kernels of `host.py` in one TVM-FFI call, chained by programmatic dependent
 launches: the routing grid on counters the previous call on the stream left at zero, GEMM1 +
@@ -17,13 +19,14 @@ GEMMs are persistent weight streams; the variant is chosen from T alone (a shape
 
 - GEMM1 on `mma.sync` below WGMMA_GEMM1_MIN_TOKENS (its 32-row items keep twice as many CTAs
   streaming one or two experts' weights) and on FP8 WGMMA from there (which removes its issue bound).
-  Row tiles of 16 tokens up to SMALL_T_MAX_TOKENS, 32 above (at T = 901 the synthesized routing
-  gives 20-27 active experts ~40 tokens each, up to ~180: ~1.8 row tiles per expert; NOTES.md).
+  Row tiles of 16 tokens up to FEW_TOKENS_MAX, 32 up to MEDIUM_T_MAX_TOKENS (at T = 901 the
+  synthesized routing gives 20-27 active experts ~40 tokens each, up to ~180: ~1.8 row tiles per
+  expert; NOTES.md), 64 above, where each expert has hundreds of tokens and a tile of 64 reads its
+  weights half as often (three stages, its epilogue tile in the stage just consumed: two CTAs per SM).
 - GEMM2 (whose bf16 activation stages are twice GEMM1's) gets tiles and stages that still fit two
-  CTAs per SM: 8-token tiles with 4 stages up to FEW_TOKENS_MAX, 16-token tiles with 3 stages up to
-  SMALL_T_MAX_TOKENS, 32-token tiles with 3 stages above. It runs on bf16 WGMMA with the e4m3
-  weights converted in registers where GEMM1 is on WGMMA (GEMM1 then stores C in the column order
-  it reads), except at 65-192 tokens, where the `mma.sync` GEMM2 measured faster (v2.1: 0.93x at 80).
+  CTAs per SM: 8-token tiles with 4 stages up to FEW_TOKENS_MAX, 32-token tiles with 3 stages above.
+  It runs on bf16 WGMMA with the e4m3 weights converted in registers wherever GEMM1 is on WGMMA
+  (GEMM1 then stores C in the column order it reads).
 
 Each configuration is compiled once (dynamic T) on first use and cached; `compile_only()` compiles
 all of them.
@@ -49,8 +52,8 @@ __all__ = [
     "FEW_TOKENS_MAX",
     "GPU_ARCH",
     "MAX_TOKENS",
+    "MEDIUM_T_MAX_TOKENS",
     "MoeShapeError",
-    "SMALL_T_MAX_TOKENS",
     "StreamingVariant",
     "WGMMA_GEMM1_MIN_TOKENS",
     "Workspaces",
@@ -63,16 +66,19 @@ __all__ = [
 ]
 
 GPU_ARCH = "sm_90a"
-# Row tiles of 16 tokens while an expert expects few tokens (T / 32 per expert under uniform
-# routing: <= 6 at T = 192), 32 tokens above. Up to
-# FEW_TOKENS_MAX an active local expert gets ~1-8 tokens under the contest's routing, so GEMM2's
-# 8-token tiles rarely stream an expert's weights twice.
-FEW_TOKENS_MAX = 64
+# Row tiles of 16 tokens and 8-token GEMM2 tiles while an active local expert gets few tokens (at T = 80
+# the synthesized routing gives 17-21 active experts 12-20 tokens at most: 20-27 tiles of 8 tokens,
+# `tools/moe_routing_stats.py`): v2.3 measured this variant 1.06x at T = 80 over 16-token GEMM2 tiles on
+# `mma.sync`, whose three stages held fewer weight bytes in flight than these four.
+FEW_TOKENS_MAX = 192
 # Below this, one or two experts are active and WGMMA's 64-row items halve the CTAs that stream them:
 # in session 9's run the WGMMA GEMM1 was 0.86x at T = 1, 0.90x at 7 and 0.97x at 32 (1.02x at 14-16),
 # and 1.015x (geometric mean) at 52-62, 1.05x at 80 and 1.29x at 901.
 WGMMA_GEMM1_MIN_TOKENS = 33
-SMALL_T_MAX_TOKENS = 192
+# GEMM1's 64-token tiles measured 0.98x at T = 901 (trials +5.6 %, -5.4 %, -1.2 %: it depends on how
+# many tokens the busiest experts get) and 1.15-1.17x at 11948 and 14107; no official T lies between.
+# 2048 is the conservative side of that gap; `tools/time_axes.py` measures it.
+MEDIUM_T_MAX_TOKENS = 2048
 NUM_STAGES = 4
 
 
@@ -122,14 +128,12 @@ class StreamingVariant:
         return WgmmaGemm2(config) if isinstance(config, WgmmaGemm2Config) else StreamingGemm(config)
 
 
-# GEMM2's shared memory per CTA fits two CTAs per SM in every variant: on `mma.sync` 103 KB (8 x 4)
-# and 108 KB (16 x 3), where 16-token tiles with 4 stages (141 KB) allow one CTA; on WGMMA ~80 KB
-# (8 x 4) and ~97 KB (32 x 3).
+# GEMM2's shared memory per CTA fits two CTAs per SM in every variant: on `mma.sync` 103 KB (8 x 4),
+# on WGMMA ~80 KB (8 x 4) and ~97 KB (32 x 3). So does GEMM1's: ~98 KB at 64 x 3 with the epilogue
+# tile in a token stage.
 TINY_T = StreamingVariant(block_tokens=16, gemm2_block_tokens=8, gemm2_num_stages=4)
 # From 33 tokens both GEMMs are on WGMMA (v2.0, v2.1: 1.02x over the `mma.sync` GEMM2 at 52-62).
 FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True)
-# At 65-192 tokens the `mma.sync` GEMM2 stays: the WGMMA one (16 x 3) measured 0.93x at T = 80.
-SMALL_T = StreamingVariant(block_tokens=16, gemm2_block_tokens=16, gemm2_num_stages=3, wgmma_gemm1=True)
 # Above 192 tokens GEMM2 converts each W2 once per 32-token tile into WGMMA's registers (v2.1: 1.22x
 # at 901 over v1.6's `mma.sync` 16 x 3), and every larger T streams too (1.51-1.65x over v0's grouped
 # pipeline at 11948 and 14107 tokens).
@@ -140,8 +144,9 @@ MEDIUM_T = StreamingVariant(
     wgmma_gemm1=True,
     wgmma_gemm2=True,
 )
-VARIANTS = (TINY_T, FEW_TOKENS, SMALL_T, MEDIUM_T)
-
+# Above MEDIUM_T_MAX_TOKENS GEMM1 reads each expert's weights once per 64 tokens (v2.2).
+LARGE_T = dataclasses.replace(MEDIUM_T, block_tokens=64, num_stages=3, gemm1_scratch_in_stage=True)
+VARIANTS = (TINY_T, FEW_TOKENS, MEDIUM_T, LARGE_T)
 
 def variant_for(num_tokens: int) -> StreamingVariant:
     """The streaming variant for a batch of `num_tokens` tokens."""
@@ -151,9 +156,9 @@ def variant_for(num_tokens: int) -> StreamingVariant:
         return TINY_T
     if num_tokens <= FEW_TOKENS_MAX:
         return FEW_TOKENS
-    if num_tokens <= SMALL_T_MAX_TOKENS:
-        return SMALL_T
-    return MEDIUM_T
+    if num_tokens <= MEDIUM_T_MAX_TOKENS:
+        return MEDIUM_T
+    return LARGE_T
 
 
 _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}

@@ -28,7 +28,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check
 kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_wide_tiles", "candidate_deep_few_tokens")
+SOLUTIONS = ("kernel", "candidate_wide_from_193")
 
 
 @functools.cache
@@ -59,19 +59,25 @@ def test_variants_are_on_wgmma_from_33_tokens():
     )
     for num_tokens in (1, 7, 32, 33, 64, 65, 192, 193, 2048, 2049, 14107, kernel.MAX_TOKENS):
         variant = kernel.variant_for(num_tokens)
-        assert variant.wgmma_gemm1 == (num_tokens >= kernel.WGMMA_GEMM1_MIN_TOKENS)
-        # GEMM2 on WGMMA with GEMM1 except at 65-192 tokens (v2.1 measured 0.93x at 80 there).
-        small_t = kernel.FEW_TOKENS_MAX < num_tokens <= kernel.SMALL_T_MAX_TOKENS
-        assert variant.wgmma_gemm2 == (variant.wgmma_gemm1 and not small_t)
+        assert variant.wgmma_gemm1 == variant.wgmma_gemm2 == (num_tokens >= kernel.WGMMA_GEMM1_MIN_TOKENS)
         gemm1_class = wgmma_gemm1.WgmmaGemm1 if variant.wgmma_gemm1 else streaming.StreamingGemm
         gemm2_class = wgmma_gemm2.WgmmaGemm2 if variant.wgmma_gemm2 else streaming.StreamingGemm
         assert type(variant.make_gemm1()) is gemm1_class and type(variant.make_gemm2()) is gemm2_class
         # GEMM1 stores C in the column order the WGMMA GEMM2 reads exactly when that one runs.
         assert getattr(variant.gemm1(), "permuted_c", False) == variant.wgmma_gemm2
+        # Every GEMM of every variant keeps two CTAs per SM.
+        assert variant.gemm1().ctas_per_sm() == variant.gemm2().ctas_per_sm() == 2
     assert kernel.WGMMA_GEMM1_MIN_TOKENS == 33
     # Up to FEW_TOKENS_MAX the two variants differ only in the GEMMs' instructions.
     assert dataclasses.replace(kernel.variant_for(33), wgmma_gemm1=False, wgmma_gemm2=False) == kernel.variant_for(32)
-    assert kernel.variant_for(2049) is kernel.variant_for(2048) is kernel.MEDIUM_T  # every T streams
+    assert kernel.variant_for(kernel.FEW_TOKENS_MAX) is kernel.FEW_TOKENS
+    assert kernel.variant_for(kernel.FEW_TOKENS_MAX + 1) is kernel.variant_for(kernel.MEDIUM_T_MAX_TOKENS) is kernel.MEDIUM_T
+    large = kernel.variant_for(kernel.MEDIUM_T_MAX_TOKENS + 1)
+    assert large is kernel.LARGE_T is kernel.variant_for(kernel.MAX_TOKENS)
+    # LARGE_T differs from MEDIUM_T only in GEMM1's tiles: 64 tokens, 3 stages, the epilogue tile in a stage.
+    assert (large.gemm1().block_tokens, large.gemm1().num_stages, large.gemm1().scratch_in_stage) == (64, 3, True)
+    medium_gemm2 = kernel.MEDIUM_T.gemm2()
+    assert (large.gemm2().block_tokens, large.gemm2().num_stages) == (medium_gemm2.block_tokens, medium_gemm2.num_stages)
     assert len(set(kernel.VARIANTS)) == len(kernel.VARIANTS)  # each compiled configuration once
 
 
@@ -80,7 +86,6 @@ def test_the_wgmma_flags_need_the_wgmma_gemm1():
         dataclasses.replace(kernel.TINY_T, wgmma_gemm2=True)  # C in the order only that GEMM1 writes
     with pytest.raises(ValueError, match="wgmma_gemm1"):
         dataclasses.replace(kernel.TINY_T, gemm1_scratch_in_stage=True)
-    assert not any(variant.gemm1_scratch_in_stage for variant in kernel.VARIANTS)
 
 
 def test_the_host_routes_first_and_releases_the_counters_last_in_one_chain():

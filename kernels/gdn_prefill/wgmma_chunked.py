@@ -1,13 +1,15 @@
 """GDN prefill on Hopper's warpgroup MMA (design v3, NOTES.md), steps 1-4: every sequence's chunks in one CTA
 per (sequence, v-head), the 128 x 128 state an fp32 WGMMA accumulator of two warpgroups (64 value rows
-each) for the whole sequence. Candidate v3.0 (`candidate_wgmma_v3.py`); not yet `kernel.py`'s.
+each) for the whole sequence. Candidate v3.1 (`candidate_wgmma_v3.py`); not yet `kernel.py`'s.
 
 Per chunk of 64 tokens, with `chunked_model.py`'s algebra and rounding points (KERNEL precision):
 
-Loads and gates: keys and queries (bf16 -> fp16) into 128-B-swizzled shared memory and the values (bf16)
-into a [v, token] staging buffer, 16 B per global load, issued and waited for in the chunk; log g and beta per
-token from `a`, `b`, `A_log`, `dt_bias`; tokens past the end of the sequence are k = q = v = 0, log g = 0,
-beta = 0 (inert, as in the model). G = cumsum(log g) by one thread.
+Loads and gates: the raw bf16 rows of k, q, v and the 16-B rows of `a` and `b` of the next chunk are copied
+by cp.async into staging buffers while this chunk computes (v3.1). A chunk starts by converting its own: keys
+and queries (bf16 -> fp16) into 128-B-swizzled shared memory, the values (bf16) into [v, token]; warp 0 turns
+`a`, `b`, `A_log`, `dt_bias` into log g and beta (two tokens per lane), G = cumsum(log g) by a shuffle scan,
+and exp(G), exp(G_last - G) per token for the value side. Tokens past the end of the sequence are
+k = q = v = 0, log g = 0, beta = 0 (inert, as in the model).
 Key side (step 3):
     K K^T (warpgroup 0) and Q K^T (warpgroup 1): m64n64k16 x 8, both operands from shared memory
     A = strict_tril(beta exp(G_i - G_j) K K^T),  P = tril(exp(G_i - G_j) Q K^T)   element-wise, gated
@@ -28,8 +30,7 @@ Layout facts that make every hand-over an element-wise conversion in the thread 
   update over K = 64 tokens;
 - one 128-B-swizzled copy of the keys (k contiguous) is the K-major A and B of the Gram products, the
   K-major B of `K S^T` and the MN-major B of the state update.
-A prototype: loads not ahead of the chunk, a SIMT inverse, no overlap between chunks (correctness first; NOTES.md
-says what comes next). Same contract as `kernel.py`'s `run` through `token_serial`'s host launcher.
+A prototype: a SIMT inverse, no overlap of one chunk's products with the next (NOTES.md says what comes next). Same contract as `kernel.py`'s `run` through `token_serial`'s host launcher.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float16, Float32, Int32
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from .chunked import sequence_bounds
@@ -103,9 +104,16 @@ class WgmmaChunked:
             t_work: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * SQUARE_STRIDE], 16]  # T, rounded
             x: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * SQUARE_STRIDE], 16]  # doubling scratch
             values: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, HEAD_SIZE * VALUES_STRIDE], 16]
-            log_g: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             g: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             beta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
+            decay_in: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]  # exp(G)
+            decay_out: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]  # exp(G_last - G)
+            # the next chunk's raw rows, copied while this one computes
+            raw_k: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, CHUNK * HEAD_SIZE], 128]
+            raw_q: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, CHUNK * HEAD_SIZE], 128]
+            raw_v: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, CHUNK * HEAD_SIZE], 128]
+            raw_a: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, CHUNK * NUM_V_HEADS], 16]
+            raw_b: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, CHUNK * NUM_V_HEADS], 16]
 
         self.kernel(
             q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, update_mma,
@@ -152,9 +160,22 @@ class WgmmaChunked:
         s_tw = storage.t_work.get_tensor(square_layout)
         s_x = storage.x.get_tensor(square_layout)
         s_values = storage.values.get_tensor(cute.make_layout((HEAD_SIZE, CHUNK), stride=(VALUES_STRIDE, 1)))
-        s_log_g = storage.log_g.get_tensor(cute.make_layout(CHUNK))
         s_g = storage.g.get_tensor(cute.make_layout(CHUNK))
         s_beta = storage.beta.get_tensor(cute.make_layout(CHUNK))
+        s_decay_in = storage.decay_in.get_tensor(cute.make_layout(CHUNK))
+        s_decay_out = storage.decay_out.get_tensor(cute.make_layout(CHUNK))
+        rows_layout = cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1))
+        gates_layout = cute.make_layout((CHUNK, NUM_V_HEADS), stride=(NUM_V_HEADS, 1))
+        raw = (
+            storage.raw_k.get_tensor(rows_layout),
+            storage.raw_q.get_tensor(rows_layout),
+            storage.raw_v.get_tensor(rows_layout),
+            storage.raw_a.get_tensor(gates_layout),
+            storage.raw_b.get_tensor(gates_layout),
+        )
+        g2s = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
+        )
 
         start, length = sequence_bounds(cu_seqlens, seq, q.shape[0])
         qk_head = head // V_HEADS_PER_QK_HEAD
@@ -169,16 +190,27 @@ class WgmmaChunked:
             v_row, k_col = state_coords[i]
             state[i] = state_in[seq, head, v_row, k_col] if has_state != 0 else Float32(0.0)
 
-        for chunk in cutlass.range((length + CHUNK - 1) // CHUNK, unroll=1):
+        num_chunks = (length + CHUNK - 1) // CHUNK
+        if num_chunks > 0:
+            self.copy_chunk(g2s, q, k, v, a, b, start, length, 0, qk_head, head, raw, tidx)
+        cute.arch.cp_async_commit_group()
+        for chunk in cutlass.range(num_chunks, unroll=1):
             first = start + chunk * CHUNK
             tokens_here = cutlass.min(length - chunk * CHUNK, CHUNK)
-            self.load_chunk(q, k, v, a, b, first, tokens_here, qk_head, head, neg_decay_rate, bias, s_keys, s_queries,
-                            s_values, s_log_g, s_g, s_beta, tidx)  # fmt: skip
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # every thread's copies of this chunk have landed
+            self.enter_chunk(raw, tokens_here, head, neg_decay_rate, bias, s_keys, s_queries, s_values, s_g, s_beta,
+                             s_decay_in, s_decay_out, tidx)  # fmt: skip
+            # The staging buffers are free again (enter_chunk ends with a barrier): the next chunk's copies
+            # land while this one computes.
+            if chunk + 1 < num_chunks:
+                self.copy_chunk(g2s, q, k, v, a, b, start, length, chunk + 1, qk_head, head, raw, tidx)
+            cute.arch.cp_async_commit_group()
             self.key_side(gram_mma, gram_a, storage, s_g, s_beta, s_a, s_p, tidx)
             self.invert(s_a, s_tw, s_x, s_t, tidx)
             self.value_side(
                 state, s_values, scale, output, first, tokens_here, head, update_mma, products_mma, keys_k_major,
-                keys_mn_major, storage, s_t, s_p, s_g, s_beta, tidx,
+                keys_mn_major, storage, s_t, s_p, s_g, s_beta, s_decay_in, s_decay_out, tidx,
             )  # fmt: skip
             # The next chunk's (generic-proxy) loads overwrite what this one's MMAs read.
             cute.arch.fence_view_async_shared()
@@ -190,12 +222,36 @@ class WgmmaChunked:
             new_state[seq, head, v_row, k_col] = state[i] if length > 0 else Float32(0.0)
 
     @cute.jit
-    def load_chunk(self, q, k, v, a, b, first: Int32, tokens_here: Int32, qk_head: Int32, head: Int32,
-                   neg_decay_rate: Float32, bias: Float32, s_keys, s_queries, s_values, s_log_g, s_g, s_beta,
-                   tidx: Int32):  # fmt: skip
-        """The chunk's keys and queries (bf16 -> fp16) into the swizzled operand buffers and its values
-        (bf16, [v, token]) into their staging buffer, 16 B per global load, zero past the end of the
-        sequence; log g and beta per token (0 past the end); G by one thread (in order, as torch.cumsum)."""
+    def copy_chunk(self, g2s, q, k, v, a, b, start: Int32, length: Int32, chunk: Int32, qk_head: Int32, head: Int32,
+                   raw, tidx: Int32):  # fmt: skip
+        """Issue the cp.async copies of one chunk's raw rows into the staging buffers: k and q (the head's q/k
+        head) and v (the v-head) in 16-B pieces over all threads, and the 8-head rows of `a` (threads 0-63)
+        and `b` (64-127). Tokens past the end are not copied (`enter_chunk` zeroes them)."""
+        raw_k, raw_q, raw_v, raw_a, raw_b = raw
+        first = chunk * CHUNK
+        for i in cutlass.range_constexpr(CHUNK * (HEAD_SIZE // VEC) // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            token, piece = linear // (HEAD_SIZE // VEC), linear % (HEAD_SIZE // VEC)
+            if first + token < length:
+                row = start + first + token
+                cute.copy(g2s, cute.local_tile(k[row, qk_head, None], (VEC,), (piece,)), cute.local_tile(raw_k[token, None], (VEC,), (piece,)))
+                cute.copy(g2s, cute.local_tile(q[row, qk_head, None], (VEC,), (piece,)), cute.local_tile(raw_q[token, None], (VEC,), (piece,)))
+                cute.copy(g2s, cute.local_tile(v[row, head, None], (VEC,), (piece,)), cute.local_tile(raw_v[token, None], (VEC,), (piece,)))
+        token = tidx % CHUNK
+        if first + token < length:
+            if tidx < CHUNK:
+                cute.copy(g2s, a[start + first + token, None], raw_a[token, None])
+            elif tidx < 2 * CHUNK:
+                cute.copy(g2s, b[start + first + token, None], raw_b[token, None])
+
+    @cute.jit
+    def enter_chunk(self, raw, tokens_here: Int32, head: Int32, neg_decay_rate: Float32, bias: Float32, s_keys,
+                    s_queries, s_values, s_g, s_beta, s_decay_in, s_decay_out, tidx: Int32):  # fmt: skip
+        """The chunk's staged rows into their operand buffers: keys and queries (bf16 -> fp16) into the
+        swizzled buffers, values (bf16) into [v, token], zero past the end of the sequence. Warp 0: log g and
+        beta of the chunk's tokens (lane l takes 2l and 2l + 1; 0 past the end), G = cumsum(log g) by a
+        shuffle scan, and per token exp(G) and exp(G_last - G)."""
+        raw_k, raw_q, raw_v, raw_a, raw_b = raw
         for i in cutlass.range_constexpr(CHUNK * (HEAD_SIZE // VEC) // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             token, piece = linear // (HEAD_SIZE // VEC), linear % (HEAD_SIZE // VEC)
@@ -203,32 +259,51 @@ class WgmmaChunked:
             query_dst = cute.local_tile(s_queries[token, None, 0], (VEC,), (piece,))
             value_dst = cute.local_tile(s_values[None, token], (VEC,), (piece,))
             if token < tokens_here:
-                row = first + token
-                key_dst.store(cute.local_tile(k[row, qk_head, None], (VEC,), (piece,)).load().to(Float32).to(Float16))
-                query_dst.store(cute.local_tile(q[row, qk_head, None], (VEC,), (piece,)).load().to(Float32).to(Float16))
-                value_dst.store(cute.local_tile(v[row, head, None], (VEC,), (piece,)).load())
+                key_dst.store(cute.local_tile(raw_k[token, None], (VEC,), (piece,)).load().to(Float32).to(Float16))
+                query_dst.store(cute.local_tile(raw_q[token, None], (VEC,), (piece,)).load().to(Float32).to(Float16))
+                value_dst.store(cute.local_tile(raw_v[token, None], (VEC,), (piece,)).load())
             else:
                 key_dst.fill(0.0)
                 query_dst.fill(0.0)
                 value_dst.fill(0.0)
-        if tidx < CHUNK:
-            log_g = Float32(0.0)
-            gate_beta = Float32(0.0)
-            if tidx < tokens_here:
-                x = a[first + tidx, head].to(Float32) + bias
-                softplus = x if x > SOFTPLUS_THRESHOLD else cute.math.log1p(cute.math.exp(x))
-                log_g = neg_decay_rate * softplus
-                gate_beta = Float32(1.0) / (Float32(1.0) + cute.math.exp(-b[first + tidx, head].to(Float32)))
-            s_log_g[tidx] = log_g
-            s_beta[tidx] = gate_beta
-        cute.arch.sync_threads()
-        if tidx == 0:
-            total = Float32(0.0)
-            for token in cutlass.range_constexpr(CHUNK):
-                total = total + s_log_g[token]
-                s_g[token] = total
+        if tidx < 32:
+            lane = tidx
+            log_g0, beta0 = self.token_gates(raw_a, raw_b, head, neg_decay_rate, bias, tokens_here, 2 * lane)
+            log_g1, beta1 = self.token_gates(raw_a, raw_b, head, neg_decay_rate, bias, tokens_here, 2 * lane + 1)
+            inclusive = log_g0 + log_g1
+            offset = 1
+            while offset < 32:
+                from_below = cute.arch.shuffle_sync_up(inclusive, offset)
+                inclusive = inclusive + (from_below if lane >= offset else Float32(0.0))
+                offset *= 2
+            exclusive = cute.arch.shuffle_sync_up(inclusive, 1)
+            g0 = (exclusive if lane > 0 else Float32(0.0)) + log_g0
+            g1 = g0 + log_g1
+            g_last = cute.arch.shuffle_sync(g1, 31)  # G of token 63, exactly as stored in s_g
+            s_g[2 * lane] = g0
+            s_g[2 * lane + 1] = g1
+            s_beta[2 * lane] = beta0
+            s_beta[2 * lane + 1] = beta1
+            s_decay_in[2 * lane] = cute.math.exp(g0, fastmath=False)
+            s_decay_in[2 * lane + 1] = cute.math.exp(g1, fastmath=False)
+            s_decay_out[2 * lane] = cute.math.exp(g_last - g0, fastmath=False)
+            s_decay_out[2 * lane + 1] = cute.math.exp(g_last - g1, fastmath=False)
         cute.arch.fence_view_async_shared()  # the generic-proxy stores, before the tensor core reads them
         cute.arch.sync_threads()
+
+    @cute.jit
+    def token_gates(self, raw_a, raw_b, head: Int32, neg_decay_rate: Float32, bias: Float32, tokens_here: Int32,
+                    token: Int32):  # fmt: skip
+        """(log g, beta) of one token in fp32 as the model's `gates`; (0, 0) past the end (its staged
+        rows hold stale values)."""
+        log_g = Float32(0.0)
+        gate_beta = Float32(0.0)
+        if token < tokens_here:
+            x = raw_a[token, head].to(Float32) + bias
+            softplus = x if x > SOFTPLUS_THRESHOLD else cute.math.log1p(cute.math.exp(x))
+            log_g = neg_decay_rate * softplus
+            gate_beta = Float32(1.0) / (Float32(1.0) + cute.math.exp(-raw_b[token, head].to(Float32)))
+        return log_g, gate_beta
 
     @cute.jit
     def key_side(self, gram_mma, gram_a, storage, s_g, s_beta, s_a, s_p, tidx: Int32):
@@ -320,7 +395,8 @@ class WgmmaChunked:
     @cute.jit
     def value_side(
         self, state, s_values, scale: Float32, output, first: Int32, tokens_here: Int32, head: Int32, update_mma,
-        products_mma, keys_k_major, keys_mn_major, storage, s_t, s_p, s_g, s_beta, tidx: Int32,
+        products_mma, keys_k_major, keys_mn_major, storage, s_t, s_p, s_g, s_beta, s_decay_in, s_decay_out,
+        tidx: Int32,
     ):  # fmt: skip
         """Steps 1-2 on the state accumulator: Yk, Yq, Xb, V', the chunk's output rows (bf16, the tokens of
         the sequence only) and the state update, every hand-over in registers."""
@@ -354,8 +430,7 @@ class WgmmaChunked:
         xb = cute.make_rmem_tensor(over_tokens_shape, Float16)
         for i in cutlass.range_constexpr(cute.size(yk)):
             v_row, token = by_token[i]
-            decay_in = cute.math.exp(s_g[token], fastmath=False)
-            xb[i] = (s_beta[token] * (s_values[v_row, token].to(Float32) - decay_in * yk[i])).to(Float16)
+            xb[i] = (s_beta[token] * (s_values[v_row, token].to(Float32) - s_decay_in[token] * yk[i])).to(Float16)
         v_new = cute.make_rmem_tensor(by_token_shape, Float32)
         t_t = products_mma.make_fragment_B(thr_products.partition_B(s_t))
         warpgroup.fence()
@@ -370,8 +445,8 @@ class WgmmaChunked:
         for i in cutlass.range_constexpr(cute.size(v_new)):
             _, token = by_token[i]
             v_new_a[i] = v_new[i].to(Float16)
-            v_carry_a[i] = (v_new[i] * cute.math.exp(g_last - s_g[token], fastmath=False)).to(Float16)
-            yq[i] = yq[i] * cute.math.exp(s_g[token], fastmath=False)
+            v_carry_a[i] = (v_new[i] * s_decay_out[token]).to(Float16)
+            yq[i] = yq[i] * s_decay_in[token]
         decay_last = cute.math.exp(g_last, fastmath=False)
         for i in cutlass.range_constexpr(cute.size(state)):
             state[i] = state[i] * decay_last

@@ -1,4 +1,4 @@
-"""GDN design v3 (kernels/gdn_prefill/wgmma_chunked.py, candidate v3.0 `candidate_wgmma_v3.py`): the chunks
+"""GDN design v3 (kernels/gdn_prefill/wgmma_chunked.py, candidate v3.1 `candidate_wgmma_v3.py`): the chunks
 of a sequence on warpgroup MMA with the state as an fp32 accumulator of two warpgroups.
 
 CPU: the layout facts the kernel relies on, traced from CuTe's own layouts for every thread (each

@@ -230,13 +230,7 @@ DSA_ATTENTION = Track(
             package="flash_mla==1.0.0+9241ae3",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_single_chunk",
-            entry="candidate_single_chunk.py::run",
-            description="kernel.py v1.2 with 32 one-chunk splits per token at T <= 8, one chunk stage: two CTAs per SM (v1.5)",
-        ),
-    ),
+    candidates=(),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

@@ -101,12 +101,6 @@ def _make_tiled_mma() -> cute.TiledMma:
 class _SplitKernel:
     """Partial attention of one token over 2048 / num_splits of its rows (see module docstring)."""
 
-    # Chunks resident in shared memory: two (double buffering) serve any number of chunks per split;
-    # a subclass with one serves exactly one chunk per split (a candidate's two CTAs per SM).
-    num_stages = NUM_STAGES
-    # Percent of the unified L1 / shared storage asked for as shared memory (None: the driver's choice).
-    smem_carveout: int | None = None
-
     @cute.jit
     def launch(
         self,
@@ -122,7 +116,7 @@ class _SplitKernel:
         tiled_mma = _make_tiled_mma()
         sq_layout = cute.make_layout((NUM_HEADS, QK_DIM), stride=(QK_ROW_STRIDE, 1))
         sk_layout = cute.make_layout(
-            (BLOCK_N, QK_DIM, self.num_stages), stride=(QK_ROW_STRIDE, 1, BLOCK_N * QK_ROW_STRIDE)
+            (BLOCK_N, QK_DIM, NUM_STAGES), stride=(QK_ROW_STRIDE, 1, BLOCK_N * QK_ROW_STRIDE)
         )
         ss_layout = cute.make_layout((NUM_HEADS, BLOCK_N), stride=(S_ROW_STRIDE, 1))
         sp_layout = cute.make_layout((NUM_HEADS, BLOCK_N), stride=(P_ROW_STRIDE, 1))
@@ -131,7 +125,7 @@ class _SplitKernel:
         class SharedStorage:
             sq: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, NUM_HEADS * QK_ROW_STRIDE], 128]
             sk: cute.struct.Align[
-                cute.struct.MemRange[cutlass.BFloat16, self.num_stages * BLOCK_N * QK_ROW_STRIDE], 128
+                cute.struct.MemRange[cutlass.BFloat16, NUM_STAGES * BLOCK_N * QK_ROW_STRIDE], 128
             ]
             ss: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, NUM_HEADS * S_ROW_STRIDE], 128]
             sp: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, NUM_HEADS * P_ROW_STRIDE], 128]
@@ -157,7 +151,6 @@ class _SplitKernel:
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
-            preferred_smem_carveout=self.smem_carveout,
         )
 
     @cute.kernel
@@ -317,7 +310,7 @@ class _SplitKernel:
         scaled = cute.make_rmem_tensor((COLS_PER_SOFTMAX_THREAD,), cutlass.Float32)
 
         for chunk in cutlass.range(chunks_per_split, unroll=1):
-            stage = chunk % self.num_stages
+            stage = chunk % NUM_STAGES
             chunk_row = first_row + chunk * BLOCK_N
             # Prefetch the next chunk into the other stage; its readers finished at the barrier
             # that ended the previous iteration.
@@ -330,7 +323,7 @@ class _SplitKernel:
                     sk,
                     token,
                     chunk_row + BLOCK_N,
-                    (chunk + 1) % self.num_stages,
+                    (chunk + 1) % NUM_STAGES,
                     num_cache_rows,
                     tidx,
                 )

@@ -88,6 +88,11 @@ class WgmmaChunked:
     """The kernel, launched by `token_serial.GdnPrefillSm90` with `run`'s arguments: grid (8 v-heads, N
     sequences), 256 threads; see the module docstring."""
 
+    # (rows, columns) of the doubling products' output each thread computes per step, for the levels of
+    # 16 and 32: one element, or a tile whose lhs and rhs loads serve several products (v3.2). Every
+    # element's sum runs over m in the same order either way.
+    doubling_tiles = ((1, 1), (1, 1))
+
     @cute.jit
     def launch(self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, stream):
         update_mma, products_mma, gram_mma, keys_k_major, keys_mn_major, gram_a, square = operands()
@@ -347,7 +352,7 @@ class WgmmaChunked:
         """T = (I + A)^-1 as `chunked_model.invert_unit_lower`: the four 16 x 16 diagonal blocks by forward
         substitution on the unrounded A (thread c < 64: column c % 16 of block c // 16), rounded; then for
         sizes 16 and 32, X = rnd(T_hh rnd(A_hl)) and T_hl = rnd(-(X T_ll)). fp32 SIMT dot products of
-        rounded operands; the fp16 result also goes into `s_t`, T's B layout."""
+        rounded operands, in `doubling_tiles` per thread; the fp16 result also goes into `s_t`, T's B layout."""
         for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             s_tw[linear // CHUNK, linear % CHUNK] = Float32(0.0)
@@ -367,24 +372,42 @@ class WgmmaChunked:
         for level in cutlass.range_constexpr(2):  # blocks of 16, then of 32
             size = BLOCK << level
             pairs = CHUNK // (2 * size)
-            # X = rnd(T_hh rnd(A_hl)) for every pair (hi = lo + size), one element per step
-            for i in cutlass.range_constexpr(pairs * size * size // NUM_THREADS):
+            rows, cols = self.doubling_tiles[level]
+            tiles_r, tiles_c = size // rows, size // cols
+            lhs = cute.make_rmem_tensor((rows,), Float32)
+            rhs = cute.make_rmem_tensor((cols,), Float32)
+            dots = cute.make_rmem_tensor((rows * cols,), Float32)
+            # X = rnd(T_hh rnd(A_hl)) for every pair (hi = lo + size), a rows x cols tile per thread and step
+            for i in cutlass.range_constexpr(pairs * tiles_r * tiles_c // NUM_THREADS):
                 linear = i * NUM_THREADS + tidx
-                top = (linear // (size * size)) * 2 * size
-                r, c = (linear // size) % size, linear % size
-                dot = Float32(0.0)
+                top = (linear // (tiles_r * tiles_c)) * 2 * size
+                r0, c0 = ((linear // tiles_c) % tiles_r) * rows, (linear % tiles_c) * cols
+                dots.fill(0.0)
                 for m in cutlass.range_constexpr(size):
-                    dot = dot + s_tw[top + size + r, top + size + m] * s_a[top + size + m, top + c].to(Float16).to(Float32)
-                s_x[top + size + r, top + c] = dot.to(Float16).to(Float32)
+                    for dr in cutlass.range_constexpr(rows):
+                        lhs[dr] = s_tw[top + size + r0 + dr, top + size + m]
+                    for dc in cutlass.range_constexpr(cols):
+                        rhs[dc] = s_a[top + size + m, top + c0 + dc].to(Float16).to(Float32)
+                    for e in cutlass.range_constexpr(rows * cols):
+                        dots[e] = dots[e] + lhs[e // cols] * rhs[e % cols]
+                for e in cutlass.range_constexpr(rows * cols):
+                    s_x[top + size + r0 + e // cols, top + c0 + e % cols] = dots[e].to(Float16).to(Float32)
             cute.arch.sync_threads()
-            for i in cutlass.range_constexpr(pairs * size * size // NUM_THREADS):
+            # T_hl = rnd(-(X T_ll))
+            for i in cutlass.range_constexpr(pairs * tiles_r * tiles_c // NUM_THREADS):
                 linear = i * NUM_THREADS + tidx
-                top = (linear // (size * size)) * 2 * size
-                r, c = (linear // size) % size, linear % size
-                dot = Float32(0.0)
+                top = (linear // (tiles_r * tiles_c)) * 2 * size
+                r0, c0 = ((linear // tiles_c) % tiles_r) * rows, (linear % tiles_c) * cols
+                dots.fill(0.0)
                 for m in cutlass.range_constexpr(size):
-                    dot = dot + s_x[top + size + r, top + m] * s_tw[top + m, top + c]
-                s_tw[top + size + r, top + c] = (-dot).to(Float16).to(Float32)
+                    for dr in cutlass.range_constexpr(rows):
+                        lhs[dr] = s_x[top + size + r0 + dr, top + m]
+                    for dc in cutlass.range_constexpr(cols):
+                        rhs[dc] = s_tw[top + m, top + c0 + dc]
+                    for e in cutlass.range_constexpr(rows * cols):
+                        dots[e] = dots[e] + lhs[e // cols] * rhs[e % cols]
+                for e in cutlass.range_constexpr(rows * cols):
+                    s_tw[top + size + r0 + e // cols, top + c0 + e % cols] = (-dots[e]).to(Float16).to(Float32)
             cute.arch.sync_threads()
         for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
             linear = i * NUM_THREADS + tidx

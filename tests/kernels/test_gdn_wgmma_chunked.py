@@ -23,6 +23,7 @@ from hopperbench.paths import REPO_ROOT
 
 state_products = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "wgmma_chunked")
 candidate = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "candidate_wgmma_v3")
+tiled = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "candidate_wgmma_v3_tiled")
 cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 model = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/chunked_model.py", "gdn_chunked_model")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -102,8 +103,30 @@ def test_one_swizzled_copy_of_the_keys_is_every_operand_view_of_them():
 
 
 def test_compiles_for_sm90a_without_gpu():
-    fn = candidate.compile_only("sm_90a")
-    assert callable(fn) and candidate.compile_only("sm_90a") is fn
+    for module in (candidate, tiled):
+        fn = module.compile_only("sm_90a")
+        assert callable(fn) and module.compile_only("sm_90a") is fn
+    assert tiled.compile_only("sm_90a") is not candidate.compile_only("sm_90a")
+
+
+def test_every_doubling_tile_map_covers_each_output_once():
+    """The inverse's doubling steps give each thread a rows x cols tile per step; over all threads and steps the
+    tiles must cover every output of every pair exactly once (the kernel's index arithmetic, in Python)."""
+    size_of = {0: state_products.BLOCK, 1: 2 * state_products.BLOCK}
+    for tiles in (state_products.WgmmaChunked.doubling_tiles, tiled.TiledInverse.doubling_tiles):
+        for level, (rows, cols) in enumerate(tiles):
+            size, chunk, threads = size_of[level], state_products.CHUNK, state_products.NUM_THREADS
+            pairs, tiles_r, tiles_c = chunk // (2 * size), size // rows, size // cols
+            assert pairs * tiles_r * tiles_c % threads == 0
+            covered = []
+            for i in range(pairs * tiles_r * tiles_c // threads):
+                for tidx in range(threads):
+                    linear = i * threads + tidx
+                    top = (linear // (tiles_r * tiles_c)) * 2 * size
+                    r0, c0 = ((linear // tiles_c) % tiles_r) * rows, (linear % tiles_c) * cols
+                    covered += [(top + size + r0 + e // cols, top + c0 + e % cols) for e in range(rows * cols)]
+            expected = [(top + size + r, top + c) for top in range(0, chunk, 2 * size) for r in range(size) for c in range(size)]
+            assert sorted(covered) == sorted(expected)
 
 
 @pytest.mark.gpu
@@ -117,10 +140,11 @@ def test_compiles_for_sm90a_without_gpu():
     ],
     ids=lambda c: c.name,
 )
-def test_matches_the_chunked_model_at_kernel_precision(case):
+@pytest.mark.parametrize("module", ["v3.1", "v3.2"])
+def test_matches_the_chunked_model_at_kernel_precision(case, module):
     inputs = cases.make_inputs(case, "cuda", seed=7)
     output, new_state = cases.poisoned_outputs(case, "cuda")
-    candidate.run(*inputs.values(), output, new_state)
+    {"v3.1": candidate, "v3.2": tiled}[module].run(*inputs.values(), output, new_state)
     torch.cuda.synchronize()
     want_output, want_state = model.run(*inputs.values(), precision=model.KERNEL)
     for name, got, want in (("output", output.float(), want_output.float()), ("new_state", new_state, want_state)):
@@ -128,3 +152,19 @@ def test_matches_the_chunked_model_at_kernel_precision(case):
         err = float((got - want).norm() / want.norm())
         # A wrong layout gives O(1); fp32 sums in another order flip an fp16 or bf16 rounding now and then.
         assert err < 2e-3, (name, err)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_tiled_inverse_is_v3_1_bit_for_bit():
+    # Each output's sum runs over m in the same order whatever the tile, so the two kernels must agree exactly.
+    case = cases.CheckCase("v3_tiled_vs_v3_1", (200, 65, 9), True, 0.0, "mamba2")
+    inputs = cases.make_inputs(case, "cuda", seed=11)
+    outputs = []
+    for module in (candidate, tiled):
+        output, new_state = cases.poisoned_outputs(case, "cuda")
+        module.run(*inputs.values(), output, new_state)
+        outputs.append((output, new_state))
+    torch.cuda.synchronize()
+    assert torch.isfinite(outputs[0][0].float()).all() and torch.isfinite(outputs[0][1]).all()
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])

@@ -208,12 +208,7 @@ MOE = Track(
         CandidateSide(
             name="cand_wide_from_193",
             entry="candidate_wide_from_193.py::run",
-            description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 2048: the threshold's other side",
-        ),
-        CandidateSide(
-            name="cand_wgmma_below_33",
-            entry="candidate_wgmma_below_33.py::run",
-            description="kernel.py v2.3 with both GEMMs on warpgroup MMA (FEW_TOKENS) below 33 tokens too (v2.4)",
+            description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
     ),
 )

@@ -9,7 +9,7 @@ v2.3 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.
 T = 901, 1.02x at 52-62 tokens) and weight streaming at every T (1.51x and 1.65x at 14107 and 11948
 tokens over v0's grouped pipeline, which it replaced); in session 11 the 33-64-token variant up to
 FEW_TOKENS_MAX (v2.3, 1.06x at 80 tokens) and 64-token GEMM1 tiles above MEDIUM_T_MAX_TOKENS (v2.2,
-1.15x / 1.17x at 11948 / 14107 tokens); NOTES.md). Destination passing, definition order, no host
+1.15x / 1.17x at 11948 / 14107 tokens; the threshold from an off-list sweep); NOTES.md). Destination passing, definition order, no host
 sync, no data-dependent host logic, graph-safe.
 
 Every call is the five kernels of `host.py` in one TVM-FFI call, chained by programmatic dependent
@@ -76,9 +76,9 @@ FEW_TOKENS_MAX = 192
 # and 1.015x (geometric mean) at 52-62, 1.05x at 80 and 1.29x at 901.
 WGMMA_GEMM1_MIN_TOKENS = 33
 # GEMM1's 64-token tiles measured 0.98x at T = 901 (trials +5.6 %, -5.4 %, -1.2 %: it depends on how
-# many tokens the busiest experts get) and 1.15-1.17x at 11948 and 14107; no official T lies between.
-# 2048 is the conservative side of that gap; `tools/time_axes.py` measures it.
-MEDIUM_T_MAX_TOKENS = 2048
+# many tokens the busiest experts get) and 1.15-1.17x at 11948 and 14107; between them, off the list
+# (`tools/time_axes.py`, session 11), 0.99-1.07x at 1024, 1.05-1.09x at 1536 and 1.02-1.08x at 2048.
+MEDIUM_T_MAX_TOKENS = 1024
 NUM_STAGES = 4
 
 

@@ -1,7 +1,7 @@
 """MoE threshold candidate (kernels/moe/candidate_wide_from_193.py): kernel.py's LARGE_T from 193 tokens.
 CPU: the dispatch. GPU (marked `gpu`): its output equal to kernel.py's bit for bit at 901 tokens (below
 the threshold, where the two run different GEMM1 tiles). Per-GEMM checks of LARGE_T are
-test_moe_streaming.py's (kernel.py runs it above 2048); the end-to-end checks are test_moe_kernel.py's
+test_moe_streaming.py's (kernel.py runs it above 1024); the end-to-end checks are test_moe_kernel.py's
 (the module is in SOLUTIONS).
 """
 
@@ -16,7 +16,7 @@ from tests.kernels.test_moe_streaming import outputs_of
 candidate = solution_module("candidate_wide_from_193")
 
 
-def test_only_193_to_2048_tokens_change():
+def test_only_193_to_1024_tokens_change():
     for num_tokens in (1, 32, 33, 192, kernel.MEDIUM_T_MAX_TOKENS + 1, 14107, kernel.MAX_TOKENS):
         assert candidate.variant_for(num_tokens) is kernel.variant_for(num_tokens)
     for num_tokens in (193, 901, kernel.MEDIUM_T_MAX_TOKENS):

@@ -33,7 +33,7 @@ streaming = solution_module("streaming_gemm")
 
 @pytest.mark.parametrize(
     ("num_tokens", "block_tokens"),
-    [(1, 16), (7, 16), (16, 16), (80, 16), (192, 16), (193, 32), (901, 32), (2048, 32), (2049, 64), (32768, 64)],
+    [(1, 16), (7, 16), (16, 16), (80, 16), (192, 16), (193, 32), (901, 32), (1024, 32), (1025, 64), (2048, 64), (32768, 64)],
 )
 def test_every_batch_streams_with_row_tiles_by_its_size(num_tokens, block_tokens):
     assert kernel.variant_for(num_tokens).block_tokens == block_tokens
@@ -420,6 +420,7 @@ def _bad_column_tiles(actual: torch.Tensor, expected: torch.Tensor, tile: int, b
         cases.CheckCase("stages_t193", 193, 32),
         cases.CheckCase("stages_t300_one_expert", 300, 96, "one_expert"),
         cases.CheckCase("stages_t901", 901, 224),
+        cases.CheckCase("stages_t1025_one_expert", 1025, 96, "one_expert"),  # LARGE_T's smallest T
         cases.CheckCase("stages_t2048_all_local", 2048, 0, "all_local"),
         cases.CheckCase("stages_t2049", 2049, 96),  # LARGE_T: 64-token GEMM1 tiles
         cases.CheckCase("stages_t4096_one_expert", 4096, 0, "one_expert"),

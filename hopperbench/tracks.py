@@ -170,12 +170,7 @@ GDN_PREFILL = Track(
         CandidateSide(
             name="cand_wgmma_v3",
             entry="candidate_wgmma_v3.py::run",
-            description="design v3 prototype: one CTA per (sequence, head), the state a warpgroup-MMA accumulator, the next chunk copied ahead (v3.1)",
-        ),
-        CandidateSide(
-            name="cand_wgmma_v3_tiled",
-            entry="candidate_wgmma_v3_tiled.py::run",
-            description="cand_wgmma_v3 with the inverse's doubling products in 1 x 2 and 2 x 2 register tiles per thread (v3.2)",
+            description="design v3 prototype: one CTA per (sequence, head), the state a warpgroup-MMA accumulator, the next chunk copied ahead, a register-tiled inverse (v3.2)",
         ),
     ),
 )

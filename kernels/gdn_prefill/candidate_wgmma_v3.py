@@ -1,11 +1,11 @@
-"""GDN candidate v3.1 ("WGMMA chunks"): every sequence in one CTA per (sequence, v-head) stepping its 64-token
+"""GDN candidate v3.2 ("WGMMA chunks"): every sequence in one CTA per (sequence, v-head) stepping its 64-token
 chunks on warpgroup MMA, the 128 x 128 state an fp32 register accumulator of two warpgroups
 (`wgmma_chunked.py`; design v3 of NOTES.md, steps 1-4). Every T takes it (no token-serial path).
 
-v3.0 (session 10) was correct on its first GPU run at a chunk step of ~12 us (v1.9: ~5.6). v3.1 copies the
-next chunk's rows by cp.async while a chunk computes, scans G in a warp and computes the value side's decays
-once per token; its prediction (~8-9 us per chunk) and bar are in NOTES.md. Still a prototype on the way to
-`kernel.py` (a SIMT inverse, no overlap of one chunk's products with the next).
+Session 11: v3.0 was correct on its first GPU run at a chunk step of 12.2 us (v1.9: 5.6); v3.1 (the next
+chunk's rows copied by cp.async, G by a warp scan, the value side's decays once per token) 11.8 us; v3.2 (the
+inverse's doubling products in register tiles) 10.9 us. Still a prototype on the way to `kernel.py`; NOTES.md
+has the profile and what comes next.
 """
 
 from __future__ import annotations

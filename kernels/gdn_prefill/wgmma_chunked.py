@@ -1,6 +1,6 @@
 """GDN prefill on Hopper's warpgroup MMA (design v3, NOTES.md), steps 1-4: every sequence's chunks in one CTA
 per (sequence, v-head), the 128 x 128 state an fp32 WGMMA accumulator of two warpgroups (64 value rows
-each) for the whole sequence. Candidate v3.1 (`candidate_wgmma_v3.py`); not yet `kernel.py`'s.
+each) for the whole sequence. Candidate v3.2 (`candidate_wgmma_v3.py`); not yet `kernel.py`'s.
 
 Per chunk of 64 tokens, with `chunked_model.py`'s algebra and rounding points (KERNEL precision):
 
@@ -89,9 +89,9 @@ class WgmmaChunked:
     sequences), 256 threads; see the module docstring."""
 
     # (rows, columns) of the doubling products' output each thread computes per step, for the levels of
-    # 16 and 32: one element, or a tile whose lhs and rhs loads serve several products (v3.2). Every
-    # element's sum runs over m in the same order either way.
-    doubling_tiles = ((1, 1), (1, 1))
+    # 16 and 32: each loaded word of T, A or X serves two products (v3.2: 1.08x over one output per
+    # thread and step, bitwise the same outputs; every element's sum runs over m in the same order).
+    doubling_tiles = ((1, 2), (2, 2))
 
     @cute.jit
     def launch(self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, stream):

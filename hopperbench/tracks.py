@@ -170,7 +170,7 @@ GDN_PREFILL = Track(
         CandidateSide(
             name="cand_wgmma_v3",
             entry="candidate_wgmma_v3.py::run",
-            description="design v3 prototype: one CTA per (sequence, head), the state a warpgroup-MMA accumulator, the next chunk copied ahead, a register-tiled inverse (v3.2)",
+            description="design v3 prototype: one CTA per (sequence, head), the state a warpgroup-MMA accumulator, the next chunk copied ahead, a register-tiled inverse (v3.3)",
         ),
     ),
 )

@@ -1,11 +1,12 @@
-"""GDN candidate v3.2 ("WGMMA chunks"): every sequence in one CTA per (sequence, v-head) stepping its 64-token
+"""GDN candidate v3.3 ("WGMMA chunks"): every sequence in one CTA per (sequence, v-head) stepping its 64-token
 chunks on warpgroup MMA, the 128 x 128 state an fp32 register accumulator of two warpgroups
 (`wgmma_chunked.py`; design v3 of NOTES.md, steps 1-4). Every T takes it (no token-serial path).
 
 Session 11: v3.0 was correct on its first GPU run at a chunk step of 12.2 us (v1.9: 5.6); v3.1 (the next
 chunk's rows copied by cp.async, G by a warp scan, the value side's decays once per token) 11.8 us; v3.2 (the
-inverse's doubling products in register tiles) 10.9 us. Still a prototype on the way to `kernel.py`; NOTES.md
-has the profile and what comes next.
+inverse's doubling products in register tiles) 10.9 us. v3.3 (written after that lease, not yet run) zeroes T
+once per CTA, writes its fp16 copy block by block and rounds A's off-diagonal blocks once. Still a prototype on
+the way to `kernel.py`; NOTES.md has the profile and what comes next.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """GDN prefill on Hopper's warpgroup MMA (design v3, NOTES.md), steps 1-4: every sequence's chunks in one CTA
 per (sequence, v-head), the 128 x 128 state an fp32 WGMMA accumulator of two warpgroups (64 value rows
-each) for the whole sequence. Candidate v3.2 (`candidate_wgmma_v3.py`); not yet `kernel.py`'s.
+each) for the whole sequence. Candidate v3.3 (`candidate_wgmma_v3.py`); not yet `kernel.py`'s.
 
 Per chunk of 64 tokens, with `chunked_model.py`'s algebra and rounding points (KERNEL precision):
 
@@ -195,6 +195,12 @@ class WgmmaChunked:
             v_row, k_col = state_coords[i]
             state[i] = state_in[seq, head, v_row, k_col] if has_state != 0 else Float32(0.0)
 
+        # T's blocks above the diagonal are never written (`invert`): zero both copies of T once.
+        for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            s_tw[linear // CHUNK, linear % CHUNK] = Float32(0.0)
+            s_t[linear // CHUNK, linear % CHUNK, 0] = Float16(0.0)
+
         num_chunks = (length + CHUNK - 1) // CHUNK
         if num_chunks > 0:
             self.copy_chunk(g2s, q, k, v, a, b, start, length, 0, qk_head, head, raw, tidx)
@@ -327,7 +333,10 @@ class WgmmaChunked:
             for i in cutlass.range_constexpr(cute.size(gram)):
                 row, col = coords[i]
                 decay = cute.math.exp(s_g[row] - s_g[col], fastmath=False) if row > col else Float32(0.0)
-                s_a[row, col] = s_beta[row] * decay * gram[i] if row > col else Float32(0.0)
+                value = s_beta[row] * decay * gram[i] if row > col else Float32(0.0)
+                # The forward substitution reads A's diagonal 16 x 16 blocks unrounded, the doubling steps
+                # the other blocks rounded to fp16: each block is stored as its one reader wants it (v3.3).
+                s_a[row, col] = value if row // BLOCK == col // BLOCK else value.to(Float16).to(Float32)
         else:
             self.gram_product(gram_mma, gram, gram_mma.make_fragment_A(thr_gram.partition_A(s_queries)), t_b)
             for i in cutlass.range_constexpr(cute.size(gram)):
@@ -351,12 +360,10 @@ class WgmmaChunked:
     def invert(self, s_a, s_tw, s_x, s_t, tidx: Int32):
         """T = (I + A)^-1 as `chunked_model.invert_unit_lower`: the four 16 x 16 diagonal blocks by forward
         substitution on the unrounded A (thread c < 64: column c % 16 of block c // 16), rounded; then for
-        sizes 16 and 32, X = rnd(T_hh rnd(A_hl)) and T_hl = rnd(-(X T_ll)). fp32 SIMT dot products of
-        rounded operands, in `doubling_tiles` per thread; the fp16 result also goes into `s_t`, T's B layout."""
-        for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
-            linear = i * NUM_THREADS + tidx
-            s_tw[linear // CHUNK, linear % CHUNK] = Float32(0.0)
-        cute.arch.sync_threads()
+        sizes 16 and 32, X = rnd(T_hh rnd(A_hl)) and T_hl = rnd(-(X T_ll)) (`key_side` stored A's
+        off-diagonal blocks rounded). fp32 SIMT dot products of rounded operands, in `doubling_tiles` per
+        thread; each block of T goes into `s_t` (fp16, T's B layout) as it is final. The blocks above the
+        diagonal are never written: the kernel zeroes both copies once."""
         if tidx < CHUNK:
             base = (tidx // BLOCK) * BLOCK
             col = tidx % BLOCK
@@ -368,6 +375,7 @@ class WgmmaChunked:
                     column[r] = column[r] - s_a[base + r, base + j] * column[j]
             for r in cutlass.range_constexpr(BLOCK):
                 s_tw[base + r, base + col] = column[r].to(Float16).to(Float32)
+                s_t[base + r, base + col, 0] = column[r].to(Float16)
         cute.arch.sync_threads()
         for level in cutlass.range_constexpr(2):  # blocks of 16, then of 32
             size = BLOCK << level
@@ -387,7 +395,7 @@ class WgmmaChunked:
                     for dr in cutlass.range_constexpr(rows):
                         lhs[dr] = s_tw[top + size + r0 + dr, top + size + m]
                     for dc in cutlass.range_constexpr(cols):
-                        rhs[dc] = s_a[top + size + m, top + c0 + dc].to(Float16).to(Float32)
+                        rhs[dc] = s_a[top + size + m, top + c0 + dc]
                     for e in cutlass.range_constexpr(rows * cols):
                         dots[e] = dots[e] + lhs[e // cols] * rhs[e % cols]
                 for e in cutlass.range_constexpr(rows * cols):
@@ -407,12 +415,12 @@ class WgmmaChunked:
                     for e in cutlass.range_constexpr(rows * cols):
                         dots[e] = dots[e] + lhs[e // cols] * rhs[e % cols]
                 for e in cutlass.range_constexpr(rows * cols):
-                    s_tw[top + size + r0 + e // cols, top + c0 + e % cols] = (-dots[e]).to(Float16).to(Float32)
-            cute.arch.sync_threads()
-        for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
-            linear = i * NUM_THREADS + tidx
-            s_t[linear // CHUNK, linear % CHUNK, 0] = s_tw[linear // CHUNK, linear % CHUNK].to(Float16)
-        cute.arch.fence_view_async_shared()
+                    row, col = top + size + r0 + e // cols, top + c0 + e % cols
+                    s_tw[row, col] = (-dots[e]).to(Float16).to(Float32)
+                    s_t[row, col, 0] = (-dots[e]).to(Float16)
+            if cutlass.const_expr(level == 0):  # the last level's barrier is the one below
+                cute.arch.sync_threads()
+        cute.arch.fence_view_async_shared()  # s_t's generic-proxy stores, before the tensor core reads them
         cute.arch.sync_threads()
 
     @cute.jit

@@ -245,9 +245,15 @@ class WgmmaChunked:
             token, piece = linear // (HEAD_SIZE // VEC), linear % (HEAD_SIZE // VEC)
             if first + token < length:
                 row = start + first + token
-                cute.copy(g2s, cute.local_tile(k[row, qk_head, None], (VEC,), (piece,)), cute.local_tile(raw_k[token, None], (VEC,), (piece,)))
-                cute.copy(g2s, cute.local_tile(q[row, qk_head, None], (VEC,), (piece,)), cute.local_tile(raw_q[token, None], (VEC,), (piece,)))
-                cute.copy(g2s, cute.local_tile(v[row, head, None], (VEC,), (piece,)), cute.local_tile(raw_v[token, None], (VEC,), (piece,)))
+                cute.copy(
+                    g2s, cute.local_tile(k[row, qk_head, None], (VEC,), (piece,)), cute.local_tile(raw_k[token, None], (VEC,), (piece,))
+                )
+                cute.copy(
+                    g2s, cute.local_tile(q[row, qk_head, None], (VEC,), (piece,)), cute.local_tile(raw_q[token, None], (VEC,), (piece,))
+                )
+                cute.copy(
+                    g2s, cute.local_tile(v[row, head, None], (VEC,), (piece,)), cute.local_tile(raw_v[token, None], (VEC,), (piece,))
+                )
         token = tidx % CHUNK
         if first + token < length:
             if tidx < CHUNK:

@@ -9,8 +9,8 @@ v2.3 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.
 T = 901, 1.02x at 52-62 tokens) and weight streaming at every T (1.51x and 1.65x at 14107 and 11948
 tokens over v0's grouped pipeline, which it replaced); in session 11 the 33-64-token variant up to
 FEW_TOKENS_MAX (v2.3, 1.06x at 80 tokens) and 64-token GEMM1 tiles above MEDIUM_T_MAX_TOKENS (v2.2,
-1.15x / 1.17x at 11948 / 14107 tokens; the threshold from an off-list sweep); NOTES.md). Destination passing, definition order, no host
-sync, no data-dependent host logic, graph-safe.
+1.15x / 1.17x at 11948 / 14107 tokens; the threshold from an off-list sweep); NOTES.md). Destination
+passing, definition order, no host sync, no data-dependent host logic, graph-safe.
 
 Every call is the five kernels of `host.py` in one TVM-FFI call, chained by programmatic dependent
 launches: the routing grid on counters the previous call on the stream left at zero, GEMM1 +
@@ -147,6 +147,7 @@ MEDIUM_T = StreamingVariant(
 # Above MEDIUM_T_MAX_TOKENS GEMM1 reads each expert's weights once per 64 tokens (v2.2).
 LARGE_T = dataclasses.replace(MEDIUM_T, block_tokens=64, num_stages=3, gemm1_scratch_in_stage=True)
 VARIANTS = (TINY_T, FEW_TOKENS, MEDIUM_T, LARGE_T)
+
 
 def variant_for(num_tokens: int) -> StreamingVariant:
     """The streaming variant for a batch of `num_tokens` tokens."""

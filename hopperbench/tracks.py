@@ -230,7 +230,18 @@ DSA_ATTENTION = Track(
             package="flash_mla==1.0.0+9241ae3",
         ),
     ),
-    candidates=(),
+    candidates=(
+        CandidateSide(
+            name="cand_cluster_16",
+            entry="candidate_cluster_merge.py::run_sixteen",
+            description="kernel.py v1.2 at T <= 8 as clusters of 16 splits merged over distributed shared memory, no combine kernel (v1.6)",
+        ),
+        CandidateSide(
+            name="cand_cluster_8",
+            entry="candidate_cluster_merge.py::run_eight",
+            description="cand_cluster_16 with clusters of 8 splits (the portable size, four chunks each) (v1.6)",
+        ),
+    ),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

@@ -101,6 +101,38 @@ def _make_tiled_mma() -> cute.TiledMma:
 class _SplitKernel:
     """Partial attention of one token over 2048 / num_splits of its rows (see module docstring)."""
 
+    def shared_layouts(self):
+        """(tiled MMA, layouts of sq, sk, ss, sp, the shared-memory struct): the split kernel's operands,
+        for this class's launch and a candidate's (traced inside the caller's jit)."""
+        tiled_mma = _make_tiled_mma()
+        sq_layout = cute.make_layout((NUM_HEADS, QK_DIM), stride=(QK_ROW_STRIDE, 1))
+        sk_layout = cute.make_layout(
+            (BLOCK_N, QK_DIM, NUM_STAGES), stride=(QK_ROW_STRIDE, 1, BLOCK_N * QK_ROW_STRIDE)
+        )
+        ss_layout = cute.make_layout((NUM_HEADS, BLOCK_N), stride=(S_ROW_STRIDE, 1))
+        sp_layout = cute.make_layout((NUM_HEADS, BLOCK_N), stride=(P_ROW_STRIDE, 1))
+
+        fields = {
+            "sq": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, NUM_HEADS * QK_ROW_STRIDE], 128],
+            "sk": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, NUM_STAGES * BLOCK_N * QK_ROW_STRIDE], 128],
+            "ss": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, NUM_HEADS * S_ROW_STRIDE], 128],
+            "sp": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, NUM_HEADS * P_ROW_STRIDE], 128],
+            "salpha": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, NUM_HEADS], 16],
+        }
+        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        return tiled_mma, sq_layout, sk_layout, ss_layout, sp_layout, SharedStorage
+
+    def shared_tensors(self, SharedStorage, sq_layout, sk_layout, ss_layout, sp_layout):
+        """The CTA's shared-memory tensors (sq, sk, ss, sp, salpha)."""
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        return (
+            storage.sq.get_tensor(sq_layout),
+            storage.sk.get_tensor(sk_layout),
+            storage.ss.get_tensor(ss_layout),
+            storage.sp.get_tensor(sp_layout),
+            storage.salpha.get_tensor(cute.make_layout(NUM_HEADS)),
+        )
+
     @cute.jit
     def launch(
         self,
@@ -113,24 +145,7 @@ class _SplitKernel:
         workspace: cute.Tensor,
         stream,
     ):
-        tiled_mma = _make_tiled_mma()
-        sq_layout = cute.make_layout((NUM_HEADS, QK_DIM), stride=(QK_ROW_STRIDE, 1))
-        sk_layout = cute.make_layout(
-            (BLOCK_N, QK_DIM, NUM_STAGES), stride=(QK_ROW_STRIDE, 1, BLOCK_N * QK_ROW_STRIDE)
-        )
-        ss_layout = cute.make_layout((NUM_HEADS, BLOCK_N), stride=(S_ROW_STRIDE, 1))
-        sp_layout = cute.make_layout((NUM_HEADS, BLOCK_N), stride=(P_ROW_STRIDE, 1))
-
-        @cute.struct
-        class SharedStorage:
-            sq: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, NUM_HEADS * QK_ROW_STRIDE], 128]
-            sk: cute.struct.Align[
-                cute.struct.MemRange[cutlass.BFloat16, NUM_STAGES * BLOCK_N * QK_ROW_STRIDE], 128
-            ]
-            ss: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, NUM_HEADS * S_ROW_STRIDE], 128]
-            sp: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, NUM_HEADS * P_ROW_STRIDE], 128]
-            salpha: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, NUM_HEADS], 16]
-
+        tiled_mma, sq_layout, sk_layout, ss_layout, sp_layout, SharedStorage = self.shared_layouts()
         num_splits = workspace.shape[1]
         self.kernel(
             q_nope,
@@ -176,13 +191,7 @@ class _SplitKernel:
         # launch; its CTAs wait in griddepcontrol.wait until this grid is complete and visible.
         cute.arch.griddepcontrol_launch_dependents()
 
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
-        sq = storage.sq.get_tensor(sq_layout)
-        sk = storage.sk.get_tensor(sk_layout)
-        ss = storage.ss.get_tensor(ss_layout)
-        sp = storage.sp.get_tensor(sp_layout)
-        salpha = storage.salpha.get_tensor(cute.make_layout(NUM_HEADS))
+        sq, sk, ss, sp, salpha = self.shared_tensors(SharedStorage, sq_layout, sk_layout, ss_layout, sp_layout)
 
         acc_o, row_max, row_sum = self.attend(
             q_nope,
@@ -564,7 +573,9 @@ class DsaSparseAttentionSm90:
 _COMPILED: dict[tuple[str, type, type], Callable] = {}
 
 
-def _compile(arch: str, split: type, combine: type) -> Callable:
+def fake_arguments(workspace: bool = True) -> tuple:
+    """Compile-time stand-ins of a launcher's arguments, in `DsaSparseAttentionSm90`'s order: T, P and the
+    split count symbolic; `workspace=False` for a launcher that takes none."""
     num_tokens = cute.sym_int()
     num_pages = cute.sym_int()
     num_splits = cute.sym_int()
@@ -582,10 +593,16 @@ def _compile(arch: str, split: type, combine: type) -> Callable:
         1.0,
         rowmajor(bf16, (num_tokens, NUM_HEADS, CKV_DIM)),
         rowmajor(f32, (num_tokens, NUM_HEADS)),
-        rowmajor(f32, (num_tokens, num_splits, NUM_HEADS, WS_COLS)),
-        make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    return cute.compile(DsaSparseAttentionSm90(split, combine), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+    if workspace:
+        args += (rowmajor(f32, (num_tokens, num_splits, NUM_HEADS, WS_COLS)),)
+    return args + (make_fake_stream(use_tvm_ffi_env_stream=True),)
+
+
+def _compile(arch: str, split: type, combine: type) -> Callable:
+    return cute.compile(
+        DsaSparseAttentionSm90(split, combine), *fake_arguments(), options=f"--enable-tvm-ffi --gpu-arch {arch}"
+    )
 
 
 def compiled_for(arch: str = GPU_ARCH, combine: type = _CombineKernel, split: type = _SplitKernel) -> Callable:

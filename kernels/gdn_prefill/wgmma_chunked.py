@@ -391,43 +391,52 @@ class WgmmaChunked:
             lhs = cute.make_rmem_tensor((rows,), Float32)
             rhs = cute.make_rmem_tensor((cols,), Float32)
             dots = cute.make_rmem_tensor((rows * cols,), Float32)
+            steps = pairs * tiles_r * tiles_c // NUM_THREADS
             # X = rnd(T_hh rnd(A_hl)) for every pair (hi = lo + size), a rows x cols tile per thread and step
-            for i in cutlass.range_constexpr(pairs * tiles_r * tiles_c // NUM_THREADS):
-                linear = i * NUM_THREADS + tidx
-                top = (linear // (tiles_r * tiles_c)) * 2 * size
-                r0, c0 = ((linear // tiles_c) % tiles_r) * rows, (linear % tiles_c) * cols
-                dots.fill(0.0)
-                for m in cutlass.range_constexpr(size):
-                    for dr in cutlass.range_constexpr(rows):
-                        lhs[dr] = s_tw[top + size + r0 + dr, top + size + m]
-                    for dc in cutlass.range_constexpr(cols):
-                        rhs[dc] = s_a[top + size + m, top + c0 + dc]
-                    for e in cutlass.range_constexpr(rows * cols):
-                        dots[e] = dots[e] + lhs[e // cols] * rhs[e % cols]
+            # (`key_side` stored A's off-diagonal blocks rounded)
+            for i in cutlass.range_constexpr(steps):
+                hi, lo, r0, c0 = self.doubling_tile(i * NUM_THREADS + tidx, size, rows, cols)
+                self.tile_dots(self.block(s_tw, size, hi, hi), self.block(s_a, size, hi, lo), lhs, rhs, dots, r0, c0, size)
                 for e in cutlass.range_constexpr(rows * cols):
-                    s_x[top + size + r0 + e // cols, top + c0 + e % cols] = dots[e].to(Float16).to(Float32)
+                    s_x[hi * size + r0 + e // cols, lo * size + c0 + e % cols] = dots[e].to(Float16).to(Float32)
             cute.arch.sync_threads()
             # T_hl = rnd(-(X T_ll))
-            for i in cutlass.range_constexpr(pairs * tiles_r * tiles_c // NUM_THREADS):
-                linear = i * NUM_THREADS + tidx
-                top = (linear // (tiles_r * tiles_c)) * 2 * size
-                r0, c0 = ((linear // tiles_c) % tiles_r) * rows, (linear % tiles_c) * cols
-                dots.fill(0.0)
-                for m in cutlass.range_constexpr(size):
-                    for dr in cutlass.range_constexpr(rows):
-                        lhs[dr] = s_x[top + size + r0 + dr, top + m]
-                    for dc in cutlass.range_constexpr(cols):
-                        rhs[dc] = s_tw[top + m, top + c0 + dc]
-                    for e in cutlass.range_constexpr(rows * cols):
-                        dots[e] = dots[e] + lhs[e // cols] * rhs[e % cols]
+            for i in cutlass.range_constexpr(steps):
+                hi, lo, r0, c0 = self.doubling_tile(i * NUM_THREADS + tidx, size, rows, cols)
+                self.tile_dots(self.block(s_x, size, hi, lo), self.block(s_tw, size, lo, lo), lhs, rhs, dots, r0, c0, size)
                 for e in cutlass.range_constexpr(rows * cols):
-                    row, col = top + size + r0 + e // cols, top + c0 + e % cols
+                    row, col = hi * size + r0 + e // cols, lo * size + c0 + e % cols
                     s_tw[row, col] = (-dots[e]).to(Float16).to(Float32)
                     s_t[row, col, 0] = (-dots[e]).to(Float16)
             if cutlass.const_expr(level == 0):  # the last level's barrier is the one below
                 cute.arch.sync_threads()
         cute.arch.fence_view_async_shared()  # s_t's generic-proxy stores, before the tensor core reads them
         cute.arch.sync_threads()
+
+    def doubling_tile(self, linear: Int32, size: int, rows: int, cols: int):
+        """(hi block, lo block, first row, first column) of the tile that thread-and-step number `linear` computes
+        in a doubling product of `size` x `size` blocks (blocks in units of `size`; tiles of rows x cols)."""
+        tiles_r, tiles_c = size // rows, size // cols
+        pair = linear // (tiles_r * tiles_c)
+        return 2 * pair + 1, 2 * pair, ((linear // tiles_c) % tiles_r) * rows, (linear % tiles_c) * cols
+
+    def block(self, square: cute.Tensor, size: int, row_block: Int32, col_block: Int32) -> cute.Tensor:
+        """The (row_block, col_block) block of a [token, token] work array, in blocks of `size`."""
+        return cute.local_tile(square, (size, size), (row_block, col_block))
+
+    @cute.jit
+    def tile_dots(self, lhs_block, rhs_block, lhs, rhs, dots, r0: Int32, c0: Int32, size: cutlass.Constexpr):
+        """dots[dr * cols + dc] = sum over m in order of lhs_block[r0 + dr, m] * rhs_block[m, c0 + dc] (fp32;
+        rows, cols = the sizes of `lhs`, `rhs`): each loaded word serves every product of its row or column."""
+        rows, cols = cute.size(lhs), cute.size(rhs)
+        dots.fill(0.0)
+        for m in cutlass.range_constexpr(size):
+            for dr in cutlass.range_constexpr(rows):
+                lhs[dr] = lhs_block[r0 + dr, m]
+            for dc in cutlass.range_constexpr(cols):
+                rhs[dc] = rhs_block[m, c0 + dc]
+            for e in cutlass.range_constexpr(rows * cols):
+                dots[e] = dots[e] + lhs[e // cols] * rhs[e % cols]
 
     @cute.jit
     def value_side(

@@ -114,21 +114,21 @@ def test_compiles_for_sm90a_without_gpu():
 
 
 def test_every_doubling_tile_map_covers_each_output_once():
-    """The inverse's doubling steps give each thread a rows x cols tile per step; over all threads and steps the
-    tiles must cover every output of every pair exactly once (the kernel's index arithmetic, in Python)."""
+    """The inverse's doubling steps give each thread a rows x cols tile per step (`doubling_tile`, plain
+    arithmetic the kernel traces): over all threads and steps the tiles must cover every output of every
+    pair exactly once."""
     size_of = {0: state_products.BLOCK, 1: 2 * state_products.BLOCK}
-    for tiles in (state_products.WgmmaChunked.doubling_tiles, OneOutputPerThread.doubling_tiles):
-        for level, (rows, cols) in enumerate(tiles):
-            size, chunk, threads = size_of[level], state_products.CHUNK, state_products.NUM_THREADS
-            pairs, tiles_r, tiles_c = chunk // (2 * size), size // rows, size // cols
-            assert pairs * tiles_r * tiles_c % threads == 0
+    chunk, threads = state_products.CHUNK, state_products.NUM_THREADS
+    for kernel_class in (state_products.WgmmaChunked, OneOutputPerThread):
+        for level, (rows, cols) in enumerate(kernel_class.doubling_tiles):
+            size = size_of[level]
+            tiles = (chunk // (2 * size)) * (size // rows) * (size // cols)
+            assert tiles % threads == 0
             covered = []
-            for i in range(pairs * tiles_r * tiles_c // threads):
-                for tidx in range(threads):
-                    linear = i * threads + tidx
-                    top = (linear // (tiles_r * tiles_c)) * 2 * size
-                    r0, c0 = ((linear // tiles_c) % tiles_r) * rows, (linear % tiles_c) * cols
-                    covered += [(top + size + r0 + e // cols, top + c0 + e % cols) for e in range(rows * cols)]
+            for linear in range(tiles):
+                hi, lo, r0, c0 = kernel_class().doubling_tile(linear, size, rows, cols)
+                assert hi == lo + 1
+                covered += [(hi * size + r0 + e // cols, lo * size + c0 + e % cols) for e in range(rows * cols)]
             expected = [(top + size + r, top + c) for top in range(0, chunk, 2 * size) for r in range(size) for c in range(size)]
             assert sorted(covered) == sorted(expected)
 

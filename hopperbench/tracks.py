@@ -205,6 +205,21 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
+        CandidateSide(
+            name="cand_w2_prefetch_early",
+            entry="candidate_w2_prefetch.py::run",
+            description="kernel.py whose mma.sync GEMM1 (below 33 tokens) prefetches the first 32 MB of the active experts' W2 into L2 from each CTA's start (v2.5)",
+        ),
+        CandidateSide(
+            name="cand_w2_prefetch_late",
+            entry="candidate_w2_prefetch.py::run_late",
+            description="cand_w2_prefetch_early with the prefetch issued when each GEMM1 CTA starts its last item (v2.5)",
+        ),
+        CandidateSide(
+            name="cand_w2_prefetch_loads_first",
+            entry="candidate_w2_prefetch.py::run_loads_first",
+            description="cand_w2_prefetch_early with the routing that issues a token's loads before its sigmoids (v1.7's) below 33 tokens (v2.5)",
+        ),
     ),
 )
 
@@ -228,18 +243,6 @@ DSA_ATTENTION = Track(
             ),
             submodule="third_party/FlashMLA",
             package="flash_mla==1.0.0+9241ae3",
-        ),
-    ),
-    candidates=(
-        CandidateSide(
-            name="cand_cluster_16",
-            entry="candidate_cluster_merge.py::run_sixteen",
-            description="kernel.py v1.2 at T <= 8 as clusters of 16 splits merged over distributed shared memory, no combine kernel (v1.6)",
-        ),
-        CandidateSide(
-            name="cand_cluster_8",
-            entry="candidate_cluster_merge.py::run_eight",
-            description="cand_cluster_16 with clusters of 8 splits (the portable size, four chunks each) (v1.6)",
         ),
     ),
 )

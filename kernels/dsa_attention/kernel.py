@@ -573,9 +573,9 @@ class DsaSparseAttentionSm90:
 _COMPILED: dict[tuple[str, type, type], Callable] = {}
 
 
-def fake_arguments(workspace: bool = True) -> tuple:
-    """Compile-time stand-ins of a launcher's arguments, in `DsaSparseAttentionSm90`'s order: T, P and the
-    split count symbolic; `workspace=False` for a launcher that takes none."""
+def fake_arguments() -> tuple:
+    """Compile-time stand-ins of the launcher's arguments, in `DsaSparseAttentionSm90`'s order: T, P and the
+    split count symbolic."""
     num_tokens = cute.sym_int()
     num_pages = cute.sym_int()
     num_splits = cute.sym_int()
@@ -584,7 +584,7 @@ def fake_arguments(workspace: bool = True) -> tuple:
         return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
 
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
-    args = (
+    return (
         rowmajor(bf16, (num_tokens, NUM_HEADS, CKV_DIM)),
         rowmajor(bf16, (num_tokens, NUM_HEADS, KPE_DIM)),
         rowmajor(bf16, (num_pages, PAGE_SIZE, CKV_DIM)),
@@ -593,10 +593,9 @@ def fake_arguments(workspace: bool = True) -> tuple:
         1.0,
         rowmajor(bf16, (num_tokens, NUM_HEADS, CKV_DIM)),
         rowmajor(f32, (num_tokens, NUM_HEADS)),
+        rowmajor(f32, (num_tokens, num_splits, NUM_HEADS, WS_COLS)),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    if workspace:
-        args += (rowmajor(f32, (num_tokens, num_splits, NUM_HEADS, WS_COLS)),)
-    return args + (make_fake_stream(use_tvm_ffi_env_stream=True),)
 
 
 def _compile(arch: str, split: type, combine: type) -> Callable:

@@ -205,21 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_w2_prefetch_early",
-            entry="candidate_w2_prefetch.py::run",
-            description="kernel.py whose mma.sync GEMM1 (below 33 tokens) prefetches the first 32 MB of the active experts' W2 into L2 from each CTA's start (v2.5)",
-        ),
-        CandidateSide(
-            name="cand_w2_prefetch_late",
-            entry="candidate_w2_prefetch.py::run_late",
-            description="cand_w2_prefetch_early with the prefetch issued when each GEMM1 CTA starts its last item (v2.5)",
-        ),
-        CandidateSide(
-            name="cand_w2_prefetch_loads_first",
-            entry="candidate_w2_prefetch.py::run_loads_first",
-            description="cand_w2_prefetch_early with the routing that issues a token's loads before its sigmoids (v1.7's) below 33 tokens (v2.5)",
-        ),
     ),
 )
 

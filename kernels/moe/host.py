@@ -53,22 +53,15 @@ class MoeHostSm90:
     come zeroed from the previous call and the last launch zeroes them again, so no call starts with
     a tiny zeroing launch and its host gap (sessions 8 and 9)."""
 
-    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm, routing_loads_first: bool = False):
+    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm):
         if not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
             raise TypeError("the MoE host chains its launches: the expert GEMMs need with_link")
         routing_link, gemm1_link, gemm2_link, combine_link, release_link = chain_links(5)
-        self.routing = RoutingKernel(routing_link, routing_loads_first)
+        self.routing = RoutingKernel(routing_link)
         self.gemm1 = gemm1.with_link(gemm1_link)
         self.gemm2 = gemm2.with_link(gemm2_link)
         self.combine = CombineKernel(combine_link)
         self.release_counts = ReleaseCountsKernel(release_link)
-
-    def gemm1_extra(self, gemm2_weights: cute.Tensor) -> dict:
-        """GEMM1's extra launch arguments: GEMM2's weights for a GEMM1 that prefetches them into L2
-        (`streaming_gemm.W2Prefetch`), none otherwise (so the other variants compile as before)."""
-        if getattr(self.gemm1.cfg, "w2_prefetch", None) is not None:
-            return {"w2": gemm2_weights}
-        return {}
 
     @cute.jit
     def __call__(
@@ -118,7 +111,6 @@ class MoeHostSm90:
             expert_tokens,
             gemm1_grid,
             stream,
-            **self.gemm1_extra(gemm2_weights),
         )
         self.gemm2.launch(
             intermediate,

@@ -44,7 +44,7 @@ import torch
 from . import counters, host
 from .host import Workspaces
 from .inputs import MAX_TOKENS, MoeShapeError, check_inputs
-from .streaming_gemm import StreamingGemm, StreamingGemmConfig, W2Prefetch
+from .streaming_gemm import StreamingGemm, StreamingGemmConfig
 from .wgmma_gemm1 import WgmmaGemm1, WgmmaGemm1Config
 from .wgmma_gemm2 import WgmmaGemm2, WgmmaGemm2Config
 
@@ -94,8 +94,6 @@ class StreamingVariant:
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
-    w2_prefetch: W2Prefetch | None = None  # the `mma.sync` GEMM1 prefetches W2 into L2 (streaming_gemm.py)
-    routing_loads_first: bool = False  # routing.route_token's loads_first
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -103,8 +101,6 @@ class StreamingVariant:
             raise ValueError("wgmma_gemm2 needs wgmma_gemm1")
         if self.gemm1_scratch_in_stage and not self.wgmma_gemm1:
             raise ValueError("gemm1_scratch_in_stage needs wgmma_gemm1")
-        if self.w2_prefetch is not None and self.wgmma_gemm1:
-            raise ValueError("w2_prefetch is a feature of the mma.sync GEMM1")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -114,9 +110,7 @@ class StreamingVariant:
                 permuted_c=self.wgmma_gemm2,
                 scratch_in_stage=self.gemm1_scratch_in_stage,
             )
-        return StreamingGemmConfig(
-            gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages, w2_prefetch=self.w2_prefetch
-        )
+        return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:
         config = self.gemm1()
@@ -174,7 +168,7 @@ _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
 def _compile(arch: str, variant: StreamingVariant) -> Callable:
     # The launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs).
     return host.compile_host(
-        host.MoeHostSm90(variant.make_gemm1(), variant.make_gemm2(), variant.routing_loads_first),
+        host.MoeHostSm90(variant.make_gemm1(), variant.make_gemm2()),
         arch,
     )
 

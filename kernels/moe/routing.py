@@ -7,7 +7,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from .chain import NO_CHAIN, ChainLink, Linked, enter
+from .chain import Linked, enter
 from .shapes import GROUP_SIZE, NORMALISATION_EPS, NUM_GROUPS, NUM_LOCAL_EXPERTS, TOP_K, TOP_K_GROUPS
 
 ROUTING_WARPS = 4  # tokens per CTA
@@ -92,36 +92,17 @@ def route_token(
     slot_weight: cute.Tensor,
     token: cutlass.Int32,
     lane: cutlass.Int32,
-    loads_first: cutlass.Constexpr = False,
 ):
     """One warp routes one token: its top-8 experts, their weights, and for each local one a rank
-    taken by an atomic increment of `counts` and the packed-list entry.
-
-    `loads_first` (candidate v1.7, again in v2.5): all of the token's logit and bias loads are issued
-    before the first sigmoid, and the chosen experts' scores come from the lanes that computed them
-    instead of a second load. Without it each load waits behind the previous sigmoid's division (ptxas
-    expands it into a branchy slow path), so the cold loads are paid one after the other (ncu, session
-    9). The same fp32 operations on the same values either way."""
+    taken by an atomic increment of `counts` and the packed-list entry."""
     neg_inf = -cutlass.Float32.inf
     # biased[g] = sigmoid(logit) + bias of expert g*32 + lane.
     biased = cute.make_rmem_tensor((NUM_GROUPS,), cutlass.Float32)
     group_score = cute.make_rmem_tensor((NUM_GROUPS,), cutlass.Float32)
-    score = cute.make_rmem_tensor((NUM_GROUPS,), cutlass.Float32)
-    if cutlass.const_expr(loads_first):
-        logit = cute.make_rmem_tensor((NUM_GROUPS,), cutlass.Float32)
-        bias = cute.make_rmem_tensor((NUM_GROUPS,), cutlass.Float32)
-        for g in cutlass.range_constexpr(NUM_GROUPS):
-            logit[g] = routing_logits[token, g * GROUP_SIZE + lane]
-        for g in cutlass.range_constexpr(NUM_GROUPS):
-            bias[g] = routing_bias[g * GROUP_SIZE + lane].to(cutlass.Float32)
-        for g in cutlass.range_constexpr(NUM_GROUPS):
-            score[g] = _sigmoid(logit[g])
-            biased[g] = score[g] + bias[g]
-    else:
-        for g in cutlass.range_constexpr(NUM_GROUPS):
-            expert = g * GROUP_SIZE + lane
-            score[g] = _sigmoid(routing_logits[token, expert])
-            biased[g] = score[g] + routing_bias[expert].to(cutlass.Float32)
+    for g in cutlass.range_constexpr(NUM_GROUPS):
+        expert = g * GROUP_SIZE + lane
+        score = _sigmoid(routing_logits[token, expert])
+        biased[g] = score + routing_bias[expert].to(cutlass.Float32)
     # Group score: the sum of the group's two largest biased scores (a tie counts twice).
     for g in cutlass.range_constexpr(NUM_GROUPS):
         top1, top1_lane = _warp_argmax(biased[g], lane)
@@ -152,15 +133,7 @@ def route_token(
         if lane == k:
             my_expert = best_expert
     # Weights from the unbiased scores of the 8 chosen experts (lanes 0..7).
-    my_score = cutlass.Float32(0.0)
-    if cutlass.const_expr(loads_first):
-        # Expert e's score sits in register e // 32 of lane e % 32; every lane takes part in the shuffles.
-        for g in cutlass.range_constexpr(NUM_GROUPS):
-            held = cute.arch.shuffle_sync(score[g], offset=my_expert % GROUP_SIZE)
-            if my_expert // GROUP_SIZE == g:
-                my_score = held
-    else:
-        my_score = _sigmoid(routing_logits[token, my_expert])
+    my_score = _sigmoid(routing_logits[token, my_expert])
     total = my_score if lane < TOP_K else cutlass.Float32(0.0)
     for shift in cutlass.range_constexpr(3):  # lanes 0..7 form one butterfly group
         total = total + cute.arch.shuffle_sync_bfly(total, offset=4 >> shift)
@@ -180,12 +153,6 @@ def route_token(
 
 
 class RoutingKernel(Linked):
-    """Warp-per-token routing (`route_token`), ROUTING_WARPS tokens per CTA; `loads_first` as there."""
-
-    def __init__(self, link: ChainLink = NO_CHAIN, loads_first: bool = False):
-        super().__init__(link)
-        self.loads_first = loads_first
-
     @cute.jit
     def launch(
         self,
@@ -238,5 +205,5 @@ class RoutingKernel(Linked):
         if token < routing_logits.shape[0]:
             route_token(
                 routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, counts,
-                expert_tokens, slot_expert, slot_rank, slot_weight, token, tidx % 32, self.loads_first,
+                expert_tokens, slot_expert, slot_rank, slot_weight, token, tidx % 32,
             )  # fmt: skip

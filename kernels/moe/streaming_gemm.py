@@ -36,8 +36,6 @@ routing and combine kernels are reused unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -71,33 +69,6 @@ assert BLOCK % GEMM1_ITEM_COLUMNS == 0
 
 class StreamingConfigError(ValueError):
     """A streaming GEMM configuration that the kernel cannot run."""
-
-
-W2_CHUNK_ROWS = 8  # W2 rows per L2 prefetch instruction: 8 x 2048 B = 16 KB
-W2_CHUNK_BYTES = W2_CHUNK_ROWS * INTERMEDIATE
-W2_CHUNKS_PER_EXPERT = HIDDEN // W2_CHUNK_ROWS  # 896
-
-
-@dataclass(frozen=True)
-class W2Prefetch:
-    """GEMM1 asks L2 for the first `budget_bytes` of the active experts' W2, in the order GEMM2 first reads
-    them (expert by expert, row by row), so that GEMM2 starts on weights already in L2 (candidate v2.5).
-
-    Why it can pay: GEMM1 on `mma.sync` streams at ~2.4 TB/s (issue-bound, ncu session 9), so DRAM has
-    room for a second stream, and a bulk prefetch costs one instruction per 16 KB. `early`: each CTA
-    prefetches its share right after its schedule tables (the most overlap, but GEMM1's own stream then
-    passes through L2 after it); else when the CTA starts its last item."""
-
-    budget_bytes: int
-    early: bool
-
-    def __post_init__(self) -> None:
-        if self.budget_bytes <= 0 or self.budget_bytes % W2_CHUNK_BYTES:
-            raise StreamingConfigError(f"the W2 prefetch budget must be a positive multiple of {W2_CHUNK_BYTES} B")
-
-    @property
-    def budget_chunks(self) -> int:
-        return self.budget_bytes // W2_CHUNK_BYTES
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,17 +240,14 @@ class PersistentGemmConfig:
 class StreamingGemmConfig(PersistentGemmConfig):
     """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
 
-    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int, w2_prefetch: W2Prefetch | None = None):
+    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int):
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
             raise StreamingConfigError(f"num_stages must be >= 2, got {num_stages}")
-        if w2_prefetch is not None and not gemm1:
-            raise StreamingConfigError("only GEMM1 prefetches GEMM2's weights")
         self.gemm1 = gemm1
         self.block_tokens = block_tokens
         self.num_stages = num_stages
-        self.w2_prefetch = w2_prefetch
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -397,32 +365,6 @@ def locate_row_tile(
     return expert, first_row, valid_rows, expert_offset[expert] + first_row
 
 
-@cute.jit
-def prefetch_w2(
-    w2: cute.Tensor, expert_count: cute.Tensor, budget_chunks: cutlass.Constexpr, cta: Int32, grid: Int32, tidx: Int32
-):
-    """This CTA's share of `W2Prefetch`: chunk j (16 KB: 8 rows of the ordinal j // 896 active expert) goes to
-    thread j // grid of CTA j % grid, so the whole grid covers chunks 0 .. budget once, each with one
-    `cp.async.bulk.prefetch.L2` (asynchronous: nothing waits for it, and it changes no data)."""
-    num_active = Int32(0)
-    for e in cutlass.range_constexpr(NUM_LOCAL_EXPERTS):
-        if expert_count[e] > 0:
-            num_active = num_active + 1
-    limit = cutlass.min(num_active * W2_CHUNKS_PER_EXPERT, budget_chunks)
-    for j in cutlass.range(cta + tidx * grid, limit, NUM_THREADS * grid, unroll=1):
-        ordinal = j // W2_CHUNKS_PER_EXPERT
-        expert = Int32(0)
-        seen = Int32(0)
-        for e in cutlass.range_constexpr(NUM_LOCAL_EXPERTS):
-            if expert_count[e] > 0:
-                if seen == ordinal:
-                    expert = Int32(e)
-                seen = seen + 1
-        row = (j % W2_CHUNKS_PER_EXPERT) * W2_CHUNK_ROWS
-        address = (w2.iterator + (expert * HIDDEN + row) * INTERMEDIATE).toint()
-        cute.arch.inline_ptx(f"cp.async.bulk.prefetch.L2.global [{{$r0}}], {W2_CHUNK_BYTES};", read_only_args=[address])
-
-
 # ------------------------------------------------------------------------------------------------
 # the kernel
 # ------------------------------------------------------------------------------------------------
@@ -472,9 +414,7 @@ class StreamingGemm(LinkedGemm):
         expert_tokens: cute.Tensor,
         num_ctas: Int32,
         stream,
-        w2: cute.Tensor | None = None,
     ):
-        """`w2`: GEMM2's weights, given only to a GEMM1 with a `W2Prefetch` (host.py)."""
         cfg = self.cfg
         bt = cfg.block_tokens
         ns = cfg.num_stages
@@ -498,7 +438,7 @@ class StreamingGemm(LinkedGemm):
         scratch_layout = cute.make_layout((bt, ITEM_ROWS, NUM_WARPS), stride=(1, bt, ITEM_ROWS * bt))
 
         kernel = self.kernel(
-            x, x_scale, w, w_scale, out, counts, expert_tokens, w2,
+            x, x_scale, w, w_scale, out, counts, expert_tokens,
             w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage,
         )  # fmt: skip
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream)
@@ -513,7 +453,6 @@ class StreamingGemm(LinkedGemm):
         out: cute.Tensor,
         counts: cute.Tensor,
         expert_tokens: cute.Tensor,
-        w2: cute.Tensor | None,
         w_layout: cute.Layout,
         x_layout: cute.Layout,
         x_scale_layout: cute.Layout,
@@ -543,9 +482,6 @@ class StreamingGemm(LinkedGemm):
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, cfg.items_per_row_tile, cfg.k_stages, cta, grid, warp_id, lane
         )
-        prefetch = cfg.w2_prefetch  # GEMM1 only (the configuration checks)
-        if cutlass.const_expr(prefetch is not None and prefetch.early):
-            prefetch_w2(w2, expert_count, prefetch.budget_chunks, cta, grid, tidx)
 
         g2s_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
@@ -594,9 +530,6 @@ class StreamingGemm(LinkedGemm):
             )
             if k_stage == 0:
                 acc.fill(0.0)
-            if cutlass.const_expr(prefetch is not None and not prefetch.early):
-                if s == total_stages - cfg.k_stages:  # the CTA starts its last item
-                    prefetch_w2(w2, expert_count, prefetch.budget_chunks, cta, grid, tidx)
             self.compute_block(
                 s % ns, warp_id, group, quad, valid_rows, w_stages, x_stages, x_scales, w_scales, acc, block_acc
             )

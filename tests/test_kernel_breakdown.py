@@ -67,3 +67,35 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
 def test_without_cuda_it_says_so(capsys):
     assert tool.main(["--track", "dsa_attention"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_timeline_says_when_each_activity_was_issued_started_and_ended():
+    api = tool.ApiRecord
+    # Two iterations of routing then gemm (correlation ids 1, 2 and 3, 4); the gemm's launch is issued after
+    # the routing ended, so the gemm waited for the host, not for the GPU.
+    iterations = [
+        [rec("routing", 100, 106, cid=1), rec("gemm", 110, 140, cid=2)],
+        [rec("routing", 500, 507, cid=3), rec("gemm", 512, 540, cid=4)],
+    ]
+    launches = [
+        api(start=98_000, end=99_000, correlation_id=1, kind=0, callback_id=0),
+        api(start=107_000, end=108_000, correlation_id=2, kind=0, callback_id=0),
+        # a runtime call and the driver call inside it share an id: the earlier start counts
+        api(start=107_500, end=107_900, correlation_id=2, kind=1, callback_id=0),
+        api(start=497_000, end=498_000, correlation_id=3, kind=0, callback_id=0),
+        api(start=509_000, end=510_000, correlation_id=4, kind=0, callback_id=0),
+    ]
+    issued = tool.issue_times(launches)
+    assert issued[2] == 107_000
+    result = tool.breakdown(iterations, issued)
+    routing, gemm = result.activities
+    assert routing.median_start_us == 0.0 and routing.median_end_us == pytest.approx(6.5)
+    assert routing.median_issued_us == pytest.approx(-2.5)  # issued 2 and 3 us before it started
+    assert gemm.median_start_us == pytest.approx(11.0) and gemm.median_end_us == pytest.approx(40.0)
+    assert gemm.median_issued_us == pytest.approx(8.0)  # 7 and 9 us after the routing started
+    assert gemm.median_issued_us > routing.median_end_us
+    text = tool.render("moe #1:", result)
+    assert "issued" in text and "8.0" in text
+    # Without the launches the column says unknown.
+    assert tool.breakdown(iterations).activities[1].median_issued_us is None
+    assert tool.breakdown(iterations, {1: 98_000}).activities[1].median_issued_us is None

@@ -5,9 +5,13 @@
 For each chosen workload (indices of the track's workload list; default: the first): synthesized
 inputs (seed, trial 0), then the CUPTI cold-L2 protocol of hopperbench.timing (the same flush,
 synchronisation and span rules as the runner), then one table: per activity of the call, in launch
-order, its median duration and the median gap before it (host time the span holds), and the
-median span. A multi-launch side shows which kernel or which host gap dominates; a single kernel
-shows whether the span is the kernel. No correctness check here: the runner does that.
+order, when the host issued it (the start of its launching API call), when it started and ended on
+the GPU (all three from the call's first GPU start; CUPTI puts host and GPU times on one clock), its
+duration and the gap before it (from the previous activity's end: host time the span holds), each a
+median over the iterations, and the median span. A multi-launch side shows which kernel or which
+host gap dominates, and whether a kernel waited for its own launch (issued after the previous one
+ended) or for the GPU; a single kernel shows whether the span is the kernel. No correctness check
+here: the runner does that.
 Exits 2 without CUDA or CUPTI, or on bad arguments, with one line on stderr.
 """
 
@@ -16,10 +20,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from hopperbench.timing.span import GpuRecord
+from hopperbench.timing.span import ApiRecord, GpuRecord
 
 NS_PER_US = 1e3
 
@@ -36,6 +40,9 @@ class ActivityStat:
     name: str
     median_us: float
     median_gap_before_us: float  # from the previous activity's end (0 for the first)
+    median_start_us: float = 0.0  # GPU start, from the iteration's first GPU start
+    median_end_us: float = 0.0  # GPU end, same origin
+    median_issued_us: float | None = None  # host start of its launching API call, same origin; None: unknown
 
 
 @dataclass(frozen=True)
@@ -48,11 +55,23 @@ class Breakdown:
         return sum(a.median_us for a in self.activities)
 
 
-def breakdown(per_iteration: Sequence[Sequence[GpuRecord]]) -> Breakdown:
+def issue_times(api_records: Sequence[ApiRecord]) -> dict[int, int]:
+    """Correlation id -> host start (ns) of the earliest API call with that id (a runtime launch and the
+    driver call inside it can share one), i.e. when the host began to issue that GPU work."""
+    issued: dict[int, int] = {}
+    for record in api_records:
+        known = issued.get(record.correlation_id)
+        if known is None or record.start < known:
+            issued[record.correlation_id] = record.start
+    return issued
+
+
+def breakdown(per_iteration: Sequence[Sequence[GpuRecord]], issued: Mapping[int, int] | None = None) -> Breakdown:
     """Line up each iteration's activities by start order and take medians position by position.
 
     Every iteration must launch the same activities in the same order (the timer already refuses
-    iterations whose sets differ; the order is checked here)."""
+    iterations whose sets differ; the order is checked here). `issued` (`issue_times`) adds when the
+    host issued each activity; an activity whose launch is missing from it in any iteration gets None."""
     if not per_iteration:
         raise BreakdownError("no iterations")
     ordered = [sorted(records, key=lambda r: (r.start, r.end)) for records in per_iteration]
@@ -67,16 +86,42 @@ def breakdown(per_iteration: Sequence[Sequence[GpuRecord]]) -> Breakdown:
             0.0 if position == 0 else max(0.0, (records[position].start - records[position - 1].end) / NS_PER_US)
             for records in ordered
         ]
-        activities.append(ActivityStat(position, name, statistics.median(durations), statistics.median(gaps)))
+        origins = [records[0].start for records in ordered]
+        starts = [(records[position].start - origin) / NS_PER_US for records, origin in zip(ordered, origins)]
+        ends = [(records[position].end - origin) / NS_PER_US for records, origin in zip(ordered, origins)]
+        issue = None
+        if issued is not None and all(records[position].correlation_id in issued for records in ordered):
+            issue = statistics.median(
+                (issued[records[position].correlation_id] - origin) / NS_PER_US
+                for records, origin in zip(ordered, origins)
+            )
+        activities.append(
+            ActivityStat(
+                position,
+                name,
+                statistics.median(durations),
+                statistics.median(gaps),
+                statistics.median(starts),
+                statistics.median(ends),
+                issue,
+            )
+        )
     spans = [(max(r.end for r in records) - min(r.start for r in records)) / NS_PER_US for records in ordered]
     return Breakdown(activities, statistics.median(spans))
 
 
 def render(title: str, result: Breakdown, name_width: int = 60) -> str:
-    lines = [title, f"  {'#':>2} {'activity':<{name_width}} {'median us':>10} {'gap before':>11}"]
+    lines = [
+        title,
+        f"  {'#':>2} {'activity':<{name_width}} {'issued':>7} {'start':>7} {'end':>7} {'median us':>10} {'gap before':>11}",
+    ]
     for a in result.activities:
         name = a.name if len(a.name) <= name_width else a.name[: name_width - 3] + "..."
-        lines.append(f"  {a.position:>2} {name:<{name_width}} {a.median_us:>10.1f} {a.median_gap_before_us:>11.1f}")
+        issued = "-" if a.median_issued_us is None else f"{a.median_issued_us:.1f}"
+        lines.append(
+            f"  {a.position:>2} {name:<{name_width}} {issued:>7} {a.median_start_us:>7.1f} {a.median_end_us:>7.1f}"
+            f" {a.median_us:>10.1f} {a.median_gap_before_us:>11.1f}"
+        )
     gaps = result.median_span_us - result.median_busy_us
     lines.append(
         f"  span {result.median_span_us:.1f} us = activities {result.median_busy_us:.1f} us + gaps/overlap {gaps:.1f} us"
@@ -148,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         except TimerUnavailable as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        result = breakdown(iteration_gpu_records(trace.windows, trace.api_records, trace.gpu_records))
+        per_iteration = iteration_gpu_records(trace.windows, trace.api_records, trace.gpu_records)
+        result = breakdown(per_iteration, issue_times(trace.api_records))
         axes = " ".join(f"{k}={v}" for k, v in workload.axes.items())
         print(render(f"{track.name} #{index} ({axes}), side {side.name}:", result))
         del inputs, call_args, trace

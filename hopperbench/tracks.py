@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_wgmma_gemm2_below_33",
-            entry="candidate_wgmma_gemm2_tiny.py::run",
-            description="kernel.py below 33 tokens with GEMM2 on bf16 warpgroup MMA behind the mma.sync GEMM1, which stores C permuted for it (v2.6)",
-        ),
     ),
 )
 

@@ -92,10 +92,13 @@ class StreamingVariant:
     gemm2_block_tokens: int | None = None  # None: block_tokens
     gemm2_num_stages: int | None = None  # None: num_stages
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
-    wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); GEMM1 then stores C permuted
+    wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
 
     def __post_init__(self) -> None:
+        if self.wgmma_gemm2 and not self.wgmma_gemm1:
+            # The WGMMA GEMM2 reads C in the column order only the WGMMA GEMM1 writes.
+            raise ValueError("wgmma_gemm2 needs wgmma_gemm1")
         if self.gemm1_scratch_in_stage and not self.wgmma_gemm1:
             raise ValueError("gemm1_scratch_in_stage needs wgmma_gemm1")
 
@@ -107,9 +110,7 @@ class StreamingVariant:
                 permuted_c=self.wgmma_gemm2,
                 scratch_in_stage=self.gemm1_scratch_in_stage,
             )
-        return StreamingGemmConfig(
-            gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages, permuted_c=self.wgmma_gemm2
-        )
+        return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:
         config = self.gemm1()

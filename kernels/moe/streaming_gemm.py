@@ -44,7 +44,6 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .chain import NO_CHAIN, ChainLink, enter
-from .intermediate_order import GROUP, stored_position
 from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
 from .swiglu import swiglu_bf16
 
@@ -117,15 +116,6 @@ def item_weight_row(gemm1: bool, n_tile, row):
         gate = row // GEMM1_ITEM_COLUMNS
         return n_tile * GEMM1_ITEM_COLUMNS + row + gate * (INTERMEDIATE - GEMM1_ITEM_COLUMNS)
     return n_tile * ITEM_ROWS + row
-
-
-def c_column(natural, permuted: bool):
-    """Where GEMM1 stores C's natural column `natural`: in place, or (`permuted`, for the WGMMA GEMM2) at
-    its group's `intermediate_order.stored_position`. An item's 16 columns are half of a 32-column group,
-    so the two items of a group fill it together, each column once."""
-    if not permuted:
-        return natural
-    return natural - natural % GROUP + stored_position(natural % GROUP)
 
 
 def item_weight_scale_row(gemm1: bool, n_tile, m_tile):
@@ -250,17 +240,14 @@ class PersistentGemmConfig:
 class StreamingGemmConfig(PersistentGemmConfig):
     """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
 
-    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int, permuted_c: bool = False):
+    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int):
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
             raise StreamingConfigError(f"num_stages must be >= 2, got {num_stages}")
-        if permuted_c and not gemm1:
-            raise StreamingConfigError("permuted_c is GEMM1's output order")
         self.gemm1 = gemm1
         self.block_tokens = block_tokens
         self.num_stages = num_stages
-        self.permuted_c = permuted_c
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -794,9 +781,7 @@ class StreamingGemm(LinkedGemm):
                     for wp in cutlass.range_constexpr(1, NUM_WARPS):
                         up = up + scratch[token_slot, column, wp]
                         gate = gate + scratch[token_slot, GEMM1_ITEM_COLUMNS + column, wp]
-                    out[packed_row0 + token_slot, c_column(n_tile * GEMM1_ITEM_COLUMNS + column, cfg.permuted_c)] = (
-                        swiglu_bf16(gate, up)
-                    )
+                    out[packed_row0 + token_slot, n_tile * GEMM1_ITEM_COLUMNS + column] = swiglu_bf16(gate, up)
         else:
             for i in cutlass.range_constexpr(ITEM_ROWS * bt // NUM_THREADS):
                 linear = i * NUM_THREADS + tidx

@@ -28,7 +28,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check
 kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_wide_from_193", "candidate_wgmma_gemm2_tiny")
+SOLUTIONS = ("kernel", "candidate_wide_from_193")
 
 
 @functools.cache
@@ -81,11 +81,9 @@ def test_variants_are_on_wgmma_from_33_tokens():
     assert len(set(kernel.VARIANTS)) == len(kernel.VARIANTS)  # each compiled configuration once
 
 
-def test_the_wgmma_gemm2_gets_c_in_its_order_from_either_gemm1():
-    # The WGMMA GEMM2 reads C permuted (intermediate_order.py); both GEMM1s can store it so.
-    mixed = dataclasses.replace(kernel.TINY_T, wgmma_gemm2=True)
-    assert mixed.gemm1().permuted_c and not kernel.TINY_T.gemm1().permuted_c
-    assert kernel.FEW_TOKENS.gemm1().permuted_c
+def test_the_wgmma_flags_need_the_wgmma_gemm1():
+    with pytest.raises(ValueError, match="wgmma_gemm1"):
+        dataclasses.replace(kernel.TINY_T, wgmma_gemm2=True)  # C in the order only that GEMM1 writes
     with pytest.raises(ValueError, match="wgmma_gemm1"):
         dataclasses.replace(kernel.TINY_T, gemm1_scratch_in_stage=True)
 

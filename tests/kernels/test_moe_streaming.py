@@ -265,17 +265,6 @@ def test_mma_pairs_weight_k_with_activation_k_exactly_once(gemm1, block_tokens):
         assert all(sorted(ks) == block_ks for ks in products.values())
 
 
-def test_mma_sync_gemm1_stores_c_where_the_wgmma_gemm2_reads_it():
-    # Candidate v2.6: the mma.sync GEMM1 (16 columns per item) stores C in the WGMMA GEMM1's permuted order
-    # (32 columns per item), which is what wgmma_gemm2.py reads: every column once, in its own group.
-    order = solution_module("intermediate_order")
-    stored = [streaming.c_column(c, True) for c in range(2048)]
-    assert sorted(stored) == list(range(2048))
-    assert all(p // order.GROUP == c // order.GROUP for c, p in enumerate(stored))
-    assert all(p == c - c % order.GROUP + order.stored_position(c % order.GROUP) for c, p in enumerate(stored))
-    assert [streaming.c_column(c, False) for c in range(2048)] == list(range(2048))
-
-
 def test_accumulator_coordinates_follow_the_isa():
     for lane in range(32):
         group, quad = lane // GROUP_SIZE, lane % GROUP_SIZE

@@ -172,6 +172,11 @@ GDN_PREFILL = Track(
             entry="candidate_wgmma_v3.py::run",
             description="design v3 prototype: one CTA per (sequence, head), the state a warpgroup-MMA accumulator, the next chunk copied ahead, a register-tiled inverse (v3.3)",
         ),
+        CandidateSide(
+            name="cand_wy_prepass",
+            entry="candidate_wy_prepass.py::run",
+            description="kernel.py with the chunked path in two kernels: a parallel prepass of every chunk's gates, P and T = (I + A)^-1, then the chain with only the state-dependent half (v4.0)",
+        ),
     ),
 )
 

@@ -37,6 +37,7 @@ KERNEL_CHOICES = (
     "token_serial",
     "chunked",
     "candidate_wgmma_v3",
+    "candidate_wy_prepass",
 )
 
 # Ten sequences, so that the chunked kernel, which orders its grid rows by length (v1.7), re-ranks at replay:

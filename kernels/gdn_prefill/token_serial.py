@@ -527,10 +527,11 @@ class GdnPrefillSm90:
 _COMPILED: dict[tuple[str, type], Callable] = {}
 
 
-def compile_launcher(launcher: object, arch: str) -> Callable:
+def compile_launcher(launcher: object, arch: str, extra_args: tuple = ()) -> Callable:
     """`cute.compile` of a host launcher taking `run`'s tensors in definition order (then `scale`,
-    `has_state` and the stream): one compile for every T and N (symbolic shapes), as a TVM-FFI
-    function on the current torch stream. Shared by every GDN kernel of this folder."""
+    `has_state`, any `extra_args` stand-ins such as a candidate's workspaces, and the stream): one
+    compile for every T and N (symbolic shapes), as a TVM-FFI function on the current torch stream.
+    Shared by every GDN kernel of this folder."""
     num_tokens = cute.sym_int()
     num_seqs = cute.sym_int()
     num_bounds = cute.sym_int()  # N + 1
@@ -558,6 +559,7 @@ def compile_launcher(launcher: object, arch: str) -> Callable:
         1,  # has_state
         rowmajor(bf16, (num_tokens, NUM_V_HEADS, HEAD_SIZE), align=2),  # output
         rowmajor(f32, state_shape),  # new_state
+        *extra_args,
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return cute.compile(launcher, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
@@ -585,7 +587,7 @@ def resolve_scale(scale: float | None) -> float:
     return float(scale)
 
 
-def _check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state) -> None:
+def check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state) -> None:
     # One cheap combined test on the hot path; the detailed message only when it fails.
     num_tokens = q.shape[0]
     num_seqs = new_state.shape[0]
@@ -627,7 +629,7 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
 
 def run_kernel(kernel: type, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
     """`run` with `kernel` (the kernel class of this file or of chunked.py, or a candidate's subclass)."""
-    _check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
+    check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
     if new_state.shape[0] == 0:
         return
     has_state = state is not None

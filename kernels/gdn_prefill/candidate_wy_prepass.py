@@ -1,0 +1,530 @@
+"""GDN candidate v4.0 ("WY prepass"): `kernel.py` with the chunked path split in two kernels, so that the chain of
+chunks carries only the state-dependent half of each chunk.
+
+Why (session 12's timeline, NOTES.md): at 1377 tokens in one sequence Kachua's GPU work is 62 us against our
+122, because a parallel prepass does the state-free half of every chunk (the WY factors) before its sequential
+kernel, which then steps a chunk in 2.0 us against `chunked.py`'s 5.55. In `chunked.py` that half (the Gram
+tiles A and P, the gates and the three-level inverse T = (I + A)^-1, phases P1-P4) sits on the chain, and the
+four V-slice CTAs of a (sequence, head) each recompute it.
+
+1. `_KeySide`, grid (8 heads, chunk slots): per (chunk, head) the gates (G in base 2, beta), P and T exactly as
+   `chunked.py` computes them (its methods), stored to a workspace: T and P in fp16 [slots, 8, 2, 64, 64], G and
+   beta in fp32 [slots, 8, 2, 64]. Chunk c of sequence s has slot `chunk_slot(start_s, c, s)`.
+2. `_ValueSide`, `chunked.py`'s grid: per chunk only the K S0^T / Q S0^T products, V' = T Xb, the output and
+   the state update; T, G and beta of the next chunk arrive by cp.async from the end of this chunk's V' phase,
+   and P (double-buffered, the one array it keeps two of) from its start. Three CTA barriers per chunk, not six.
+
+Same values, same roundings, same order of operations as `chunked.py`, so the outputs and states are
+`kernel.py`'s bit for bit (a GPU test checks); up to TOKEN_SERIAL_MAX_TOKENS tokens this entry is `kernel.py`
+(the token-serial path). Two launches in one TVM-FFI call (the second waits for the first in stream order);
+the workspaces (~16.5 KB per slot and head) are allocated per call.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.runtime import make_fake_compact_tensor
+
+from . import chunked, kernel, token_serial
+from .chunked import (
+    BLOCK,
+    CHUNK,
+    COPY_ELEMS,
+    DIAG_STRIDE,
+    KQ_ROWS,
+    KQ_T_VIEW,
+    KQ_VIEW,
+    LOG2_E,
+    MAX_SMEM_CARVEOUT,
+    NARROW_STRIDE,
+    NUM_BLOCKS,
+    NUM_SLICES,
+    NUM_STAGES,
+    NUM_THREADS,
+    SCRATCH_VIEW,
+    SLICE_BY_TOKEN_VIEW,
+    SLICE_ROWS,
+    SQUARE_T_VIEW,
+    SQUARE_VIEW,
+    STATE16_VIEW,
+    STATE_COLS_PER_WARP,
+    WARP_SIZE,
+    WIDE_STRIDE,
+    _Chunked,
+    _layout,
+    _make_operand_copies,
+    _make_warp_mma,
+    sequence_bounds,
+)
+from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, GdnShapeError, resolve_scale
+
+__all__ = ["GdnShapeError", "chunk_slot", "compile_only", "num_chunk_slots", "run"]
+
+SQUARE_PIECES = CHUNK // COPY_ELEMS  # 16-B pieces of a 64-wide fp16 row
+GATE_PIECES = CHUNK * 4 // 16  # 16-B pieces of 64 fp32
+
+
+def chunk_slot(start, chunk, seq):
+    """Workspace slot of chunk `chunk` of sequence `seq` starting at token `start`. Unique: within a sequence
+    the slots grow by one per chunk, and the next sequence starts at or after this one's last token, so its
+    first slot is at least this one's last + 1 (the + seq). Below `num_chunk_slots`. Plain arithmetic: the
+    kernels call it with DSL integers, the tests with Python ints."""
+    return (start + chunk * CHUNK) // CHUNK + seq
+
+
+def num_chunk_slots(num_tokens: int, num_seqs: int) -> int:
+    """Slots of the workspace: chunk_slot <= (T - 1) // 64 + N - 1 for every chunk of every sequence."""
+    return num_tokens // CHUNK + num_seqs
+
+
+class _KeySide(_Chunked):
+    """Kernel 1: the state-free half of every (chunk, head), from `chunked.py`'s methods, into the workspace."""
+
+    @cute.jit
+    def launch(self, q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream):
+        tiled_mma = _make_warp_mma()
+        f16, bf16, f32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32
+
+        @cute.struct
+        class SharedStorage:
+            raw_k: cute.struct.Align[cute.struct.MemRange[bf16, CHUNK * HEAD_SIZE], 128]
+            raw_a: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
+            raw_b: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
+            kq: cute.struct.Align[cute.struct.MemRange[f16, KQ_ROWS * WIDE_STRIDE], 128]
+            a16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
+            a_diag: cute.struct.Align[cute.struct.MemRange[f32, CHUNK * DIAG_STRIDE], 128]
+            t16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
+            p16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
+            scratch: cute.struct.Align[cute.struct.MemRange[f16, SLICE_ROWS * WIDE_STRIDE], 128]
+            cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
+            beta: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
+
+        self.key_kernel(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, tiled_mma, SharedStorage).launch(
+            grid=[NUM_V_HEADS, ws_tp.shape[0], 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            preferred_smem_carveout=MAX_SMEM_CARVEOUT,
+        )
+
+    @cute.jit
+    def sequence_of_slot(self, cu_seqlens: cute.Tensor, slot: cutlass.Int32, total_tokens: cutlass.Int32):
+        """The last sequence whose first chunk slot is <= `slot` (binary search; the first slots grow with the
+        sequence index). The slot is that sequence's chunk slot - first slot, if that chunk exists."""
+        lo = cutlass.Int32(0)
+        hi = cutlass.Int32(cu_seqlens.shape[0] - 2)
+        for _ in cutlass.range(32, unroll=1):
+            if lo < hi:
+                mid = (lo + hi + 1) // 2
+                mid_start, _ = sequence_bounds(cu_seqlens, mid, total_tokens)
+                if chunk_slot(mid_start, 0, mid) <= slot:
+                    lo = mid
+                else:
+                    hi = mid - 1
+        return lo
+
+    @cute.kernel
+    def key_kernel(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        A_log: cute.Tensor,
+        a: cute.Tensor,
+        dt_bias: cute.Tensor,
+        b: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        ws_tp: cute.Tensor,
+        ws_g: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        head, slot, _ = cute.arch.block_idx()
+        warp_idx = tidx // WARP_SIZE
+        lane = tidx % WARP_SIZE
+        total_tokens = cutlass.Int32(q.shape[0])
+        seq = self.sequence_of_slot(cu_seqlens, slot, total_tokens)
+        start, length = sequence_bounds(cu_seqlens, seq, total_tokens)
+        num_chunks = (length + CHUNK - 1) // CHUNK
+        # A slot that is no chunk (past a sequence's end, or before the first sequence) has nothing to do.
+        first_slot = chunk_slot(start, 0, seq)
+        chunk = cutlass.Int32(cutlass.select_(slot >= first_slot, slot - first_slot, num_chunks))
+        if chunk < num_chunks:
+            smem = cutlass.memory.SmemAllocator()
+            st = smem.allocate(SharedStorage)
+            raw_k = st.raw_k.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1)))
+            ab_layout = cute.make_layout(
+                (NUM_STAGES, CHUNK, NUM_V_HEADS), stride=(CHUNK * NUM_V_HEADS, NUM_V_HEADS, 1)
+            )
+            raw_a = st.raw_a.get_tensor(ab_layout)
+            raw_b = st.raw_b.get_tensor(ab_layout)
+            kq = st.kq.get_tensor(_layout(KQ_VIEW))
+            kq_raw = cute.make_tensor(cute.recast_ptr(kq.iterator, dtype=cutlass.BFloat16), _layout(KQ_VIEW))
+            a16 = st.a16.get_tensor(_layout(SQUARE_VIEW))
+            a16_t = cute.make_tensor(a16.iterator, _layout(SQUARE_T_VIEW))
+            a_diag = st.a_diag.get_tensor(cute.make_layout((CHUNK, BLOCK), stride=(DIAG_STRIDE, 1)))
+            t16 = st.t16.get_tensor(_layout(SQUARE_VIEW))
+            t16_t = cute.make_tensor(t16.iterator, _layout(SQUARE_T_VIEW))
+            p16 = st.p16.get_tensor(_layout(SQUARE_VIEW))
+            scratch = cute.make_tensor(st.scratch.get_tensor(_layout(STATE16_VIEW)).iterator, _layout(SCRATCH_VIEW))[
+                warp_idx, None, None
+            ]
+            cum_log_g = st.cum_log_g.get_tensor(cute.make_layout(CHUNK))
+            beta = st.beta.get_tensor(cute.make_layout(CHUNK))
+
+            copy_a, copy_b, copy_bt = _make_operand_copies(tiled_mma)
+            thr_mma = tiled_mma.get_slice(lane)
+            coords_sq = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, BLOCK)))
+            coords_rows = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, SLICE_ROWS)))
+            acc_sq = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
+            acc_y = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
+
+            g2s = cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
+            )
+            self.copy_head_rows(g2s, k, raw_k, 0, start, length, chunk, head, tidx)
+            self.copy_gate_rows(g2s, a, b, raw_a, raw_b, start, length, chunk, 0, tidx)
+            self.load_q(g2s, q, kq_raw, start, length, chunk, head, tidx)
+            cute.arch.cp_async_commit_group()
+            # T and P are lower triangular; their upper blocks are stored too, as zeros.
+            for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
+                linear = i * NUM_THREADS + tidx
+                t16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
+                p16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
+            neg_decay_rate = -cute.math.exp(A_log[head]) * LOG2_E
+            tokens_here = cutlass.min(length - chunk * CHUNK, cutlass.Int32(CHUNK))
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            self.convert_kq(raw_k, kq_raw, kq, tokens_here, tidx)
+            if warp_idx == 0:
+                self.chunk_gates(
+                    raw_a, raw_b, 0, head, neg_decay_rate, dt_bias[head], tokens_here, lane, cum_log_g, beta
+                )
+            cute.arch.sync_threads()
+            self.gram_tiles(
+                tiled_mma, copy_a, copy_b, lane, warp_idx, kq, acc_sq, coords_sq, cum_log_g, beta, a16, a_diag, p16
+            )
+            cute.arch.sync_threads()
+            self.invert_unit_lower(
+                tiled_mma, copy_a, copy_bt, lane, warp_idx, tidx, a16_t, a_diag, t16, t16_t, scratch,
+                acc_sq, acc_y, coords_sq, coords_rows,
+            )  # fmt: skip
+            for i in cutlass.range_constexpr(CHUNK * SQUARE_PIECES // NUM_THREADS):
+                linear = i * NUM_THREADS + tidx
+                row = linear // SQUARE_PIECES
+                piece = linear % SQUARE_PIECES
+                for which, square in ((0, t16), (1, p16)):
+                    cute.autovec_copy(
+                        cute.local_tile(square[row, None], (COPY_ELEMS,), (piece,)),
+                        cute.local_tile(ws_tp[slot, head, which, row, None], (COPY_ELEMS,), (piece,)),
+                    )
+            if tidx < CHUNK:
+                ws_g[slot, head, 0, tidx] = cum_log_g[tidx]
+                ws_g[slot, head, 1, tidx] = beta[tidx]
+
+
+class _ValueSide(_Chunked):
+    """Kernel 2: `chunked.py`'s chain with the key side read from the workspace."""
+
+    @cute.jit
+    def launch(
+        self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g,
+        stream,
+    ):  # fmt: skip
+        tiled_mma = _make_warp_mma()
+        f16, bf16, f32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32
+
+        @cute.struct
+        class SharedStorage:
+            raw_k: cute.struct.Align[cute.struct.MemRange[bf16, CHUNK * HEAD_SIZE], 128]
+            raw_v: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * SLICE_ROWS], 128]
+            raw_a: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
+            raw_b: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
+            kq: cute.struct.Align[cute.struct.MemRange[f16, KQ_ROWS * WIDE_STRIDE], 128]
+            # V'^T and V'c^T (P5-P6).
+            a16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
+            t16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
+            p16: cute.struct.Align[cute.struct.MemRange[f16, 2 * CHUNK * NARROW_STRIDE], 128]
+            s16: cute.struct.Align[cute.struct.MemRange[f16, SLICE_ROWS * WIDE_STRIDE], 128]
+            xb_t: cute.struct.Align[cute.struct.MemRange[f16, SLICE_ROWS * NARROW_STRIDE], 128]
+            cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
+            beta: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
+
+        self.value_kernel(
+            q, k, v, state, a, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g,
+            tiled_mma, SharedStorage,
+        ).launch(  # fmt: skip
+            grid=[NUM_V_HEADS * NUM_SLICES, new_state.shape[0], 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            preferred_smem_carveout=MAX_SMEM_CARVEOUT,
+        )
+
+    @cute.jit
+    def load_squares(self, g2s16: cute.CopyAtom, ws_tp: cute.Tensor, slot, head, which: cutlass.Constexpr, dst, tidx):
+        """cp.async of the workspace's T (`which` 0) or P (1) of (slot, head) into `dst` (a padded 64 x 64)."""
+        for i in cutlass.range_constexpr(CHUNK * SQUARE_PIECES // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            row = linear // SQUARE_PIECES
+            piece = linear % SQUARE_PIECES
+            cute.copy(
+                g2s16,
+                cute.local_tile(ws_tp[slot, head, which, row, None], (COPY_ELEMS,), (piece,)),
+                cute.local_tile(dst[row, None], (COPY_ELEMS,), (piece,)),
+            )
+
+    @cute.jit
+    def load_gates(self, g2s32: cute.CopyAtom, ws_g: cute.Tensor, slot, head, cum_log_g, beta, tidx):
+        """cp.async of the workspace's G and beta of (slot, head) (threads 0..31, 16 B each)."""
+        if tidx < GATE_PIECES:
+            cute.copy(
+                g2s32,
+                cute.local_tile(ws_g[slot, head, 0, None], (4,), (tidx,)),
+                cute.local_tile(cum_log_g, (4,), (tidx,)),
+            )
+        elif tidx < 2 * GATE_PIECES:
+            cute.copy(
+                g2s32,
+                cute.local_tile(ws_g[slot, head, 1, None], (4,), (tidx - GATE_PIECES,)),
+                cute.local_tile(beta, (4,), (tidx - GATE_PIECES,)),
+            )
+
+    @cute.kernel
+    def value_kernel(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        state: cute.Tensor,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        scale: cutlass.Float32,
+        has_state: cutlass.Int32,
+        output: cute.Tensor,
+        new_state: cute.Tensor,
+        ws_tp: cute.Tensor,
+        ws_g: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        head_slice, block_y, _ = cute.arch.block_idx()
+        head = head_slice // NUM_SLICES
+        slice_idx = head_slice % NUM_SLICES
+        v0 = slice_idx * SLICE_ROWS
+        warp_idx = tidx // WARP_SIZE
+        lane = tidx % WARP_SIZE
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(SharedStorage)
+        s16 = st.s16.get_tensor(_layout(STATE16_VIEW))
+        # s16 is first written in chunk 0's P0, so the ranking may use it as scratch.
+        seq = self.sequence_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, s16)
+        total_tokens = cutlass.Int32(q.shape[0])
+        start, length = sequence_bounds(cu_seqlens, seq, total_tokens)
+        num_chunks = (length + CHUNK - 1) // CHUNK
+
+        raw_k = st.raw_k.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1)))
+        raw_v = st.raw_v.get_tensor(
+            cute.make_layout((NUM_STAGES, CHUNK, SLICE_ROWS), stride=(CHUNK * SLICE_ROWS, SLICE_ROWS, 1))
+        )
+        ab_layout = cute.make_layout((NUM_STAGES, CHUNK, NUM_V_HEADS), stride=(CHUNK * NUM_V_HEADS, NUM_V_HEADS, 1))
+        raw_a = st.raw_a.get_tensor(ab_layout)
+        raw_b = st.raw_b.get_tensor(ab_layout)
+        kq = st.kq.get_tensor(_layout(KQ_VIEW))
+        kq_raw = cute.make_tensor(cute.recast_ptr(kq.iterator, dtype=cutlass.BFloat16), _layout(KQ_VIEW))
+        kq_t = cute.make_tensor(kq.iterator, _layout(KQ_T_VIEW))
+        a16 = st.a16.get_tensor(_layout(SQUARE_VIEW))
+        t16 = st.t16.get_tensor(_layout(SQUARE_VIEW))
+        p16_pair = st.p16.get_tensor(
+            cute.make_layout((2, CHUNK, CHUNK), stride=(CHUNK * NARROW_STRIDE, NARROW_STRIDE, 1))
+        )
+        xb_t = st.xb_t.get_tensor(_layout(SLICE_BY_TOKEN_VIEW))
+        vn_t = cute.make_tensor(a16.iterator, _layout(SLICE_BY_TOKEN_VIEW))
+        vnc_t = cute.make_tensor(a16.iterator + SLICE_ROWS * NARROW_STRIDE, _layout(SLICE_BY_TOKEN_VIEW))
+        cum_log_g = st.cum_log_g.get_tensor(cute.make_layout(CHUNK))
+        beta = st.beta.get_tensor(cute.make_layout(CHUNK))
+
+        copy_a, copy_b, copy_bt = _make_operand_copies(tiled_mma)
+        thr_mma = tiled_mma.get_slice(lane)
+        coords_rows = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, SLICE_ROWS)))
+        coords_state = thr_mma.partition_C(cute.make_identity_tensor((SLICE_ROWS, STATE_COLS_PER_WARP)))
+        acc_state = self.load_state_slice(thr_mma, state, seq, head, slice_idx, warp_idx, has_state, length)
+
+        g2s = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
+        )
+        g2s16 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float16, num_bits_per_copy=128
+        )
+        g2s32 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float32, num_bits_per_copy=128
+        )
+        if num_chunks > 0:
+            slot0 = chunk_slot(start, 0, seq)
+            self.load_chunk(g2s, k, v, a, b, raw_k, raw_v, raw_a, raw_b, start, length, 0, 0, head, v0, tidx)
+            self.load_q(g2s, q, kq_raw, start, length, 0, head, tidx)
+            self.load_squares(g2s16, ws_tp, slot0, head, 0, t16, tidx)
+            self.load_squares(g2s16, ws_tp, slot0, head, 1, p16_pair[0, None, None], tidx)
+            self.load_gates(g2s32, ws_g, slot0, head, cum_log_g, beta, tidx)
+        cute.arch.cp_async_commit_group()
+
+        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
+        acc_y = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
+        row0 = warp_idx * BLOCK
+
+        for chunk in cutlass.range(num_chunks, unroll=1):
+            stage = chunk % NUM_STAGES
+            chunk_start = chunk * CHUNK
+            tokens_here = cutlass.min(length - chunk_start, cutlass.Int32(CHUNK))
+            next_slot = chunk_slot(start, chunk + 1, seq)
+
+            # ---- P0: every load of this chunk landed; k and q rows to fp16; the fp16 state copy ----
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            self.convert_kq(raw_k, kq_raw, kq, tokens_here, tidx)
+            for e in cutlass.range_constexpr(cute.size(acc_state)):
+                s16[coords_state[e][0], warp_idx * STATE_COLS_PER_WARP + coords_state[e][1]] = acc_state[e].to(
+                    cutlass.Float16
+                )
+            cute.arch.sync_threads()
+
+            # ---- P1: prefetch the next chunk's rows and P; K S0^T -> Xb^T; Q S0^T ----
+            if chunk + 1 < num_chunks:
+                self.load_chunk(
+                    g2s, k, v, a, b, raw_k, raw_v, raw_a, raw_b, start, length,
+                    chunk + 1, (chunk + 1) % NUM_STAGES, head, v0, tidx,
+                )  # fmt: skip
+                self.load_squares(g2s16, ws_tp, next_slot, head, 1, p16_pair[(chunk + 1) % 2, None, None], tidx)
+            cute.arch.cp_async_commit_group()
+            acc_y.fill(0.0)
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_b, lane, cute.local_tile(kq, (BLOCK, HEAD_SIZE), (warp_idx, 0)), s16, acc_y
+            )
+            self.xb_epilogue(acc_y, coords_rows, row0, cum_log_g, beta, raw_v, stage, tokens_here, xb_t)
+            acc_o.fill(0.0)
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_b, lane,
+                cute.local_tile(kq, (BLOCK, HEAD_SIZE), (NUM_BLOCKS + warp_idx, 0)), s16, acc_o,
+            )  # fmt: skip
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[e] = self.decay(cum_log_g[row0 + coords_rows[e][0]]) * acc_o[e]
+            cute.arch.sync_threads()
+
+            # ---- the next chunk's q rows (kq's q half is dead after P1) ----
+            if chunk + 1 < num_chunks:
+                self.load_q(g2s, q, kq_raw, start, length, chunk + 1, head, tidx)
+            cute.arch.cp_async_commit_group()
+
+            # ---- P5: V' = T Xb ----
+            g_last = cum_log_g[CHUNK - 1]
+            acc_y.fill(0.0)
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_b, lane, cute.local_tile(t16, (BLOCK, CHUNK), (warp_idx, 0)), xb_t, acc_y
+            )
+            for e in cutlass.range_constexpr(cute.size(acc_y)):
+                i = row0 + coords_rows[e][0]
+                col = coords_rows[e][1]
+                vn_t[col, i] = acc_y[e].to(cutlass.Float16)
+                vnc_t[col, i] = (acc_y[e] * self.decay(g_last - cum_log_g[i])).to(cutlass.Float16)
+            cute.arch.sync_threads()
+
+            # ---- the next chunk's T, G and beta (no reader of t16, cum_log_g or beta is left in this chunk) ----
+            if chunk + 1 < num_chunks:
+                self.load_squares(g2s16, ws_tp, next_slot, head, 0, t16, tidx)
+                self.load_gates(g2s32, ws_g, next_slot, head, cum_log_g, beta, tidx)
+            cute.arch.cp_async_commit_group()
+
+            # ---- P6: O = exp(G) Q S0^T + P V'; S = exp(G_last) S + V'c^T K ----
+            self.output_and_carry(
+                tiled_mma, copy_a, copy_b, copy_bt, lane, warp_idx, p16_pair[chunk % 2, None, None], vn_t, vnc_t, kq_t,
+                acc_o, acc_state, coords_rows, g_last, tokens_here, output, start, chunk_start, head, v0, scale,
+            )  # fmt: skip
+
+        cute.autovec_copy(acc_state, thr_mma.partition_C(self.state_tile(new_state, seq, head, slice_idx, warp_idx)))
+
+
+class GdnPrefillWyPrepassSm90:
+    """Host entry: the key-side kernel, then the value-side chain, in one compiled call (stream order)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        state: cute.Tensor,
+        A_log: cute.Tensor,
+        a: cute.Tensor,
+        dt_bias: cute.Tensor,
+        b: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        scale: cutlass.Float32,
+        has_state: cutlass.Int32,
+        output: cute.Tensor,
+        new_state: cute.Tensor,
+        ws_tp: cute.Tensor,
+        ws_g: cute.Tensor,
+        stream,
+    ):
+        _KeySide().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
+        _ValueSide().launch(
+            q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, stream
+        )
+
+
+def _workspace_stand_ins() -> tuple:
+    slots = cute.sym_int()
+
+    def rowmajor(dtype, shape):
+        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
+
+    return (
+        rowmajor(cutlass.Float16, (slots, NUM_V_HEADS, 2, CHUNK, CHUNK)),
+        rowmajor(cutlass.Float32, (slots, NUM_V_HEADS, 2, CHUNK)),
+    )
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def compiled_for(arch: str = GPU_ARCH) -> Callable:
+    """The compiled two-kernel launcher for `arch` (compiled on first use; needs no GPU)."""
+    fn = _COMPILED.get(arch)
+    if fn is None:
+        fn = _COMPILED[arch] = token_serial.compile_launcher(GdnPrefillWyPrepassSm90(), arch, _workspace_stand_ins())
+    return fn
+
+
+def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
+    """This entry's launcher and `kernel.py`'s token-serial path for `arch`, without a GPU."""
+    return token_serial.compile_only(arch), compiled_for(arch)
+
+
+def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+    """`kernel.py`'s contract: fills `output` [T,8,128] bf16 and `new_state` [N,8,128,128] fp32; `state` None
+    means zeros; `scale` None or 0 means 1/sqrt(128). Up to TOKEN_SERIAL_MAX_TOKENS tokens `kernel.py`'s
+    token-serial path; above, the two kernels of this file on the current stream, no host synchronisation."""
+    if kernel.path_for(q.shape[0]) is not chunked:
+        token_serial.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+        return
+    token_serial.check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
+    num_seqs = new_state.shape[0]
+    if num_seqs == 0:
+        return
+    slots = num_chunk_slots(q.shape[0], num_seqs)
+    ws_tp = torch.empty((slots, NUM_V_HEADS, 2, CHUNK, CHUNK), dtype=torch.float16, device=q.device)
+    ws_g = torch.empty((slots, NUM_V_HEADS, 2, CHUNK), dtype=torch.float32, device=q.device)
+    has_state = state is not None
+    compiled_for(GPU_ARCH)(
+        q, k, v, state if has_state else new_state, A_log, a, dt_bias, b, cu_seqlens, resolve_scale(scale),
+        int(has_state), output, new_state, ws_tp, ws_g,
+    )  # fmt: skip

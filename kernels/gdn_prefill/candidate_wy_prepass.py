@@ -15,8 +15,10 @@ four V-slice CTAs of a (sequence, head) each recompute it.
    and P (double-buffered, the one array it keeps two of) from its start. Three CTA barriers per chunk, not six.
 
 Same values, same roundings, same order of operations as `chunked.py`, so the outputs and states are
-`kernel.py`'s bit for bit (a GPU test checks); up to TOKEN_SERIAL_MAX_TOKENS tokens this entry is `kernel.py`
-(the token-serial path). Two launches in one TVM-FFI call (the second waits for the first in stream order);
+`kernel.py`'s bit for bit (a GPU test checks). Below V4_MIN_TOKENS tokens this entry is `kernel.py`: in session
+12's runs the two kernels won 1.09-1.55x on every workload of 525 tokens and more and lost 0.61-0.92x on every
+one of 42-255 (the prepass's launch costs more than a few chunks save); nothing was measured in between, so
+the threshold is the conservative side of that gap until a sweep places it. Two launches in one TVM-FFI call (the second waits for the first in stream order);
 the workspaces (~16.5 KB per slot and head) are allocated per call.
 """
 
@@ -64,8 +66,10 @@ from .chunked import (
 )
 from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, GdnShapeError, resolve_scale
 
-__all__ = ["GdnShapeError", "chunk_slot", "compile_only", "num_chunk_slots", "run"]
+__all__ = ["GdnShapeError", "V4_MIN_TOKENS", "chunk_slot", "compile_only", "num_chunk_slots", "run", "run_two_kernels"]
 
+# Below this many tokens `kernel.py` (token-serial or chunked.py) runs: see the module docstring.
+V4_MIN_TOKENS = 512
 SQUARE_PIECES = CHUNK // COPY_ELEMS  # 16-B pieces of a 64-wide fp16 row
 GATE_PIECES = CHUNK * 4 // 16  # 16-B pieces of 64 fp32
 
@@ -511,11 +515,17 @@ def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
     """`kernel.py`'s contract: fills `output` [T,8,128] bf16 and `new_state` [N,8,128,128] fp32; `state` None
-    means zeros; `scale` None or 0 means 1/sqrt(128). Up to TOKEN_SERIAL_MAX_TOKENS tokens `kernel.py`'s
-    token-serial path; above, the two kernels of this file on the current stream, no host synchronisation."""
-    if kernel.path_for(q.shape[0]) is not chunked:
-        token_serial.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+    means zeros; `scale` None or 0 means 1/sqrt(128). Below V4_MIN_TOKENS tokens `kernel.run`; from there the
+    two kernels of this file on the current stream, no host synchronisation."""
+    if q.shape[0] < V4_MIN_TOKENS:
+        kernel.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
         return
+    run_two_kernels(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+
+
+def run_two_kernels(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+    """`run` with this file's two kernels at any T (session 12 measured them at every T above 40; the bitwise
+    tests run them below the threshold too)."""
     token_serial.check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
     num_seqs = new_state.shape[0]
     if num_seqs == 0:

@@ -4,7 +4,7 @@ state-free half (gates, P, T) into a workspace, and the chain of chunks reads it
 CPU: the workspace slots of every chunk of every sequence are distinct and within the allocation, and the
 prepass's rule for finding a slot's (sequence, chunk) (the last sequence whose first slot is at or below it)
 inverts them, for random splits with empty sequences; the candidate compiles for sm_90a. GPU (marked `gpu`):
-output and new state equal `chunked.py`'s bit for bit (the same operations and roundings in another
+`run_two_kernels`' output and new state equal `chunked.py`'s bit for bit (the same operations and roundings in another
 kernel), on fresh inputs with and without a state, one and many sequences, lengths off the chunk size; the
 contest-rule checks of every check case are test_gdn_prefill_kernel.py's (the candidate is in its
 SOLUTIONS), the CUDA-graph replay with new bounds included.
@@ -59,6 +59,15 @@ def test_chunk_slots_are_distinct_in_bounds_and_found_again(seed):
             assert owner[slot] == (seq, chunk)
 
 
+def test_below_the_threshold_it_is_kernel_py(monkeypatch):
+    calls = []
+    monkeypatch.setattr(candidate.kernel, "run", lambda *args: calls.append("kernel"))
+    monkeypatch.setattr(candidate, "run_two_kernels", lambda *args: calls.append("two"))
+    for num_tokens in (1, 41, candidate.V4_MIN_TOKENS - 1, candidate.V4_MIN_TOKENS, 8192):
+        candidate.run(torch.empty(num_tokens, 4, 128), *([None] * 11))
+    assert calls == ["kernel", "kernel", "kernel", "two", "two"]
+
+
 def test_compiles_for_sm90a_without_gpu():
     compiled = candidate.compile_only("sm_90a")
     assert len(compiled) == 2 and all(callable(fn) for fn in compiled)
@@ -73,13 +82,14 @@ def test_compiles_for_sm90a_without_gpu():
         cases.CheckCase("one_sequence_off_chunk", (1377,), True, 0.0, "mamba2"),
         cases.CheckCase("many_with_empty", (0, 41, 64, 0, 129, 3, 300, 65), False, 0.0, "mamba2"),
         cases.CheckCase("state_and_scale", (200, 77, 512), True, 0.1, "mamba2"),
+        cases.CheckCase("short_below_the_threshold", (5, 70, 0, 33), True, 0.0, "fast_decay"),
     ],
     ids=lambda case: case.name,
 )
 def test_outputs_and_states_are_chunked_py_bit_for_bit(case):
     inputs = cases.make_inputs(case, "cuda", seed=47)
     results = []
-    for run in (chunked.run, candidate.run):
+    for run in (chunked.run, candidate.run_two_kernels):
         output, new_state = cases.poisoned_outputs(case, "cuda")
         run(*inputs.values(), output, new_state)
         torch.cuda.synchronize()

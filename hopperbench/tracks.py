@@ -175,7 +175,12 @@ GDN_PREFILL = Track(
         CandidateSide(
             name="cand_wy_prepass",
             entry="candidate_wy_prepass.py::run",
-            description="kernel.py with the chunked path in two kernels: a parallel prepass of every chunk's gates, P and T = (I + A)^-1, then the chain with only the state-dependent half (v4.0)",
+            description="kernel.py with, from 512 tokens, the chunked path in two kernels: a parallel prepass of every chunk's gates, P and T = (I + A)^-1, then the chain with only the state-dependent half (v4.0)",
+        ),
+        CandidateSide(
+            name="cand_wy_prepass_everywhere",
+            entry="candidate_wy_prepass.py::run_two_kernels",
+            description="v4.0's two kernels at every T, no threshold: the other side of tools/time_axes.py's sweep that places cand_wy_prepass's threshold",
         ),
     ),
 )

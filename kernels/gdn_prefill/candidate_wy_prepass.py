@@ -33,7 +33,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_compact_tensor
 
-from . import chunked, kernel, token_serial
+from . import kernel, token_serial
 from .chunked import (
     BLOCK,
     CHUNK,
@@ -41,11 +41,9 @@ from .chunked import (
     DIAG_STRIDE,
     KQ_ROWS,
     KQ_T_VIEW,
-    KQ_VIEW,
     LOG2_E,
     MAX_SMEM_CARVEOUT,
     NARROW_STRIDE,
-    NUM_BLOCKS,
     NUM_SLICES,
     NUM_STAGES,
     NUM_THREADS,
@@ -162,14 +160,7 @@ class _KeySide(_Chunked):
         if chunk < num_chunks:
             smem = cutlass.memory.SmemAllocator()
             st = smem.allocate(SharedStorage)
-            raw_k = st.raw_k.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1)))
-            ab_layout = cute.make_layout(
-                (NUM_STAGES, CHUNK, NUM_V_HEADS), stride=(CHUNK * NUM_V_HEADS, NUM_V_HEADS, 1)
-            )
-            raw_a = st.raw_a.get_tensor(ab_layout)
-            raw_b = st.raw_b.get_tensor(ab_layout)
-            kq = st.kq.get_tensor(_layout(KQ_VIEW))
-            kq_raw = cute.make_tensor(cute.recast_ptr(kq.iterator, dtype=cutlass.BFloat16), _layout(KQ_VIEW))
+            raw_k, raw_a, raw_b, kq, kq_raw = self.staging_views(st)
             a16 = st.a16.get_tensor(_layout(SQUARE_VIEW))
             a16_t = cute.make_tensor(a16.iterator, _layout(SQUARE_T_VIEW))
             a_diag = st.a_diag.get_tensor(cute.make_layout((CHUNK, BLOCK), stride=(DIAG_STRIDE, 1)))
@@ -336,15 +327,10 @@ class _ValueSide(_Chunked):
         start, length = sequence_bounds(cu_seqlens, seq, total_tokens)
         num_chunks = (length + CHUNK - 1) // CHUNK
 
-        raw_k = st.raw_k.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1)))
+        raw_k, raw_a, raw_b, kq, kq_raw = self.staging_views(st)
         raw_v = st.raw_v.get_tensor(
             cute.make_layout((NUM_STAGES, CHUNK, SLICE_ROWS), stride=(CHUNK * SLICE_ROWS, SLICE_ROWS, 1))
         )
-        ab_layout = cute.make_layout((NUM_STAGES, CHUNK, NUM_V_HEADS), stride=(CHUNK * NUM_V_HEADS, NUM_V_HEADS, 1))
-        raw_a = st.raw_a.get_tensor(ab_layout)
-        raw_b = st.raw_b.get_tensor(ab_layout)
-        kq = st.kq.get_tensor(_layout(KQ_VIEW))
-        kq_raw = cute.make_tensor(cute.recast_ptr(kq.iterator, dtype=cutlass.BFloat16), _layout(KQ_VIEW))
         kq_t = cute.make_tensor(kq.iterator, _layout(KQ_T_VIEW))
         a16 = st.a16.get_tensor(_layout(SQUARE_VIEW))
         t16 = st.t16.get_tensor(_layout(SQUARE_VIEW))
@@ -383,7 +369,6 @@ class _ValueSide(_Chunked):
 
         acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
         acc_y = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
-        row0 = warp_idx * BLOCK
 
         for chunk in cutlass.range(num_chunks, unroll=1):
             stage = chunk % NUM_STAGES
@@ -409,18 +394,10 @@ class _ValueSide(_Chunked):
                 )  # fmt: skip
                 self.load_squares(g2s16, ws_tp, next_slot, head, 1, p16_pair[(chunk + 1) % 2, None, None], tidx)
             cute.arch.cp_async_commit_group()
-            acc_y.fill(0.0)
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_b, lane, cute.local_tile(kq, (BLOCK, HEAD_SIZE), (warp_idx, 0)), s16, acc_y
-            )
-            self.xb_epilogue(acc_y, coords_rows, row0, cum_log_g, beta, raw_v, stage, tokens_here, xb_t)
-            acc_o.fill(0.0)
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_b, lane,
-                cute.local_tile(kq, (BLOCK, HEAD_SIZE), (NUM_BLOCKS + warp_idx, 0)), s16, acc_o,
+            self.state_products(
+                tiled_mma, copy_a, copy_b, lane, warp_idx, kq, s16, acc_y, acc_o, coords_rows, cum_log_g, beta,
+                raw_v, stage, tokens_here, xb_t,
             )  # fmt: skip
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[e] = self.decay(cum_log_g[row0 + coords_rows[e][0]]) * acc_o[e]
             cute.arch.sync_threads()
 
             # ---- the next chunk's q rows (kq's q half is dead after P1) ----
@@ -430,15 +407,9 @@ class _ValueSide(_Chunked):
 
             # ---- P5: V' = T Xb ----
             g_last = cum_log_g[CHUNK - 1]
-            acc_y.fill(0.0)
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_b, lane, cute.local_tile(t16, (BLOCK, CHUNK), (warp_idx, 0)), xb_t, acc_y
+            self.new_values(
+                tiled_mma, copy_a, copy_b, lane, warp_idx, t16, xb_t, acc_y, coords_rows, cum_log_g, g_last, vn_t, vnc_t
             )
-            for e in cutlass.range_constexpr(cute.size(acc_y)):
-                i = row0 + coords_rows[e][0]
-                col = coords_rows[e][1]
-                vn_t[col, i] = acc_y[e].to(cutlass.Float16)
-                vnc_t[col, i] = (acc_y[e] * self.decay(g_last - cum_log_g[i])).to(cutlass.Float16)
             cute.arch.sync_threads()
 
             # ---- the next chunk's T, G and beta (no reader of t16, cum_log_g or beta is left in this chunk) ----

@@ -380,6 +380,18 @@ class _Chunked:
             seq = slots[selected]
         return seq
 
+    def staging_views(self, st) -> tuple[cute.Tensor, ...]:
+        """(raw_k, raw_a, raw_b, kq, kq_raw) over the like-named fields of a kernel's shared storage: the bf16
+        k rows and a, b rows as copied in, the fp16 k and q operand rows (kq), and kq read as bf16 (kq_raw: the
+        q rows are copied there and converted in place). Built while a kernel is traced."""
+        raw_k = st.raw_k.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1)))
+        ab_layout = cute.make_layout((NUM_STAGES, CHUNK, NUM_V_HEADS), stride=(CHUNK * NUM_V_HEADS, NUM_V_HEADS, 1))
+        raw_a = st.raw_a.get_tensor(ab_layout)
+        raw_b = st.raw_b.get_tensor(ab_layout)
+        kq = st.kq.get_tensor(_layout(KQ_VIEW))
+        kq_raw = cute.make_tensor(cute.recast_ptr(kq.iterator, dtype=cutlass.BFloat16), _layout(KQ_VIEW))
+        return raw_k, raw_a, raw_b, kq, kq_raw
+
     @cute.jit
     def launch(
         self,
@@ -469,16 +481,10 @@ class _Chunked:
         num_chunks = (length + CHUNK - 1) // CHUNK
 
         # ---- shared memory views ----
-        raw_k = st.raw_k.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1)))
+        raw_k, raw_a, raw_b, kq, kq_raw = self.staging_views(st)
         raw_v = st.raw_v.get_tensor(
             cute.make_layout((NUM_STAGES, CHUNK, SLICE_ROWS), stride=(CHUNK * SLICE_ROWS, SLICE_ROWS, 1))
         )
-        ab_layout = cute.make_layout((NUM_STAGES, CHUNK, NUM_V_HEADS), stride=(CHUNK * NUM_V_HEADS, NUM_V_HEADS, 1))
-        raw_a = st.raw_a.get_tensor(ab_layout)
-        raw_b = st.raw_b.get_tensor(ab_layout)
-        kq = st.kq.get_tensor(_layout(KQ_VIEW))
-        # The same storage read as bf16: the q rows are copied there and converted in place.
-        kq_raw = cute.make_tensor(cute.recast_ptr(kq.iterator, dtype=cutlass.BFloat16), _layout(KQ_VIEW))
         # kq_t[d, r] = kq[r, d]: the B operand of S += V'c^T K (ldmatrix.trans).
         kq_t = cute.make_tensor(kq.iterator, _layout(KQ_T_VIEW))
         a16 = st.a16.get_tensor(_layout(SQUARE_VIEW))
@@ -523,7 +529,6 @@ class _Chunked:
         acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
         acc_y = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
         acc_sq = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
-        row0 = warp_idx * BLOCK  # this warp's 16 token rows in the [64, x] products
 
         for chunk in cutlass.range(num_chunks, unroll=1):
             stage = chunk % NUM_STAGES
@@ -548,20 +553,10 @@ class _Chunked:
                 tiled_mma, copy_a, copy_b, lane, warp_idx, kq, acc_sq, coords_sq, cum_log_g, beta, a16, a_diag, p16
             )
 
-            # Xb^T[v, i] = beta_i (v_i - exp(G_i) k_i S0^T); zero past the end (raw_v holds garbage there).
-            acc_y.fill(0.0)
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_b, lane, cute.local_tile(kq, (BLOCK, HEAD_SIZE), (warp_idx, 0)), s16, acc_y
-            )
-            self.xb_epilogue(acc_y, coords_rows, row0, cum_log_g, beta, raw_v, stage, tokens_here, xb_t)
-            # The inter-chunk part of the output, exp(G_i) q_i S0^T, stays in acc_o until P6.
-            acc_o.fill(0.0)
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_b, lane,
-                cute.local_tile(kq, (BLOCK, HEAD_SIZE), (NUM_BLOCKS + warp_idx, 0)), s16, acc_o,
+            self.state_products(
+                tiled_mma, copy_a, copy_b, lane, warp_idx, kq, s16, acc_y, acc_o, coords_rows, cum_log_g, beta,
+                raw_v, stage, tokens_here, xb_t,
             )  # fmt: skip
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[e] = self.decay(cum_log_g[row0 + coords_rows[e][0]]) * acc_o[e]
             cute.arch.sync_threads()
 
             # ---- P2: prefetch the next chunk's q rows (the q half of kq is dead after P1);
@@ -576,15 +571,9 @@ class _Chunked:
 
             # ---- P5: V' = T Xb ----
             g_last = cum_log_g[CHUNK - 1]
-            acc_y.fill(0.0)
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_b, lane, cute.local_tile(t16, (BLOCK, CHUNK), (warp_idx, 0)), xb_t, acc_y
+            self.new_values(
+                tiled_mma, copy_a, copy_b, lane, warp_idx, t16, xb_t, acc_y, coords_rows, cum_log_g, g_last, vn_t, vnc_t
             )
-            for e in cutlass.range_constexpr(cute.size(acc_y)):
-                i = row0 + coords_rows[e][0]
-                col = coords_rows[e][1]
-                vn_t[col, i] = acc_y[e].to(cutlass.Float16)
-                vnc_t[col, i] = (acc_y[e] * self.decay(g_last - cum_log_g[i])).to(cutlass.Float16)
             cute.arch.sync_threads()
 
             # ---- P6: O = exp(G) Q S0^T + P V'; S = exp(G_last) S + V'c^T K ----
@@ -666,6 +655,73 @@ class _Chunked:
                 cutlass.Float16
             )
         cute.arch.sync_threads()
+
+    @cute.jit
+    def state_products(
+        self,
+        tiled_mma: cute.TiledMma,
+        copy_a: cute.TiledCopy,
+        copy_b: cute.TiledCopy,
+        lane: cutlass.Int32,
+        warp_idx: cutlass.Int32,
+        kq: cute.Tensor,
+        s16: cute.Tensor,
+        acc_y: cute.Tensor,
+        acc_o: cute.Tensor,
+        coords_rows: cute.Tensor,
+        cum_log_g: cute.Tensor,
+        beta: cute.Tensor,
+        raw_v: cute.Tensor,
+        stage: cutlass.Int32,
+        tokens_here: cutlass.Int32,
+        xb_t: cute.Tensor,
+    ):
+        """P1's products with the state copy s16: Xb^T[v, i] = beta_i (v_i - exp(G_i) k_i S0^T) (zero past the
+        end, where raw_v holds garbage), and the inter-chunk part of the output, exp(G_i) q_i S0^T, which stays
+        in acc_o until P6. The warp's 16 token rows; no barrier."""
+        row0 = warp_idx * BLOCK
+        acc_y.fill(0.0)
+        self.warp_gemm(
+            tiled_mma, copy_a, copy_b, lane, cute.local_tile(kq, (BLOCK, HEAD_SIZE), (warp_idx, 0)), s16, acc_y
+        )
+        self.xb_epilogue(acc_y, coords_rows, row0, cum_log_g, beta, raw_v, stage, tokens_here, xb_t)
+        acc_o.fill(0.0)
+        self.warp_gemm(
+            tiled_mma, copy_a, copy_b, lane,
+            cute.local_tile(kq, (BLOCK, HEAD_SIZE), (NUM_BLOCKS + warp_idx, 0)), s16, acc_o,
+        )  # fmt: skip
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[e] = self.decay(cum_log_g[row0 + coords_rows[e][0]]) * acc_o[e]
+
+    @cute.jit
+    def new_values(
+        self,
+        tiled_mma: cute.TiledMma,
+        copy_a: cute.TiledCopy,
+        copy_b: cute.TiledCopy,
+        lane: cutlass.Int32,
+        warp_idx: cutlass.Int32,
+        t16: cute.Tensor,
+        xb_t: cute.Tensor,
+        acc_y: cute.Tensor,
+        coords_rows: cute.Tensor,
+        cum_log_g: cute.Tensor,
+        g_last: cutlass.Float32,
+        vn_t: cute.Tensor,
+        vnc_t: cute.Tensor,
+    ):
+        """P5: V' = T Xb for the warp's 16 token rows, stored transposed in fp16 as V'^T and, decayed to the
+        chunk's end, (V' exp(G_last - G_i))^T; no barrier."""
+        row0 = warp_idx * BLOCK
+        acc_y.fill(0.0)
+        self.warp_gemm(
+            tiled_mma, copy_a, copy_b, lane, cute.local_tile(t16, (BLOCK, CHUNK), (warp_idx, 0)), xb_t, acc_y
+        )
+        for e in cutlass.range_constexpr(cute.size(acc_y)):
+            i = row0 + coords_rows[e][0]
+            col = coords_rows[e][1]
+            vn_t[col, i] = acc_y[e].to(cutlass.Float16)
+            vnc_t[col, i] = (acc_y[e] * self.decay(g_last - cum_log_g[i])).to(cutlass.Float16)
 
     @cute.jit
     def output_and_carry(

@@ -182,6 +182,16 @@ GDN_PREFILL = Track(
             entry="candidate_wy_prepass.py::run_two_kernels",
             description="v4.0's two kernels at every T, no threshold: the other side of tools/time_axes.py's sweep that places cand_wy_prepass's threshold",
         ),
+        CandidateSide(
+            name="cand_wy_prepass_narrow",
+            entry="candidate_wy_prepass_narrow.py::run",
+            description="v4.0 with the chain on 16-row V slices, eight CTAs per (sequence, head) instead of four (v4.1)",
+        ),
+        CandidateSide(
+            name="cand_wy_prepass_narrow_everywhere",
+            entry="candidate_wy_prepass_narrow.py::run_two_kernels",
+            description="v4.1's two kernels at every T, no threshold (tools/time_axes.py's sweep)",
+        ),
     ),
 )
 

@@ -38,6 +38,7 @@ KERNEL_CHOICES = (
     "chunked",
     "candidate_wgmma_v3",
     "candidate_wy_prepass",
+    "candidate_wy_prepass_narrow",
 )
 
 # Ten sequences, so that the chunked kernel, which orders its grid rows by length (v1.7), re-ranks at replay:

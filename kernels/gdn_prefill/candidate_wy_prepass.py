@@ -44,11 +44,9 @@ from .chunked import (
     LOG2_E,
     MAX_SMEM_CARVEOUT,
     NARROW_STRIDE,
-    NUM_SLICES,
     NUM_STAGES,
     NUM_THREADS,
     SCRATCH_VIEW,
-    SLICE_BY_TOKEN_VIEW,
     SLICE_ROWS,
     SQUARE_T_VIEW,
     SQUARE_VIEW,
@@ -64,10 +62,24 @@ from .chunked import (
 )
 from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, GdnShapeError, resolve_scale
 
-__all__ = ["GdnShapeError", "V4_MIN_TOKENS", "chunk_slot", "compile_only", "num_chunk_slots", "run", "run_two_kernels"]
+__all__ = [
+    "NARROW_SLICE_ROWS",
+    "V4_MIN_TOKENS",
+    "WIDE_SLICE_ROWS",
+    "GdnShapeError",
+    "chunk_slot",
+    "compile_only",
+    "num_chunk_slots",
+    "run",
+    "run_two_kernels",
+]
 
 # Below this many tokens `kernel.py` (token-serial or chunked.py) runs: see the module docstring.
 V4_MIN_TOKENS = 512
+# V rows per chain CTA: v4.0 keeps chunked.py's 32; v4.1 (candidate_wy_prepass_narrow.py) halves them, so that a
+# chunk step does half the MMA work per CTA on twice the CTAs.
+WIDE_SLICE_ROWS = SLICE_ROWS
+NARROW_SLICE_ROWS = 16
 SQUARE_PIECES = CHUNK // COPY_ELEMS  # 16-B pieces of a 64-wide fp16 row
 GATE_PIECES = CHUNK * 4 // 16  # 16-B pieces of 64 fp32
 
@@ -225,7 +237,15 @@ class _KeySide(_Chunked):
 
 
 class _ValueSide(_Chunked):
-    """Kernel 2: `chunked.py`'s chain with the key side read from the workspace."""
+    """Kernel 2: `chunked.py`'s chain with the key side read from the workspace, on V slices of `slice_rows` rows
+    (v4.0: chunked.py's 32, four CTAs per (sequence, head); v4.1: 16, eight)."""
+
+    def __init__(self, slice_rows: int):
+        # Whole MMA tiles per slice; one 16-B piece of v per thread and round of load_chunk.
+        assert HEAD_SIZE % slice_rows == 0 and slice_rows % BLOCK == 0
+        assert CHUNK * (slice_rows // COPY_ELEMS) % NUM_THREADS == 0
+        self.slice_rows = slice_rows
+        self.num_slices = HEAD_SIZE // slice_rows
 
     @cute.jit
     def launch(
@@ -234,11 +254,12 @@ class _ValueSide(_Chunked):
     ):  # fmt: skip
         tiled_mma = _make_warp_mma()
         f16, bf16, f32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32
+        rows = self.slice_rows
 
         @cute.struct
         class SharedStorage:
             raw_k: cute.struct.Align[cute.struct.MemRange[bf16, CHUNK * HEAD_SIZE], 128]
-            raw_v: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * SLICE_ROWS], 128]
+            raw_v: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * rows], 128]
             raw_a: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
             raw_b: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
             kq: cute.struct.Align[cute.struct.MemRange[f16, KQ_ROWS * WIDE_STRIDE], 128]
@@ -246,8 +267,8 @@ class _ValueSide(_Chunked):
             a16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
             t16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
             p16: cute.struct.Align[cute.struct.MemRange[f16, 2 * CHUNK * NARROW_STRIDE], 128]
-            s16: cute.struct.Align[cute.struct.MemRange[f16, SLICE_ROWS * WIDE_STRIDE], 128]
-            xb_t: cute.struct.Align[cute.struct.MemRange[f16, SLICE_ROWS * NARROW_STRIDE], 128]
+            s16: cute.struct.Align[cute.struct.MemRange[f16, rows * WIDE_STRIDE], 128]
+            xb_t: cute.struct.Align[cute.struct.MemRange[f16, rows * NARROW_STRIDE], 128]
             cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
             beta: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
 
@@ -255,7 +276,7 @@ class _ValueSide(_Chunked):
             q, k, v, state, a, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g,
             tiled_mma, SharedStorage,
         ).launch(  # fmt: skip
-            grid=[NUM_V_HEADS * NUM_SLICES, new_state.shape[0], 1],
+            grid=[NUM_V_HEADS * self.num_slices, new_state.shape[0], 1],
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -312,15 +333,16 @@ class _ValueSide(_Chunked):
     ):
         tidx, _, _ = cute.arch.thread_idx()
         head_slice, block_y, _ = cute.arch.block_idx()
-        head = head_slice // NUM_SLICES
-        slice_idx = head_slice % NUM_SLICES
-        v0 = slice_idx * SLICE_ROWS
+        rows = self.slice_rows
+        head = head_slice // self.num_slices
+        slice_idx = head_slice % self.num_slices
+        v0 = slice_idx * rows
         warp_idx = tidx // WARP_SIZE
         lane = tidx % WARP_SIZE
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(SharedStorage)
-        s16 = st.s16.get_tensor(_layout(STATE16_VIEW))
+        s16 = st.s16.get_tensor(cute.make_layout((rows, HEAD_SIZE), stride=(WIDE_STRIDE, 1)))
         # s16 is first written in chunk 0's P0, so the ranking may use it as scratch.
         seq = self.sequence_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, s16)
         total_tokens = cutlass.Int32(q.shape[0])
@@ -328,25 +350,25 @@ class _ValueSide(_Chunked):
         num_chunks = (length + CHUNK - 1) // CHUNK
 
         raw_k, raw_a, raw_b, kq, kq_raw = self.staging_views(st)
-        raw_v = st.raw_v.get_tensor(
-            cute.make_layout((NUM_STAGES, CHUNK, SLICE_ROWS), stride=(CHUNK * SLICE_ROWS, SLICE_ROWS, 1))
-        )
+        raw_v = st.raw_v.get_tensor(cute.make_layout((NUM_STAGES, CHUNK, rows), stride=(CHUNK * rows, rows, 1)))
         kq_t = cute.make_tensor(kq.iterator, _layout(KQ_T_VIEW))
         a16 = st.a16.get_tensor(_layout(SQUARE_VIEW))
         t16 = st.t16.get_tensor(_layout(SQUARE_VIEW))
         p16_pair = st.p16.get_tensor(
             cute.make_layout((2, CHUNK, CHUNK), stride=(CHUNK * NARROW_STRIDE, NARROW_STRIDE, 1))
         )
-        xb_t = st.xb_t.get_tensor(_layout(SLICE_BY_TOKEN_VIEW))
-        vn_t = cute.make_tensor(a16.iterator, _layout(SLICE_BY_TOKEN_VIEW))
-        vnc_t = cute.make_tensor(a16.iterator + SLICE_ROWS * NARROW_STRIDE, _layout(SLICE_BY_TOKEN_VIEW))
+        # Xb^T, V'^T and V'c^T: [rows, 64] (V'^T and V'c^T in a16's storage, which holds 2 x 32 such rows).
+        slice_by_token = cute.make_layout((rows, CHUNK), stride=(NARROW_STRIDE, 1))
+        xb_t = st.xb_t.get_tensor(slice_by_token)
+        vn_t = cute.make_tensor(a16.iterator, slice_by_token)
+        vnc_t = cute.make_tensor(a16.iterator + rows * NARROW_STRIDE, slice_by_token)
         cum_log_g = st.cum_log_g.get_tensor(cute.make_layout(CHUNK))
         beta = st.beta.get_tensor(cute.make_layout(CHUNK))
 
         copy_a, copy_b, copy_bt = _make_operand_copies(tiled_mma)
         thr_mma = tiled_mma.get_slice(lane)
-        coords_rows = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, SLICE_ROWS)))
-        coords_state = thr_mma.partition_C(cute.make_identity_tensor((SLICE_ROWS, STATE_COLS_PER_WARP)))
+        coords_rows = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, rows)))
+        coords_state = thr_mma.partition_C(cute.make_identity_tensor((rows, STATE_COLS_PER_WARP)))
         acc_state = self.load_state_slice(thr_mma, state, seq, head, slice_idx, warp_idx, has_state, length)
 
         g2s = cute.make_copy_atom(
@@ -367,8 +389,8 @@ class _ValueSide(_Chunked):
             self.load_gates(g2s32, ws_g, slot0, head, cum_log_g, beta, tidx)
         cute.arch.cp_async_commit_group()
 
-        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
-        acc_y = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
+        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, rows)), cutlass.Float32)
+        acc_y = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, rows)), cutlass.Float32)
 
         for chunk in cutlass.range(num_chunks, unroll=1):
             stage = chunk % NUM_STAGES
@@ -428,7 +450,11 @@ class _ValueSide(_Chunked):
 
 
 class GdnPrefillWyPrepassSm90:
-    """Host entry: the key-side kernel, then the value-side chain, in one compiled call (stream order)."""
+    """Host entry: the key-side kernel, then the value-side chain on `slice_rows`-row V slices, in one compiled
+    call (stream order)."""
+
+    def __init__(self, slice_rows: int):
+        self.slice_rows = slice_rows
 
     @cute.jit
     def __call__(
@@ -451,7 +477,7 @@ class GdnPrefillWyPrepassSm90:
         stream,
     ):
         _KeySide().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
-        _ValueSide().launch(
+        _ValueSide(self.slice_rows).launch(
             q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, stream
         )
 
@@ -468,33 +494,39 @@ def _workspace_stand_ins() -> tuple:
     )
 
 
-_COMPILED: dict[str, Callable] = {}
+_COMPILED: dict[tuple[str, int], Callable] = {}
 
 
-def compiled_for(arch: str = GPU_ARCH) -> Callable:
-    """The compiled two-kernel launcher for `arch` (compiled on first use; needs no GPU)."""
-    fn = _COMPILED.get(arch)
+def compiled_for(arch: str = GPU_ARCH, slice_rows: int = WIDE_SLICE_ROWS) -> Callable:
+    """The compiled two-kernel launcher for `arch` and the chain's slice width (compiled on first use; needs no
+    GPU)."""
+    key = (arch, slice_rows)
+    fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[arch] = token_serial.compile_launcher(GdnPrefillWyPrepassSm90(), arch, _workspace_stand_ins())
+        fn = _COMPILED[key] = token_serial.compile_launcher(
+            GdnPrefillWyPrepassSm90(slice_rows), arch, _workspace_stand_ins()
+        )
     return fn
 
 
-def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
+def compile_only(arch: str = GPU_ARCH, slice_rows: int = WIDE_SLICE_ROWS) -> tuple[Callable, ...]:
     """This entry's launcher and `kernel.py`'s token-serial path for `arch`, without a GPU."""
-    return token_serial.compile_only(arch), compiled_for(arch)
+    return token_serial.compile_only(arch), compiled_for(arch, slice_rows)
 
 
-def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state, slice_rows=WIDE_SLICE_ROWS):
     """`kernel.py`'s contract: fills `output` [T,8,128] bf16 and `new_state` [N,8,128,128] fp32; `state` None
     means zeros; `scale` None or 0 means 1/sqrt(128). Below V4_MIN_TOKENS tokens `kernel.run`; from there the
     two kernels of this file on the current stream, no host synchronisation."""
     if q.shape[0] < V4_MIN_TOKENS:
         kernel.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
         return
-    run_two_kernels(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+    run_two_kernels(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state, slice_rows)
 
 
-def run_two_kernels(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+def run_two_kernels(
+    q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state, slice_rows=WIDE_SLICE_ROWS
+) -> None:
     """`run` with this file's two kernels at any T (session 12 measured them at every T above 40; the bitwise
     tests run them below the threshold too)."""
     token_serial.check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
@@ -505,7 +537,7 @@ def run_two_kernels(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, out
     ws_tp = torch.empty((slots, NUM_V_HEADS, 2, CHUNK, CHUNK), dtype=torch.float16, device=q.device)
     ws_g = torch.empty((slots, NUM_V_HEADS, 2, CHUNK), dtype=torch.float32, device=q.device)
     has_state = state is not None
-    compiled_for(GPU_ARCH)(
+    compiled_for(GPU_ARCH, slice_rows)(
         q, k, v, state if has_state else new_state, A_log, a, dt_bias, b, cu_seqlens, resolve_scale(scale),
         int(has_state), output, new_state, ws_tp, ws_g,
     )  # fmt: skip

@@ -184,6 +184,10 @@ def _layout(view: tuple[tuple[int, ...], tuple[int, ...]]) -> cute.Layout:
 class _Chunked:
     """The kernel: one CTA = one (sequence, v-head, 32-row V-slice); see the module docstring."""
 
+    # V rows of the state per CTA in the methods a subclass shares (state_tile, load_state_slice, load_chunk); this
+    # file's kernel is written for SLICE_ROWS, candidate v4.1's chain (16 rows) overrides it.
+    slice_rows: int = SLICE_ROWS
+
     @cute.jit
     def decay(self, log2_decay: cutlass.Float32) -> cutlass.Float32:
         """The decay factor exp(G_i - G_j) from a difference of base-2 cumulative log decays: one
@@ -595,9 +599,11 @@ class _Chunked:
         slice_idx: cutlass.Int32,
         warp_idx: cutlass.Int32,
     ) -> cute.Tensor:
-        """The [32, 32] tile of a [N, 8, 128, 128] state that warp `warp_idx` of slice `slice_idx`
+        """The [slice_rows, 32] tile of a [N, 8, 128, 128] state that warp `warp_idx` of slice `slice_idx`
         holds in its accumulators (rows of the slice, columns 32 w..)."""
-        return cute.local_tile(state[seq, head, None, None], (SLICE_ROWS, STATE_COLS_PER_WARP), (slice_idx, warp_idx))
+        return cute.local_tile(
+            state[seq, head, None, None], (self.slice_rows, STATE_COLS_PER_WARP), (slice_idx, warp_idx)
+        )
 
     @cute.jit
     def load_state_slice(
@@ -614,7 +620,7 @@ class _Chunked:
         """The state slice in fp32 accumulators: the initial state's tile, or zeros without one (and
         for an empty sequence, whose new state is zero whatever the initial one)."""
         acc_state = cute.make_rmem_tensor(
-            thr_mma.partition_shape_C((SLICE_ROWS, STATE_COLS_PER_WARP)), cutlass.Float32
+            thr_mma.partition_shape_C((self.slice_rows, STATE_COLS_PER_WARP)), cutlass.Float32
         )
         acc_state.fill(0.0)
         if has_state != 0 and length > 0:
@@ -907,10 +913,10 @@ class _Chunked:
         tidx: cutlass.Int32,
     ):
         """Issue the cp.async copies of one chunk but its q rows (k rows of the head's q/k head, the
-        32 values of this slice, the 8-head rows of a and b); tokens past the end are skipped."""
+        slice_rows values of this slice, the 8-head rows of a and b); tokens past the end are skipped."""
         first = chunk * CHUNK
         self.copy_head_rows(g2s, k, raw_k, 0, start, length, chunk, head, tidx)
-        v_pieces = SLICE_ROWS // COPY_ELEMS  # 4 per token
+        v_pieces = self.slice_rows // COPY_ELEMS  # 4 per token at 32 rows
         for i in cutlass.range_constexpr(CHUNK * v_pieces // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             j = linear // v_pieces

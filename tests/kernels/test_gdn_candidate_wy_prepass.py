@@ -1,5 +1,6 @@
-"""GDN candidate v4.0 (kernels/gdn_prefill/candidate_wy_prepass.py): a prepass kernel computes each chunk's
-state-free half (gates, P, T) into a workspace, and the chain of chunks reads it.
+"""GDN candidates v4.0 (kernels/gdn_prefill/candidate_wy_prepass.py) and v4.1 (candidate_wy_prepass_narrow.py, the
+same on 16-row V slices): a prepass kernel computes each chunk's state-free half (gates, P, T) into a workspace,
+and the chain of chunks reads it.
 
 CPU: the workspace slots of every chunk of every sequence are distinct and within the allocation, and the
 prepass's rule for finding a slot's (sequence, chunk) (the last sequence whose first slot is at or below it)
@@ -21,6 +22,7 @@ from hopperbench.devcheck import load_folder_module, load_module_by_path
 from hopperbench.paths import REPO_ROOT
 
 candidate = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "candidate_wy_prepass")
+narrow = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "candidate_wy_prepass_narrow")
 chunked = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "chunked")
 cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -68,10 +70,23 @@ def test_below_the_threshold_it_is_kernel_py(monkeypatch):
     assert calls == ["kernel", "kernel", "kernel", "two", "two"]
 
 
-def test_compiles_for_sm90a_without_gpu():
-    compiled = candidate.compile_only("sm_90a")
+def test_narrow_entry_is_v4_with_16_row_slices(monkeypatch):
+    calls = []
+    monkeypatch.setattr(candidate.kernel, "run", lambda *args: calls.append(("kernel", len(args))))
+    monkeypatch.setattr(candidate, "compiled_for", lambda arch, rows: calls.append(("two", rows)) or (lambda *a: None))
+    monkeypatch.setattr(candidate.token_serial, "check_inputs", lambda *args: None)
+    for num_tokens in (41, candidate.V4_MIN_TOKENS):
+        state = torch.empty(2, 8, 128, 128)
+        narrow.run(torch.empty(num_tokens, 4, 128), *([None] * 10), state)
+    narrow.run_two_kernels(torch.empty(41, 4, 128), *([None] * 10), torch.empty(2, 8, 128, 128))
+    assert calls == [("kernel", 12), ("two", 16), ("two", 16)]
+
+
+@pytest.mark.parametrize("module", [candidate, narrow], ids=["v4.0", "v4.1_narrow"])
+def test_compiles_for_sm90a_without_gpu(module):
+    compiled = module.compile_only("sm_90a")
     assert len(compiled) == 2 and all(callable(fn) for fn in compiled)
-    assert candidate.compile_only("sm_90a") == compiled  # cached
+    assert module.compile_only("sm_90a") == compiled  # cached
 
 
 @pytest.mark.gpu
@@ -86,10 +101,11 @@ def test_compiles_for_sm90a_without_gpu():
     ],
     ids=lambda case: case.name,
 )
-def test_outputs_and_states_are_chunked_py_bit_for_bit(case):
+@pytest.mark.parametrize("module", [candidate, narrow], ids=["v4.0", "v4.1_narrow"])
+def test_outputs_and_states_are_chunked_py_bit_for_bit(case, module):
     inputs = cases.make_inputs(case, "cuda", seed=47)
     results = []
-    for run in (chunked.run, candidate.run_two_kernels):
+    for run in (chunked.run, module.run_two_kernels):
         output, new_state = cases.poisoned_outputs(case, "cuda")
         run(*inputs.values(), output, new_state)
         torch.cuda.synchronize()

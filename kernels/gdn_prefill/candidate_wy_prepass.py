@@ -72,6 +72,8 @@ __all__ = [
     "num_chunk_slots",
     "run",
     "run_two_kernels",
+    "run_with_slices",
+    "two_kernels_with_slices",
 ]
 
 # Below this many tokens `kernel.py` (token-serial or chunked.py) runs: see the module docstring.
@@ -514,21 +516,35 @@ def compile_only(arch: str = GPU_ARCH, slice_rows: int = WIDE_SLICE_ROWS) -> tup
     return token_serial.compile_only(arch), compiled_for(arch, slice_rows)
 
 
-def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state, slice_rows=WIDE_SLICE_ROWS):
+def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
     """`kernel.py`'s contract: fills `output` [T,8,128] bf16 and `new_state` [N,8,128,128] fp32; `state` None
     means zeros; `scale` None or 0 means 1/sqrt(128). Below V4_MIN_TOKENS tokens `kernel.run`; from there the
     two kernels of this file on the current stream, no host synchronisation."""
+    run_with_slices(WIDE_SLICE_ROWS, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+
+
+def run_two_kernels(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+    """`run` with this file's two kernels at any T (session 12 measured them at every T above 40; the bitwise
+    tests run them below the threshold too)."""
+    two_kernels_with_slices(
+        WIDE_SLICE_ROWS, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state
+    )
+
+
+# The entries above take exactly the definition's parameters (the runner checks the destination-passing
+# signature); the chain's slice width comes first in these two.
+def run_with_slices(slice_rows: int, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state):
+    """`run` with the chain on `slice_rows`-row V slices."""
     if q.shape[0] < V4_MIN_TOKENS:
         kernel.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
         return
-    run_two_kernels(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state, slice_rows)
+    two_kernels_with_slices(slice_rows, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
 
 
-def run_two_kernels(
-    q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state, slice_rows=WIDE_SLICE_ROWS
+def two_kernels_with_slices(
+    slice_rows: int, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state
 ) -> None:
-    """`run` with this file's two kernels at any T (session 12 measured them at every T above 40; the bitwise
-    tests run them below the threshold too)."""
+    """`run_two_kernels` with the chain on `slice_rows`-row V slices."""
     token_serial.check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
     num_seqs = new_state.shape[0]
     if num_seqs == 0:

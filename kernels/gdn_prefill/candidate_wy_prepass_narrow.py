@@ -23,9 +23,11 @@ def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
     """v4.0's `run` (kernel.py below V4_MIN_TOKENS tokens) with the narrow chain from there."""
-    v4.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state, v4.NARROW_SLICE_ROWS)
+    v4.run_with_slices(v4.NARROW_SLICE_ROWS, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
 
 
 def run_two_kernels(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
     """The two kernels with the narrow chain at any T (the threshold sweep's side)."""
-    v4.run_two_kernels(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state, v4.NARROW_SLICE_ROWS)
+    v4.two_kernels_with_slices(
+        v4.NARROW_SLICE_ROWS, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state
+    )

@@ -64,7 +64,7 @@ def test_chunk_slots_are_distinct_in_bounds_and_found_again(seed):
 def test_below_the_threshold_it_is_kernel_py(monkeypatch):
     calls = []
     monkeypatch.setattr(candidate.kernel, "run", lambda *args: calls.append("kernel"))
-    monkeypatch.setattr(candidate, "run_two_kernels", lambda *args: calls.append("two"))
+    monkeypatch.setattr(candidate, "two_kernels_with_slices", lambda *args: calls.append("two"))
     for num_tokens in (1, 41, candidate.V4_MIN_TOKENS - 1, candidate.V4_MIN_TOKENS, 8192):
         candidate.run(torch.empty(num_tokens, 4, 128), *([None] * 11))
     assert calls == ["kernel", "kernel", "kernel", "two", "two"]

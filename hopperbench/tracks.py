@@ -172,26 +172,6 @@ GDN_PREFILL = Track(
             entry="candidate_wgmma_v3.py::run",
             description="design v3 prototype: one CTA per (sequence, head), the state a warpgroup-MMA accumulator, the next chunk copied ahead, a register-tiled inverse (v3.3)",
         ),
-        CandidateSide(
-            name="cand_wy_prepass",
-            entry="candidate_wy_prepass.py::run",
-            description="kernel.py with, from 512 tokens, the chunked path in two kernels: a parallel prepass of every chunk's gates, P and T = (I + A)^-1, then the chain with only the state-dependent half (v4.0)",
-        ),
-        CandidateSide(
-            name="cand_wy_prepass_everywhere",
-            entry="candidate_wy_prepass.py::run_two_kernels",
-            description="v4.0's two kernels at every T, no threshold: the other side of tools/time_axes.py's sweep that places cand_wy_prepass's threshold",
-        ),
-        CandidateSide(
-            name="cand_wy_prepass_narrow",
-            entry="candidate_wy_prepass_narrow.py::run",
-            description="v4.0 with the chain on 16-row V slices, eight CTAs per (sequence, head) instead of four (v4.1)",
-        ),
-        CandidateSide(
-            name="cand_wy_prepass_narrow_everywhere",
-            entry="candidate_wy_prepass_narrow.py::run_two_kernels",
-            description="v4.1's two kernels at every T, no threshold (tools/time_axes.py's sweep)",
-        ),
     ),
 )
 

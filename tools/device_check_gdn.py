@@ -1,6 +1,6 @@
 """Device check of our GDN prefill kernel (kernels/gdn_prefill/kernel.py) on a GPU.
 
-`--kernel token_serial` or `--kernel chunked` checks one of kernel.py's two paths alone, at every case
+`--kernel token_serial`, `--kernel chunked` or `--kernel wy_prepass` checks one of kernel.py's three paths alone, at every case
 (kernel.py picks one from T): kernels/gdn_prefill/<name>.py, loaded as a module of a package made
 of that folder (as the harness packs it), so that it may import its siblings.
 Compiles the kernel, then for every case in kernels/gdn_prefill/check_cases.py: fresh inputs,
@@ -31,14 +31,13 @@ from hopperbench.paths import REPO_ROOT
 cases = devcheck.load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 
 KERNEL_DIR = REPO_ROOT / "kernels" / "gdn_prefill"
-# Modules of KERNEL_DIR with the `run` entry: kernel.py, its two paths, and any candidates.
+# Modules of KERNEL_DIR with the `run` entry: kernel.py, its three paths, and any candidates.
 KERNEL_CHOICES = (
     "kernel",
     "token_serial",
     "chunked",
+    "wy_prepass",
     "candidate_wgmma_v3",
-    "candidate_wy_prepass",
-    "candidate_wy_prepass_narrow",
 )
 
 # Ten sequences, so that the chunked kernel, which orders its grid rows by length (v1.7), re-ranks at replay:

@@ -1,14 +1,21 @@
 """GDN prefill for SM90 in CuTe-DSL: `gdn_prefill_qk4_v8_d128_k_last`.
 
-v1.9 (v1.4 with candidates v1.7 and v1.8 promoted after the A/B of 2026-11-30, NOTES.md): two kernels
-of this folder, chosen from the total token count T (a shape, known on the host; no device reads, no
-host synchronisation):
+v2.0 (v1.9 with design v4, candidates v4.0 and v4.1, promoted in session 13, NOTES.md): three paths of
+this folder, chosen from the total token count T (a shape, known on the host; no device reads, no host
+synchronisation):
 
 - T <= TOKEN_SERIAL_MAX_TOKENS: `token_serial.py`, one CTA per (sequence, head, 8-row V slice)
   stepping token by token (v1.8's rows over 16 lanes: 1.12x over v1.4 at <= 40 tokens);
-- larger T: `chunked.py`, 64-token chunks in the WY form on tensor cores, two CTAs per SM, the grid
-  rows serving the sequences longest first (v1.7: 1.23x over v1.4 on the 18 workloads of >= 9
-  sequences, 1.00x on the others).
+- up to WY_PREPASS_MIN_TOKENS: `chunked.py`, 64-token chunks in the WY form on tensor cores, two CTAs
+  per SM, the grid rows serving the sequences longest first (v1.7: 1.23x over v1.4 on the 18 workloads
+  of >= 9 sequences, 1.00x on the others);
+- from WY_PREPASS_MIN_TOKENS: `wy_prepass.py`, `chunked.py`'s chunks in two kernels, a parallel prepass
+  of every chunk's state-free half, then a chain with only the state-dependent half, on 16-row V slices
+  up to 4 sequences and 32 above (the A/B of session 13 over the 40 workloads of >= 512 tokens: 1.07-1.95x
+  over v1.9 per row with the width the rule picks). In session 12's runs the two kernels lost at 42-255
+  tokens (0.61-0.92x: the prepass's launch against a few chunks); session 13's sweep put the one-sequence
+  crossover near 192 tokens and left four sequences split-dependent up to 512, so the threshold stays at
+  512, where every measured row won.
 
 Why the split (measured with v1, whose chunk step took ~8 us; v1.4's takes ~5.5 us at 2107 tokens in
 one sequence): in the runner run of 2026-11-29 (100 workloads, kernels/gdn_prefill/NOTES.md) the
@@ -28,23 +35,34 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import chunked, token_serial
+from . import chunked, token_serial, wy_prepass
 from .token_serial import GPU_ARCH, GdnShapeError, resolve_scale
 
-__all__ = ["GdnShapeError", "TOKEN_SERIAL_MAX_TOKENS", "compile_only", "path_for", "resolve_scale", "run"]
+__all__ = [
+    "TOKEN_SERIAL_MAX_TOKENS",
+    "WY_PREPASS_MIN_TOKENS",
+    "GdnShapeError",
+    "compile_only",
+    "path_for",
+    "resolve_scale",
+    "run",
+]
 
 TOKEN_SERIAL_MAX_TOKENS = 40
+WY_PREPASS_MIN_TOKENS = 512
 
 
 def path_for(num_tokens: int):
     """The module whose `run` serves a batch of `num_tokens` tokens."""
-    return token_serial if num_tokens <= TOKEN_SERIAL_MAX_TOKENS else chunked
+    if num_tokens <= TOKEN_SERIAL_MAX_TOKENS:
+        return token_serial
+    return chunked if num_tokens < WY_PREPASS_MIN_TOKENS else wy_prepass
 
 
-def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, Callable]:
-    """Compile both kernels for `arch` without touching a GPU (for CI and warm-up: no call compiles
-    lazily afterwards)."""
-    return token_serial.compile_only(arch), chunked.compile_only(arch)
+def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
+    """Compile every path's kernels for `arch` without touching a GPU (for CI and warm-up: no call
+    compiles lazily afterwards)."""
+    return token_serial.compile_only(arch), chunked.compile_only(arch), *wy_prepass.compile_only(arch)
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:

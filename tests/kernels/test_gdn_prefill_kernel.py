@@ -28,8 +28,8 @@ cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "g
 kernel = cases.load_kernel()
 reference_run = cases.load_reference_run()
 device_check = load_module_by_path(REPO_ROOT / "tools/device_check_gdn.py", "device_check_gdn")
-# kernel.py and each of its two paths alone (and any candidate of the folder): every GPU test below
-# runs each of them, so both paths are checked at every shape, not only where kernel.py picks them.
+# kernel.py and each of its three paths alone (and any candidate of the folder): every GPU test below
+# runs each of them, so every path is checked at every shape, not only where kernel.py picks it.
 SOLUTIONS = device_check.KERNEL_CHOICES
 
 
@@ -47,25 +47,30 @@ LONG_TESTS = os.environ.get("HOPPERBENCH_LONG_TESTS") == "1"
 # ------------------------------------------------------------------------------------------------
 
 
-def test_compiles_both_paths_for_sm90a_without_gpu():
+def test_compiles_every_path_for_sm90a_without_gpu():
     compiled = kernel.compile_only("sm_90a")
-    assert len(compiled) == 2 and all(callable(fn) for fn in compiled)
+    # token-serial, chunked, and the WY-prepass pair at both chain widths
+    assert len(compiled) == 4 and all(callable(fn) for fn in compiled)
     # Cached: a second request must not recompile.
     assert kernel.compile_only("sm_90a") == compiled
 
 
 @pytest.mark.parametrize(
-    ("num_tokens", "path"), [(0, "token_serial"), (1, "token_serial"), (40, "token_serial"), (41, "chunked"), (8192, "chunked")]
-)
+    ("num_tokens", "path"),
+    [
+        (0, "token_serial"), (1, "token_serial"), (40, "token_serial"), (41, "chunked"), (511, "chunked"),
+        (512, "wy_prepass"), (8192, "wy_prepass"),
+    ],
+)  # fmt: skip
 def test_path_is_chosen_from_the_token_count(num_tokens, path):
-    assert kernel.TOKEN_SERIAL_MAX_TOKENS == 40
+    assert (kernel.TOKEN_SERIAL_MAX_TOKENS, kernel.WY_PREPASS_MIN_TOKENS) == (40, 512)
     assert kernel.path_for(num_tokens) is solution_module(path)
 
 
-@pytest.mark.parametrize("num_tokens", [6, 41])
+@pytest.mark.parametrize("num_tokens", [6, 41, 512])
 def test_run_calls_exactly_the_chosen_path(num_tokens, monkeypatch):
     calls = []
-    for name in ("token_serial", "chunked"):
+    for name in ("token_serial", "chunked", "wy_prepass"):
         monkeypatch.setattr(solution_module(name), "run", lambda *args, name=name: calls.append((name, args)))
     case = cases.CheckCase(f"len{num_tokens}", (num_tokens,), True, 0.0, "mamba2")
     inputs = cases.make_inputs(case, "cpu", seed=1)

@@ -1,7 +1,8 @@
-"""GDN candidate v4.0 ("WY prepass"): `kernel.py` with the chunked path split in two kernels, so that the chain of
-chunks carries only the state-dependent half of each chunk.
+"""GDN prefill for SM90 in CuTe-DSL, design v4 ("WY prepass"): the path `kernel.py` takes from
+WY_PREPASS_MIN_TOKENS tokens. `chunked.py`'s chunked form split in two kernels, so that the chain of chunks
+carries only the state-dependent half of each chunk (candidates v4.0 and v4.1, promoted in session 13, NOTES.md).
 
-Why (session 12's timeline, NOTES.md): at 1377 tokens in one sequence Kachua's GPU work is 62 us against our
+Why (session 12's timeline): at 1377 tokens in one sequence Kachua's GPU work was 62 us against `chunked.py`'s
 122, because a parallel prepass does the state-free half of every chunk (the WY factors) before its sequential
 kernel, which then steps a chunk in 2.0 us against `chunked.py`'s 5.55. In `chunked.py` that half (the Gram
 tiles A and P, the gates and the three-level inverse T = (I + A)^-1, phases P1-P4) sits on the chain, and the
@@ -10,16 +11,19 @@ four V-slice CTAs of a (sequence, head) each recompute it.
 1. `_KeySide`, grid (8 heads, chunk slots): per (chunk, head) the gates (G in base 2, beta), P and T exactly as
    `chunked.py` computes them (its methods), stored to a workspace: T and P in fp16 [slots, 8, 2, 64, 64], G and
    beta in fp32 [slots, 8, 2, 64]. Chunk c of sequence s has slot `chunk_slot(start_s, c, s)`.
-2. `_ValueSide`, `chunked.py`'s grid: per chunk only the K S0^T / Q S0^T products, V' = T Xb, the output and
-   the state update; T, G and beta of the next chunk arrive by cp.async from the end of this chunk's V' phase,
-   and P (double-buffered, the one array it keeps two of) from its start. Three CTA barriers per chunk, not six.
+2. `_ValueSide`, `chunked.py`'s grid on V slices of 16 or 32 rows: per chunk only the K S0^T / Q S0^T
+   products, V' = T Xb, the output and the state update; T, G and beta of the next chunk arrive by cp.async
+   from the end of this chunk's V' phase, and P (double-buffered, the one array it keeps two of) from its
+   start. Three CTA barriers per chunk, not six.
 
-Same values, same roundings, same order of operations as `chunked.py`, so the outputs and states are
-`kernel.py`'s bit for bit (a GPU test checks). Below V4_MIN_TOKENS tokens this entry is `kernel.py`: in session
-12's runs the two kernels won 1.09-1.55x on every workload of 525 tokens and more and lost 0.61-0.92x on every
-one of 42-255 (the prepass's launch costs more than a few chunks save); nothing was measured in between, so
-the threshold is the conservative side of that gap until a sweep places it. Two launches in one TVM-FFI call (the second waits for the first in stream order);
-the workspaces (~16.5 KB per slot and head) are allocated per call.
+The slice width is chosen from N (a shape): 16 rows (eight CTAs per (sequence, head)) up to NARROW_MAX_SEQS
+sequences, where that grid fits in one wave of two CTAs per SM and halving each CTA's work shortens the chain
+(1.16-1.26x over 32 rows at 1-2 sequences in session 13's A/B, 1.02-1.10x at 4-5); 32 rows above, where the
+grid already fills the GPU and twice the CTAs cost more than they save (0.75-0.85x at 15-57 sequences).
+
+Same values, same roundings, same order of operations as `chunked.py` at either width, so the outputs and
+states are `chunked.py`'s bit for bit (a GPU test checks). Two launches in one TVM-FFI call (the second waits
+for the first in stream order); the workspaces (~16.5 KB per slot and head) are allocated per call.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_compact_tensor
 
-from . import kernel, token_serial
+from . import token_serial
 from .chunked import (
     BLOCK,
     CHUNK,
@@ -63,25 +67,23 @@ from .chunked import (
 from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, GdnShapeError, resolve_scale
 
 __all__ = [
+    "NARROW_MAX_SEQS",
     "NARROW_SLICE_ROWS",
-    "V4_MIN_TOKENS",
     "WIDE_SLICE_ROWS",
     "GdnShapeError",
     "chunk_slot",
     "compile_only",
     "num_chunk_slots",
     "run",
-    "run_two_kernels",
     "run_with_slices",
-    "two_kernels_with_slices",
+    "slice_rows_for",
 ]
 
-# Below this many tokens `kernel.py` (token-serial or chunked.py) runs: see the module docstring.
-V4_MIN_TOKENS = 512
-# V rows per chain CTA: v4.0 keeps chunked.py's 32; v4.1 (candidate_wy_prepass_narrow.py) halves them, so that a
-# chunk step does half the MMA work per CTA on twice the CTAs.
+# V rows per chain CTA (see the module docstring): chunked.py's 32, or 16 for few sequences.
 WIDE_SLICE_ROWS = SLICE_ROWS
 NARROW_SLICE_ROWS = 16
+# The narrow grid (64 CTAs per sequence) fits in one wave of two CTAs per SM of a 132-SM H200 up to 4 sequences.
+NARROW_MAX_SEQS = 2 * 132 // (NUM_V_HEADS * (HEAD_SIZE // NARROW_SLICE_ROWS))
 SQUARE_PIECES = CHUNK // COPY_ELEMS  # 16-B pieces of a 64-wide fp16 row
 GATE_PIECES = CHUNK * 4 // 16  # 16-B pieces of 64 fp32
 
@@ -511,40 +513,28 @@ def compiled_for(arch: str = GPU_ARCH, slice_rows: int = WIDE_SLICE_ROWS) -> Cal
     return fn
 
 
-def compile_only(arch: str = GPU_ARCH, slice_rows: int = WIDE_SLICE_ROWS) -> tuple[Callable, ...]:
-    """This entry's launcher and `kernel.py`'s token-serial path for `arch`, without a GPU."""
-    return token_serial.compile_only(arch), compiled_for(arch, slice_rows)
+def slice_rows_for(num_seqs: int) -> int:
+    """The chain's slice width for a batch of `num_seqs` sequences."""
+    return NARROW_SLICE_ROWS if num_seqs <= NARROW_MAX_SEQS else WIDE_SLICE_ROWS
+
+
+def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
+    """Both widths' launchers for `arch`, without a GPU (for CI and warm-up: no call compiles lazily afterwards)."""
+    return compiled_for(arch, NARROW_SLICE_ROWS), compiled_for(arch, WIDE_SLICE_ROWS)
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
     """`kernel.py`'s contract: fills `output` [T,8,128] bf16 and `new_state` [N,8,128,128] fp32; `state` None
-    means zeros; `scale` None or 0 means 1/sqrt(128). Below V4_MIN_TOKENS tokens `kernel.run`; from there the
-    two kernels of this file on the current stream, no host synchronisation."""
-    run_with_slices(WIDE_SLICE_ROWS, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
-
-
-def run_two_kernels(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
-    """`run` with this file's two kernels at any T (session 12 measured them at every T above 40; the bitwise
-    tests run them below the threshold too)."""
-    two_kernels_with_slices(
-        WIDE_SLICE_ROWS, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state
+    means zeros; `scale` None or 0 means 1/sqrt(128). The two kernels on the current stream, the chain's width
+    from N; no device reads, no host synchronisation. Correct at any T (`kernel.py` takes it from
+    WY_PREPASS_MIN_TOKENS)."""
+    run_with_slices(
+        slice_rows_for(new_state.shape[0]), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state
     )
 
 
-# The entries above take exactly the definition's parameters (the runner checks the destination-passing
-# signature); the chain's slice width comes first in these two.
 def run_with_slices(slice_rows: int, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state):
-    """`run` with the chain on `slice_rows`-row V slices."""
-    if q.shape[0] < V4_MIN_TOKENS:
-        kernel.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
-        return
-    two_kernels_with_slices(slice_rows, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
-
-
-def two_kernels_with_slices(
-    slice_rows: int, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state
-) -> None:
-    """`run_two_kernels` with the chain on `slice_rows`-row V slices."""
+    """`run` with the chain on `slice_rows`-row V slices (the tests run both widths)."""
     token_serial.check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
     num_seqs = new_state.shape[0]
     if num_seqs == 0:

@@ -168,9 +168,9 @@ GDN_PREFILL = Track(
     ),
     candidates=(
         CandidateSide(
-            name="cand_wgmma_v3",
-            entry="candidate_wgmma_v3.py::run",
-            description="design v3 prototype: one CTA per (sequence, head), the state a warpgroup-MMA accumulator, the next chunk copied ahead, a register-tiled inverse (v3.3)",
+            name="cand_wy_prepass_everywhere",
+            entry="wy_prepass.py::run",
+            description="kernel.py's WY-prepass path at every T (no 512-token threshold): the other side of the A/B and sweep that place the threshold for few sequences",
         ),
     ),
 )

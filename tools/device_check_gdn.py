@@ -37,7 +37,6 @@ KERNEL_CHOICES = (
     "token_serial",
     "chunked",
     "wy_prepass",
-    "candidate_wgmma_v3",
 )
 
 # Ten sequences, so that the chunked kernel, which orders its grid rows by length (v1.7), re-ranks at replay:

@@ -56,27 +56,36 @@ def test_compiles_every_path_for_sm90a_without_gpu():
 
 
 @pytest.mark.parametrize(
-    ("num_tokens", "path"),
+    ("num_tokens", "num_seqs", "path"),
     [
-        (0, "token_serial"), (1, "token_serial"), (40, "token_serial"), (41, "chunked"), (511, "chunked"),
-        (512, "wy_prepass"), (8192, "wy_prepass"),
+        (0, 1, "token_serial"), (1, 1, "token_serial"), (40, 1, "token_serial"), (40, 40, "token_serial"),
+        (41, 1, "chunked"), (159, 1, "chunked"), (160, 1, "wy_prepass"),
+        (319, 2, "chunked"), (320, 2, "wy_prepass"), (341, 2, "wy_prepass"), (461, 2, "wy_prepass"),
+        (294, 3, "chunked"), (401, 4, "chunked"), (511, 4, "chunked"), (511, 57, "chunked"),
+        (512, 4, "wy_prepass"), (512, 57, "wy_prepass"), (8192, 57, "wy_prepass"),
     ],
 )  # fmt: skip
-def test_path_is_chosen_from_the_token_count(num_tokens, path):
+def test_path_is_chosen_from_the_token_and_sequence_counts(num_tokens, num_seqs, path):
     assert (kernel.TOKEN_SERIAL_MAX_TOKENS, kernel.WY_PREPASS_MIN_TOKENS) == (40, 512)
-    assert kernel.path_for(num_tokens) is solution_module(path)
+    assert kernel.WY_PREPASS_MIN_MEAN_LENGTH == 160
+    assert kernel.path_for(num_tokens, num_seqs) is solution_module(path)
 
 
-@pytest.mark.parametrize("num_tokens", [6, 41, 512])
-def test_run_calls_exactly_the_chosen_path(num_tokens, monkeypatch):
+@pytest.mark.parametrize(
+    ("lengths", "path"),
+    [((6,), "token_serial"), ((41,), "chunked"), ((100, 100), "chunked"), ((170, 170), "wy_prepass"), ((512,), "wy_prepass")],
+    ids=str,
+)
+def test_run_calls_exactly_the_chosen_path(lengths, path, monkeypatch):
     calls = []
     for name in ("token_serial", "chunked", "wy_prepass"):
         monkeypatch.setattr(solution_module(name), "run", lambda *args, name=name: calls.append((name, args)))
-    case = cases.CheckCase(f"len{num_tokens}", (num_tokens,), True, 0.0, "mamba2")
+    num_tokens = sum(lengths)
+    case = cases.CheckCase(f"len{num_tokens}", lengths, True, 0.0, "mamba2")
     inputs = cases.make_inputs(case, "cpu", seed=1)
     output, new_state = cases.poisoned_outputs(case, "cpu")
     kernel.run(*inputs.values(), output, new_state)
-    assert [name for name, _ in calls] == [kernel.path_for(num_tokens).__name__.rsplit(".", 1)[-1]]
+    assert [name for name, _ in calls] == [path]
     assert calls[0][1][-2] is output and calls[0][1][-1] is new_state
 
 

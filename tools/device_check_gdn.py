@@ -37,6 +37,7 @@ KERNEL_CHOICES = (
     "token_serial",
     "chunked",
     "wy_prepass",
+    "candidate_narrow_chunked",
 )
 
 # Ten sequences, so that the chunked kernel, which orders its grid rows by length (v1.7), re-ranks at replay:

@@ -184,9 +184,21 @@ def _layout(view: tuple[tuple[int, ...], tuple[int, ...]]) -> cute.Layout:
 class _Chunked:
     """The kernel: one CTA = one (sequence, v-head, 32-row V-slice); see the module docstring."""
 
-    # V rows of the state per CTA in the methods a subclass shares (state_tile, load_state_slice, load_chunk); this
-    # file's kernel is written for SLICE_ROWS, candidate v4.1's chain (16 rows) overrides it.
+    # V rows of the state per CTA: SLICE_ROWS here; 16 in a subclass for few sequences (the WY-prepass
+    # chain's narrow width, and candidate v2.2's narrow chunked kernel).
     slice_rows: int = SLICE_ROWS
+
+    @property
+    def num_slices(self) -> int:
+        return HEAD_SIZE // self.slice_rows
+
+    def state16_layout(self) -> cute.Layout:
+        """The fp16 copy of the state slice, [slice_rows, 128] in padded rows (STATE16_VIEW at 32 rows)."""
+        return cute.make_layout((self.slice_rows, HEAD_SIZE), stride=(WIDE_STRIDE, 1))
+
+    def slice_by_token_layout(self) -> cute.Layout:
+        """Xb^T, V'^T and V'c^T: [slice_rows, 64] (SLICE_BY_TOKEN_VIEW at 32 rows)."""
+        return cute.make_layout((self.slice_rows, CHUNK), stride=(NARROW_STRIDE, 1))
 
     @cute.jit
     def decay(self, log2_decay: cutlass.Float32) -> cutlass.Float32:
@@ -416,11 +428,13 @@ class _Chunked:
     ):
         tiled_mma = _make_warp_mma()
         f16, bf16, f32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32
+        rows = self.slice_rows
+        s16_elems = max(rows * WIDE_STRIDE, NUM_WARPS * BLOCK * SCRATCH_STRIDE)
 
         @cute.struct
         class SharedStorage:
             raw_k: cute.struct.Align[cute.struct.MemRange[bf16, CHUNK * HEAD_SIZE], 128]
-            raw_v: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * SLICE_ROWS], 128]
+            raw_v: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * rows], 128]
             raw_a: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
             raw_b: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
             kq: cute.struct.Align[cute.struct.MemRange[f16, KQ_ROWS * WIDE_STRIDE], 128]
@@ -430,8 +444,8 @@ class _Chunked:
             t16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
             p16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
             # The fp16 state copy (P0-P1), then the inverse's per-warp scratch (P3-P4).
-            s16: cute.struct.Align[cute.struct.MemRange[f16, SLICE_ROWS * WIDE_STRIDE], 128]
-            xb_t: cute.struct.Align[cute.struct.MemRange[f16, SLICE_ROWS * NARROW_STRIDE], 128]
+            s16: cute.struct.Align[cute.struct.MemRange[f16, s16_elems], 128]
+            xb_t: cute.struct.Align[cute.struct.MemRange[f16, rows * NARROW_STRIDE], 128]
             cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
             beta: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
 
@@ -439,7 +453,7 @@ class _Chunked:
             q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state,
             tiled_mma, SharedStorage,
         ).launch(  # fmt: skip
-            grid=[NUM_V_HEADS * NUM_SLICES, new_state.shape[0], 1],
+            grid=[NUM_V_HEADS * self.num_slices, new_state.shape[0], 1],
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -467,9 +481,10 @@ class _Chunked:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         head_slice, block_y, _ = cute.arch.block_idx()
-        head = head_slice // NUM_SLICES
-        slice_idx = head_slice % NUM_SLICES
-        v0 = slice_idx * SLICE_ROWS
+        rows = self.slice_rows
+        head = head_slice // self.num_slices
+        slice_idx = head_slice % self.num_slices
+        v0 = slice_idx * rows
         warp_idx = tidx // WARP_SIZE
         lane = tidx % WARP_SIZE
 
@@ -486,9 +501,7 @@ class _Chunked:
 
         # ---- shared memory views ----
         raw_k, raw_a, raw_b, kq, kq_raw = self.staging_views(st)
-        raw_v = st.raw_v.get_tensor(
-            cute.make_layout((NUM_STAGES, CHUNK, SLICE_ROWS), stride=(CHUNK * SLICE_ROWS, SLICE_ROWS, 1))
-        )
+        raw_v = st.raw_v.get_tensor(cute.make_layout((NUM_STAGES, CHUNK, rows), stride=(CHUNK * rows, rows, 1)))
         # kq_t[d, r] = kq[r, d]: the B operand of S += V'c^T K (ldmatrix.trans).
         kq_t = cute.make_tensor(kq.iterator, _layout(KQ_T_VIEW))
         a16 = st.a16.get_tensor(_layout(SQUARE_VIEW))
@@ -496,10 +509,10 @@ class _Chunked:
         t16 = st.t16.get_tensor(_layout(SQUARE_VIEW))
         t16_t = cute.make_tensor(t16.iterator, _layout(SQUARE_T_VIEW))
         p16 = st.p16.get_tensor(_layout(SQUARE_VIEW))
-        s16 = st.s16.get_tensor(_layout(STATE16_VIEW))
-        xb_t = st.xb_t.get_tensor(_layout(SLICE_BY_TOKEN_VIEW))
-        vn_t = cute.make_tensor(a16.iterator, _layout(SLICE_BY_TOKEN_VIEW))
-        vnc_t = cute.make_tensor(a16.iterator + SLICE_ROWS * NARROW_STRIDE, _layout(SLICE_BY_TOKEN_VIEW))
+        s16 = st.s16.get_tensor(self.state16_layout())
+        xb_t = st.xb_t.get_tensor(self.slice_by_token_layout())
+        vn_t = cute.make_tensor(a16.iterator, self.slice_by_token_layout())
+        vnc_t = cute.make_tensor(a16.iterator + rows * NARROW_STRIDE, self.slice_by_token_layout())
         scratch = cute.make_tensor(s16.iterator, _layout(SCRATCH_VIEW))[warp_idx, None, None]
         cum_log_g = st.cum_log_g.get_tensor(cute.make_layout(CHUNK))
         beta = st.beta.get_tensor(cute.make_layout(CHUNK))
@@ -508,10 +521,10 @@ class _Chunked:
         copy_a, copy_b, copy_bt = _make_operand_copies(tiled_mma)
         thr_mma = tiled_mma.get_slice(lane)
         coords_sq = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, BLOCK)))
-        coords_rows = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, SLICE_ROWS)))
-        coords_state = thr_mma.partition_C(cute.make_identity_tensor((SLICE_ROWS, STATE_COLS_PER_WARP)))
+        coords_rows = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, rows)))
+        coords_state = thr_mma.partition_C(cute.make_identity_tensor((rows, STATE_COLS_PER_WARP)))
 
-        # ---- the state slice: [32, 128] fp32 in the accumulators, warp w holds columns 32w.. ----
+        # ---- the state slice: [rows, 128] fp32 in the accumulators, warp w holds columns 32w.. ----
         acc_state = self.load_state_slice(thr_mma, state, seq, head, slice_idx, warp_idx, has_state, length)
 
         # T and P are lower triangular; their upper 16x16 blocks are never written: zero them once.
@@ -530,9 +543,14 @@ class _Chunked:
             self.load_q(g2s, q, kq_raw, start, length, 0, head, tidx)
         cute.arch.cp_async_commit_group()
 
-        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
-        acc_y = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
+        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, rows)), cutlass.Float32)
+        acc_y = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, rows)), cutlass.Float32)
         acc_sq = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
+        # P4's [16, 32] products: acc_y itself at 32 rows (its registers are free then); its own at 16.
+        acc_half, coords_half = acc_y, coords_rows
+        if cutlass.const_expr(rows != CHUNK // 2):
+            acc_half = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, CHUNK // 2)), cutlass.Float32)
+            coords_half = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, CHUNK // 2)))
 
         for chunk in cutlass.range(num_chunks, unroll=1):
             stage = chunk % NUM_STAGES
@@ -570,7 +588,7 @@ class _Chunked:
             cute.arch.cp_async_commit_group()
             self.invert_unit_lower(
                 tiled_mma, copy_a, copy_bt, lane, warp_idx, tidx, a16_t, a_diag, t16, t16_t, scratch,
-                acc_sq, acc_y, coords_sq, coords_rows,
+                acc_sq, acc_half, coords_sq, coords_half,
             )  # fmt: skip
 
             # ---- P5: V' = T Xb ----

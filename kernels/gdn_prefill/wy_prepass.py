@@ -249,7 +249,6 @@ class _ValueSide(_Chunked):
         assert HEAD_SIZE % slice_rows == 0 and slice_rows % BLOCK == 0
         assert CHUNK * (slice_rows // COPY_ELEMS) % NUM_THREADS == 0
         self.slice_rows = slice_rows
-        self.num_slices = HEAD_SIZE // slice_rows
 
     @cute.jit
     def launch(

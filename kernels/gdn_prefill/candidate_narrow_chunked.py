@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import chunked, kernel, token_serial, wy_prepass
+from . import chunked, kernel, wy_prepass
 from .token_serial import GPU_ARCH, GdnShapeError
 
 __all__ = ["GdnShapeError", "compile_only", "run"]

@@ -216,6 +216,10 @@ LDMATRIX_OPERANDS = [
     ("A_BA read transposed (P4)", "Bt", chunked.SQUARE_T_VIEW, (32, 32), [(0, 1)]),
     ("T_A read transposed (P4)", "Bt", chunked.SQUARE_T_VIEW, (16, 32), [(0, 0), (1, 0)]),
     ("K read transposed (state update)", "Bt", chunked.KQ_T_VIEW, (32, 64), [(0, 0), (3, 0)]),
+    # The same slice operands at 16 rows (the narrow slices of wy_prepass.py's chain and candidate v2.2).
+    ("V'c^T, 16-row slice", "A", ((16, chunked.CHUNK), (chunked.NARROW_STRIDE, 1)), (16, 64), [(0, 0)]),
+    ("S0 in fp16, 16-row slice", "B", ((16, chunked.HEAD_SIZE), (chunked.WIDE_STRIDE, 1)), (16, 128), [(0, 0)]),
+    ("Xb^T, V'^T, 16-row slice", "B", ((16, chunked.CHUNK), (chunked.NARROW_STRIDE, 1)), (16, 64), [(0, 0)]),
 ]
 
 
@@ -295,8 +299,9 @@ def test_scratch_and_buffers_keep_ldmatrix_rows_aligned():
 # strides of the kernel's views. Buffers in one region share storage (the kernel's aliases), so a
 # transcription that reads an alias while its partner is live sees the partner's values or NaN,
 # and the race check sees both.
-def _buffers() -> dict[str, tuple[str, int, tuple[int, int], int]]:
-    C, B, W, rows = chunked.CHUNK, chunked.BLOCK, chunked.NUM_WARPS, chunked.SLICE_ROWS
+def _buffers(rows: int = chunked.SLICE_ROWS) -> dict[str, tuple[str, int, tuple[int, int], int]]:
+    """At `rows` V rows per CTA (chunked.py's 32, or a subclass's 16)."""
+    C, B, W = chunked.CHUNK, chunked.BLOCK, chunked.NUM_WARPS
     wide, narrow = chunked.WIDE_STRIDE, chunked.NARROW_STRIDE
     buffers = {
         "kq": ("kq", 0, (2 * C, chunked.HEAD_SIZE), wide),
@@ -378,13 +383,14 @@ class _SharedMemory:
 
 def _emulate_chunk_step(S0, q, k, v, log_g, beta, tokens_here: int):
     """One CTA's chunk step transcribed phase by phase from chunked.py (the warps' tile schedule,
-    the masks, the buffers read and written), in float64. S0 [32, 128] is the state slice; q, k
-    [64, 128], v [64, 32], log_g and beta [64] hold garbage (NaN) past `tokens_here`, as the
-    staging buffers do. Returns (O [64, 32] unscaled, S_next [32, 128]). The next chunk's q rows
-    are copied (NaN here: they are not this chunk's) into the q half of kq by cp.async from P2
-    until the next chunk's P0."""
+    the masks, the buffers read and written), in float64. S0 [rows, 128] is the state slice (rows 32,
+    or 16 for a narrow subclass); q, k [64, 128], v [64, rows], log_g and beta [64] hold garbage (NaN)
+    past `tokens_here`, as the staging buffers do. Returns (O [64, rows] unscaled, S_next [rows, 128]).
+    The next chunk's q rows are copied (NaN here: they are not this chunk's) into the q half of kq by
+    cp.async from P2 until the next chunk's P0."""
     C, B, W = chunked.CHUNK, chunked.BLOCK, chunked.NUM_WARPS
-    smem = _SharedMemory(_buffers())
+    num_rows = S0.shape[0]
+    smem = _SharedMemory(_buffers(num_rows))
 
     def next_q_in_flight() -> None:
         smem.write(ASYNC_COPY, "kq", (slice(C, 2 * C), slice(None)), math.nan)
@@ -436,7 +442,7 @@ def _emulate_chunk_step(S0, q, k, v, log_g, beta, tokens_here: int):
         acc_y = smem.tile(w, "kq", (B, 128), (w, 0)) @ smem.read(w, "s16", (slice(None), slice(None))).T
         for r in range(B):
             i = w * B + r
-            for col in range(chunked.SLICE_ROWS):
+            for col in range(num_rows):
                 value = bt[i] * (v[i, col] - math.exp(G[i]) * acc_y[r, col]) if i < tokens_here else 0.0
                 smem.write(w, "xb_t", (col, i), value)
         acc = smem.tile(w, "kq", (B, 128), (W + w, 0)) @ smem.read(w, "s16", (slice(None), slice(None))).T
@@ -488,7 +494,7 @@ def _emulate_chunk_step(S0, q, k, v, log_g, beta, tokens_here: int):
     smem.barrier()
     next_q_in_flight()
     # P6: O += P V'; S = exp(G_last) S + V'c^T K (warp w: state columns 32w..).
-    out = torch.empty(C, chunked.SLICE_ROWS, dtype=torch.float64)
+    out = torch.empty(C, num_rows, dtype=torch.float64)
     S_next = torch.empty_like(S0)
     for w in range(W):
         rows = slice(w * B, (w + 1) * B)
@@ -502,12 +508,15 @@ def _emulate_chunk_step(S0, q, k, v, log_g, beta, tokens_here: int):
     return out, S_next
 
 
+@pytest.mark.parametrize("rows", [chunked.SLICE_ROWS, 16])
 @pytest.mark.parametrize("tokens_here", [1, 6, 37, 64])
-def test_kernel_tile_schedule_computes_the_model_chunk_step(tokens_here):
+def test_kernel_tile_schedule_computes_the_model_chunk_step(tokens_here, rows):
     # The kernel's per-warp tile schedule (transcribed) against chunked_model.chunk_step in float64:
-    # same outputs and state, no read of an unwritten element (NaN), no race inside a phase.
+    # same outputs and state, no read of an unwritten element (NaN), no race inside a phase; at
+    # chunked.py's 32 V rows per CTA and at the narrow subclasses' 16 (the fp16 state copy's storage
+    # then holds the inverse's larger scratch).
     generator = torch.Generator().manual_seed(tokens_here)
-    C, rows = chunked.CHUNK, chunked.SLICE_ROWS
+    C = chunked.CHUNK
 
     def randn(*shape, std=1.0):
         return torch.randn(*shape, generator=generator, dtype=torch.float64) * std

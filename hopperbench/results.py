@@ -234,6 +234,16 @@ def speedup(ours: SideResult | None, other: SideResult | None) -> float | None:
     return other.latency_ms / ours.latency_ms
 
 
+def busy_speedup(ours: SideResult | None, other: SideResult | None) -> float | None:
+    """other / ours GPU-busy time (host gaps inside the span excluded), when both were timed and recorded it:
+    the kernel-against-kernel view beside `speedup`'s spans, which hold each side's host time too."""
+    if ours is None or other is None or not (ours.timed and other.timed):
+        return None
+    if ours.busy_ms is None or other.busy_ms is None or ours.busy_ms <= 0:
+        return None
+    return other.busy_ms / ours.busy_ms
+
+
 def _fastest(results: Iterable[SideResult]) -> SideResult | None:
     timed = [r for r in results if r.timed]
     return min(timed, key=lambda r: r.latency_ms or math.inf) if timed else None
@@ -262,6 +272,9 @@ class SpeedupSummary(BaseModel):
     workloads: int  # how many workloads entered the mean (both sides passed)
 
 
+NO_SPEEDUP = SpeedupSummary(geomean=None, workloads=0)
+
+
 class InputGroupSummary(BaseModel):
     """The speedups over the workloads of a track that passed the same optional inputs as None."""
 
@@ -270,6 +283,8 @@ class InputGroupSummary(BaseModel):
     workloads: int
     vs_human: SpeedupSummary
     vs_best_reference: SpeedupSummary
+    vs_human_busy: SpeedupSummary = NO_SPEEDUP
+    vs_best_reference_busy: SpeedupSummary = NO_SPEEDUP
 
 
 class TrackSummary(BaseModel):
@@ -280,6 +295,10 @@ class TrackSummary(BaseModel):
     vs_human: SpeedupSummary
     vs_reference: SpeedupSummary
     vs_best_reference: SpeedupSummary
+    # The same two on GPU-busy time (`busy_speedup`; absent from runs before busy_ms was recorded), the
+    # best reference being the one with the least busy time.
+    vs_human_busy: SpeedupSummary = NO_SPEEDUP
+    vs_best_reference_busy: SpeedupSummary = NO_SPEEDUP
     # Geometric mean of ours / floor over the workloads where ours was timed (None without floors).
     ours_over_floor: SpeedupSummary | None = None
     # Per candidate side: geometric mean of ours' latency / the candidate's (> 1: the candidate is
@@ -305,6 +324,23 @@ def _speedup_summary(values: Iterable[float | None]) -> SpeedupSummary:
     return SpeedupSummary(geomean=geometric_mean(present), workloads=len(present))
 
 
+def _busy_vs_human(row: WorkloadRow) -> float | None:
+    return busy_speedup(row.sides.get(OURS), row.sides.get(HUMAN))
+
+
+def _busy_vs_best_reference(row: WorkloadRow) -> float | None:
+    """Against the reference or library side with the least GPU-busy time: on spans the best one can be a
+    side whose span is host time (e.g. the PyTorch reference), which says nothing about its kernels."""
+    ours = row.sides.get(OURS)
+    ratios = [
+        busy_speedup(ours, result)
+        for name, result in row.sides.items()
+        if name not in (OURS, HUMAN) and not is_candidate_side(name)
+    ]
+    present = [r for r in ratios if r is not None]
+    return min(present) if present else None
+
+
 def absent_inputs_label(absent: Sequence[str] | None) -> str:
     if absent is None:
         return "not recorded"
@@ -322,6 +358,8 @@ def _by_absent_inputs(rows: Sequence[WorkloadRow]) -> dict[str, InputGroupSummar
             workloads=len(group),
             vs_human=_speedup_summary(r.speedup_vs_human for r in group),
             vs_best_reference=_speedup_summary(r.speedup_vs_best_reference for r in group),
+            vs_human_busy=_speedup_summary(_busy_vs_human(r) for r in group),
+            vs_best_reference_busy=_speedup_summary(_busy_vs_best_reference(r) for r in group),
         )
         for label, group in sorted(groups.items())
     }
@@ -351,6 +389,8 @@ def summarize(rows: Sequence[WorkloadRow]) -> dict[str, TrackSummary]:
             vs_human=_speedup_summary(r.speedup_vs_human for r in track_rows),
             vs_reference=_speedup_summary(r.speedup_vs_reference for r in track_rows),
             vs_best_reference=_speedup_summary(r.speedup_vs_best_reference for r in track_rows),
+            vs_human_busy=_speedup_summary(_busy_vs_human(r) for r in track_rows),
+            vs_best_reference_busy=_speedup_summary(_busy_vs_best_reference(r) for r in track_rows),
             ours_over_floor=(
                 _speedup_summary(r.ours_over_floor for r in track_rows)
                 if any(r.floor_ms is not None for r in track_rows)
@@ -395,10 +435,15 @@ def format_summary_table(summary: Mapping[str, TrackSummary]) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     table = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
     for s in summary.values():
+        table.append(
+            f"{s.track} on GPU busy time: vs human {_fmt_speedup(s.vs_human_busy)},"
+            f" vs best ref {_fmt_speedup(s.vs_best_reference_busy)}"
+        )
         for label, group in s.by_absent_inputs.items():
             table.append(
                 f"{s.track} with {label} ({group.workloads}): vs human {_fmt_speedup(group.vs_human)},"
-                f" vs best ref {_fmt_speedup(group.vs_best_reference)}"
+                f" vs best ref {_fmt_speedup(group.vs_best_reference)}; on GPU busy time"
+                f" {_fmt_speedup(group.vs_human_busy)}, {_fmt_speedup(group.vs_best_reference_busy)}"
             )
     return "\n".join(table)
 

@@ -19,12 +19,14 @@ from hopperbench.results import (
     SideRecord,
     SideResult,
     Status,
+    TrackSummary,
     TrialFloor,
     WorkloadKey,
     WorkloadRow,
     assess_completeness,
     attach_floors,
     build_rows,
+    busy_speedup,
     csv_columns,
     csv_path_for,
     format_completeness,
@@ -112,6 +114,28 @@ def test_summary_geometric_means_and_counts() -> None:
     dsa = summary["dsa_attention"]
     assert dsa.vs_human.geomean is None and dsa.vs_human.workloads == 0
     assert dsa.vs_reference.geomean == pytest.approx(3.0)
+
+
+def test_busy_time_speedups_compare_kernels_without_host_gaps() -> None:
+    # Spans 1 / 4 / 2 ms, GPU busy 0.9 / 0.6 / 0.5 ms: the human side's span lead over ours is host time.
+    r = row(0, [passed("ours", 1.0, busy_ms=0.9), passed("human", 4.0, busy_ms=0.6), passed("reference", 2.0, busy_ms=1.8),
+                passed("fla", 3.0, busy_ms=0.45)])  # fmt: skip
+    assert busy_speedup(r.sides["ours"], r.sides["human"]) == pytest.approx(0.6 / 0.9)
+    assert busy_speedup(r.sides["ours"], passed("x", 1.0)) is None  # no busy time recorded
+    assert busy_speedup(r.sides["ours"], SideResult(side="x", status=Status.FAILED)) is None
+    summary = summarize([r, row(1, [passed("ours", 1.0, busy_ms=1.0), passed("human", 2.0, busy_ms=2.0)])])["moe"]
+    assert summary.vs_human_busy.geomean == pytest.approx(math.sqrt(0.6 / 0.9 * 2.0))
+    assert summary.vs_human_busy.workloads == 2
+    # Best reference on spans is the reference (2 ms); on busy time it is fla, the least GPU time.
+    assert r.best_reference == "reference"
+    assert summary.vs_best_reference_busy.geomean == pytest.approx(0.45 / 0.9)
+    assert summary.vs_best_reference_busy.workloads == 1
+    # Runs written before busy time existed summarise to no busy mean, and still load.
+    old = summarize([row(0, [passed("ours", 1.0), passed("human", 2.0)])])["moe"]
+    assert old.vs_human_busy.geomean is None and old.vs_human_busy.workloads == 0
+    dumped = old.model_dump()
+    del dumped["vs_human_busy"], dumped["vs_best_reference_busy"]
+    assert TrackSummary.model_validate(dumped).vs_human_busy.workloads == 0
 
 
 def test_json_round_trip_and_csv_beside_it(tmp_path: Path) -> None:
@@ -559,9 +583,9 @@ def test_render_results_shows_the_split_by_absent_inputs() -> None:
         with_absent(row(1, [passed("ours", 1.0), passed("human", 8.0)], track="gdn_prefill"), ["state"]),
     ]
     text = "\n".join(render.summary_table(summarize(rows)))
-    assert "| track | inputs | workloads | ours vs human | ours vs best reference |" in text
-    assert "| gdn_prefill | all inputs | 1 | 2.00× (1) | – |" in text
-    assert "| gdn_prefill | no state | 1 | 8.00× (1) | – |" in text
+    assert "| track | inputs | workloads | ours vs human | ours vs best reference | GPU busy: vs human |" in text
+    assert "| gdn_prefill | all inputs | 1 | 2.00× (1) | – | – | – |" in text  # these rows recorded no busy time
+    assert "| gdn_prefill | no state | 1 | 8.00× (1) | – | – | – |" in text
     assert "| 1 | gdn_pref | seq_len=2 other=7 | state | synthesized |" in "\n".join(render.workload_table(rows))
 
 

@@ -172,6 +172,8 @@ def summary_table(summary: dict[str, TrackSummary]) -> list[str]:
         "ours vs reference",
         "ours vs best reference",
         "ours / floor",
+        "GPU busy: vs human",
+        "GPU busy: vs best reference",
     ]
     # A run that timed candidates of ours (only when asked for) shows them against ours.
     with_candidates = any(t.candidates_vs_ours for t in summary.values())
@@ -189,6 +191,8 @@ def summary_table(summary: dict[str, TrackSummary]) -> list[str]:
                 _speedup(t.vs_reference),
                 _speedup(t.vs_best_reference),
                 "–" if t.ours_over_floor is None else _speedup(t.ours_over_floor),
+                _speedup(t.vs_human_busy),
+                _speedup(t.vs_best_reference_busy),
             ]
         )
         if with_candidates:
@@ -199,13 +203,17 @@ def summary_table(summary: dict[str, TrackSummary]) -> list[str]:
 def input_group_table(summary: dict[str, TrackSummary]) -> list[str]:
     """The speedups per set of absent optional inputs, for tracks whose workloads differ in it."""
     rows = [
-        [t.track, label, str(g.workloads), _speedup(g.vs_human), _speedup(g.vs_best_reference)]
+        [
+            t.track, label, str(g.workloads), _speedup(g.vs_human), _speedup(g.vs_best_reference),
+            _speedup(g.vs_human_busy), _speedup(g.vs_best_reference_busy),
+        ]
         for t in summary.values()
         for label, g in t.by_absent_inputs.items()
-    ]
+    ]  # fmt: skip
     if not rows:
         return []
-    header = ["track", "inputs", "workloads", "ours vs human", "ours vs best reference"]
+    header = ["track", "inputs", "workloads", "ours vs human", "ours vs best reference", "GPU busy: vs human",
+              "GPU busy: vs best reference"]  # fmt: skip
     return ["", "By the optional inputs a workload passes (a missing one is None):", ""] + _table(header, rows)
 
 

@@ -19,6 +19,7 @@ functions that need it), so the module loads by path anywhere.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -160,6 +161,29 @@ def poisoned_outputs(case: CheckCase, device: torch.device | str) -> tuple[torch
         (case.num_seqs, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE), math.nan, dtype=torch.float32, device=device
     )
     return output, new_state
+
+
+def bitwise_mismatch(case: CheckCase, runs: Sequence[Callable], device: torch.device | str, seed: int) -> str | None:
+    """Runs every `run` (the kernel's contract) on the same fresh inputs into NaN-poisoned outputs and
+    returns None when all outputs and new states are finite and equal bit for bit to the first run's, else
+    what differs: how a kernel that should compute the same operations in the same order (another tiling
+    of the same products) is checked."""
+    inputs = make_inputs(case, device, seed=seed)
+    results = []
+    for run in runs:
+        output, new_state = poisoned_outputs(case, device)
+        run(*inputs.values(), output, new_state)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        results.append((output, new_state))
+    (out0, state0), *others = results
+    if not (torch.isfinite(out0).all() and torch.isfinite(state0).all()):
+        return "the first run left a non-finite output or state"
+    for index, (out, state) in enumerate(others, start=1):
+        for name, ours, theirs in (("output", out, out0), ("new_state", state, state0)):
+            if not torch.equal(ours, theirs):
+                return f"run {index}: {name} differs from run 0's"
+    return None
 
 
 def compare(

@@ -216,6 +216,27 @@ def test_compare_accepts_the_reference_and_flags_errors():
     assert total_nan(result) == 1 and result.outputs["output"].bad_count == 1
 
 
+def test_bitwise_mismatch_finds_one_flipped_bit_and_unwritten_outputs():
+    # The helper behind the bit-for-bit GPU tests (another tiling of the same products), on the CPU with
+    # the reference as the kernel: equal runs pass; one changed element or an unwritten output does not.
+    case = cases.CheckCase("cpu", (5, 0, 3), True, 0.0, "mamba2")
+
+    def reference_into(*args):
+        out, state = reference_run(*args[:-2])
+        args[-2].copy_(out)
+        args[-1].copy_(state)
+
+    def one_element_off(*args):
+        reference_into(*args)
+        args[-1][2, 3, 7, 9] = torch.nextafter(args[-1][2, 3, 7, 9], torch.tensor(math.inf))
+
+    assert cases.bitwise_mismatch(case, [reference_into, reference_into], "cpu", seed=4) is None
+    assert cases.bitwise_mismatch(case, [reference_into, one_element_off], "cpu", seed=4) == (
+        "run 1: new_state differs from run 0's"
+    )
+    assert "non-finite" in cases.bitwise_mismatch(case, [lambda *args: None, reference_into], "cpu", seed=4)
+
+
 @pytest.mark.parametrize("corrupt", ["ignored", "transposed"])
 def test_mishandled_initial_state_fails_the_comparison(corrupt):
     # Long-memory gates: a kernel that drops the state or reads it as [K, V] must fail the checks.

@@ -28,6 +28,7 @@ for the first in stream order); the workspaces (~16.5 KB per slot and head) are 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -50,6 +51,8 @@ from .chunked import (
     NARROW_STRIDE,
     NUM_STAGES,
     NUM_THREADS,
+    NUM_WARPS,
+    SCRATCH_STRIDE,
     SCRATCH_VIEW,
     SLICE_ROWS,
     SQUARE_T_VIEW,
@@ -74,9 +77,12 @@ __all__ = [
     "chunk_slot",
     "compile_only",
     "num_chunk_slots",
+    "CONFIGS",
+    "WyPrepassConfig",
+    "compiled_for",
+    "config_for",
     "run",
-    "run_with_slices",
-    "slice_rows_for",
+    "run_with_config",
 ]
 
 # V rows per chain CTA (see the module docstring): chunked.py's 32, or 16 for few sequences.
@@ -102,24 +108,35 @@ def num_chunk_slots(num_tokens: int, num_seqs: int) -> int:
 
 
 class _KeySide(_Chunked):
-    """Kernel 1: the state-free half of every (chunk, head), from `chunked.py`'s methods, into the workspace."""
+    """Kernel 1: the state-free half of every (chunk, head), from `chunked.py`'s methods, into the workspace.
+
+    `lean` (candidate v4.2): the k rows are staged as bf16 in kq itself and converted in place (as the q rows
+    always are), P goes from the Gram epilogue straight to the workspace, and the inverse's scratch has its own
+    size: ~68 KB of shared memory instead of ~96, three CTAs per SM instead of two."""
+
+    def __init__(self, lean: bool = False):
+        self.lean = lean
 
     @cute.jit
     def launch(self, q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream):
         tiled_mma = _make_warp_mma()
         f16, bf16, f32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32
+        # Lean: raw_k and p16 shrink to one 16-B piece (unused), the scratch to what the inverse uses.
+        raw_k_elems = COPY_ELEMS if self.lean else CHUNK * HEAD_SIZE
+        p16_elems = COPY_ELEMS if self.lean else CHUNK * NARROW_STRIDE
+        scratch_elems = NUM_WARPS * BLOCK * SCRATCH_STRIDE if self.lean else SLICE_ROWS * WIDE_STRIDE
 
         @cute.struct
         class SharedStorage:
-            raw_k: cute.struct.Align[cute.struct.MemRange[bf16, CHUNK * HEAD_SIZE], 128]
+            raw_k: cute.struct.Align[cute.struct.MemRange[bf16, raw_k_elems], 128]
             raw_a: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
             raw_b: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
             kq: cute.struct.Align[cute.struct.MemRange[f16, KQ_ROWS * WIDE_STRIDE], 128]
             a16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
             a_diag: cute.struct.Align[cute.struct.MemRange[f32, CHUNK * DIAG_STRIDE], 128]
             t16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
-            p16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
-            scratch: cute.struct.Align[cute.struct.MemRange[f16, SLICE_ROWS * WIDE_STRIDE], 128]
+            p16: cute.struct.Align[cute.struct.MemRange[f16, p16_elems], 128]
+            scratch: cute.struct.Align[cute.struct.MemRange[f16, scratch_elems], 128]
             cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
             beta: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
 
@@ -182,10 +199,15 @@ class _KeySide(_Chunked):
             a_diag = st.a_diag.get_tensor(cute.make_layout((CHUNK, BLOCK), stride=(DIAG_STRIDE, 1)))
             t16 = st.t16.get_tensor(_layout(SQUARE_VIEW))
             t16_t = cute.make_tensor(t16.iterator, _layout(SQUARE_T_VIEW))
-            p16 = st.p16.get_tensor(_layout(SQUARE_VIEW))
-            scratch = cute.make_tensor(st.scratch.get_tensor(_layout(STATE16_VIEW)).iterator, _layout(SCRATCH_VIEW))[
-                warp_idx, None, None
-            ]
+            if cutlass.const_expr(self.lean):
+                raw_k = kq_raw  # k rows 0..63 of kq, as bf16 until converted
+                p16 = ws_tp[slot, head, 1, None, None]
+                scratch = st.scratch.get_tensor(_layout(SCRATCH_VIEW))[warp_idx, None, None]
+            else:
+                p16 = st.p16.get_tensor(_layout(SQUARE_VIEW))
+                scratch = cute.make_tensor(
+                    st.scratch.get_tensor(_layout(STATE16_VIEW)).iterator, _layout(SCRATCH_VIEW)
+                )[warp_idx, None, None]
             cum_log_g = st.cum_log_g.get_tensor(cute.make_layout(CHUNK))
             beta = st.beta.get_tensor(cute.make_layout(CHUNK))
 
@@ -203,11 +225,16 @@ class _KeySide(_Chunked):
             self.copy_gate_rows(g2s, a, b, raw_a, raw_b, start, length, chunk, 0, tidx)
             self.load_q(g2s, q, kq_raw, start, length, chunk, head, tidx)
             cute.arch.cp_async_commit_group()
-            # T and P are lower triangular; their upper blocks are stored too, as zeros.
+            # T and P are lower triangular; their upper blocks are stored too, as zeros (lean: P's in the
+            # workspace, only the blocks above the diagonal, which the Gram epilogue never writes).
             for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
                 linear = i * NUM_THREADS + tidx
                 t16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
-                p16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
+                if cutlass.const_expr(self.lean):
+                    if linear % CHUNK // BLOCK > linear // CHUNK // BLOCK:
+                        p16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
+                else:
+                    p16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
             neg_decay_rate = -cute.math.exp(A_log[head]) * LOG2_E
             tokens_here = cutlass.min(length - chunk * CHUNK, cutlass.Int32(CHUNK))
             cute.arch.cp_async_wait_group(0)
@@ -230,7 +257,7 @@ class _KeySide(_Chunked):
                 linear = i * NUM_THREADS + tidx
                 row = linear // SQUARE_PIECES
                 piece = linear % SQUARE_PIECES
-                for which, square in ((0, t16), (1, p16)):
+                for which, square in ((0, t16),) if self.lean else ((0, t16), (1, p16)):
                     cute.autovec_copy(
                         cute.local_tile(square[row, None], (COPY_ELEMS,), (piece,)),
                         cute.local_tile(ws_tp[slot, head, which, row, None], (COPY_ELEMS,), (piece,)),
@@ -452,12 +479,19 @@ class _ValueSide(_Chunked):
         cute.autovec_copy(acc_state, thr_mma.partition_C(self.state_tile(new_state, seq, head, slice_idx, warp_idx)))
 
 
-class GdnPrefillWyPrepassSm90:
-    """Host entry: the key-side kernel, then the value-side chain on `slice_rows`-row V slices, in one compiled
-    call (stream order)."""
+@dataclass(frozen=True)
+class WyPrepassConfig:
+    """What changes the compiled code of this path (the compile cache's key with the architecture)."""
 
-    def __init__(self, slice_rows: int):
-        self.slice_rows = slice_rows
+    slice_rows: int  # V rows per chain CTA: WIDE_SLICE_ROWS or NARROW_SLICE_ROWS
+    lean_prepass: bool = False  # candidate v4.2's key side (see _KeySide)
+
+
+class GdnPrefillWyPrepassSm90:
+    """Host entry: the key-side kernel, then the value-side chain, in one compiled call (stream order)."""
+
+    def __init__(self, config: WyPrepassConfig):
+        self.config = config
 
     @cute.jit
     def __call__(
@@ -479,8 +513,8 @@ class GdnPrefillWyPrepassSm90:
         ws_g: cute.Tensor,
         stream,
     ):
-        _KeySide().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
-        _ValueSide(self.slice_rows).launch(
+        _KeySide(self.config.lean_prepass).launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
+        _ValueSide(self.config.slice_rows).launch(
             q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, stream
         )
 
@@ -497,29 +531,31 @@ def _workspace_stand_ins() -> tuple:
     )
 
 
-_COMPILED: dict[tuple[str, int], Callable] = {}
+_COMPILED: dict[tuple[str, WyPrepassConfig], Callable] = {}
 
 
-def compiled_for(arch: str = GPU_ARCH, slice_rows: int = WIDE_SLICE_ROWS) -> Callable:
-    """The compiled two-kernel launcher for `arch` and the chain's slice width (compiled on first use; needs no
-    GPU)."""
-    key = (arch, slice_rows)
+def compiled_for(arch: str, config: WyPrepassConfig) -> Callable:
+    """The compiled two-kernel launcher for `arch` and `config` (compiled on first use; needs no GPU)."""
+    key = (arch, config)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = token_serial.compile_launcher(
-            GdnPrefillWyPrepassSm90(slice_rows), arch, _workspace_stand_ins()
+            GdnPrefillWyPrepassSm90(config), arch, _workspace_stand_ins()
         )
     return fn
 
 
-def slice_rows_for(num_seqs: int) -> int:
-    """The chain's slice width for a batch of `num_seqs` sequences."""
-    return NARROW_SLICE_ROWS if num_seqs <= NARROW_MAX_SEQS else WIDE_SLICE_ROWS
+def config_for(num_seqs: int) -> WyPrepassConfig:
+    """This path's configuration for a batch of `num_seqs` sequences: the chain's width."""
+    return WyPrepassConfig(NARROW_SLICE_ROWS if num_seqs <= NARROW_MAX_SEQS else WIDE_SLICE_ROWS)
+
+
+CONFIGS = (WyPrepassConfig(NARROW_SLICE_ROWS), WyPrepassConfig(WIDE_SLICE_ROWS))  # every one `config_for` returns
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
     """Both widths' launchers for `arch`, without a GPU (for CI and warm-up: no call compiles lazily afterwards)."""
-    return compiled_for(arch, NARROW_SLICE_ROWS), compiled_for(arch, WIDE_SLICE_ROWS)
+    return tuple(compiled_for(arch, config) for config in CONFIGS)
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
@@ -527,13 +563,13 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
     means zeros; `scale` None or 0 means 1/sqrt(128). The two kernels on the current stream, the chain's width
     from N; no device reads, no host synchronisation. Correct at any T (`kernel.py` takes it from
     WY_PREPASS_MIN_TOKENS)."""
-    run_with_slices(
-        slice_rows_for(new_state.shape[0]), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state
+    run_with_config(
+        config_for(new_state.shape[0]), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state
     )
 
 
-def run_with_slices(slice_rows: int, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state):
-    """`run` with the chain on `slice_rows`-row V slices (the tests run both widths)."""
+def run_with_config(config: WyPrepassConfig, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state):
+    """`run` with a given configuration (the tests run every one; candidates pass their own)."""
     token_serial.check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
     num_seqs = new_state.shape[0]
     if num_seqs == 0:
@@ -542,7 +578,7 @@ def run_with_slices(slice_rows: int, q, k, v, state, A_log, a, dt_bias, b, cu_se
     ws_tp = torch.empty((slots, NUM_V_HEADS, 2, CHUNK, CHUNK), dtype=torch.float16, device=q.device)
     ws_g = torch.empty((slots, NUM_V_HEADS, 2, CHUNK), dtype=torch.float32, device=q.device)
     has_state = state is not None
-    compiled_for(GPU_ARCH, slice_rows)(
+    compiled_for(GPU_ARCH, config)(
         q, k, v, state if has_state else new_state, A_log, a, dt_bias, b, cu_seqlens, resolve_scale(scale),
         int(has_state), output, new_state, ws_tp, ws_g,
     )  # fmt: skip

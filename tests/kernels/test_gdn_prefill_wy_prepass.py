@@ -4,9 +4,10 @@ on 16- or 32-row V slices, reads it.
 
 CPU: the workspace slots of every chunk of every sequence are distinct and within the allocation, and the
 prepass's rule for finding a slot's (sequence, chunk) (the last sequence whose first slot is at or below it)
-inverts them, for random splits with empty sequences; the chain's width rule; both widths compile for sm_90a.
-GPU (marked `gpu`): at both widths the output and new state equal `chunked.py`'s bit for bit (the same
-operations and roundings in other kernels), on fresh inputs with and without a state, one and many sequences,
+inverts them, for random splits with empty sequences; the chain's width rule; every configuration compiles for
+sm_90a; candidate v4.2 (candidate_lean_prepass.py) takes its lean key side exactly where kernel.py takes this
+path. GPU (marked `gpu`): in every configuration (both widths, with and without v4.2's lean key side) the output
+and new state equal `chunked.py`'s bit for bit (the same operations and roundings in other kernels), on fresh inputs with and without a state, one and many sequences,
 lengths off the chunk size; the contest-rule checks of every check case are test_gdn_prefill_kernel.py's (the
 path is in its SOLUTIONS), the CUDA-graph replay with new bounds included.
 """
@@ -65,16 +66,23 @@ def test_chunk_slots_are_distinct_in_bounds_and_found_again(seed):
 def test_chain_width_is_chosen_from_the_sequence_count(num_seqs, rows, monkeypatch):
     # Narrow up to four sequences, where its 64 CTAs per sequence fit one wave of two per SM (session 13's A/B).
     assert wy_prepass.NARROW_MAX_SEQS == 4
-    widths = []
-    monkeypatch.setattr(wy_prepass, "run_with_slices", lambda rows, *args: widths.append(rows))
+    configs = []
+    monkeypatch.setattr(wy_prepass, "run_with_config", lambda config, *args: configs.append(config))
     wy_prepass.run(*([None] * 11), torch.empty(num_seqs, 8, 128, 128))
-    assert widths == [rows]
+    assert configs == [wy_prepass.WyPrepassConfig(rows)]
+    assert configs[0] in wy_prepass.CONFIGS  # compiled by compile_only
 
 
-def test_compiles_both_widths_for_sm90a_without_gpu():
+# Every configuration the path runs, and candidate v4.2's lean key side at both widths.
+ALL_CONFIGS = [*wy_prepass.CONFIGS, *(wy_prepass.WyPrepassConfig(c.slice_rows, True) for c in wy_prepass.CONFIGS)]
+
+
+def test_compiles_every_config_for_sm90a_without_gpu():
     compiled = wy_prepass.compile_only("sm_90a")
     assert len(compiled) == 2 and all(callable(fn) for fn in compiled) and compiled[0] is not compiled[1]
     assert wy_prepass.compile_only("sm_90a") == compiled  # cached
+    lean = [wy_prepass.compiled_for("sm_90a", config) for config in ALL_CONFIGS[2:]]
+    assert all(callable(fn) for fn in lean) and not set(lean) & set(compiled)
 
 
 @pytest.mark.gpu
@@ -89,7 +97,21 @@ def test_compiles_both_widths_for_sm90a_without_gpu():
     ],
     ids=lambda case: case.name,
 )
-@pytest.mark.parametrize("rows", [wy_prepass.NARROW_SLICE_ROWS, wy_prepass.WIDE_SLICE_ROWS])
-def test_outputs_and_states_are_chunked_py_bit_for_bit(case, rows):
-    two_kernels = functools.partial(wy_prepass.run_with_slices, rows)
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=str)
+def test_outputs_and_states_are_chunked_py_bit_for_bit(case, config):
+    two_kernels = functools.partial(wy_prepass.run_with_config, config)
     assert cases.bitwise_mismatch(case, [chunked.run, two_kernels], "cuda", seed=47) is None
+
+
+lean_candidate = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "candidate_lean_prepass")
+
+
+@pytest.mark.parametrize(("num_tokens", "num_seqs", "lean"), [(41, 1, None), (511, 8, None), (341, 2, 16), (512, 57, 32)])
+def test_lean_candidate_runs_the_lean_key_side_exactly_where_kernel_py_takes_the_wy_prepass_path(
+    num_tokens, num_seqs, lean, monkeypatch
+):
+    calls = []
+    monkeypatch.setattr(wy_prepass, "run_with_config", lambda config, *args: calls.append(config))
+    monkeypatch.setattr(lean_candidate.kernel, "run", lambda *args: calls.append("kernel.run"))
+    lean_candidate.run(torch.empty(num_tokens, 4, 128), *([None] * 10), torch.empty(num_seqs, 8, 128, 128))
+    assert calls == (["kernel.run"] if lean is None else [wy_prepass.WyPrepassConfig(lean, lean_prepass=True)])

@@ -1,15 +1,16 @@
-"""GDN's WY-prepass path (kernels/gdn_prefill/wy_prepass.py, kernel.py's from 512 tokens; candidates v4.0 and v4.1):
-a prepass kernel computes each chunk's state-free half (gates, P, T) into a workspace, and the chain of chunks,
-on 16- or 32-row V slices, reads it.
+"""GDN's WY-prepass path (kernels/gdn_prefill/wy_prepass.py, kernel.py's from 512 tokens or a mean length of 160;
+candidates v4.0 and v4.1): a prepass kernel computes each chunk's state-free half (gates, P, T) into a workspace,
+and the chain of chunks, on 16- or 32-row V slices, reads it.
 
 CPU: the workspace slots of every chunk of every sequence are distinct and within the allocation, and the
 prepass's rule for finding a slot's (sequence, chunk) (the last sequence whose first slot is at or below it)
 inverts them, for random splits with empty sequences; the chain's width rule; every configuration compiles for
 sm_90a; candidate v4.2 (candidate_lean_prepass.py) takes its lean key side exactly where kernel.py takes this
 path. GPU (marked `gpu`): in every configuration (both widths, with and without v4.2's lean key side) the output
-and new state equal `chunked.py`'s bit for bit (the same operations and roundings in other kernels), on fresh inputs with and without a state, one and many sequences,
-lengths off the chunk size; the contest-rule checks of every check case are test_gdn_prefill_kernel.py's (the
-path is in its SOLUTIONS), the CUDA-graph replay with new bounds included.
+and new state equal `chunked.py`'s bit for bit (the same operations and roundings in other kernels), on fresh
+inputs with and without a state, one and many sequences, lengths off the chunk size; the contest-rule checks of
+every check case are test_gdn_prefill_kernel.py's (the path is in its SOLUTIONS), the CUDA-graph replay with new
+bounds included.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """GDN prefill for SM90 in CuTe-DSL, design v4 ("WY prepass"): the path `kernel.py` takes from
-WY_PREPASS_MIN_TOKENS tokens. `chunked.py`'s chunked form split in two kernels, so that the chain of chunks
-carries only the state-dependent half of each chunk (candidates v4.0 and v4.1, promoted in session 13, NOTES.md).
+WY_PREPASS_MIN_TOKENS tokens or a mean sequence length of WY_PREPASS_MIN_MEAN_LENGTH. `chunked.py`'s chunked form
+split in two kernels, so that the chain of chunks carries only the state-dependent half of each chunk (candidates
+v4.0 and v4.1, promoted in session 13, NOTES.md).
 
 Why (session 12's timeline): at 1377 tokens in one sequence Kachua's GPU work was 62 us against `chunked.py`'s
 122, because a parallel prepass does the state-free half of every chunk (the WY factors) before its sequential
@@ -70,17 +71,17 @@ from .chunked import (
 from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, GdnShapeError, resolve_scale
 
 __all__ = [
+    "CONFIGS",
     "NARROW_MAX_SEQS",
     "NARROW_SLICE_ROWS",
     "WIDE_SLICE_ROWS",
     "GdnShapeError",
+    "WyPrepassConfig",
     "chunk_slot",
     "compile_only",
-    "num_chunk_slots",
-    "CONFIGS",
-    "WyPrepassConfig",
     "compiled_for",
     "config_for",
+    "num_chunk_slots",
     "run",
     "run_with_config",
 ]
@@ -112,7 +113,7 @@ class _KeySide(_Chunked):
 
     `lean` (candidate v4.2): the k rows are staged as bf16 in kq itself and converted in place (as the q rows
     always are), P goes from the Gram epilogue straight to the workspace, and the inverse's scratch has its own
-    size: ~68 KB of shared memory instead of ~96, three CTAs per SM instead of two."""
+    size: ~66 KB of shared memory instead of ~94, three CTAs per SM instead of two."""
 
     def __init__(self, lean: bool = False):
         self.lean = lean

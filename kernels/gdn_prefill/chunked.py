@@ -132,8 +132,10 @@ assert NUM_WARPS * BLOCK * SCRATCH_STRIDE <= SLICE_ROWS * WIDE_STRIDE
 # lengths itself, one thread per sequence (O(N) per thread, hence the upper bound); below the lower
 # bound every CTA starts in the first wave and the order would only decide which CTAs share an SM.
 MAX_RANKED_SEQS = NUM_THREADS  # one sequence per thread
-# More CTAs than two per SM of a 132-SM H200 (32 per sequence): the grid takes more than one wave.
-MIN_RANKED_SEQS = 2 * 132 // (NUM_V_HEADS * NUM_SLICES) + 1  # 9
+# CTAs of this folder's chunked kernels resident at once: two per SM of a 132-SM H200.
+CTAS_PER_WAVE = 2 * 132
+# More CTAs than one wave (32 per sequence): the grid takes more than one wave.
+MIN_RANKED_SEQS = CTAS_PER_WAVE // (NUM_V_HEADS * NUM_SLICES) + 1  # 9
 # The ranking's scratch: the lengths, then the selected sequence, in the fp32 diagonal blocks of A.
 assert MAX_RANKED_SEQS + 1 <= CHUNK * BLOCK
 
@@ -199,6 +201,22 @@ class _Chunked:
     def slice_by_token_layout(self) -> cute.Layout:
         """Xb^T, V'^T and V'c^T: [slice_rows, 64] (SLICE_BY_TOKEN_VIEW at 32 rows)."""
         return cute.make_layout((self.slice_rows, CHUNK), stride=(NARROW_STRIDE, 1))
+
+    def raw_v_layout(self) -> cute.Layout:
+        """The bf16 v rows of the slice as copied in, [NUM_STAGES, 64, slice_rows]."""
+        rows = self.slice_rows
+        return cute.make_layout((NUM_STAGES, CHUNK, rows), stride=(CHUNK * rows, rows, 1))
+
+    @cute.jit
+    def slice_coordinates(self):
+        """(tidx, block_y, head, slice_idx, v0, warp_idx, lane) of this CTA of a (8 heads x num_slices, N) grid:
+        its thread, grid row, v-head, V slice and the slice's first V row, and the thread's warp and lane."""
+        tidx, _, _ = cute.arch.thread_idx()
+        head_slice, block_y, _ = cute.arch.block_idx()
+        head = head_slice // self.num_slices
+        slice_idx = head_slice % self.num_slices
+        v0 = slice_idx * self.slice_rows
+        return tidx, block_y, head, slice_idx, v0, tidx // WARP_SIZE, tidx % WARP_SIZE
 
     @cute.jit
     def decay(self, log2_decay: cutlass.Float32) -> cutlass.Float32:
@@ -479,14 +497,8 @@ class _Chunked:
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        head_slice, block_y, _ = cute.arch.block_idx()
+        tidx, block_y, head, slice_idx, v0, warp_idx, lane = self.slice_coordinates()
         rows = self.slice_rows
-        head = head_slice // self.num_slices
-        slice_idx = head_slice % self.num_slices
-        v0 = slice_idx * rows
-        warp_idx = tidx // WARP_SIZE
-        lane = tidx % WARP_SIZE
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(SharedStorage)
@@ -501,7 +513,7 @@ class _Chunked:
 
         # ---- shared memory views ----
         raw_k, raw_a, raw_b, kq, kq_raw = self.staging_views(st)
-        raw_v = st.raw_v.get_tensor(cute.make_layout((NUM_STAGES, CHUNK, rows), stride=(CHUNK * rows, rows, 1)))
+        raw_v = st.raw_v.get_tensor(self.raw_v_layout())
         # kq_t[d, r] = kq[r, d]: the B operand of S += V'c^T K (ldmatrix.trans).
         kq_t = cute.make_tensor(kq.iterator, _layout(KQ_T_VIEW))
         a16 = st.a16.get_tensor(_layout(SQUARE_VIEW))

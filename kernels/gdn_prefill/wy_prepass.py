@@ -44,6 +44,7 @@ from .chunked import (
     BLOCK,
     CHUNK,
     COPY_ELEMS,
+    CTAS_PER_WAVE,
     DIAG_STRIDE,
     KQ_ROWS,
     KQ_T_VIEW,
@@ -89,8 +90,8 @@ __all__ = [
 # V rows per chain CTA (see the module docstring): chunked.py's 32, or 16 for few sequences.
 WIDE_SLICE_ROWS = SLICE_ROWS
 NARROW_SLICE_ROWS = 16
-# The narrow grid (64 CTAs per sequence) fits in one wave of two CTAs per SM of a 132-SM H200 up to 4 sequences.
-NARROW_MAX_SEQS = 2 * 132 // (NUM_V_HEADS * (HEAD_SIZE // NARROW_SLICE_ROWS))
+# The narrow grid (64 CTAs per sequence) fits in one wave (CTAS_PER_WAVE) up to 4 sequences.
+NARROW_MAX_SEQS = CTAS_PER_WAVE // (NUM_V_HEADS * (HEAD_SIZE // NARROW_SLICE_ROWS))
 SQUARE_PIECES = CHUNK // COPY_ELEMS  # 16-B pieces of a 64-wide fp16 row
 GATE_PIECES = CHUNK * 4 // 16  # 16-B pieces of 64 fp32
 
@@ -362,18 +363,12 @@ class _ValueSide(_Chunked):
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        head_slice, block_y, _ = cute.arch.block_idx()
+        tidx, block_y, head, slice_idx, v0, warp_idx, lane = self.slice_coordinates()
         rows = self.slice_rows
-        head = head_slice // self.num_slices
-        slice_idx = head_slice % self.num_slices
-        v0 = slice_idx * rows
-        warp_idx = tidx // WARP_SIZE
-        lane = tidx % WARP_SIZE
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(SharedStorage)
-        s16 = st.s16.get_tensor(cute.make_layout((rows, HEAD_SIZE), stride=(WIDE_STRIDE, 1)))
+        s16 = st.s16.get_tensor(self.state16_layout())
         # s16 is first written in chunk 0's P0, so the ranking may use it as scratch.
         seq = self.sequence_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, s16)
         total_tokens = cutlass.Int32(q.shape[0])
@@ -381,7 +376,7 @@ class _ValueSide(_Chunked):
         num_chunks = (length + CHUNK - 1) // CHUNK
 
         raw_k, raw_a, raw_b, kq, kq_raw = self.staging_views(st)
-        raw_v = st.raw_v.get_tensor(cute.make_layout((NUM_STAGES, CHUNK, rows), stride=(CHUNK * rows, rows, 1)))
+        raw_v = st.raw_v.get_tensor(self.raw_v_layout())
         kq_t = cute.make_tensor(kq.iterator, _layout(KQ_T_VIEW))
         a16 = st.a16.get_tensor(_layout(SQUARE_VIEW))
         t16 = st.t16.get_tensor(_layout(SQUARE_VIEW))
@@ -389,10 +384,9 @@ class _ValueSide(_Chunked):
             cute.make_layout((2, CHUNK, CHUNK), stride=(CHUNK * NARROW_STRIDE, NARROW_STRIDE, 1))
         )
         # Xb^T, V'^T and V'c^T: [rows, 64] (V'^T and V'c^T in a16's storage, which holds 2 x 32 such rows).
-        slice_by_token = cute.make_layout((rows, CHUNK), stride=(NARROW_STRIDE, 1))
-        xb_t = st.xb_t.get_tensor(slice_by_token)
-        vn_t = cute.make_tensor(a16.iterator, slice_by_token)
-        vnc_t = cute.make_tensor(a16.iterator + rows * NARROW_STRIDE, slice_by_token)
+        xb_t = st.xb_t.get_tensor(self.slice_by_token_layout())
+        vn_t = cute.make_tensor(a16.iterator, self.slice_by_token_layout())
+        vnc_t = cute.make_tensor(a16.iterator + rows * NARROW_STRIDE, self.slice_by_token_layout())
         cum_log_g = st.cum_log_g.get_tensor(cute.make_layout(CHUNK))
         beta = st.beta.get_tensor(cute.make_layout(CHUNK))
 

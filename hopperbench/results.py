@@ -160,7 +160,7 @@ class WorkloadRow(BaseModel):
     @classmethod
     def from_sides(cls, workload: WorkloadKey, sides: Mapping[str, SideResult]) -> WorkloadRow:
         ordered = {name: sides[name] for name in canonical_side_order(sides)}
-        best = _fastest(r for name, r in ordered.items() if name not in (OURS, HUMAN) and not is_candidate_side(name))
+        best = _fastest(r for name, r in ordered.items() if is_reference_side(name))
         human = ordered.get(HUMAN)
         return cls(
             **workload.model_dump(),
@@ -232,6 +232,11 @@ def speedup(ours: SideResult | None, other: SideResult | None) -> float | None:
         return None
     assert ours.latency_ms is not None and other.latency_ms is not None
     return other.latency_ms / ours.latency_ms
+
+
+def is_reference_side(name: str) -> bool:
+    """The reference or a library side: what "best reference" is chosen from (never ours, human or a candidate)."""
+    return name not in (OURS, HUMAN) and not is_candidate_side(name)
 
 
 def busy_speedup(ours: SideResult | None, other: SideResult | None) -> float | None:
@@ -335,7 +340,7 @@ def _busy_vs_best_reference(row: WorkloadRow) -> float | None:
     ratios = [
         busy_speedup(ours, result)
         for name, result in row.sides.items()
-        if name not in (OURS, HUMAN) and not is_candidate_side(name)
+        if is_reference_side(name)
     ]
     present = [r for r in ratios if r is not None]
     return min(present) if present else None

@@ -168,16 +168,6 @@ GDN_PREFILL = Track(
     ),
     candidates=(
         CandidateSide(
-            name="cand_narrow_chunked",
-            entry="candidate_narrow_chunked.py::run",
-            description="kernel.py with chunked.py's kernel on 16-row V slices where it takes the chunked path for at most 4 sequences (v2.2)",
-        ),
-        CandidateSide(
-            name="cand_lean_prepass",
-            entry="candidate_lean_prepass.py::run",
-            description="kernel.py with the WY-prepass path's key side in ~66 KB of shared memory, three CTAs per SM instead of two (v4.2)",
-        ),
-        CandidateSide(
             name="cand_wy_prepass_everywhere",
             entry="wy_prepass.py::run",
             description="kernel.py's WY-prepass path at every T (no 512-token threshold): the other side of the A/B and sweep that place the threshold for few sequences",

@@ -37,8 +37,6 @@ KERNEL_CHOICES = (
     "token_serial",
     "chunked",
     "wy_prepass",
-    "candidate_narrow_chunked",
-    "candidate_lean_prepass",
 )
 
 # Ten sequences, so that the chunked kernel, which orders its grid rows by length (v1.7), re-ranks at replay:

@@ -1,5 +1,6 @@
 """GDN prefill for SM90 in CuTe-DSL, chunked on tensor cores (v1.4, grid rows longest first since
-v1.7): the path `kernel.py` takes above TOKEN_SERIAL_MAX_TOKENS tokens.
+v1.7, 16-row V slices for one or two sequences since v2.2): the path `kernel.py` takes above
+TOKEN_SERIAL_MAX_TOKENS tokens, below the WY-prepass path's.
 
 The math is `chunked_model.py` (chunks of C = 64 tokens; A, P, T = (I + A)^-1, Xb, V', O, S as
 written there), with the same rounding points: every tensor-core operand is fp16 (`mma.sync`
@@ -14,6 +15,9 @@ threads = 4 warps; every product is split into per-warp tiles and computed by on
 single-warp tiled MMA fed by `ldmatrix` (`warp_gemm`). The state slice [32, 128] lives in the
 accumulators of the state-update product (warp w owns columns [32w, 32w + 32)), in fp32, for the
 whole sequence; each chunk rounds a copy to fp16 in shared memory as the operand of K S0^T, Q S0^T.
+For one or two sequences (`kernel_for`) the slices are 16 rows (`_NarrowChunked`, 8 slice CTAs): the
+state-dependent half of a chunk's work halves, the key side does not, and 64 CTAs per sequence still
+give each CTA an SM of its own (v2.2: 1.09-1.21x on those official rows, session 14).
 
 Per chunk (barriers between the phases):
   P0  wait for the chunk's cp.async loads; q/k rows bf16 -> fp16 (tokens past the end zeroed);
@@ -72,8 +76,11 @@ __all__ = [
     "GdnShapeError",
     "MAX_RANKED_SEQS",
     "MIN_RANKED_SEQS",
+    "NARROW_MAX_SEQS",
+    "NARROW_SLICE_ROWS",
     "compile_only",
     "compiled_for",
+    "kernel_for",
     "longest_first_order",
     "resolve_scale",
     "run",
@@ -132,12 +139,18 @@ assert NUM_WARPS * BLOCK * SCRATCH_STRIDE <= SLICE_ROWS * WIDE_STRIDE
 # lengths itself, one thread per sequence (O(N) per thread, hence the upper bound); below the lower
 # bound every CTA starts in the first wave and the order would only decide which CTAs share an SM.
 MAX_RANKED_SEQS = NUM_THREADS  # one sequence per thread
-# CTAs of this folder's chunked kernels resident at once: two per SM of a 132-SM H200.
-CTAS_PER_WAVE = 2 * 132
+NUM_SMS = 132  # H200
+# CTAs of this folder's chunked kernels resident at once: two per SM.
+CTAS_PER_WAVE = 2 * NUM_SMS
 # More CTAs than one wave (32 per sequence): the grid takes more than one wave.
 MIN_RANKED_SEQS = CTAS_PER_WAVE // (NUM_V_HEADS * NUM_SLICES) + 1  # 9
 # The ranking's scratch: the lengths, then the selected sequence, in the fp32 diagonal blocks of A.
 assert MAX_RANKED_SEQS + 1 <= CHUNK * BLOCK
+
+# V rows per CTA for few sequences (v2.2, `kernel_for`): 16, eight CTAs per (sequence, head), up to
+# NARROW_MAX_SEQS sequences, where that grid still gives every CTA an SM of its own (64 CTAs per sequence).
+NARROW_SLICE_ROWS = 16
+NARROW_MAX_SEQS = NUM_SMS // (NUM_V_HEADS * (HEAD_SIZE // NARROW_SLICE_ROWS))  # 2
 
 
 def longest_first_order(lengths: Sequence[int]) -> list[int]:
@@ -186,8 +199,8 @@ def _layout(view: tuple[tuple[int, ...], tuple[int, ...]]) -> cute.Layout:
 class _Chunked:
     """The kernel: one CTA = one (sequence, v-head, 32-row V-slice); see the module docstring."""
 
-    # V rows of the state per CTA: SLICE_ROWS here; 16 in a subclass for few sequences (the WY-prepass
-    # chain's narrow width, and candidate v2.2's narrow chunked kernel).
+    # V rows of the state per CTA: SLICE_ROWS here; NARROW_SLICE_ROWS in `_NarrowChunked` and in the
+    # WY-prepass chain's narrow width.
     slice_rows: int = SLICE_ROWS
 
     @property
@@ -1127,6 +1140,12 @@ class _Chunked:
             t16[base + r, base + col] = column[r].to(cutlass.Float16)
 
 
+class _NarrowChunked(_Chunked):
+    """The same kernel on 16-row V slices (eight CTAs per (sequence, head)); see `kernel_for`."""
+
+    slice_rows = NARROW_SLICE_ROWS
+
+
 # ------------------------------------------------------------------------------------------------
 # Host side: token_serial.py's launcher and compile cache (keyed on the kernel class).
 # ------------------------------------------------------------------------------------------------
@@ -1138,18 +1157,27 @@ def compiled_for(arch: str = GPU_ARCH, kernel: type = _Chunked) -> Callable:
     return token_serial.compiled_for(arch, kernel)
 
 
-def compile_only(arch: str = GPU_ARCH) -> Callable:
-    """Compile the kernel for `arch` without touching a GPU (for CI and warm-up)."""
-    return compiled_for(arch)
+def kernel_for(num_seqs: int) -> type:
+    """The kernel class for a batch of `num_seqs` sequences (a shape): 16-row slices up to NARROW_MAX_SEQS
+    (v2.2), 32-row ones above. Session 14's run (NOTES.md): 16 rows won 1.09-1.21x on every official row of
+    41-255 tokens in one or two sequences, where 64 CTAs per sequence leave each CTA an SM of its own, and
+    lost 0.88-0.98x at three and four sequences, where pairs of CTAs share SMs."""
+    return _NarrowChunked if num_seqs <= NARROW_MAX_SEQS else _Chunked
+
+
+def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
+    """Compile both widths' kernels for `arch` without touching a GPU (for CI and warm-up)."""
+    return compiled_for(arch, _NarrowChunked), compiled_for(arch, _Chunked)
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
     """Destination-passing entry, same contract as kernel.run: fills `output` [T,8,128] bf16 and
     `new_state` [N,8,128,128] fp32; `state` None means zeros; `scale` None or 0 means 1/sqrt(128).
-    No device reads, no host synchronisation: one kernel launch on the current stream."""
-    token_serial.run_kernel(_Chunked, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+    No device reads, no host synchronisation: one kernel launch on the current stream, its slice width
+    from N (`kernel_for`); either width gives the same values bit for bit."""
+    run_kernel(kernel_for(new_state.shape[0]), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
 
 
 def run_kernel(kernel: type, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
-    """`run` with `kernel` (this file's kernel class or a candidate's subclass of it)."""
+    """`run` with `kernel` (this file's kernel classes, or a candidate's subclass of one)."""
     token_serial.run_kernel(kernel, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)

@@ -1,19 +1,21 @@
 """GDN prefill for SM90 in CuTe-DSL: `gdn_prefill_qk4_v8_d128_k_last`.
 
-v2.1 (v1.9 with design v4, candidates v4.0 and v4.1, promoted in session 13, NOTES.md): three paths of
-this folder, chosen from the total token count T and the number of sequences N (shapes, known on the host;
-no device reads, no host synchronisation):
+v2.2 (v1.9 with design v4, candidates v4.0 and v4.1, promoted in session 13; v2.2 and v4.2 in session 14,
+NOTES.md): three paths of this folder, chosen from the total token count T and the number of sequences N
+(shapes, known on the host; no device reads, no host synchronisation):
 
 - T <= TOKEN_SERIAL_MAX_TOKENS: `token_serial.py`, one CTA per (sequence, head, 8-row V slice)
   stepping token by token (v1.8's rows over 16 lanes: 1.12x over v1.4 at <= 40 tokens);
 - up to WY_PREPASS_MIN_TOKENS: `chunked.py`, 64-token chunks in the WY form on tensor cores, two CTAs
   per SM, the grid rows serving the sequences longest first (v1.7: 1.23x over v1.4 on the 18 workloads
-  of >= 9 sequences, 1.00x on the others);
+  of >= 9 sequences, 1.00x on the others), on 16-row V slices for one or two sequences (v2.2: 1.09-1.21x
+  on those official rows);
 - from WY_PREPASS_MIN_TOKENS, or from a mean sequence length of WY_PREPASS_MIN_MEAN_LENGTH tokens (v2.1):
   `wy_prepass.py`, `chunked.py`'s chunks in two kernels, a parallel prepass of every chunk's state-free
   half, then a chain with only the state-dependent half, on 16-row V slices up to 4 sequences and 32 above
   (the A/B of session 13 over the 40 workloads of >= 512 tokens: 1.07-1.95x over v1.9 per row with the
-  width the rule picks).
+  width the rule picks); its prepass in ~66 KB of shared memory, three CTAs per SM (v4.2: 1.035x at 8192
+  tokens).
 
 Where the WY-prepass path starts (session 13, NOTES.md): its second launch costs more than a few chunks
 save, so it loses on short sequences (0.59-0.93x on the official rows of 41-132 tokens). It won on every
@@ -72,7 +74,7 @@ def path_for(num_tokens: int, num_seqs: int):
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
     """Compile every path's kernels for `arch` without touching a GPU (for CI and warm-up: no call
     compiles lazily afterwards)."""
-    return token_serial.compile_only(arch), chunked.compile_only(arch), *wy_prepass.compile_only(arch)
+    return token_serial.compile_only(arch), *chunked.compile_only(arch), *wy_prepass.compile_only(arch)
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:

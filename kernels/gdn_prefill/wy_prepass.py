@@ -1,7 +1,7 @@
 """GDN prefill for SM90 in CuTe-DSL, design v4 ("WY prepass"): the path `kernel.py` takes from
 WY_PREPASS_MIN_TOKENS tokens or a mean sequence length of WY_PREPASS_MIN_MEAN_LENGTH. `chunked.py`'s chunked form
 split in two kernels, so that the chain of chunks carries only the state-dependent half of each chunk (candidates
-v4.0 and v4.1, promoted in session 13, NOTES.md).
+v4.0 and v4.1, promoted in session 13; v4.2's lean key side in session 14, NOTES.md).
 
 Why (session 12's timeline): at 1377 tokens in one sequence Kachua's GPU work was 62 us against `chunked.py`'s
 122, because a parallel prepass does the state-free half of every chunk (the WY factors) before its sequential
@@ -50,6 +50,7 @@ from .chunked import (
     KQ_T_VIEW,
     LOG2_E,
     MAX_SMEM_CARVEOUT,
+    NARROW_SLICE_ROWS,
     NARROW_STRIDE,
     NUM_STAGES,
     NUM_THREADS,
@@ -59,7 +60,6 @@ from .chunked import (
     SLICE_ROWS,
     SQUARE_T_VIEW,
     SQUARE_VIEW,
-    STATE16_VIEW,
     STATE_COLS_PER_WARP,
     WARP_SIZE,
     WIDE_STRIDE,
@@ -89,7 +89,6 @@ __all__ = [
 
 # V rows per chain CTA (see the module docstring): chunked.py's 32, or 16 for few sequences.
 WIDE_SLICE_ROWS = SLICE_ROWS
-NARROW_SLICE_ROWS = 16
 # The narrow grid (64 CTAs per sequence) fits in one wave (CTAS_PER_WAVE) up to 4 sequences.
 NARROW_MAX_SEQS = CTAS_PER_WAVE // (NUM_V_HEADS * (HEAD_SIZE // NARROW_SLICE_ROWS))
 SQUARE_PIECES = CHUNK // COPY_ELEMS  # 16-B pieces of a 64-wide fp16 row
@@ -112,21 +111,20 @@ def num_chunk_slots(num_tokens: int, num_seqs: int) -> int:
 class _KeySide(_Chunked):
     """Kernel 1: the state-free half of every (chunk, head), from `chunked.py`'s methods, into the workspace.
 
-    `lean` (candidate v4.2): the k rows are staged as bf16 in kq itself and converted in place (as the q rows
-    always are), P goes from the Gram epilogue straight to the workspace, and the inverse's scratch has its own
-    size: ~66 KB of shared memory instead of ~94, three CTAs per SM instead of two."""
-
-    def __init__(self, lean: bool = False):
-        self.lean = lean
+    Lean since v4.2 (session 14: 1.035x at 8192 tokens, where the prepass takes about five waves): the k rows are
+    staged as bf16 in kq itself and converted in place (as the q rows always are), P goes from the Gram epilogue
+    straight to the workspace, and the inverse's scratch has its own size: ~66 KB of shared memory instead of the
+    ~94 that `chunked.py`'s buffers would take, three CTAs per SM instead of two."""
 
     @cute.jit
     def launch(self, q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream):
         tiled_mma = _make_warp_mma()
         f16, bf16, f32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32
-        # Lean: raw_k and p16 shrink to one 16-B piece (unused), the scratch to what the inverse uses.
-        raw_k_elems = COPY_ELEMS if self.lean else CHUNK * HEAD_SIZE
-        p16_elems = COPY_ELEMS if self.lean else CHUNK * NARROW_STRIDE
-        scratch_elems = NUM_WARPS * BLOCK * SCRATCH_STRIDE if self.lean else SLICE_ROWS * WIDE_STRIDE
+        # raw_k and p16 are one unused 16-B piece each: the fields `staging_views` reads, kept at the layout
+        # measured in session 14 (k is staged in kq, P stored to the workspace); the scratch is what the inverse uses.
+        raw_k_elems = COPY_ELEMS
+        p16_elems = COPY_ELEMS
+        scratch_elems = NUM_WARPS * BLOCK * SCRATCH_STRIDE
 
         @cute.struct
         class SharedStorage:
@@ -201,15 +199,9 @@ class _KeySide(_Chunked):
             a_diag = st.a_diag.get_tensor(cute.make_layout((CHUNK, BLOCK), stride=(DIAG_STRIDE, 1)))
             t16 = st.t16.get_tensor(_layout(SQUARE_VIEW))
             t16_t = cute.make_tensor(t16.iterator, _layout(SQUARE_T_VIEW))
-            if cutlass.const_expr(self.lean):
-                raw_k = kq_raw  # k rows 0..63 of kq, as bf16 until converted
-                p16 = ws_tp[slot, head, 1, None, None]
-                scratch = st.scratch.get_tensor(_layout(SCRATCH_VIEW))[warp_idx, None, None]
-            else:
-                p16 = st.p16.get_tensor(_layout(SQUARE_VIEW))
-                scratch = cute.make_tensor(
-                    st.scratch.get_tensor(_layout(STATE16_VIEW)).iterator, _layout(SCRATCH_VIEW)
-                )[warp_idx, None, None]
+            raw_k = kq_raw  # k rows 0..63 of kq, as bf16 until converted
+            p16 = ws_tp[slot, head, 1, None, None]
+            scratch = st.scratch.get_tensor(_layout(SCRATCH_VIEW))[warp_idx, None, None]
             cum_log_g = st.cum_log_g.get_tensor(cute.make_layout(CHUNK))
             beta = st.beta.get_tensor(cute.make_layout(CHUNK))
 
@@ -227,15 +219,12 @@ class _KeySide(_Chunked):
             self.copy_gate_rows(g2s, a, b, raw_a, raw_b, start, length, chunk, 0, tidx)
             self.load_q(g2s, q, kq_raw, start, length, chunk, head, tidx)
             cute.arch.cp_async_commit_group()
-            # T and P are lower triangular; their upper blocks are stored too, as zeros (lean: P's in the
-            # workspace, only the blocks above the diagonal, which the Gram epilogue never writes).
+            # T and P are lower triangular; their upper blocks are stored too, as zeros (P's in the workspace,
+            # only the blocks above the diagonal, which the Gram epilogue never writes).
             for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
                 linear = i * NUM_THREADS + tidx
                 t16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
-                if cutlass.const_expr(self.lean):
-                    if linear % CHUNK // BLOCK > linear // CHUNK // BLOCK:
-                        p16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
-                else:
+                if linear % CHUNK // BLOCK > linear // CHUNK // BLOCK:
                     p16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
             neg_decay_rate = -cute.math.exp(A_log[head]) * LOG2_E
             tokens_here = cutlass.min(length - chunk * CHUNK, cutlass.Int32(CHUNK))
@@ -259,11 +248,10 @@ class _KeySide(_Chunked):
                 linear = i * NUM_THREADS + tidx
                 row = linear // SQUARE_PIECES
                 piece = linear % SQUARE_PIECES
-                for which, square in ((0, t16),) if self.lean else ((0, t16), (1, p16)):
-                    cute.autovec_copy(
-                        cute.local_tile(square[row, None], (COPY_ELEMS,), (piece,)),
-                        cute.local_tile(ws_tp[slot, head, which, row, None], (COPY_ELEMS,), (piece,)),
-                    )
+                cute.autovec_copy(
+                    cute.local_tile(t16[row, None], (COPY_ELEMS,), (piece,)),
+                    cute.local_tile(ws_tp[slot, head, 0, row, None], (COPY_ELEMS,), (piece,)),
+                )
             if tidx < CHUNK:
                 ws_g[slot, head, 0, tidx] = cum_log_g[tidx]
                 ws_g[slot, head, 1, tidx] = beta[tidx]
@@ -479,7 +467,6 @@ class WyPrepassConfig:
     """What changes the compiled code of this path (the compile cache's key with the architecture)."""
 
     slice_rows: int  # V rows per chain CTA: WIDE_SLICE_ROWS or NARROW_SLICE_ROWS
-    lean_prepass: bool = False  # candidate v4.2's key side (see _KeySide)
 
 
 class GdnPrefillWyPrepassSm90:
@@ -508,7 +495,7 @@ class GdnPrefillWyPrepassSm90:
         ws_g: cute.Tensor,
         stream,
     ):
-        _KeySide(self.config.lean_prepass).launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
+        _KeySide().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
         _ValueSide(self.config.slice_rows).launch(
             q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, stream
         )

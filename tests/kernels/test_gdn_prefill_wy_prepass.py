@@ -1,13 +1,12 @@
 """GDN's WY-prepass path (kernels/gdn_prefill/wy_prepass.py, kernel.py's from 512 tokens or a mean length of 160;
-candidates v4.0 and v4.1): a prepass kernel computes each chunk's state-free half (gates, P, T) into a workspace,
+candidates v4.0, v4.1 and v4.2's lean key side): a prepass kernel computes each chunk's state-free half (gates, P, T) into a workspace,
 and the chain of chunks, on 16- or 32-row V slices, reads it.
 
 CPU: the workspace slots of every chunk of every sequence are distinct and within the allocation, and the
 prepass's rule for finding a slot's (sequence, chunk) (the last sequence whose first slot is at or below it)
-inverts them, for random splits with empty sequences; the chain's width rule; every configuration compiles for
-sm_90a; candidate v4.2 (candidate_lean_prepass.py) takes its lean key side exactly where kernel.py takes this
-path. GPU (marked `gpu`): in every configuration (both widths, with and without v4.2's lean key side) the output
-and new state equal `chunked.py`'s bit for bit (the same operations and roundings in other kernels), on fresh
+inverts them, for random splits with empty sequences; the chain's width rule; both configurations compile for
+sm_90a. GPU (marked `gpu`): in both configurations (16- and 32-row chain slices) the output and new state equal
+`chunked.py`'s 32-row kernel's bit for bit (the same operations and roundings in other kernels), on fresh
 inputs with and without a state, one and many sequences, lengths off the chunk size; the contest-rule checks of
 every check case are test_gdn_prefill_kernel.py's (the path is in its SOLUTIONS), the CUDA-graph replay with new
 bounds included.
@@ -74,16 +73,10 @@ def test_chain_width_is_chosen_from_the_sequence_count(num_seqs, rows, monkeypat
     assert configs[0] in wy_prepass.CONFIGS  # compiled by compile_only
 
 
-# Every configuration the path runs, and candidate v4.2's lean key side at both widths.
-ALL_CONFIGS = [*wy_prepass.CONFIGS, *(wy_prepass.WyPrepassConfig(c.slice_rows, True) for c in wy_prepass.CONFIGS)]
-
-
 def test_compiles_every_config_for_sm90a_without_gpu():
     compiled = wy_prepass.compile_only("sm_90a")
     assert len(compiled) == 2 and all(callable(fn) for fn in compiled) and compiled[0] is not compiled[1]
     assert wy_prepass.compile_only("sm_90a") == compiled  # cached
-    lean = [wy_prepass.compiled_for("sm_90a", config) for config in ALL_CONFIGS[2:]]
-    assert all(callable(fn) for fn in lean) and not set(lean) & set(compiled)
 
 
 @pytest.mark.gpu
@@ -98,21 +91,9 @@ def test_compiles_every_config_for_sm90a_without_gpu():
     ],
     ids=lambda case: case.name,
 )
-@pytest.mark.parametrize("config", ALL_CONFIGS, ids=str)
+@pytest.mark.parametrize("config", wy_prepass.CONFIGS, ids=str)
 def test_outputs_and_states_are_chunked_py_bit_for_bit(case, config):
+    wide_chunked = functools.partial(chunked.run_kernel, chunked._Chunked)
     two_kernels = functools.partial(wy_prepass.run_with_config, config)
-    assert cases.bitwise_mismatch(case, [chunked.run, two_kernels], "cuda", seed=47) is None
+    assert cases.bitwise_mismatch(case, [wide_chunked, two_kernels], "cuda", seed=47) is None
 
-
-lean_candidate = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "candidate_lean_prepass")
-
-
-@pytest.mark.parametrize(("num_tokens", "num_seqs", "lean"), [(41, 1, None), (511, 8, None), (341, 2, 16), (512, 57, 32)])
-def test_lean_candidate_runs_the_lean_key_side_exactly_where_kernel_py_takes_the_wy_prepass_path(
-    num_tokens, num_seqs, lean, monkeypatch
-):
-    calls = []
-    monkeypatch.setattr(wy_prepass, "run_with_config", lambda config, *args: calls.append(config))
-    monkeypatch.setattr(lean_candidate.kernel, "run", lambda *args: calls.append("kernel.run"))
-    lean_candidate.run(torch.empty(num_tokens, 4, 128), *([None] * 10), torch.empty(num_seqs, 8, 128, 128))
-    assert calls == (["kernel.run"] if lean is None else [wy_prepass.WyPrepassConfig(lean, lean_prepass=True)])

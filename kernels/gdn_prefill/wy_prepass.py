@@ -120,8 +120,9 @@ class _KeySide(_Chunked):
     def launch(self, q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream):
         tiled_mma = _make_warp_mma()
         f16, bf16, f32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32
-        # raw_k and p16 are one unused 16-B piece each: the fields `staging_views` reads, kept at the layout
-        # measured in session 14 (k is staged in kq, P stored to the workspace); the scratch is what the inverse uses.
+        # raw_k and p16 are one unused 16-B piece each (k is staged in kq, P goes to the workspace): raw_k because
+        # `staging_views` reads the field, p16 so that the layout stays the one measured in session 14. The scratch
+        # is what the inverse uses.
         raw_k_elems = COPY_ELEMS
         p16_elems = COPY_ELEMS
         scratch_elems = NUM_WARPS * BLOCK * SCRATCH_STRIDE

@@ -21,6 +21,7 @@ from hopperbench.devcheck import load_folder_module, load_module_by_path
 from hopperbench.paths import REPO_ROOT
 
 chunked = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "chunked")
+kernel = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "kernel")
 cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -33,6 +34,20 @@ def test_narrow_kernel_for_one_or_two_sequences(num_seqs, narrow, monkeypatch):
     monkeypatch.setattr(chunked, "run_kernel", lambda kernel, *args: calls.append(kernel))
     chunked.run(*([None] * 11), torch.empty(num_seqs, 8, 128, 128))
     assert calls == [chunked._NarrowChunked if narrow else chunked._Chunked]
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_seqs", "expected"),
+    [(41, 1, "_NarrowChunked"), (159, 1, "_NarrowChunked"), (160, 1, None), (255, 2, "_NarrowChunked"), (300, 3, "_Chunked"), (511, 8, "_Chunked"),
+     (512, 2, None)],
+)  # fmt: skip
+def test_kernel_py_reaches_the_narrow_kernel_through_chunked_run(num_tokens, num_seqs, expected, monkeypatch):
+    # None: kernel.py takes the WY-prepass path there (512 tokens, or a mean length of 160).
+    calls = []
+    monkeypatch.setattr(chunked, "run_kernel", lambda kernel_class, *args: calls.append(kernel_class.__name__))
+    monkeypatch.setattr(kernel.wy_prepass, "run", lambda *args: calls.append(None))
+    kernel.run(torch.empty(num_tokens, 4, 128), *([None] * 10), torch.empty(num_seqs, 8, 128, 128))
+    assert calls == [expected]
 
 
 def test_narrow_kernel_is_the_chunked_kernel_on_16_rows():

@@ -427,16 +427,21 @@ class _Chunked:
             seq = slots[selected]
         return seq
 
-    def staging_views(self, st) -> tuple[cute.Tensor, ...]:
+    def staging_views(self, st, k_staged_in_kq: bool = False) -> tuple[cute.Tensor, ...]:
         """(raw_k, raw_a, raw_b, kq, kq_raw) over the like-named fields of a kernel's shared storage: the bf16
         k rows and a, b rows as copied in, the fp16 k and q operand rows (kq), and kq read as bf16 (kq_raw: the
-        q rows are copied there and converted in place). Built while a kernel is traced."""
-        raw_k = st.raw_k.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1)))
+        q rows are copied there and converted in place). With `k_staged_in_kq` the k rows are too (raw_k is
+        kq_raw, whose rows 0..63 are k's), and the storage needs no raw_k field: for a kernel that loads k only
+        once, with nothing to overlap. Built while a kernel is traced."""
         ab_layout = cute.make_layout((NUM_STAGES, CHUNK, NUM_V_HEADS), stride=(CHUNK * NUM_V_HEADS, NUM_V_HEADS, 1))
         raw_a = st.raw_a.get_tensor(ab_layout)
         raw_b = st.raw_b.get_tensor(ab_layout)
         kq = st.kq.get_tensor(_layout(KQ_VIEW))
         kq_raw = cute.make_tensor(cute.recast_ptr(kq.iterator, dtype=cutlass.BFloat16), _layout(KQ_VIEW))
+        if k_staged_in_kq:
+            raw_k = kq_raw
+        else:
+            raw_k = st.raw_k.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1)))
         return raw_k, raw_a, raw_b, kq, kq_raw
 
     @cute.jit

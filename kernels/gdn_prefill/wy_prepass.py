@@ -120,24 +120,17 @@ class _KeySide(_Chunked):
     def launch(self, q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream):
         tiled_mma = _make_warp_mma()
         f16, bf16, f32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32
-        # raw_k and p16 are one unused 16-B piece each (k is staged in kq, P goes to the workspace): raw_k because
-        # `staging_views` reads the field, p16 so that the layout stays the one measured in session 14. The scratch
-        # is what the inverse uses.
-        raw_k_elems = COPY_ELEMS
-        p16_elems = COPY_ELEMS
-        scratch_elems = NUM_WARPS * BLOCK * SCRATCH_STRIDE
 
+        # No k staging buffer and no P tile: k is staged in kq, P goes to the workspace.
         @cute.struct
         class SharedStorage:
-            raw_k: cute.struct.Align[cute.struct.MemRange[bf16, raw_k_elems], 128]
             raw_a: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
             raw_b: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
             kq: cute.struct.Align[cute.struct.MemRange[f16, KQ_ROWS * WIDE_STRIDE], 128]
             a16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
             a_diag: cute.struct.Align[cute.struct.MemRange[f32, CHUNK * DIAG_STRIDE], 128]
             t16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
-            p16: cute.struct.Align[cute.struct.MemRange[f16, p16_elems], 128]
-            scratch: cute.struct.Align[cute.struct.MemRange[f16, scratch_elems], 128]
+            scratch: cute.struct.Align[cute.struct.MemRange[f16, NUM_WARPS * BLOCK * SCRATCH_STRIDE], 128]
             cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
             beta: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
 
@@ -194,13 +187,12 @@ class _KeySide(_Chunked):
         if chunk < num_chunks:
             smem = cutlass.memory.SmemAllocator()
             st = smem.allocate(SharedStorage)
-            raw_k, raw_a, raw_b, kq, kq_raw = self.staging_views(st)
+            raw_k, raw_a, raw_b, kq, kq_raw = self.staging_views(st, k_staged_in_kq=True)
             a16 = st.a16.get_tensor(_layout(SQUARE_VIEW))
             a16_t = cute.make_tensor(a16.iterator, _layout(SQUARE_T_VIEW))
             a_diag = st.a_diag.get_tensor(cute.make_layout((CHUNK, BLOCK), stride=(DIAG_STRIDE, 1)))
             t16 = st.t16.get_tensor(_layout(SQUARE_VIEW))
             t16_t = cute.make_tensor(t16.iterator, _layout(SQUARE_T_VIEW))
-            raw_k = kq_raw  # k rows 0..63 of kq, as bf16 until converted
             p16 = ws_tp[slot, head, 1, None, None]
             scratch = st.scratch.get_tensor(_layout(SCRATCH_VIEW))[warp_idx, None, None]
             cum_log_g = st.cum_log_g.get_tensor(cute.make_layout(CHUNK))

@@ -485,11 +485,19 @@ class _Chunked:
             cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
             beta: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
 
-        self.kernel(
+        kernel = self.kernel(
             q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state,
             tiled_mma, SharedStorage,
-        ).launch(  # fmt: skip
-            grid=[NUM_V_HEADS * self.num_slices, new_state.shape[0], 1],
+        )  # fmt: skip
+        self.launch_grid(kernel, [NUM_V_HEADS * self.num_slices, new_state.shape[0], 1], SharedStorage, stream)
+
+    @staticmethod
+    def launch_grid(kernel, grid: list, SharedStorage, stream) -> None:
+        """Launch a traced kernel of this folder's chunked family (this one, the WY-prepass pair): NUM_THREADS
+        threads, `SharedStorage` as its dynamic shared memory, the largest carveout (two or three CTAs per SM
+        need it)."""
+        kernel.launch(
+            grid=grid,
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,

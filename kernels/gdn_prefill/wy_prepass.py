@@ -49,7 +49,6 @@ from .chunked import (
     KQ_ROWS,
     KQ_T_VIEW,
     LOG2_E,
-    MAX_SMEM_CARVEOUT,
     NARROW_SLICE_ROWS,
     NARROW_STRIDE,
     NUM_STAGES,
@@ -134,13 +133,8 @@ class _KeySide(_Chunked):
             cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
             beta: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
 
-        self.key_kernel(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, tiled_mma, SharedStorage).launch(
-            grid=[NUM_V_HEADS, ws_tp.shape[0], 1],
-            block=[NUM_THREADS, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            preferred_smem_carveout=MAX_SMEM_CARVEOUT,
-        )
+        kernel = self.key_kernel(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, tiled_mma, SharedStorage)
+        self.launch_grid(kernel, [NUM_V_HEADS, ws_tp.shape[0], 1], SharedStorage, stream)
 
     @cute.jit
     def sequence_of_slot(self, cu_seqlens: cute.Tensor, slot: cutlass.Int32, total_tokens: cutlass.Int32):
@@ -285,16 +279,11 @@ class _ValueSide(_Chunked):
             cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
             beta: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
 
-        self.value_kernel(
+        kernel = self.value_kernel(
             q, k, v, state, a, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g,
             tiled_mma, SharedStorage,
-        ).launch(  # fmt: skip
-            grid=[NUM_V_HEADS * self.num_slices, new_state.shape[0], 1],
-            block=[NUM_THREADS, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            preferred_smem_carveout=MAX_SMEM_CARVEOUT,
-        )
+        )  # fmt: skip
+        self.launch_grid(kernel, [NUM_V_HEADS * self.num_slices, new_state.shape[0], 1], SharedStorage, stream)
 
     @cute.jit
     def load_squares(self, g2s16: cute.CopyAtom, ws_tp: cute.Tensor, slot, head, which: cutlass.Constexpr, dst, tidx):

@@ -94,13 +94,15 @@ class StreamingVariant:
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
+    located_once: bool = False  # candidate v2.7: both GEMMs locate each item once, not per K stage
+    gemm1_overlapped: bool = False  # candidate v2.7: the WGMMA GEMM1 promotes a block while the next runs
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
             # The WGMMA GEMM2 reads C in the column order only the WGMMA GEMM1 writes.
             raise ValueError("wgmma_gemm2 needs wgmma_gemm1")
-        if self.gemm1_scratch_in_stage and not self.wgmma_gemm1:
-            raise ValueError("gemm1_scratch_in_stage needs wgmma_gemm1")
+        if (self.gemm1_scratch_in_stage or self.gemm1_overlapped) and not self.wgmma_gemm1:
+            raise ValueError("gemm1_scratch_in_stage and gemm1_overlapped need wgmma_gemm1")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -109,8 +111,12 @@ class StreamingVariant:
                 num_stages=self.num_stages,
                 permuted_c=self.wgmma_gemm2,
                 scratch_in_stage=self.gemm1_scratch_in_stage,
+                located_once=self.located_once,
+                overlapped=self.gemm1_overlapped,
             )
-        return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
+        return StreamingGemmConfig(
+            gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages, located_once=self.located_once
+        )
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:
         config = self.gemm1()
@@ -120,8 +126,10 @@ class StreamingVariant:
         block_tokens = self.gemm2_block_tokens or self.block_tokens
         num_stages = self.gemm2_num_stages or self.num_stages
         if self.wgmma_gemm2:
-            return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages)
-        return StreamingGemmConfig(gemm1=False, block_tokens=block_tokens, num_stages=num_stages)
+            return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages, located_once=self.located_once)
+        return StreamingGemmConfig(
+            gemm1=False, block_tokens=block_tokens, num_stages=num_stages, located_once=self.located_once
+        )
 
     def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:
         config = self.gemm2()

@@ -78,15 +78,18 @@ def weight_offset(row, k, stage):
 
 
 class WgmmaGemm2Config(PersistentGemmConfig):
-    """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth."""
+    """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth;
+    `located_once` (candidate v2.7): each item's row tile located once (the load of its first K stage,
+    and its epilogue) instead of twice per K stage."""
 
-    def __init__(self, block_tokens: int, num_stages: int):
+    def __init__(self, block_tokens: int, num_stages: int, located_once: bool = False):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
         self.block_tokens = block_tokens
         self.num_stages = num_stages
+        self.located_once = located_once
         self.check_fits()
 
     def fields(self) -> dict:
@@ -202,12 +205,17 @@ class WgmmaGemm2(LinkedGemm):
         coords = thr_mma.partition_C(cute.make_identity_tensor((ITEM_ROWS, bt)))  # (item row, token slot)
         acc.fill(0.0)
         row_g = warp_id * 16 + group
+        located = None
+        if cutlass.const_expr(cfg.located_once):
+            # Where the next load's item lies, located at its first K stage only: (expert, valid rows,
+            # first packed row). The prologue's stages all belong to the CTA's first item.
+            located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset)
 
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
                 self.load_stage(
                     p, p, cta, grid, c, w, w_scale, tile_end, expert_count, expert_offset,
-                    w_bytes, c_bytes, w_scales, g2s_16_w, g2s_16_c, g2s_4_f32, tidx,
+                    w_bytes, c_bytes, w_scales, g2s_16_w, g2s_16_c, g2s_4_f32, tidx, located,
                 )  # fmt: skip
             cute.arch.cp_async_commit_group()
 
@@ -218,17 +226,21 @@ class WgmmaGemm2(LinkedGemm):
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             if s + ns - 1 < total_stages:
+                if cutlass.const_expr(cfg.located_once):
+                    if (s + ns - 1) % K_STAGES == 0:
+                        located = self.locate_load(cta, grid, s + ns - 1, tile_end, expert_count, expert_offset)
                 self.load_stage(
                     s + ns - 1, (s + ns - 1) % ns, cta, grid, c, w, w_scale, tile_end, expert_count,
-                    expert_offset, w_bytes, c_bytes, w_scales, g2s_16_w, g2s_16_c, g2s_4_f32, tidx,
+                    expert_offset, w_bytes, c_bytes, w_scales, g2s_16_w, g2s_16_c, g2s_4_f32, tidx, located,
                 )  # fmt: skip
             cute.arch.cp_async_commit_group()
 
             item = cta + (s // K_STAGES) * grid
             k_stage = s % K_STAGES
-            expert, first_row, valid_rows, packed_row0 = locate_row_tile(
-                item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
-            )
+            if cutlass.const_expr(not cfg.located_once):
+                expert, first_row, valid_rows, packed_row0 = locate_row_tile(
+                    item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
+                )
             if k_stage == 0:
                 acc.fill(0.0)
             slot = s % ns
@@ -239,12 +251,30 @@ class WgmmaGemm2(LinkedGemm):
                 warpgroup.wait_group(BLOCKS_PER_STAGE - 1 - b)
                 self.promote(acc, block_accs[b], w_scales[b, slot])
             if k_stage == K_STAGES - 1:
+                if cutlass.const_expr(cfg.located_once):
+                    _, _, item_valid_rows, item_packed_row0 = locate_row_tile(
+                        item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
+                    )
+                else:
+                    item_valid_rows, item_packed_row0 = valid_rows, packed_row0
                 n_tile = item % ITEMS_PER_ROW_TILE
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     row, token_slot = coords[i]
-                    if token_slot < valid_rows:
-                        out[packed_row0 + token_slot, n_tile * ITEM_ROWS + row] = acc[i]
+                    if token_slot < item_valid_rows:
+                        out[item_packed_row0 + token_slot, n_tile * ITEM_ROWS + row] = acc[i]
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def locate_load(
+        self, cta: Int32, grid: Int32, s: Int32, tile_end: cute.Tensor, expert_count: cute.Tensor,
+        expert_offset: cute.Tensor,
+    ):
+        """(expert, valid rows, first packed row) of the item of flat stage `s` (`located_once`)."""
+        item = cta + (s // K_STAGES) * grid
+        expert, _, valid_rows, packed_row0 = locate_row_tile(
+            item // ITEMS_PER_ROW_TILE, self.cfg.block_tokens, tile_end, expert_count, expert_offset
+        )
+        return expert, valid_rows, packed_row0
 
     @cute.jit
     def convert_block(
@@ -308,15 +338,21 @@ class WgmmaGemm2(LinkedGemm):
         g2s_16_c: cute.CopyAtom,
         g2s_4_f32: cute.CopyAtom,
         tidx: Int32,
+        located,
     ):
-        """Issue the cp.async copies of flat stage `s` of this CTA (weights, C rows, weight scales)."""
+        """Issue the cp.async copies of flat stage `s` of this CTA (weights, C rows, weight scales).
+        `located`: `locate_load`'s (expert, valid rows, first packed row) for the stage's item, or None to
+        locate it here."""
         bt = self.cfg.block_tokens
         item = cta + (s // K_STAGES) * grid
         k_stage = s % K_STAGES
         n_tile = item % ITEMS_PER_ROW_TILE
-        expert, first_row, valid_rows, packed_row0 = locate_row_tile(
-            item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
-        )
+        if cutlass.const_expr(located is None):
+            expert, first_row, valid_rows, packed_row0 = locate_row_tile(
+                item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
+            )
+        else:
+            expert, valid_rows, packed_row0 = located
 
         copy_weight_tile(
             g2s_16_w,

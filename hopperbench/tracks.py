@@ -205,16 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_located_once",
-            entry="candidate_located_once.py::run",
-            description="v2.7: kernel.py with each streaming GEMM locating a work item once, not twice per K stage",
-        ),
-        CandidateSide(
-            name="cand_located_once_overlapped",
-            entry="candidate_located_once.py::run_overlapped",
-            description="v2.7: cand_located_once plus the WGMMA GEMM1 promoting a K block while the next one runs",
-        ),
     ),
 )
 

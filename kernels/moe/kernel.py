@@ -1,6 +1,6 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.3 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v2.4 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
@@ -9,8 +9,10 @@ v2.3 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.
 T = 901, 1.02x at 52-62 tokens) and weight streaming at every T (1.51x and 1.65x at 14107 and 11948
 tokens over v0's grouped pipeline, which it replaced); in session 11 the 33-64-token variant up to
 FEW_TOKENS_MAX (v2.3, 1.06x at 80 tokens) and 64-token GEMM1 tiles above MEDIUM_T_MAX_TOKENS (v2.2,
-1.15x / 1.17x at 11948 / 14107 tokens; the threshold from an off-list sweep); NOTES.md). Destination
-passing, definition order, no host sync, no data-dependent host logic, graph-safe.
+1.15x / 1.17x at 11948 / 14107 tokens; the threshold from an off-list sweep); in session 15 each
+streaming GEMM locating a work item once instead of twice per K stage (v2.4, candidate v2.7: 1.10x over
+the 19, 1.01-1.19x per workload; NOTES.md). Destination passing, definition order, no host sync, no
+data-dependent host logic, graph-safe.
 
 Every call is the five kernels of `host.py` in one TVM-FFI call, chained by programmatic dependent
 launches: the routing grid on counters the previous call on the stream left at zero, GEMM1 +
@@ -94,15 +96,13 @@ class StreamingVariant:
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
-    located_once: bool = False  # candidate v2.7: both GEMMs locate each item once, not per K stage
-    gemm1_overlapped: bool = False  # candidate v2.7: the WGMMA GEMM1 promotes a block while the next runs
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
             # The WGMMA GEMM2 reads C in the column order only the WGMMA GEMM1 writes.
             raise ValueError("wgmma_gemm2 needs wgmma_gemm1")
-        if (self.gemm1_scratch_in_stage or self.gemm1_overlapped) and not self.wgmma_gemm1:
-            raise ValueError("gemm1_scratch_in_stage and gemm1_overlapped need wgmma_gemm1")
+        if self.gemm1_scratch_in_stage and not self.wgmma_gemm1:
+            raise ValueError("gemm1_scratch_in_stage needs wgmma_gemm1")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -111,12 +111,8 @@ class StreamingVariant:
                 num_stages=self.num_stages,
                 permuted_c=self.wgmma_gemm2,
                 scratch_in_stage=self.gemm1_scratch_in_stage,
-                located_once=self.located_once,
-                overlapped=self.gemm1_overlapped,
             )
-        return StreamingGemmConfig(
-            gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages, located_once=self.located_once
-        )
+        return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:
         config = self.gemm1()
@@ -126,10 +122,8 @@ class StreamingVariant:
         block_tokens = self.gemm2_block_tokens or self.block_tokens
         num_stages = self.gemm2_num_stages or self.num_stages
         if self.wgmma_gemm2:
-            return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages, located_once=self.located_once)
-        return StreamingGemmConfig(
-            gemm1=False, block_tokens=block_tokens, num_stages=num_stages, located_once=self.located_once
-        )
+            return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages)
+        return StreamingGemmConfig(gemm1=False, block_tokens=block_tokens, num_stages=num_stages)
 
     def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:
         config = self.gemm2()

@@ -238,11 +238,9 @@ class PersistentGemmConfig:
 
 
 class StreamingGemmConfig(PersistentGemmConfig):
-    """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth;
-    `located_once` (candidate v2.7): each item's row tile located once per item (the load of its first
-    K stage, and the compute of it) instead of twice per K stage, each thread's token kept in a register."""
+    """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
 
-    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int, located_once: bool = False):
+    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int):
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -250,7 +248,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
         self.gemm1 = gemm1
         self.block_tokens = block_tokens
         self.num_stages = num_stages
-        self.located_once = located_once
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -510,23 +507,22 @@ class StreamingGemm(LinkedGemm):
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), Float32, num_bits_per_copy=32
         )
 
-        located = None
-        if cutlass.const_expr(cfg.located_once):
-            # Where the next load's item lies, located at its first K stage only: (expert, valid rows,
-            # GEMM1: this thread's token, GEMM2: the first packed row). The prologue's stages all belong to
-            # the CTA's first item.
-            located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
-            # the computed item's (valid rows, first packed row), located at its first K stage
-            cursor_valid_rows = Int32(0)
-            cursor_packed_row0 = Int32(0)
+        # Each item is located once per side (v2.4; session 15's ncu found the two locations per K stage,
+        # binary searches over shared memory, and the token's reload from global memory on the stage's
+        # critical path). The next load's item: (expert, valid rows, GEMM1: this thread's token, GEMM2: the
+        # first packed row), located when the load of its first K stage is issued; the prologue's stages all
+        # belong to the CTA's first item. The computed item: (valid rows, first packed row), located at its
+        # first K stage.
+        located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
+        valid_rows = Int32(0)
+        packed_row0 = Int32(0)
 
         # ---- prologue: the first ns - 1 stages ----
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
                 self.load_stage(
-                    p, p, cta, grid, x, x_scale, w, w_scale, expert_tokens, tile_end, expert_count,
-                    expert_offset, w_stages, x_stages, x_scales, w_scales, g2s_16, g2s_16_x, g2s_16_f32,
-                    g2s_4_f32, tidx, located,
+                    p, p, cta, grid, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales, w_scales,
+                    g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
                 )
             cute.arch.cp_async_commit_group()
 
@@ -540,32 +536,22 @@ class StreamingGemm(LinkedGemm):
             cute.arch.cp_async_wait_group(ns - 2)
             cute.arch.sync_threads()
             if s + ns - 1 < total_stages:
-                if cutlass.const_expr(cfg.located_once):
-                    if (s + ns - 1) % cfg.k_stages == 0:
-                        located = self.locate_load(
-                            cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx
-                        )
+                if (s + ns - 1) % cfg.k_stages == 0:
+                    located = self.locate_load(
+                        cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx
+                    )
                 self.load_stage(
-                    s + ns - 1, (s + ns - 1) % ns, cta, grid, x, x_scale, w, w_scale, expert_tokens, tile_end,
-                    expert_count, expert_offset, w_stages, x_stages, x_scales, w_scales, g2s_16, g2s_16_x,
-                    g2s_16_f32, g2s_4_f32, tidx, located,
+                    s + ns - 1, (s + ns - 1) % ns, cta, grid, located, x, x_scale, w, w_scale, w_stages, x_stages,
+                    x_scales, w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
                 )
             cute.arch.cp_async_commit_group()
 
             item = cta + (s // cfg.k_stages) * grid
             k_stage = s % cfg.k_stages
-            if cutlass.const_expr(cfg.located_once):
-                if k_stage == 0:
-                    _, _, cursor_valid_rows, cursor_packed_row0 = self.locate(
-                        item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset
-                    )
-                valid_rows = cursor_valid_rows
-                packed_row0 = cursor_packed_row0
-            else:
-                expert, first_row, valid_rows, packed_row0 = self.locate(
+            if k_stage == 0:
+                _, _, valid_rows, packed_row0 = self.locate(
                     item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset
                 )
-            if k_stage == 0:
                 acc.fill(0.0)
             self.compute_block(
                 s % ns, warp_id, group, quad, valid_rows, w_stages, x_stages, x_scales, w_scales, acc, block_acc
@@ -594,7 +580,7 @@ class StreamingGemm(LinkedGemm):
         tidx: Int32,
     ):
         """(expert, valid rows, GEMM1: this thread's token / GEMM2: the first packed row) of the item of
-        flat stage `s` (`located_once`)."""
+        flat stage `s`."""
         cfg = self.cfg
         item = cta + (s // cfg.k_stages) * grid
         expert, first_row, valid_rows, packed_row0 = self.locate(
@@ -613,14 +599,11 @@ class StreamingGemm(LinkedGemm):
         slot: Int32,
         cta: Int32,
         grid: Int32,
+        located,
         x: cute.Tensor,
         x_scale: cute.Tensor,
         w: cute.Tensor,
         w_scale: cute.Tensor,
-        expert_tokens: cute.Tensor,
-        tile_end: cute.Tensor,
-        expert_count: cute.Tensor,
-        expert_offset: cute.Tensor,
         w_stages: cute.Tensor,
         x_stages: cute.Tensor,
         x_scales: cute.Tensor,
@@ -630,21 +613,14 @@ class StreamingGemm(LinkedGemm):
         g2s_16_f32: cute.CopyAtom,
         g2s_4_f32: cute.CopyAtom,
         tidx: Int32,
-        located,
     ):
-        """Issue the cp.async copies of flat stage `s` of this CTA (weights, activations, scales).
-        `located`: `locate_load`'s triple for the stage's item, or None to locate it here."""
+        """Issue the cp.async copies of flat stage `s` of this CTA (weights, activations, scales); `located`
+        is `locate_load`'s (expert, valid rows, token or first packed row) for the stage's item."""
         cfg = self.cfg
         item = cta + (s // cfg.k_stages) * grid
         k_stage = s % cfg.k_stages
         n_tile = item % cfg.items_per_row_tile
-        if cutlass.const_expr(located is None):
-            expert, first_row, valid_rows, packed_row0 = self.locate(
-                item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset
-            )
-        else:
-            expert, valid_rows, row_source = located
-            packed_row0 = row_source  # read by GEMM2 only
+        expert, valid_rows, row_source = located
 
         # ---- weights: 32 rows x 512 bytes; one warp reads one row's 512 contiguous bytes ----
         chunks_per_row = STAGE_K // CHUNK  # 32
@@ -670,10 +646,7 @@ class StreamingGemm(LinkedGemm):
         sub = tidx % tpt
         if token_slot < valid_rows:
             if cutlass.const_expr(cfg.gemm1):
-                if cutlass.const_expr(located is None):
-                    token = expert_tokens[expert, first_row + token_slot]
-                else:
-                    token = row_source
+                token = row_source
                 for i in cutlass.range_constexpr(chunks_per_row // tpt):
                     x_chunk = sub + i * tpt
                     x_k_block = x_chunk // FP8_CHUNKS_PER_BLOCK_ROW
@@ -704,7 +677,7 @@ class StreamingGemm(LinkedGemm):
                     cute.copy(
                         g2s_16_x,
                         cute.local_tile(
-                            x[packed_row0 + token_slot, None], (bf16_chunk,), (k_stage * bf16_chunks_per_row + x_chunk,)
+                            x[row_source + token_slot, None], (bf16_chunk,), (k_stage * bf16_chunks_per_row + x_chunk,)
                         ),
                         cute.local_tile(
                             x_stages[None, token_slot, x_k_block, slot],

@@ -116,19 +116,9 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     `scratch_in_stage`: the epilogue's fp32 tile (`block_tokens` x 64, as many bytes as a token stage)
     lives in the token stage the item's last K stage has just consumed instead of a region of its own,
     which no copy in flight targets (candidate v2.2: 64-token tiles with 3 stages then fit two CTAs
-    per SM). Candidate v2.7: `located_once` locates each item's row tile once (the load of its first K
-    stage, and its epilogue) instead of twice per K stage, and keeps each thread's token in a register;
-    `overlapped` issues both K blocks of a stage before promoting the first."""
+    per SM)."""
 
-    def __init__(
-        self,
-        block_tokens: int,
-        num_stages: int,
-        permuted_c: bool = False,
-        scratch_in_stage: bool = False,
-        located_once: bool = False,
-        overlapped: bool = False,
-    ):
+    def __init__(self, block_tokens: int, num_stages: int, permuted_c: bool = False, scratch_in_stage: bool = False):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 3:
@@ -137,8 +127,6 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         self.num_stages = num_stages
         self.permuted_c = permuted_c
         self.scratch_in_stage = scratch_in_stage
-        self.located_once = located_once
-        self.overlapped = overlapped
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
 
@@ -260,21 +248,17 @@ class WgmmaGemm1(LinkedGemm):
         acc_shape = thr_mma.partition_shape_C((ITEM_ROWS, bt))
         acc = cute.make_rmem_tensor(acc_shape, Float32)
         block_acc = cute.make_rmem_tensor(acc_shape, Float32)
-        if cutlass.const_expr(cfg.overlapped):
-            block_accs = [block_acc, cute.make_rmem_tensor(acc_shape, Float32)]
         coords = thr_mma.partition_C(cute.make_identity_tensor((ITEM_ROWS, bt)))  # (item row, token slot)
         acc.fill(0.0)
-        located = None
-        if cutlass.const_expr(cfg.located_once):
-            # Where the next load's item lies, located at its first K stage only: (expert, valid rows,
-            # this thread's token). The prologue's stages all belong to the CTA's first item.
-            located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
+        # Where the next load's item lies, located at its first K stage only (v2.4): (expert, valid rows,
+        # this thread's token). The prologue's stages all belong to the CTA's first item.
+        located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
 
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
                 self.load_stage(
-                    p, p, cta, grid, x, x_scale, w, w_scale, expert_tokens, tile_end, expert_count, expert_offset,
-                    w_bytes, x_bytes, x_scales, w_scales, g2s_16, g2s_4_f32, tidx, located,
+                    p, p, cta, grid, located, x, x_scale, w, w_scale, w_bytes, x_bytes, x_scales, w_scales, g2s_16,
+                    g2s_4_f32, tidx,
                 )
             cute.arch.cp_async_commit_group()
 
@@ -286,55 +270,40 @@ class WgmmaGemm1(LinkedGemm):
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             if s + ns - 1 < total_stages:
-                if cutlass.const_expr(cfg.located_once):
-                    if (s + ns - 1) % K_STAGES == 0:
-                        located = self.locate_load(
-                            cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx
-                        )
+                if (s + ns - 1) % K_STAGES == 0:
+                    located = self.locate_load(
+                        cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx
+                    )
                 self.load_stage(
-                    s + ns - 1, (s + ns - 1) % ns, cta, grid, x, x_scale, w, w_scale, expert_tokens, tile_end,
-                    expert_count, expert_offset, w_bytes, x_bytes, x_scales, w_scales, g2s_16, g2s_4_f32, tidx,
-                    located,
+                    s + ns - 1, (s + ns - 1) % ns, cta, grid, located, x, x_scale, w, w_scale, w_bytes, x_bytes,
+                    x_scales, w_scales, g2s_16, g2s_4_f32, tidx,
                 )
             cute.arch.cp_async_commit_group()
 
             item = cta + (s // K_STAGES) * grid
             k_stage = s % K_STAGES
-            if cutlass.const_expr(not cfg.located_once):
-                expert, first_row, valid_rows, packed_row0 = locate_row_tile(
-                    item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
-                )
             if k_stage == 0:
                 acc.fill(0.0)
             slot = s % ns
-            if cutlass.const_expr(cfg.overlapped):
-                for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                    self.issue_block(tiled_mma, block_accs[b], t_a, t_b, b, slot)
-                for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                    cute.nvgpu.warpgroup.wait_group(BLOCKS_PER_STAGE - 1 - b)
-                    self.promote(acc, block_accs[b], coords, w_scales, x_scales, b, slot)
-            else:
-                for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                    cute.nvgpu.warpgroup.fence()
-                    for k in cutlass.range_constexpr(K_STEPS_PER_BLOCK):
-                        step = b * K_STEPS_PER_BLOCK + k
-                        cute.gemm(tiled_mma, block_acc, t_a[None, None, step, slot], t_b[None, None, step, slot], block_acc)
-                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.commit_group()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    # v0's promotion: the block's exact fp32 sum times (weight block scale x token scale)
-                    for i in cutlass.range_constexpr(cute.size(acc)):
-                        row, token_slot = coords[i]
-                        scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
-                        acc[i] = acc[i] + block_acc[i] * scale
+            for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                cute.nvgpu.warpgroup.fence()
+                for k in cutlass.range_constexpr(K_STEPS_PER_BLOCK):
+                    step = b * K_STEPS_PER_BLOCK + k
+                    cute.gemm(tiled_mma, block_acc, t_a[None, None, step, slot], t_b[None, None, step, slot], block_acc)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                # v0's promotion: the block's exact fp32 sum times (weight block scale x token scale)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    row, token_slot = coords[i]
+                    scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
+                    acc[i] = acc[i] + block_acc[i] * scale
             if k_stage == K_STAGES - 1:
-                if cutlass.const_expr(cfg.located_once):
-                    _, _, item_valid_rows, item_packed_row0 = locate_row_tile(
-                        item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
-                    )
-                else:
-                    item_valid_rows, item_packed_row0 = valid_rows, packed_row0
+                # the computed item, located once at its end (its K stages need no location)
+                _, _, item_valid_rows, item_packed_row0 = locate_row_tile(
+                    item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
+                )
                 n_tile = item % ITEMS_PER_ROW_TILE
                 if cutlass.const_expr(cfg.scratch_in_stage):
                     # The token stage in `slot`. A warp's wait_group covers its own share of the
@@ -360,14 +329,11 @@ class WgmmaGemm1(LinkedGemm):
         slot: Int32,
         cta: Int32,
         grid: Int32,
+        located,
         x: cute.Tensor,
         x_scale: cute.Tensor,
         w: cute.Tensor,
         w_scale: cute.Tensor,
-        expert_tokens: cute.Tensor,
-        tile_end: cute.Tensor,
-        expert_count: cute.Tensor,
-        expert_offset: cute.Tensor,
         w_bytes: cute.Tensor,
         x_bytes: cute.Tensor,
         x_scales: cute.Tensor,
@@ -375,21 +341,15 @@ class WgmmaGemm1(LinkedGemm):
         g2s_16: cute.CopyAtom,
         g2s_4_f32: cute.CopyAtom,
         tidx: Int32,
-        located,
     ):
-        """Issue the cp.async copies of flat stage `s` of this CTA (weights, tokens, scales). `located`:
-        `locate_load`'s (expert, valid rows, token) for the stage's item, or None to locate it here."""
+        """Issue the cp.async copies of flat stage `s` of this CTA (weights, tokens, scales); `located` is
+        `locate_load`'s (expert, valid rows, this thread's token) for the stage's item."""
         cfg = self.cfg
         bt = cfg.block_tokens
         item = cta + (s // K_STAGES) * grid
         k_stage = s % K_STAGES
         n_tile = item % ITEMS_PER_ROW_TILE
-        if cutlass.const_expr(located is None):
-            expert, first_row, valid_rows, packed_row0 = locate_row_tile(
-                item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
-            )
-        else:
-            expert, valid_rows, located_token = located
+        expert, valid_rows, token = located
 
         copy_weight_tile(
             g2s_16,
@@ -407,10 +367,6 @@ class WgmmaGemm1(LinkedGemm):
         token_slot = tidx // tpt
         sub = tidx % tpt
         if token_slot < valid_rows:
-            if cutlass.const_expr(located is None):
-                token = expert_tokens[expert, first_row + token_slot]
-            else:
-                token = located_token
             for i in cutlass.range_constexpr(CHUNKS_PER_ROW // tpt):
                 chunk = sub + i * tpt
                 cute.copy(
@@ -453,7 +409,10 @@ class WgmmaGemm1(LinkedGemm):
         expert_tokens: cute.Tensor,
         tidx: Int32,
     ):
-        """(expert, valid rows, this thread's token) of the item of flat stage `s` (`located_once`)."""
+        """(expert, valid rows, this thread's token) of the item of flat stage `s`: located when the load of
+        the item's first K stage is issued and kept in registers for its other K stages (v2.4; session 15's
+        ncu found both locations per K stage, binary searches over shared memory, and the token's reload
+        from global memory on the stage's critical path)."""
         bt = self.cfg.block_tokens
         item = cta + (s // K_STAGES) * grid
         expert, first_row, valid_rows, _ = locate_row_tile(
@@ -461,32 +420,6 @@ class WgmmaGemm1(LinkedGemm):
         )
         token = slot_token(expert_tokens, expert, first_row, valid_rows, tidx // self.cfg.threads_per_token)
         return expert, valid_rows, token
-
-    @cute.jit
-    def issue_block(
-        self, tiled_mma: cute.TiledMma, block_acc: cute.Tensor, t_a: cute.Tensor, t_b: cute.Tensor,
-        b: cutlass.Constexpr, slot: Int32,
-    ):
-        """K block `b`'s four k32 MMAs of the stage in `slot` into a fresh `block_acc`, committed as one
-        group (not waited for)."""
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        cute.nvgpu.warpgroup.fence()
-        for k in cutlass.range_constexpr(K_STEPS_PER_BLOCK):
-            step = b * K_STEPS_PER_BLOCK + k
-            cute.gemm(tiled_mma, block_acc, t_a[None, None, step, slot], t_b[None, None, step, slot], block_acc)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        cute.nvgpu.warpgroup.commit_group()
-
-    @cute.jit
-    def promote(
-        self, acc: cute.Tensor, block_acc: cute.Tensor, coords: cute.Tensor, w_scales: cute.Tensor,
-        x_scales: cute.Tensor, b: cutlass.Constexpr, slot: Int32,
-    ):
-        """v0's promotion: the block's exact fp32 sum times (weight block scale x token scale)."""
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            row, token_slot = coords[i]
-            scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
-            acc[i] = acc[i] + block_acc[i] * scale
 
     @cute.jit
     def epilogue(

@@ -78,18 +78,15 @@ def weight_offset(row, k, stage):
 
 
 class WgmmaGemm2Config(PersistentGemmConfig):
-    """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth;
-    `located_once` (candidate v2.7): each item's row tile located once (the load of its first K stage,
-    and its epilogue) instead of twice per K stage."""
+    """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth."""
 
-    def __init__(self, block_tokens: int, num_stages: int, located_once: bool = False):
+    def __init__(self, block_tokens: int, num_stages: int):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
         self.block_tokens = block_tokens
         self.num_stages = num_stages
-        self.located_once = located_once
         self.check_fits()
 
     def fields(self) -> dict:
@@ -205,18 +202,16 @@ class WgmmaGemm2(LinkedGemm):
         coords = thr_mma.partition_C(cute.make_identity_tensor((ITEM_ROWS, bt)))  # (item row, token slot)
         acc.fill(0.0)
         row_g = warp_id * 16 + group
-        located = None
-        if cutlass.const_expr(cfg.located_once):
-            # Where the next load's item lies, located at its first K stage only: (expert, valid rows,
-            # first packed row). The prologue's stages all belong to the CTA's first item.
-            located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset)
+        # Where the next load's item lies, located at its first K stage only (v2.4, as wgmma_gemm1.py):
+        # (expert, valid rows, first packed row). The prologue's stages all belong to the CTA's first item.
+        located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset)
 
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
                 self.load_stage(
-                    p, p, cta, grid, c, w, w_scale, tile_end, expert_count, expert_offset,
-                    w_bytes, c_bytes, w_scales, g2s_16_w, g2s_16_c, g2s_4_f32, tidx, located,
-                )  # fmt: skip
+                    p, p, cta, grid, located, c, w, w_scale, w_bytes, c_bytes, w_scales, g2s_16_w, g2s_16_c,
+                    g2s_4_f32, tidx,
+                )
             cute.arch.cp_async_commit_group()
 
         for s in cutlass.range(total_stages, unroll=1):
@@ -226,21 +221,16 @@ class WgmmaGemm2(LinkedGemm):
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             if s + ns - 1 < total_stages:
-                if cutlass.const_expr(cfg.located_once):
-                    if (s + ns - 1) % K_STAGES == 0:
-                        located = self.locate_load(cta, grid, s + ns - 1, tile_end, expert_count, expert_offset)
+                if (s + ns - 1) % K_STAGES == 0:
+                    located = self.locate_load(cta, grid, s + ns - 1, tile_end, expert_count, expert_offset)
                 self.load_stage(
-                    s + ns - 1, (s + ns - 1) % ns, cta, grid, c, w, w_scale, tile_end, expert_count,
-                    expert_offset, w_bytes, c_bytes, w_scales, g2s_16_w, g2s_16_c, g2s_4_f32, tidx, located,
-                )  # fmt: skip
+                    s + ns - 1, (s + ns - 1) % ns, cta, grid, located, c, w, w_scale, w_bytes, c_bytes, w_scales,
+                    g2s_16_w, g2s_16_c, g2s_4_f32, tidx,
+                )
             cute.arch.cp_async_commit_group()
 
             item = cta + (s // K_STAGES) * grid
             k_stage = s % K_STAGES
-            if cutlass.const_expr(not cfg.located_once):
-                expert, first_row, valid_rows, packed_row0 = locate_row_tile(
-                    item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
-                )
             if k_stage == 0:
                 acc.fill(0.0)
             slot = s % ns
@@ -251,12 +241,10 @@ class WgmmaGemm2(LinkedGemm):
                 warpgroup.wait_group(BLOCKS_PER_STAGE - 1 - b)
                 self.promote(acc, block_accs[b], w_scales[b, slot])
             if k_stage == K_STAGES - 1:
-                if cutlass.const_expr(cfg.located_once):
-                    _, _, item_valid_rows, item_packed_row0 = locate_row_tile(
-                        item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
-                    )
-                else:
-                    item_valid_rows, item_packed_row0 = valid_rows, packed_row0
+                # the computed item, located once at its end (its K stages need no location)
+                _, _, item_valid_rows, item_packed_row0 = locate_row_tile(
+                    item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
+                )
                 n_tile = item % ITEMS_PER_ROW_TILE
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     row, token_slot = coords[i]
@@ -269,7 +257,8 @@ class WgmmaGemm2(LinkedGemm):
         self, cta: Int32, grid: Int32, s: Int32, tile_end: cute.Tensor, expert_count: cute.Tensor,
         expert_offset: cute.Tensor,
     ):
-        """(expert, valid rows, first packed row) of the item of flat stage `s` (`located_once`)."""
+        """(expert, valid rows, first packed row) of the item of flat stage `s`, kept in registers for the
+        item's K stages (v2.4)."""
         item = cta + (s // K_STAGES) * grid
         expert, _, valid_rows, packed_row0 = locate_row_tile(
             item // ITEMS_PER_ROW_TILE, self.cfg.block_tokens, tile_end, expert_count, expert_offset
@@ -325,12 +314,10 @@ class WgmmaGemm2(LinkedGemm):
         slot: Int32,
         cta: Int32,
         grid: Int32,
+        located,
         c: cute.Tensor,
         w: cute.Tensor,
         w_scale: cute.Tensor,
-        tile_end: cute.Tensor,
-        expert_count: cute.Tensor,
-        expert_offset: cute.Tensor,
         w_bytes: cute.Tensor,
         c_bytes: cute.Tensor,
         w_scales: cute.Tensor,
@@ -338,21 +325,14 @@ class WgmmaGemm2(LinkedGemm):
         g2s_16_c: cute.CopyAtom,
         g2s_4_f32: cute.CopyAtom,
         tidx: Int32,
-        located,
     ):
-        """Issue the cp.async copies of flat stage `s` of this CTA (weights, C rows, weight scales).
-        `located`: `locate_load`'s (expert, valid rows, first packed row) for the stage's item, or None to
-        locate it here."""
+        """Issue the cp.async copies of flat stage `s` of this CTA (weights, C rows, weight scales);
+        `located` is `locate_load`'s (expert, valid rows, first packed row) for the stage's item."""
         bt = self.cfg.block_tokens
         item = cta + (s // K_STAGES) * grid
         k_stage = s % K_STAGES
         n_tile = item % ITEMS_PER_ROW_TILE
-        if cutlass.const_expr(located is None):
-            expert, first_row, valid_rows, packed_row0 = locate_row_tile(
-                item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
-            )
-        else:
-            expert, valid_rows, packed_row0 = located
+        expert, valid_rows, packed_row0 = located
 
         copy_weight_tile(
             g2s_16_w,

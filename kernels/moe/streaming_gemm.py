@@ -409,6 +409,14 @@ def release_row_tile(row_tile_counters: cute.Tensor, row_tile: Int32, tidx: Int3
         )
 
 
+def gemm1_row_tile(gemm1_tile_end, count, first_row, gemm1_block_tokens: int):
+    """GEMM1's (global) row tile holding an expert's packed row `first_row`, from the expert's entry of
+    GEMM1's `tile_end` (inclusive prefix of its row tiles) and its token count. Plain arithmetic: the
+    kernel calls it with DSL integers, the CPU tests with Python ints."""
+    expert_tiles = (count + gemm1_block_tokens - 1) // gemm1_block_tokens
+    return gemm1_tile_end - expert_tiles + first_row // gemm1_block_tokens
+
+
 @cute.jit
 def build_gemm1_tile_end(
     counts: cute.Tensor, gemm1_block_tokens: cutlass.Constexpr, gemm1_tile_end: cute.Tensor, lane: Int32
@@ -444,8 +452,7 @@ def acquire_row_tile(
         expert, first_row, _, _ = locate_row_tile(
             item // items_per_row_tile, block_tokens, tile_end, expert_count, expert_offset
         )
-        gemm1_tiles = (expert_count[expert] + gemm1_block_tokens - 1) // gemm1_block_tokens
-        row_tile = gemm1_tile_end[expert] - gemm1_tiles + first_row // gemm1_block_tokens
+        row_tile = gemm1_row_tile(gemm1_tile_end[expert], expert_count[expert], first_row, gemm1_block_tokens)
         counter = (row_tile_counters.iterator + row_tile).llvm_ptr
         done = cute.arch.load(counter, cutlass.Int32, sem="acquire", scope="gpu")
         while done < gemm1_items_per_row_tile:

@@ -81,6 +81,23 @@ def test_the_counters_cover_every_row_tile_and_the_routing_grid_covers_the_count
     assert routing_threads >= capacity
 
 
+@pytest.mark.parametrize(("gemm1_tokens", "gemm2_tokens"), [(16, 8), (32, 32), (64, 32)])
+def test_each_gemm2_row_tile_maps_to_the_gemm1_row_tile_that_holds_its_rows(gemm1_tokens, gemm2_tokens):
+    streaming = solution_module("streaming_gemm")
+    generator = torch.Generator().manual_seed(gemm1_tokens)
+    counts = torch.randint(0, 200, (32,), generator=generator)
+    counts[3] = 0  # an expert without tokens has no row tiles
+    # GEMM1's row tiles in its walk's order: expert by expert, `gemm1_tokens` packed rows each
+    gemm1_tiles = [(e, first) for e in range(32) for first in range(0, int(counts[e]), gemm1_tokens)]
+    tile_end = torch.cumsum((counts + gemm1_tokens - 1) // gemm1_tokens, 0)
+    for e in range(32):
+        for first_row in range(0, int(counts[e]), gemm2_tokens):
+            row_tile = streaming.gemm1_row_tile(int(tile_end[e]), int(counts[e]), first_row, gemm1_tokens)
+            expert, gemm1_first = gemm1_tiles[row_tile]
+            assert expert == e and gemm1_first <= first_row
+            assert first_row + min(gemm2_tokens, int(counts[e]) - first_row) <= gemm1_first + gemm1_tokens
+
+
 def test_compiles_without_gpu():
     assert len(candidate.compile_only("sm_90a")) == len(kernel.VARIANTS)
 

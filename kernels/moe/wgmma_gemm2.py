@@ -46,11 +46,11 @@ from .shapes import BLOCK, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
 from .streaming_gemm import (
     LinkedGemm,
     PersistentGemmConfig,
+    RowTileHandoff,
     StreamingConfigError,
+    build_gemm1_tile_end,
     e4m3x2_to_bf16x2,
     lds_shared,
-    RowTileHandoff,
-    build_gemm1_tile_end,
     locate_row_tile,
     schedule_tables,
     smem_region,

@@ -327,25 +327,30 @@ def build_expert_tables(
     counts: cute.Tensor,
     block_tokens: cutlass.Constexpr,
     tile_end: cute.Tensor,
-    expert_count: cute.Tensor,
-    expert_offset: cute.Tensor,
+    expert_count: Optional[cute.Tensor],
+    expert_offset: Optional[cute.Tensor],
     lane: Int32,
 ):
-    """Warp 0 of a CTA: per local expert, its row tiles' inclusive prefix (`tile_end`), its token
-    count and its packed-row offset (exclusive prefix of the counts); the caller syncs."""
+    """One warp of a CTA: per local expert, its row tiles' inclusive prefix (`tile_end`), its token
+    count and its packed-row offset (exclusive prefix of the counts); the caller syncs. Without
+    `expert_count` and `expert_offset` only `tile_end` (a GEMM2 that polls builds GEMM1's, candidate v2.9)."""
+    with_rows = expert_offset is not None
     count = counts[lane]
     tiles = (count + block_tokens - 1) // block_tokens
     tiles_inclusive = tiles
     rows_inclusive = count
     for shift in cutlass.range_constexpr(5):
         tiles_up = cute.arch.shuffle_sync_up(tiles_inclusive, offset=1 << shift)
-        rows_up = cute.arch.shuffle_sync_up(rows_inclusive, offset=1 << shift)
+        if cutlass.const_expr(with_rows):
+            rows_up = cute.arch.shuffle_sync_up(rows_inclusive, offset=1 << shift)
         if lane >= (1 << shift):
             tiles_inclusive = tiles_inclusive + tiles_up
-            rows_inclusive = rows_inclusive + rows_up
+            if cutlass.const_expr(with_rows):
+                rows_inclusive = rows_inclusive + rows_up
     tile_end[lane] = tiles_inclusive
-    expert_count[lane] = count
-    expert_offset[lane] = rows_inclusive - count
+    if cutlass.const_expr(with_rows):
+        expert_count[lane] = count
+        expert_offset[lane] = rows_inclusive - count
 
 
 @cute.jit
@@ -417,48 +422,6 @@ def gemm1_row_tile(gemm1_tile_end, count, first_row, gemm1_block_tokens: int):
     return gemm1_tile_end - expert_tiles + first_row // gemm1_block_tokens
 
 
-@cute.jit
-def build_gemm1_tile_end(
-    counts: cute.Tensor, gemm1_block_tokens: cutlass.Constexpr, gemm1_tile_end: cute.Tensor, lane: Int32
-) -> None:
-    """One warp of a GEMM2 that polls: GEMM1's row tiles per local expert, inclusive prefix (GEMM1's
-    `tile_end`, whose row-tile numbering the counters use); the caller syncs."""
-    tiles = (counts[lane] + gemm1_block_tokens - 1) // gemm1_block_tokens
-    for shift in cutlass.range_constexpr(5):
-        tiles_up = cute.arch.shuffle_sync_up(tiles, offset=1 << shift)
-        if lane >= (1 << shift):
-            tiles = tiles + tiles_up
-    gemm1_tile_end[lane] = tiles
-
-
-@cute.jit
-def acquire_row_tile(
-    item: Int32,
-    items_per_row_tile: cutlass.Constexpr,
-    block_tokens: cutlass.Constexpr,
-    tile_end: cute.Tensor,
-    expert_count: cute.Tensor,
-    expert_offset: cute.Tensor,
-    gemm1_tile_end: cute.Tensor,
-    gemm1_block_tokens: cutlass.Constexpr,
-    gemm1_items_per_row_tile: cutlass.Constexpr,
-    row_tile_counters: cute.Tensor,
-    tidx: Int32,
-) -> None:
-    """GEMM2, before the loads of `item`'s C rows: thread 0 waits until GEMM1 has counted every item of
-    the GEMM1 row tile that holds them (a GEMM2 row tile of at most as many tokens lies in one), with
-    acquire semantics at GPU scope. The caller's next barrier then lets every thread read the rows."""
-    if tidx == 0:
-        expert, first_row, _, _ = locate_row_tile(
-            item // items_per_row_tile, block_tokens, tile_end, expert_count, expert_offset
-        )
-        row_tile = gemm1_row_tile(gemm1_tile_end[expert], expert_count[expert], first_row, gemm1_block_tokens)
-        counter = (row_tile_counters.iterator + row_tile).llvm_ptr
-        done = cute.arch.load(counter, cutlass.Int32, sem="acquire", scope="gpu")
-        while done < gemm1_items_per_row_tile:
-            done = cute.arch.load(counter, cutlass.Int32, sem="acquire", scope="gpu")
-
-
 class RowTileHandoff:
     """What a GEMM2 that polls needs of GEMM1 (candidate v2.9): its tokens per row tile (which sets the
     counters' row-tile numbering) and its items per row tile (a finished tile's count)."""
@@ -500,12 +463,21 @@ class LinkedGemm:
         row_tile_counters: cute.Tensor,
         tidx: Int32,
     ) -> None:
-        """A GEMM2 with a `handoff` (candidate v2.9): `acquire_row_tile` for its work item `item`."""
+        """A GEMM2 with a `handoff` (candidate v2.9), before the loads of work item `item`'s C rows: thread 0
+        waits until GEMM1 has counted every item of the GEMM1 row tile that holds them (a GEMM2 row tile of
+        at most as many tokens lies in one), with acquire semantics at GPU scope. The caller's next barrier
+        then lets every thread read the rows."""
         cfg = self.cfg
-        acquire_row_tile(
-            item, cfg.items_per_row_tile, cfg.block_tokens, tile_end, expert_count, expert_offset, gemm1_tile_end,
-            cfg.handoff.gemm1_block_tokens, cfg.handoff.gemm1_items_per_row_tile, row_tile_counters, tidx,
-        )
+        if tidx == 0:
+            expert, first_row, _, _ = locate_row_tile(
+                item // cfg.items_per_row_tile, cfg.block_tokens, tile_end, expert_count, expert_offset
+            )
+            gemm1_tokens = cfg.handoff.gemm1_block_tokens
+            row_tile = gemm1_row_tile(gemm1_tile_end[expert], expert_count[expert], first_row, gemm1_tokens)
+            counter = (row_tile_counters.iterator + row_tile).llvm_ptr
+            done = cute.arch.load(counter, cutlass.Int32, sem="acquire", scope="gpu")
+            while done < cfg.handoff.gemm1_items_per_row_tile:
+                done = cute.arch.load(counter, cutlass.Int32, sem="acquire", scope="gpu")
 
     def launch_persistent(self, kernel, num_ctas: Int32, shared_storage, stream) -> None:
         """Launch `kernel` (the kernel applied to its arguments) as the GEMM's persistent grid of
@@ -610,8 +582,8 @@ class StreamingGemm(LinkedGemm):
         scratch = storage.scratch.get_tensor(scratch_layout)
         if cutlass.const_expr(cfg.handoff is not None):
             gemm1_tile_end = storage.gemm1_tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-            if warp_id == 1:  # schedule_tables' barrier covers it
-                build_gemm1_tile_end(counts, cfg.handoff.gemm1_block_tokens, gemm1_tile_end, lane)
+            if warp_id == 1:  # GEMM1's row-tile table; schedule_tables' barrier covers it
+                build_expert_tables(counts, cfg.handoff.gemm1_block_tokens, gemm1_tile_end, None, None, lane)
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, cfg.items_per_row_tile, cfg.k_stages, cta, grid, warp_id, lane
         )

@@ -48,7 +48,7 @@ from .streaming_gemm import (
     PersistentGemmConfig,
     RowTileHandoff,
     StreamingConfigError,
-    build_gemm1_tile_end,
+    build_expert_tables,
     e4m3x2_to_bf16x2,
     lds_shared,
     locate_row_tile,
@@ -189,8 +189,8 @@ class WgmmaGemm2(LinkedGemm):
         w_scales = storage.w_scales.get_tensor(cute.make_layout((BLOCKS_PER_STAGE, ns)))
         if cutlass.const_expr(cfg.handoff is not None):
             gemm1_tile_end = storage.gemm1_tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-            if warp_id == 1:  # schedule_tables' barrier covers it
-                build_gemm1_tile_end(counts, cfg.handoff.gemm1_block_tokens, gemm1_tile_end, lane)
+            if warp_id == 1:  # GEMM1's row-tile table; schedule_tables' barrier covers it
+                build_expert_tables(counts, cfg.handoff.gemm1_block_tokens, gemm1_tile_end, None, None, lane)
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid, warp_id, lane
         )

@@ -208,7 +208,7 @@ MOE = Track(
         CandidateSide(
             name="cand_row_tile_handoff",
             entry="candidate_row_tile_handoff.py::run",
-            description="v2.9: kernel.py with GEMM2 taking each row tile as soon as GEMM1 has finished it (per-row-tile counters instead of a grid wait)",
+            description="v2.10: kernel.py with GEMM2 taking each row tile as soon as GEMM1 has finished it (per-row-tile counters instead of a grid wait), below 33 tokens only",
         ),
     ),
 )

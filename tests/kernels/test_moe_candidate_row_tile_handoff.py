@@ -1,5 +1,5 @@
-"""MoE candidate v2.9 (kernels/moe/candidate_row_tile_handoff.py): GEMM2 takes each row tile as soon as GEMM1 has
-finished it. CPU: the dispatch, the chain's links, the configurations (a GEMM2 row tile lies in one GEMM1 row
+"""MoE candidate v2.10 (kernels/moe/candidate_row_tile_handoff.py): GEMM2 takes each row tile as soon as GEMM1 has
+finished it, in TINY_T only (v2.9 had it in every variant; its checks below still cover all four). CPU: the dispatch, the chain's links, the configurations (a GEMM2 row tile lies in one GEMM1 row
 tile; still two CTAs per SM), the counters' capacity, and that the four variants compile. GPU (marked `gpu`): the
 output equal to kernel.py's bit for bit in every variant for random, skewed, all-local and no-local routing,
 repeated calls on one stream (the routing re-zeroes the counters). The end-to-end checks against the reference
@@ -33,11 +33,11 @@ BITWISE_CASES = (
 )
 
 
-def test_dispatch_is_kernel_py_with_the_handoff():
-    for num_tokens in (1, 32, 33, 192, 193, 1024, 1025, kernel.MAX_TOKENS):
-        assert candidate.variant_for(num_tokens) == dataclasses.replace(
-            kernel.variant_for(num_tokens), row_tile_handoff=True
-        )
+def test_dispatch_is_kernel_py_with_the_handoff_below_33_tokens():
+    for num_tokens in (1, 14, 32):
+        assert candidate.variant_for(num_tokens) == dataclasses.replace(kernel.TINY_T, row_tile_handoff=True)
+    for num_tokens in (33, 192, 193, 1024, 1025, kernel.MAX_TOKENS):
+        assert candidate.variant_for(num_tokens) is kernel.variant_for(num_tokens)
     with pytest.raises(kernel.MoeShapeError):
         candidate.variant_for(0)
 
@@ -99,7 +99,7 @@ def test_each_gemm2_row_tile_maps_to_the_gemm1_row_tile_that_holds_its_rows(gemm
 
 
 def test_compiles_without_gpu():
-    assert len(candidate.compile_only("sm_90a")) == len(kernel.VARIANTS)
+    assert len(candidate.compile_only("sm_90a")) == len(kernel.compile_only("sm_90a")) + 1
 
 
 @pytest.mark.gpu

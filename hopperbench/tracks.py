@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_row_tile_handoff",
-            entry="candidate_row_tile_handoff.py::run",
-            description="v2.10: kernel.py with GEMM2 taking each row tile as soon as GEMM1 has finished it (per-row-tile counters instead of a grid wait), below 33 tokens only",
-        ),
     ),
 )
 

@@ -14,13 +14,6 @@ itself completed only after its own wait, so every earlier kernel of the chain i
 next grid launches only once every CTA of the releasing grid has started, so its waiting CTAs never
 keep one of those off an SM. The first kernel of a call must not wait (the previous call's last
 kernel may still be reading the workspaces of that call) and the last must not release.
-
-Candidate v2.9 (row-tile hand-over, NOTES.md) adds two options: a kernel that `releases_after_wait`
-lets the next grid launch only once all of its CTAs have passed their own wait (so the next grid
-launches after every kernel before this one has completed), and a kernel that `polls` is launched as a
-programmatic dependent but does not wait for the previous grid: it synchronises on per-row-tile
-counters that the previous kernel releases as it finishes each tile, and may read only what the
-kernels before the previous one wrote.
 """
 
 from __future__ import annotations
@@ -36,8 +29,6 @@ __all__ = ["ChainLink", "Linked", "NO_CHAIN", "chain_links", "enter"]
 class ChainLink:
     waits: bool = False  # launched as a programmatic dependent of the previous kernel
     releases: bool = False  # lets the next kernel launch once all of this grid's CTAs have started
-    releases_after_wait: bool = False  # ... once all of them have passed their wait (v2.9)
-    polls: bool = False  # launched as a dependent, synchronising on row-tile counters, not the grid (v2.9)
 
 
 NO_CHAIN = ChainLink()
@@ -59,13 +50,7 @@ def chain_links(num_kernels: int) -> tuple[ChainLink, ...]:
 def enter(link: ChainLink) -> None:
     """The kernel's first statements for its place in the chain; nothing for NO_CHAIN. Called
     while a kernel is traced (`link` is a compile-time value)."""
-    if link.releases and not link.releases_after_wait:
+    if link.releases:
         cute.arch.griddepcontrol_launch_dependents()
-    if link.waits and not link.polls:
+    if link.waits:
         cute.arch.griddepcontrol_wait()
-    if link.polls:
-        # The kernels before the previous one completed before this grid launched (that one releases
-        # after its wait); an acquire fence orders this kernel's reads of their outputs after that.
-        cute.arch.fence_acq_rel_gpu()
-    if link.releases and link.releases_after_wait:
-        cute.arch.griddepcontrol_launch_dependents()

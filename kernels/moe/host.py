@@ -14,7 +14,6 @@ where `grid` is its number of persistent CTAs, and `with_link(link)` for its pla
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -43,9 +42,7 @@ __all__ = ["ExpertGemm", "MoeHostSm90", "Workspaces", "compile_host", "fake_tens
 
 
 class ExpertGemm(Protocol):
-    cfg: Any  # its configuration; candidate v2.9 reads `signals` (GEMM1) and `handoff` (GEMM2)
-
-    def launch(self, a, a_scale, w, w_scale, out, counts, expert_tokens, row_tile_counters, grid, stream) -> None: ...
+    def launch(self, a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream) -> None: ...
 
     def with_link(self, link: ChainLink) -> ExpertGemm: ...
 
@@ -54,24 +51,13 @@ class MoeHostSm90:
     """Host function of the five chained kernels with `gemm1` (G1 + SwiGLU) and `gemm2` (G2); one
     compile serves every T (dynamic) and every offset / scaling factor (runtime scalars). The counters
     come zeroed from the previous call and the last launch zeroes them again, so no call starts with
-    a tiny zeroing launch and its host gap (sessions 8 and 9).
-
-    Candidate v2.9 (a GEMM1 that `signals` with a GEMM2 that has a `handoff`): the routing zeroes the
-    call's row-tile counters, GEMM1 lets GEMM2 launch only after its own wait for the routing (so GEMM2
-    may read the routing's outputs) and counts each finished item, and GEMM2 polls the counters of each
-    item's row tile instead of waiting for GEMM1's grid. The combine still waits for GEMM2's grid."""
+    a tiny zeroing launch and its host gap (sessions 8 and 9)."""
 
     def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm):
         if not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
             raise TypeError("the MoE host chains its launches: the expert GEMMs need with_link")
-        handoff = gemm2.cfg.handoff is not None
-        if handoff != gemm1.cfg.signals:
-            raise ValueError("a GEMM2 that polls row tiles needs a GEMM1 that signals them, and only then")
         routing_link, gemm1_link, gemm2_link, combine_link, release_link = chain_links(5)
-        if handoff:
-            gemm1_link = dataclasses.replace(gemm1_link, releases_after_wait=True)
-            gemm2_link = dataclasses.replace(gemm2_link, polls=True)
-        self.routing = RoutingKernel(routing_link, clears_row_tiles=handoff)
+        self.routing = RoutingKernel(routing_link)
         self.gemm1 = gemm1.with_link(gemm1_link)
         self.gemm2 = gemm2.with_link(gemm2_link)
         self.combine = CombineKernel(combine_link)
@@ -99,7 +85,6 @@ class MoeHostSm90:
         slot_weight: cute.Tensor,
         intermediate: cute.Tensor,
         expert_out: cute.Tensor,
-        row_tile_counters: cute.Tensor,
         gemm1_grid: cutlass.Int32,
         gemm2_grid: cutlass.Int32,
         stream,
@@ -114,7 +99,6 @@ class MoeHostSm90:
             slot_expert,
             slot_rank,
             slot_weight,
-            row_tile_counters,
             stream,
         )
         self.gemm1.launch(
@@ -125,7 +109,6 @@ class MoeHostSm90:
             intermediate,
             counts,
             expert_tokens,
-            row_tile_counters,
             gemm1_grid,
             stream,
         )
@@ -137,21 +120,11 @@ class MoeHostSm90:
             expert_out,
             counts,
             expert_tokens,
-            row_tile_counters,
             gemm2_grid,
             stream,
         )
         self.combine.launch(counts, slot_expert, slot_rank, slot_weight, expert_out, output, stream)
         self.release_counts.launch(counts, counts_out, stream)
-
-
-MIN_GEMM1_BLOCK_TOKENS = 16  # the smallest GEMM1 row tile of any variant (sizes the row-tile counters)
-
-
-def row_tile_capacity(num_tokens: int) -> int:
-    """GEMM1 row tiles a call can have at most: 8 T packed rows in tiles of at least 16 tokens, plus one
-    partial tile per local expert (and one spare)."""
-    return TOP_K * num_tokens // MIN_GEMM1_BLOCK_TOKENS + NUM_LOCAL_EXPERTS + 1
 
 
 @dataclass(frozen=True)
@@ -165,8 +138,6 @@ class Workspaces:
     slot_weight: torch.Tensor  # [T, 8] fp32
     intermediate: torch.Tensor  # [8 T, 2048] bf16: C = silu(gate) * up per packed row
     expert_out: torch.Tensor  # [8 T, 7168] fp32: C W2^T per packed row
-    # [8 T / 16 + 33] int32: GEMM1's finished items per row tile (candidate v2.9; zeroed by the routing)
-    row_tile_counters: torch.Tensor
 
     @classmethod
     def allocate(cls, num_tokens: int, device: torch.device) -> Workspaces:
@@ -179,7 +150,6 @@ class Workspaces:
             slot_weight=torch.empty(num_tokens, TOP_K, dtype=torch.float32, device=device),
             intermediate=torch.empty(num_rows, INTERMEDIATE, dtype=torch.bfloat16, device=device),
             expert_out=torch.empty(num_rows, HIDDEN, dtype=torch.float32, device=device),
-            row_tile_counters=torch.empty(row_tile_capacity(num_tokens), dtype=torch.int32, device=device),
         )
 
 
@@ -213,7 +183,6 @@ def fake_tensor_arguments() -> tuple:
         rowmajor(f32, (num_tokens, TOP_K)),
         rowmajor(bf16, (num_rows, INTERMEDIATE)),
         rowmajor(f32, (num_rows, HIDDEN)),
-        rowmajor(i32, (cute.sym_int(),)),
     )
 
 
@@ -250,7 +219,6 @@ def launch(
         workspaces.slot_weight,
         workspaces.intermediate,
         workspaces.expert_out,
-        workspaces.row_tile_counters,
         gemm1_grid,
         gemm2_grid,
     )

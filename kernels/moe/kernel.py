@@ -46,7 +46,7 @@ import torch
 from . import counters, host
 from .host import Workspaces
 from .inputs import MAX_TOKENS, MoeShapeError, check_inputs
-from .streaming_gemm import RowTileHandoff, StreamingGemm, StreamingGemmConfig
+from .streaming_gemm import StreamingGemm, StreamingGemmConfig
 from .wgmma_gemm1 import WgmmaGemm1, WgmmaGemm1Config
 from .wgmma_gemm2 import WgmmaGemm2, WgmmaGemm2Config
 
@@ -96,7 +96,6 @@ class StreamingVariant:
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
-    row_tile_handoff: bool = False  # candidate v2.9: GEMM2 takes each row tile as soon as GEMM1 finished it
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -112,11 +111,8 @@ class StreamingVariant:
                 num_stages=self.num_stages,
                 permuted_c=self.wgmma_gemm2,
                 scratch_in_stage=self.gemm1_scratch_in_stage,
-                signals=self.row_tile_handoff,
             )
-        return StreamingGemmConfig(
-            gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages, signals=self.row_tile_handoff
-        )
+        return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:
         config = self.gemm1()
@@ -125,12 +121,9 @@ class StreamingVariant:
     def gemm2(self) -> StreamingGemmConfig | WgmmaGemm2Config:
         block_tokens = self.gemm2_block_tokens or self.block_tokens
         num_stages = self.gemm2_num_stages or self.num_stages
-        handoff = None
-        if self.row_tile_handoff:
-            handoff = RowTileHandoff(self.block_tokens, self.gemm1().items_per_row_tile, block_tokens)
         if self.wgmma_gemm2:
-            return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages, handoff=handoff)
-        return StreamingGemmConfig(gemm1=False, block_tokens=block_tokens, num_stages=num_stages, handoff=handoff)
+            return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages)
+        return StreamingGemmConfig(gemm1=False, block_tokens=block_tokens, num_stages=num_stages)
 
     def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:
         config = self.gemm2()

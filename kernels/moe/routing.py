@@ -4,12 +4,10 @@ zeroed between calls (`ReleaseCountsKernel`, its last launch), so it starts with
 
 from __future__ import annotations
 
-from typing import Optional
-
 import cutlass
 import cutlass.cute as cute
 
-from .chain import NO_CHAIN, Linked, enter
+from .chain import Linked, enter
 from .shapes import GROUP_SIZE, NORMALISATION_EPS, NUM_GROUPS, NUM_LOCAL_EXPERTS, TOP_K, TOP_K_GROUPS
 
 ROUTING_WARPS = 4  # tokens per CTA
@@ -155,13 +153,6 @@ def route_token(
 
 
 class RoutingKernel(Linked):
-    """One warp per token. With `clears_row_tiles` (candidate v2.9) it also zeroes the call's row-tile
-    counters, which GEMM1 counts up only after its wait for this grid."""
-
-    def __init__(self, link=NO_CHAIN, clears_row_tiles: bool = False):
-        super().__init__(link)
-        self.clears_row_tiles = clears_row_tiles
-
     @cute.jit
     def launch(
         self,
@@ -174,7 +165,6 @@ class RoutingKernel(Linked):
         slot_expert: cute.Tensor,
         slot_rank: cute.Tensor,
         slot_weight: cute.Tensor,
-        row_tile_counters: cute.Tensor,
         stream,
     ):
         num_tokens = routing_logits.shape[0]
@@ -188,7 +178,6 @@ class RoutingKernel(Linked):
             slot_expert,
             slot_rank,
             slot_weight,
-            row_tile_counters if self.clears_row_tiles else None,
         ).launch(
             grid=[(num_tokens + ROUTING_WARPS - 1) // ROUTING_WARPS, 1, 1],
             block=[ROUTING_WARPS * 32, 1, 1],
@@ -208,16 +197,10 @@ class RoutingKernel(Linked):
         slot_expert: cute.Tensor,
         slot_rank: cute.Tensor,
         slot_weight: cute.Tensor,
-        row_tile_counters: Optional[cute.Tensor],
     ):
         enter(self.link)
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        if cutlass.const_expr(row_tile_counters is not None):
-            # one counter per thread at most: the grid has 32 T threads, the counters ~T / 2 + 33
-            counter = bidx * (ROUTING_WARPS * 32) + tidx
-            if counter < row_tile_counters.shape[0]:
-                row_tile_counters[counter] = cutlass.Int32(0)
         token = bidx * ROUTING_WARPS + tidx // 32
         if token < routing_logits.shape[0]:
             route_token(

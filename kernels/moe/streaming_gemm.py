@@ -36,8 +36,6 @@ routing and combine kernels are reused unchanged.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -212,16 +210,9 @@ def smem_region(dtype, count: int, alignment: int):
 class PersistentGemmConfig:
     """What the persistent weight-streaming GEMMs' configurations (this file's, `wgmma_gemm1.py`'s and
     `wgmma_gemm2.py`'s) share: a shared-memory struct made of the subclass's `fields()` followed by the
-    item walk's tables (`schedule_tables`), the bytes it takes and the CTAs per SM it allows.
-    Candidate v2.9: a GEMM1 that `signals` counts each finished item in its row tile's counter; a GEMM2
-    with a `handoff` polls those counters instead of waiting for GEMM1's grid."""
+    item walk's tables (`schedule_tables`), the bytes it takes and the CTAs per SM it allows."""
 
     _smem_bytes: int | None = None
-    signals: bool = False
-    handoff: RowTileHandoff | None = None
-
-    def handoff_fields(self) -> dict:
-        return self.handoff.fields() if self.handoff is not None else {}
 
     def fields(self) -> dict:
         raise NotImplementedError
@@ -249,10 +240,7 @@ class PersistentGemmConfig:
 class StreamingGemmConfig(PersistentGemmConfig):
     """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
 
-    def __init__(
-        self, gemm1: bool, block_tokens: int, num_stages: int, signals: bool = False,
-        handoff: RowTileHandoff | None = None,
-    ):
+    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int):
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -260,10 +248,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
         self.gemm1 = gemm1
         self.block_tokens = block_tokens
         self.num_stages = num_stages
-        if (signals and not gemm1) or (handoff is not None and gemm1):
-            raise StreamingConfigError("GEMM1 signals its row tiles, GEMM2 polls them")
-        self.signals = signals
-        self.handoff = handoff
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -286,7 +270,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
             "x_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE * bt, 128),
             "w_scales": smem_region(Float32, ns * M_TILES * BLOCKS_PER_STAGE, 128),
             "scratch": smem_region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
-            **self.handoff_fields(),
         }
 
 
@@ -327,30 +310,25 @@ def build_expert_tables(
     counts: cute.Tensor,
     block_tokens: cutlass.Constexpr,
     tile_end: cute.Tensor,
-    expert_count: Optional[cute.Tensor],
-    expert_offset: Optional[cute.Tensor],
+    expert_count: cute.Tensor,
+    expert_offset: cute.Tensor,
     lane: Int32,
 ):
-    """One warp of a CTA: per local expert, its row tiles' inclusive prefix (`tile_end`), its token
-    count and its packed-row offset (exclusive prefix of the counts); the caller syncs. Without
-    `expert_count` and `expert_offset` only `tile_end` (a GEMM2 that polls builds GEMM1's, candidate v2.9)."""
-    with_rows = expert_offset is not None
+    """Warp 0 of a CTA: per local expert, its row tiles' inclusive prefix (`tile_end`), its token
+    count and its packed-row offset (exclusive prefix of the counts); the caller syncs."""
     count = counts[lane]
     tiles = (count + block_tokens - 1) // block_tokens
     tiles_inclusive = tiles
     rows_inclusive = count
     for shift in cutlass.range_constexpr(5):
         tiles_up = cute.arch.shuffle_sync_up(tiles_inclusive, offset=1 << shift)
-        if cutlass.const_expr(with_rows):
-            rows_up = cute.arch.shuffle_sync_up(rows_inclusive, offset=1 << shift)
+        rows_up = cute.arch.shuffle_sync_up(rows_inclusive, offset=1 << shift)
         if lane >= (1 << shift):
             tiles_inclusive = tiles_inclusive + tiles_up
-            if cutlass.const_expr(with_rows):
-                rows_inclusive = rows_inclusive + rows_up
+            rows_inclusive = rows_inclusive + rows_up
     tile_end[lane] = tiles_inclusive
-    if cutlass.const_expr(with_rows):
-        expert_count[lane] = count
-        expert_offset[lane] = rows_inclusive - count
+    expert_count[lane] = count
+    expert_offset[lane] = rows_inclusive - count
 
 
 @cute.jit
@@ -399,44 +377,6 @@ def slot_token(
 
 
 # ------------------------------------------------------------------------------------------------
-# candidate v2.9: GEMM2 takes a row tile as soon as GEMM1 has finished it (NOTES.md)
-# ------------------------------------------------------------------------------------------------
-
-
-@cute.jit
-def release_row_tile(row_tile_counters: cute.Tensor, row_tile: Int32, tidx: Int32) -> None:
-    """GEMM1, after an item's C stores: count the item in its row tile's counter once every thread's
-    stores are done (the barrier), with release semantics at GPU scope (CUTLASS's semaphore pattern)."""
-    cute.arch.sync_threads()
-    if tidx == 0:
-        cute.arch.atomic_add(
-            (row_tile_counters.iterator + row_tile).llvm_ptr, cutlass.Int32(1), sem="release", scope="gpu"
-        )
-
-
-def gemm1_row_tile(gemm1_tile_end, count, first_row, gemm1_block_tokens: int):
-    """GEMM1's (global) row tile holding an expert's packed row `first_row`, from the expert's entry of
-    GEMM1's `tile_end` (inclusive prefix of its row tiles) and its token count. Plain arithmetic: the
-    kernel calls it with DSL integers, the CPU tests with Python ints."""
-    expert_tiles = (count + gemm1_block_tokens - 1) // gemm1_block_tokens
-    return gemm1_tile_end - expert_tiles + first_row // gemm1_block_tokens
-
-
-class RowTileHandoff:
-    """What a GEMM2 that polls needs of GEMM1 (candidate v2.9): its tokens per row tile (which sets the
-    counters' row-tile numbering) and its items per row tile (a finished tile's count)."""
-
-    def __init__(self, gemm1_block_tokens: int, gemm1_items_per_row_tile: int, gemm2_block_tokens: int):
-        if gemm2_block_tokens > gemm1_block_tokens or gemm1_block_tokens % gemm2_block_tokens:
-            raise StreamingConfigError("a GEMM2 row tile must lie in one GEMM1 row tile")
-        self.gemm1_block_tokens = gemm1_block_tokens
-        self.gemm1_items_per_row_tile = gemm1_items_per_row_tile
-
-    def fields(self) -> dict:
-        return {"gemm1_tile_end": smem_region(Int32, NUM_LOCAL_EXPERTS, 16)}
-
-
-# ------------------------------------------------------------------------------------------------
 # the kernel
 # ------------------------------------------------------------------------------------------------
 
@@ -451,33 +391,6 @@ class LinkedGemm:
     def with_link(self, link: ChainLink):
         """The same GEMM at `link` of a chain of programmatic dependent launches."""
         return type(self)(self.cfg, link)
-
-    @cute.jit
-    def acquire_item_rows(
-        self,
-        item: Int32,
-        tile_end: cute.Tensor,
-        expert_count: cute.Tensor,
-        expert_offset: cute.Tensor,
-        gemm1_tile_end: cute.Tensor,
-        row_tile_counters: cute.Tensor,
-        tidx: Int32,
-    ) -> None:
-        """A GEMM2 with a `handoff` (candidate v2.9), before the loads of work item `item`'s C rows: thread 0
-        waits until GEMM1 has counted every item of the GEMM1 row tile that holds them (a GEMM2 row tile of
-        at most as many tokens lies in one), with acquire semantics at GPU scope. The caller's next barrier
-        then lets every thread read the rows."""
-        cfg = self.cfg
-        if tidx == 0:
-            expert, first_row, _, _ = locate_row_tile(
-                item // cfg.items_per_row_tile, cfg.block_tokens, tile_end, expert_count, expert_offset
-            )
-            gemm1_tokens = cfg.handoff.gemm1_block_tokens
-            row_tile = gemm1_row_tile(gemm1_tile_end[expert], expert_count[expert], first_row, gemm1_tokens)
-            counter = (row_tile_counters.iterator + row_tile).llvm_ptr
-            done = cute.arch.load(counter, cutlass.Int32, sem="acquire", scope="gpu")
-            while done < cfg.handoff.gemm1_items_per_row_tile:
-                done = cute.arch.load(counter, cutlass.Int32, sem="acquire", scope="gpu")
 
     def launch_persistent(self, kernel, num_ctas: Int32, shared_storage, stream) -> None:
         """Launch `kernel` (the kernel applied to its arguments) as the GEMM's persistent grid of
@@ -510,7 +423,6 @@ class StreamingGemm(LinkedGemm):
         out: cute.Tensor,
         counts: cute.Tensor,
         expert_tokens: cute.Tensor,
-        row_tile_counters: cute.Tensor,
         num_ctas: Int32,
         stream,
     ):
@@ -536,9 +448,8 @@ class StreamingGemm(LinkedGemm):
         )
         scratch_layout = cute.make_layout((bt, ITEM_ROWS, NUM_WARPS), stride=(1, bt, ITEM_ROWS * bt))
 
-        uses_counters = cfg.signals or cfg.handoff is not None
         kernel = self.kernel(
-            x, x_scale, w, w_scale, out, counts, expert_tokens, row_tile_counters if uses_counters else None,
+            x, x_scale, w, w_scale, out, counts, expert_tokens,
             w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage,
         )  # fmt: skip
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream)
@@ -553,7 +464,6 @@ class StreamingGemm(LinkedGemm):
         out: cute.Tensor,
         counts: cute.Tensor,
         expert_tokens: cute.Tensor,
-        row_tile_counters: Optional[cute.Tensor],
         w_layout: cute.Layout,
         x_layout: cute.Layout,
         x_scale_layout: cute.Layout,
@@ -580,18 +490,9 @@ class StreamingGemm(LinkedGemm):
         x_scales = storage.x_scales.get_tensor(x_scale_layout)
         w_scales = storage.w_scales.get_tensor(w_scale_layout)
         scratch = storage.scratch.get_tensor(scratch_layout)
-        if cutlass.const_expr(cfg.handoff is not None):
-            gemm1_tile_end = storage.gemm1_tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-            if warp_id == 1:  # GEMM1's row-tile table; schedule_tables' barrier covers it
-                build_expert_tables(counts, cfg.handoff.gemm1_block_tokens, gemm1_tile_end, None, None, lane)
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, cfg.items_per_row_tile, cfg.k_stages, cta, grid, warp_id, lane
         )
-        if cutlass.const_expr(cfg.handoff is not None):
-            # the first item's C rows, before the prologue loads them
-            if total_stages > 0:
-                self.acquire_item_rows(cta, tile_end, expert_count, expert_offset, gemm1_tile_end, row_tile_counters, tidx)
-            cute.arch.sync_threads()
 
         g2s_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
@@ -630,14 +531,6 @@ class StreamingGemm(LinkedGemm):
         acc.fill(0.0)
 
         for s in cutlass.range(total_stages, unroll=1):
-            if cutlass.const_expr(cfg.handoff is not None):
-                # a new item's C rows, before the barrier that precedes their loads
-                if s + ns - 1 < total_stages:
-                    if (s + ns - 1) % cfg.k_stages == 0:
-                        self.acquire_item_rows(
-                            cta + ((s + ns - 1) // cfg.k_stages) * grid, tile_end, expert_count, expert_offset,
-                            gemm1_tile_end, row_tile_counters, tidx,
-                        )
             # Stage s has landed once at most ns - 2 younger groups are pending; the barrier also
             # tells every thread that all warps are done with the slot the next load overwrites.
             cute.arch.cp_async_wait_group(ns - 2)
@@ -668,8 +561,6 @@ class StreamingGemm(LinkedGemm):
                     acc, scratch, out, item % cfg.items_per_row_tile, packed_row0, valid_rows, warp_id, group,
                     quad, tidx,
                 )
-                if cutlass.const_expr(cfg.signals):
-                    release_row_tile(row_tile_counters, item // cfg.items_per_row_tile, tidx)
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit

@@ -24,8 +24,6 @@ Design (the schedule and the numerics are `streaming_gemm.py`'s):
 
 from __future__ import annotations
 
-from typing import Optional
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -42,7 +40,6 @@ from .streaming_gemm import (
     PersistentGemmConfig,
     StreamingConfigError,
     locate_row_tile,
-    release_row_tile,
     schedule_tables,
     slot_token,
     smem_region,
@@ -121,10 +118,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     which no copy in flight targets (candidate v2.2: 64-token tiles with 3 stages then fit two CTAs
     per SM)."""
 
-    def __init__(
-        self, block_tokens: int, num_stages: int, permuted_c: bool = False, scratch_in_stage: bool = False,
-        signals: bool = False,
-    ):
+    def __init__(self, block_tokens: int, num_stages: int, permuted_c: bool = False, scratch_in_stage: bool = False):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 3:
@@ -133,8 +127,6 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         self.num_stages = num_stages
         self.permuted_c = permuted_c
         self.scratch_in_stage = scratch_in_stage
-        self.signals = signals  # candidate v2.9: count each finished item in its row tile's counter
-        self.items_per_row_tile = ITEMS_PER_ROW_TILE
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
 
@@ -187,7 +179,6 @@ class WgmmaGemm1(LinkedGemm):
         out: cute.Tensor,
         counts: cute.Tensor,
         expert_tokens: cute.Tensor,
-        row_tile_counters: cute.Tensor,
         num_ctas: Int32,
         stream,
     ):
@@ -195,8 +186,7 @@ class WgmmaGemm1(LinkedGemm):
         tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
         SharedStorage = cfg.shared_storage()
         kernel = self.kernel(
-            x, x_scale, w, w_scale, out, counts, expert_tokens, row_tile_counters if cfg.signals else None,
-            tiled_mma, a_layout, b_layout, SharedStorage,
+            x, x_scale, w, w_scale, out, counts, expert_tokens, tiled_mma, a_layout, b_layout, SharedStorage
         )
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream)
 
@@ -210,7 +200,6 @@ class WgmmaGemm1(LinkedGemm):
         out: cute.Tensor,
         counts: cute.Tensor,
         expert_tokens: cute.Tensor,
-        row_tile_counters: Optional[cute.Tensor],
         tiled_mma: cute.TiledMma,
         a_layout: cute.ComposedLayout,
         b_layout: cute.ComposedLayout,
@@ -331,8 +320,6 @@ class WgmmaGemm1(LinkedGemm):
                     )  # fmt: skip
                 else:
                     self.epilogue(acc, coords, scratch, out, n_tile, item_packed_row0, item_valid_rows, tidx)
-                if cutlass.const_expr(cfg.signals):
-                    release_row_tile(row_tile_counters, item // ITEMS_PER_ROW_TILE, tidx)
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit

@@ -31,8 +31,6 @@ Design (the schedule, the promotion and the numerics are `streaming_gemm.py`'s G
 
 from __future__ import annotations
 
-from typing import Optional
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -42,13 +40,11 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .chain import enter
 from .intermediate_order import GROUP
-from .shapes import BLOCK, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
+from .shapes import BLOCK, HIDDEN, INTERMEDIATE
 from .streaming_gemm import (
     LinkedGemm,
     PersistentGemmConfig,
-    RowTileHandoff,
     StreamingConfigError,
-    build_expert_tables,
     e4m3x2_to_bf16x2,
     lds_shared,
     locate_row_tile,
@@ -84,15 +80,13 @@ def weight_offset(row, k, stage):
 class WgmmaGemm2Config(PersistentGemmConfig):
     """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth."""
 
-    def __init__(self, block_tokens: int, num_stages: int, handoff: RowTileHandoff | None = None):
+    def __init__(self, block_tokens: int, num_stages: int):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
         self.block_tokens = block_tokens
         self.num_stages = num_stages
-        self.handoff = handoff  # candidate v2.9: poll GEMM1's row-tile counters instead of its grid
-        self.items_per_row_tile = ITEMS_PER_ROW_TILE
         self.check_fits()
 
     def fields(self) -> dict:
@@ -102,7 +96,6 @@ class WgmmaGemm2Config(PersistentGemmConfig):
             # 1024-B aligned: the swizzle pattern repeats every 1024 B from the start of an atom
             "c_stages": smem_region(cutlass.BFloat16, ns * bt * STAGE_K, 1024),
             "w_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE, 16),
-            **self.handoff_fields(),
         }
 
 
@@ -128,8 +121,7 @@ def wgmma_operands(block_tokens: cutlass.Constexpr, num_stages: cutlass.Constexp
 
 
 class WgmmaGemm2(LinkedGemm):
-    """GEMM2 with `launch(c, unused_scale, w, w_scale, out, counts, expert_tokens, row_tile_counters, num_ctas,
-    stream)`,
+    """GEMM2 with `launch(c, unused_scale, w, w_scale, out, counts, expert_tokens, num_ctas, stream)`,
     as `streaming_gemm.StreamingGemm` (c = C [rows, 2048] bf16 in `intermediate_order.py`'s column
     order, w = W2 [32, 7168, 2048], w_scale [32, 56, 16], out = O [rows, 7168] fp32)."""
 
@@ -143,17 +135,13 @@ class WgmmaGemm2(LinkedGemm):
         out: cute.Tensor,
         counts: cute.Tensor,
         expert_tokens: cute.Tensor,
-        row_tile_counters: cute.Tensor,
         num_ctas: Int32,
         stream,
     ):
         cfg = self.cfg
         tiled_mma, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
         SharedStorage = cfg.shared_storage()
-        kernel = self.kernel(
-            c, w, w_scale, out, counts, row_tile_counters if cfg.handoff is not None else None, tiled_mma, b_layout,
-            SharedStorage,
-        )
+        kernel = self.kernel(c, w, w_scale, out, counts, tiled_mma, b_layout, SharedStorage)
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream)
 
     @cute.kernel
@@ -164,7 +152,6 @@ class WgmmaGemm2(LinkedGemm):
         w_scale: cute.Tensor,
         out: cute.Tensor,
         counts: cute.Tensor,
-        row_tile_counters: Optional[cute.Tensor],
         tiled_mma: cute.TiledMma,
         b_layout: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
@@ -187,18 +174,9 @@ class WgmmaGemm2(LinkedGemm):
         w_bytes = storage.w_stages.get_tensor(cute.make_layout(ns * ITEM_ROWS * STAGE_K))
         c_bytes = storage.c_stages.get_tensor(cute.make_layout(ns * bt * STAGE_K))  # bf16 elements
         w_scales = storage.w_scales.get_tensor(cute.make_layout((BLOCKS_PER_STAGE, ns)))
-        if cutlass.const_expr(cfg.handoff is not None):
-            gemm1_tile_end = storage.gemm1_tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-            if warp_id == 1:  # GEMM1's row-tile table; schedule_tables' barrier covers it
-                build_expert_tables(counts, cfg.handoff.gemm1_block_tokens, gemm1_tile_end, None, None, lane)
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid, warp_id, lane
         )
-        if cutlass.const_expr(cfg.handoff is not None):
-            # the first item's C rows, before the prologue loads them
-            if total_stages > 0:
-                self.acquire_item_rows(cta, tile_end, expert_count, expert_offset, gemm1_tile_end, row_tile_counters, tidx)
-            cute.arch.sync_threads()
 
         g2s_16_w = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
@@ -237,14 +215,6 @@ class WgmmaGemm2(LinkedGemm):
             cute.arch.cp_async_commit_group()
 
         for s in cutlass.range(total_stages, unroll=1):
-            if cutlass.const_expr(cfg.handoff is not None):
-                # a new item's C rows, before the barrier that precedes their loads
-                if s + ns - 1 < total_stages:
-                    if (s + ns - 1) % K_STAGES == 0:
-                        self.acquire_item_rows(
-                            cta + ((s + ns - 1) // K_STAGES) * grid, tile_end, expert_count, expert_offset,
-                            gemm1_tile_end, row_tile_counters, tidx,
-                        )
             # As wgmma_gemm1.py: stage s has landed, every thread's copies are visible to the async
             # proxy after the barrier, and the slot the next load overwrites is free.
             cute.arch.cp_async_wait_group(ns - 2)

@@ -28,7 +28,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check
 kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_wide_from_193", "candidate_row_tile_handoff")
+SOLUTIONS = ("kernel", "candidate_wide_from_193")
 
 
 @functools.cache
@@ -111,7 +111,7 @@ def test_a_chain_releases_from_every_kernel_but_the_last_and_waits_in_every_one_
 class _UnlinkableGemm:
     """An expert GEMM without `with_link`: it cannot join a chain of dependent launches."""
 
-    def launch(self, a, a_scale, w, w_scale, out, counts, expert_tokens, row_tile_counters, grid, stream) -> None:
+    def launch(self, a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream) -> None:
         raise AssertionError("never launched")
 
 

@@ -1,7 +1,9 @@
 """How precise GEMM2's output stays when the MoE's intermediate activation C (silu(gate) * up, one expert) is
 stored as bf16 (`kernel.py`), as one e4m3 term per (token, group of columns) with its own scale (what a
-tensor-core FP8 GEMM2 reads, DeepGEMM's choice), or as two such terms (hi + lo: the residual quantised
-again), the numerics question of NOTES' design v2.1 B (an FP8 warpgroup-MMA GEMM2 without conversions).
+tensor-core FP8 GEMM2 reads, DeepGEMM's choice), as two such terms (hi + lo: the residual quantised
+again), the numerics question of NOTES' design v2.1 B (an FP8 warpgroup-MMA GEMM2 without conversions), or
+as f16 with one power-of-two scale per token (the `mma.sync` GEMM2 of NOTES' design v2.11, whose e4m3
+weights then need one conversion per pair instead of four).
 
     uv run tools/moe_activation_numerics.py [--tokens 64] [--seeds 0,1,2] [--groups 32,128]
 
@@ -43,6 +45,14 @@ def quantise_groups(c: torch.Tensor, terms: int, group: int) -> torch.Tensor:
     return total.reshape(rows, columns)
 
 
+def f16_per_row(c: torch.Tensor) -> torch.Tensor:
+    """C as f16 with one power-of-two scale per row that puts the row's amax in [2^14, 2^15): exact
+    scaling, f16's 11-bit significand, and room below f16's maximum (65504). An all-zero row stays 0."""
+    amax = c.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    scale = torch.exp2(torch.floor(torch.log2(amax)) - 14)
+    return (c / scale).half().float() * scale
+
+
 def block_scaled_weights(rows: int, columns: int, generator: torch.Generator) -> torch.Tensor:
     """A random weight matrix as the definition stores it: e4m3 with one fp32 scale per 128 x 128 block."""
     weights = torch.randn(rows, columns, generator=generator) * 0.02
@@ -63,7 +73,10 @@ def errors(tokens: int, seed: int, groups: Sequence[int]) -> dict[str, float]:
     c = torch.nn.functional.silu(projected[:, INTERMEDIATE:]) * projected[:, :INTERMEDIATE]  # gate: 2nd half
     w2 = block_scaled_weights(HIDDEN, INTERMEDIATE, generator)
     reference = c @ w2.T
-    result = {"bf16": relative_l2(c.to(torch.bfloat16).float() @ w2.T, reference)}
+    result = {
+        "bf16": relative_l2(c.to(torch.bfloat16).float() @ w2.T, reference),
+        "f16 /token": relative_l2(f16_per_row(c) @ w2.T, reference),
+    }
     for group in groups:
         for terms in (1, 2):
             result[f"e4m3 x{terms} /{group}"] = relative_l2(quantise_groups(c, terms, group) @ w2.T, reference)

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_f16_c",
-            entry="candidate_f16_c.py::run",
-            description="v2.11: kernel.py with C rewritten as f16 times a power of two per row below 33 tokens, so GEMM2 multiplies f16 and converts its e4m3 weights once per pair",
-        ),
     ),
 )
 

@@ -19,7 +19,7 @@ def test_two_terms_capture_what_one_misses_and_zero_groups_stay_zero():
     assert numerics.relative_l2(two, c) < numerics.relative_l2(one, c) / 8  # e4m3 has 3 mantissa bits
 
 
-def test_the_formats_rank_as_designs_b_and_v2_11_need(capsys):
+def test_the_formats_rank_as_design_b_and_candidate_v2_11_need(capsys):
     # One small expert (CPU): one e4m3 term breaks the 1e-2 bound, bf16 keeps it, two terms beat bf16, and
     # f16 with a scale per token beats bf16 by about its three more significand bits.
     result = numerics.errors(tokens=8, seed=0, groups=(128,))

@@ -23,7 +23,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-from .c_to_f16 import CToF16Kernel
 from .chain import ChainLink, chain_links
 from .combine import CombineKernel
 from .routing import ReleaseCountsKernel, RoutingKernel
@@ -57,12 +56,7 @@ class MoeHostSm90:
     def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm):
         if not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
             raise TypeError("the MoE host chains its launches: the expert GEMMs need with_link")
-        # candidate v2.11: a GEMM2 that reads C as scaled f16 gets the rewrite of C as a sixth kernel after GEMM1
-        f16_c = getattr(gemm2.cfg, "f16_c", False)
-        links = list(chain_links(6 if f16_c else 5))
-        routing_link, gemm1_link = links.pop(0), links.pop(0)
-        self.c_to_f16 = CToF16Kernel(links.pop(0)) if f16_c else None
-        gemm2_link, combine_link, release_link = links
+        routing_link, gemm1_link, gemm2_link, combine_link, release_link = chain_links(5)
         self.routing = RoutingKernel(routing_link)
         self.gemm1 = gemm1.with_link(gemm1_link)
         self.gemm2 = gemm2.with_link(gemm2_link)
@@ -91,7 +85,6 @@ class MoeHostSm90:
         slot_weight: cute.Tensor,
         intermediate: cute.Tensor,
         expert_out: cute.Tensor,
-        c_scale: cute.Tensor,
         gemm1_grid: cutlass.Int32,
         gemm2_grid: cutlass.Int32,
         stream,
@@ -119,13 +112,9 @@ class MoeHostSm90:
             gemm1_grid,
             stream,
         )
-        gemm2_x_scale = hidden_states_scale  # unused by a GEMM2 on bf16 C
-        if cutlass.const_expr(self.c_to_f16 is not None):
-            self.c_to_f16.launch(counts, intermediate, c_scale, stream)
-            gemm2_x_scale = c_scale
         self.gemm2.launch(
             intermediate,
-            gemm2_x_scale,
+            hidden_states_scale,
             gemm2_weights,
             gemm2_weights_scale,
             expert_out,
@@ -149,7 +138,6 @@ class Workspaces:
     slot_weight: torch.Tensor  # [T, 8] fp32
     intermediate: torch.Tensor  # [8 T, 2048] bf16: C = silu(gate) * up per packed row
     expert_out: torch.Tensor  # [8 T, 7168] fp32: C W2^T per packed row
-    c_scale: torch.Tensor  # [8 T] fp32: candidate v2.11's power of two per packed row of C (unused otherwise)
 
     @classmethod
     def allocate(cls, num_tokens: int, device: torch.device) -> Workspaces:
@@ -162,7 +150,6 @@ class Workspaces:
             slot_weight=torch.empty(num_tokens, TOP_K, dtype=torch.float32, device=device),
             intermediate=torch.empty(num_rows, INTERMEDIATE, dtype=torch.bfloat16, device=device),
             expert_out=torch.empty(num_rows, HIDDEN, dtype=torch.float32, device=device),
-            c_scale=torch.empty(num_rows, dtype=torch.float32, device=device),
         )
 
 
@@ -196,7 +183,6 @@ def fake_tensor_arguments() -> tuple:
         rowmajor(f32, (num_tokens, TOP_K)),
         rowmajor(bf16, (num_rows, INTERMEDIATE)),
         rowmajor(f32, (num_rows, HIDDEN)),
-        rowmajor(f32, (num_rows,)),
     )
 
 
@@ -233,7 +219,6 @@ def launch(
         workspaces.slot_weight,
         workspaces.intermediate,
         workspaces.expert_out,
-        workspaces.c_scale,
         gemm1_grid,
         gemm2_grid,
     )

@@ -240,17 +240,12 @@ class PersistentGemmConfig:
 class StreamingGemmConfig(PersistentGemmConfig):
     """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
 
-    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int, f16_c: bool = False):
-        if f16_c and gemm1:
-            raise StreamingConfigError("f16_c is GEMM2's (C as f16 with a scale per packed row)")
+    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int):
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
             raise StreamingConfigError(f"num_stages must be >= 2, got {num_stages}")
         self.gemm1 = gemm1
-        # candidate v2.11: GEMM2 reads C as f16 scaled by a power of two per packed row (`c_to_f16.py`) and
-        # multiplies f16, its weights converted once per pair; the epilogue undoes the row's power
-        self.f16_c = f16_c
         self.block_tokens = block_tokens
         self.num_stages = num_stages
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
@@ -414,8 +409,7 @@ class StreamingGemm(LinkedGemm):
 
     GEMM1: x = hidden_states [T, 7168] e4m3 gathered by token, x_scale = [56, T],
            w = W13 [32, 4096, 7168], w_scale = [32, 32, 56], out = C [rows, 2048] bf16.
-    GEMM2: x = C [rows, 2048] bf16 (packed rows), x_scale unused (C is unscaled); with `f16_c` C holds f16
-           times a power of two per packed row and x_scale = that row's inverse power [rows] (`c_to_f16.py`),
+    GEMM2: x = C [rows, 2048] bf16 (packed rows), x_scale unused (C is unscaled),
            w = W2 [32, 7168, 2048], w_scale = [32, 56, 16], out = O [rows, 7168] fp32.
     """
 
@@ -564,8 +558,8 @@ class StreamingGemm(LinkedGemm):
             )
             if k_stage == cfg.k_stages - 1:
                 self.epilogue(
-                    acc, scratch, out, x_scale, item % cfg.items_per_row_tile, packed_row0, valid_rows, warp_id,
-                    group, quad, tidx,
+                    acc, scratch, out, item % cfg.items_per_row_tile, packed_row0, valid_rows, warp_id, group,
+                    quad, tidx,
                 )
         cute.arch.cp_async_wait_group(0)
 
@@ -722,7 +716,7 @@ class StreamingGemm(LinkedGemm):
         """This warp's K block (warp_id) of the stage in `slot`: block_acc = W_kb X_kb^T, then
         acc += block_acc * (x scale of the token x weight scale of the m tile)."""
         cfg = self.cfg
-        use_bf16 = not cfg.gemm1 and not cfg.f16_c
+        use_bf16 = not cfg.gemm1
         block_acc.fill(0.0)
         for half in cutlass.range_constexpr(2):  # 64-wide K chunks of the block
             # A fragments of both m tiles (this thread's 16 bytes of rows g and g + 8), converted once
@@ -801,7 +795,6 @@ class StreamingGemm(LinkedGemm):
         acc: cute.Tensor,
         scratch: cute.Tensor,
         out: cute.Tensor,
-        x_scale: cute.Tensor,
         n_tile: Int32,
         packed_row0: Int32,
         valid_rows: Int32,
@@ -811,7 +804,7 @@ class StreamingGemm(LinkedGemm):
         tidx: Int32,
     ):
         """Sum the 4 warps' partial sums in warp order, then write C = silu(gate) * up (GEMM1, bf16)
-        or O (GEMM2, fp32; with `f16_c` times the packed row's scale, `x_scale`) for the item's valid tokens."""
+        or O (GEMM2, fp32) for the item's valid tokens."""
         cfg = self.cfg
         bt = cfg.block_tokens
         for nt in cutlass.range_constexpr(cfg.n_tiles):
@@ -842,6 +835,4 @@ class StreamingGemm(LinkedGemm):
                     total = scratch[token_slot, row, 0]
                     for wp in cutlass.range_constexpr(1, NUM_WARPS):
                         total = total + scratch[token_slot, row, wp]
-                    if cutlass.const_expr(cfg.f16_c):
-                        total = total * x_scale[packed_row0 + token_slot]
                     out[packed_row0 + token_slot, n_tile * ITEM_ROWS + row] = total

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_eight_warp_gemm2",
-            entry="candidate_eight_warp_gemm2.py::run",
-            description="v2.12: kernel.py with the mma.sync GEMM2 below 33 tokens on 8 warps per CTA (two per K block of a stage)",
-        ),
     ),
 )
 

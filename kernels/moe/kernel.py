@@ -96,7 +96,6 @@ class StreamingVariant:
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
-    gemm2_warps_per_block: int = 1  # candidate v2.12: warps per K block of the `mma.sync` GEMM2's stages
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -104,8 +103,6 @@ class StreamingVariant:
             raise ValueError("wgmma_gemm2 needs wgmma_gemm1")
         if self.gemm1_scratch_in_stage and not self.wgmma_gemm1:
             raise ValueError("gemm1_scratch_in_stage needs wgmma_gemm1")
-        if self.gemm2_warps_per_block != 1 and self.wgmma_gemm2:
-            raise ValueError("gemm2_warps_per_block is the mma.sync GEMM2's")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -126,9 +123,7 @@ class StreamingVariant:
         num_stages = self.gemm2_num_stages or self.num_stages
         if self.wgmma_gemm2:
             return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages)
-        return StreamingGemmConfig(
-            gemm1=False, block_tokens=block_tokens, num_stages=num_stages, warps_per_block=self.gemm2_warps_per_block
-        )
+        return StreamingGemmConfig(gemm1=False, block_tokens=block_tokens, num_stages=num_stages)
 
     def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:
         config = self.gemm2()

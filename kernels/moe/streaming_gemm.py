@@ -240,19 +240,12 @@ class PersistentGemmConfig:
 class StreamingGemmConfig(PersistentGemmConfig):
     """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
 
-    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int, warps_per_block: int = 1):
-        if warps_per_block not in (1, 2):
-            raise StreamingConfigError(f"warps_per_block must be 1 or 2, got {warps_per_block}")
+    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int):
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
             raise StreamingConfigError(f"num_stages must be >= 2, got {num_stages}")
         self.gemm1 = gemm1
-        # candidate v2.12: two warps per K block of a stage, each on one 64-wide half (8 warps per CTA), so that
-        # twice as many warps per SM hide each warp's per-stage dependency chain
-        self.warps_per_block = warps_per_block
-        self.num_warps = BLOCKS_PER_STAGE * warps_per_block
-        self.num_threads = 32 * self.num_warps
         self.block_tokens = block_tokens
         self.num_stages = num_stages
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
@@ -262,7 +255,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
         self.weight_rows = GEMM1_OUT if gemm1 else HIDDEN
         # activation bytes per token and K block: fp8 rows for GEMM1, bf16 C rows for GEMM2
         self.x_block_row_bytes = BLOCK if gemm1 else 2 * BLOCK
-        self.threads_per_token = self.num_threads // block_tokens
+        self.threads_per_token = NUM_THREADS // block_tokens
         if self.gemm1 and self.threads_per_token < BLOCKS_PER_STAGE:
             raise StreamingConfigError("GEMM1 needs >= 4 threads per token for the activation scales")
         self.check_fits()
@@ -276,7 +269,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
             # the activation-scale ring is allocated for GEMM2 too (unused there: C is unscaled)
             "x_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE * bt, 128),
             "w_scales": smem_region(Float32, ns * M_TILES * BLOCKS_PER_STAGE, 128),
-            "scratch": smem_region(Float32, self.num_warps * ITEM_ROWS * bt, 128),
+            "scratch": smem_region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
         }
 
 
@@ -399,12 +392,12 @@ class LinkedGemm:
         """The same GEMM at `link` of a chain of programmatic dependent launches."""
         return type(self)(self.cfg, link)
 
-    def launch_persistent(self, kernel, num_ctas: Int32, shared_storage, stream, threads: int = NUM_THREADS) -> None:
+    def launch_persistent(self, kernel, num_ctas: Int32, shared_storage, stream) -> None:
         """Launch `kernel` (the kernel applied to its arguments) as the GEMM's persistent grid of
-        `num_ctas` CTAs of `threads` threads, at its place in the chain. Called while `launch` is traced."""
+        `num_ctas` CTAs of 128 threads, at its place in the chain. Called while `launch` is traced."""
         kernel.launch(
             grid=[num_ctas, 1, 1],
-            block=[threads, 1, 1],
+            block=[NUM_THREADS, 1, 1],
             smem=shared_storage.size_in_bytes(),
             stream=stream,
             use_pdl=self.link.waits,
@@ -453,13 +446,13 @@ class StreamingGemm(LinkedGemm):
         w_scale_layout = cute.make_layout(
             (BLOCKS_PER_STAGE, M_TILES, ns), stride=(1, BLOCKS_PER_STAGE, M_TILES * BLOCKS_PER_STAGE)
         )
-        scratch_layout = cute.make_layout((bt, ITEM_ROWS, cfg.num_warps), stride=(1, bt, ITEM_ROWS * bt))
+        scratch_layout = cute.make_layout((bt, ITEM_ROWS, NUM_WARPS), stride=(1, bt, ITEM_ROWS * bt))
 
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens,
             w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage,
         )  # fmt: skip
-        self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cfg.num_threads)
+        self.launch_persistent(kernel, num_ctas, SharedStorage, stream)
 
     @cute.kernel
     def kernel(
@@ -631,8 +624,8 @@ class StreamingGemm(LinkedGemm):
 
         # ---- weights: 32 rows x 512 bytes; one warp reads one row's 512 contiguous bytes ----
         chunks_per_row = STAGE_K // CHUNK  # 32
-        for i in cutlass.range_constexpr(ITEM_ROWS * chunks_per_row // cfg.num_threads):
-            linear = i * cfg.num_threads + tidx
+        for i in cutlass.range_constexpr(ITEM_ROWS * chunks_per_row // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
             row = linear // chunks_per_row
             chunk = linear % chunks_per_row
             k_block = chunk // FP8_CHUNKS_PER_BLOCK_ROW
@@ -720,22 +713,12 @@ class StreamingGemm(LinkedGemm):
         acc: cute.Tensor,
         block_acc: cute.Tensor,
     ):
-        """This warp's K block (warp_id; with two warps per block, its 64-wide half of block warp_id // 2) of the
-        stage in `slot`: block_acc = W_kb X_kb^T, then acc += block_acc * (x scale of the token x weight scale
-        of the m tile)."""
+        """This warp's K block (warp_id) of the stage in `slot`: block_acc = W_kb X_kb^T, then
+        acc += block_acc * (x scale of the token x weight scale of the m tile)."""
         cfg = self.cfg
         use_bf16 = not cfg.gemm1
-        halves_per_warp = 2 // cfg.warps_per_block
-        k_block = warp_id
-        first_half = Int32(0)
-        if cutlass.const_expr(cfg.warps_per_block > 1):
-            k_block = warp_id // cfg.warps_per_block
-            first_half = warp_id % cfg.warps_per_block
         block_acc.fill(0.0)
-        for h in cutlass.range_constexpr(halves_per_warp):  # 64-wide K chunks of the block
-            half = h
-            if cutlass.const_expr(cfg.warps_per_block > 1):
-                half = first_half
+        for half in cutlass.range_constexpr(2):  # 64-wide K chunks of the block
             # A fragments of both m tiles (this thread's 16 bytes of rows g and g + 8), converted once
             # for all n tiles: a_frags[(mt * 4 + j) * 4 + r] is register a_r of MMA j.
             a_frags = cute.make_rmem_tensor((M_TILES * 4 * 4,), Int32)
@@ -743,12 +726,12 @@ class StreamingGemm(LinkedGemm):
                 row_g = mt * 16 + group
                 row_g8 = row_g + 8
                 words_g = lds_shared(
-                    w_stages[None, row_g, k_block, slot].iterator
+                    w_stages[None, row_g, warp_id, slot].iterator
                     + fp8_chunk_slot(fp8_thread_chunk(half, quad), row_g) * CHUNK,
                     4,
                 )
                 words_g8 = lds_shared(
-                    w_stages[None, row_g8, k_block, slot].iterator
+                    w_stages[None, row_g8, warp_id, slot].iterator
                     + fp8_chunk_slot(fp8_thread_chunk(half, quad), row_g8) * CHUNK,
                     4,
                 )
@@ -760,7 +743,7 @@ class StreamingGemm(LinkedGemm):
             for nt in cutlass.range_constexpr(cfg.n_tiles):
                 if nt * 8 < valid_rows:
                     token_slot = nt * 8 + group
-                    x_row = x_stages[None, token_slot, k_block, slot]
+                    x_row = x_stages[None, token_slot, warp_id, slot]
                     b_words = cute.make_rmem_tensor((8,), Int32)  # b_words[2 j + r]: register b_r of MMA j
                     if cutlass.const_expr(cfg.gemm1):
                         x_words = lds_shared(
@@ -796,12 +779,12 @@ class StreamingGemm(LinkedGemm):
         for nt in cutlass.range_constexpr(cfg.n_tiles):
             if nt * 8 < valid_rows:
                 for mt in cutlass.range_constexpr(M_TILES):
-                    w_block_scale = w_scales[k_block, mt, slot]
+                    w_block_scale = w_scales[warp_id, mt, slot]
                     for i in cutlass.range_constexpr(4):
                         index = (mt * cfg.n_tiles + nt) * 4 + i
                         if cutlass.const_expr(cfg.gemm1):
                             _, token_slot = accumulator_coords(mt, nt, i, group, quad)
-                            scale = x_scales[token_slot, k_block, slot] * w_block_scale
+                            scale = x_scales[token_slot, warp_id, slot] * w_block_scale
                         else:
                             scale = w_block_scale
                         acc[index] = acc[index] + block_acc[index] * scale
@@ -832,24 +815,24 @@ class StreamingGemm(LinkedGemm):
                         scratch[token_slot, row, warp_id] = acc[(mt * cfg.n_tiles + nt) * 4 + i]
         cute.arch.sync_threads()
         if cutlass.const_expr(cfg.gemm1):
-            for i in cutlass.range_constexpr(GEMM1_ITEM_COLUMNS * bt // cfg.num_threads):
-                linear = i * cfg.num_threads + tidx
+            for i in cutlass.range_constexpr(GEMM1_ITEM_COLUMNS * bt // NUM_THREADS):
+                linear = i * NUM_THREADS + tidx
                 token_slot = linear // GEMM1_ITEM_COLUMNS
                 column = linear % GEMM1_ITEM_COLUMNS
                 if token_slot < valid_rows:
                     up = scratch[token_slot, column, 0]
                     gate = scratch[token_slot, GEMM1_ITEM_COLUMNS + column, 0]
-                    for wp in cutlass.range_constexpr(1, cfg.num_warps):
+                    for wp in cutlass.range_constexpr(1, NUM_WARPS):
                         up = up + scratch[token_slot, column, wp]
                         gate = gate + scratch[token_slot, GEMM1_ITEM_COLUMNS + column, wp]
                     out[packed_row0 + token_slot, n_tile * GEMM1_ITEM_COLUMNS + column] = swiglu_bf16(gate, up)
         else:
-            for i in cutlass.range_constexpr(ITEM_ROWS * bt // cfg.num_threads):
-                linear = i * cfg.num_threads + tidx
+            for i in cutlass.range_constexpr(ITEM_ROWS * bt // NUM_THREADS):
+                linear = i * NUM_THREADS + tidx
                 token_slot = linear // ITEM_ROWS
                 row = linear % ITEM_ROWS
                 if token_slot < valid_rows:
                     total = scratch[token_slot, row, 0]
-                    for wp in cutlass.range_constexpr(1, cfg.num_warps):
+                    for wp in cutlass.range_constexpr(1, NUM_WARPS):
                         total = total + scratch[token_slot, row, wp]
                     out[packed_row0 + token_slot, n_tile * ITEM_ROWS + row] = total

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_wgmma_from_14",
-            entry="candidate_wgmma_from_14.py::run",
-            description="v2.8 again: kernel.py with its FEW_TOKENS variant (both GEMMs on warpgroup MMA) from 14 tokens instead of 33",
-        ),
     ),
 )
 

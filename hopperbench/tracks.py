@@ -230,6 +230,13 @@ DSA_ATTENTION = Track(
             package="flash_mla==1.0.0+9241ae3",
         ),
     ),
+    candidates=(
+        CandidateSide(
+            name="cand_staged_indices",
+            entry="candidate_staged_indices.py::run",
+            description="kernel.py v1.2 with the split's row ids staged once in shared memory ahead of the gathers (v1.7)",
+        ),
+    ),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

@@ -101,6 +101,10 @@ def _make_tiled_mma() -> cute.TiledMma:
 class _SplitKernel:
     """Partial attention of one token over 2048 / num_splits of its rows (see module docstring)."""
 
+    # Candidate v1.7's switch (NOTES.md): the split's row ids copied once into shared memory ahead of
+    # the gathers, instead of read one by one from global memory inside the copy loop and the softmax.
+    STAGED_INDICES = False
+
     def shared_layouts(self):
         """(tiled MMA, layouts of sq, sk, ss, sp, the shared-memory struct): the split kernel's operands,
         for this class's launch and a candidate's (traced inside the caller's jit)."""
@@ -119,18 +123,25 @@ class _SplitKernel:
             "sp": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, NUM_HEADS * P_ROW_STRIDE], 128],
             "salpha": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, NUM_HEADS], 16],
         }
+        if cutlass.const_expr(self.STAGED_INDICES):
+            fields["srow_ids"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int32, TOPK], 16]
         SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         return tiled_mma, sq_layout, sk_layout, ss_layout, sp_layout, SharedStorage
 
     def shared_tensors(self, SharedStorage, sq_layout, sk_layout, ss_layout, sp_layout):
-        """The CTA's shared-memory tensors (sq, sk, ss, sp, salpha)."""
+        """The CTA's shared-memory tensors (sq, sk, ss, sp, salpha, srow_ids; srow_ids is None unless
+        STAGED_INDICES)."""
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        srow_ids = None
+        if cutlass.const_expr(self.STAGED_INDICES):
+            srow_ids = storage.srow_ids.get_tensor(cute.make_layout(TOPK))
         return (
             storage.sq.get_tensor(sq_layout),
             storage.sk.get_tensor(sk_layout),
             storage.ss.get_tensor(ss_layout),
             storage.sp.get_tensor(sp_layout),
             storage.salpha.get_tensor(cute.make_layout(NUM_HEADS)),
+            srow_ids,
         )
 
     @cute.jit
@@ -191,7 +202,9 @@ class _SplitKernel:
         # launch; its CTAs wait in griddepcontrol.wait until this grid is complete and visible.
         cute.arch.griddepcontrol_launch_dependents()
 
-        sq, sk, ss, sp, salpha = self.shared_tensors(SharedStorage, sq_layout, sk_layout, ss_layout, sp_layout)
+        sq, sk, ss, sp, salpha, srow_ids = self.shared_tensors(
+            SharedStorage, sq_layout, sk_layout, ss_layout, sp_layout
+        )
 
         acc_o, row_max, row_sum = self.attend(
             q_nope,
@@ -207,6 +220,7 @@ class _SplitKernel:
             ss,
             sp,
             salpha,
+            srow_ids,
             token,
             split,
             tidx,
@@ -239,6 +253,7 @@ class _SplitKernel:
         ss: cute.Tensor,
         sp: cute.Tensor,
         salpha: cute.Tensor,
+        srow_ids,
         token: cutlass.Int32,
         split: cutlass.Int32,
         tidx: cutlass.Int32,
@@ -254,6 +269,20 @@ class _SplitKernel:
             cutlass.BFloat16,
             num_bits_per_copy=128,
         )
+
+        if cutlass.const_expr(self.STAGED_INDICES):
+            # The split's row ids, in a cp.async group of their own ahead of Q's.
+            g2s_ids = cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Int32, num_bits_per_copy=128
+            )
+            ids_per_copy = 4
+            for piece in cutlass.range(tidx, chunks_per_split * BLOCK_N // ids_per_copy, NUM_THREADS, unroll=1):
+                cute.copy(
+                    g2s_ids,
+                    cute.local_tile(sparse_indices[token, None], (ids_per_copy,), (first_row // ids_per_copy + piece,)),
+                    cute.local_tile(srow_ids, (ids_per_copy,), (piece,)),
+                )
+            cute.arch.cp_async_commit_group()
 
         # ---- Q: [q_nope | q_pe] of this token into sq (part of the first cp.async group) ----
         for i in cutlass.range_constexpr(NUM_HEADS * CKV_DIM // COPY_ELEMS // NUM_THREADS):
@@ -274,7 +303,13 @@ class _SplitKernel:
                 cute.local_tile(sq[head, None], (COPY_ELEMS,), (CKV_DIM // COPY_ELEMS + seg,)),
             )
 
-        self.gather_chunk(g2s, ckv_rows, kpe_rows, sparse_indices, sk, token, first_row, 0, num_cache_rows, tidx)
+        if cutlass.const_expr(self.STAGED_INDICES):
+            cute.arch.cp_async_commit_group()  # Q's group
+            cute.arch.cp_async_wait_group(1)  # the row ids have landed (Q may still be in flight)
+            cute.arch.sync_threads()
+        self.gather_chunk(
+            g2s, ckv_rows, kpe_rows, sparse_indices, srow_ids, sk, token, first_row, 0, 0, num_cache_rows, tidx
+        )
         cute.arch.cp_async_commit_group()
 
         # ---- MMA partitions that do not depend on the chunk ----
@@ -329,9 +364,11 @@ class _SplitKernel:
                     ckv_rows,
                     kpe_rows,
                     sparse_indices,
+                    srow_ids,
                     sk,
                     token,
                     chunk_row + BLOCK_N,
+                    (chunk + 1) * BLOCK_N,
                     (chunk + 1) % NUM_STAGES,
                     num_cache_rows,
                     tidx,
@@ -358,7 +395,7 @@ class _SplitKernel:
             local_max = -cutlass.Float32.inf
             for j in cutlass.range_constexpr(COLS_PER_SOFTMAX_THREAD):
                 col = softmax_col0 + j
-                row_id = sparse_indices[token, chunk_row + col]
+                row_id = self.row_id(sparse_indices, srow_ids, token, chunk_row + col, chunk * BLOCK_N + col)
                 valid = row_id >= 0 and row_id < num_cache_rows
                 x = ss[softmax_row, col] * scale_log2
                 scaled[j] = x if valid else -cutlass.Float32.inf
@@ -403,14 +440,17 @@ class _SplitKernel:
         ckv_rows: cute.Tensor,
         kpe_rows: cute.Tensor,
         sparse_indices: cute.Tensor,
+        srow_ids,
         sk: cute.Tensor,
         token: cutlass.Int32,
         chunk_row: cutlass.Int32,
+        split_row: cutlass.Int32,
         stage: cutlass.Int32,
         num_cache_rows: cutlass.Int32,
         tidx: cutlass.Int32,
     ):
         """Issue the cp.async copies of one 64-row chunk into `stage`; zero-fill padding rows.
+        `chunk_row` is the chunk's first position in the token's row ids, `split_row` the same within the split.
 
         Consecutive threads copy consecutive 16-B pieces of one row, so each warp reads 512
         contiguous bytes of a ckv row (and whole 128-B kpe rows)."""
@@ -420,7 +460,7 @@ class _SplitKernel:
             linear = i * NUM_THREADS + tidx
             row = linear // ckv_segs
             seg = linear % ckv_segs
-            row_id = sparse_indices[token, chunk_row + row]
+            row_id = self.row_id(sparse_indices, srow_ids, token, chunk_row + row, split_row + row)
             dst = cute.local_tile(sk_stage[row, None], (COPY_ELEMS,), (seg,))
             if row_id >= 0 and row_id < num_cache_rows:
                 cute.copy(g2s, cute.local_tile(ckv_rows[row_id, None], (COPY_ELEMS,), (seg,)), dst)
@@ -431,12 +471,22 @@ class _SplitKernel:
             linear = i * NUM_THREADS + tidx
             row = linear // kpe_segs
             seg = linear % kpe_segs
-            row_id = sparse_indices[token, chunk_row + row]
+            row_id = self.row_id(sparse_indices, srow_ids, token, chunk_row + row, split_row + row)
             dst = cute.local_tile(sk_stage[row, None], (COPY_ELEMS,), (ckv_segs + seg,))
             if row_id >= 0 and row_id < num_cache_rows:
                 cute.copy(g2s, cute.local_tile(kpe_rows[row_id, None], (COPY_ELEMS,), (seg,)), dst)
             else:
                 dst.fill(0.0)
+
+    @cute.jit
+    def row_id(
+        self, sparse_indices: cute.Tensor, srow_ids, token: cutlass.Int32, row: cutlass.Int32, split_row: cutlass.Int32
+    ) -> cutlass.Int32:
+        """The cache row id at position `row` of the token's list (`split_row` within the split)."""
+        if cutlass.const_expr(self.STAGED_INDICES):
+            return srow_ids[split_row]
+        else:
+            return sparse_indices[token, row]
 
     @cute.jit
     def row_reduce(self, value: cutlass.Float32, op: cutlass.Constexpr) -> cutlass.Float32:

@@ -232,9 +232,14 @@ DSA_ATTENTION = Track(
     ),
     candidates=(
         CandidateSide(
-            name="cand_staged_indices",
+            name="cand_staged_multi_chunk",
             entry="candidate_staged_indices.py::run",
-            description="kernel.py v1.2 with the split's row ids staged once in shared memory ahead of the gathers (v1.7)",
+            description="kernel.py v1.2 with the split's row ids staged once in shared memory where a split has two or more chunks (v1.7b)",
+        ),
+        CandidateSide(
+            name="cand_combine_loads_first",
+            entry="candidate_combine_loads_first.py::run",
+            description="v1.7b with a combine that loads its 32 partials before reducing the splits' statistics (v1.8)",
         ),
     ),
 )

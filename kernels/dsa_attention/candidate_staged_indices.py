@@ -1,5 +1,6 @@
-"""DSA candidate v1.7 ("staged indices"): `kernel.py`'s split kernel with the split's row ids copied once into
-shared memory ahead of the gathers (`_SplitKernel.STAGED_INDICES`).
+"""DSA candidate v1.7b ("staged indices", session 17): `kernel.py`'s split kernel with the split's row ids copied
+once into shared memory ahead of the gathers (`_SplitKernel.STAGED_INDICES`), where each split has two or more
+chunks (fewer than 32 splits: T >= 5); `kernel.py`'s split kernel at 32 one-chunk splits.
 
 Why (NOTES.md, session 17's ablation): with row ids computed instead of loaded, the split kernel is 1.8 us
 shorter at 6 tokens and 3.0 us at 8, although it then gathers every row. Each thread of `kernel.py` reads its
@@ -8,8 +9,10 @@ the loads are not batched, and at two chunks per CTA the second chunk's loads li
 compute and the second's. Here one group of 16-B `cp.async` brings the split's 64-2048 row ids into shared
 memory; the gathers and the softmax read them there.
 
-Prediction: span at T = 8 ~15.0 -> ~12.3 us, T = 6-7 ~13 -> ~11.3, T = 1-2 ~1.00x; geomean ~1.10-1.14x over the
-23, latency / floor 3.81 -> ~3.4. Outputs bit for bit `kernel.py`'s (the same arithmetic in the same order).
+v1.7 (staging at every split count) measured 1.06-1.08x at 6-8 tokens and 0.96x at 1 token, where one chunk per
+CTA gains nothing from the staging and pays its wait and barrier before the gather (NOTES.md); hence the dispatch.
+Prediction for v1.7b: 6-8 tokens as v1.7, 1-2 tokens `kernel.py`'s kernels; ~1.04x over the 23. Outputs bit for
+bit `kernel.py`'s (the same arithmetic in the same order).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Callable
 from . import kernel
 from .kernel import DsaShapeError
 
-__all__ = ["DsaShapeError", "compile_only", "run", "run_with_splits"]
+__all__ = ["DsaShapeError", "compile_only", "run", "run_with_splits", "split_kernel_for"]
 
 
 class _StagedIndicesSplitKernel(kernel._SplitKernel):
@@ -29,8 +32,13 @@ class _StagedIndicesSplitKernel(kernel._SplitKernel):
 
 
 def compile_only(arch: str = kernel.GPU_ARCH) -> Callable:
-    """Compile the candidate's kernels for `arch` without a GPU."""
+    """Compile the candidate's staged split kernel (with `kernel.py`'s combine) for `arch` without a GPU."""
     return kernel.compiled_for(arch, split=_StagedIndicesSplitKernel)
+
+
+def split_kernel_for(num_splits: int) -> type:
+    """The staged split kernel where a split has two or more chunks, `kernel.py`'s at one chunk per split."""
+    return _StagedIndicesSplitKernel if num_splits < kernel.NUM_CHUNKS else kernel._SplitKernel
 
 
 def run(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale, output, lse) -> None:
@@ -39,8 +47,8 @@ def run(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale, output, ls
 
 
 def run_with_splits(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale, output, lse, num_splits) -> None:
-    """`kernel.run_with_splits` with this candidate's split kernel (the same split counts)."""
+    """`kernel.run_with_splits` with this candidate's split kernel (the same split counts; None: `kernel.py`'s)."""
+    splits = kernel.num_splits_for(q_nope.shape[0]) if num_splits is None else num_splits
     kernel.run_with_splits(
-        q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale, output, lse, num_splits,
-        split=_StagedIndicesSplitKernel,
+        q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale, output, lse, splits, split=split_kernel_for(splits)
     )

@@ -513,6 +513,10 @@ class _CombineKernel:
     6.5 us; this v1.1 form took 1.23x off the whole call in the A/B, NOTES.md.)
     """
 
+    # Candidate v1.8's switch (NOTES.md): all 32 partial values loaded into registers before the
+    # splits' statistics are reduced, so that they share one round trip with the statistics.
+    LOADS_FIRST = False
+
     @cute.jit
     def launch(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor, stream):
         self.kernel(workspace, output, lse).launch(
@@ -563,12 +567,20 @@ class _CombineKernel:
         lane = cute.arch.lane_idx()
         col = group * NUM_THREADS + tidx
 
+        if cutlass.const_expr(self.LOADS_FIRST):
+            partials = cute.make_rmem_tensor((MAX_SPLITS,), cutlass.Float32)
+            for s in cutlass.range_constexpr(MAX_SPLITS):
+                partials[s] = workspace[token, cutlass.min(s, num_splits - 1), head, col]
+
         global_max, weight, total = self.split_weights(workspace, token, head, num_splits, lane)
 
         last = num_splits - 1
         acc = cutlass.Float32(0.0)
         for s in cutlass.range_constexpr(MAX_SPLITS):
-            acc = acc + cute.arch.shuffle_sync(weight, s) * workspace[token, cutlass.min(s, last), head, col]
+            if cutlass.const_expr(self.LOADS_FIRST):
+                acc = acc + cute.arch.shuffle_sync(weight, s) * partials[s]
+            else:
+                acc = acc + cute.arch.shuffle_sync(weight, s) * workspace[token, cutlass.min(s, last), head, col]
 
         # total >= 1 whenever some row was valid (the max element contributes exp2(0) = 1).
         inv_total = cutlass.Float32(0.0) if total == cutlass.Float32(0.0) else cutlass.Float32(1.0) / total

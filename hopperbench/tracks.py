@@ -230,18 +230,7 @@ DSA_ATTENTION = Track(
             package="flash_mla==1.0.0+9241ae3",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_staged_multi_chunk",
-            entry="candidate_staged_indices.py::run",
-            description="kernel.py v1.2 with the split's row ids staged once in shared memory where a split has two or more chunks (v1.7b)",
-        ),
-        CandidateSide(
-            name="cand_combine_loads_first",
-            entry="candidate_combine_loads_first.py::run",
-            description="v1.7b with a combine that loads its 32 partials before reducing the splits' statistics (v1.8)",
-        ),
-    ),
+    candidates=(),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

@@ -4,6 +4,8 @@ Flash-decoding over the 2048 selected cache rows of each token, in two kernels:
 
 1. `_SplitKernel`, grid (T, num_splits). One CTA of 4 warps takes all 16 heads of one token and
    2048 / num_splits of its rows, in chunks of 64 rows:
+   - where the split has two or more chunks, first copies its row ids into shared memory (v1.3; with
+     one chunk it reads them from global memory as it copies, which starts the gather sooner);
    - gathers each chunk (ckv 1024 B + kpe 128 B per row) into shared memory with 16-B `cp.async`,
      double-buffered (chunk c+1 is in flight while chunk c is computed); a padding row (-1, or
      outside the cache) is zero-filled in shared memory and masked to -inf in the softmax;
@@ -14,8 +16,8 @@ Flash-decoding over the 2048 selected cache rows of each token, in two kernels:
      the ckv part of the same shared-memory rows, read transposed by `ldmatrix.trans`);
    - writes its unnormalised O (fp32) and its running max m and sum l per head to a workspace
      [T, num_splits, 16, 516] (O in columns 0..511, m in 512, l in 513).
-2. `_CombineKernel`, grid (T, 16 heads, 4 column groups): merges the splits by log-sum-exp and
-   writes the bf16 output and the base-2 lse. A token with no valid row gets output 0 and lse -inf; a split with
+2. `_CombineKernel`, grid (T, 16 heads, 4 column groups): loads its partials, merges the splits by
+   log-sum-exp and writes the bf16 output and the base-2 lse. A token with no valid row gets output 0 and lse -inf; a split with
    no valid row has m = -inf, l = 0, O = 0 and weighs nothing.
 
 The combine is launched as a programmatic dependent of the split kernel (Hopper's PDL, v1.2: 1.08x
@@ -26,9 +28,11 @@ does not depend on where the trigger is, and the combine can only launch once ev
 started, so its waiting CTAs never keep a split CTA off an SM. This hides the launch gap between the
 two kernels (~1 us) and the combine's ramp.
 
-Both kernels are compiled once (dynamic T, P and num_splits) into one TVM-FFI function that takes
-the torch tensors directly and runs on the current torch stream; `run` only picks the split count
-from T, allocates the workspace and calls it.
+Both kernels are compiled once per form of the split kernel (row ids staged or not; dynamic T, P and
+num_splits) into one TVM-FFI function that takes the torch tensors directly and runs on the current
+torch stream; `run` only picks the split count from T (and with it the form), allocates the
+workspace and calls it. v1.3 (staged row ids, the combine's loads first) took 1.083x off v1.2 in the
+A/B of session 17, bit for bit the same outputs (NOTES.md).
 """
 
 from __future__ import annotations
@@ -101,9 +105,11 @@ def _make_tiled_mma() -> cute.TiledMma:
 class _SplitKernel:
     """Partial attention of one token over 2048 / num_splits of its rows (see module docstring)."""
 
-    # Candidate v1.7's switch (NOTES.md): the split's row ids copied once into shared memory ahead of
-    # the gathers, instead of read one by one from global memory inside the copy loop and the softmax.
-    STAGED_INDICES = False
+    def __init__(self, staged_indices: bool = False) -> None:
+        # Staged: the split's row ids copied once into shared memory ahead of the gathers. Read one by
+        # one from global memory inside the copy loop and the softmax, they cost 2-3 us at two chunks
+        # per split; with one chunk, staging delays the gather by its wait and barrier (NOTES.md, v1.7).
+        self.staged_indices = staged_indices
 
     def shared_layouts(self):
         """(tiled MMA, layouts of sq, sk, ss, sp, the shared-memory struct): the split kernel's operands,
@@ -123,17 +129,17 @@ class _SplitKernel:
             "sp": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, NUM_HEADS * P_ROW_STRIDE], 128],
             "salpha": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, NUM_HEADS], 16],
         }
-        if cutlass.const_expr(self.STAGED_INDICES):
+        if cutlass.const_expr(self.staged_indices):
             fields["srow_ids"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int32, TOPK], 16]
         SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         return tiled_mma, sq_layout, sk_layout, ss_layout, sp_layout, SharedStorage
 
     def shared_tensors(self, SharedStorage, sq_layout, sk_layout, ss_layout, sp_layout):
         """The CTA's shared-memory tensors (sq, sk, ss, sp, salpha, srow_ids; srow_ids is None unless
-        STAGED_INDICES)."""
+        staged_indices)."""
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         srow_ids = None
-        if cutlass.const_expr(self.STAGED_INDICES):
+        if cutlass.const_expr(self.staged_indices):
             srow_ids = storage.srow_ids.get_tensor(cute.make_layout(TOPK))
         return (
             storage.sq.get_tensor(sq_layout),
@@ -270,7 +276,7 @@ class _SplitKernel:
             num_bits_per_copy=128,
         )
 
-        if cutlass.const_expr(self.STAGED_INDICES):
+        if cutlass.const_expr(self.staged_indices):
             # The split's row ids, in a cp.async group of their own ahead of Q's.
             g2s_ids = cute.make_copy_atom(
                 cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Int32, num_bits_per_copy=128
@@ -303,7 +309,7 @@ class _SplitKernel:
                 cute.local_tile(sq[head, None], (COPY_ELEMS,), (CKV_DIM // COPY_ELEMS + seg,)),
             )
 
-        if cutlass.const_expr(self.STAGED_INDICES):
+        if cutlass.const_expr(self.staged_indices):
             cute.arch.cp_async_commit_group()  # Q's group
             cute.arch.cp_async_wait_group(1)  # the row ids have landed (Q may still be in flight)
             cute.arch.sync_threads()
@@ -483,7 +489,7 @@ class _SplitKernel:
         self, sparse_indices: cute.Tensor, srow_ids, token: cutlass.Int32, row: cutlass.Int32, split_row: cutlass.Int32
     ) -> cutlass.Int32:
         """The cache row id at position `row` of the token's list (`split_row` within the split)."""
-        if cutlass.const_expr(self.STAGED_INDICES):
+        if cutlass.const_expr(self.staged_indices):
             return srow_ids[split_row]
         else:
             return sparse_indices[token, row]
@@ -512,10 +518,6 @@ class _CombineKernel:
     per (token, head) with 4 columns per thread and the loop unrolled by 8 over the dynamic count,
     6.5 us; this v1.1 form took 1.23x off the whole call in the A/B, NOTES.md.)
     """
-
-    # Candidate v1.8's switch (NOTES.md): all 32 partial values loaded into registers before the
-    # splits' statistics are reduced, so that they share one round trip with the statistics.
-    LOADS_FIRST = False
 
     @cute.jit
     def launch(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor, stream):
@@ -567,20 +569,17 @@ class _CombineKernel:
         lane = cute.arch.lane_idx()
         col = group * NUM_THREADS + tidx
 
-        if cutlass.const_expr(self.LOADS_FIRST):
-            partials = cute.make_rmem_tensor((MAX_SPLITS,), cutlass.Float32)
-            for s in cutlass.range_constexpr(MAX_SPLITS):
-                partials[s] = workspace[token, cutlass.min(s, num_splits - 1), head, col]
+        # All 32 partial values first, so that they share one round trip with the statistics (v1.2
+        # issued them in three waves around the statistics' shuffles: ~0.5 us more, NOTES.md v1.8).
+        partials = cute.make_rmem_tensor((MAX_SPLITS,), cutlass.Float32)
+        for s in cutlass.range_constexpr(MAX_SPLITS):
+            partials[s] = workspace[token, cutlass.min(s, num_splits - 1), head, col]
 
         global_max, weight, total = self.split_weights(workspace, token, head, num_splits, lane)
 
-        last = num_splits - 1
         acc = cutlass.Float32(0.0)
         for s in cutlass.range_constexpr(MAX_SPLITS):
-            if cutlass.const_expr(self.LOADS_FIRST):
-                acc = acc + cute.arch.shuffle_sync(weight, s) * partials[s]
-            else:
-                acc = acc + cute.arch.shuffle_sync(weight, s) * workspace[token, cutlass.min(s, last), head, col]
+            acc = acc + cute.arch.shuffle_sync(weight, s) * partials[s]
 
         # total >= 1 whenever some row was valid (the max element contributes exp2(0) = 1).
         inv_total = cutlass.Float32(0.0) if total == cutlass.Float32(0.0) else cutlass.Float32(1.0) / total
@@ -601,10 +600,12 @@ def cache_rows(ckv_cache: cute.Tensor, kpe_cache: cute.Tensor):
 
 
 class DsaSparseAttentionSm90:
-    """Host entry of the two kernels; one compile serves every T, P and split count. `split` and
-    `combine` are the kernels' classes: this file's, or a candidate's subclasses of them."""
+    """Host entry of the two kernels; one compile per form of the split kernel serves every T, P and
+    split count. `split` and `combine` are the kernels' classes: this file's, or a candidate's
+    subclasses of them."""
 
-    def __init__(self, split: type = _SplitKernel, combine: type = _CombineKernel) -> None:
+    def __init__(self, staged_indices: bool, split: type = _SplitKernel, combine: type = _CombineKernel) -> None:
+        self.staged_indices = staged_indices
         self.split = split
         self.combine = combine
 
@@ -624,7 +625,9 @@ class DsaSparseAttentionSm90:
     ):
         ckv_rows, kpe_rows = cache_rows(ckv_cache, kpe_cache)
         scale_log2 = sm_scale * LOG2_E
-        self.split().launch(q_nope, q_pe, ckv_rows, kpe_rows, sparse_indices, scale_log2, workspace, stream)
+        self.split(self.staged_indices).launch(
+            q_nope, q_pe, ckv_rows, kpe_rows, sparse_indices, scale_log2, workspace, stream
+        )
         self.combine().launch(workspace, output, lse, stream)
 
 
@@ -632,7 +635,7 @@ class DsaSparseAttentionSm90:
 # Host side: compile once per architecture, then each call is one TVM-FFI launch.
 # ------------------------------------------------------------------------------------------------
 
-_COMPILED: dict[tuple[str, type, type], Callable] = {}
+_COMPILED: dict[tuple[str, bool, type, type], Callable] = {}
 
 
 def fake_arguments() -> tuple:
@@ -660,24 +663,34 @@ def fake_arguments() -> tuple:
     )
 
 
-def _compile(arch: str, split: type, combine: type) -> Callable:
+def _compile(arch: str, staged_indices: bool, split: type, combine: type) -> Callable:
     return cute.compile(
-        DsaSparseAttentionSm90(split, combine), *fake_arguments(), options=f"--enable-tvm-ffi --gpu-arch {arch}"
+        DsaSparseAttentionSm90(staged_indices, split, combine),
+        *fake_arguments(),
+        options=f"--enable-tvm-ffi --gpu-arch {arch}",
     )
 
 
-def compiled_for(arch: str = GPU_ARCH, combine: type = _CombineKernel, split: type = _SplitKernel) -> Callable:
-    """The compiled launcher for `arch` with these kernel classes (compiled on first use; needs no GPU)."""
-    key = (arch, split, combine)
+def compiled_for(
+    arch: str = GPU_ARCH, staged_indices: bool = False, combine: type = _CombineKernel, split: type = _SplitKernel
+) -> Callable:
+    """The compiled launcher for `arch`, this form of the split kernel and these kernel classes
+    (compiled on first use; needs no GPU)."""
+    key = (arch, staged_indices, split, combine)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = _compile(arch, split, combine)
+        fn = _COMPILED[key] = _compile(arch, staged_indices, split, combine)
     return fn
 
 
-def compile_only(arch: str = GPU_ARCH) -> Callable:
-    """Compile both kernels for `arch` without touching a GPU (for CI and warm-up)."""
-    return compiled_for(arch)
+def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, Callable]:
+    """Compile both forms of the launcher for `arch` without touching a GPU (for CI and warm-up)."""
+    return tuple(compiled_for(arch, staged) for staged in (False, True))
+
+
+def stages_indices(num_splits: int) -> bool:
+    """Whether the split kernel stages its row ids: where a split has two or more chunks."""
+    return NUM_CHUNKS // num_splits >= 2
 
 
 def num_splits_for(num_tokens: int) -> int:
@@ -746,6 +759,6 @@ def run_with_splits(
     elif num_splits not in VALID_SPLITS:
         raise DsaShapeError(f"num_splits must be one of {VALID_SPLITS}, got {num_splits}")
     workspace = torch.empty((num_tokens, num_splits, NUM_HEADS, WS_COLS), dtype=torch.float32, device=q_nope.device)
-    compiled_for(GPU_ARCH, combine, split)(
+    compiled_for(GPU_ARCH, stages_indices(num_splits), combine, split)(
         q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, float(sm_scale), output, lse, workspace
     )

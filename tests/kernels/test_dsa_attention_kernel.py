@@ -23,7 +23,7 @@ from hopperbench.paths import REPO_ROOT
 cases = load_module_by_path(REPO_ROOT / "kernels/dsa_attention/check_cases.py", "dsa_check_cases")
 kernel = cases.load_kernel()
 # kernel.py and the candidates of its folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_staged_indices", "candidate_combine_loads_first")
+SOLUTIONS = ("kernel",)
 
 
 @functools.cache
@@ -42,11 +42,18 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # ------------------------------------------------------------------------------------------------
 
 
-def test_compiles_for_sm90a_without_gpu():
+def test_compiles_both_forms_for_sm90a_without_gpu():
     compiled = kernel.compile_only("sm_90a")
-    assert callable(compiled)
+    assert len(compiled) == 2 and all(callable(fn) for fn in compiled) and compiled[0] is not compiled[1]
     # Cached: a second request must not recompile.
-    assert kernel.compile_only("sm_90a") is compiled
+    assert kernel.compile_only("sm_90a") == compiled
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 4, 8, 16, 32])
+def test_row_ids_are_staged_only_where_a_split_has_two_or_more_chunks(num_splits):
+    # v1.7 staged them at one chunk per split too and lost 4 % at 1 token (NOTES.md).
+    assert kernel.stages_indices(num_splits) == (kernel.NUM_CHUNKS // num_splits >= 2)
+    assert kernel.stages_indices(num_splits) == (num_splits < kernel.NUM_CHUNKS)
 
 
 @pytest.mark.parametrize("name", SOLUTIONS)

@@ -4,7 +4,7 @@ Flash-decoding over the 2048 selected cache rows of each token, in two kernels:
 
 1. `_SplitKernel`, grid (T, num_splits). One CTA of 4 warps takes all 16 heads of one token and
    2048 / num_splits of its rows, in chunks of 64 rows:
-   - where the split has two or more chunks, first copies its row ids into shared memory (v1.3; with
+   - where the split has two or more chunks, first copies its row ids into shared memory (v1.8; with
      one chunk it reads them from global memory as it copies, which starts the gather sooner);
    - gathers each chunk (ckv 1024 B + kpe 128 B per row) into shared memory with 16-B `cp.async`,
      double-buffered (chunk c+1 is in flight while chunk c is computed); a padding row (-1, or
@@ -31,7 +31,7 @@ two kernels (~1 us) and the combine's ramp.
 Both kernels are compiled once per form of the split kernel (row ids staged or not; dynamic T, P and
 num_splits) into one TVM-FFI function that takes the torch tensors directly and runs on the current
 torch stream; `run` only picks the split count from T (and with it the form), allocates the
-workspace and calls it. v1.3 (staged row ids, the combine's loads first) took 1.083x off v1.2 in the
+workspace and calls it. v1.8 (staged row ids, the combine's loads first) took 1.083x off v1.2 in the
 A/B of session 17, bit for bit the same outputs (NOTES.md).
 """
 

@@ -235,13 +235,20 @@ class _SplitKernel:
         softmax_row = tidx // THREADS_PER_SOFTMAX_ROW
 
         # ---- epilogue: unnormalised O, m and l of this split ----
+        self.store_partial(thr_mma, acc_o, workspace, token, split)
+        if tidx % THREADS_PER_SOFTMAX_ROW == 0:
+            workspace[token, split, softmax_row, WS_MAX_COL] = row_max[0]
+            workspace[token, split, softmax_row, WS_SUM_COL] = row_sum[0]
+
+    @cute.jit
+    def store_partial(
+        self, thr_mma, acc_o: cute.Tensor, workspace: cute.Tensor, token: cutlass.Int32, split: cutlass.Int32
+    ):
+        """This split's unnormalised O (fp32, MMA C layout) into its workspace rows, columns 0..511."""
         tOgO = thr_mma.partition_C(
             cute.local_tile(workspace[token, split, None, None], (NUM_HEADS, CKV_DIM), (0, 0))
         )
         cute.autovec_copy(acc_o, tOgO)
-        if tidx % THREADS_PER_SOFTMAX_ROW == 0:
-            workspace[token, split, softmax_row, WS_MAX_COL] = row_max[0]
-            workspace[token, split, softmax_row, WS_SUM_COL] = row_sum[0]
 
     @cute.jit
     def attend(
@@ -560,6 +567,13 @@ class _CombineKernel:
         total = self.warp_allreduce(weight * split_stats[1], lambda a, b: a + b)
         return global_max, weight, total
 
+    @cute.jit
+    def load_partial(
+        self, workspace: cute.Tensor, token: cutlass.Int32, split: cutlass.Int32, head: cutlass.Int32, col: cutlass.Int32
+    ) -> cutlass.Float32:
+        """Column `col` of a split's unnormalised O, as `_SplitKernel.store_partial` wrote it."""
+        return workspace[token, split, head, col]
+
     @cute.kernel
     def kernel(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor):
         cute.arch.griddepcontrol_wait()  # the split kernel's workspace, complete and visible
@@ -573,7 +587,7 @@ class _CombineKernel:
         # issued them in three waves around the statistics' shuffles: ~0.5 us more, NOTES.md v1.8).
         partials = cute.make_rmem_tensor((MAX_SPLITS,), cutlass.Float32)
         for s in cutlass.range_constexpr(MAX_SPLITS):
-            partials[s] = workspace[token, cutlass.min(s, num_splits - 1), head, col]
+            partials[s] = self.load_partial(workspace, token, cutlass.min(s, num_splits - 1), head, col)
 
         global_max, weight, total = self.split_weights(workspace, token, head, num_splits, lane)
 

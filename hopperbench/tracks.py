@@ -230,13 +230,7 @@ DSA_ATTENTION = Track(
             package="flash_mla==1.0.0+9241ae3",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_bf16_partials",
-            entry="candidate_bf16_partials.py::run",
-            description="kernel.py v1.8 with each split's O stored in bf16 (max and sum fp32) (v1.9)",
-        ),
-    ),
+    candidates=(),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

@@ -230,7 +230,13 @@ DSA_ATTENTION = Track(
             package="flash_mla==1.0.0+9241ae3",
         ),
     ),
-    candidates=(),
+    candidates=(
+        CandidateSide(
+            name="cand_shared_carveout",
+            entry="candidate_shared_carveout.py::run",
+            description="kernel.py v1.8 with both kernels asking for all-shared storage, so the combine can sit beside the split CTAs (v1.10)",
+        ),
+    ),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

@@ -105,6 +105,9 @@ def _make_tiled_mma() -> cute.TiledMma:
 class _SplitKernel:
     """Partial attention of one token over 2048 / num_splits of its rows (see module docstring)."""
 
+    # Percent of the unified L1 / shared storage asked for as shared memory (None: the driver's choice).
+    smem_carveout: int | None = None
+
     def __init__(self, staged_indices: bool = False) -> None:
         # Staged: the split's row ids copied once into shared memory ahead of the gathers. Read one by
         # one from global memory inside the copy loop and the softmax, they cost 2-3 us at two chunks
@@ -183,6 +186,7 @@ class _SplitKernel:
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
+            preferred_smem_carveout=self.smem_carveout,
         )
 
     @cute.kernel
@@ -526,6 +530,9 @@ class _CombineKernel:
     6.5 us; this v1.1 form took 1.23x off the whole call in the A/B, NOTES.md.)
     """
 
+    # Percent of the unified L1 / shared storage asked for as shared memory (None: the driver's choice).
+    smem_carveout: int | None = None
+
     @cute.jit
     def launch(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor, stream):
         self.kernel(workspace, output, lse).launch(
@@ -533,6 +540,7 @@ class _CombineKernel:
             block=[NUM_THREADS, 1, 1],
             stream=stream,
             use_pdl=True,  # a programmatic dependent of the split kernel
+            preferred_smem_carveout=self.smem_carveout,
         )
 
     @cute.jit

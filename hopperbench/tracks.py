@@ -230,13 +230,7 @@ DSA_ATTENTION = Track(
             package="flash_mla==1.0.0+9241ae3",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_shared_carveout",
-            entry="candidate_shared_carveout.py::run",
-            description="kernel.py v1.8 with both kernels asking for all-shared storage, so the combine can sit beside the split CTAs (v1.10)",
-        ),
-    ),
+    candidates=(),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

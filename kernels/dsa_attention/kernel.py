@@ -105,9 +105,6 @@ def _make_tiled_mma() -> cute.TiledMma:
 class _SplitKernel:
     """Partial attention of one token over 2048 / num_splits of its rows (see module docstring)."""
 
-    # Percent of the unified L1 / shared storage asked for as shared memory (None: the driver's choice).
-    smem_carveout: int | None = None
-
     def __init__(self, staged_indices: bool = False) -> None:
         # Staged: the split's row ids copied once into shared memory ahead of the gathers. Read one by
         # one from global memory inside the copy loop and the softmax, they cost 2-3 us at two chunks
@@ -186,7 +183,6 @@ class _SplitKernel:
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
-            preferred_smem_carveout=self.smem_carveout,
         )
 
     @cute.kernel
@@ -239,20 +235,13 @@ class _SplitKernel:
         softmax_row = tidx // THREADS_PER_SOFTMAX_ROW
 
         # ---- epilogue: unnormalised O, m and l of this split ----
-        self.store_partial(thr_mma, acc_o, workspace, token, split)
-        if tidx % THREADS_PER_SOFTMAX_ROW == 0:
-            workspace[token, split, softmax_row, WS_MAX_COL] = row_max[0]
-            workspace[token, split, softmax_row, WS_SUM_COL] = row_sum[0]
-
-    @cute.jit
-    def store_partial(
-        self, thr_mma, acc_o: cute.Tensor, workspace: cute.Tensor, token: cutlass.Int32, split: cutlass.Int32
-    ):
-        """This split's unnormalised O (fp32, MMA C layout) into its workspace rows, columns 0..511."""
         tOgO = thr_mma.partition_C(
             cute.local_tile(workspace[token, split, None, None], (NUM_HEADS, CKV_DIM), (0, 0))
         )
         cute.autovec_copy(acc_o, tOgO)
+        if tidx % THREADS_PER_SOFTMAX_ROW == 0:
+            workspace[token, split, softmax_row, WS_MAX_COL] = row_max[0]
+            workspace[token, split, softmax_row, WS_SUM_COL] = row_sum[0]
 
     @cute.jit
     def attend(
@@ -530,9 +519,6 @@ class _CombineKernel:
     6.5 us; this v1.1 form took 1.23x off the whole call in the A/B, NOTES.md.)
     """
 
-    # Percent of the unified L1 / shared storage asked for as shared memory (None: the driver's choice).
-    smem_carveout: int | None = None
-
     @cute.jit
     def launch(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor, stream):
         self.kernel(workspace, output, lse).launch(
@@ -540,7 +526,6 @@ class _CombineKernel:
             block=[NUM_THREADS, 1, 1],
             stream=stream,
             use_pdl=True,  # a programmatic dependent of the split kernel
-            preferred_smem_carveout=self.smem_carveout,
         )
 
     @cute.jit
@@ -575,13 +560,6 @@ class _CombineKernel:
         total = self.warp_allreduce(weight * split_stats[1], lambda a, b: a + b)
         return global_max, weight, total
 
-    @cute.jit
-    def load_partial(
-        self, workspace: cute.Tensor, token: cutlass.Int32, split: cutlass.Int32, head: cutlass.Int32, col: cutlass.Int32
-    ) -> cutlass.Float32:
-        """Column `col` of a split's unnormalised O, as `_SplitKernel.store_partial` wrote it."""
-        return workspace[token, split, head, col]
-
     @cute.kernel
     def kernel(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor):
         cute.arch.griddepcontrol_wait()  # the split kernel's workspace, complete and visible
@@ -595,7 +573,7 @@ class _CombineKernel:
         # issued them in three waves around the statistics' shuffles: ~0.5 us more, NOTES.md v1.8).
         partials = cute.make_rmem_tensor((MAX_SPLITS,), cutlass.Float32)
         for s in cutlass.range_constexpr(MAX_SPLITS):
-            partials[s] = self.load_partial(workspace, token, cutlass.min(s, num_splits - 1), head, col)
+            partials[s] = workspace[token, cutlass.min(s, num_splits - 1), head, col]
 
         global_max, weight, total = self.split_weights(workspace, token, head, num_splits, lane)
 

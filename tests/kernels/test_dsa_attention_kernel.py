@@ -23,7 +23,7 @@ from hopperbench.paths import REPO_ROOT
 cases = load_module_by_path(REPO_ROOT / "kernels/dsa_attention/check_cases.py", "dsa_check_cases")
 kernel = cases.load_kernel()
 # kernel.py and the candidates of its folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_shared_carveout")
+SOLUTIONS = ("kernel",)
 
 
 @functools.cache

@@ -106,9 +106,10 @@ class _SplitKernel:
     """Partial attention of one token over 2048 / num_splits of its rows (see module docstring)."""
 
     def __init__(self, staged_indices: bool = False) -> None:
-        # Staged: the split's row ids copied once into shared memory ahead of the gathers. Read one by
-        # one from global memory inside the copy loop and the softmax, they cost 2-3 us at two chunks
-        # per split; with one chunk, staging delays the gather by its wait and barrier (NOTES.md, v1.7).
+        # Staged: the split's row ids copied once into shared memory ahead of the gathers, instead of
+        # read one by one from global memory inside the copy loop and the softmax: 5-8 % off the calls
+        # with two chunks per split; with one chunk, staging delays the gather by its wait and barrier
+        # and lost 4 % (NOTES.md, v1.7).
         self.staged_indices = staged_indices
 
     def shared_layouts(self):
@@ -290,7 +291,8 @@ class _SplitKernel:
                 )
             cute.arch.cp_async_commit_group()
 
-        # ---- Q: [q_nope | q_pe] of this token into sq (part of the first cp.async group) ----
+        # ---- Q: [q_nope | q_pe] of this token into sq (in the first chunk's cp.async group, or in a group
+        # of its own after the row ids' when they are staged) ----
         for i in cutlass.range_constexpr(NUM_HEADS * CKV_DIM // COPY_ELEMS // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             head = linear // (CKV_DIM // COPY_ELEMS)

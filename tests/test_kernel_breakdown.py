@@ -7,7 +7,7 @@ import torch
 
 from hopperbench.devcheck import load_module_by_path
 from hopperbench.paths import REPO_ROOT
-from hopperbench.timing.span import GpuRecord
+from hopperbench.timing.span import ApiRecord, GpuRecord
 
 tool = load_module_by_path(REPO_ROOT / "tools/kernel_breakdown.py", "kernel_breakdown_tool")
 
@@ -99,3 +99,39 @@ def test_the_timeline_says_when_each_activity_was_issued_started_and_ended():
     # Without the launches the column says unknown.
     assert tool.breakdown(iterations).activities[1].median_issued_us is None
     assert tool.breakdown(iterations, {1: 98_000}).activities[1].median_issued_us is None
+
+
+def api(start_us: float, end_us: float, cbid: int, kind: int = 5) -> ApiRecord:
+    start, end = int(start_us * 1000), int(end_us * 1000)
+    return ApiRecord(start=start, end=end, correlation_id=cbid, kind=kind, callback_id=cbid)
+
+
+def test_host_calls_inside_each_window_lined_up_on_the_gpu_origin():
+    # Two iterations, each two launches (cbid 7 then 9); a call outside the windows is ignored.
+    windows = [(0, 20_000), (100_000, 130_000)]
+    records = [api(1, 3, 7), api(6, 7, 9), api(50, 51, 4), api(102, 105, 7), api(109, 110, 9)]
+    origins = [9_000, 111_000]  # first GPU start of each iteration, ns
+    calls = tool.host_calls(windows, records, origins, lambda r: f"cb{r.callback_id}")
+    assert [(c.position, c.name) for c in calls] == [(0, "cb7"), (1, "cb9")]
+    assert calls[0].median_start_us == pytest.approx(-8.5)  # -8 and -9
+    assert calls[0].median_us == pytest.approx(2.5)  # 2 and 3
+    assert calls[1].median_start_us == pytest.approx(-2.5)  # -3 and -2
+    text = tool.render_host_calls(calls)
+    assert "cb7" in text and "-8.5" in text
+
+
+def test_host_calls_that_differ_between_iterations_are_not_lined_up():
+    windows = [(0, 20_000), (100_000, 130_000)]
+    records = [api(1, 3, 7), api(102, 105, 9)]
+    assert tool.host_calls(windows, records, [0, 100_000], str) is None
+    assert "not the same calls" in tool.render_host_calls(None)
+    with pytest.raises(tool.BreakdownError, match="origins"):
+        tool.host_calls(windows, records, [0], str)
+
+
+def test_api_calls_are_named_from_cuptis_tables():
+    cupti = pytest.importorskip("cupti.cupti")
+    name_of = tool.api_call_namer(cupti)
+    launch = int(cupti.driver_api_trace_cbid.cuLaunchKernelEx)
+    assert name_of(ApiRecord(0, 1, 1, int(cupti.ActivityKind.DRIVER), launch)) == "cuLaunchKernelEx"
+    assert name_of(ApiRecord(0, 1, 1, 99, 3)) == "kind 99: 3"

@@ -10,8 +10,9 @@ the GPU (all three from the call's first GPU start; CUPTI puts host and GPU time
 duration and the gap before it (from the previous activity's end: host time the span holds), each a
 median over the iterations, and the median span. A multi-launch side shows which kernel or which
 host gap dominates, and whether a kernel waited for its own launch (issued after the previous one
-ended) or for the GPU; a single kernel shows whether the span is the kernel. No correctness check
-here: the runner does that.
+ended) or for the GPU; a single kernel shows whether the span is the kernel. Below it, the host's
+CUDA runtime and driver calls inside the call (name, start on the same origin, duration): where
+the host's time between two launches goes. No correctness check here: the runner does that.
 Exits 2 without CUDA or CUPTI, or on bad arguments, with one line on stderr.
 """
 
@@ -20,8 +21,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hopperbench.timing.span import ApiRecord, GpuRecord
 
@@ -43,6 +45,16 @@ class ActivityStat:
     median_start_us: float = 0.0  # GPU start, from the iteration's first GPU start
     median_end_us: float = 0.0  # GPU end, same origin
     median_issued_us: float | None = None  # host start of its launching API call, same origin; None: unknown
+
+
+@dataclass(frozen=True)
+class HostCallStat:
+    """One host API call (by position inside the call) over the timed iterations."""
+
+    position: int
+    name: str
+    median_start_us: float  # from the iteration's first GPU start, like ActivityStat's times
+    median_us: float
 
 
 @dataclass(frozen=True)
@@ -110,6 +122,62 @@ def breakdown(per_iteration: Sequence[Sequence[GpuRecord]], issued: Mapping[int,
     return Breakdown(activities, statistics.median(spans))
 
 
+def host_calls(
+    windows: Sequence[tuple[int, int]],
+    api_records: Sequence[ApiRecord],
+    origins: Sequence[int],
+    name_of: Callable[[ApiRecord], str],
+) -> list[HostCallStat] | None:
+    """The API calls that started inside each iteration's window [t0, t1], lined up by start order,
+    with median start (from that iteration's `origins` entry) and duration; None when the iterations
+    did not make the same calls in the same order (then no position means the same call)."""
+    if len(windows) != len(origins):
+        raise BreakdownError(f"{len(windows)} windows but {len(origins)} origins")
+    per_iteration = [
+        sorted((r for r in api_records if t0 <= r.start <= t1), key=lambda r: (r.start, r.end)) for t0, t1 in windows
+    ]
+    if not per_iteration:
+        return []
+    signature = [(r.kind, r.callback_id) for r in per_iteration[0]]
+    if any([(r.kind, r.callback_id) for r in calls] != signature for calls in per_iteration[1:]):
+        return None
+    stats = []
+    for position in range(len(signature)):
+        starts = [(calls[position].start - origin) / NS_PER_US for calls, origin in zip(per_iteration, origins)]
+        durations = [(calls[position].end - calls[position].start) / NS_PER_US for calls in per_iteration]
+        name = name_of(per_iteration[0][position])
+        stats.append(HostCallStat(position, name, statistics.median(starts), statistics.median(durations)))
+    return stats
+
+
+def render_host_calls(calls: list[HostCallStat] | None, name_width: int = 40) -> str:
+    if calls is None:
+        return "  host API calls: not the same calls in every iteration"
+    indent = " " * len("  host API calls: ")
+    lines = [f"  host API calls: {'#':>2} {'name':<{name_width}} {'start':>7} {'median us':>10}"]
+    for c in calls:
+        name = c.name[:name_width]
+        lines.append(f"{indent}{c.position:>2} {name:<{name_width}} {c.median_start_us:>7.1f} {c.median_us:>10.1f}")
+    return "\n".join(lines)
+
+
+def api_call_namer(cupti: Any) -> Callable[[ApiRecord], str]:
+    """Names of CUPTI's runtime and driver callback ids (the number where the enum has none)."""
+    tables = {
+        int(cupti.ActivityKind.RUNTIME): cupti.runtime_api_trace_cbid,
+        int(cupti.ActivityKind.DRIVER): cupti.driver_api_trace_cbid,
+    }
+
+    def name_of(record: ApiRecord) -> str:
+        table = tables.get(record.kind)
+        try:
+            return table(record.callback_id).name if table is not None else f"kind {record.kind}: {record.callback_id}"
+        except ValueError:
+            return f"kind {record.kind}: {record.callback_id}"
+
+    return name_of
+
+
 def render(title: str, result: Breakdown, name_width: int = 60) -> str:
     lines = [
         title,
@@ -154,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     from hopperbench.definitions import load_definition
     from hopperbench.sides import sides_for
     from hopperbench.synth import make_inputs
-    from hopperbench.timing.cupti_timer import TimerUnavailable, record_cold_l2
+    from hopperbench.timing.cupti_timer import TimerUnavailable, load_cupti, record_cold_l2
     from hopperbench.timing.span import iteration_gpu_records
     from hopperbench.tracks import UnknownTrackError, get_track
     from hopperbench.worker import allocate_poisoned_outputs
@@ -197,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         result = breakdown(per_iteration, issue_times(trace.api_records))
         axes = " ".join(f"{k}={v}" for k, v in workload.axes.items())
         print(render(f"{track.name} #{index} ({axes}), side {side.name}:", result))
+        origins = [min(r.start for r in records) for records in per_iteration]
+        print(render_host_calls(host_calls(trace.windows, trace.api_records, origins, api_call_namer(load_cupti()))))
         del inputs, call_args, trace
     return 0
 

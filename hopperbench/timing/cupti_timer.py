@@ -61,7 +61,8 @@ def cupti_python_version() -> str | None:
         return None
 
 
-def _load_cupti() -> Any:
+def load_cupti() -> Any:
+    """The cupti module, after checking that cupti-python is importable and recent enough (TimerUnavailable if not)."""
     try:
         from cupti import cupti
     except ImportError as exc:
@@ -205,7 +206,7 @@ def record_cold_l2(
     """Run the cold-L2 protocol (see `time_cold_l2`) and return the raw activity trace."""
     if warmup < 0 or iterations < 1:
         raise ValueError(f"need warmup >= 0 and iterations >= 1, got warmup={warmup}, iterations={iterations}")
-    cupti = _load_cupti()
+    cupti = load_cupti()
     dev = _resolve_device(device, args)
     try:
         cupti.get_timestamp()  # fails fast when CUPTI cannot reach the driver

@@ -18,6 +18,7 @@ import torch
 
 from hopperbench.devcheck import load_folder_module, load_module_by_path, replay_on_fresh_inputs, total_nan
 from hopperbench.paths import REPO_ROOT
+from tests.kernels.compile_checks import assert_compiles_and_caches
 
 # kernels/ is not a package: load the case helpers and the kernel by path, as the harness does.
 cases = load_module_by_path(REPO_ROOT / "kernels/dsa_attention/check_cases.py", "dsa_check_cases")
@@ -43,10 +44,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_compiles_both_forms_for_sm90a_without_gpu():
-    compiled = kernel.compile_only("sm_90a")
-    assert len(compiled) == 2 and all(callable(fn) for fn in compiled) and compiled[0] is not compiled[1]
-    # Cached: a second request must not recompile.
-    assert kernel.compile_only("sm_90a") == compiled
+    assert_compiles_and_caches(kernel.compile_only, 2)  # row ids staged or not
 
 
 @pytest.mark.parametrize("num_tokens, staged", [(1, False), (2, False), (4, False), (5, True), (8, True), (4096, True)])

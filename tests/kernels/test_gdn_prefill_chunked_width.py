@@ -19,6 +19,7 @@ import torch
 
 from hopperbench.devcheck import load_folder_module, load_module_by_path
 from hopperbench.paths import REPO_ROOT
+from tests.kernels.compile_checks import assert_compiles_and_caches
 
 chunked = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "chunked")
 kernel = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "kernel")
@@ -56,9 +57,7 @@ def test_narrow_kernel_is_the_chunked_kernel_on_16_rows():
 
 
 def test_compiles_both_widths_for_sm90a_without_gpu():
-    compiled = chunked.compile_only("sm_90a")
-    assert len(compiled) == 2 and all(callable(fn) for fn in compiled) and compiled[0] is not compiled[1]
-    assert chunked.compile_only("sm_90a") == compiled  # cached
+    assert_compiles_and_caches(chunked.compile_only, 2)
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ import torch
 
 from hopperbench.devcheck import load_folder_module, load_module_by_path
 from hopperbench.paths import REPO_ROOT
+from tests.kernels.compile_checks import assert_compiles_and_caches
 
 wy_prepass = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "wy_prepass")
 chunked = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "chunked")
@@ -74,9 +75,7 @@ def test_chain_width_is_chosen_from_the_sequence_count(num_seqs, rows, monkeypat
 
 
 def test_compiles_every_config_for_sm90a_without_gpu():
-    compiled = wy_prepass.compile_only("sm_90a")
-    assert len(compiled) == 2 and all(callable(fn) for fn in compiled) and compiled[0] is not compiled[1]
-    assert wy_prepass.compile_only("sm_90a") == compiled  # cached
+    assert_compiles_and_caches(wy_prepass.compile_only, 2)
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ import torch
 
 from hopperbench.devcheck import load_module_by_path, replay_on_fresh_inputs
 from hopperbench.paths import REPO_ROOT
+from tests.kernels.compile_checks import assert_compiles_and_caches
 
 # kernels/ is not a package: load the case helpers and the kernel by path, as the harness does.
 cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check_cases")
@@ -45,12 +46,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_compiles_for_sm90a_without_gpu():
-    compiled = kernel.compile_only("sm_90a")
     # Every variant and the zeroing of a new counter buffer, so that no call compiles lazily.
-    assert len(compiled) == len(kernel.VARIANTS) + 1 and all(callable(fn) for fn in compiled)
+    compiled = assert_compiles_and_caches(kernel.compile_only, len(kernel.VARIANTS) + 1)
     assert compiled[-1] is solution_module("counters").compiled_zero("sm_90a")
-    # Cached: a second request must not recompile.
-    assert kernel.compile_only("sm_90a") == compiled
 
 
 def test_variants_are_on_wgmma_from_33_tokens():

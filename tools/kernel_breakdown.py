@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hopperbench.timing.span import ApiRecord, GpuRecord
+from hopperbench.timing.span import ApiRecord, GpuRecord, api_calls_in_windows
 
 NS_PER_US = 1e3
 
@@ -133,9 +133,7 @@ def host_calls(
     did not make the same calls in the same order (then no position means the same call)."""
     if len(windows) != len(origins):
         raise BreakdownError(f"{len(windows)} windows but {len(origins)} origins")
-    per_iteration = [
-        sorted((r for r in api_records if t0 <= r.start <= t1), key=lambda r: (r.start, r.end)) for t0, t1 in windows
-    ]
+    per_iteration = api_calls_in_windows(windows, api_records)
     if not per_iteration:
         return []
     signature = [(r.kind, r.callback_id) for r in per_iteration[0]]

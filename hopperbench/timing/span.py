@@ -109,14 +109,22 @@ def _describe_difference(first: set[str], other: set[str]) -> str:
     return "; ".join(parts)
 
 
+def api_calls_in_windows(
+    windows: Sequence[tuple[int, int]], api_records: Sequence[ApiRecord]
+) -> list[list[ApiRecord]]:
+    """Per window [t0, t1], the API calls that started inside it, in (start, end) order."""
+    api_sorted = sorted(api_records, key=lambda r: (r.start, r.end))
+    api_starts = [r.start for r in api_sorted]
+    return [api_sorted[bisect.bisect_left(api_starts, t0) : bisect.bisect_right(api_starts, t1)] for t0, t1 in windows]
+
+
 def iteration_gpu_records(
     windows: Sequence[tuple[int, int]],
     api_records: Sequence[ApiRecord],
     gpu_records: Sequence[GpuRecord],
 ) -> list[list[GpuRecord]]:
     """The GPU records each iteration launched; raises TimingError as `iteration_spans` does."""
-    api_sorted = sorted(api_records, key=lambda r: r.start)
-    api_starts = [r.start for r in api_sorted]
+    calls_per_window = api_calls_in_windows(windows, api_records)
     gpu_by_correlation: dict[int, list[GpuRecord]] = defaultdict(list)
     for record in gpu_records:
         gpu_by_correlation[record.correlation_id].append(record)
@@ -126,9 +134,7 @@ def iteration_gpu_records(
     for index, (t0, t1) in enumerate(windows):
         if t1 < t0:
             raise TimingError(f"iteration {index} has a window that ends before it starts ({t0} > {t1})")
-        lo = bisect.bisect_left(api_starts, t0)
-        hi = bisect.bisect_right(api_starts, t1)
-        correlation_ids = {api_sorted[k].correlation_id for k in range(lo, hi)}
+        correlation_ids = {call.correlation_id for call in calls_per_window[index]}
         records = [g for cid in sorted(correlation_ids) for g in gpu_by_correlation.get(cid, ())]
         if not records:
             raise TimingError(f"iteration {index} launched no GPU work")

@@ -232,10 +232,26 @@ class _SplitKernel:
             split,
             tidx,
         )
+        self.store_partial(acc_o, row_max, row_sum, workspace, tiled_mma, sk, token, split, tidx)
+
+    @cute.jit
+    def store_partial(
+        self,
+        acc_o: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        workspace: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        sk: cute.Tensor,
+        token: cutlass.Int32,
+        split: cutlass.Int32,
+        tidx: cutlass.Int32,
+    ):
+        """The epilogue: this split's unnormalised O, m and l into its workspace rows, straight from
+        registers. `sk`, the chunk ring, is free here (`attend` ends at a barrier); this form does not
+        use it."""
         thr_mma = tiled_mma.get_slice(tidx)
         softmax_row = tidx // THREADS_PER_SOFTMAX_ROW
-
-        # ---- epilogue: unnormalised O, m and l of this split ----
         tOgO = thr_mma.partition_C(
             cute.local_tile(workspace[token, split, None, None], (NUM_HEADS, CKV_DIM), (0, 0))
         )

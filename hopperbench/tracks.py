@@ -230,13 +230,6 @@ DSA_ATTENTION = Track(
             package="flash_mla==1.0.0+9241ae3",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_bulk_partial_store",
-            entry="candidate_bulk_partial_store.py::run",
-            description="kernel.py v1.8 with the split's partial staged in shared memory and written by one bulk copy (v1.11)",
-        ),
-    ),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

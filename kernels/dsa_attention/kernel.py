@@ -15,7 +15,8 @@ Flash-decoding over the 2048 selected cache rows of each token, in two kernels:
    - O[16, 512] += P[16, 64] V[64, 512] with `mma.sync` (the 4 warps split the 512 columns; V is
      the ckv part of the same shared-memory rows, read transposed by `ldmatrix.trans`);
    - writes its unnormalised O (fp32) and its running max m and sum l per head to a workspace
-     [T, num_splits, 16, 516] (O in columns 0..511, m in 512, l in 513).
+     [T, num_splits, 16, 516] (O in columns 0..511, m in 512, l in 513): assembled in shared memory
+     and copied out as one 33-KB block by a bulk asynchronous copy (v1.11).
 2. `_CombineKernel`, grid (T, 16 heads, 4 column groups): loads its partials, merges the splits by
    log-sum-exp and writes the bf16 output and the base-2 lse. A token with no valid row gets output 0 and lse -inf; a split with
    no valid row has m = -inf, l = 0, O = 0 and weighs nothing.
@@ -32,7 +33,8 @@ Both kernels are compiled once per form of the split kernel (row ids staged or n
 num_splits) into one TVM-FFI function that takes the torch tensors directly and runs on the current
 torch stream; `run` only picks the split count from T (and with it the form), allocates the
 workspace and calls it. v1.8 (staged row ids, the combine's loads first) took 1.083x off v1.2 in the
-A/B of session 17, bit for bit the same outputs (NOTES.md).
+A/B of session 17, and v1.11 (the bulk-copy epilogue) 1.033x off v1.8 in session 18's, each bit for bit
+the same outputs (NOTES.md).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ MAX_CTAS_PER_WAVE = 132
 WS_MAX_COL = CKV_DIM
 WS_SUM_COL = CKV_DIM + 1
 WS_COLS = CKV_DIM + 4
+PARTIAL_BYTES = NUM_HEADS * WS_COLS * 4  # one (token, split)'s workspace rows: one contiguous block
 LOG2_E = 1.4426950408889634
 # The flattened cache is addressed with 32-bit element offsets.
 MAX_CACHE_ELEMENTS = 2**31
@@ -247,18 +250,37 @@ class _SplitKernel:
         split: cutlass.Int32,
         tidx: cutlass.Int32,
     ):
-        """The epilogue: this split's unnormalised O, m and l into its workspace rows, straight from
-        registers. `sk`, the chunk ring, is free here (`attend` ends at a barrier); this form does not
-        use it."""
-        thr_mma = tiled_mma.get_slice(tidx)
-        softmax_row = tidx // THREADS_PER_SOFTMAX_ROW
-        tOgO = thr_mma.partition_C(
-            cute.local_tile(workspace[token, split, None, None], (NUM_HEADS, CKV_DIM), (0, 0))
+        """The epilogue: this split's workspace rows (unnormalised O, m, l) assembled in the chunk ring in
+        their global layout, then written by one thread's bulk copy of the contiguous block (v1.11: from
+        registers, each warp's `st.global.v2` covered 8 rows x 32 B and issuing the 33 KB took ~0.9 us;
+        1.033x on the call in session 18's A/B, NOTES.md)."""
+        # attend() ended at a barrier after the last P V, so nobody reads the ring any more.
+        staged = cute.make_tensor(
+            cute.recast_ptr(sk.iterator, dtype=cutlass.Float32),
+            cute.make_layout((NUM_HEADS, WS_COLS), stride=(WS_COLS, 1)),
         )
-        cute.autovec_copy(acc_o, tOgO)
+        thr_mma = tiled_mma.get_slice(tidx)
+        cute.autovec_copy(acc_o, thr_mma.partition_C(cute.local_tile(staged, (NUM_HEADS, CKV_DIM), (0, 0))))
+        softmax_row = tidx // THREADS_PER_SOFTMAX_ROW
         if tidx % THREADS_PER_SOFTMAX_ROW == 0:
-            workspace[token, split, softmax_row, WS_MAX_COL] = row_max[0]
-            workspace[token, split, softmax_row, WS_SUM_COL] = row_sum[0]
+            staged[softmax_row, WS_MAX_COL] = row_max[0]
+            staged[softmax_row, WS_SUM_COL] = row_sum[0]
+            # The two padding columns go out with the block: zero, not stale K bits.
+            staged[softmax_row, WS_SUM_COL + 1] = cutlass.Float32(0.0)
+            staged[softmax_row, WS_SUM_COL + 2] = cutlass.Float32(0.0)
+        # Every writer makes its shared-memory stores visible to the async proxy before the barrier.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+        if tidx == 0:
+            destination = workspace.iterator + cute.crd2idx((token, split, 0, 0), workspace.layout)
+            cute.arch.inline_ptx(
+                f"cp.async.bulk.global.shared::cta.bulk_group [{{$r0}}], [{{$r1}}], {PARTIAL_BYTES};",
+                read_only_args=[cutlass.Int64(destination.toint()), cutlass.Int32(staged.iterator.toint())],
+            )
+            cute.arch.cp_async_bulk_commit_group()
+            # Complete (not only read out of shared memory) before the CTA exits, so the combine's
+            # griddepcontrol.wait covers these writes as it covers any other write of the grid.
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def attend(

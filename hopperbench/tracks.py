@@ -230,13 +230,6 @@ DSA_ATTENTION = Track(
             package="flash_mla==1.0.0+9241ae3",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_bulk_row_gather",
-            entry="candidate_bulk_row_gather.py::run",
-            description="kernel.py v1.11 with each chunk's rows gathered by one bulk copy per ckv / kpe row part on an mbarrier (v1.12)",
-        ),
-    ),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

@@ -135,7 +135,6 @@ class _SplitKernel:
         }
         if cutlass.const_expr(self.staged_indices):
             fields["srow_ids"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int32, TOPK], 16]
-        fields.update(self.extra_shared_fields())
         SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         return tiled_mma, sq_layout, sk_layout, ss_layout, sp_layout, SharedStorage
 
@@ -143,7 +142,6 @@ class _SplitKernel:
         """The CTA's shared-memory tensors (sq, sk, ss, sp, salpha, srow_ids; srow_ids is None unless
         staged_indices)."""
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        self.bind_extra_shared(storage)
         srow_ids = None
         if cutlass.const_expr(self.staged_indices):
             srow_ids = storage.srow_ids.get_tensor(cute.make_layout(TOPK))
@@ -155,21 +153,6 @@ class _SplitKernel:
             storage.salpha.get_tensor(cute.make_layout(NUM_HEADS)),
             srow_ids,
         )
-
-    # Hooks for a candidate's gather (kernel.py's own cp.async gather needs none of them).
-    def extra_shared_fields(self) -> dict:
-        """Shared-memory fields beyond kernel.py's."""
-        return {}
-
-    def bind_extra_shared(self, storage) -> None:
-        """Sees the CTA's shared storage as it is allocated."""
-
-    def prepare_gather(self, tidx: cutlass.Int32) -> None:
-        """Runs at the start of `attend`, before any copy."""
-
-    def wait_chunk(self, chunk: cutlass.Int32, stage: cutlass.Int32) -> None:
-        """Waits for chunk `chunk` (in `stage`) beyond the cp.async groups, before the barrier that
-        ends its wait."""
 
     @cute.jit
     def launch(
@@ -326,7 +309,6 @@ class _SplitKernel:
         chunks_per_split = NUM_CHUNKS // num_splits
         first_row = split * chunks_per_split * BLOCK_N
         num_cache_rows = ckv_rows.shape[0]
-        self.prepare_gather(tidx)
         g2s = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
             cutlass.BFloat16,
@@ -439,7 +421,6 @@ class _SplitKernel:
                 )
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)  # everything but the prefetch has landed
-            self.wait_chunk(chunk, stage)
             cute.arch.sync_threads()
 
             # ---- S = Q K^T over the 576 dims ----

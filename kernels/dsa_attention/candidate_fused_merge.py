@@ -288,7 +288,8 @@ def compile_only(arch: str = kernel.GPU_ARCH) -> tuple[Callable, Callable]:
 
 def token_counters(device: torch.device) -> torch.Tensor:
     """The counters of the current stream on `device`: zeroed once, then kept on multiples of 32 by the kernel."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
     counters = _COUNTERS.get(key)
     if counters is None:
         counters = _COUNTERS[key] = torch.zeros(NUM_COUNTERS, dtype=torch.int32, device=device)

@@ -230,13 +230,6 @@ DSA_ATTENTION = Track(
             package="flash_mla==1.0.0+9241ae3",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_fused_merge",
-            entry="candidate_fused_merge.py::run",
-            description="kernel.py v1.11 as one cooperative launch where a token has several splits: each token's splits meet on a counter and merge their columns (v1.13)",
-        ),
-    ),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

@@ -24,7 +24,7 @@ from tests.kernels.compile_checks import assert_compiles_and_caches
 cases = load_module_by_path(REPO_ROOT / "kernels/dsa_attention/check_cases.py", "dsa_check_cases")
 kernel = cases.load_kernel()
 # kernel.py and the candidates of its folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_fused_merge")
+SOLUTIONS = ("kernel",)
 
 
 @functools.cache

@@ -88,6 +88,8 @@ MAX_CACHE_ELEMENTS = 2**31
 GPU_ARCH = "sm_90a"
 
 assert TOPK % BLOCK_N == 0 and NUM_THREADS % NUM_HEADS == 0 and CKV_DIM % NUM_THREADS == 0
+# The epilogue's bulk copy moves a multiple of 16 B, assembled in the chunk ring.
+assert PARTIAL_BYTES % 16 == 0 and PARTIAL_BYTES <= NUM_STAGES * BLOCK_N * QK_ROW_STRIDE * 2
 assert MAX_SPLITS == NUM_CHUNKS <= cute.arch.WARP_SIZE
 
 
@@ -255,19 +257,19 @@ class _SplitKernel:
         registers, each warp's `st.global.v2` covered 8 rows x 32 B and issuing the 33 KB took ~0.9 us;
         1.033x on the call in session 18's A/B, NOTES.md)."""
         # attend() ended at a barrier after the last P V, so nobody reads the ring any more.
-        staged = cute.make_tensor(
+        block = cute.make_tensor(
             cute.recast_ptr(sk.iterator, dtype=cutlass.Float32),
             cute.make_layout((NUM_HEADS, WS_COLS), stride=(WS_COLS, 1)),
         )
         thr_mma = tiled_mma.get_slice(tidx)
-        cute.autovec_copy(acc_o, thr_mma.partition_C(cute.local_tile(staged, (NUM_HEADS, CKV_DIM), (0, 0))))
+        cute.autovec_copy(acc_o, thr_mma.partition_C(cute.local_tile(block, (NUM_HEADS, CKV_DIM), (0, 0))))
         softmax_row = tidx // THREADS_PER_SOFTMAX_ROW
         if tidx % THREADS_PER_SOFTMAX_ROW == 0:
-            staged[softmax_row, WS_MAX_COL] = row_max[0]
-            staged[softmax_row, WS_SUM_COL] = row_sum[0]
+            block[softmax_row, WS_MAX_COL] = row_max[0]
+            block[softmax_row, WS_SUM_COL] = row_sum[0]
             # The two padding columns go out with the block: zero, not stale K bits.
-            staged[softmax_row, WS_SUM_COL + 1] = cutlass.Float32(0.0)
-            staged[softmax_row, WS_SUM_COL + 2] = cutlass.Float32(0.0)
+            block[softmax_row, WS_SUM_COL + 1] = cutlass.Float32(0.0)
+            block[softmax_row, WS_SUM_COL + 2] = cutlass.Float32(0.0)
         # Every writer makes its shared-memory stores visible to the async proxy before the barrier.
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
@@ -275,7 +277,7 @@ class _SplitKernel:
             destination = workspace.iterator + cute.crd2idx((token, split, 0, 0), workspace.layout)
             cute.arch.inline_ptx(
                 f"cp.async.bulk.global.shared::cta.bulk_group [{{$r0}}], [{{$r1}}], {PARTIAL_BYTES};",
-                read_only_args=[cutlass.Int64(destination.toint()), cutlass.Int32(staged.iterator.toint())],
+                read_only_args=[cutlass.Int64(destination.toint()), cutlass.Int32(block.iterator.toint())],
             )
             cute.arch.cp_async_bulk_commit_group()
             # Complete (not only read out of shared memory) before the CTA exits, so the combine's

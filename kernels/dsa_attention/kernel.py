@@ -253,9 +253,9 @@ class _SplitKernel:
         tidx: cutlass.Int32,
     ):
         """The epilogue: this split's workspace rows (unnormalised O, m, l) assembled in the chunk ring in
-        their global layout, then written by one thread's bulk copy of the contiguous block (v1.11: from
-        registers, each warp's `st.global.v2` covered 8 rows x 32 B and issuing the 33 KB took ~0.9 us;
-        1.033x on the call in session 18's A/B, NOTES.md)."""
+        their global layout, then written by one thread's bulk copy of the contiguous block (v1.11, 1.033x
+        on the call in session 18's A/B: from registers each warp's `st.global.v2` wrote 32-B pieces of 8
+        rows; the whole lines of the bulk copy are what the combine reloads faster, NOTES.md)."""
         # attend() ended at a barrier after the last P V, so nobody reads the ring any more.
         block = cute.make_tensor(
             cute.recast_ptr(sk.iterator, dtype=cutlass.Float32),

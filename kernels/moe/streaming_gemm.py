@@ -403,6 +403,35 @@ class LinkedGemm:
             use_pdl=self.link.waits,
         )
 
+    @cute.jit
+    def locate_load(
+        self,
+        cta: Int32,
+        grid: Int32,
+        s: Int32,
+        tile_end: cute.Tensor,
+        expert_count: cute.Tensor,
+        expert_offset: cute.Tensor,
+        expert_tokens: cute.Tensor,
+        tidx: Int32,
+    ):
+        """(expert, valid rows, GEMM1: this thread's token / GEMM2: the first packed row) of the item of
+        flat stage `s`: located when the load of the item's first K stage is issued and kept in registers
+        for its other K stages (v2.4; session 15's ncu found both locations per K stage, binary searches
+        over shared memory, and the token's reload from global memory on the stage's critical path). For
+        the configurations with `gemm1`, `k_stages`, `items_per_row_tile`, `block_tokens` and
+        `threads_per_token` (this file's and `wgmma_gemm1.py`'s)."""
+        cfg = self.cfg
+        item = cta + (s // cfg.k_stages) * grid
+        expert, first_row, valid_rows, packed_row0 = locate_row_tile(
+            item // cfg.items_per_row_tile, cfg.block_tokens, tile_end, expert_count, expert_offset
+        )
+        if cutlass.const_expr(cfg.gemm1):
+            row_source = slot_token(expert_tokens, expert, first_row, valid_rows, tidx // cfg.threads_per_token)
+        else:
+            row_source = packed_row0
+        return expert, valid_rows, row_source
+
 
 class StreamingGemm(LinkedGemm):
     """Both expert GEMMs; `config.gemm1` picks operands and epilogue.
@@ -566,31 +595,6 @@ class StreamingGemm(LinkedGemm):
     @cute.jit
     def locate(self, row_tile: Int32, tile_end: cute.Tensor, expert_count: cute.Tensor, expert_offset: cute.Tensor):
         return locate_row_tile(row_tile, self.cfg.block_tokens, tile_end, expert_count, expert_offset)
-
-    @cute.jit
-    def locate_load(
-        self,
-        cta: Int32,
-        grid: Int32,
-        s: Int32,
-        tile_end: cute.Tensor,
-        expert_count: cute.Tensor,
-        expert_offset: cute.Tensor,
-        expert_tokens: cute.Tensor,
-        tidx: Int32,
-    ):
-        """(expert, valid rows, GEMM1: this thread's token / GEMM2: the first packed row) of the item of
-        flat stage `s`."""
-        cfg = self.cfg
-        item = cta + (s // cfg.k_stages) * grid
-        expert, first_row, valid_rows, packed_row0 = self.locate(
-            item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset
-        )
-        if cutlass.const_expr(cfg.gemm1):
-            row_source = slot_token(expert_tokens, expert, first_row, valid_rows, tidx // cfg.threads_per_token)
-        else:
-            row_source = packed_row0
-        return expert, valid_rows, row_source
 
     @cute.jit
     def load_stage(

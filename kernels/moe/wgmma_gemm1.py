@@ -41,7 +41,6 @@ from .streaming_gemm import (
     StreamingConfigError,
     locate_row_tile,
     schedule_tables,
-    slot_token,
     smem_region,
 )
 from .swiglu import swiglu_bf16
@@ -129,6 +128,11 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         self.scratch_in_stage = scratch_in_stage
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
+
+    # What `LinkedGemm.locate_load` reads besides block_tokens and threads_per_token.
+    gemm1 = True
+    k_stages = K_STAGES
+    items_per_row_tile = ITEMS_PER_ROW_TILE
 
     def fields(self) -> dict:
         ns, bt = self.num_stages, self.block_tokens
@@ -396,30 +400,6 @@ class WgmmaGemm1(LinkedGemm):
                 ),
                 cute.local_tile(w_scales[half, None, slot], (1,), (block,)),
             )
-
-    @cute.jit
-    def locate_load(
-        self,
-        cta: Int32,
-        grid: Int32,
-        s: Int32,
-        tile_end: cute.Tensor,
-        expert_count: cute.Tensor,
-        expert_offset: cute.Tensor,
-        expert_tokens: cute.Tensor,
-        tidx: Int32,
-    ):
-        """(expert, valid rows, this thread's token) of the item of flat stage `s`: located when the load of
-        the item's first K stage is issued and kept in registers for its other K stages (v2.4; session 15's
-        ncu found both locations per K stage, binary searches over shared memory, and the token's reload
-        from global memory on the stage's critical path)."""
-        bt = self.cfg.block_tokens
-        item = cta + (s // K_STAGES) * grid
-        expert, first_row, valid_rows, _ = locate_row_tile(
-            item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
-        )
-        token = slot_token(expert_tokens, expert, first_row, valid_rows, tidx // self.cfg.threads_per_token)
-        return expert, valid_rows, token
 
     @cute.jit
     def epilogue(

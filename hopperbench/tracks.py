@@ -230,13 +230,6 @@ DSA_ATTENTION = Track(
             package="flash_mla==1.0.0+9241ae3",
         ),
     ),
-    candidates=(
-        CandidateSide(
-            name="cand_half_chunk_splits",
-            entry="candidate_half_chunk_splits.py::run",
-            description="kernel.py v1.11 with splits of 32-row units, any count up to 64 (v1.14)",
-        ),
-    ),
 )
 
 TRACKS: dict[str, Track] = {t.name: t for t in (GDN_PREFILL, MOE, DSA_ATTENTION)}

@@ -110,12 +110,6 @@ def _make_tiled_mma() -> cute.TiledMma:
 class _SplitKernel:
     """Partial attention of one token over 2048 / num_splits of its rows (see module docstring)."""
 
-    # A split takes a whole number of ROW_UNIT-row units of the token's row list. BLOCK_N: whole chunks, and the
-    # split count divides NUM_CHUNKS. A smaller unit (a candidate's) lets a split end inside a chunk and any count up
-    # to TOPK / ROW_UNIT: split s takes units [s U / S, (s + 1) U / S), and the positions of a chunk past the
-    # split's rows are padding (no index or cache read).
-    ROW_UNIT = BLOCK_N
-
     def __init__(self, staged_indices: bool = False) -> None:
         # Staged: the split's row ids copied once into shared memory ahead of the gathers, instead of
         # read one by one from global memory inside the copy loop and the softmax: 5-8 % off the calls
@@ -314,7 +308,8 @@ class _SplitKernel:
         """The split's attention over its chunks (Q and chunk gathers, S = Q K^T, online softmax,
         O += P V); returns the unnormalised O (MMA C layout) and this thread's softmax row's
         running max and sum. The epilogue that stores them is the caller's."""
-        first_row, split_rows, chunks_per_split = self.split_range(split, num_splits)
+        chunks_per_split = NUM_CHUNKS // num_splits
+        first_row = split * chunks_per_split * BLOCK_N
         num_cache_rows = ckv_rows.shape[0]
         g2s = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
@@ -328,7 +323,7 @@ class _SplitKernel:
                 cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Int32, num_bits_per_copy=128
             )
             ids_per_copy = 4
-            for piece in cutlass.range(tidx, split_rows // ids_per_copy, NUM_THREADS, unroll=1):
+            for piece in cutlass.range(tidx, chunks_per_split * BLOCK_N // ids_per_copy, NUM_THREADS, unroll=1):
                 cute.copy(
                     g2s_ids,
                     cute.local_tile(sparse_indices[token, None], (ids_per_copy,), (first_row // ids_per_copy + piece,)),
@@ -361,9 +356,8 @@ class _SplitKernel:
             cute.arch.cp_async_wait_group(1)  # the row ids have landed (Q may still be in flight)
             cute.arch.sync_threads()
         self.gather_chunk(
-            g2s, ckv_rows, kpe_rows, sparse_indices, srow_ids, sk, token, first_row, 0, 0, split_rows, num_cache_rows,
-            tidx,
-        )  # fmt: skip
+            g2s, ckv_rows, kpe_rows, sparse_indices, srow_ids, sk, token, first_row, 0, 0, num_cache_rows, tidx
+        )
         cute.arch.cp_async_commit_group()
 
         # ---- MMA partitions that do not depend on the chunk ----
@@ -424,7 +418,6 @@ class _SplitKernel:
                     chunk_row + BLOCK_N,
                     (chunk + 1) * BLOCK_N,
                     (chunk + 1) % NUM_STAGES,
-                    split_rows,
                     num_cache_rows,
                     tidx,
                 )
@@ -450,9 +443,7 @@ class _SplitKernel:
             local_max = -cutlass.Float32.inf
             for j in cutlass.range_constexpr(COLS_PER_SOFTMAX_THREAD):
                 col = softmax_col0 + j
-                row_id = self.row_id(
-                    sparse_indices, srow_ids, token, chunk_row + col, chunk * BLOCK_N + col, split_rows
-                )
+                row_id = self.row_id(sparse_indices, srow_ids, token, chunk_row + col, chunk * BLOCK_N + col)
                 valid = row_id >= 0 and row_id < num_cache_rows
                 x = ss[softmax_row, col] * scale_log2
                 scaled[j] = x if valid else -cutlass.Float32.inf
@@ -482,35 +473,13 @@ class _SplitKernel:
             tOsVt = thr_ldsm_bt.partition_S(svt)
             tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(svt))
             tOrVt_view = thr_ldsm_bt.retile(tOrVt)
-            keys_per_k_block = BLOCK_N // cute.size(tOsP.shape[2])
             for k in cutlass.range_constexpr(cute.size(tOsP.shape[2])):
-                if cutlass.const_expr(k * keys_per_k_block < self.ROW_UNIT):
-                    self.accumulate_pv(tiled_mma, ldsm_a, ldsm_bt, tOsP, tOrP, tOrP_view, tOsVt, tOrVt, tOrVt_view, acc_o, k)
-                elif chunk * BLOCK_N + k * keys_per_k_block < split_rows:
-                    # A key block past the split's rows holds padding only (P = 0): its products add nothing.
-                    self.accumulate_pv(tiled_mma, ldsm_a, ldsm_bt, tOsP, tOrP, tOrP_view, tOsVt, tOrVt, tOrVt_view, acc_o, k)
+                cute.copy(ldsm_a, tOsP[None, None, k], tOrP_view[None, None, k])
+                cute.copy(ldsm_bt, tOsVt[None, None, k], tOrVt_view[None, None, k])
+                cute.gemm(tiled_mma, acc_o, tOrP[None, None, k], tOrVt[None, None, k], acc_o)
             # The next iteration overwrites this stage (prefetch) and ss/sp/salpha.
             cute.arch.sync_threads()
         return acc_o, row_max, row_sum
-
-    @cute.jit
-    def split_range(self, split: cutlass.Int32, num_splits: cutlass.Int32):
-        """(first position in the token's row list, number of rows, number of chunks) of `split`."""
-        if cutlass.const_expr(self.ROW_UNIT == BLOCK_N):
-            chunks_per_split = NUM_CHUNKS // num_splits
-            return split * chunks_per_split * BLOCK_N, chunks_per_split * BLOCK_N, chunks_per_split
-        else:
-            units = TOPK // self.ROW_UNIT
-            first_unit = split * units // num_splits
-            split_rows = ((split + 1) * units // num_splits - first_unit) * self.ROW_UNIT
-            return first_unit * self.ROW_UNIT, split_rows, (split_rows + BLOCK_N - 1) // BLOCK_N
-
-    @cute.jit
-    def accumulate_pv(self, tiled_mma, ldsm_a, ldsm_bt, tOsP, tOrP, tOrP_view, tOsVt, tOrVt, tOrVt_view, acc_o, k: int):
-        """O += P V over the k-th block of 16 keys."""
-        cute.copy(ldsm_a, tOsP[None, None, k], tOrP_view[None, None, k])
-        cute.copy(ldsm_bt, tOsVt[None, None, k], tOrVt_view[None, None, k])
-        cute.gemm(tiled_mma, acc_o, tOrP[None, None, k], tOrVt[None, None, k], acc_o)
 
     @cute.jit
     def gather_chunk(
@@ -525,13 +494,11 @@ class _SplitKernel:
         chunk_row: cutlass.Int32,
         split_row: cutlass.Int32,
         stage: cutlass.Int32,
-        split_rows: cutlass.Int32,
         num_cache_rows: cutlass.Int32,
         tidx: cutlass.Int32,
     ):
         """Issue the cp.async copies of one 64-row chunk into `stage`; zero-fill padding rows.
-        `chunk_row` is the chunk's first position in the token's row ids, `split_row` the same within the split
-        of `split_rows` rows.
+        `chunk_row` is the chunk's first position in the token's row ids, `split_row` the same within the split.
 
         Consecutive threads copy consecutive 16-B pieces of one row, so each warp reads 512
         contiguous bytes of a ckv row (and whole 128-B kpe rows)."""
@@ -541,7 +508,7 @@ class _SplitKernel:
             linear = i * NUM_THREADS + tidx
             row = linear // ckv_segs
             seg = linear % ckv_segs
-            row_id = self.row_id(sparse_indices, srow_ids, token, chunk_row + row, split_row + row, split_rows)
+            row_id = self.row_id(sparse_indices, srow_ids, token, chunk_row + row, split_row + row)
             dst = cute.local_tile(sk_stage[row, None], (COPY_ELEMS,), (seg,))
             if row_id >= 0 and row_id < num_cache_rows:
                 cute.copy(g2s, cute.local_tile(ckv_rows[row_id, None], (COPY_ELEMS,), (seg,)), dst)
@@ -552,7 +519,7 @@ class _SplitKernel:
             linear = i * NUM_THREADS + tidx
             row = linear // kpe_segs
             seg = linear % kpe_segs
-            row_id = self.row_id(sparse_indices, srow_ids, token, chunk_row + row, split_row + row, split_rows)
+            row_id = self.row_id(sparse_indices, srow_ids, token, chunk_row + row, split_row + row)
             dst = cute.local_tile(sk_stage[row, None], (COPY_ELEMS,), (ckv_segs + seg,))
             if row_id >= 0 and row_id < num_cache_rows:
                 cute.copy(g2s, cute.local_tile(kpe_rows[row_id, None], (COPY_ELEMS,), (seg,)), dst)
@@ -561,28 +528,9 @@ class _SplitKernel:
 
     @cute.jit
     def row_id(
-        self,
-        sparse_indices: cute.Tensor,
-        srow_ids,
-        token: cutlass.Int32,
-        row: cutlass.Int32,
-        split_row: cutlass.Int32,
-        split_rows: cutlass.Int32,
-    ) -> cutlass.Int32:
-        """The cache row id at position `row` of the token's list (`split_row` within the split of `split_rows`
-        rows); -1 (padding) past the split's rows, which only a split of part of a chunk has."""
-        if cutlass.const_expr(self.ROW_UNIT == BLOCK_N):
-            return self.listed_row_id(sparse_indices, srow_ids, token, row, split_row)
-        else:
-            row_id = cutlass.Int32(-1)
-            if split_row < split_rows:
-                row_id = self.listed_row_id(sparse_indices, srow_ids, token, row, split_row)
-            return row_id
-
-    @cute.jit
-    def listed_row_id(
         self, sparse_indices: cute.Tensor, srow_ids, token: cutlass.Int32, row: cutlass.Int32, split_row: cutlass.Int32
     ) -> cutlass.Int32:
+        """The cache row id at position `row` of the token's list (`split_row` within the split)."""
         if cutlass.const_expr(self.staged_indices):
             return srow_ids[split_row]
         else:
@@ -613,9 +561,6 @@ class _CombineKernel:
     6.5 us; this v1.1 form took 1.23x off the whole call in the A/B, NOTES.md.)
     """
 
-    # The largest split count this combine merges: lane s of a warp holds splits s, s + 32, ...
-    MAX_SPLITS = MAX_SPLITS
-
     @cute.jit
     def launch(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor, stream):
         self.kernel(workspace, output, lse).launch(
@@ -642,31 +587,20 @@ class _CombineKernel:
         num_splits: cutlass.Int32,
         lane: cutlass.Int32,
     ):
-        """(max over the splits, this lane's split weights, the weighted sum total): lane s of every
-        warp reads the max and sum of splits s, s + 32, ...; weights are 0 for splits past num_splits."""
-        splits_per_lane = self.MAX_SPLITS // cute.arch.WARP_SIZE
-        split_max = cute.make_rmem_tensor((splits_per_lane,), cutlass.Float32)
-        split_sum = cute.make_rmem_tensor((splits_per_lane,), cutlass.Float32)
-        weights = cute.make_rmem_tensor((splits_per_lane,), cutlass.Float32)
-        for j in cutlass.range_constexpr(splits_per_lane):
-            split_max[j] = -cutlass.Float32.inf
-            split_sum[j] = cutlass.Float32(0.0)
-            if lane + j * cute.arch.WARP_SIZE < num_splits:
-                split_max[j] = workspace[token, lane + j * cute.arch.WARP_SIZE, head, WS_MAX_COL]
-                split_sum[j] = workspace[token, lane + j * cute.arch.WARP_SIZE, head, WS_SUM_COL]
-        lane_max = split_max[0]
-        for j in cutlass.range_constexpr(1, splits_per_lane):
-            lane_max = cute.arch.fmax(lane_max, split_max[j])
-        global_max = self.warp_allreduce(lane_max, cute.arch.fmax)
+        """(max over the splits, this lane's split weight, the weighted sum total): lane s of every
+        warp reads split s's max and sum; weights are 0 on lanes past num_splits."""
+        split_stats = cute.make_rmem_tensor((2,), cutlass.Float32)  # this lane's split: max, sum
+        split_stats[0] = -cutlass.Float32.inf
+        split_stats[1] = cutlass.Float32(0.0)
+        if lane < num_splits:
+            split_stats[0] = workspace[token, lane, head, WS_MAX_COL]
+            split_stats[1] = workspace[token, lane, head, WS_SUM_COL]
+        global_max = self.warp_allreduce(split_stats[0], cute.arch.fmax)
         # A token without any valid row has max -inf: shift by 0 so every weight is exp2(-inf) = 0.
         shift = cutlass.Float32(0.0) if global_max == -cutlass.Float32.inf else global_max
-        for j in cutlass.range_constexpr(splits_per_lane):
-            weights[j] = cute.math.exp2(split_max[j] - shift, fastmath=True)  # 0 past num_splits
-        lane_total = weights[0] * split_sum[0]
-        for j in cutlass.range_constexpr(1, splits_per_lane):
-            lane_total = lane_total + weights[j] * split_sum[j]
-        total = self.warp_allreduce(lane_total, lambda a, b: a + b)
-        return global_max, weights, total
+        weight = cute.math.exp2(split_stats[0] - shift, fastmath=True)  # 0 on lanes past num_splits
+        total = self.warp_allreduce(weight * split_stats[1], lambda a, b: a + b)
+        return global_max, weight, total
 
     @cute.kernel
     def kernel(self, workspace: cute.Tensor, output: cute.Tensor, lse: cute.Tensor):
@@ -679,16 +613,15 @@ class _CombineKernel:
 
         # All 32 partial values first, so that they share one round trip with the statistics (v1.2
         # issued them in three waves around the statistics' shuffles: ~0.5 us more, NOTES.md v1.8).
-        partials = cute.make_rmem_tensor((self.MAX_SPLITS,), cutlass.Float32)
-        for s in cutlass.range_constexpr(self.MAX_SPLITS):
+        partials = cute.make_rmem_tensor((MAX_SPLITS,), cutlass.Float32)
+        for s in cutlass.range_constexpr(MAX_SPLITS):
             partials[s] = workspace[token, cutlass.min(s, num_splits - 1), head, col]
 
-        global_max, weights, total = self.split_weights(workspace, token, head, num_splits, lane)
+        global_max, weight, total = self.split_weights(workspace, token, head, num_splits, lane)
 
         acc = cutlass.Float32(0.0)
-        for s in cutlass.range_constexpr(self.MAX_SPLITS):
-            weight = cute.arch.shuffle_sync(weights[s // cute.arch.WARP_SIZE], s % cute.arch.WARP_SIZE)
-            acc = acc + weight * partials[s]
+        for s in cutlass.range_constexpr(MAX_SPLITS):
+            acc = acc + cute.arch.shuffle_sync(weight, s) * partials[s]
 
         # total >= 1 whenever some row was valid (the max element contributes exp2(0) = 1).
         inv_total = cutlass.Float32(0.0) if total == cutlass.Float32(0.0) else cutlass.Float32(1.0) / total
@@ -792,12 +725,9 @@ def compiled_for(
     return fn
 
 
-FORMS = (False, True)  # the split kernel's row ids staged or not
-
-
-def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
-    """Compile every form of the launcher for `arch` without touching a GPU (for CI and warm-up)."""
-    return tuple(compiled_for(arch, staged) for staged in FORMS)
+def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, Callable]:
+    """Compile both forms of the launcher for `arch` without touching a GPU (for CI and warm-up)."""
+    return tuple(compiled_for(arch, staged) for staged in (False, True))
 
 
 def stages_indices(num_splits: int) -> bool:
@@ -870,21 +800,7 @@ def run_with_splits(
         num_splits = num_splits_for(num_tokens)
     elif num_splits not in VALID_SPLITS:
         raise DsaShapeError(f"num_splits must be one of {VALID_SPLITS}, got {num_splits}")
-    launch_splits(
-        q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale, output, lse, num_splits,
-        stages_indices(num_splits), split, combine,
-    )  # fmt: skip
-
-
-def launch_splits(
-    q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, sm_scale, output, lse, num_splits: int, staged: bool,
-    split: type, combine: type,
-) -> None:  # fmt: skip
-    """One call of the compiled launcher of this form with a fresh workspace of `num_splits` splits (inputs checked
-    and T > 0 by the caller)."""
-    workspace = torch.empty(
-        (q_nope.shape[0], num_splits, NUM_HEADS, WS_COLS), dtype=torch.float32, device=q_nope.device
-    )
-    compiled_for(GPU_ARCH, staged, combine, split)(
+    workspace = torch.empty((num_tokens, num_splits, NUM_HEADS, WS_COLS), dtype=torch.float32, device=q_nope.device)
+    compiled_for(GPU_ARCH, stages_indices(num_splits), combine, split)(
         q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, float(sm_scale), output, lse, workspace
     )

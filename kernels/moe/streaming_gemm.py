@@ -240,7 +240,7 @@ class PersistentGemmConfig:
 class StreamingGemmConfig(PersistentGemmConfig):
     """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
 
-    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int):
+    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int, lean_issue: bool = False):
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -248,9 +248,15 @@ class StreamingGemmConfig(PersistentGemmConfig):
         self.gemm1 = gemm1
         self.block_tokens = block_tokens
         self.num_stages = num_stages
+        # The global addresses of a stage's copies from per-item bases (`StreamingGemm.item_bases`) plus
+        # constants, instead of from (expert, row, K) for every copy of every stage.
+        self.lean_issue = lean_issue
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
+        if lean_issue and self.k_stages < num_stages:
+            # The computed item's location comes from the load side, which must not have moved on.
+            raise StreamingConfigError("lean_issue needs an item of at least num_stages K stages")
         self.items_per_row_tile = GEMM1_ITEMS_PER_ROW_TILE if gemm1 else GEMM2_ITEMS_PER_ROW_TILE
         self.weight_rows = GEMM1_OUT if gemm1 else HIDDEN
         # activation bytes per token and K block: fp8 rows for GEMM1, bf16 C rows for GEMM2
@@ -543,6 +549,8 @@ class StreamingGemm(LinkedGemm):
         # belong to the CTA's first item. The computed item: (valid rows, first packed row), located at its
         # first K stage.
         located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
+        if cutlass.const_expr(cfg.lean_issue):
+            located = (*located, *self.item_bases(located, cta, w_scale.layout, tidx))
         valid_rows = Int32(0)
         packed_row0 = Int32(0)
 
@@ -569,6 +577,9 @@ class StreamingGemm(LinkedGemm):
                     located = self.locate_load(
                         cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx
                     )
+                    if cutlass.const_expr(cfg.lean_issue):
+                        next_item = cta + ((s + ns - 1) // cfg.k_stages) * grid
+                        located = (*located, *self.item_bases(located, next_item, w_scale.layout, tidx))
                 self.load_stage(
                     s + ns - 1, (s + ns - 1) % ns, cta, grid, located, x, x_scale, w, w_scale, w_stages, x_stages,
                     x_scales, w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
@@ -578,19 +589,46 @@ class StreamingGemm(LinkedGemm):
             item = cta + (s // cfg.k_stages) * grid
             k_stage = s % cfg.k_stages
             if k_stage == 0:
-                _, _, valid_rows, packed_row0 = self.locate(
-                    item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset
-                )
+                if cutlass.const_expr(cfg.lean_issue):
+                    # The load side located this item when it issued its first stage and has not moved on
+                    # (k_stages >= num_stages); packed_row0 waits for the epilogue, a branch of its own.
+                    valid_rows = located[1]
+                else:
+                    _, _, valid_rows, packed_row0 = self.locate(
+                        item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset
+                    )
                 acc.fill(0.0)
             self.compute_block(
                 s % ns, warp_id, group, quad, valid_rows, w_stages, x_stages, x_scales, w_scales, acc, block_acc
             )
             if k_stage == cfg.k_stages - 1:
+                if cutlass.const_expr(cfg.lean_issue):
+                    _, _, _, packed_row0 = self.locate(
+                        item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset
+                    )
                 self.epilogue(
                     acc, scratch, out, item % cfg.items_per_row_tile, packed_row0, valid_rows, warp_id, group,
                     quad, tidx,
                 )
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def item_bases(self, located, item: Int32, w_scale_layout: cute.Layout, tidx: Int32):
+        """(weights, activations, weight scales): this thread's element offsets of the item's first K stage
+        (lean_issue): at its first weight row and 16-B chunk, at its token's row (GEMM1) or packed row (GEMM2),
+        and at its m tile's block-scale row."""
+        cfg = self.cfg
+        expert, _, row_source = located[0], located[1], located[2]
+        chunks_per_row = STAGE_K // CHUNK
+        w_row = item_weight_row(cfg.gemm1, item % cfg.items_per_row_tile, tidx // chunks_per_row)
+        w_base = (expert * cfg.weight_rows + w_row) * cfg.k + (tidx % chunks_per_row) * CHUNK
+        x_chunk_elems = CHUNK if cutlass.const_expr(cfg.gemm1) else CHUNK // 2
+        x_row = row_source if cutlass.const_expr(cfg.gemm1) else row_source + tidx // cfg.threads_per_token
+        x_base = x_row * cfg.k + (tidx % cfg.threads_per_token) * x_chunk_elems
+        # Thread m < M_TILES loads m tile m's block scales; the others' offset stays in range, unused.
+        scale_row = item_weight_scale_row(cfg.gemm1, item % cfg.items_per_row_tile, tidx % M_TILES)
+        w_scale_base = cute.crd2idx((expert, scale_row, 0), w_scale_layout)
+        return w_base, x_base, w_scale_base
 
     @cute.jit
     def locate(self, row_tile: Int32, tile_end: cute.Tensor, expert_count: cute.Tensor, expert_offset: cute.Tensor):
@@ -624,23 +662,32 @@ class StreamingGemm(LinkedGemm):
         item = cta + (s // cfg.k_stages) * grid
         k_stage = s % cfg.k_stages
         n_tile = item % cfg.items_per_row_tile
-        expert, valid_rows, row_source = located
+        expert, valid_rows, row_source = located[0], located[1], located[2]
 
         # ---- weights: 32 rows x 512 bytes; one warp reads one row's 512 contiguous bytes ----
         chunks_per_row = STAGE_K // CHUNK  # 32
+        rows_per_pass = NUM_THREADS // chunks_per_row  # 4
+        if cutlass.const_expr(cfg.lean_issue):
+            # Copy i reads row tidx / 32 + 4 i: item_weight_row(.., 4 i) rows past the thread's first one
+            # (16 % 4 == 0: the gate half starts at a whole pass), K at the stage's offset.
+            w_stage = w.iterator + cute.assume(located[3] + k_stage * STAGE_K, divby=CHUNK)
         for i in cutlass.range_constexpr(ITEM_ROWS * chunks_per_row // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             row = linear // chunks_per_row
             chunk = linear % chunks_per_row
             k_block = chunk // FP8_CHUNKS_PER_BLOCK_ROW
             in_block = chunk % FP8_CHUNKS_PER_BLOCK_ROW
+            if cutlass.const_expr(cfg.lean_issue):
+                source = cute.make_tensor(
+                    w_stage + item_weight_row(cfg.gemm1, 0, i * rows_per_pass) * cfg.k, cute.make_layout(CHUNK)
+                )
+            else:
+                source = cute.local_tile(
+                    w[expert, item_weight_row(cfg.gemm1, n_tile, row), None], (CHUNK,), (k_stage * chunks_per_row + chunk,)
+                )
             cute.copy(
                 g2s_16,
-                cute.local_tile(
-                    w[expert, item_weight_row(cfg.gemm1, n_tile, row), None],
-                    (CHUNK,),
-                    (k_stage * chunks_per_row + chunk,),
-                ),
+                source,
                 cute.local_tile(w_stages[None, row, k_block, slot], (CHUNK,), (fp8_chunk_slot(in_block, row),)),
             )
 
@@ -649,15 +696,22 @@ class StreamingGemm(LinkedGemm):
         token_slot = tidx // tpt
         sub = tidx % tpt
         if token_slot < valid_rows:
+            if cutlass.const_expr(cfg.lean_issue):
+                x_elems = CHUNK if cutlass.const_expr(cfg.gemm1) else CHUNK // 2
+                x_stage = x.iterator + cute.assume(located[4] + k_stage * STAGE_K, divby=x_elems)
             if cutlass.const_expr(cfg.gemm1):
                 token = row_source
                 for i in cutlass.range_constexpr(chunks_per_row // tpt):
                     x_chunk = sub + i * tpt
                     x_k_block = x_chunk // FP8_CHUNKS_PER_BLOCK_ROW
                     x_in_block = x_chunk % FP8_CHUNKS_PER_BLOCK_ROW
+                    if cutlass.const_expr(cfg.lean_issue):
+                        x_source = cute.make_tensor(x_stage + i * tpt * CHUNK, cute.make_layout(CHUNK))
+                    else:
+                        x_source = cute.local_tile(x[token, None], (CHUNK,), (k_stage * chunks_per_row + x_chunk,))
                     cute.copy(
                         g2s_16,
-                        cute.local_tile(x[token, None], (CHUNK,), (k_stage * chunks_per_row + x_chunk,)),
+                        x_source,
                         cute.local_tile(
                             x_stages[None, token_slot, x_k_block, slot],
                             (CHUNK,),
@@ -678,11 +732,15 @@ class StreamingGemm(LinkedGemm):
                     x_chunk = sub + i * tpt
                     x_k_block = x_chunk // BF16_CHUNKS_PER_BLOCK_ROW
                     x_in_block = x_chunk % BF16_CHUNKS_PER_BLOCK_ROW
+                    if cutlass.const_expr(cfg.lean_issue):
+                        x_source = cute.make_tensor(x_stage + i * tpt * bf16_chunk, cute.make_layout(bf16_chunk))
+                    else:
+                        x_source = cute.local_tile(
+                            x[row_source + token_slot, None], (bf16_chunk,), (k_stage * bf16_chunks_per_row + x_chunk,)
+                        )
                     cute.copy(
                         g2s_16_x,
-                        cute.local_tile(
-                            x[row_source + token_slot, None], (bf16_chunk,), (k_stage * bf16_chunks_per_row + x_chunk,)
-                        ),
+                        x_source,
                         cute.local_tile(
                             x_stages[None, token_slot, x_k_block, slot],
                             (bf16_chunk,),
@@ -692,15 +750,18 @@ class StreamingGemm(LinkedGemm):
 
         # ---- weight block scales of the stage's 4 K blocks (16 B per scale row) ----
         if tidx < M_TILES:  # thread m loads the scales of m tile m
-            cute.copy(
-                g2s_16_f32,
-                cute.local_tile(
+            if cutlass.const_expr(cfg.lean_issue):
+                scale_source = cute.make_tensor(
+                    w_scale.iterator + cute.assume(located[5] + k_stage * BLOCKS_PER_STAGE, divby=BLOCKS_PER_STAGE),
+                    cute.make_layout(BLOCKS_PER_STAGE),
+                )
+            else:
+                scale_source = cute.local_tile(
                     w_scale[expert, item_weight_scale_row(cfg.gemm1, n_tile, tidx), None],
                     (BLOCKS_PER_STAGE,),
                     (k_stage,),
-                ),
-                w_scales[None, tidx, slot],
-            )
+                )
+            cute.copy(g2s_16_f32, scale_source, w_scales[None, tidx, slot])
 
     @cute.jit
     def compute_block(

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_lean_issue",
-            entry="candidate_lean_issue.py::run",
-            description="kernel.py v2.4 with TINY_T's mma.sync GEMMs issuing each K stage from per-item bases (v2.13)",
-        ),
     ),
 )
 

@@ -240,7 +240,7 @@ class PersistentGemmConfig:
 class StreamingGemmConfig(PersistentGemmConfig):
     """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
 
-    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int, lean_issue: bool = False):
+    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int):
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -248,15 +248,9 @@ class StreamingGemmConfig(PersistentGemmConfig):
         self.gemm1 = gemm1
         self.block_tokens = block_tokens
         self.num_stages = num_stages
-        # The global addresses of a stage's copies from per-item bases (`StreamingGemm.item_bases`) plus
-        # constants, instead of from (expert, row, K) for every copy of every stage.
-        self.lean_issue = lean_issue
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
-        if lean_issue and self.k_stages < num_stages:
-            # The computed item's location comes from the load side, which must not have moved on.
-            raise StreamingConfigError("lean_issue needs an item of at least num_stages K stages")
         self.items_per_row_tile = GEMM1_ITEMS_PER_ROW_TILE if gemm1 else GEMM2_ITEMS_PER_ROW_TILE
         self.weight_rows = GEMM1_OUT if gemm1 else HIDDEN
         # activation bytes per token and K block: fp8 rows for GEMM1, bf16 C rows for GEMM2
@@ -265,6 +259,10 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if self.gemm1 and self.threads_per_token < BLOCKS_PER_STAGE:
             raise StreamingConfigError("GEMM1 needs >= 4 threads per token for the activation scales")
         self.check_fits()
+        if self.k_stages < num_stages:
+            # The computed item's valid rows come from the load side, which must not have moved on to the next
+            # item by the computed item's first stage.
+            raise StreamingConfigError(f"an item of {self.k_stages} K stages needs num_stages <= {self.k_stages}")
 
     def fields(self) -> dict:
         ns, bt = self.num_stages, self.block_tokens
@@ -549,8 +547,7 @@ class StreamingGemm(LinkedGemm):
         # belong to the CTA's first item. The computed item: (valid rows, first packed row), located at its
         # first K stage.
         located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
-        if cutlass.const_expr(cfg.lean_issue):
-            located = (*located, *self.item_bases(located, cta, w_scale.layout, tidx))
+        located = (*located, *self.item_bases(located, cta, w_scale.layout, tidx))
         valid_rows = Int32(0)
         packed_row0 = Int32(0)
 
@@ -577,9 +574,8 @@ class StreamingGemm(LinkedGemm):
                     located = self.locate_load(
                         cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx
                     )
-                    if cutlass.const_expr(cfg.lean_issue):
-                        next_item = cta + ((s + ns - 1) // cfg.k_stages) * grid
-                        located = (*located, *self.item_bases(located, next_item, w_scale.layout, tidx))
+                    next_item = cta + ((s + ns - 1) // cfg.k_stages) * grid
+                    located = (*located, *self.item_bases(located, next_item, w_scale.layout, tidx))
                 self.load_stage(
                     s + ns - 1, (s + ns - 1) % ns, cta, grid, located, x, x_scale, w, w_scale, w_stages, x_stages,
                     x_scales, w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
@@ -589,23 +585,16 @@ class StreamingGemm(LinkedGemm):
             item = cta + (s // cfg.k_stages) * grid
             k_stage = s % cfg.k_stages
             if k_stage == 0:
-                if cutlass.const_expr(cfg.lean_issue):
-                    # The load side located this item when it issued its first stage and has not moved on
-                    # (k_stages >= num_stages); packed_row0 waits for the epilogue, a branch of its own.
-                    valid_rows = located[1]
-                else:
-                    _, _, valid_rows, packed_row0 = self.locate(
-                        item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset
-                    )
+                # The load side located this item when it issued its first stage and has not moved on
+                # (k_stages >= num_stages); packed_row0 waits for the epilogue, a branch of its own (v2.13: a
+                # location here was predicated, not branched around, and issued at every stage).
+                valid_rows = located[1]
                 acc.fill(0.0)
             self.compute_block(
                 s % ns, warp_id, group, quad, valid_rows, w_stages, x_stages, x_scales, w_scales, acc, block_acc
             )
             if k_stage == cfg.k_stages - 1:
-                if cutlass.const_expr(cfg.lean_issue):
-                    _, _, _, packed_row0 = self.locate(
-                        item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset
-                    )
+                _, _, _, packed_row0 = self.locate(item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset)
                 self.epilogue(
                     acc, scratch, out, item % cfg.items_per_row_tile, packed_row0, valid_rows, warp_id, group,
                     quad, tidx,
@@ -614,9 +603,11 @@ class StreamingGemm(LinkedGemm):
 
     @cute.jit
     def item_bases(self, located, item: Int32, w_scale_layout: cute.Layout, tidx: Int32):
-        """(weights, activations, weight scales): this thread's element offsets of the item's first K stage
-        (lean_issue): at its first weight row and 16-B chunk, at its token's row (GEMM1) or packed row (GEMM2),
-        and at its m tile's block-scale row."""
+        """(weights, activations, weight scales): this thread's element offsets of the item's first K stage, at
+        its first weight row and 16-B chunk, at its token's row (GEMM1) or packed row (GEMM2), and at its m tile's
+        block-scale row. Computed when the item is located and carried with the location, so that a stage's copy
+        is base + the stage's K offset + a constant (v2.13: `kernel.py` v2.4 rebuilt every copy's 64-bit address
+        from expert, row and K at every stage, ~10 instructions per copy)."""
         cfg = self.cfg
         expert, _, row_source = located[0], located[1], located[2]
         chunks_per_row = STAGE_K // CHUNK
@@ -657,34 +648,27 @@ class StreamingGemm(LinkedGemm):
         tidx: Int32,
     ):
         """Issue the cp.async copies of flat stage `s` of this CTA (weights, activations, scales); `located`
-        is `locate_load`'s (expert, valid rows, token or first packed row) for the stage's item."""
+        is `locate_load`'s (expert, valid rows, token or first packed row) and `item_bases`' three offsets for the
+        stage's item."""
         cfg = self.cfg
-        item = cta + (s // cfg.k_stages) * grid
         k_stage = s % cfg.k_stages
-        n_tile = item % cfg.items_per_row_tile
-        expert, valid_rows, row_source = located[0], located[1], located[2]
+        valid_rows, row_source = located[1], located[2]
 
         # ---- weights: 32 rows x 512 bytes; one warp reads one row's 512 contiguous bytes ----
         chunks_per_row = STAGE_K // CHUNK  # 32
         rows_per_pass = NUM_THREADS // chunks_per_row  # 4
-        if cutlass.const_expr(cfg.lean_issue):
-            # Copy i reads row tidx / 32 + 4 i: item_weight_row(.., 4 i) rows past the thread's first one
-            # (16 % 4 == 0: the gate half starts at a whole pass), K at the stage's offset.
-            w_stage = w.iterator + cute.assume(located[3] + k_stage * STAGE_K, divby=CHUNK)
+        # Copy i reads row tidx / 32 + 4 i: item_weight_row(.., 4 i) rows past the thread's first one (16 % 4 == 0:
+        # the gate half starts at a whole pass), K at the stage's offset.
+        w_stage = w.iterator + cute.assume(located[3] + k_stage * STAGE_K, divby=CHUNK)
         for i in cutlass.range_constexpr(ITEM_ROWS * chunks_per_row // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             row = linear // chunks_per_row
             chunk = linear % chunks_per_row
             k_block = chunk // FP8_CHUNKS_PER_BLOCK_ROW
             in_block = chunk % FP8_CHUNKS_PER_BLOCK_ROW
-            if cutlass.const_expr(cfg.lean_issue):
-                source = cute.make_tensor(
-                    w_stage + item_weight_row(cfg.gemm1, 0, i * rows_per_pass) * cfg.k, cute.make_layout(CHUNK)
-                )
-            else:
-                source = cute.local_tile(
-                    w[expert, item_weight_row(cfg.gemm1, n_tile, row), None], (CHUNK,), (k_stage * chunks_per_row + chunk,)
-                )
+            source = cute.make_tensor(
+                w_stage + item_weight_row(cfg.gemm1, 0, i * rows_per_pass) * cfg.k, cute.make_layout(CHUNK)
+            )
             cute.copy(
                 g2s_16,
                 source,
@@ -696,19 +680,15 @@ class StreamingGemm(LinkedGemm):
         token_slot = tidx // tpt
         sub = tidx % tpt
         if token_slot < valid_rows:
-            if cutlass.const_expr(cfg.lean_issue):
-                x_elems = CHUNK if cutlass.const_expr(cfg.gemm1) else CHUNK // 2
-                x_stage = x.iterator + cute.assume(located[4] + k_stage * STAGE_K, divby=x_elems)
+            x_elems = CHUNK if cutlass.const_expr(cfg.gemm1) else CHUNK // 2
+            x_stage = x.iterator + cute.assume(located[4] + k_stage * STAGE_K, divby=x_elems)
             if cutlass.const_expr(cfg.gemm1):
                 token = row_source
                 for i in cutlass.range_constexpr(chunks_per_row // tpt):
                     x_chunk = sub + i * tpt
                     x_k_block = x_chunk // FP8_CHUNKS_PER_BLOCK_ROW
                     x_in_block = x_chunk % FP8_CHUNKS_PER_BLOCK_ROW
-                    if cutlass.const_expr(cfg.lean_issue):
-                        x_source = cute.make_tensor(x_stage + i * tpt * CHUNK, cute.make_layout(CHUNK))
-                    else:
-                        x_source = cute.local_tile(x[token, None], (CHUNK,), (k_stage * chunks_per_row + x_chunk,))
+                    x_source = cute.make_tensor(x_stage + i * tpt * CHUNK, cute.make_layout(CHUNK))
                     cute.copy(
                         g2s_16,
                         x_source,
@@ -732,12 +712,7 @@ class StreamingGemm(LinkedGemm):
                     x_chunk = sub + i * tpt
                     x_k_block = x_chunk // BF16_CHUNKS_PER_BLOCK_ROW
                     x_in_block = x_chunk % BF16_CHUNKS_PER_BLOCK_ROW
-                    if cutlass.const_expr(cfg.lean_issue):
-                        x_source = cute.make_tensor(x_stage + i * tpt * bf16_chunk, cute.make_layout(bf16_chunk))
-                    else:
-                        x_source = cute.local_tile(
-                            x[row_source + token_slot, None], (bf16_chunk,), (k_stage * bf16_chunks_per_row + x_chunk,)
-                        )
+                    x_source = cute.make_tensor(x_stage + i * tpt * bf16_chunk, cute.make_layout(bf16_chunk))
                     cute.copy(
                         g2s_16_x,
                         x_source,
@@ -750,17 +725,10 @@ class StreamingGemm(LinkedGemm):
 
         # ---- weight block scales of the stage's 4 K blocks (16 B per scale row) ----
         if tidx < M_TILES:  # thread m loads the scales of m tile m
-            if cutlass.const_expr(cfg.lean_issue):
-                scale_source = cute.make_tensor(
-                    w_scale.iterator + cute.assume(located[5] + k_stage * BLOCKS_PER_STAGE, divby=BLOCKS_PER_STAGE),
-                    cute.make_layout(BLOCKS_PER_STAGE),
-                )
-            else:
-                scale_source = cute.local_tile(
-                    w_scale[expert, item_weight_scale_row(cfg.gemm1, n_tile, tidx), None],
-                    (BLOCKS_PER_STAGE,),
-                    (k_stage,),
-                )
+            scale_source = cute.make_tensor(
+                w_scale.iterator + cute.assume(located[5] + k_stage * BLOCKS_PER_STAGE, divby=BLOCKS_PER_STAGE),
+                cute.make_layout(BLOCKS_PER_STAGE),
+            )
             cute.copy(g2s_16_f32, scale_source, w_scales[None, tidx, slot])
 
     @cute.jit

@@ -102,6 +102,12 @@ def test_config_rejects_a_pipeline_that_does_not_fit_an_sm():
         streaming.StreamingGemmConfig(gemm1=False, block_tokens=32, num_stages=5)
 
 
+def test_config_rejects_a_pipeline_deeper_than_an_item():
+    # The computed item takes its valid rows from the load side, which must still be on that item.
+    with pytest.raises(streaming.StreamingConfigError, match="num_stages <= 4"):
+        streaming.StreamingGemmConfig(gemm1=False, block_tokens=8, num_stages=5)
+
+
 # ---- CPU transcriptions of the kernel's index maps ----------------------------------------------
 #
 # The register layouts below are the PTX ISA's ("Matrix Fragments for mma.m16n8k16 with floating
@@ -263,6 +269,23 @@ def test_mma_pairs_weight_k_with_activation_k_exactly_once(gemm1, block_tokens):
         block_ks = list(range(k_block * streaming.BLOCK, (k_block + 1) * streaming.BLOCK))
         assert len(products) == streaming.M_TILES * config.n_tiles * 16 * 8
         assert all(sorted(ks) == block_ks for ks in products.values())
+
+
+@pytest.mark.parametrize("gemm1", [True, False])
+def test_item_bases_and_copy_offsets_address_the_transcribed_weight_rows(gemm1):
+    # load_stage (v2.13) adds item_weight_row(.., 0, 4 i) rows to the row item_bases took for the thread's first
+    # copy; _weight_smem transcribes the rows each copy must read.
+    config = streaming.StreamingGemmConfig(gemm1=gemm1, block_tokens=16, num_stages=4)
+    chunks_per_row = streaming.STAGE_K // streaming.CHUNK
+    rows_per_pass = streaming.NUM_THREADS // chunks_per_row
+    for n_tile in range(config.items_per_row_tile):
+        for tidx in range(streaming.NUM_THREADS):
+            first = streaming.item_weight_row(gemm1, n_tile, tidx // chunks_per_row)
+            for i in range(streaming.ITEM_ROWS * chunks_per_row // streaming.NUM_THREADS):
+                row = (i * streaming.NUM_THREADS + tidx) // chunks_per_row
+                assert first + streaming.item_weight_row(gemm1, 0, i * rows_per_pass) == streaming.item_weight_row(
+                    gemm1, n_tile, row
+                )
 
 
 def test_accumulator_coordinates_follow_the_isa():

@@ -98,6 +98,7 @@ class StreamingVariant:
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
+    lean_issue: bool = False  # the WGMMA GEMMs' lean_issue (their K stages' copies from per-item bases)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -113,6 +114,7 @@ class StreamingVariant:
                 num_stages=self.num_stages,
                 permuted_c=self.wgmma_gemm2,
                 scratch_in_stage=self.gemm1_scratch_in_stage,
+                lean_issue=self.lean_issue,
             )
         return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
 
@@ -124,7 +126,7 @@ class StreamingVariant:
         block_tokens = self.gemm2_block_tokens or self.block_tokens
         num_stages = self.gemm2_num_stages or self.num_stages
         if self.wgmma_gemm2:
-            return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages)
+            return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages, lean_issue=self.lean_issue)
         return StreamingGemmConfig(gemm1=False, block_tokens=block_tokens, num_stages=num_stages)
 
     def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:

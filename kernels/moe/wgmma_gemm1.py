@@ -34,7 +34,7 @@ from cutlass.tensor_utils import LayoutEnum
 from . import streaming_gemm
 from .chain import enter
 from .intermediate_order import GROUP, stored_position
-from .shapes import BLOCK, HIDDEN, INTERMEDIATE
+from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE
 from .streaming_gemm import (
     LinkedGemm,
     PersistentGemmConfig,
@@ -81,20 +81,40 @@ def swizzled_offset(row, k, stage, rows: int, row_bytes: int = STAGE_K):
     return linear ^ (((linear >> 7) & 7) << 4)
 
 
-def copy_weight_tile(atom, w, expert, k_stage, source_row, w_bytes, destination, tidx) -> None:
+ROWS_PER_PASS = NUM_THREADS // CHUNKS_PER_ROW  # 8: copy i of a thread reads item row tidx / 16 + 8 i
+
+
+def copy_weight_tile(atom, source, w_bytes, destination, tidx) -> None:
     """Issue the cp.async copies of one stage of a 64-row weight item (256 e4m3 per row), for both
-    WGMMA GEMMs: 16 consecutive threads read one row's 256 contiguous bytes. `source_row(row)` is the
-    W row of item row `row` and `destination(row, byte)` its byte offset in `w_bytes`; plain Python,
-    called while the kernel is traced."""
+    WGMMA GEMMs: 16 consecutive threads read one row's 256 contiguous bytes. `source(i, row, chunk)` is
+    the 16-B global tile that copy i reads (item row `row`, chunk `chunk` of the stage) and
+    `destination(row, byte)` its byte offset in `w_bytes`; plain Python, called while the kernel is traced."""
     for i in range(ITEM_ROWS * CHUNKS_PER_ROW // NUM_THREADS):
         linear = i * NUM_THREADS + tidx
         row = linear // CHUNKS_PER_ROW
         chunk = linear % CHUNKS_PER_ROW
         cute.copy(
             atom,
-            cute.local_tile(w[expert, source_row(row), None], (CHUNK,), (k_stage * CHUNKS_PER_ROW + chunk,)),
+            source(i, row, chunk),
             cute.local_tile(w_bytes, (CHUNK,), (destination(row, chunk * CHUNK) // CHUNK,)),
         )
+
+
+def weight_source(w, expert, k_stage, source_row):
+    """`copy_weight_tile`'s source from (expert, W row of item row `row` = source_row(row), K): every copy's
+    address built from its coordinates."""
+    return lambda i, row, chunk: cute.local_tile(
+        w[expert, source_row(row), None], (CHUNK,), (k_stage * CHUNKS_PER_ROW + chunk,)
+    )
+
+
+def lean_weight_source(w, thread_base, k_stage, row_delta, row_elems):
+    """`copy_weight_tile`'s source from the thread's per-item base (the element offset of its first copy at K
+    stage 0): copy i adds the stage's K offset and `row_delta(i * ROWS_PER_PASS)` rows of `row_elems`."""
+    stage = w.iterator + cute.assume(thread_base + k_stage * STAGE_K, divby=CHUNK)
+    return lambda i, row, chunk: cute.make_tensor(
+        stage + row_delta(i * ROWS_PER_PASS) * row_elems, cute.make_layout(CHUNK)
+    )
 
 
 def item_weight_row(n_tile, row):
@@ -117,7 +137,14 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     which no copy in flight targets (candidate v2.2: 64-token tiles with 3 stages then fit two CTAs
     per SM)."""
 
-    def __init__(self, block_tokens: int, num_stages: int, permuted_c: bool = False, scratch_in_stage: bool = False):
+    def __init__(
+        self,
+        block_tokens: int,
+        num_stages: int,
+        permuted_c: bool = False,
+        scratch_in_stage: bool = False,
+        lean_issue: bool = False,
+    ):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 3:
@@ -126,6 +153,8 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         self.num_stages = num_stages
         self.permuted_c = permuted_c
         self.scratch_in_stage = scratch_in_stage
+        # A stage's weight and token copies from per-item bases (`WgmmaGemm1.item_bases`) plus constants.
+        self.lean_issue = lean_issue
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
 
@@ -257,6 +286,8 @@ class WgmmaGemm1(LinkedGemm):
         # Where the next load's item lies, located at its first K stage only (v2.4): (expert, valid rows,
         # this thread's token). The prologue's stages all belong to the CTA's first item.
         located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
+        if cutlass.const_expr(cfg.lean_issue):
+            located = (*located, *self.item_bases(located, cta, tidx))
 
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
@@ -278,6 +309,8 @@ class WgmmaGemm1(LinkedGemm):
                     located = self.locate_load(
                         cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx
                     )
+                    if cutlass.const_expr(cfg.lean_issue):
+                        located = (*located, *self.item_bases(located, cta + ((s + ns - 1) // K_STAGES) * grid, tidx))
                 self.load_stage(
                     s + ns - 1, (s + ns - 1) % ns, cta, grid, located, x, x_scale, w, w_scale, w_bytes, x_bytes,
                     x_scales, w_scales, g2s_16, g2s_4_f32, tidx,
@@ -353,29 +386,30 @@ class WgmmaGemm1(LinkedGemm):
         item = cta + (s // K_STAGES) * grid
         k_stage = s % K_STAGES
         n_tile = item % ITEMS_PER_ROW_TILE
-        expert, valid_rows, token = located
+        expert, valid_rows, token = located[0], located[1], located[2]
 
-        copy_weight_tile(
-            g2s_16,
-            w,
-            expert,
-            k_stage,
-            lambda row: item_weight_row(n_tile, row),
-            w_bytes,
-            lambda row, byte: swizzled_offset(row, byte, slot, ITEM_ROWS),
-            tidx,
-        )
+        if cutlass.const_expr(cfg.lean_issue):
+            source = lean_weight_source(w, located[3], k_stage, lambda row: item_weight_row(0, row), HIDDEN)
+        else:
+            source = weight_source(w, expert, k_stage, lambda row: item_weight_row(n_tile, row))
+        copy_weight_tile(g2s_16, source, w_bytes, lambda row, byte: swizzled_offset(row, byte, slot, ITEM_ROWS), tidx)
 
         # ---- tokens: thread group per token, the row's 16 chunks strided over the group ----
         tpt = cfg.threads_per_token
         token_slot = tidx // tpt
         sub = tidx % tpt
         if token_slot < valid_rows:
+            if cutlass.const_expr(cfg.lean_issue):
+                x_stage = x.iterator + cute.assume(located[4] + k_stage * STAGE_K, divby=CHUNK)
             for i in cutlass.range_constexpr(CHUNKS_PER_ROW // tpt):
                 chunk = sub + i * tpt
+                if cutlass.const_expr(cfg.lean_issue):
+                    x_source = cute.make_tensor(x_stage + i * tpt * CHUNK, cute.make_layout(CHUNK))
+                else:
+                    x_source = cute.local_tile(x[token, None], (CHUNK,), (k_stage * CHUNKS_PER_ROW + chunk,))
                 cute.copy(
                     g2s_16,
-                    cute.local_tile(x[token, None], (CHUNK,), (k_stage * CHUNKS_PER_ROW + chunk,)),
+                    x_source,
                     cute.local_tile(
                         x_bytes, (CHUNK,), (swizzled_offset(token_slot, chunk * CHUNK, slot, bt) // CHUNK,)
                     ),
@@ -400,6 +434,15 @@ class WgmmaGemm1(LinkedGemm):
                 ),
                 cute.local_tile(w_scales[half, None, slot], (1,), (block,)),
             )
+
+    @cute.jit
+    def item_bases(self, located, item: Int32, tidx: Int32):
+        """(weights, tokens): this thread's element offsets of the item's first K stage, at its first weight row
+        and 16-B chunk and at its token's row (lean_issue; carried with the location)."""
+        w_row = item_weight_row(item % ITEMS_PER_ROW_TILE, tidx // CHUNKS_PER_ROW)
+        w_base = (located[0] * GEMM1_OUT + w_row) * HIDDEN + (tidx % CHUNKS_PER_ROW) * CHUNK
+        x_base = located[2] * HIDDEN + (tidx % self.cfg.threads_per_token) * CHUNK
+        return w_base, x_base
 
     @cute.jit
     def epilogue(

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_lean_wgmma",
-            entry="candidate_lean_wgmma.py::run",
-            description="kernel.py v2.5 with its warpgroup-MMA GEMMs issuing each K stage from per-item bases (v2.14)",
-        ),
     ),
 )
 

@@ -1,6 +1,6 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.5 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v2.6 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
@@ -12,8 +12,9 @@ FEW_TOKENS_MAX (v2.3, 1.06x at 80 tokens) and 64-token GEMM1 tiles above MEDIUM_
 1.15x / 1.17x at 11948 / 14107 tokens; the threshold from an off-list sweep); in session 15 each
 streaming GEMM locating a work item once instead of twice per K stage (v2.4, candidate v2.7: 1.10x over
 the 19, 1.01-1.19x per workload); in session 19 the `mma.sync` GEMMs below WGMMA_GEMM1_MIN_TOKENS issuing each
-K stage from per-item address bases (v2.5, candidate v2.13: 1.060x on those six workloads, every trial faster;
-NOTES.md). Destination passing, definition order, no host sync, no
+K stage from per-item address bases (v2.5, candidate v2.13: 1.060x on those six workloads, every trial faster),
+and the warpgroup-MMA GEMMs from there doing the same (v2.6, candidate v2.14: 1.020x on those 13 workloads, 1.069x
+at 901 tokens, every trial faster; NOTES.md). Destination passing, definition order, no host sync, no
 data-dependent host logic, graph-safe.
 
 Every call is the five kernels of `host.py` in one TVM-FFI call, chained by programmatic dependent
@@ -98,7 +99,6 @@ class StreamingVariant:
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
-    lean_issue: bool = False  # the WGMMA GEMMs' lean_issue (their K stages' copies from per-item bases)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -114,7 +114,6 @@ class StreamingVariant:
                 num_stages=self.num_stages,
                 permuted_c=self.wgmma_gemm2,
                 scratch_in_stage=self.gemm1_scratch_in_stage,
-                lean_issue=self.lean_issue,
             )
         return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
 
@@ -126,7 +125,7 @@ class StreamingVariant:
         block_tokens = self.gemm2_block_tokens or self.block_tokens
         num_stages = self.gemm2_num_stages or self.num_stages
         if self.wgmma_gemm2:
-            return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages, lean_issue=self.lean_issue)
+            return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages)
         return StreamingGemmConfig(gemm1=False, block_tokens=block_tokens, num_stages=num_stages)
 
     def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:

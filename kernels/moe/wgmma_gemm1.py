@@ -100,17 +100,10 @@ def copy_weight_tile(atom, source, w_bytes, destination, tidx) -> None:
         )
 
 
-def weight_source(w, expert, k_stage, source_row):
-    """`copy_weight_tile`'s source from (expert, W row of item row `row` = source_row(row), K): every copy's
-    address built from its coordinates."""
-    return lambda i, row, chunk: cute.local_tile(
-        w[expert, source_row(row), None], (CHUNK,), (k_stage * CHUNKS_PER_ROW + chunk,)
-    )
-
-
-def lean_weight_source(w, thread_base, k_stage, row_delta, row_elems):
+def weight_source(w, thread_base, k_stage, row_delta, row_elems):
     """`copy_weight_tile`'s source from the thread's per-item base (the element offset of its first copy at K
-    stage 0): copy i adds the stage's K offset and `row_delta(i * ROWS_PER_PASS)` rows of `row_elems`."""
+    stage 0): copy i adds the stage's K offset and `row_delta(i * ROWS_PER_PASS)` rows of `row_elems` (v2.6:
+    `kernel.py` v2.5 rebuilt every copy's 64-bit address from expert, row and K at every stage)."""
     stage = w.iterator + cute.assume(thread_base + k_stage * STAGE_K, divby=CHUNK)
     return lambda i, row, chunk: cute.make_tensor(
         stage + row_delta(i * ROWS_PER_PASS) * row_elems, cute.make_layout(CHUNK)
@@ -137,14 +130,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     which no copy in flight targets (candidate v2.2: 64-token tiles with 3 stages then fit two CTAs
     per SM)."""
 
-    def __init__(
-        self,
-        block_tokens: int,
-        num_stages: int,
-        permuted_c: bool = False,
-        scratch_in_stage: bool = False,
-        lean_issue: bool = False,
-    ):
+    def __init__(self, block_tokens: int, num_stages: int, permuted_c: bool = False, scratch_in_stage: bool = False):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 3:
@@ -153,8 +139,6 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         self.num_stages = num_stages
         self.permuted_c = permuted_c
         self.scratch_in_stage = scratch_in_stage
-        # A stage's weight and token copies from per-item bases (`WgmmaGemm1.item_bases`) plus constants.
-        self.lean_issue = lean_issue
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
 
@@ -286,8 +270,7 @@ class WgmmaGemm1(LinkedGemm):
         # Where the next load's item lies, located at its first K stage only (v2.4): (expert, valid rows,
         # this thread's token). The prologue's stages all belong to the CTA's first item.
         located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
-        if cutlass.const_expr(cfg.lean_issue):
-            located = (*located, *self.item_bases(located, cta, tidx))
+        located = (*located, *self.item_bases(located, cta, tidx))
 
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
@@ -309,8 +292,7 @@ class WgmmaGemm1(LinkedGemm):
                     located = self.locate_load(
                         cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx
                     )
-                    if cutlass.const_expr(cfg.lean_issue):
-                        located = (*located, *self.item_bases(located, cta + ((s + ns - 1) // K_STAGES) * grid, tidx))
+                    located = (*located, *self.item_bases(located, cta + ((s + ns - 1) // K_STAGES) * grid, tidx))
                 self.load_stage(
                     s + ns - 1, (s + ns - 1) % ns, cta, grid, located, x, x_scale, w, w_scale, w_bytes, x_bytes,
                     x_scales, w_scales, g2s_16, g2s_4_f32, tidx,
@@ -380,7 +362,8 @@ class WgmmaGemm1(LinkedGemm):
         tidx: Int32,
     ):
         """Issue the cp.async copies of flat stage `s` of this CTA (weights, tokens, scales); `located` is
-        `locate_load`'s (expert, valid rows, this thread's token) for the stage's item."""
+        `locate_load`'s (expert, valid rows, this thread's token) and `item_bases`' two offsets for the stage's
+        item."""
         cfg = self.cfg
         bt = cfg.block_tokens
         item = cta + (s // K_STAGES) * grid
@@ -388,10 +371,7 @@ class WgmmaGemm1(LinkedGemm):
         n_tile = item % ITEMS_PER_ROW_TILE
         expert, valid_rows, token = located[0], located[1], located[2]
 
-        if cutlass.const_expr(cfg.lean_issue):
-            source = lean_weight_source(w, located[3], k_stage, lambda row: item_weight_row(0, row), HIDDEN)
-        else:
-            source = weight_source(w, expert, k_stage, lambda row: item_weight_row(n_tile, row))
+        source = weight_source(w, located[3], k_stage, lambda row: item_weight_row(0, row), HIDDEN)
         copy_weight_tile(g2s_16, source, w_bytes, lambda row, byte: swizzled_offset(row, byte, slot, ITEM_ROWS), tidx)
 
         # ---- tokens: thread group per token, the row's 16 chunks strided over the group ----
@@ -399,14 +379,10 @@ class WgmmaGemm1(LinkedGemm):
         token_slot = tidx // tpt
         sub = tidx % tpt
         if token_slot < valid_rows:
-            if cutlass.const_expr(cfg.lean_issue):
-                x_stage = x.iterator + cute.assume(located[4] + k_stage * STAGE_K, divby=CHUNK)
+            x_stage = x.iterator + cute.assume(located[4] + k_stage * STAGE_K, divby=CHUNK)
             for i in cutlass.range_constexpr(CHUNKS_PER_ROW // tpt):
                 chunk = sub + i * tpt
-                if cutlass.const_expr(cfg.lean_issue):
-                    x_source = cute.make_tensor(x_stage + i * tpt * CHUNK, cute.make_layout(CHUNK))
-                else:
-                    x_source = cute.local_tile(x[token, None], (CHUNK,), (k_stage * CHUNKS_PER_ROW + chunk,))
+                x_source = cute.make_tensor(x_stage + i * tpt * CHUNK, cute.make_layout(CHUNK))
                 cute.copy(
                     g2s_16,
                     x_source,
@@ -438,7 +414,7 @@ class WgmmaGemm1(LinkedGemm):
     @cute.jit
     def item_bases(self, located, item: Int32, tidx: Int32):
         """(weights, tokens): this thread's element offsets of the item's first K stage, at its first weight row
-        and 16-B chunk and at its token's row (lean_issue; carried with the location)."""
+        and 16-B chunk and at its token's row; computed when the item is located and carried with it (v2.6)."""
         w_row = item_weight_row(item % ITEMS_PER_ROW_TILE, tidx // CHUNKS_PER_ROW)
         w_base = (located[0] * GEMM1_OUT + w_row) * HIDDEN + (tidx % CHUNKS_PER_ROW) * CHUNK
         x_base = located[2] * HIDDEN + (tidx % self.cfg.threads_per_token) * CHUNK

@@ -61,7 +61,6 @@ from .wgmma_gemm1 import (
     NUM_THREADS,
     STAGE_K,
     copy_weight_tile,
-    lean_weight_source,
     swizzled_offset,
     weight_source,
 )
@@ -91,15 +90,13 @@ def weight_offset(row, k, stage):
 class WgmmaGemm2Config(PersistentGemmConfig):
     """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth."""
 
-    def __init__(self, block_tokens: int, num_stages: int, lean_issue: bool = False):
+    def __init__(self, block_tokens: int, num_stages: int):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
         self.block_tokens = block_tokens
         self.num_stages = num_stages
-        # A stage's weight and C copies from per-item bases (`WgmmaGemm2.item_bases`) plus constants.
-        self.lean_issue = lean_issue
         self.check_fits()
 
     def fields(self) -> dict:
@@ -218,8 +215,7 @@ class WgmmaGemm2(LinkedGemm):
         # Where the next load's item lies, located at its first K stage only (v2.4, as wgmma_gemm1.py):
         # (expert, valid rows, first packed row). The prologue's stages all belong to the CTA's first item.
         located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset)
-        if cutlass.const_expr(self.cfg.lean_issue):
-            located = (*located, *self.item_bases(located, cta, tidx))
+        located = (*located, *self.item_bases(located, cta, tidx))
 
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
@@ -238,8 +234,7 @@ class WgmmaGemm2(LinkedGemm):
             if s + ns - 1 < total_stages:
                 if (s + ns - 1) % K_STAGES == 0:
                     located = self.locate_load(cta, grid, s + ns - 1, tile_end, expert_count, expert_offset)
-                    if cutlass.const_expr(self.cfg.lean_issue):
-                        located = (*located, *self.item_bases(located, cta + ((s + ns - 1) // K_STAGES) * grid, tidx))
+                    located = (*located, *self.item_bases(located, cta + ((s + ns - 1) // K_STAGES) * grid, tidx))
                 self.load_stage(
                     s + ns - 1, (s + ns - 1) % ns, cta, grid, located, c, w, w_scale, w_bytes, c_bytes, w_scales,
                     g2s_16_w, g2s_16_c, g2s_4_f32, tidx,
@@ -285,7 +280,8 @@ class WgmmaGemm2(LinkedGemm):
     @cute.jit
     def item_bases(self, located, item: Int32, tidx: Int32):
         """(weights, C): this thread's element offsets of the item's first K stage, at its first weight row and
-        16-B chunk and at its first packed row's chunk (lean_issue; carried with the location)."""
+        16-B chunk and at its first packed row's chunk; computed when the item is located and carried with it
+        (v2.6)."""
         w_row = located[0] * HIDDEN + (item % ITEMS_PER_ROW_TILE) * ITEM_ROWS + tidx // CHUNKS_PER_ROW
         w_base = w_row * INTERMEDIATE + (tidx % CHUNKS_PER_ROW) * CHUNK
         c_row = located[2] + tidx // C_CHUNKS_PER_ROW
@@ -354,39 +350,28 @@ class WgmmaGemm2(LinkedGemm):
         tidx: Int32,
     ):
         """Issue the cp.async copies of flat stage `s` of this CTA (weights, C rows, weight scales);
-        `located` is `locate_load`'s (expert, valid rows, first packed row) for the stage's item."""
-        cfg = self.cfg
-        bt = cfg.block_tokens
+        `located` is `locate_load`'s (expert, valid rows, first packed row) and `item_bases`' two offsets for
+        the stage's item."""
+        bt = self.cfg.block_tokens
         item = cta + (s // K_STAGES) * grid
         k_stage = s % K_STAGES
         n_tile = item % ITEMS_PER_ROW_TILE
-        expert, valid_rows, packed_row0 = located[0], located[1], located[2]
+        expert, valid_rows = located[0], located[1]
 
-        if cutlass.const_expr(cfg.lean_issue):
-            source = lean_weight_source(w, located[3], k_stage, lambda row: row, INTERMEDIATE)
-        else:
-            source = weight_source(w, expert, k_stage, lambda row: n_tile * ITEM_ROWS + row)
+        source = weight_source(w, located[3], k_stage, lambda row: row, INTERMEDIATE)
         copy_weight_tile(g2s_16_w, source, w_bytes, lambda row, byte: weight_offset(row, byte, slot), tidx)
 
         # ---- C: the row tile's packed rows (stored column order), 512 B each; rows past the tile's
         # tokens are not copied ----
         c_chunk_elems = CHUNK // 2
         c_rows_per_pass = NUM_THREADS // C_CHUNKS_PER_ROW
-        if cutlass.const_expr(cfg.lean_issue):
-            c_stage = c.iterator + cute.assume(located[4] + k_stage * (C_ROW_BYTES // 2), divby=c_chunk_elems)
+        c_stage = c.iterator + cute.assume(located[4] + k_stage * (C_ROW_BYTES // 2), divby=c_chunk_elems)
         for i in cutlass.range_constexpr(bt * C_CHUNKS_PER_ROW // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             token_slot = linear // C_CHUNKS_PER_ROW
             chunk = linear % C_CHUNKS_PER_ROW
             if token_slot < valid_rows:
-                if cutlass.const_expr(cfg.lean_issue):
-                    c_source = cute.make_tensor(
-                        c_stage + i * c_rows_per_pass * INTERMEDIATE, cute.make_layout(c_chunk_elems)
-                    )
-                else:
-                    c_source = cute.local_tile(
-                        c[packed_row0 + token_slot, None], (c_chunk_elems,), (k_stage * C_CHUNKS_PER_ROW + chunk,)
-                    )
+                c_source = cute.make_tensor(c_stage + i * c_rows_per_pass * INTERMEDIATE, cute.make_layout(c_chunk_elems))
                 cute.copy(
                     g2s_16_c,
                     c_source,

@@ -99,6 +99,18 @@ def test_items_cover_every_w13_row_once_and_pair_up_with_gate_rows():
             assert block_rows == {wgmma.item_weight_scale_row(n, half)}  # one scale per half and K block
 
 
+def test_item_bases_and_copy_offsets_address_the_item_rows():
+    # WgmmaGemm1.item_bases takes the thread's first row; copy i adds item_weight_row(0, 8 i) rows (v2.6). GEMM2's
+    # item rows are consecutive, so its copy i simply adds 8 i rows.
+    for n_tile in range(wgmma.ITEMS_PER_ROW_TILE):
+        for tidx in range(wgmma.NUM_THREADS):
+            first = wgmma.item_weight_row(n_tile, tidx // wgmma.CHUNKS_PER_ROW)
+            for i in range(wgmma.ITEM_ROWS * wgmma.CHUNKS_PER_ROW // wgmma.NUM_THREADS):
+                row = (i * wgmma.NUM_THREADS + tidx) // wgmma.CHUNKS_PER_ROW
+                delta = wgmma.item_weight_row(0, i * wgmma.ROWS_PER_PASS)
+                assert first + delta == wgmma.item_weight_row(n_tile, row)
+
+
 def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
     for block_tokens in (8, 16, 32):
         config = wgmma.WgmmaGemm1Config(block_tokens, 4)

@@ -543,9 +543,9 @@ class StreamingGemm(LinkedGemm):
         # Each item is located once per side (v2.4; session 15's ncu found the two locations per K stage,
         # binary searches over shared memory, and the token's reload from global memory on the stage's
         # critical path). The next load's item: (expert, valid rows, GEMM1: this thread's token, GEMM2: the
-        # first packed row), located when the load of its first K stage is issued; the prologue's stages all
-        # belong to the CTA's first item. The computed item: (valid rows, first packed row), located at its
-        # first K stage.
+        # first packed row) and its copies' per-thread offsets (v2.5), located when the load of its first K
+        # stage is issued; the prologue's stages all belong to the CTA's first item. The computed item takes
+        # its valid rows from there at its first K stage and locates its first packed row in its epilogue.
         located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
         located = (*located, *self.item_bases(located, cta, w_scale.layout, tidx))
         valid_rows = Int32(0)

@@ -404,6 +404,15 @@ def test_pipeline_waits_for_each_stage_and_never_overwrites_a_slot_in_use():
             assert len(committed) == ns - 1 + total
 
 
+def test_per_item_copy_offsets_fit_32_bits():
+    # item_bases (streaming, WGMMA) add 32-bit element offsets to the tensors' base pointers: the largest is
+    # the last expert's last weight row plus a stage, and the last token's (or packed C row's) last chunk.
+    assert streaming.NUM_LOCAL_EXPERTS * streaming.GEMM1_OUT * streaming.HIDDEN < 2**31
+    assert streaming.NUM_LOCAL_EXPERTS * streaming.HIDDEN * streaming.INTERMEDIATE < 2**31
+    assert kernel.MAX_TOKENS * streaming.HIDDEN < 2**31
+    assert 8 * kernel.MAX_TOKENS * streaming.INTERMEDIATE < 2**31
+
+
 def test_packed_workspace_element_offsets_fit_32_bits_at_the_token_limit():
     # all 8 choices of every token local: 8 T packed rows of 7168 fp32 in expert_out, indexed with
     # 32-bit element offsets (the byte addresses are 64-bit: test_largest_batch_with_every_choice_local)

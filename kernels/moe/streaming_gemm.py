@@ -555,8 +555,8 @@ class StreamingGemm(LinkedGemm):
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
                 self.load_stage(
-                    p, p, cta, grid, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales, w_scales,
-                    g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
+                    p, p, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales, w_scales, g2s_16, g2s_16_x,
+                    g2s_16_f32, g2s_4_f32, tidx,
                 )
             cute.arch.cp_async_commit_group()
 
@@ -577,8 +577,8 @@ class StreamingGemm(LinkedGemm):
                     next_item = cta + ((s + ns - 1) // cfg.k_stages) * grid
                     located = (*located, *self.item_bases(located, next_item, w_scale.layout, tidx))
                 self.load_stage(
-                    s + ns - 1, (s + ns - 1) % ns, cta, grid, located, x, x_scale, w, w_scale, w_stages, x_stages,
-                    x_scales, w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
+                    s + ns - 1, (s + ns - 1) % ns, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales,
+                    w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
                 )
             cute.arch.cp_async_commit_group()
 
@@ -630,8 +630,6 @@ class StreamingGemm(LinkedGemm):
         self,
         s: Int32,
         slot: Int32,
-        cta: Int32,
-        grid: Int32,
         located,
         x: cute.Tensor,
         x_scale: cute.Tensor,

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_routing_by_lanes",
-            entry="candidate_routing_by_lanes.py::run",
-            description="kernel.py with the routing warp holding 8 experts per lane and picking by redux.sync (v2.15)",
-        ),
     ),
 )
 

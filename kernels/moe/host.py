@@ -53,11 +53,11 @@ class MoeHostSm90:
     come zeroed from the previous call and the last launch zeroes them again, so no call starts with
     a tiny zeroing launch and its host gap (sessions 8 and 9)."""
 
-    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm, routing_by_lanes: bool = False):
+    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm):
         if not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
             raise TypeError("the MoE host chains its launches: the expert GEMMs need with_link")
         routing_link, gemm1_link, gemm2_link, combine_link, release_link = chain_links(5)
-        self.routing = RoutingKernel(routing_link, by_lanes=routing_by_lanes)
+        self.routing = RoutingKernel(routing_link)
         self.gemm1 = gemm1.with_link(gemm1_link)
         self.gemm2 = gemm2.with_link(gemm2_link)
         self.combine = CombineKernel(combine_link)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from .chain import NO_CHAIN, ChainLink, Linked, enter
+from .chain import Linked, enter
 from .shapes import GROUP_SIZE, NORMALISATION_EPS, NUM_GROUPS, NUM_LOCAL_EXPERTS, TOP_K, TOP_K_GROUPS
 
 ROUTING_WARPS = 4  # tokens per CTA
@@ -134,28 +134,6 @@ def route_token(
             my_expert = best_expert
     # Weights from the unbiased scores of the 8 chosen experts (lanes 0..7).
     my_score = _sigmoid(routing_logits[token, my_expert])
-    _write_choices(
-        local_expert_offset, routed_scaling_factor, counts, expert_tokens, slot_expert, slot_rank, slot_weight,
-        token, lane, my_expert, my_score,
-    )  # fmt: skip
-
-
-@cute.jit
-def _write_choices(
-    local_expert_offset: cutlass.Int32,
-    routed_scaling_factor: cutlass.Float32,
-    counts: cute.Tensor,
-    expert_tokens: cute.Tensor,
-    slot_expert: cute.Tensor,
-    slot_rank: cute.Tensor,
-    slot_weight: cute.Tensor,
-    token: cutlass.Int32,
-    lane: cutlass.Int32,
-    my_expert: cutlass.Int32,
-    my_score: cutlass.Float32,
-):
-    """Lane k < 8 holds the token's k-th choice and its unbiased score: the weights (normalised over the
-    eight), and for a local expert a rank taken by an atomic increment of `counts` and the packed-list entry."""
     total = my_score if lane < TOP_K else cutlass.Float32(0.0)
     for shift in cutlass.range_constexpr(3):  # lanes 0..7 form one butterfly group
         total = total + cute.arch.shuffle_sync_bfly(total, offset=4 >> shift)
@@ -174,108 +152,7 @@ def _write_choices(
             slot_weight[token, lane] = cutlass.Float32(0.0)
 
 
-LANES_PER_GROUP = 4  # `route_token_by_lanes`: each lane holds 8 consecutive experts of one group
-EXPERTS_PER_LANE = GROUP_SIZE // LANES_PER_GROUP  # 8
-NOT_CHOSEN = 0x7FFFFFFF  # above every expert id: `warp_redux_sync`'s unsigned min never picks it
-
-
-@cute.jit
-def _orderable(value: cutlass.Float32) -> cutlass.Int32:
-    """value's bits, turned so that their unsigned order is value's order (finite values and -inf; a -0.0
-    would sort below +0.0, but sigmoid + bias is never -0.0: both terms would have to be)."""
-    return cute.arch.inline_ptx(
-        "{ .reg .b32 b, m; mov.b32 b, {$r0}; shr.s32 m, b, 31; or.b32 m, m, 0x80000000; xor.b32 {$w0}, b, m; }",
-        write_only_types=[cutlass.Int32],
-        read_only_args=[value],
-    )
-
-
-@cute.jit
-def route_token_by_lanes(
-    routing_logits: cute.Tensor,
-    routing_bias: cute.Tensor,
-    local_expert_offset: cutlass.Int32,
-    routed_scaling_factor: cutlass.Float32,
-    counts: cute.Tensor,
-    expert_tokens: cute.Tensor,
-    slot_expert: cute.Tensor,
-    slot_rank: cute.Tensor,
-    slot_weight: cute.Tensor,
-    token: cutlass.Int32,
-    lane: cutlass.Int32,
-):
-    """`route_token`'s choices, weights and writes with a shorter dependent chain (candidate v2.15): lane l
-    holds experts 8 l .. 8 l + 7 (group l / 4), so a group's two best come from the lane's own eight and two
-    butterfly steps, and each of the eight picks is two `redux.sync` (the largest biased score as an ordered
-    key, then the lowest expert holding it) instead of ten shuffles and their selects. The same comparisons
-    and ties (lower group, lower expert) and the same float arithmetic as `route_token`: the same experts
-    in the same slots with the same weights."""
-    neg_inf = -cutlass.Float32.inf
-    first = lane * EXPERTS_PER_LANE
-    score = cute.make_rmem_tensor((EXPERTS_PER_LANE,), cutlass.Float32)
-    biased = cute.make_rmem_tensor((EXPERTS_PER_LANE,), cutlass.Float32)
-    for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
-        score[j] = _sigmoid(routing_logits[token, first + j])
-        biased[j] = score[j] + routing_bias[first + j].to(cutlass.Float32)
-    # The group's two largest biased scores (a tie counts twice): the lane's own, then merged over its
-    # group's four lanes.
-    top1 = neg_inf
-    top2 = neg_inf
-    for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
-        top2 = cute.arch.fmax(top2, cute.arch.fmin(top1, biased[j]))
-        top1 = cute.arch.fmax(top1, biased[j])
-    for shift in cutlass.range_constexpr(2):
-        other1 = cute.arch.shuffle_sync_bfly(top1, offset=1 << shift)
-        other2 = cute.arch.shuffle_sync_bfly(top2, offset=1 << shift)
-        top2 = cute.arch.fmax(cute.arch.fmax(top2, other2), cute.arch.fmin(top1, other1))
-        top1 = cute.arch.fmax(top1, other1)
-    group_score = top1 + top2
-    # Keep the lane's group if fewer than 4 groups beat it (ties: the lower group).
-    group = lane // LANES_PER_GROUP
-    better = cutlass.Int32(0)
-    for h in cutlass.range_constexpr(NUM_GROUPS):
-        other = cute.arch.shuffle_sync(group_score, offset=h * LANES_PER_GROUP)
-        if other > group_score or (other == group_score and h < group):
-            better = better + 1
-    candidate = cute.make_rmem_tensor((EXPERTS_PER_LANE,), cutlass.Float32)
-    for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
-        candidate[j] = biased[j] if better < TOP_K_GROUPS else neg_inf
-    # Top-8 experts among the kept groups, in order; lane k keeps the k-th choice and its unbiased score.
-    my_expert = cutlass.Int32(0)
-    my_score = cutlass.Float32(0.0)
-    for k in cutlass.range_constexpr(TOP_K):
-        best = neg_inf
-        best_j = cutlass.Int32(0)
-        best_score = cutlass.Float32(0.0)
-        for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
-            if candidate[j] > best:  # strict: the lane's lowest expert among equals
-                best = candidate[j]
-                best_j = cutlass.Int32(j)
-                best_score = score[j]
-        key = _orderable(best)
-        top_key = cute.arch.warp_redux_sync(key, "umax")
-        chosen = cute.arch.warp_redux_sync(first + best_j if key == top_key else cutlass.Int32(NOT_CHOSEN), "umin")
-        chosen_score = cute.arch.shuffle_sync(best_score, offset=chosen // EXPERTS_PER_LANE)
-        for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
-            if chosen == first + j:
-                candidate[j] = neg_inf
-        if lane == k:
-            my_expert = chosen
-            my_score = chosen_score
-    _write_choices(
-        local_expert_offset, routed_scaling_factor, counts, expert_tokens, slot_expert, slot_rank, slot_weight,
-        token, lane, my_expert, my_score,
-    )  # fmt: skip
-
-
 class RoutingKernel(Linked):
-    """The routing grid, one warp per token; `by_lanes` picks `route_token_by_lanes` (candidate v2.15) over
-    `route_token`."""
-
-    def __init__(self, link: ChainLink = NO_CHAIN, by_lanes: bool = False):
-        super().__init__(link)
-        self.route = route_token_by_lanes if by_lanes else route_token
-
     @cute.jit
     def launch(
         self,
@@ -326,7 +203,7 @@ class RoutingKernel(Linked):
         bidx, _, _ = cute.arch.block_idx()
         token = bidx * ROUTING_WARPS + tidx // 32
         if token < routing_logits.shape[0]:
-            self.route(
+            route_token(
                 routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, counts,
                 expert_tokens, slot_expert, slot_rank, slot_weight, token, tidx % 32,
             )  # fmt: skip

@@ -32,9 +32,9 @@ from .chain import NO_CHAIN
 from .routing import ZeroCountsKernel
 from .shapes import NUM_LOCAL_EXPERTS
 
-__all__ = ["kept_counts"]
+__all__ = ["kept_counts", "kept_routed"]
 
-_KEPT: dict[tuple[int, int], torch.Tensor] = {}
+_KEPT: dict[tuple[int, int, str], torch.Tensor] = {}
 _ZERO: dict[str, Callable] = {}
 
 
@@ -64,11 +64,21 @@ def _zeroed(device: torch.device, arch: str) -> torch.Tensor:
 
 def kept_counts(device: torch.device, arch: str) -> torch.Tensor:
     """The zeroed counter buffer of the current stream of `device` (a fresh one inside a capture)."""
+    return _kept(device, arch, "counts")
+
+
+def kept_routed(device: torch.device, arch: str) -> torch.Tensor:
+    """The zeroed buffer whose first element counts the routed tokens when the routing runs inside GEMM1
+    (`routing.route_then_meet`, candidate v2.16); kept and released like the counts."""
+    return _kept(device, arch, "routed")
+
+
+def _kept(device: torch.device, arch: str, purpose: str) -> torch.Tensor:
     if torch.cuda.is_current_stream_capturing():
         return _zeroed(device, arch)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch.cuda.current_stream(index).cuda_stream)
-    counts = _KEPT.get(key)
-    if counts is None:
-        counts = _KEPT[key] = _zeroed(device, arch)
-    return counts
+    key = (index, torch.cuda.current_stream(index).cuda_stream, purpose)
+    buffer = _KEPT.get(key)
+    if buffer is None:
+        buffer = _KEPT[key] = _zeroed(device, arch)
+    return buffer

@@ -42,7 +42,7 @@ __all__ = ["ExpertGemm", "MoeHostSm90", "Workspaces", "compile_host", "fake_tens
 
 
 class ExpertGemm(Protocol):
-    def launch(self, a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream) -> None: ...
+    def launch(self, a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream, routing=None) -> None: ...
 
     def with_link(self, link: ChainLink) -> ExpertGemm: ...
 
@@ -53,11 +53,17 @@ class MoeHostSm90:
     come zeroed from the previous call and the last launch zeroes them again, so no call starts with
     a tiny zeroing launch and its host gap (sessions 8 and 9)."""
 
-    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm):
+    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm, routing_in_gemm1: bool = False):
+        """`routing_in_gemm1` (candidate v2.16): no routing kernel; GEMM1's cooperative grid routes the tokens
+        first (`routing.route_then_meet`), so the call is four launches and GEMM1 the first."""
         if not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
             raise TypeError("the MoE host chains its launches: the expert GEMMs need with_link")
-        routing_link, gemm1_link, gemm2_link, combine_link, release_link = chain_links(5)
-        self.routing = RoutingKernel(routing_link)
+        self.routing_in_gemm1 = routing_in_gemm1
+        if routing_in_gemm1:
+            gemm1_link, gemm2_link, combine_link, release_link = chain_links(4)
+        else:
+            routing_link, gemm1_link, gemm2_link, combine_link, release_link = chain_links(5)
+            self.routing = RoutingKernel(routing_link)
         self.gemm1 = gemm1.with_link(gemm1_link)
         self.gemm2 = gemm2.with_link(gemm2_link)
         self.combine = CombineKernel(combine_link)
@@ -88,19 +94,27 @@ class MoeHostSm90:
         gemm1_grid: cutlass.Int32,
         gemm2_grid: cutlass.Int32,
         stream,
+        routed=None,  # with routing_in_gemm1: the kept count of routed tokens (`counters.kept_routed`)
     ):
-        self.routing.launch(
-            routing_logits,
-            routing_bias,
-            local_expert_offset,
-            routed_scaling_factor,
-            counts,
-            expert_tokens,
-            slot_expert,
-            slot_rank,
-            slot_weight,
-            stream,
-        )
+        routing = None
+        if cutlass.const_expr(self.routing_in_gemm1):
+            routing = (
+                routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank,
+                slot_weight, routed,
+            )  # fmt: skip
+        else:
+            self.routing.launch(
+                routing_logits,
+                routing_bias,
+                local_expert_offset,
+                routed_scaling_factor,
+                counts,
+                expert_tokens,
+                slot_expert,
+                slot_rank,
+                slot_weight,
+                stream,
+            )
         self.gemm1.launch(
             hidden_states,
             hidden_states_scale,
@@ -111,6 +125,7 @@ class MoeHostSm90:
             expert_tokens,
             gemm1_grid,
             stream,
+            routing,
         )
         self.gemm2.launch(
             intermediate,
@@ -124,7 +139,7 @@ class MoeHostSm90:
             stream,
         )
         self.combine.launch(counts, slot_expert, slot_rank, slot_weight, expert_out, output, stream)
-        self.release_counts.launch(counts, counts_out, stream)
+        self.release_counts.launch(counts, counts_out, stream, routed)
 
 
 @dataclass(frozen=True)
@@ -190,6 +205,8 @@ def compile_host(host: MoeHostSm90, arch: str) -> Callable:
     """`cute.compile` of `host` for `arch` as a TVM-FFI function on the current torch stream (the
     two grid parameters are runtime scalars; needs no GPU)."""
     args = (*fake_tensor_arguments(), 0, 0, make_fake_stream(use_tvm_ffi_env_stream=True))
+    if host.routing_in_gemm1:
+        args = (*args, make_fake_compact_tensor(cutlass.Int32, (NUM_LOCAL_EXPERTS,), assumed_align=16))
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
@@ -201,10 +218,12 @@ def launch(
     gemm1_grid: int,
     gemm2_grid: int,
     kept_counts: torch.Tensor,
+    kept_routed: torch.Tensor | None = None,
 ) -> None:
     """One call of a compiled host function: the definition's ten inputs (in order), the output,
     the workspaces and the two grid parameters. It counts in `kept_counts` (zero on entry, left at
-    zero; `counters.kept_counts`) and copies the call's counts into `workspaces.counts`."""
+    zero; `counters.kept_counts`) and copies the call's counts into `workspaces.counts`; a host that routes
+    in GEMM1 also counts the routed tokens in `kept_routed` (`counters.kept_routed`, likewise)."""
     *tensors, local_expert_offset, routed_scaling_factor = inputs
     compiled(
         *tensors,
@@ -221,4 +240,5 @@ def launch(
         workspaces.expert_out,
         gemm1_grid,
         gemm2_grid,
+        *(() if kept_routed is None else (kept_routed,)),
     )

@@ -99,6 +99,7 @@ class StreamingVariant:
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
+    routing_in_gemm1: bool = False  # host.MoeHostSm90's routing_in_gemm1 (candidate v2.16)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -173,7 +174,7 @@ _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
 def _compile(arch: str, variant: StreamingVariant) -> Callable:
     # The launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs).
     return host.compile_host(
-        host.MoeHostSm90(variant.make_gemm1(), variant.make_gemm2()),
+        host.MoeHostSm90(variant.make_gemm1(), variant.make_gemm2(), routing_in_gemm1=variant.routing_in_gemm1),
         arch,
     )
 
@@ -288,7 +289,8 @@ def run_keeping_workspaces(
     workspaces = Workspaces.allocate(num_tokens, device)
     gemm1_ctas, gemm2_ctas = _grids(variant, _num_sms(device))
     kept = counters.kept_counts(device, GPU_ARCH)
-    host.launch(compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas, kept)
+    kept_routed = counters.kept_routed(device, GPU_ARCH) if variant.routing_in_gemm1 else None
+    host.launch(compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas, kept, kept_routed)
     return workspaces
 
 

@@ -44,6 +44,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .chain import NO_CHAIN, ChainLink, enter
+from .routing import route_then_meet
 from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
 from .swiglu import swiglu_bf16
 
@@ -396,16 +397,27 @@ class LinkedGemm:
         """The same GEMM at `link` of a chain of programmatic dependent launches."""
         return type(self)(self.cfg, link)
 
-    def launch_persistent(self, kernel, num_ctas: Int32, shared_storage, stream) -> None:
+    def launch_persistent(self, kernel, num_ctas: Int32, shared_storage, stream, cooperative: bool = False) -> None:
         """Launch `kernel` (the kernel applied to its arguments) as the GEMM's persistent grid of
-        `num_ctas` CTAs of 128 threads, at its place in the chain. Called while `launch` is traced."""
-        kernel.launch(
-            grid=[num_ctas, 1, 1],
-            block=[NUM_THREADS, 1, 1],
-            smem=shared_storage.size_in_bytes(),
-            stream=stream,
-            use_pdl=self.link.waits,
-        )
+        `num_ctas` CTAs of 128 threads, at its place in the chain; `cooperative` where its CTAs meet
+        (`routing.route_then_meet`). Called while `launch` is traced."""
+        if cooperative:
+            kernel.launch(
+                grid=[num_ctas, 1, 1],
+                block=[NUM_THREADS, 1, 1],
+                smem=shared_storage.size_in_bytes(),
+                stream=stream,
+                use_pdl=self.link.waits,
+                cooperative=True,
+            )
+        else:
+            kernel.launch(
+                grid=[num_ctas, 1, 1],
+                block=[NUM_THREADS, 1, 1],
+                smem=shared_storage.size_in_bytes(),
+                stream=stream,
+                use_pdl=self.link.waits,
+            )
 
     @cute.jit
     def locate_load(
@@ -458,7 +470,10 @@ class StreamingGemm(LinkedGemm):
         expert_tokens: cute.Tensor,
         num_ctas: Int32,
         stream,
+        routing=None,
     ):
+        """`routing`: None, or (GEMM1 of candidate v2.16) `routing.route_then_meet`'s tuple: the grid routes the
+        tokens before its schedule."""
         cfg = self.cfg
         bt = cfg.block_tokens
         ns = cfg.num_stages
@@ -483,9 +498,9 @@ class StreamingGemm(LinkedGemm):
 
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens,
-            w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage,
+            w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage, routing,
         )  # fmt: skip
-        self.launch_persistent(kernel, num_ctas, SharedStorage, stream)
+        self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None)
 
     @cute.kernel
     def kernel(
@@ -503,6 +518,7 @@ class StreamingGemm(LinkedGemm):
         w_scale_layout: cute.Layout,
         scratch_layout: cute.Layout,
         SharedStorage: cutlass.Constexpr,
+        routing,
     ):
         enter(self.link)
         cfg = self.cfg
@@ -523,6 +539,8 @@ class StreamingGemm(LinkedGemm):
         x_scales = storage.x_scales.get_tensor(x_scale_layout)
         w_scales = storage.w_scales.get_tensor(w_scale_layout)
         scratch = storage.scratch.get_tensor(scratch_layout)
+        if cutlass.const_expr(routing is not None):
+            route_then_meet(routing, counts, expert_tokens, cta, grid, tidx)
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, cfg.items_per_row_tile, cfg.k_stages, cta, grid, warp_id, lane
         )

@@ -34,6 +34,7 @@ from cutlass.tensor_utils import LayoutEnum
 from . import streaming_gemm
 from .chain import enter
 from .intermediate_order import GROUP, stored_position
+from .routing import route_then_meet
 from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE
 from .streaming_gemm import (
     LinkedGemm,
@@ -198,14 +199,16 @@ class WgmmaGemm1(LinkedGemm):
         expert_tokens: cute.Tensor,
         num_ctas: Int32,
         stream,
+        routing=None,
     ):
+        """`routing`: as `streaming_gemm.StreamingGemm.launch`'s (candidate v2.16)."""
         cfg = self.cfg
         tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
         SharedStorage = cfg.shared_storage()
         kernel = self.kernel(
-            x, x_scale, w, w_scale, out, counts, expert_tokens, tiled_mma, a_layout, b_layout, SharedStorage
+            x, x_scale, w, w_scale, out, counts, expert_tokens, tiled_mma, a_layout, b_layout, SharedStorage, routing
         )
-        self.launch_persistent(kernel, num_ctas, SharedStorage, stream)
+        self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None)
 
     @cute.kernel
     def kernel(
@@ -221,6 +224,7 @@ class WgmmaGemm1(LinkedGemm):
         a_layout: cute.ComposedLayout,
         b_layout: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
+        routing,
     ):
         enter(self.link)
         cfg = self.cfg
@@ -234,6 +238,8 @@ class WgmmaGemm1(LinkedGemm):
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
+        if cutlass.const_expr(routing is not None):
+            route_then_meet(routing, counts, expert_tokens, cta, grid, tidx)
         # The MMA's swizzled views, and flat byte views of the same buffers for the copies.
         s_w = storage.w_stages.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         s_x = storage.x_stages.get_tensor(b_layout.outer, swizzle=b_layout.inner)

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_routing_in_gemm1",
-            entry="candidate_routing_in_gemm1.py::run",
-            description="kernel.py with no routing kernel up to 1024 tokens: GEMM1's cooperative grid routes the tokens first (v2.16)",
-        ),
     ),
 )
 

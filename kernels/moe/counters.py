@@ -69,7 +69,7 @@ def kept_counts(device: torch.device, arch: str) -> torch.Tensor:
 
 def kept_routed(device: torch.device, arch: str) -> torch.Tensor:
     """The zeroed buffer whose first element counts the routed tokens when the routing runs inside GEMM1
-    (`routing.route_then_meet`, candidate v2.16); kept and released like the counts."""
+    (`routing.route_then_meet`, v2.16); kept and released like the counts."""
     return _kept(device, arch, "routed")
 
 

@@ -1,15 +1,15 @@
-"""The host side of `kernel.py`'s variants: one host function that launches the five kernels of a
-call with a given pair of expert GEMMs, the device workspaces of a call, and the compile-time
-stand-ins of its arguments.
+"""The host side of `kernel.py`'s variants: one host function that launches the kernels of a call with a
+given pair of expert GEMMs, the device workspaces of a call, and the compile-time stand-ins of its arguments.
 
-The five launches, all in one TVM-FFI call on the current stream, no host synchronisation, each
-after the first a programmatic dependent of the one before (`chain.py`): route
-(`routing.RoutingKernel`) on counters that the previous call on the stream left at zero
-(`counters.py` keeps them), GEMM1 + SwiGLU into `intermediate`, GEMM2 into `expert_out`, the
-weighted combine into `output` (`combine.CombineKernel`), and `routing.ReleaseCountsKernel`, which
-copies the counters into `counts_out` and zeroes them again. The expert GEMMs differ between the
-variants; each takes `launch(a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream)`,
-where `grid` is its number of persistent CTAs, and `with_link(link)` for its place in the chain.
+The launches, all in one TVM-FFI call on the current stream, no host synchronisation, each after the first a
+programmatic dependent of the one before (`chain.py`): route (`routing.RoutingKernel`; or, with
+`routing_in_gemm1`, no such launch and GEMM1's grid routes first) on counters that the previous call on the
+stream left at zero (`counters.py` keeps them), GEMM1 + SwiGLU into `intermediate`, GEMM2 into `expert_out`,
+the weighted combine into `output` (`combine.CombineKernel`), and `routing.ReleaseCountsKernel`, which copies
+the counters into `counts_out` and zeroes them again. The expert GEMMs differ between the variants; each takes
+`launch(a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream, routing=None)`, where `grid` is its
+number of persistent CTAs and `routing` (GEMM1 only) `routing.route_then_meet`'s tuple, and `with_link(link)`
+for its place in the chain.
 """
 
 from __future__ import annotations
@@ -48,14 +48,14 @@ class ExpertGemm(Protocol):
 
 
 class MoeHostSm90:
-    """Host function of the five chained kernels with `gemm1` (G1 + SwiGLU) and `gemm2` (G2); one
+    """Host function of the chained kernels with `gemm1` (G1 + SwiGLU) and `gemm2` (G2); one
     compile serves every T (dynamic) and every offset / scaling factor (runtime scalars). The counters
     come zeroed from the previous call and the last launch zeroes them again, so no call starts with
     a tiny zeroing launch and its host gap (sessions 8 and 9)."""
 
     def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm, routing_in_gemm1: bool = False):
-        """`routing_in_gemm1` (candidate v2.16): no routing kernel; GEMM1's cooperative grid routes the tokens
-        first (`routing.route_then_meet`), so the call is four launches and GEMM1 the first."""
+        """`routing_in_gemm1` (v2.16, `kernel.py` up to 1024 tokens): no routing kernel; GEMM1's cooperative grid
+        routes the tokens first (`routing.route_then_meet`), so the call is four launches and GEMM1 the first."""
         if not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
             raise TypeError("the MoE host chains its launches: the expert GEMMs need with_link")
         self.routing_in_gemm1 = routing_in_gemm1

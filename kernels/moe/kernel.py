@@ -1,6 +1,6 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.6 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v2.7 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
@@ -14,13 +14,16 @@ streaming GEMM locating a work item once instead of twice per K stage (v2.4, can
 the 19, 1.01-1.19x per workload); in session 19 the `mma.sync` GEMMs below WGMMA_GEMM1_MIN_TOKENS issuing each
 K stage from per-item address bases (v2.5, candidate v2.13: 1.060x on those six workloads, every trial faster),
 and the warpgroup-MMA GEMMs from there doing the same (v2.6, candidate v2.14: 1.020x on those 13 workloads, 1.069x
-at 901 tokens, every trial faster; NOTES.md). Destination passing, definition order, no host sync, no
+at 901 tokens, every trial faster); in session 20 no routing kernel up to MEDIUM_T_MAX_TOKENS, GEMM1's
+cooperative grid routing the tokens itself (v2.7, candidate v2.16: 1.038x on the six workloads below 33 tokens,
+1.022x on the 17 up to 1024; NOTES.md). Destination passing, definition order, no host sync, no
 data-dependent host logic, graph-safe.
 
-Every call is the five kernels of `host.py` in one TVM-FFI call, chained by programmatic dependent
-launches: the routing grid on counters the previous call on the stream left at zero, GEMM1 +
-SwiGLU, GEMM2, the combine, and a one-CTA kernel that copies the counters out and zeroes them. Both
-GEMMs are persistent weight streams; the variant is chosen from T alone (a shape):
+Every call is the kernels of `host.py` in one TVM-FFI call, chained by programmatic dependent launches, on
+counters the previous call on the stream left at zero: up to MEDIUM_T_MAX_TOKENS four (GEMM1 + SwiGLU, which
+first routes the tokens and meets on a kept count, GEMM2, the combine, and a one-CTA kernel that copies the
+counters out and zeroes them), above it five (the routing grid first). Both GEMMs are persistent weight streams;
+the variant is chosen from T alone (a shape):
 
 - GEMM1 on `mma.sync` below WGMMA_GEMM1_MIN_TOKENS (its 32-row items keep twice as many CTAs
   streaming one or two experts' weights) and on FP8 WGMMA from there (which removes its issue bound).
@@ -99,7 +102,7 @@ class StreamingVariant:
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
-    routing_in_gemm1: bool = False  # host.MoeHostSm90's routing_in_gemm1 (candidate v2.16)
+    routing_in_gemm1: bool = False  # no routing kernel: GEMM1's cooperative grid routes first (v2.16)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -137,7 +140,9 @@ class StreamingVariant:
 # GEMM2's shared memory per CTA fits two CTAs per SM in every variant: on `mma.sync` 103 KB (8 x 4),
 # on WGMMA ~80 KB (8 x 4) and ~97 KB (32 x 3). So does GEMM1's: ~98 KB at 64 x 3 with the epilogue
 # tile in a token stage.
-TINY_T = StreamingVariant(block_tokens=16, gemm2_block_tokens=8, gemm2_num_stages=4)
+# Up to MEDIUM_T_MAX_TOKENS GEMM1 is the call's first kernel and routes the tokens itself (v2.16: its stream
+# starts ~6 us earlier, where the host's launch of a second kernel would have reached the GPU).
+TINY_T = StreamingVariant(block_tokens=16, gemm2_block_tokens=8, gemm2_num_stages=4, routing_in_gemm1=True)
 # From 33 tokens both GEMMs are on WGMMA (v2.0, v2.1: 1.02x over the `mma.sync` GEMM2 at 52-62).
 FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True)
 # Above 192 tokens GEMM2 converts each W2 once per 32-token tile into WGMMA's registers (v2.1: 1.22x
@@ -149,9 +154,13 @@ MEDIUM_T = StreamingVariant(
     gemm2_num_stages=3,
     wgmma_gemm1=True,
     wgmma_gemm2=True,
+    routing_in_gemm1=True,
 )
-# Above MEDIUM_T_MAX_TOKENS GEMM1 reads each expert's weights once per 64 tokens (v2.2).
-LARGE_T = dataclasses.replace(MEDIUM_T, block_tokens=64, num_stages=3, gemm1_scratch_in_stage=True)
+# Above MEDIUM_T_MAX_TOKENS GEMM1 reads each expert's weights once per 64 tokens (v2.2), and the routing is a
+# grid of its own (T warps over the SMs; GEMM1's grid would route 4 x its CTAs tokens at a time).
+LARGE_T = dataclasses.replace(
+    MEDIUM_T, block_tokens=64, num_stages=3, gemm1_scratch_in_stage=True, routing_in_gemm1=False
+)
 VARIANTS = (TINY_T, FEW_TOKENS, MEDIUM_T, LARGE_T)
 
 

@@ -1,6 +1,7 @@
-"""Kernels 1 and 2 of the MoE: zero the per-expert counters; DeepSeek-V3 no-aux routing, one warp per token
-(`route_token`). A self-cleaning call (every streaming call of `kernel.py`) instead keeps its counters
-zeroed between calls (`ReleaseCountsKernel`, its last launch), so it starts with the routing."""
+"""The MoE's counters and routing: zero the per-expert counters of a new kept buffer (`ZeroCountsKernel`); copy
+them out and zero them again as a call's last launch (`ReleaseCountsKernel`), so that no call starts with a
+zeroing launch; DeepSeek-V3 no-aux routing, one warp per token (`route_token`), either as a grid of its own
+(`RoutingKernel`, above 1024 tokens) or inside GEMM1's cooperative grid (`route_then_meet`, v2.16)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ class ReleaseCountsKernel(Linked):
 
     @cute.jit
     def launch(self, counts: cute.Tensor, counts_out: cute.Tensor, stream, routed=None):
-        """`routed`: the kept count of `route_then_meet` (candidate v2.16), zeroed with the counters; None
-        where the call routes in a kernel of its own."""
+        """`routed`: the kept count of `route_then_meet` where GEMM1 routes (v2.16), zeroed with the counters;
+        None where the call routes in a kernel of its own."""
         self.kernel(counts, counts_out, routed).launch(
             grid=[1, 1, 1], block=[NUM_LOCAL_EXPERTS, 1, 1], stream=stream, use_pdl=self.link.waits
         )
@@ -60,126 +61,11 @@ class ReleaseCountsKernel(Linked):
 
 
 @cute.jit
-def _warp_argmax(value: cutlass.Float32, index: cutlass.Int32):
-    """(max, its index) over the warp, all lanes get the result; equal values: the lower index."""
-    for shift in cutlass.range_constexpr(5):
-        offset = 16 >> shift
-        other_value = cute.arch.shuffle_sync_bfly(value, offset=offset)
-        other_index = cute.arch.shuffle_sync_bfly(index, offset=offset)
-        take = other_value > value or (other_value == value and other_index < index)
-        value = other_value if take else value
-        index = other_index if take else index
-    return value, index
-
-
-@cute.jit
-def _warp_max(value: cutlass.Float32) -> cutlass.Float32:
-    for shift in cutlass.range_constexpr(5):
-        value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, offset=16 >> shift))
-    return value
-
-
-@cute.jit
 def _sigmoid(x: cutlass.Float32) -> cutlass.Float32:
     return cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-x, fastmath=False))
 
 
-@cute.jit
-def route_token(
-    routing_logits: cute.Tensor,
-    routing_bias: cute.Tensor,
-    local_expert_offset: cutlass.Int32,
-    routed_scaling_factor: cutlass.Float32,
-    counts: cute.Tensor,
-    expert_tokens: cute.Tensor,
-    slot_expert: cute.Tensor,
-    slot_rank: cute.Tensor,
-    slot_weight: cute.Tensor,
-    token: cutlass.Int32,
-    lane: cutlass.Int32,
-):
-    """One warp routes one token: its top-8 experts, their weights, and for each local one a rank
-    taken by an atomic increment of `counts` and the packed-list entry."""
-    neg_inf = -cutlass.Float32.inf
-    # biased[g] = sigmoid(logit) + bias of expert g*32 + lane.
-    biased = cute.make_rmem_tensor((NUM_GROUPS,), cutlass.Float32)
-    group_score = cute.make_rmem_tensor((NUM_GROUPS,), cutlass.Float32)
-    for g in cutlass.range_constexpr(NUM_GROUPS):
-        expert = g * GROUP_SIZE + lane
-        score = _sigmoid(routing_logits[token, expert])
-        biased[g] = score + routing_bias[expert].to(cutlass.Float32)
-    # Group score: the sum of the group's two largest biased scores (a tie counts twice).
-    for g in cutlass.range_constexpr(NUM_GROUPS):
-        top1, top1_lane = _warp_argmax(biased[g], lane)
-        top2 = _warp_max(neg_inf if lane == top1_lane else biased[g])
-        group_score[g] = top1 + top2
-    # Keep the 4 best groups (ties: the lower group); every lane computes the same.
-    candidate = cute.make_rmem_tensor((NUM_GROUPS,), cutlass.Float32)
-    for g in cutlass.range_constexpr(NUM_GROUPS):
-        better = cutlass.Int32(0)
-        for h in cutlass.range_constexpr(NUM_GROUPS):
-            if cutlass.const_expr(h != g):
-                if group_score[h] > group_score[g] or (group_score[h] == group_score[g] and h < g):
-                    better = better + 1
-        candidate[g] = biased[g] if better < TOP_K_GROUPS else neg_inf
-    # Top-8 experts among the kept groups; lane k keeps the k-th choice.
-    my_expert = cutlass.Int32(0)
-    for k in cutlass.range_constexpr(TOP_K):
-        best = neg_inf
-        best_expert = cutlass.Int32(lane)
-        for g in cutlass.range_constexpr(NUM_GROUPS):
-            if candidate[g] > best:
-                best = candidate[g]
-                best_expert = cutlass.Int32(g * GROUP_SIZE) + lane
-        best, best_expert = _warp_argmax(best, best_expert)
-        for g in cutlass.range_constexpr(NUM_GROUPS):
-            if best_expert == g * GROUP_SIZE + lane:
-                candidate[g] = neg_inf
-        if lane == k:
-            my_expert = best_expert
-    # Weights from the unbiased scores of the 8 chosen experts (lanes 0..7).
-    my_score = _sigmoid(routing_logits[token, my_expert])
-    _write_choices(
-        local_expert_offset, routed_scaling_factor, counts, expert_tokens, slot_expert, slot_rank, slot_weight,
-        token, lane, my_expert, my_score,
-    )  # fmt: skip
-
-
-@cute.jit
-def _write_choices(
-    local_expert_offset: cutlass.Int32,
-    routed_scaling_factor: cutlass.Float32,
-    counts: cute.Tensor,
-    expert_tokens: cute.Tensor,
-    slot_expert: cute.Tensor,
-    slot_rank: cute.Tensor,
-    slot_weight: cute.Tensor,
-    token: cutlass.Int32,
-    lane: cutlass.Int32,
-    my_expert: cutlass.Int32,
-    my_score: cutlass.Float32,
-):
-    """Lane k < 8 holds the token's k-th choice and its unbiased score: the weights (normalised over the
-    eight), and for a local expert a rank taken by an atomic increment of `counts` and the packed-list entry."""
-    total = my_score if lane < TOP_K else cutlass.Float32(0.0)
-    for shift in cutlass.range_constexpr(3):  # lanes 0..7 form one butterfly group
-        total = total + cute.arch.shuffle_sync_bfly(total, offset=4 >> shift)
-    weight = my_score / (total + cutlass.Float32(NORMALISATION_EPS)) * routed_scaling_factor
-    if lane < TOP_K:
-        local = my_expert - local_expert_offset
-        if local >= 0 and local < NUM_LOCAL_EXPERTS:
-            rank = cute.arch.atomic_add((counts.iterator + local).llvm_ptr, cutlass.Int32(1))
-            expert_tokens[local, rank] = token
-            slot_expert[token, lane] = local
-            slot_rank[token, lane] = rank
-            slot_weight[token, lane] = weight
-        else:
-            slot_expert[token, lane] = cutlass.Int32(-1)
-            slot_rank[token, lane] = cutlass.Int32(0)
-            slot_weight[token, lane] = cutlass.Float32(0.0)
-
-
-LANES_PER_GROUP = 4  # `route_token_by_lanes`: each lane holds 8 consecutive experts of one group
+LANES_PER_GROUP = 4  # `route_token`: each lane holds 8 consecutive experts of one group
 EXPERTS_PER_LANE = GROUP_SIZE // LANES_PER_GROUP  # 8
 NOT_CHOSEN = 0x7FFFFFFF  # above every expert id: `warp_redux_sync`'s unsigned min never picks it
 
@@ -196,7 +82,7 @@ def _orderable(value: cutlass.Float32) -> cutlass.Int32:
 
 
 @cute.jit
-def route_token_by_lanes(
+def route_token(
     routing_logits: cute.Tensor,
     routing_bias: cute.Tensor,
     local_expert_offset: cutlass.Int32,
@@ -209,12 +95,13 @@ def route_token_by_lanes(
     token: cutlass.Int32,
     lane: cutlass.Int32,
 ):
-    """`route_token`'s choices, weights and writes with a shorter dependent chain (v2.15, used by v2.16): lane l
-    holds experts 8 l .. 8 l + 7 (group l / 4), so a group's two best come from the lane's own eight and two
-    butterfly steps, and each of the eight picks is two `redux.sync` (the largest biased score as an ordered
-    key, then the lowest expert holding it) instead of ten shuffles and their selects. The same comparisons
-    and ties (lower group, lower expert) and the same float arithmetic as `route_token`: the same experts
-    in the same slots with the same weights."""
+    """One warp routes one token: its top-8 experts (group-limited: the 4 groups with the best sum of their two
+    best biased scores), their weights, and for each local one a rank taken by an atomic increment of `counts`
+    and the packed-list entry. Lane l holds experts 8 l .. 8 l + 7 (group l / 4), so a group's two best come from
+    the lane's own eight and two butterfly steps, and each of the eight picks is two `redux.sync` (the largest
+    biased score as an ordered key, then the lowest expert holding it): a dependent chain ~170 shuffles shorter
+    than v2.6's, which held one expert of each group per lane (v2.15, promoted with v2.16 as the only routing;
+    the same choices, slots and weights, bit for bit). Ties: the lower group, the lower expert."""
     neg_inf = -cutlass.Float32.inf
     first = lane * EXPERTS_PER_LANE
     score = cute.make_rmem_tensor((EXPERTS_PER_LANE,), cutlass.Float32)
@@ -267,17 +154,33 @@ def route_token_by_lanes(
         if lane == k:
             my_expert = chosen
             my_score = chosen_score
-    _write_choices(
-        local_expert_offset, routed_scaling_factor, counts, expert_tokens, slot_expert, slot_rank, slot_weight,
-        token, lane, my_expert, my_score,
-    )  # fmt: skip
+    # Weights from the unbiased scores of the 8 chosen experts (lanes 0..7).
+    total = my_score if lane < TOP_K else cutlass.Float32(0.0)
+    for shift in cutlass.range_constexpr(3):  # lanes 0..7 form one butterfly group
+        total = total + cute.arch.shuffle_sync_bfly(total, offset=4 >> shift)
+    weight = my_score / (total + cutlass.Float32(NORMALISATION_EPS)) * routed_scaling_factor
+    if lane < TOP_K:
+        local = my_expert - local_expert_offset
+        if local >= 0 and local < NUM_LOCAL_EXPERTS:
+            rank = cute.arch.atomic_add((counts.iterator + local).llvm_ptr, cutlass.Int32(1))
+            expert_tokens[local, rank] = token
+            slot_expert[token, lane] = local
+            slot_rank[token, lane] = rank
+            slot_weight[token, lane] = weight
+        else:
+            slot_expert[token, lane] = cutlass.Int32(-1)
+            slot_rank[token, lane] = cutlass.Int32(0)
+            slot_weight[token, lane] = cutlass.Float32(0.0)
 
 
 @cute.jit
-def route_then_meet(routing, counts: cute.Tensor, expert_tokens: cute.Tensor, cta: cutlass.Int32, grid: cutlass.Int32, tidx: cutlass.Int32):
-    """The routing inside the first kernel of the call (candidate v2.16): warp w of CTA c routes tokens 4 c + w,
-    + 4 grid, ... (`route_token_by_lanes`), then the CTAs meet: each adds its number of routed tokens to the kept
-    count `routed[0]` and waits until it reaches T, so that every CTA's schedule reads complete counts and lists.
+def route_then_meet(
+    routing, counts: cute.Tensor, expert_tokens: cute.Tensor, cta: cutlass.Int32, grid: cutlass.Int32, tidx: cutlass.Int32
+):
+    """The routing inside GEMM1, the first kernel of a call up to 1024 tokens (v2.16): warp w of CTA c routes
+    tokens 4 c + w, + 4 grid, ... (`route_token`), then the CTAs meet: each adds its number of routed tokens to
+    the kept count `routed[0]` and waits until it reaches T, so that every CTA's schedule reads complete counts
+    and lists.
     The launch must be cooperative (every CTA resident, or the wait never ends); `routing` is (routing_logits,
     routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank, slot_weight, routed) and the
     call's last kernel zeroes `routed` again (`ReleaseCountsKernel`). The barrier is cooperative groups' grid sync:
@@ -289,7 +192,7 @@ def route_then_meet(routing, counts: cute.Tensor, expert_tokens: cute.Tensor, ct
     num_tokens = routing_logits.shape[0]
     warp_id = tidx // 32
     for token in cutlass.range(cta * ROUTING_WARPS + warp_id, num_tokens, grid * ROUTING_WARPS, unroll=1):
-        route_token_by_lanes(
+        route_token(
             routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, counts, expert_tokens,
             slot_expert, slot_rank, slot_weight, token, tidx % 32,
         )  # fmt: skip

@@ -472,8 +472,8 @@ class StreamingGemm(LinkedGemm):
         stream,
         routing=None,
     ):
-        """`routing`: None, or (GEMM1 of candidate v2.16) `routing.route_then_meet`'s tuple: the grid routes the
-        tokens before its schedule."""
+        """`routing`: None, or (GEMM1 up to 1024 tokens, v2.16) `routing.route_then_meet`'s tuple: the grid
+        routes the tokens before its schedule."""
         cfg = self.cfg
         bt = cfg.block_tokens
         ns = cfg.num_stages

@@ -201,7 +201,7 @@ class WgmmaGemm1(LinkedGemm):
         stream,
         routing=None,
     ):
-        """`routing`: as `streaming_gemm.StreamingGemm.launch`'s (candidate v2.16)."""
+        """`routing`: as `streaming_gemm.StreamingGemm.launch`'s (v2.16)."""
         cfg = self.cfg
         tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
         SharedStorage = cfg.shared_storage()

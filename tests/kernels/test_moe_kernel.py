@@ -29,7 +29,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check
 kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_wide_from_193", "candidate_routing_in_gemm1")
+SOLUTIONS = ("kernel", "candidate_wide_from_193")
 
 
 @functools.cache
@@ -65,6 +65,8 @@ def test_variants_are_on_wgmma_from_33_tokens():
         assert getattr(variant.gemm1(), "permuted_c", False) == variant.wgmma_gemm2
         # Every GEMM of every variant keeps two CTAs per SM.
         assert variant.gemm1().ctas_per_sm() == variant.gemm2().ctas_per_sm() == 2
+        # Up to MEDIUM_T_MAX_TOKENS GEMM1 routes the tokens itself (v2.16); above, the routing is a grid of its own.
+        assert variant.routing_in_gemm1 == (num_tokens <= kernel.MEDIUM_T_MAX_TOKENS)
     assert kernel.WGMMA_GEMM1_MIN_TOKENS == 33
     # Up to FEW_TOKENS_MAX the two variants differ only in the GEMMs' instructions.
     assert dataclasses.replace(kernel.variant_for(33), wgmma_gemm1=False, wgmma_gemm2=False) == kernel.variant_for(32)
@@ -72,7 +74,8 @@ def test_variants_are_on_wgmma_from_33_tokens():
     assert kernel.variant_for(kernel.FEW_TOKENS_MAX + 1) is kernel.variant_for(kernel.MEDIUM_T_MAX_TOKENS) is kernel.MEDIUM_T
     large = kernel.variant_for(kernel.MEDIUM_T_MAX_TOKENS + 1)
     assert large is kernel.LARGE_T is kernel.variant_for(kernel.MAX_TOKENS)
-    # LARGE_T differs from MEDIUM_T only in GEMM1's tiles: 64 tokens, 3 stages, the epilogue tile in a stage.
+    # LARGE_T differs from MEDIUM_T only in GEMM1's tiles (64 tokens, 3 stages, the epilogue tile in a stage) and
+    # in its routing kernel.
     assert (large.gemm1().block_tokens, large.gemm1().num_stages, large.gemm1().scratch_in_stage) == (64, 3, True)
     medium_gemm2 = kernel.MEDIUM_T.gemm2()
     assert (large.gemm2().block_tokens, large.gemm2().num_stages) == (medium_gemm2.block_tokens, medium_gemm2.num_stages)
@@ -98,6 +101,15 @@ def test_the_host_routes_first_and_releases_the_counters_last_in_one_chain():
     assert (moe_host.release_counts.link.waits, moe_host.release_counts.link.releases) == (True, False)
 
 
+def test_a_host_that_routes_in_gemm1_has_no_routing_kernel_and_gemm1_leads_the_chain():
+    host = solution_module("host")
+    moe_host = host.MoeHostSm90(kernel.TINY_T.make_gemm1(), kernel.TINY_T.make_gemm2(), routing_in_gemm1=True)
+    assert not hasattr(moe_host, "routing")
+    assert (moe_host.gemm1.link.waits, moe_host.gemm1.link.releases) == (False, True)  # first: never waits
+    assert (moe_host.gemm2.link.waits, moe_host.combine.link.waits) == (True, True)
+    assert (moe_host.release_counts.link.waits, moe_host.release_counts.link.releases) == (True, False)
+
+
 @pytest.mark.parametrize(("num_kernels", "expected"), [(4, "R WR WR W"), (5, "R WR WR WR W")])
 def test_a_chain_releases_from_every_kernel_but_the_last_and_waits_in_every_one_but_the_first(num_kernels, expected):
     chain = solution_module("chain")
@@ -109,7 +121,7 @@ def test_a_chain_releases_from_every_kernel_but_the_last_and_waits_in_every_one_
 class _UnlinkableGemm:
     """An expert GEMM without `with_link`: it cannot join a chain of dependent launches."""
 
-    def launch(self, a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream) -> None:
+    def launch(self, a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream, routing=None) -> None:
         raise AssertionError("never launched")
 
 
@@ -287,9 +299,10 @@ def test_cuda_graph_replay_follows_new_inputs(solution):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_clean_counters_leave_the_kept_buffer_at_zero_and_copy_each_calls_counts_out():
+@pytest.mark.parametrize("num_tokens", [58, kernel.MEDIUM_T_MAX_TOKENS + 1])  # routed in GEMM1, by the routing grid
+def test_clean_counters_leave_the_kept_buffer_at_zero_and_copy_each_calls_counts_out(num_tokens):
     counters = solution_module("counters")
-    case = cases.CheckCase("kept_counts", 58, 96)
+    case = cases.CheckCase("kept_counts", num_tokens, 96)
     for seed in (1, 2):  # the second call must start from the zeros the first one left
         inputs = cases.make_inputs(case, "cuda", seed=seed)
         output = cases.poisoned_output(case.num_tokens, "cuda")
@@ -297,9 +310,69 @@ def test_clean_counters_leave_the_kept_buffer_at_zero_and_copy_each_calls_counts
         torch.cuda.synchronize()
         kept = counters.kept_counts(torch.device("cuda"), kernel.GPU_ARCH)
         assert int(kept.abs().sum()) == 0
+        routed = counters.kept_routed(torch.device("cuda"), kernel.GPU_ARCH)  # GEMM1's meeting count
+        assert int(routed.abs().sum()) == 0
         experts, _ = reference._route(
             inputs["routing_logits"], inputs["routing_bias"], float(inputs["routed_scaling_factor"])
         )
         local = experts - int(inputs["local_expert_offset"])
         assert workspaces.counts.tolist() == [int((local == e).any(dim=1).sum()) for e in range(32)]
         assert cases.compare(output, reference.run(*inputs.values())).passed
+
+
+def _tied(inputs: dict, case, seed: int) -> dict:
+    """Logits in {-2, ..., 2} and a bias in {0, 0.25, 0.5} (then the case's routing pattern): most biased scores
+    equal several others, so the group ranking and the picks are decided by the tie rules."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    logits = inputs["routing_logits"]
+    logits.copy_(torch.randint(-2, 3, logits.shape, generator=generator, device="cuda").to(logits.dtype))
+    bias = inputs["routing_bias"]
+    bias.copy_((torch.randint(0, 3, bias.shape, generator=generator, device="cuda") * 0.25).to(bias.dtype))
+    cases.apply_routing_pattern(logits, case.local_expert_offset, case.pattern)
+    return inputs
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tied", [False, True], ids=["random", "tied"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        cases.CheckCase("in_gemm1_t1", 1, 0),
+        cases.CheckCase("in_gemm1_t16_one_expert", 16, 96, "one_expert"),
+        cases.CheckCase("in_gemm1_t61_no_local", 61, 32, "no_local"),
+        cases.CheckCase("in_gemm1_t193", 193, 160),
+        cases.CheckCase("in_gemm1_t1024_all_local", 1024, 64, "all_local"),
+    ],
+    ids=lambda c: c.name,
+)
+def test_routing_in_gemm1_equals_the_routing_grid_bit_for_bit(case, tied):
+    # The same `route_token` in GEMM1's cooperative grid (then the CTAs meet) and in a grid of its own (then the
+    # launch boundary): the same workspaces and output; a CTA that read the counts or lists before every token
+    # was routed would break them. Three calls, so that the kept meeting count must come back to zero.
+    inputs = cases.make_inputs(case, "cuda", seed=29)
+    if tied:
+        inputs = _tied(inputs, case, seed=case.num_tokens)
+
+    def routing_grid(num_tokens: int):
+        return dataclasses.replace(kernel.variant_for(num_tokens), routing_in_gemm1=False)
+
+    results = []
+    for choose in (routing_grid, kernel.variant_for, kernel.variant_for):
+        output = cases.poisoned_output(case.num_tokens, "cuda")
+        workspaces = kernel.run_keeping_workspaces(*inputs.values(), output, choose=choose)
+        torch.cuda.synchronize()
+        results.append((workspaces, output))
+    (grid, grid_output), *in_gemm1 = results
+    for ours, output in in_gemm1:
+        assert torch.equal(ours.counts, grid.counts)
+        assert torch.equal(ours.slot_expert, grid.slot_expert)
+        assert torch.equal(ours.slot_weight, grid.slot_weight)
+        for expert, count in enumerate(ours.counts.tolist()):  # ranks come from atomics: compare the sets
+            assert torch.equal(
+                ours.expert_tokens[expert, :count].sort().values, grid.expert_tokens[expert, :count].sort().values
+            )
+        tokens = torch.arange(case.num_tokens, device="cuda")[:, None].expand_as(ours.slot_expert)
+        local = ours.slot_expert >= 0
+        assert torch.equal(ours.expert_tokens[ours.slot_expert[local], ours.slot_rank[local]], tokens[local].int())
+        assert not torch.isnan(output).any() and torch.equal(output, grid_output)

@@ -401,23 +401,14 @@ class LinkedGemm:
         """Launch `kernel` (the kernel applied to its arguments) as the GEMM's persistent grid of
         `num_ctas` CTAs of 128 threads, at its place in the chain; `cooperative` where its CTAs meet
         (`routing.route_then_meet`). Called while `launch` is traced."""
-        if cooperative:
-            kernel.launch(
-                grid=[num_ctas, 1, 1],
-                block=[NUM_THREADS, 1, 1],
-                smem=shared_storage.size_in_bytes(),
-                stream=stream,
-                use_pdl=self.link.waits,
-                cooperative=True,
-            )
-        else:
-            kernel.launch(
-                grid=[num_ctas, 1, 1],
-                block=[NUM_THREADS, 1, 1],
-                smem=shared_storage.size_in_bytes(),
-                stream=stream,
-                use_pdl=self.link.waits,
-            )
+        kernel.launch(
+            grid=[num_ctas, 1, 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=shared_storage.size_in_bytes(),
+            stream=stream,
+            use_pdl=self.link.waits,
+            cooperative=cooperative,
+        )
 
     @cute.jit
     def locate_load(

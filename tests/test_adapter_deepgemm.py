@@ -105,12 +105,17 @@ class FakeDeepGemm(types.ModuleType):
             if expert < 0:
                 continue
             rows = (grouped_layout == expert).nonzero().flatten()
-            product = dequantize_rows(x[rows], x_scales[rows]) @ dequantize_blocks(w[expert], w_scales[expert]).T
+            # float64, as in `requantising_formulation`: fp32 products of different shapes sum in different
+            # orders per CPU kernel, and a bf16 or e4m3 rounding step downstream then flips (seen on an AMD
+            # EPYC host: one element 0.5 off); in float64 both sides round the same sums.
+            x_rows = dequantize_rows(x[rows], x_scales[rows]).double()
+            product = x_rows @ dequantize_blocks(w[expert], w_scales[expert]).double().T
             d[rows] = product.to(torch.bfloat16)
 
 
 def requantising_formulation(inputs: dict[str, Any]) -> torch.Tensor:
-    """Token by token, expert by expert, with the pipeline's roundings: bf16 GEMM outputs, e4m3 SwiGLU."""
+    """Token by token, expert by expert, with the pipeline's roundings: bf16 GEMM outputs (of float64 sums, as
+    `FakeDeepGemm`'s), e4m3 SwiGLU."""
     experts, weights = reference._route(inputs["routing_logits"], inputs["routing_bias"], 2.5)
     x = reference._dequantize_activations(inputs["hidden_states"], inputs["hidden_states_scale"])
     num_tokens, hidden = x.shape
@@ -122,12 +127,12 @@ def requantising_formulation(inputs: dict[str, Any]) -> torch.Tensor:
             e = int(experts[t, slot]) - inputs["local_expert_offset"]
             if not 0 <= e < NUM_LOCAL:
                 continue
-            g1 = (x[t] @ w13s[e].T).bfloat16().float()
+            g1 = (x[t].double() @ w13s[e].double().T).bfloat16().float()
             half = g1.shape[0] // 2
             c = (F.silu(g1[half:]) * g1[:half]).view(-1, 128)
             scale = c.abs().amax(dim=1, keepdim=True).clamp_min(1e-4) / 448.0
             c_q = ((c / scale).to(FP8).float() * scale).flatten()
-            out[t] += weights[t, slot] * (c_q @ w2s[e].T).bfloat16().float()
+            out[t] += weights[t, slot] * (c_q.double() @ w2s[e].double().T).bfloat16().float()
     return out.bfloat16()
 
 

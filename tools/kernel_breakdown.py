@@ -168,10 +168,12 @@ def api_call_namer(cupti: Any) -> Callable[[ApiRecord], str]:
 
     def name_of(record: ApiRecord) -> str:
         table = tables.get(record.kind)
-        try:
-            return table(record.callback_id).name if table is not None else f"kind {record.kind}: {record.callback_id}"
-        except ValueError:
-            return f"kind {record.kind}: {record.callback_id}"
+        if table is not None:
+            try:
+                return table(record.callback_id).name
+            except ValueError:  # an id the enum does not list
+                pass
+        return f"kind {record.kind}: {record.callback_id}"
 
     return name_of
 

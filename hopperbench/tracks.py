@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_stream_k",
-            entry="candidate_stream_k.py::run",
-            description="v2.17: kernel.py with stream-K walks (contiguous step ranges per CTA, cut items finished by their last piece) in both GEMMs below 33 tokens",
-        ),
     ),
 )
 

@@ -31,15 +31,11 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from .chain import NO_CHAIN
 from .routing import ZeroCountsKernel
 from .shapes import NUM_LOCAL_EXPERTS
-from .streaming_gemm import MAX_SPLIT_CTAS
 
-__all__ = ["kept_arrivals", "kept_counts", "kept_routed"]
+__all__ = ["kept_counts", "kept_routed"]
 
 _KEPT: dict[tuple[int, int, str], torch.Tensor] = {}
-_ZERO: dict[tuple[str, int], Callable] = {}
-# int32 counters of each kept buffer: the per-expert counts, the routed-token count (its first element), and the
-# stream-K arrival counters (one per CTA of the largest grid)
-_LENGTHS = {"counts": NUM_LOCAL_EXPERTS, "routed": NUM_LOCAL_EXPERTS, "arrivals": MAX_SPLIT_CTAS}
+_ZERO: dict[str, Callable] = {}
 
 
 class _ZeroCounts:
@@ -50,21 +46,19 @@ class _ZeroCounts:
         ZeroCountsKernel(NO_CHAIN).launch(counts, stream)
 
 
-def compiled_zero(arch: str, length: int = NUM_LOCAL_EXPERTS) -> Callable:
-    """The zeroing launch of a buffer of `length` counters for `arch` (compiled once; needs no GPU)."""
-    fn = _ZERO.get((arch, length))
+def compiled_zero(arch: str) -> Callable:
+    """The zeroing launch for `arch` (compiled once; needs no GPU)."""
+    fn = _ZERO.get(arch)
     if fn is None:
-        counts = make_fake_compact_tensor(cutlass.Int32, (length,), assumed_align=16)
+        counts = make_fake_compact_tensor(cutlass.Int32, (NUM_LOCAL_EXPERTS,), assumed_align=16)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        fn = _ZERO[arch, length] = cute.compile(
-            _ZeroCounts(), counts, stream, options=f"--enable-tvm-ffi --gpu-arch {arch}"
-        )
+        fn = _ZERO[arch] = cute.compile(_ZeroCounts(), counts, stream, options=f"--enable-tvm-ffi --gpu-arch {arch}")
     return fn
 
 
-def _zeroed(device: torch.device, arch: str, length: int) -> torch.Tensor:
-    counts = torch.empty(length, dtype=torch.int32, device=device)
-    compiled_zero(arch, length)(counts)  # on the current stream, before the call that uses it
+def _zeroed(device: torch.device, arch: str) -> torch.Tensor:
+    counts = torch.empty(NUM_LOCAL_EXPERTS, dtype=torch.int32, device=device)
+    compiled_zero(arch)(counts)  # on the current stream, before the call that uses it
     return counts
 
 
@@ -79,19 +73,12 @@ def kept_routed(device: torch.device, arch: str) -> torch.Tensor:
     return _kept(device, arch, "routed")
 
 
-def kept_arrivals(device: torch.device, arch: str) -> torch.Tensor:
-    """The zeroed arrival counters of the stream-K GEMMs (v2.17; `streaming_gemm.StreamingGemm.finish_piece`): the
-    last piece of every cut item resets its counter, so a completed call leaves them at zero; kept like the counts."""
-    return _kept(device, arch, "arrivals")
-
-
 def _kept(device: torch.device, arch: str, purpose: str) -> torch.Tensor:
-    length = _LENGTHS[purpose]
     if torch.cuda.is_current_stream_capturing():
-        return _zeroed(device, arch, length)
+        return _zeroed(device, arch)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch.cuda.current_stream(index).cuda_stream, purpose)
     buffer = _KEPT.get(key)
     if buffer is None:
-        buffer = _KEPT[key] = _zeroed(device, arch, length)
+        buffer = _KEPT[key] = _zeroed(device, arch)
     return buffer

@@ -37,7 +37,6 @@ from .shapes import (
     NUM_LOCAL_EXPERTS,
     TOP_K,
 )
-from .streaming_gemm import MAX_SPLIT_CTAS, PARTIAL_ROW
 
 __all__ = ["ExpertGemm", "MoeHostSm90", "Workspaces", "compile_host", "fake_tensor_arguments", "launch"]
 
@@ -54,17 +53,12 @@ class MoeHostSm90:
     come zeroed from the previous call and the last launch zeroes them again, so no call starts with
     a tiny zeroing launch and its host gap (sessions 8 and 9)."""
 
-    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm, routing_in_gemm1: bool = False, stream_k: bool = False):
+    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm, routing_in_gemm1: bool = False):
         """`routing_in_gemm1` (v2.16, `kernel.py` up to 1024 tokens): no routing kernel; GEMM1's cooperative grid
-        routes the tokens first (`routing.route_then_meet`), so the call is four launches and GEMM1 the first.
-        `stream_k` (v2.17; needs `routing_in_gemm1`): both GEMMs walk contiguous step ranges and get `split`, the
-        partials workspace and the kept arrival counters (`streaming_gemm.StreamingGemm.finish_piece`)."""
+        routes the tokens first (`routing.route_then_meet`), so the call is four launches and GEMM1 the first."""
         if not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
             raise TypeError("the MoE host chains its launches: the expert GEMMs need with_link")
-        if stream_k and not routing_in_gemm1:
-            raise ValueError("stream_k is built for the hosts that route in GEMM1")
         self.routing_in_gemm1 = routing_in_gemm1
-        self.stream_k = stream_k
         if routing_in_gemm1:
             gemm1_link, gemm2_link, combine_link, release_link = chain_links(4)
         else:
@@ -101,13 +95,8 @@ class MoeHostSm90:
         gemm2_grid: cutlass.Int32,
         stream,
         routed=None,  # with routing_in_gemm1: the kept count of routed tokens (`counters.kept_routed`)
-        split_partials=None,  # with stream_k: `Workspaces.split_partials`
-        arrivals=None,  # with stream_k: the kept arrival counters (`counters.kept_arrivals`)
     ):
         routing = None
-        split = None
-        if cutlass.const_expr(self.stream_k):
-            split = (split_partials, arrivals)
         if cutlass.const_expr(self.routing_in_gemm1):
             routing = (
                 routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank,
@@ -137,7 +126,6 @@ class MoeHostSm90:
             gemm1_grid,
             stream,
             routing,
-            *((split,) if self.stream_k else ()),
         )
         self.gemm2.launch(
             intermediate,
@@ -149,7 +137,6 @@ class MoeHostSm90:
             expert_tokens,
             gemm2_grid,
             stream,
-            *((None, split) if self.stream_k else ()),
         )
         self.combine.launch(counts, slot_expert, slot_rank, slot_weight, expert_out, output, stream)
         self.release_counts.launch(counts, counts_out, stream, routed)
@@ -166,17 +153,10 @@ class Workspaces:
     slot_weight: torch.Tensor  # [T, 8] fp32
     intermediate: torch.Tensor  # [8 T, 2048] bf16: C = silu(gate) * up per packed row
     expert_out: torch.Tensor  # [8 T, 7168] fp32: C W2^T per packed row
-    split_partials: torch.Tensor | None = None  # [2 CTAs, 2048] fp32: stream-K pieces' accumulators (v2.17)
 
     @classmethod
-    def allocate(cls, num_tokens: int, device: torch.device, split_ctas: int = 0) -> Workspaces:
-        """`split_ctas`: the larger stream-K grid of the call (0: no stream-K GEMM, no partials)."""
+    def allocate(cls, num_tokens: int, device: torch.device) -> Workspaces:
         num_rows = TOP_K * num_tokens  # worst case: all 8 chosen experts are local
-        if split_ctas > MAX_SPLIT_CTAS:
-            raise ValueError(f"a stream-K grid of {split_ctas} CTAs exceeds the {MAX_SPLIT_CTAS} arrival counters")
-        partials = None
-        if split_ctas:  # every slot is written before it is read: no zeroing
-            partials = torch.empty(2 * split_ctas, PARTIAL_ROW, dtype=torch.float32, device=device)
         return cls(
             counts=torch.empty(NUM_LOCAL_EXPERTS, dtype=torch.int32, device=device),  # zeroed by our kernel
             expert_tokens=torch.empty(NUM_LOCAL_EXPERTS, num_tokens, dtype=torch.int32, device=device),
@@ -185,7 +165,6 @@ class Workspaces:
             slot_weight=torch.empty(num_tokens, TOP_K, dtype=torch.float32, device=device),
             intermediate=torch.empty(num_rows, INTERMEDIATE, dtype=torch.bfloat16, device=device),
             expert_out=torch.empty(num_rows, HIDDEN, dtype=torch.float32, device=device),
-            split_partials=partials,
         )
 
 
@@ -228,12 +207,6 @@ def compile_host(host: MoeHostSm90, arch: str) -> Callable:
     args = (*fake_tensor_arguments(), 0, 0, make_fake_stream(use_tvm_ffi_env_stream=True))
     if host.routing_in_gemm1:
         args = (*args, make_fake_compact_tensor(cutlass.Int32, (NUM_LOCAL_EXPERTS,), assumed_align=16))
-    if host.stream_k:
-        partials = make_fake_compact_tensor(
-            cutlass.Float32, (cute.sym_int(), PARTIAL_ROW), stride_order=(1, 0), assumed_align=16
-        )
-        arrivals = make_fake_compact_tensor(cutlass.Int32, (MAX_SPLIT_CTAS,), assumed_align=16)
-        args = (*args, partials, arrivals)
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
@@ -246,14 +219,11 @@ def launch(
     gemm2_grid: int,
     kept_counts: torch.Tensor,
     kept_routed: torch.Tensor | None = None,
-    kept_arrivals: torch.Tensor | None = None,
 ) -> None:
     """One call of a compiled host function: the definition's ten inputs (in order), the output,
     the workspaces and the two grid parameters. It counts in `kept_counts` (zero on entry, left at
     zero; `counters.kept_counts`) and copies the call's counts into `workspaces.counts`; a host that routes
-    in GEMM1 also counts the routed tokens in `kept_routed` (`counters.kept_routed`, likewise), and a stream-K
-    host counts the pieces of cut items in `kept_arrivals` (`counters.kept_arrivals`, reset by each item's last
-    piece)."""
+    in GEMM1 also counts the routed tokens in `kept_routed` (`counters.kept_routed`, likewise)."""
     *tensors, local_expert_offset, routed_scaling_factor = inputs
     compiled(
         *tensors,
@@ -271,5 +241,4 @@ def launch(
         gemm1_grid,
         gemm2_grid,
         *(() if kept_routed is None else (kept_routed,)),
-        *(() if kept_arrivals is None else (workspaces.split_partials, kept_arrivals)),
     )

@@ -103,7 +103,6 @@ class StreamingVariant:
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
     routing_in_gemm1: bool = False  # no routing kernel: GEMM1's cooperative grid routes first (v2.16)
-    stream_k: bool = False  # both `mma.sync` GEMMs walk contiguous step ranges (v2.17; streaming_gemm.py)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -111,8 +110,6 @@ class StreamingVariant:
             raise ValueError("wgmma_gemm2 needs wgmma_gemm1")
         if self.gemm1_scratch_in_stage and not self.wgmma_gemm1:
             raise ValueError("gemm1_scratch_in_stage needs wgmma_gemm1")
-        if self.stream_k and (self.wgmma_gemm1 or self.wgmma_gemm2):
-            raise ValueError("stream_k is a walk of the mma.sync GEMMs (streaming_gemm.py) only")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -122,9 +119,7 @@ class StreamingVariant:
                 permuted_c=self.wgmma_gemm2,
                 scratch_in_stage=self.gemm1_scratch_in_stage,
             )
-        return StreamingGemmConfig(
-            gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages, stream_k=self.stream_k
-        )
+        return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:
         config = self.gemm1()
@@ -135,7 +130,7 @@ class StreamingVariant:
         num_stages = self.gemm2_num_stages or self.num_stages
         if self.wgmma_gemm2:
             return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages)
-        return StreamingGemmConfig(gemm1=False, block_tokens=block_tokens, num_stages=num_stages, stream_k=self.stream_k)
+        return StreamingGemmConfig(gemm1=False, block_tokens=block_tokens, num_stages=num_stages)
 
     def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:
         config = self.gemm2()
@@ -188,12 +183,7 @@ _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
 def _compile(arch: str, variant: StreamingVariant) -> Callable:
     # The launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs).
     return host.compile_host(
-        host.MoeHostSm90(
-            variant.make_gemm1(),
-            variant.make_gemm2(),
-            routing_in_gemm1=variant.routing_in_gemm1,
-            stream_k=variant.stream_k,
-        ),
+        host.MoeHostSm90(variant.make_gemm1(), variant.make_gemm2(), routing_in_gemm1=variant.routing_in_gemm1),
         arch,
     )
 
@@ -284,11 +274,9 @@ def run_keeping_workspaces(
     routed_scaling_factor,
     output,
     choose: Callable[[int], StreamingVariant] = variant_for,
-    grids: tuple[int, int] | None = None,
 ) -> Workspaces | None:
     """`run`, returning the call's workspaces (None for T = 0), so that a device check can tell a wrong
-    GEMM1 from a wrong GEMM2. `choose` maps T to the variant; a candidate passes its own. `grids` (tests only):
-    (GEMM1, GEMM2) CTAs in place of the persistent grids, to walk other schedules."""
+    GEMM1 from a wrong GEMM2. `choose` maps T to the variant; a candidate passes its own."""
     inputs = (
         routing_logits,
         routing_bias,
@@ -307,13 +295,11 @@ def run_keeping_workspaces(
         return None
     variant = choose(num_tokens)
     device = routing_logits.device
-    gemm1_ctas, gemm2_ctas = grids or _grids(variant, _num_sms(device))
-    split_ctas = max(gemm1_ctas, gemm2_ctas) if variant.stream_k else 0
-    workspaces = Workspaces.allocate(num_tokens, device, split_ctas)
+    workspaces = Workspaces.allocate(num_tokens, device)
+    gemm1_ctas, gemm2_ctas = _grids(variant, _num_sms(device))
     kept = counters.kept_counts(device, GPU_ARCH)
     kept_routed = counters.kept_routed(device, GPU_ARCH) if variant.routing_in_gemm1 else None
-    arrivals = counters.kept_arrivals(device, GPU_ARCH) if variant.stream_k else None
-    host.launch(compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas, kept, kept_routed, arrivals)
+    host.launch(compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas, kept, kept_routed)
     return workspaces
 
 

@@ -20,11 +20,9 @@ ROUTING_WARPS = 4  # tokens per CTA
 
 
 class ZeroCountsKernel(Linked):
-    """Zeroes a new kept buffer of int32 counters (at most 1024: one thread each)."""
-
     @cute.jit
     def launch(self, counts: cute.Tensor, stream):
-        self.kernel(counts).launch(grid=[1, 1, 1], block=[cute.size(counts), 1, 1], stream=stream, use_pdl=self.link.waits)
+        self.kernel(counts).launch(grid=[1, 1, 1], block=[NUM_LOCAL_EXPERTS, 1, 1], stream=stream, use_pdl=self.link.waits)
 
     @cute.kernel
     def kernel(self, counts: cute.Tensor):

@@ -241,9 +241,7 @@ class PersistentGemmConfig:
 class StreamingGemmConfig(PersistentGemmConfig):
     """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
 
-    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int, stream_k: bool = False):
-        """`stream_k` (v2.17): contiguous ranges of the flat (item, K stage) steps per CTA instead of whole items
-        round robin; an item cut by a range end is finished by its last piece (`StreamingGemm.finish_piece`)."""
+    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int):
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -251,7 +249,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
         self.gemm1 = gemm1
         self.block_tokens = block_tokens
         self.num_stages = num_stages
-        self.stream_k = stream_k
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -263,8 +260,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if self.gemm1 and self.threads_per_token < BLOCKS_PER_STAGE:
             raise StreamingConfigError("GEMM1 needs >= 4 threads per token for the activation scales")
         self.check_fits()
-        if stream_k and self.accumulators_per_thread() * NUM_THREADS > PARTIAL_ROW:
-            raise StreamingConfigError(f"a stream-K piece of {block_tokens}-token tiles does not fit a partials row")
         if self.k_stages < num_stages:
             # The computed item's valid rows come from the load side, which must not have moved on to the next
             # item by the computed item's first stage.
@@ -280,12 +275,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
             "x_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE * bt, 128),
             "w_scales": smem_region(Float32, ns * M_TILES * BLOCKS_PER_STAGE, 128),
             "scratch": smem_region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
-            **({"last_piece": smem_region(Int32, 4, 16)} if self.stream_k else {}),
         }
-
-    def accumulators_per_thread(self) -> int:
-        """fp32 accumulators each thread holds for an item (M_TILES x n8 tiles x 4)."""
-        return M_TILES * self.n_tiles * 4
 
 
 # ------------------------------------------------------------------------------------------------
@@ -356,29 +346,6 @@ def cta_stage_count(
     if cta < total_items:
         my_items = (total_items - cta + grid - 1) // grid
     return my_items * k_stages
-
-
-# Stream-K walk (v2.17, `StreamingGemmConfig.stream_k`): plain arithmetic like the index maps above.
-MAX_SPLIT_CTAS = 1024  # arrival counters kept per stream (`counters.kept_arrivals`): the largest stream-K grid
-PARTIAL_ROW = 16 * NUM_THREADS  # fp32 words of a piece's accumulators: the most any configuration holds (16 tokens)
-
-
-def stream_k_start(cta, grid, total_steps):
-    """First flat (item, K stage) step of CTA `cta` of `grid` when the `total_steps` steps are cut into contiguous
-    ranges of total_steps / grid steps, +-1: CTA `cta` owns [stream_k_start(cta), stream_k_start(cta + 1))."""
-    return cta * total_steps // grid
-
-
-def stream_k_owner(step, grid, total_steps):
-    """The CTA whose range holds flat step `step`: the largest c with stream_k_start(c) <= step."""
-    return ((step + 1) * grid - 1) // total_steps
-
-
-def partial_slot(cta, first_owner):
-    """Workspace slot of CTA `cta`'s piece of an item whose first step CTA `first_owner` holds (cta >= first_owner).
-    The first owner's piece starts the item and ends its range (slot 2 cta + 1); every other piece starts its CTA's
-    range (slot 2 cta). A CTA has at most one piece of each kind, so no two pieces share a slot."""
-    return 2 * cta + 1 - cutlass.min(cta - first_owner, 1)
 
 
 @cute.jit
@@ -462,22 +429,7 @@ class LinkedGemm:
         the configurations with `gemm1`, `k_stages`, `items_per_row_tile`, `block_tokens` and
         `threads_per_token` (this file's and `wgmma_gemm1.py`'s)."""
         cfg = self.cfg
-        return self.locate_item(
-            cta + (s // cfg.k_stages) * grid, tile_end, expert_count, expert_offset, expert_tokens, tidx
-        )
-
-    @cute.jit
-    def locate_item(
-        self,
-        item: Int32,
-        tile_end: cute.Tensor,
-        expert_count: cute.Tensor,
-        expert_offset: cute.Tensor,
-        expert_tokens: cute.Tensor,
-        tidx: Int32,
-    ):
-        """`locate_load`'s location of work item `item`."""
-        cfg = self.cfg
+        item = cta + (s // cfg.k_stages) * grid
         expert, first_row, valid_rows, packed_row0 = locate_row_tile(
             item // cfg.items_per_row_tile, cfg.block_tokens, tile_end, expert_count, expert_offset
         )
@@ -510,11 +462,9 @@ class StreamingGemm(LinkedGemm):
         num_ctas: Int32,
         stream,
         routing=None,
-        split=None,
     ):
         """`routing`: None, or (GEMM1 up to 1024 tokens, v2.16) `routing.route_then_meet`'s tuple: the grid
-        routes the tokens before its schedule. `split` (with `stream_k`): (partials [2 grid, 2048] fp32, the kept
-        arrival counters [MAX_SPLIT_CTAS] int32)."""
+        routes the tokens before its schedule."""
         cfg = self.cfg
         bt = cfg.block_tokens
         ns = cfg.num_stages
@@ -539,7 +489,7 @@ class StreamingGemm(LinkedGemm):
 
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens,
-            w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage, routing, split,
+            w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage, routing,
         )  # fmt: skip
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None)
 
@@ -560,11 +510,11 @@ class StreamingGemm(LinkedGemm):
         scratch_layout: cute.Layout,
         SharedStorage: cutlass.Constexpr,
         routing,
-        split,
     ):
         enter(self.link)
         cfg = self.cfg
         bt = cfg.block_tokens
+        ns = cfg.num_stages
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -599,28 +549,6 @@ class StreamingGemm(LinkedGemm):
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), Float32, num_bits_per_copy=32
         )
 
-        if cutlass.const_expr(cfg.stream_k):
-            self.stream_k_walk(
-                split, tile_end, expert_count, expert_offset, expert_tokens, x, x_scale, w, w_scale, out, w_stages,
-                x_stages, x_scales, w_scales, scratch, storage, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, cta, grid, tidx,
-                warp_id, group, quad,
-            )  # fmt: skip
-        else:
-            self.round_robin_walk(
-                total_stages, tile_end, expert_count, expert_offset, expert_tokens, x, x_scale, w, w_scale, out,
-                w_stages, x_stages, x_scales, w_scales, scratch, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, cta, grid,
-                tidx, warp_id, group, quad,
-            )  # fmt: skip
-
-    @cute.jit
-    def round_robin_walk(
-        self, total_stages: Int32, tile_end, expert_count, expert_offset, expert_tokens, x, x_scale, w, w_scale, out,
-        w_stages, x_stages, x_scales, w_scales, scratch, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, cta: Int32,
-        grid: Int32, tidx: Int32, warp_id: Int32, group: Int32, quad: Int32,
-    ):  # fmt: skip
-        """Items cta, cta + grid, ... whole, in one cp.async pipeline across item boundaries (`kernel.py`)."""
-        cfg = self.cfg
-        ns = cfg.num_stages
         # Each item is located once per side (v2.4; session 15's ncu found the two locations per K stage,
         # binary searches over shared memory, and the token's reload from global memory on the stage's
         # critical path). The next load's item: (expert, valid rows, GEMM1: this thread's token, GEMM2: the
@@ -681,131 +609,6 @@ class StreamingGemm(LinkedGemm):
                     quad, tidx,
                 )
         cute.arch.cp_async_wait_group(0)
-
-    @cute.jit
-    def stream_k_walk(
-        self, split, tile_end, expert_count, expert_offset, expert_tokens, x, x_scale, w, w_scale, out, w_stages,
-        x_stages, x_scales, w_scales, scratch, storage, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, cta: Int32,
-        grid: Int32, tidx: Int32, warp_id: Int32, group: Int32, quad: Int32,
-    ):  # fmt: skip
-        """v2.17: this CTA's contiguous range of the flat steps g = item * k_stages + K stage
-        (`stream_k_start`), in one cp.async pipeline. The load side locates an item where a load starts it (or
-        starts the range); the compute side where its piece starts (a piece may be shorter than the pipeline,
-        so the load side may have moved on). Each piece ends in `finish_piece`."""
-        cfg = self.cfg
-        ns = cfg.num_stages
-        k = cfg.k_stages
-        total_steps = tile_end[NUM_LOCAL_EXPERTS - 1] * cfg.items_per_row_tile * k
-        first_step = stream_k_start(cta, grid, total_steps)
-        total_stages = stream_k_start(cta + 1, grid, total_steps) - first_step
-        located = self.locate_item(first_step // k, tile_end, expert_count, expert_offset, expert_tokens, tidx)
-        located = (*located, *self.item_bases(located, first_step // k, w_scale.layout, tidx))
-        valid_rows = Int32(0)
-        packed_row0 = Int32(0)
-
-        # ---- prologue: the first ns - 1 stages (which may cross an item boundary) ----
-        for p in cutlass.range_constexpr(ns - 1):
-            if p < total_stages:
-                if cutlass.const_expr(p > 0):
-                    if (first_step + p) % k == 0:
-                        item = (first_step + p) // k
-                        located = self.locate_item(item, tile_end, expert_count, expert_offset, expert_tokens, tidx)
-                        located = (*located, *self.item_bases(located, item, w_scale.layout, tidx))
-                self.load_stage(
-                    first_step + p, p, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales, w_scales,
-                    g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
-                )
-            cute.arch.cp_async_commit_group()
-
-        acc = cute.make_rmem_tensor((cfg.accumulators_per_thread(),), Float32)
-        block_acc = cute.make_rmem_tensor((cfg.accumulators_per_thread(),), Float32)
-        acc.fill(0.0)
-
-        for s in cutlass.range(total_stages, unroll=1):
-            # as in `round_robin_walk`: stage s has landed, and every warp is done with the slot reloaded next
-            cute.arch.cp_async_wait_group(ns - 2)
-            cute.arch.sync_threads()
-            if s + ns - 1 < total_stages:
-                step = first_step + s + ns - 1
-                if step % k == 0:
-                    located = self.locate_item(step // k, tile_end, expert_count, expert_offset, expert_tokens, tidx)
-                    located = (*located, *self.item_bases(located, step // k, w_scale.layout, tidx))
-                self.load_stage(
-                    step, (s + ns - 1) % ns, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales, w_scales,
-                    g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
-                )
-            cute.arch.cp_async_commit_group()
-
-            step = first_step + s
-            item = step // k
-            k_stage = step % k
-            if k_stage == 0 or s == 0:
-                _, _, valid_rows, packed_row0 = self.locate(item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset)
-                acc.fill(0.0)
-            self.compute_block(
-                s % ns, warp_id, group, quad, valid_rows, w_stages, x_stages, x_scales, w_scales, acc, block_acc
-            )
-            if k_stage == k - 1 or s == total_stages - 1:
-                self.finish_piece(
-                    split, storage, acc, scratch, out, item, first_step, total_stages, total_steps, packed_row0,
-                    valid_rows, cta, grid, tidx, warp_id, group, quad,
-                )
-        cute.arch.cp_async_wait_group(0)
-
-    @cute.jit
-    def finish_piece(
-        self, split, storage, acc: cute.Tensor, scratch, out, item: Int32, first_step: Int32, total_stages: Int32,
-        total_steps: Int32, packed_row0: Int32, valid_rows: Int32, cta: Int32, grid: Int32, tidx: Int32,
-        warp_id: Int32, group: Int32, quad: Int32,
-    ):  # fmt: skip
-        """The end of this CTA's piece of `item` (stream-K). A whole item runs its epilogue. A cut one stores the
-        piece's accumulators in its slot of `split`'s partials, then counts itself in the arrival counter of the
-        item's first CTA (a CTA barrier, then thread 0 fences and adds: the release half of cooperative groups'
-        grid sync); the piece that completes the count resets it to zero for the next use, sums every piece in
-        CTA order (the same sum whoever arrives last) and runs the epilogue. Nobody waits."""
-        k = self.cfg.k_stages
-        items_per_row_tile = self.cfg.items_per_row_tile
-        num_acc = self.cfg.accumulators_per_thread()
-        n_tile = item % items_per_row_tile
-        partials, arrivals = split
-        item_step = item * k
-        if item_step >= first_step and item_step + k <= first_step + total_stages:
-            self.epilogue(
-                acc, scratch, out, n_tile, packed_row0, valid_rows, warp_id, group, quad, tidx
-            )
-        else:
-            first_owner = stream_k_owner(item_step, grid, total_steps)
-            last_owner = stream_k_owner(item_step + k - 1, grid, total_steps)
-            mine = partial_slot(cta, first_owner)
-            for j in cutlass.range_constexpr(num_acc):
-                partials[mine, j * NUM_THREADS + tidx] = acc[j]
-            last_piece = storage.last_piece.get_tensor(cute.make_layout(4))
-            cute.arch.sync_threads()
-            if tidx == 0:
-                cute.arch.fence_acq_rel_gpu()
-                arrived = cute.arch.atomic_add((arrivals.iterator + first_owner).llvm_ptr, Int32(1), scope="gpu")
-                last_piece[0] = Int32(0)
-                if arrived == last_owner - first_owner:
-                    arrivals[first_owner] = Int32(0)
-                    last_piece[0] = Int32(1)
-            cute.arch.sync_threads()
-            if last_piece[0] == 1:
-                # every thread acquires the other pieces' stores (they were released before their arrivals)
-                cute.arch.fence_acq_rel_gpu()
-                total = cute.make_rmem_tensor((num_acc,), Float32)
-                total.fill(0.0)
-                for owner in cutlass.range(first_owner, last_owner + 1, unroll=1):
-                    if owner == cta:
-                        for j in cutlass.range_constexpr(num_acc):
-                            total[j] = total[j] + acc[j]
-                    else:
-                        theirs = partial_slot(owner, first_owner)
-                        for j in cutlass.range_constexpr(num_acc):
-                            total[j] = total[j] + partials[theirs, j * NUM_THREADS + tidx]
-                self.epilogue(
-                    total, scratch, out, n_tile, packed_row0, valid_rows, warp_id, group,
-                    quad, tidx,
-                )
 
     @cute.jit
     def item_bases(self, located, item: Int32, w_scale_layout: cute.Layout, tidx: Int32):

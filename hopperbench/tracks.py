@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_deep_tiny",
-            entry="candidate_deep_tiny.py::run",
-            description="v2.18: kernel.py with both mma.sync GEMMs below 33 tokens at one CTA per SM and 8 pipeline stages (two CTAs of 4 before)",
-        ),
     ),
 )
 

@@ -252,10 +252,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
-        # The computed item takes its valid rows from the load side. Where the pipeline is deeper than an item, the
-        # load side may have moved on by the computed item's first stage: it then records each stage's valid rows in a
-        # shared ring (v2.18).
-        self.valid_rows_ring = num_stages > self.k_stages
         self.items_per_row_tile = GEMM1_ITEMS_PER_ROW_TILE if gemm1 else GEMM2_ITEMS_PER_ROW_TILE
         self.weight_rows = GEMM1_OUT if gemm1 else HIDDEN
         # activation bytes per token and K block: fp8 rows for GEMM1, bf16 C rows for GEMM2
@@ -264,6 +260,10 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if self.gemm1 and self.threads_per_token < BLOCKS_PER_STAGE:
             raise StreamingConfigError("GEMM1 needs >= 4 threads per token for the activation scales")
         self.check_fits()
+        if self.k_stages < num_stages:
+            # The computed item's valid rows come from the load side, which must not have moved on to the next
+            # item by the computed item's first stage.
+            raise StreamingConfigError(f"an item of {self.k_stages} K stages needs num_stages <= {self.k_stages}")
 
     def fields(self) -> dict:
         ns, bt = self.num_stages, self.block_tokens
@@ -275,7 +275,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
             "x_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE * bt, 128),
             "w_scales": smem_region(Float32, ns * M_TILES * BLOCKS_PER_STAGE, 128),
             "scratch": smem_region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
-            **({"valid_rows_ring": smem_region(Int32, ns, 16)} if self.valid_rows_ring else {}),
         }
 
 
@@ -554,31 +553,20 @@ class StreamingGemm(LinkedGemm):
         # binary searches over shared memory, and the token's reload from global memory on the stage's
         # critical path). The next load's item: (expert, valid rows, GEMM1: this thread's token, GEMM2: the
         # first packed row) and its copies' per-thread offsets (v2.5), located when the load of its first K
-        # stage is issued. The computed item takes its valid rows from there (or from the ring) at its first K
-        # stage and locates its first packed row in its epilogue.
+        # stage is issued; the prologue's stages all belong to the CTA's first item. The computed item takes
+        # its valid rows from there at its first K stage and locates its first packed row in its epilogue.
         located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
         located = (*located, *self.item_bases(located, cta, w_scale.layout, tidx))
         valid_rows = Int32(0)
         packed_row0 = Int32(0)
 
-        ring = None
-        if cutlass.const_expr(cfg.valid_rows_ring):
-            ring = storage.valid_rows_ring.get_tensor(cute.make_layout(ns))
-
-        # ---- prologue: the first ns - 1 stages (the first item's, unless the pipeline is deeper than an item) ----
+        # ---- prologue: the first ns - 1 stages ----
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
-                if cutlass.const_expr(p > 0 and p % cfg.k_stages == 0):
-                    located = self.locate_load(cta, grid, p, tile_end, expert_count, expert_offset, expert_tokens, tidx)
-                    next_item = cta + (p // cfg.k_stages) * grid
-                    located = (*located, *self.item_bases(located, next_item, w_scale.layout, tidx))
                 self.load_stage(
                     p, p, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales, w_scales, g2s_16, g2s_16_x,
                     g2s_16_f32, g2s_4_f32, tidx,
                 )
-                if cutlass.const_expr(cfg.valid_rows_ring):
-                    if tidx == 0:
-                        ring[p] = located[1]
             cute.arch.cp_async_commit_group()
 
         acc = cute.make_rmem_tensor((M_TILES * cfg.n_tiles * 4,), Float32)
@@ -601,23 +589,15 @@ class StreamingGemm(LinkedGemm):
                     s + ns - 1, (s + ns - 1) % ns, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales,
                     w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
                 )
-                if cutlass.const_expr(cfg.valid_rows_ring):
-                    # read at stage s + ns - 1's computation, after at least one barrier; rewritten one barrier after it
-                    if tidx == 0:
-                        ring[(s + ns - 1) % ns] = located[1]
             cute.arch.cp_async_commit_group()
 
             item = cta + (s // cfg.k_stages) * grid
             k_stage = s % cfg.k_stages
             if k_stage == 0:
-                # The load side located this item when it issued its first stage and, unless the pipeline is
-                # deeper than an item (then the ring holds it), has not moved on; packed_row0 waits for the epilogue,
-                # a branch of its own (v2.13: a location here was predicated, not branched around, and issued at every
-                # stage).
-                if cutlass.const_expr(cfg.valid_rows_ring):
-                    valid_rows = ring[s % ns]
-                else:
-                    valid_rows = located[1]
+                # The load side located this item when it issued its first stage and has not moved on
+                # (k_stages >= num_stages); packed_row0 waits for the epilogue, a branch of its own (v2.13: a
+                # location here was predicated, not branched around, and issued at every stage).
+                valid_rows = located[1]
                 acc.fill(0.0)
             self.compute_block(
                 s % ns, warp_id, group, quad, valid_rows, w_stages, x_stages, x_scales, w_scales, acc, block_acc

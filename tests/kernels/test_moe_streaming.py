@@ -102,14 +102,10 @@ def test_config_rejects_a_pipeline_that_does_not_fit_an_sm():
         streaming.StreamingGemmConfig(gemm1=False, block_tokens=32, num_stages=5)
 
 
-def test_a_pipeline_deeper_than_an_item_carries_its_valid_rows_in_a_ring():
-    # The computed item takes its valid rows from the load side, which may have moved on to a later item only where
-    # the pipeline is deeper than an item (GEMM2's 4 K stages): there the load side records them per stage (v2.18).
-    deep = streaming.StreamingGemmConfig(gemm1=False, block_tokens=8, num_stages=5)
-    assert deep.valid_rows_ring and "valid_rows_ring" in deep.fields()
-    for variant in kernel.VARIANTS:
-        for config in (variant.gemm1(), variant.gemm2()):
-            assert not getattr(config, "valid_rows_ring", False)
+def test_config_rejects_a_pipeline_deeper_than_an_item():
+    # The computed item takes its valid rows from the load side, which must still be on that item.
+    with pytest.raises(streaming.StreamingConfigError, match="num_stages <= 4"):
+        streaming.StreamingGemmConfig(gemm1=False, block_tokens=8, num_stages=5)
 
 
 # ---- CPU transcriptions of the kernel's index maps ----------------------------------------------

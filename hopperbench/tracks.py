@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_warp_pipelines",
-            entry="candidate_warp_pipelines.py::run",
-            description="v2.19: kernel.py with each warp of both mma.sync GEMMs below 33 tokens copying and computing its own K block (a warp barrier per stage instead of a CTA barrier)",
-        ),
     ),
 )
 

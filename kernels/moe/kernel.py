@@ -103,7 +103,6 @@ class StreamingVariant:
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
     routing_in_gemm1: bool = False  # no routing kernel: GEMM1's cooperative grid routes first (v2.16)
-    warp_pipelines: bool = False  # the `mma.sync` GEMMs: each warp copies and computes its own K block (v2.19)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -111,8 +110,6 @@ class StreamingVariant:
             raise ValueError("wgmma_gemm2 needs wgmma_gemm1")
         if self.gemm1_scratch_in_stage and not self.wgmma_gemm1:
             raise ValueError("gemm1_scratch_in_stage needs wgmma_gemm1")
-        if self.warp_pipelines and (self.wgmma_gemm1 or self.wgmma_gemm2):
-            raise ValueError("warp_pipelines is a mode of the mma.sync GEMMs (streaming_gemm.py) only")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -122,9 +119,7 @@ class StreamingVariant:
                 permuted_c=self.wgmma_gemm2,
                 scratch_in_stage=self.gemm1_scratch_in_stage,
             )
-        return StreamingGemmConfig(
-            gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages, warp_pipelines=self.warp_pipelines
-        )
+        return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:
         config = self.gemm1()
@@ -135,9 +130,7 @@ class StreamingVariant:
         num_stages = self.gemm2_num_stages or self.num_stages
         if self.wgmma_gemm2:
             return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages)
-        return StreamingGemmConfig(
-            gemm1=False, block_tokens=block_tokens, num_stages=num_stages, warp_pipelines=self.warp_pipelines
-        )
+        return StreamingGemmConfig(gemm1=False, block_tokens=block_tokens, num_stages=num_stages)
 
     def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:
         config = self.gemm2()

@@ -241,9 +241,7 @@ class PersistentGemmConfig:
 class StreamingGemmConfig(PersistentGemmConfig):
     """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
 
-    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int, warp_pipelines: bool = False):
-        """`warp_pipelines` (v2.19): warp w copies and computes K block w of every stage on its own, so a stage needs
-        a warp barrier instead of a CTA barrier (`StreamingGemm.kernel`)."""
+    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int):
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -259,9 +257,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
         # activation bytes per token and K block: fp8 rows for GEMM1, bf16 C rows for GEMM2
         self.x_block_row_bytes = BLOCK if gemm1 else 2 * BLOCK
         self.threads_per_token = NUM_THREADS // block_tokens
-        self.warp_pipelines = warp_pipelines
-        self.lanes_per_token = 32 // block_tokens  # with warp_pipelines: the lanes that copy one token's K block
-        if self.gemm1 and self.threads_per_token < BLOCKS_PER_STAGE and not warp_pipelines:
+        if self.gemm1 and self.threads_per_token < BLOCKS_PER_STAGE:
             raise StreamingConfigError("GEMM1 needs >= 4 threads per token for the activation scales")
         self.check_fits()
         if self.k_stages < num_stages:
@@ -280,15 +276,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
             "w_scales": smem_region(Float32, ns * M_TILES * BLOCKS_PER_STAGE, 128),
             "scratch": smem_region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
         }
-
-
-def copy_token_slot(cfg, tidx):
-    """The token slot whose activations thread `tidx` copies: tidx / threads_per_token, or with `warp_pipelines`
-    lane / lanes_per_token (each warp copies every token's part of its own K block). For the configurations with
-    `threads_per_token` (this file's and `wgmma_gemm1.py`'s)."""
-    if getattr(cfg, "warp_pipelines", False):
-        return (tidx % 32) // cfg.lanes_per_token
-    return tidx // cfg.threads_per_token
 
 
 # ------------------------------------------------------------------------------------------------
@@ -447,7 +434,7 @@ class LinkedGemm:
             item // cfg.items_per_row_tile, cfg.block_tokens, tile_end, expert_count, expert_offset
         )
         if cutlass.const_expr(cfg.gemm1):
-            row_source = slot_token(expert_tokens, expert, first_row, valid_rows, copy_token_slot(cfg, tidx))
+            row_source = slot_token(expert_tokens, expert, first_row, valid_rows, tidx // cfg.threads_per_token)
         else:
             row_source = packed_row0
         return expert, valid_rows, row_source
@@ -590,11 +577,7 @@ class StreamingGemm(LinkedGemm):
             # Stage s has landed once at most ns - 2 younger groups are pending; the barrier also
             # tells every thread that all warps are done with the slot the next load overwrites.
             cute.arch.cp_async_wait_group(ns - 2)
-            if cutlass.const_expr(cfg.warp_pipelines):
-                # this warp's K block of stage s is all its own (copies, slots, scales): the warp's barrier suffices
-                cute.arch.sync_warp()
-            else:
-                cute.arch.sync_threads()
+            cute.arch.sync_threads()
             if s + ns - 1 < total_stages:
                 if (s + ns - 1) % cfg.k_stages == 0:
                     located = self.locate_load(
@@ -636,21 +619,12 @@ class StreamingGemm(LinkedGemm):
         from expert, row and K at every stage, ~10 instructions per copy)."""
         cfg = self.cfg
         expert, _, row_source = located[0], located[1], located[2]
+        chunks_per_row = STAGE_K // CHUNK
+        w_row = item_weight_row(cfg.gemm1, item % cfg.items_per_row_tile, tidx // chunks_per_row)
+        w_base = (expert * cfg.weight_rows + w_row) * cfg.k + (tidx % chunks_per_row) * CHUNK
         x_chunk_elems = CHUNK if cutlass.const_expr(cfg.gemm1) else CHUNK // 2
-        if cutlass.const_expr(cfg.warp_pipelines):
-            # lane l copies row l / 8 (+ 4 i) of K block w (the warp's), chunk l % 8 of it; token l / lanes_per_token
-            lane = tidx % 32
-            w_row = item_weight_row(cfg.gemm1, item % cfg.items_per_row_tile, lane // FP8_CHUNKS_PER_BLOCK_ROW)
-            w_chunk = (tidx // 32) * FP8_CHUNKS_PER_BLOCK_ROW + lane % FP8_CHUNKS_PER_BLOCK_ROW
-            w_base = (expert * cfg.weight_rows + w_row) * cfg.k + w_chunk * CHUNK
-            x_row = row_source if cutlass.const_expr(cfg.gemm1) else row_source + copy_token_slot(cfg, tidx)
-            x_base = x_row * cfg.k + (tidx // 32) * BLOCK + (lane % cfg.lanes_per_token) * x_chunk_elems
-        else:
-            chunks_per_row = STAGE_K // CHUNK
-            w_row = item_weight_row(cfg.gemm1, item % cfg.items_per_row_tile, tidx // chunks_per_row)
-            w_base = (expert * cfg.weight_rows + w_row) * cfg.k + (tidx % chunks_per_row) * CHUNK
-            x_row = row_source if cutlass.const_expr(cfg.gemm1) else row_source + copy_token_slot(cfg, tidx)
-            x_base = x_row * cfg.k + (tidx % cfg.threads_per_token) * x_chunk_elems
+        x_row = row_source if cutlass.const_expr(cfg.gemm1) else row_source + tidx // cfg.threads_per_token
+        x_base = x_row * cfg.k + (tidx % cfg.threads_per_token) * x_chunk_elems
         # Thread m < M_TILES loads m tile m's block scales; the others' offset stays in range, unused.
         scale_row = item_weight_scale_row(cfg.gemm1, item % cfg.items_per_row_tile, tidx % M_TILES)
         w_scale_base = cute.crd2idx((expert, scale_row, 0), w_scale_layout)
@@ -694,17 +668,11 @@ class StreamingGemm(LinkedGemm):
         # the gate half starts at a whole pass), K at the stage's offset.
         w_stage = w.iterator + cute.assume(located[3] + k_stage * STAGE_K, divby=CHUNK)
         for i in cutlass.range_constexpr(ITEM_ROWS * chunks_per_row // NUM_THREADS):
-            if cutlass.const_expr(cfg.warp_pipelines):
-                # the same rows per pass, each warp in its own K block (`item_bases`)
-                row = i * rows_per_pass + (tidx % 32) // FP8_CHUNKS_PER_BLOCK_ROW
-                k_block = tidx // 32
-                in_block = tidx % FP8_CHUNKS_PER_BLOCK_ROW
-            else:
-                linear = i * NUM_THREADS + tidx
-                row = linear // chunks_per_row
-                chunk = linear % chunks_per_row
-                k_block = chunk // FP8_CHUNKS_PER_BLOCK_ROW
-                in_block = chunk % FP8_CHUNKS_PER_BLOCK_ROW
+            linear = i * NUM_THREADS + tidx
+            row = linear // chunks_per_row
+            chunk = linear % chunks_per_row
+            k_block = chunk // FP8_CHUNKS_PER_BLOCK_ROW
+            in_block = chunk % FP8_CHUNKS_PER_BLOCK_ROW
             source = cute.make_tensor(
                 w_stage + item_weight_row(cfg.gemm1, 0, i * rows_per_pass) * cfg.k, cute.make_layout(CHUNK)
             )
@@ -714,27 +682,17 @@ class StreamingGemm(LinkedGemm):
                 cute.local_tile(w_stages[None, row, k_block, slot], (CHUNK,), (fp8_chunk_slot(in_block, row),)),
             )
 
-        # ---- activations: token t = tidx / threads_per_token, its chunks strided by that (with warp_pipelines:
-        # token t = lane / lanes_per_token, the chunks of the warp's K block strided by that) ----
-        per_block = FP8_CHUNKS_PER_BLOCK_ROW if cutlass.const_expr(cfg.gemm1) else BF16_CHUNKS_PER_BLOCK_ROW
-        if cutlass.const_expr(cfg.warp_pipelines):
-            tpt = cfg.lanes_per_token
-            copies = per_block // tpt
-            sub = tidx % tpt
-            first_chunk = (tidx // 32) * per_block + sub
-        else:
-            tpt = cfg.threads_per_token
-            copies = per_block * BLOCKS_PER_STAGE // tpt
-            sub = tidx % tpt
-            first_chunk = sub
-        token_slot = copy_token_slot(cfg, tidx)
+        # ---- activations: token t = tidx / threads_per_token, its chunks strided by that ----
+        tpt = cfg.threads_per_token
+        token_slot = tidx // tpt
+        sub = tidx % tpt
         if token_slot < valid_rows:
             x_elems = CHUNK if cutlass.const_expr(cfg.gemm1) else CHUNK // 2
             x_stage = x.iterator + cute.assume(located[4] + k_stage * STAGE_K, divby=x_elems)
             if cutlass.const_expr(cfg.gemm1):
                 token = row_source
-                for i in cutlass.range_constexpr(copies):
-                    x_chunk = first_chunk + i * tpt
+                for i in cutlass.range_constexpr(chunks_per_row // tpt):
+                    x_chunk = sub + i * tpt
                     x_k_block = x_chunk // FP8_CHUNKS_PER_BLOCK_ROW
                     x_in_block = x_chunk % FP8_CHUNKS_PER_BLOCK_ROW
                     x_source = cute.make_tensor(x_stage + i * tpt * CHUNK, cute.make_layout(CHUNK))
@@ -747,17 +705,8 @@ class StreamingGemm(LinkedGemm):
                             (fp8_chunk_slot(x_in_block, token_slot),),
                         ),
                     )
-                # activation scales of the stage's 4 K blocks (with warp_pipelines, of the warp's): x_scale is
-                # [56, T] (transposed)
-                if cutlass.const_expr(cfg.warp_pipelines):
-                    if sub == 0:
-                        block = tidx // 32
-                        cute.copy(
-                            g2s_4_f32,
-                            cute.local_tile(x_scale[k_stage * BLOCKS_PER_STAGE + block, None], (1,), (token,)),
-                            cute.local_tile(x_scales[None, block, slot], (1,), (token_slot,)),
-                        )
-                elif sub < BLOCKS_PER_STAGE:
+                # activation scales of the stage's 4 K blocks: x_scale is [56, T] (transposed)
+                if sub < BLOCKS_PER_STAGE:
                     cute.copy(
                         g2s_4_f32,
                         cute.local_tile(x_scale[k_stage * BLOCKS_PER_STAGE + sub, None], (1,), (token,)),
@@ -765,8 +714,9 @@ class StreamingGemm(LinkedGemm):
                     )
             else:
                 bf16_chunk = CHUNK // 2  # bf16 elements per 16 B
-                for i in cutlass.range_constexpr(copies):
-                    x_chunk = first_chunk + i * tpt
+                bf16_chunks_per_row = STAGE_K // bf16_chunk  # 64
+                for i in cutlass.range_constexpr(bf16_chunks_per_row // tpt):
+                    x_chunk = sub + i * tpt
                     x_k_block = x_chunk // BF16_CHUNKS_PER_BLOCK_ROW
                     x_in_block = x_chunk % BF16_CHUNKS_PER_BLOCK_ROW
                     x_source = cute.make_tensor(x_stage + i * tpt * bf16_chunk, cute.make_layout(bf16_chunk))
@@ -780,16 +730,8 @@ class StreamingGemm(LinkedGemm):
                         ),
                     )
 
-        # ---- weight block scales of the stage's 4 K blocks (16 B per scale row; with warp_pipelines each warp its
-        # own block's) ----
-        if cutlass.const_expr(cfg.warp_pipelines):
-            if tidx % 32 < M_TILES:  # lane m loads the scale of m tile m
-                block = tidx // 32
-                scale_source = cute.make_tensor(
-                    w_scale.iterator + located[5] + k_stage * BLOCKS_PER_STAGE + block, cute.make_layout(1)
-                )
-                cute.copy(g2s_4_f32, scale_source, cute.local_tile(w_scales[None, tidx % 32, slot], (1,), (block,)))
-        elif tidx < M_TILES:  # thread m loads the scales of m tile m
+        # ---- weight block scales of the stage's 4 K blocks (16 B per scale row) ----
+        if tidx < M_TILES:  # thread m loads the scales of m tile m
             scale_source = cute.make_tensor(
                 w_scale.iterator + cute.assume(located[5] + k_stage * BLOCKS_PER_STAGE, divby=BLOCKS_PER_STAGE),
                 cute.make_layout(BLOCKS_PER_STAGE),
@@ -934,7 +876,3 @@ class StreamingGemm(LinkedGemm):
                     for wp in cutlass.range_constexpr(1, NUM_WARPS):
                         total = total + scratch[token_slot, row, wp]
                     out[packed_row0 + token_slot, n_tile * ITEM_ROWS + row] = total
-        if cutlass.const_expr(cfg.warp_pipelines):
-            # No CTA barrier follows in the stage loop: every warp must be done reading the scratch before another
-            # item's epilogue writes it.
-            cute.arch.sync_threads()

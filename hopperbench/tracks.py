@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_early_w2",
-            entry="candidate_early_w2.py::run",
-            description="v2.20: kernel.py with the mma.sync GEMM2 below 33 tokens issuing its first stages' weights before its programmatic wait (the schedule read once the routed count is complete)",
-        ),
     ),
 )
 

@@ -137,7 +137,6 @@ class MoeHostSm90:
             expert_tokens,
             gemm2_grid,
             stream,
-            *((None, routed) if getattr(self.gemm2.cfg, "weights_before_wait", False) else ()),
         )
         self.combine.launch(counts, slot_expert, slot_rank, slot_weight, expert_out, output, stream)
         self.release_counts.launch(counts, counts_out, stream, routed)

@@ -103,7 +103,6 @@ class StreamingVariant:
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
     routing_in_gemm1: bool = False  # no routing kernel: GEMM1's cooperative grid routes first (v2.16)
-    gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.20)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -111,9 +110,6 @@ class StreamingVariant:
             raise ValueError("wgmma_gemm2 needs wgmma_gemm1")
         if self.gemm1_scratch_in_stage and not self.wgmma_gemm1:
             raise ValueError("gemm1_scratch_in_stage needs wgmma_gemm1")
-        if self.gemm2_weights_before_wait and (self.wgmma_gemm2 or not self.routing_in_gemm1):
-            # It waits on the kept count of routed tokens that only a routing GEMM1 completes.
-            raise ValueError("gemm2_weights_before_wait needs the mma.sync GEMM2 and routing_in_gemm1")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -134,12 +130,7 @@ class StreamingVariant:
         num_stages = self.gemm2_num_stages or self.num_stages
         if self.wgmma_gemm2:
             return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages)
-        return StreamingGemmConfig(
-            gemm1=False,
-            block_tokens=block_tokens,
-            num_stages=num_stages,
-            weights_before_wait=self.gemm2_weights_before_wait,
-        )
+        return StreamingGemmConfig(gemm1=False, block_tokens=block_tokens, num_stages=num_stages)
 
     def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:
         config = self.gemm2()

@@ -410,6 +410,14 @@ class LinkedGemm:
             cooperative=cooperative,
         )
 
+    def load_location(self, cta, grid, s, tile_end, expert_count, expert_offset, expert_tokens, tidx, bases_args=()):
+        """What the load side carries for the item of flat stage `s`: `locate_load`'s location followed by the
+        thread's copy offsets of the item (the class's `item_bases`, given `bases_args` besides the item). Called
+        while a kernel is traced; every streaming GEMM locates its items through here."""
+        located = self.locate_load(cta, grid, s, tile_end, expert_count, expert_offset, expert_tokens, tidx)
+        item = cta + (s // self.cfg.k_stages) * grid
+        return (*located, *self.item_bases(located, item, *bases_args, tidx))
+
     @cute.jit
     def locate_load(
         self,
@@ -555,8 +563,9 @@ class StreamingGemm(LinkedGemm):
         # first packed row) and its copies' per-thread offsets (v2.5), located when the load of its first K
         # stage is issued; the prologue's stages all belong to the CTA's first item. The computed item takes
         # its valid rows from there at its first K stage and locates its first packed row in its epilogue.
-        located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
-        located = (*located, *self.item_bases(located, cta, w_scale.layout, tidx))
+        located = self.load_location(
+            cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx, (w_scale.layout,)
+        )
         valid_rows = Int32(0)
         packed_row0 = Int32(0)
 
@@ -580,11 +589,10 @@ class StreamingGemm(LinkedGemm):
             cute.arch.sync_threads()
             if s + ns - 1 < total_stages:
                 if (s + ns - 1) % cfg.k_stages == 0:
-                    located = self.locate_load(
-                        cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx
-                    )
-                    next_item = cta + ((s + ns - 1) // cfg.k_stages) * grid
-                    located = (*located, *self.item_bases(located, next_item, w_scale.layout, tidx))
+                    located = self.load_location(
+                        cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx,
+                        (w_scale.layout,),
+                    )  # fmt: skip
                 self.load_stage(
                     s + ns - 1, (s + ns - 1) % ns, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales,
                     w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,

@@ -275,8 +275,7 @@ class WgmmaGemm1(LinkedGemm):
         acc.fill(0.0)
         # Where the next load's item lies, located at its first K stage only (v2.4): (expert, valid rows,
         # this thread's token). The prologue's stages all belong to the CTA's first item.
-        located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
-        located = (*located, *self.item_bases(located, cta, tidx))
+        located = self.load_location(cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
 
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
@@ -295,10 +294,9 @@ class WgmmaGemm1(LinkedGemm):
             cute.arch.sync_threads()
             if s + ns - 1 < total_stages:
                 if (s + ns - 1) % K_STAGES == 0:
-                    located = self.locate_load(
+                    located = self.load_location(
                         cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx
                     )
-                    located = (*located, *self.item_bases(located, cta + ((s + ns - 1) // K_STAGES) * grid, tidx))
                 self.load_stage(
                     s + ns - 1, (s + ns - 1) % ns, cta, grid, located, x, x_scale, w, w_scale, w_bytes, x_bytes,
                     x_scales, w_scales, g2s_16, g2s_4_f32, tidx,

@@ -99,6 +99,11 @@ class WgmmaGemm2Config(PersistentGemmConfig):
         self.num_stages = num_stages
         self.check_fits()
 
+    # What `LinkedGemm.locate_load` reads besides block_tokens (no token: the item's first packed row).
+    gemm1 = False
+    k_stages = K_STAGES
+    items_per_row_tile = ITEMS_PER_ROW_TILE
+
     def fields(self) -> dict:
         ns, bt = self.num_stages, self.block_tokens
         return {
@@ -214,8 +219,7 @@ class WgmmaGemm2(LinkedGemm):
         row_g = warp_id * 16 + group
         # Where the next load's item lies, located at its first K stage only (v2.4, as wgmma_gemm1.py):
         # (expert, valid rows, first packed row). The prologue's stages all belong to the CTA's first item.
-        located = self.locate_load(cta, grid, Int32(0), tile_end, expert_count, expert_offset)
-        located = (*located, *self.item_bases(located, cta, tidx))
+        located = self.load_location(cta, grid, Int32(0), tile_end, expert_count, expert_offset, None, tidx)
 
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
@@ -233,8 +237,7 @@ class WgmmaGemm2(LinkedGemm):
             cute.arch.sync_threads()
             if s + ns - 1 < total_stages:
                 if (s + ns - 1) % K_STAGES == 0:
-                    located = self.locate_load(cta, grid, s + ns - 1, tile_end, expert_count, expert_offset)
-                    located = (*located, *self.item_bases(located, cta + ((s + ns - 1) // K_STAGES) * grid, tidx))
+                    located = self.load_location(cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, None, tidx)
                 self.load_stage(
                     s + ns - 1, (s + ns - 1) % ns, cta, grid, located, c, w, w_scale, w_bytes, c_bytes, w_scales,
                     g2s_16_w, g2s_16_c, g2s_4_f32, tidx,
@@ -263,19 +266,6 @@ class WgmmaGemm2(LinkedGemm):
                     if token_slot < item_valid_rows:
                         out[item_packed_row0 + token_slot, n_tile * ITEM_ROWS + row] = acc[i]
         cute.arch.cp_async_wait_group(0)
-
-    @cute.jit
-    def locate_load(
-        self, cta: Int32, grid: Int32, s: Int32, tile_end: cute.Tensor, expert_count: cute.Tensor,
-        expert_offset: cute.Tensor,
-    ):
-        """(expert, valid rows, first packed row) of the item of flat stage `s`, kept in registers for the
-        item's K stages (v2.4)."""
-        item = cta + (s // K_STAGES) * grid
-        expert, _, valid_rows, packed_row0 = locate_row_tile(
-            item // ITEMS_PER_ROW_TILE, self.cfg.block_tokens, tile_end, expert_count, expert_offset
-        )
-        return expert, valid_rows, packed_row0
 
     @cute.jit
     def item_bases(self, located, item: Int32, tidx: Int32):

@@ -96,25 +96,17 @@ class MoeHostSm90:
         stream,
         routed=None,  # with routing_in_gemm1: the kept count of routed tokens (`counters.kept_routed`)
     ):
+        # What either routing reads and writes besides the counters: `RoutingKernel`'s grid, or GEMM1's
+        # (`routing.route_then_meet`, with the kept count of routed tokens appended).
+        routing_args = (
+            routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank,
+            slot_weight,
+        )  # fmt: skip
         routing = None
         if cutlass.const_expr(self.routing_in_gemm1):
-            routing = (
-                routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank,
-                slot_weight, routed,
-            )  # fmt: skip
+            routing = (*routing_args, routed)
         else:
-            self.routing.launch(
-                routing_logits,
-                routing_bias,
-                local_expert_offset,
-                routed_scaling_factor,
-                counts,
-                expert_tokens,
-                slot_expert,
-                slot_rank,
-                slot_weight,
-                stream,
-            )
+            self.routing.launch(routing_args, counts, expert_tokens, stream)
         self.gemm1.launch(
             hidden_states,
             hidden_states_scale,

@@ -213,19 +213,13 @@ def route_then_meet(
 
 class RoutingKernel(Linked):
     @cute.jit
-    def launch(
-        self,
-        routing_logits: cute.Tensor,
-        routing_bias: cute.Tensor,
-        local_expert_offset: cutlass.Int32,
-        routed_scaling_factor: cutlass.Float32,
-        counts: cute.Tensor,
-        expert_tokens: cute.Tensor,
-        slot_expert: cute.Tensor,
-        slot_rank: cute.Tensor,
-        slot_weight: cute.Tensor,
-        stream,
-    ):
+    def launch(self, routing_args, counts: cute.Tensor, expert_tokens: cute.Tensor, stream):
+        """`routing_args`: (routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, slot_expert,
+        slot_rank, slot_weight), as the host hands them to either routing (`route_then_meet` appends `routed`)."""
+        (
+            routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank,
+            slot_weight,
+        ) = routing_args  # fmt: skip
         num_tokens = routing_logits.shape[0]
         self.kernel(
             routing_logits,

@@ -47,10 +47,11 @@ def chain_links(num_kernels: int) -> tuple[ChainLink, ...]:
     return tuple(ChainLink(waits=i > 0, releases=i < num_kernels - 1) for i in range(num_kernels))
 
 
-def enter(link: ChainLink) -> None:
+def enter(link: ChainLink, wait: bool = True) -> None:
     """The kernel's first statements for its place in the chain; nothing for NO_CHAIN. Called
-    while a kernel is traced (`link` is a compile-time value)."""
+    while a kernel is traced (`link` is a compile-time value). `wait=False`: the kernel calls
+    `griddepcontrol_wait` itself before it reads anything the previous kernels write (v2.20)."""
     if link.releases:
         cute.arch.griddepcontrol_launch_dependents()
-    if link.waits:
+    if link.waits and wait:
         cute.arch.griddepcontrol_wait()

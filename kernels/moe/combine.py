@@ -20,6 +20,19 @@ assert HIDDEN % COMBINE_COLS_PER_CTA == 0
 # ------------------------------------------------------------------------------------------------
 
 
+@cute.jit
+def release_counters(release, cta_index: cutlass.Int32, tidx: cutlass.Int32):
+    """CTA 0 of the combine leaves the kept counters (and the kept count of routed tokens, if any) at zero for the
+    next call, whose first kernel is launched plainly and so starts after this grid has completed."""
+    kept_counts, routed = release
+    if cta_index == 0:
+        if tidx < NUM_LOCAL_EXPERTS:
+            kept_counts[tidx] = cutlass.Int32(0)
+        if cutlass.const_expr(routed is not None):
+            if tidx == 0:
+                routed[0] = cutlass.Int32(0)
+
+
 class CombineKernel(Linked):
     @cute.jit
     def launch(
@@ -31,12 +44,17 @@ class CombineKernel(Linked):
         expert_out: cute.Tensor,
         output: cute.Tensor,
         stream,
+        release=None,
     ):
+        """`counts`: the call's final counts per local expert. `release` (v2.22, the call's last kernel): None, or
+        (the kept counters, the kept count of routed tokens or None), which CTA (0, 0) zeroes for the next call on
+        the stream once GEMM2, their last reader, has completed (its programmatic wait)."""
+
         @cute.struct
         class SharedStorage:
             offsets: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, NUM_LOCAL_EXPERTS], 16]
 
-        self.kernel(counts, slot_expert, slot_rank, slot_weight, expert_out, output, SharedStorage).launch(
+        self.kernel(counts, slot_expert, slot_rank, slot_weight, expert_out, output, SharedStorage, release).launch(
             grid=[output.shape[0], COMBINE_CTAS_PER_TOKEN, 1],
             block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(),
@@ -54,10 +72,13 @@ class CombineKernel(Linked):
         expert_out: cute.Tensor,
         output: cute.Tensor,
         SharedStorage: cutlass.Constexpr,
+        release,
     ):
         enter(self.link)
         tidx, _, _ = cute.arch.thread_idx()
         token, column_block, _ = cute.arch.block_idx()
+        if cutlass.const_expr(release is not None):
+            release_counters(release, token + column_block, tidx)
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         offsets = storage.offsets.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))

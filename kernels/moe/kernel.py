@@ -103,6 +103,8 @@ class StreamingVariant:
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
     routing_in_gemm1: bool = False  # no routing kernel: GEMM1's cooperative grid routes first (v2.16)
+    gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.20)
+    release_in_combine: bool = False  # no release kernel: the combine zeroes the kept counters (v2.22)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -110,6 +112,9 @@ class StreamingVariant:
             raise ValueError("wgmma_gemm2 needs wgmma_gemm1")
         if self.gemm1_scratch_in_stage and not self.wgmma_gemm1:
             raise ValueError("gemm1_scratch_in_stage needs wgmma_gemm1")
+        if self.gemm2_weights_before_wait and (self.wgmma_gemm2 or not self.routing_in_gemm1):
+            # It waits on the kept count of routed tokens that only a routing GEMM1 completes.
+            raise ValueError("gemm2_weights_before_wait needs the mma.sync GEMM2 and routing_in_gemm1")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -130,7 +135,12 @@ class StreamingVariant:
         num_stages = self.gemm2_num_stages or self.num_stages
         if self.wgmma_gemm2:
             return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages)
-        return StreamingGemmConfig(gemm1=False, block_tokens=block_tokens, num_stages=num_stages)
+        return StreamingGemmConfig(
+            gemm1=False,
+            block_tokens=block_tokens,
+            num_stages=num_stages,
+            weights_before_wait=self.gemm2_weights_before_wait,
+        )
 
     def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:
         config = self.gemm2()
@@ -183,7 +193,12 @@ _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
 def _compile(arch: str, variant: StreamingVariant) -> Callable:
     # The launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs).
     return host.compile_host(
-        host.MoeHostSm90(variant.make_gemm1(), variant.make_gemm2(), routing_in_gemm1=variant.routing_in_gemm1),
+        host.MoeHostSm90(
+            variant.make_gemm1(),
+            variant.make_gemm2(),
+            routing_in_gemm1=variant.routing_in_gemm1,
+            release_in_combine=variant.release_in_combine,
+        ),
         arch,
     )
 

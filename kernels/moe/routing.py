@@ -204,11 +204,19 @@ def route_then_meet(
         cute.arch.fence_acq_rel_gpu()
         if mine > 0:
             cute.arch.atomic_add(routed.iterator.llvm_ptr, mine, scope="gpu")
-        seen = cute.arch.atomic_add(routed.iterator.llvm_ptr, cutlass.Int32(0), scope="gpu")
-        while seen < num_tokens:
-            seen = cute.arch.atomic_add(routed.iterator.llvm_ptr, cutlass.Int32(0), scope="gpu")
-        cute.arch.fence_acq_rel_gpu()
+        wait_until_routed(routed, num_tokens)
     cute.arch.sync_threads()
+
+
+@cute.jit
+def wait_until_routed(routed: cute.Tensor, num_tokens: cutlass.Int32):
+    """One thread polls the kept count of routed tokens until it reaches T, then fences (acquire): the counts and
+    lists that every routing CTA released before its add are then visible to its CTA after a CTA barrier. Used by
+    `route_then_meet` and by a GEMM2 that reads the schedule before its programmatic wait (v2.20)."""
+    seen = cute.arch.atomic_add(routed.iterator.llvm_ptr, cutlass.Int32(0), scope="gpu")
+    while seen < num_tokens:
+        seen = cute.arch.atomic_add(routed.iterator.llvm_ptr, cutlass.Int32(0), scope="gpu")
+    cute.arch.fence_acq_rel_gpu()
 
 
 class RoutingKernel(Linked):

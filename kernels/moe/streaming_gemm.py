@@ -44,7 +44,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .chain import NO_CHAIN, ChainLink, enter
-from .routing import route_then_meet
+from .routing import route_then_meet, wait_until_routed
 from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
 from .swiglu import swiglu_bf16
 
@@ -241,7 +241,10 @@ class PersistentGemmConfig:
 class StreamingGemmConfig(PersistentGemmConfig):
     """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
 
-    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int):
+    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int, weights_before_wait: bool = False):
+        """`weights_before_wait` (v2.20, GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
+        schedule once the kept count of routed tokens is complete and issues its first stages' weights before
+        `griddepcontrol.wait`; only the activations (GEMM1's output) wait for GEMM1 to complete."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -249,6 +252,9 @@ class StreamingGemmConfig(PersistentGemmConfig):
         self.gemm1 = gemm1
         self.block_tokens = block_tokens
         self.num_stages = num_stages
+        if weights_before_wait and gemm1:
+            raise StreamingConfigError("weights_before_wait is GEMM2's (GEMM1 is the call's first kernel)")
+        self.weights_before_wait = weights_before_wait
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -296,15 +302,21 @@ def schedule_tables(
     grid: Int32,
     warp_id: Int32,
     lane: Int32,
+    counts_out=None,
 ):
     """The persistent item walk's start, in every streaming GEMM: warp 0 builds the expert tables in
     shared memory (`build_expert_tables`), the CTA waits for them, and the CTA's stage count follows.
-    Returns (tile_end, expert_count, expert_offset, total_stages)."""
+    `counts_out` (a GEMM1 whose call releases the counters in its combine, v2.22): CTA 0 copies the call's
+    final counts there, for the combine and for inspection. Returns (tile_end, expert_count, expert_offset,
+    total_stages)."""
     tile_end = storage.tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
     expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
     expert_offset = storage.expert_offset.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
     if warp_id == 0:
         build_expert_tables(counts, block_tokens, tile_end, expert_count, expert_offset, lane)
+        if cutlass.const_expr(counts_out is not None):
+            if cta == 0:
+                counts_out[lane] = expert_count[lane]
     cute.arch.sync_threads()
     total_stages = cta_stage_count(tile_end, items_per_row_tile, k_stages, cta, grid)
     return tile_end, expert_count, expert_offset, total_stages
@@ -470,9 +482,13 @@ class StreamingGemm(LinkedGemm):
         num_ctas: Int32,
         stream,
         routing=None,
+        routed=None,
+        counts_out=None,
     ):
         """`routing`: None, or (GEMM1 up to 1024 tokens, v2.16) `routing.route_then_meet`'s tuple: the grid
-        routes the tokens before its schedule."""
+        routes the tokens before its schedule. `routed` (GEMM2 with `weights_before_wait`): the kept count of routed
+        tokens that GEMM1's grid completes (`counters.kept_routed`). `counts_out` (GEMM1 of a call that releases the
+        counters in its combine, v2.22): `schedule_tables`'."""
         cfg = self.cfg
         bt = cfg.block_tokens
         ns = cfg.num_stages
@@ -497,7 +513,8 @@ class StreamingGemm(LinkedGemm):
 
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens,
-            w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage, routing,
+            w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage, routing, routed,
+            counts_out,
         )  # fmt: skip
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None)
 
@@ -518,8 +535,13 @@ class StreamingGemm(LinkedGemm):
         scratch_layout: cute.Layout,
         SharedStorage: cutlass.Constexpr,
         routing,
+        routed,
+        counts_out,
     ):
-        enter(self.link)
+        if cutlass.const_expr(self.cfg.weights_before_wait):
+            enter(self.link, wait=False)  # `griddepcontrol.wait` once the first stages' weights are on their way
+        else:
+            enter(self.link)
         cfg = self.cfg
         bt = cfg.block_tokens
         ns = cfg.num_stages
@@ -540,8 +562,13 @@ class StreamingGemm(LinkedGemm):
         scratch = storage.scratch.get_tensor(scratch_layout)
         if cutlass.const_expr(routing is not None):
             route_then_meet(routing, counts, expert_tokens, cta, grid, tidx)
+        if cutlass.const_expr(cfg.weights_before_wait):
+            # The counts are final once every routing CTA has added its tokens (before GEMM1 completes).
+            if tidx == 0:
+                wait_until_routed(routed, expert_tokens.shape[1])
+            cute.arch.sync_threads()
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
-            storage, counts, bt, cfg.items_per_row_tile, cfg.k_stages, cta, grid, warp_id, lane
+            storage, counts, bt, cfg.items_per_row_tile, cfg.k_stages, cta, grid, warp_id, lane, counts_out
         )
 
         g2s_16 = cute.make_copy_atom(
@@ -569,14 +596,26 @@ class StreamingGemm(LinkedGemm):
         valid_rows = Int32(0)
         packed_row0 = Int32(0)
 
-        # ---- prologue: the first ns - 1 stages ----
+        # ---- prologue: the first ns - 1 stages (with weights_before_wait: their weights and scales, then the
+        # programmatic wait, then their activations; stage p's copies all land in commit group p or earlier) ----
+        early = cfg.weights_before_wait
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
                 self.load_stage(
                     p, p, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales, w_scales, g2s_16, g2s_16_x,
-                    g2s_16_f32, g2s_4_f32, tidx,
+                    g2s_16_f32, g2s_4_f32, tidx, activations=not early,
                 )
-            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(not early):
+                cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(early):
+            cute.arch.griddepcontrol_wait()
+            for p in cutlass.range_constexpr(ns - 1):
+                if p < total_stages:
+                    self.load_stage(
+                        p, p, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales, w_scales, g2s_16,
+                        g2s_16_x, g2s_16_f32, g2s_4_f32, tidx, weights=False,
+                    )
+                cute.arch.cp_async_commit_group()
 
         acc = cute.make_rmem_tensor((M_TILES * cfg.n_tiles * 4,), Float32)
         block_acc = cute.make_rmem_tensor((M_TILES * cfg.n_tiles * 4,), Float32)
@@ -661,14 +700,26 @@ class StreamingGemm(LinkedGemm):
         g2s_16_f32: cute.CopyAtom,
         g2s_4_f32: cute.CopyAtom,
         tidx: Int32,
+        weights: cutlass.Constexpr = True,
+        activations: cutlass.Constexpr = True,
     ):
         """Issue the cp.async copies of flat stage `s` of this CTA (weights, activations, scales); `located`
         is `locate_load`'s (expert, valid rows, token or first packed row) and `item_bases`' three offsets for the
-        stage's item."""
+        stage's item. `weights` (with their block scales) and `activations` (with theirs) choose the parts."""
+        if cutlass.const_expr(weights):
+            self.load_weights(s, slot, located, w, w_stages, g2s_16, tidx)
+        if cutlass.const_expr(activations):
+            self.load_activations(
+                s, slot, located, x, x_scale, x_stages, x_scales, g2s_16, g2s_16_x, g2s_4_f32, tidx
+            )
+        if cutlass.const_expr(weights):
+            self.load_weight_scales(s, slot, located, w_scale, w_scales, g2s_16_f32, tidx)
+
+    @cute.jit
+    def load_weights(self, s: Int32, slot: Int32, located, w: cute.Tensor, w_stages: cute.Tensor, g2s_16, tidx: Int32):
+        """`load_stage`'s weight copies."""
         cfg = self.cfg
         k_stage = s % cfg.k_stages
-        valid_rows, row_source = located[1], located[2]
-
         # ---- weights: 32 rows x 512 bytes; one warp reads one row's 512 contiguous bytes ----
         chunks_per_row = STAGE_K // CHUNK  # 32
         rows_per_pass = NUM_THREADS // chunks_per_row  # 4
@@ -690,6 +741,16 @@ class StreamingGemm(LinkedGemm):
                 cute.local_tile(w_stages[None, row, k_block, slot], (CHUNK,), (fp8_chunk_slot(in_block, row),)),
             )
 
+    @cute.jit
+    def load_activations(
+        self, s: Int32, slot: Int32, located, x: cute.Tensor, x_scale: cute.Tensor, x_stages: cute.Tensor,
+        x_scales: cute.Tensor, g2s_16, g2s_16_x, g2s_4_f32, tidx: Int32,
+    ):  # fmt: skip
+        """`load_stage`'s activation copies (and GEMM1's activation scales)."""
+        cfg = self.cfg
+        k_stage = s % cfg.k_stages
+        valid_rows, row_source = located[1], located[2]
+        chunks_per_row = STAGE_K // CHUNK  # 32
         # ---- activations: token t = tidx / threads_per_token, its chunks strided by that ----
         tpt = cfg.threads_per_token
         token_slot = tidx // tpt
@@ -738,6 +799,11 @@ class StreamingGemm(LinkedGemm):
                         ),
                     )
 
+    @cute.jit
+    def load_weight_scales(self, s: Int32, slot: Int32, located, w_scale: cute.Tensor, w_scales: cute.Tensor, g2s_16_f32, tidx: Int32):
+        """`load_stage`'s weight block-scale copies."""
+        cfg = self.cfg
+        k_stage = s % cfg.k_stages
         # ---- weight block scales of the stage's 4 K blocks (16 B per scale row) ----
         if tidx < M_TILES:  # thread m loads the scales of m tile m
             scale_source = cute.make_tensor(

@@ -200,13 +200,15 @@ class WgmmaGemm1(LinkedGemm):
         num_ctas: Int32,
         stream,
         routing=None,
+        counts_out=None,
     ):
-        """`routing`: as `streaming_gemm.StreamingGemm.launch`'s (v2.16)."""
+        """`routing` and `counts_out`: as `streaming_gemm.StreamingGemm.launch`'s (v2.16, v2.22)."""
         cfg = self.cfg
         tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
         SharedStorage = cfg.shared_storage()
         kernel = self.kernel(
-            x, x_scale, w, w_scale, out, counts, expert_tokens, tiled_mma, a_layout, b_layout, SharedStorage, routing
+            x, x_scale, w, w_scale, out, counts, expert_tokens, tiled_mma, a_layout, b_layout, SharedStorage, routing,
+            counts_out,
         )
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None)
 
@@ -225,6 +227,7 @@ class WgmmaGemm1(LinkedGemm):
         b_layout: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
         routing,
+        counts_out,
     ):
         enter(self.link)
         cfg = self.cfg
@@ -255,7 +258,7 @@ class WgmmaGemm1(LinkedGemm):
         if cutlass.const_expr(not cfg.scratch_in_stage):
             scratch = storage.scratch.get_tensor(scratch_layout)
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
-            storage, counts, bt, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid, warp_id, lane
+            storage, counts, bt, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid, warp_id, lane, counts_out
         )
 
         g2s_16 = cute.make_copy_atom(

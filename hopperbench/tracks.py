@@ -205,16 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_early_w2",
-            entry="candidate_early_w2.py::run",
-            description="v2.21: kernel.py with the mma.sync GEMM2 up to 6 tokens (EARLY_W2_MAX_TOKENS) issuing its first stages' weights before its programmatic wait (the schedule read once the routed count is complete)",
-        ),
-        CandidateSide(
-            name="cand_release_in_combine",
-            entry="candidate_release_in_combine.py::run",
-            description="v2.22: cand_early_w2 without the release kernel (GEMM1 copies the counts out, the combine zeroes the kept counters): one launch fewer per call",
-        ),
     ),
 )
 

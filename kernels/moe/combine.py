@@ -1,4 +1,5 @@
-"""Kernel 5 of the MoE: the deterministic per-token combine of the weighted expert outputs into bf16."""
+"""The last kernel of the MoE: the deterministic per-token combine of the weighted expert outputs into bf16, which
+also leaves the kept counters at zero for the next call (v2.22: no release kernel of its own)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ assert HIDDEN % COMBINE_COLS_PER_CTA == 0
 
 
 # ------------------------------------------------------------------------------------------------
-# 5. combine
+# combine
 # ------------------------------------------------------------------------------------------------
 
 
@@ -44,11 +45,11 @@ class CombineKernel(Linked):
         expert_out: cute.Tensor,
         output: cute.Tensor,
         stream,
-        release=None,
+        release,
     ):
-        """`counts`: the call's final counts per local expert. `release` (v2.22, the call's last kernel): None, or
-        (the kept counters, the kept count of routed tokens or None), which CTA (0, 0) zeroes for the next call on
-        the stream once GEMM2, their last reader, has completed (its programmatic wait)."""
+        """`counts`: the call's final counts per local expert (GEMM1's copy). `release` (v2.22: the combine is the
+        call's last kernel): (the kept counters, the kept count of routed tokens or None), which CTA (0, 0) zeroes
+        for the next call on the stream once GEMM2, their last reader, has completed (its programmatic wait)."""
 
         @cute.struct
         class SharedStorage:
@@ -77,8 +78,7 @@ class CombineKernel(Linked):
         enter(self.link)
         tidx, _, _ = cute.arch.thread_idx()
         token, column_block, _ = cute.arch.block_idx()
-        if cutlass.const_expr(release is not None):
-            release_counters(release, token + column_block, tidx)
+        release_counters(release, token + column_block, tidx)
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         offsets = storage.offsets.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))

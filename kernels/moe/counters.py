@@ -5,7 +5,7 @@ Why: a call that allocates its counters must zero them in its first launch. That
 (0.6 us), so the host is still issuing the routing launch when it ends, and the gap (5-9 us in the
 session-8 runs at 52-80 tokens) lands inside the call's span. A call (`host.MoeHostSm90`) starts
 with the routing on a buffer that the previous call on the same stream left at zero, and its last
-launch zeroes it again.
+kernel (the combine, once GEMM2 has completed) zeroes it again.
 
 Safety:
 - Calls on one stream run in order, and the next call's first kernel is launched plainly (not as a
@@ -69,7 +69,7 @@ def kept_counts(device: torch.device, arch: str) -> torch.Tensor:
 
 def kept_routed(device: torch.device, arch: str) -> torch.Tensor:
     """The zeroed buffer whose first element counts the routed tokens when the routing runs inside GEMM1
-    (`routing.route_then_meet`, v2.16); kept and released like the counts."""
+    (`routing.route_then_meet`, v2.16); kept and zeroed like the counts."""
     return _kept(device, arch, "routed")
 
 

@@ -4,13 +4,13 @@ given pair of expert GEMMs, the device workspaces of a call, and the compile-tim
 The launches, all in one TVM-FFI call on the current stream, no host synchronisation, each after the first a
 programmatic dependent of the one before (`chain.py`): route (`routing.RoutingKernel`; or, with
 `routing_in_gemm1`, no such launch and GEMM1's grid routes first) on counters that the previous call on the
-stream left at zero (`counters.py` keeps them), GEMM1 + SwiGLU into `intermediate`, GEMM2 into `expert_out`,
-the weighted combine into `output` (`combine.CombineKernel`), and `routing.ReleaseCountsKernel`, which copies
-the counters into `counts_out` and zeroes them again (with `release_in_combine`, v2.22: no such launch; GEMM1
-copies the counts out and the combine zeroes the counters). The expert GEMMs differ between the variants; each
-takes `launch(a, a_scale, w, w_scale, out, counts, expert_tokens, grid, stream, routing=None)`, where `grid` is
-its number of persistent CTAs and `routing` (GEMM1 only) `routing.route_then_meet`'s tuple (a GEMM1 also takes
-`counts_out=`), and `with_link(link)` for its place in the chain.
+stream left at zero (`counters.py` keeps them), GEMM1 + SwiGLU into `intermediate` (its CTA 0 also copies the
+call's final counts into `counts_out`), GEMM2 into `expert_out`, and the weighted combine into `output`
+(`combine.CombineKernel`), which reads the counts from `counts_out` and zeroes the kept counters again (v2.22: no
+release kernel of its own). The expert GEMMs differ between the variants; each takes `launch(a, a_scale, w,
+w_scale, out, counts, expert_tokens, grid, stream, routing=None)`, where `grid` is its number of persistent CTAs
+and `routing` (GEMM1 only) `routing.route_then_meet`'s tuple, a GEMM1 also `counts_out=`, and `with_link(link)` for
+its place in the chain.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .chain import ChainLink, chain_links
 from .combine import CombineKernel
-from .routing import ReleaseCountsKernel, RoutingKernel
+from .routing import RoutingKernel
 from .shapes import (
     BLOCK,
     GEMM1_OUT,
@@ -51,28 +51,24 @@ class ExpertGemm(Protocol):
 class MoeHostSm90:
     """Host function of the chained kernels with `gemm1` (G1 + SwiGLU) and `gemm2` (G2); one
     compile serves every T (dynamic) and every offset / scaling factor (runtime scalars). The counters
-    come zeroed from the previous call and the last launch zeroes them again, so no call starts with
+    come zeroed from the previous call and its last kernel (the combine) zeroes them again, so no call starts with
     a tiny zeroing launch and its host gap (sessions 8 and 9)."""
 
-    def __init__(
-        self, gemm1: ExpertGemm, gemm2: ExpertGemm, routing_in_gemm1: bool = False, release_in_combine: bool = False
-    ):
+    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm, routing_in_gemm1: bool = False):
         """`routing_in_gemm1` (v2.16, `kernel.py` up to 1024 tokens): no routing kernel; GEMM1's cooperative grid
-        routes the tokens first (`routing.route_then_meet`), so the call is four launches and GEMM1 the first.
-        `release_in_combine` (v2.22): no release kernel; GEMM1 copies the final counts out and the combine, the
-        call's last kernel, reads them there and zeroes the kept counters."""
+        routes the tokens first (`routing.route_then_meet`), so the call is three launches and GEMM1 the first.
+        The combine is always the last (v2.22)."""
         if not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
             raise TypeError("the MoE host chains its launches: the expert GEMMs need with_link")
         self.routing_in_gemm1 = routing_in_gemm1
-        self.release_in_combine = release_in_combine
-        links = list(chain_links((1 if routing_in_gemm1 else 2) + 2 + (0 if release_in_combine else 1)))
-        if not routing_in_gemm1:
-            self.routing = RoutingKernel(links.pop(0))
-        self.gemm1 = gemm1.with_link(links.pop(0))
-        self.gemm2 = gemm2.with_link(links.pop(0))
-        self.combine = CombineKernel(links.pop(0))
-        if not release_in_combine:
-            self.release_counts = ReleaseCountsKernel(links.pop(0))
+        if routing_in_gemm1:
+            gemm1_link, gemm2_link, combine_link = chain_links(3)
+        else:
+            routing_link, gemm1_link, gemm2_link, combine_link = chain_links(4)
+            self.routing = RoutingKernel(routing_link)
+        self.gemm1 = gemm1.with_link(gemm1_link)
+        self.gemm2 = gemm2.with_link(gemm2_link)
+        self.combine = CombineKernel(combine_link)
 
     @cute.jit
     def __call__(
@@ -123,7 +119,7 @@ class MoeHostSm90:
             gemm1_grid,
             stream,
             routing,
-            **({"counts_out": counts_out} if self.release_in_combine else {}),
+            counts_out=counts_out,
         )
         self.gemm2.launch(
             intermediate,
@@ -137,13 +133,7 @@ class MoeHostSm90:
             stream,
             *((None, routed) if getattr(self.gemm2.cfg, "weights_before_wait", False) else ()),
         )
-        if cutlass.const_expr(self.release_in_combine):
-            self.combine.launch(
-                counts_out, slot_expert, slot_rank, slot_weight, expert_out, output, stream, (counts, routed)
-            )
-        else:
-            self.combine.launch(counts, slot_expert, slot_rank, slot_weight, expert_out, output, stream)
-            self.release_counts.launch(counts, counts_out, stream, routed)
+        self.combine.launch(counts_out, slot_expert, slot_rank, slot_weight, expert_out, output, stream, (counts, routed))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.7 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v2.8 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
@@ -16,14 +16,16 @@ K stage from per-item address bases (v2.5, candidate v2.13: 1.060x on those six 
 and the warpgroup-MMA GEMMs from there doing the same (v2.6, candidate v2.14: 1.020x on those 13 workloads, 1.069x
 at 901 tokens, every trial faster); in session 20 no routing kernel up to MEDIUM_T_MAX_TOKENS, GEMM1's
 cooperative grid routing the tokens itself (v2.7, candidate v2.16: 1.038x on the six workloads below 33 tokens,
-1.022x on the 17 up to 1024; NOTES.md). Destination passing, definition order, no host sync, no
+1.022x on the 17 up to 1024); in session 22 GEMM2's first weights issued before its programmatic wait up to
+EARLY_W2_MAX_TOKENS (v2.21: 1.037x at 1 token) and no release kernel, the combine zeroing the kept counters (v2.22:
+1.006x over the 19, 90 of 95 trials faster; NOTES.md). Destination passing, definition order, no host sync, no
 data-dependent host logic, graph-safe.
 
 Every call is the kernels of `host.py` in one TVM-FFI call, chained by programmatic dependent launches, on
-counters the previous call on the stream left at zero: up to MEDIUM_T_MAX_TOKENS four (GEMM1 + SwiGLU, which
-first routes the tokens and meets on a kept count, GEMM2, the combine, and a one-CTA kernel that copies the
-counters out and zeroes them), above it five (the routing grid first). Both GEMMs are persistent weight streams;
-the variant is chosen from T alone (a shape):
+counters the previous call on the stream left at zero: up to MEDIUM_T_MAX_TOKENS three (GEMM1 + SwiGLU, which
+first routes the tokens, meets on a kept count and copies the final counts out, GEMM2, and the combine, which also
+zeroes the kept counters for the next call), above it four (the routing grid first). Both GEMMs are persistent
+weight streams; the variant is chosen from T alone (a shape):
 
 - GEMM1 on `mma.sync` below WGMMA_GEMM1_MIN_TOKENS (its 32-row items keep twice as many CTAs
   streaming one or two experts' weights) and on FP8 WGMMA from there (which removes its issue bound).
@@ -34,7 +36,8 @@ the variant is chosen from T alone (a shape):
 - GEMM2 (whose bf16 activation stages are twice GEMM1's) gets tiles and stages that still fit two
   CTAs per SM: 8-token tiles with 4 stages up to FEW_TOKENS_MAX, 32-token tiles with 3 stages above.
   It runs on bf16 WGMMA with the e4m3 weights converted in registers wherever GEMM1 is on WGMMA
-  (GEMM1 then stores C in the column order it reads).
+  (GEMM1 then stores C in the column order it reads). Up to EARLY_W2_MAX_TOKENS it issues its first
+  stages' weights before its programmatic wait (only C waits for GEMM1).
 
 Each configuration is compiled once (dynamic T) on first use and cached; `compile_only()` compiles
 all of them.
@@ -57,6 +60,7 @@ from .wgmma_gemm1 import WgmmaGemm1, WgmmaGemm1Config
 from .wgmma_gemm2 import WgmmaGemm2, WgmmaGemm2Config
 
 __all__ = [
+    "EARLY_W2_MAX_TOKENS",
     "FEW_TOKENS_MAX",
     "GPU_ARCH",
     "MAX_TOKENS",
@@ -87,6 +91,10 @@ WGMMA_GEMM1_MIN_TOKENS = 33
 # many tokens the busiest experts get) and 1.15-1.17x at 11948 and 14107; between them, off the list
 # (`tools/time_axes.py`, session 11), 0.99-1.07x at 1024, 1.05-1.09x at 1536 and 1.02-1.08x at 2048.
 MEDIUM_T_MAX_TOKENS = 1024
+# The largest count below the next official row (7 tokens) whose off-list sweep did not lose (v2.21: medians
+# 1.007-1.034x at 2-6 tokens, `results/checks/2026-11-30_moe_early_w2_release_session22_sweep.txt`).
+EARLY_W2_MAX_TOKENS = 6
+assert EARLY_W2_MAX_TOKENS < WGMMA_GEMM1_MIN_TOKENS  # TINY_T_EARLY_W2 is TINY_T with one switch
 NUM_STAGES = 4
 
 
@@ -103,8 +111,7 @@ class StreamingVariant:
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
     routing_in_gemm1: bool = False  # no routing kernel: GEMM1's cooperative grid routes first (v2.16)
-    gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.20)
-    release_in_combine: bool = False  # no release kernel: the combine zeroes the kept counters (v2.22)
+    gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.21)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -153,6 +160,11 @@ class StreamingVariant:
 # Up to MEDIUM_T_MAX_TOKENS GEMM1 is the call's first kernel and routes the tokens itself (v2.16: its stream
 # starts ~6 us earlier, where the host's launch of a second kernel would have reached the GPU).
 TINY_T = StreamingVariant(block_tokens=16, gemm2_block_tokens=8, gemm2_num_stages=4, routing_in_gemm1=True)
+# Up to EARLY_W2_MAX_TOKENS GEMM2 reads its schedule once the routed count is complete and issues its first stages'
+# weights before its programmatic wait (v2.21: 1.037x at 1 token, all five trials faster; 1.007-1.034x off the list at
+# 2-6 tokens). Above it GEMM1's CTAs retire over many microseconds and the early copies compete with them for DRAM
+# (v2.20: ~1.00x at 7-16 tokens, 0.983x at 32).
+TINY_T_EARLY_W2 = dataclasses.replace(TINY_T, gemm2_weights_before_wait=True)
 # From 33 tokens both GEMMs are on WGMMA (v2.0, v2.1: 1.02x over the `mma.sync` GEMM2 at 52-62).
 FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True)
 # Above 192 tokens GEMM2 converts each W2 once per 32-token tile into WGMMA's registers (v2.1: 1.22x
@@ -171,13 +183,15 @@ MEDIUM_T = StreamingVariant(
 LARGE_T = dataclasses.replace(
     MEDIUM_T, block_tokens=64, num_stages=3, gemm1_scratch_in_stage=True, routing_in_gemm1=False
 )
-VARIANTS = (TINY_T, FEW_TOKENS, MEDIUM_T, LARGE_T)
+VARIANTS = (TINY_T_EARLY_W2, TINY_T, FEW_TOKENS, MEDIUM_T, LARGE_T)
 
 
 def variant_for(num_tokens: int) -> StreamingVariant:
     """The streaming variant for a batch of `num_tokens` tokens."""
     if num_tokens < 1:
         raise MoeShapeError(f"seq_len must be >= 1, got {num_tokens}")
+    if num_tokens <= EARLY_W2_MAX_TOKENS:
+        return TINY_T_EARLY_W2
     if num_tokens < WGMMA_GEMM1_MIN_TOKENS:
         return TINY_T
     if num_tokens <= FEW_TOKENS_MAX:
@@ -193,12 +207,7 @@ _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
 def _compile(arch: str, variant: StreamingVariant) -> Callable:
     # The launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs).
     return host.compile_host(
-        host.MoeHostSm90(
-            variant.make_gemm1(),
-            variant.make_gemm2(),
-            routing_in_gemm1=variant.routing_in_gemm1,
-            release_in_combine=variant.release_in_combine,
-        ),
+        host.MoeHostSm90(variant.make_gemm1(), variant.make_gemm2(), routing_in_gemm1=variant.routing_in_gemm1),
         arch,
     )
 

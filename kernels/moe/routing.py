@@ -1,6 +1,5 @@
-"""The MoE's counters and routing: zero the per-expert counters of a new kept buffer (`ZeroCountsKernel`); copy
-them out and zero them again as a call's last launch (`ReleaseCountsKernel`), so that no call starts with a
-zeroing launch; DeepSeek-V3 no-aux routing, one warp per token (`route_token`), either as a grid of its own
+"""The MoE's counters and routing: zero the per-expert counters of a new kept buffer (`ZeroCountsKernel`; a call's
+last kernel, the combine, zeroes them again, so that no call starts with a zeroing launch); DeepSeek-V3 no-aux routing, one warp per token (`route_token`), either as a grid of its own
 (`RoutingKernel`, above 1024 tokens) or inside GEMM1's cooperative grid (`route_then_meet`, v2.16)."""
 
 from __future__ import annotations
@@ -29,30 +28,6 @@ class ZeroCountsKernel(Linked):
         enter(self.link)
         tidx, _, _ = cute.arch.thread_idx()
         counts[tidx] = cutlass.Int32(0)
-
-
-class ReleaseCountsKernel(Linked):
-    """The last kernel of a call (`host.MoeHostSm90`): copies the
-    call's counters out for inspection and leaves the kept counter buffer at zero for the next call
-    on the stream, so that no call has to start with the zeroing launch and its host gap."""
-
-    @cute.jit
-    def launch(self, counts: cute.Tensor, counts_out: cute.Tensor, stream, routed=None):
-        """`routed`: the kept count of `route_then_meet` where GEMM1 routes (v2.16), zeroed with the counters;
-        None where the call routes in a kernel of its own."""
-        self.kernel(counts, counts_out, routed).launch(
-            grid=[1, 1, 1], block=[NUM_LOCAL_EXPERTS, 1, 1], stream=stream, use_pdl=self.link.waits
-        )
-
-    @cute.kernel
-    def kernel(self, counts: cute.Tensor, counts_out: cute.Tensor, routed):
-        enter(self.link)
-        tidx, _, _ = cute.arch.thread_idx()
-        counts_out[tidx] = counts[tidx]
-        counts[tidx] = cutlass.Int32(0)
-        if cutlass.const_expr(routed is not None):
-            if tidx == 0:
-                routed[0] = cutlass.Int32(0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -183,8 +158,8 @@ def route_then_meet(
     and lists.
     The launch must be cooperative (every CTA resident, or the wait never ends); `routing` is (routing_logits,
     routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank, slot_weight, routed) and the
-    call's last kernel zeroes `routed` again (`ReleaseCountsKernel`). The barrier is cooperative groups' grid sync:
-    a CTA barrier, then thread 0 fences, adds, polls and fences again, then a CTA barrier."""
+    call's last kernel zeroes `routed` again (`combine.release_counters`). The barrier is cooperative groups' grid
+    sync: a CTA barrier, then thread 0 fences, adds, polls and fences again, then a CTA barrier."""
     (
         routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank,
         slot_weight, routed,
@@ -212,7 +187,7 @@ def route_then_meet(
 def wait_until_routed(routed: cute.Tensor, num_tokens: cutlass.Int32):
     """One thread polls the kept count of routed tokens until it reaches T, then fences (acquire): the counts and
     lists that every routing CTA released before its add are then visible to its CTA after a CTA barrier. Used by
-    `route_then_meet` and by a GEMM2 that reads the schedule before its programmatic wait (v2.20)."""
+    `route_then_meet` and by a GEMM2 that reads the schedule before its programmatic wait (v2.21)."""
     seen = cute.arch.atomic_add(routed.iterator.llvm_ptr, cutlass.Int32(0), scope="gpu")
     while seen < num_tokens:
         seen = cute.arch.atomic_add(routed.iterator.llvm_ptr, cutlass.Int32(0), scope="gpu")

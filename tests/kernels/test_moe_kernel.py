@@ -29,7 +29,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check
 kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_wide_from_193", "candidate_early_w2", "candidate_release_in_combine")
+SOLUTIONS = ("kernel", "candidate_wide_from_193")
 
 
 @functools.cache
@@ -82,6 +82,28 @@ def test_variants_are_on_wgmma_from_33_tokens():
     assert len(set(kernel.VARIANTS)) == len(kernel.VARIANTS)  # each compiled configuration once
 
 
+def test_gemm2_weights_before_its_wait_up_to_the_threshold_only():
+    for num_tokens in range(1, kernel.EARLY_W2_MAX_TOKENS + 1):
+        chosen = kernel.variant_for(num_tokens)
+        assert chosen is kernel.TINY_T_EARLY_W2 and chosen.gemm2().weights_before_wait
+        assert not chosen.gemm1().weights_before_wait
+        assert dataclasses.replace(chosen, gemm2_weights_before_wait=False) == kernel.TINY_T
+    for num_tokens in (kernel.EARLY_W2_MAX_TOKENS + 1, 16, kernel.WGMMA_GEMM1_MIN_TOKENS - 1):
+        assert kernel.variant_for(num_tokens) is kernel.TINY_T
+    for variant in kernel.VARIANTS[1:]:
+        assert not variant.gemm2_weights_before_wait
+
+
+def test_gemm2_weights_before_its_wait_are_refused_where_nothing_completes_the_routed_count():
+    streaming = solution_module("streaming_gemm")
+    with pytest.raises(ValueError, match="routing_in_gemm1"):
+        dataclasses.replace(kernel.TINY_T, routing_in_gemm1=False, gemm2_weights_before_wait=True)
+    with pytest.raises(ValueError, match="mma.sync"):
+        dataclasses.replace(kernel.FEW_TOKENS, gemm2_weights_before_wait=True)
+    with pytest.raises(streaming.StreamingConfigError, match="GEMM2"):
+        streaming.StreamingGemmConfig(True, 16, 4, weights_before_wait=True)
+
+
 def test_the_wgmma_flags_need_the_wgmma_gemm1():
     with pytest.raises(ValueError, match="wgmma_gemm1"):
         dataclasses.replace(kernel.TINY_T, wgmma_gemm2=True)  # C in the order only that GEMM1 writes
@@ -89,28 +111,28 @@ def test_the_wgmma_flags_need_the_wgmma_gemm1():
         dataclasses.replace(kernel.TINY_T, gemm1_scratch_in_stage=True)
 
 
-def test_the_host_routes_first_and_releases_the_counters_last_in_one_chain():
+def test_the_host_routes_first_and_the_combine_releases_the_counters_last_in_one_chain():
     host = solution_module("host")
     gemm = solution_module("streaming_gemm").StreamingGemm(kernel.TINY_T.gemm1())
     moe_host = host.MoeHostSm90(gemm, gemm)
     assert not hasattr(moe_host, "zero_counts")  # the counters come zeroed: no zeroing launch first
+    assert not hasattr(moe_host, "release_counts")  # v2.22: the combine zeroes them, no release kernel
     assert (moe_host.routing.link.waits, moe_host.routing.link.releases) == (False, True)  # first: never waits
-    for middle in (moe_host.gemm1, moe_host.gemm2, moe_host.combine):
+    for middle in (moe_host.gemm1, moe_host.gemm2):
         assert (middle.link.waits, middle.link.releases) == (True, True)
-    assert moe_host.combine.link.releases  # no longer the last kernel
-    assert (moe_host.release_counts.link.waits, moe_host.release_counts.link.releases) == (True, False)
+    assert (moe_host.combine.link.waits, moe_host.combine.link.releases) == (True, False)  # last: releases nothing
 
 
 def test_a_host_that_routes_in_gemm1_has_no_routing_kernel_and_gemm1_leads_the_chain():
     host = solution_module("host")
     moe_host = host.MoeHostSm90(kernel.TINY_T.make_gemm1(), kernel.TINY_T.make_gemm2(), routing_in_gemm1=True)
-    assert not hasattr(moe_host, "routing")
+    assert not hasattr(moe_host, "routing") and not hasattr(moe_host, "release_counts")
     assert (moe_host.gemm1.link.waits, moe_host.gemm1.link.releases) == (False, True)  # first: never waits
-    assert (moe_host.gemm2.link.waits, moe_host.combine.link.waits) == (True, True)
-    assert (moe_host.release_counts.link.waits, moe_host.release_counts.link.releases) == (True, False)
+    assert (moe_host.gemm2.link.waits, moe_host.gemm2.link.releases) == (True, True)
+    assert (moe_host.combine.link.waits, moe_host.combine.link.releases) == (True, False)
 
 
-@pytest.mark.parametrize(("num_kernels", "expected"), [(4, "R WR WR W"), (5, "R WR WR WR W")])
+@pytest.mark.parametrize(("num_kernels", "expected"), [(3, "R WR W"), (4, "R WR WR W")])
 def test_a_chain_releases_from_every_kernel_but_the_last_and_waits_in_every_one_but_the_first(num_kernels, expected):
     chain = solution_module("chain")
     links = chain.chain_links(num_kernels)
@@ -299,7 +321,8 @@ def test_cuda_graph_replay_follows_new_inputs(solution):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("num_tokens", [58, kernel.MEDIUM_T_MAX_TOKENS + 1])  # routed in GEMM1, by the routing grid
+# routed in GEMM1 (with GEMM2's early weights, without them, on warpgroup MMA), by the routing grid
+@pytest.mark.parametrize("num_tokens", [1, 7, 58, kernel.MEDIUM_T_MAX_TOKENS + 1])
 def test_clean_counters_leave_the_kept_buffer_at_zero_and_copy_each_calls_counts_out(num_tokens):
     counters = solution_module("counters")
     case = cases.CheckCase("kept_counts", num_tokens, 96)

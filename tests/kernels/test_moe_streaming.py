@@ -463,6 +463,54 @@ def test_each_gemm_matches_torch_on_its_packed_rows(case):
     check_each_gemm(case, kernel.variant_for)
 
 
+def always_early_w2(num_tokens: int):
+    """TINY_T_EARLY_W2 at any T below 33, so that the GPU tests exercise it beyond its dispatch range (v2.21)."""
+    assert num_tokens < kernel.WGMMA_GEMM1_MIN_TOKENS
+    return kernel.TINY_T_EARLY_W2
+
+
+EARLY_W2_CASES = [
+    cases.CheckCase("early_t1", 1, 0),
+    cases.CheckCase("early_t1_one_expert", 1, 64, "one_expert"),
+    cases.CheckCase("early_t3_all_local", 3, 160, "all_local"),
+    cases.CheckCase("early_t7", 7, 224),
+    cases.CheckCase("early_t13_all_local", 13, 32, "all_local"),
+    cases.CheckCase("early_t16_one_expert", 16, 96, "one_expert"),
+    cases.CheckCase("early_t32", 32, 128),
+    cases.CheckCase("early_t32_all_local", 32, 0, "all_local"),
+    cases.CheckCase("early_t5_no_local", 5, 160, "no_local"),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", [c for c in EARLY_W2_CASES if c.pattern != "no_local"], ids=lambda c: c.name)
+def test_each_gemm_of_the_early_w2_variant_matches_torch(case):
+    check_each_gemm(case, always_early_w2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", EARLY_W2_CASES, ids=lambda c: c.name)
+def test_the_early_w2_variant_is_tiny_t_bit_for_bit_call_after_call(case):
+    # The same copies into the same places: GEMM2's weights issued before its wait change no output bit, and each
+    # call leaves the kept count of routed tokens (which that GEMM2 polls before its wait) at zero for the next.
+    inputs = cases.make_inputs(case, "cuda", seed=43)
+    counters = solution_module("counters")
+    outputs = []
+    for run in (kernel.make_run(lambda _: kernel.TINY_T), *[kernel.make_run(always_early_w2)] * 3):
+        output = cases.poisoned_output(case.num_tokens, "cuda")
+        run(*inputs.values(), output)
+        torch.cuda.synchronize()
+        routed = counters.kept_routed(torch.device("cuda"), kernel.GPU_ARCH)
+        assert int(routed.abs().sum()) == 0, "the combine leaves the kept count at zero"
+        outputs.append(output)
+    theirs, *ours = outputs
+    for output in ours:
+        assert not torch.isnan(output).any()
+        assert torch.equal(output, theirs)
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_largest_batch_with_every_choice_local(case=cases.CheckCase("t16384_all_local", 16384, 64, "all_local")):

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_row_tile_handoff",
-            entry="candidate_row_tile_handoff.py::run",
-            description="v2.23: kernel.py below 33 tokens with GEMM2 polling GEMM1's finished row tiles instead of waiting for its grid (on top of the early W2)",
-        ),
     ),
 )
 

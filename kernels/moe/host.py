@@ -27,7 +27,6 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from .chain import ChainLink, chain_links
 from .combine import CombineKernel
 from .routing import RoutingKernel
-from .streaming_gemm import row_tile_capacity
 from .shapes import (
     BLOCK,
     GEMM1_OUT,
@@ -71,11 +70,6 @@ class MoeHostSm90:
         self.gemm2 = gemm2.with_link(gemm2_link)
         self.combine = CombineKernel(combine_link)
 
-    @staticmethod
-    def row_tiles_of(gemm: ExpertGemm, row_tile_counters) -> dict:
-        """The row-tile counters for a GEMM of candidate v2.23's hand-over; nothing for the others."""
-        return {"row_tiles": row_tile_counters} if getattr(gemm.cfg, "handoff", None) is not None else {}
-
     @cute.jit
     def __call__(
         self,
@@ -98,7 +92,6 @@ class MoeHostSm90:
         slot_weight: cute.Tensor,
         intermediate: cute.Tensor,
         expert_out: cute.Tensor,
-        row_tile_counters: cute.Tensor,
         gemm1_grid: cutlass.Int32,
         gemm2_grid: cutlass.Int32,
         stream,
@@ -127,7 +120,6 @@ class MoeHostSm90:
             stream,
             routing,
             counts_out=counts_out,
-            **self.row_tiles_of(self.gemm1, row_tile_counters),
         )
         self.gemm2.launch(
             intermediate,
@@ -140,7 +132,6 @@ class MoeHostSm90:
             gemm2_grid,
             stream,
             *((None, routed) if getattr(self.gemm2.cfg, "weights_before_wait", False) else ()),
-            **self.row_tiles_of(self.gemm2, row_tile_counters),
         )
         self.combine.launch(counts_out, slot_expert, slot_rank, slot_weight, expert_out, output, stream, (counts, routed))
 
@@ -156,7 +147,6 @@ class Workspaces:
     slot_weight: torch.Tensor  # [T, 8] fp32
     intermediate: torch.Tensor  # [8 T, 2048] bf16: C = silu(gate) * up per packed row
     expert_out: torch.Tensor  # [8 T, 7168] fp32: C W2^T per packed row
-    row_tile_counters: torch.Tensor  # [8 T / 16 + 33] int32: GEMM1's finished items per row tile (candidate v2.23)
 
     @classmethod
     def allocate(cls, num_tokens: int, device: torch.device) -> Workspaces:
@@ -169,7 +159,6 @@ class Workspaces:
             slot_weight=torch.empty(num_tokens, TOP_K, dtype=torch.float32, device=device),
             intermediate=torch.empty(num_rows, INTERMEDIATE, dtype=torch.bfloat16, device=device),
             expert_out=torch.empty(num_rows, HIDDEN, dtype=torch.float32, device=device),
-            row_tile_counters=torch.empty(row_tile_capacity(num_tokens), dtype=torch.int32, device=device),
         )
 
 
@@ -203,7 +192,6 @@ def fake_tensor_arguments() -> tuple:
         rowmajor(f32, (num_tokens, TOP_K)),
         rowmajor(bf16, (num_rows, INTERMEDIATE)),
         rowmajor(f32, (num_rows, HIDDEN)),
-        rowmajor(i32, (cute.sym_int(),)),
     )
 
 
@@ -244,7 +232,6 @@ def launch(
         workspaces.slot_weight,
         workspaces.intermediate,
         workspaces.expert_out,
-        workspaces.row_tile_counters,
         gemm1_grid,
         gemm2_grid,
         *(() if kept_routed is None else (kept_routed,)),

@@ -55,7 +55,7 @@ import torch
 from . import counters, host
 from .host import Workspaces
 from .inputs import MAX_TOKENS, MoeShapeError, check_inputs
-from .streaming_gemm import RowTileHandoff, StreamingGemm, StreamingGemmConfig
+from .streaming_gemm import StreamingGemm, StreamingGemmConfig
 from .wgmma_gemm1 import WgmmaGemm1, WgmmaGemm1Config
 from .wgmma_gemm2 import WgmmaGemm2, WgmmaGemm2Config
 
@@ -112,7 +112,6 @@ class StreamingVariant:
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
     routing_in_gemm1: bool = False  # no routing kernel: GEMM1's cooperative grid routes first (v2.16)
     gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.21)
-    row_tile_handoff: bool = False  # GEMM2 polls GEMM1's row tiles instead of its grid (candidate v2.23)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -123,12 +122,6 @@ class StreamingVariant:
         if self.gemm2_weights_before_wait and (self.wgmma_gemm2 or not self.routing_in_gemm1):
             # It waits on the kept count of routed tokens that only a routing GEMM1 completes.
             raise ValueError("gemm2_weights_before_wait needs the mma.sync GEMM2 and routing_in_gemm1")
-        if self.row_tile_handoff and (self.wgmma_gemm1 or not self.gemm2_weights_before_wait):
-            # GEMM2 reads its schedule early to know which row tiles to poll; only the `mma.sync` GEMM1 signals.
-            raise ValueError("row_tile_handoff needs the mma.sync GEMM1 and gemm2_weights_before_wait")
-
-    def handoff(self) -> RowTileHandoff | None:
-        return RowTileHandoff(self.block_tokens) if self.row_tile_handoff else None
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -138,9 +131,7 @@ class StreamingVariant:
                 permuted_c=self.wgmma_gemm2,
                 scratch_in_stage=self.gemm1_scratch_in_stage,
             )
-        return StreamingGemmConfig(
-            gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages, handoff=self.handoff()
-        )
+        return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:
         config = self.gemm1()
@@ -156,7 +147,6 @@ class StreamingVariant:
             block_tokens=block_tokens,
             num_stages=num_stages,
             weights_before_wait=self.gemm2_weights_before_wait,
-            handoff=self.handoff(),
         )
 
     def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:

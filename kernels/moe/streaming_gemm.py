@@ -45,7 +45,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .chain import NO_CHAIN, ChainLink, enter
 from .routing import route_then_meet, wait_until_routed
-from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS, TOP_K
+from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
 from .swiglu import swiglu_bf16
 
 NUM_THREADS = 128  # 4 warps, one per K block of a stage
@@ -241,19 +241,10 @@ class PersistentGemmConfig:
 class StreamingGemmConfig(PersistentGemmConfig):
     """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
 
-    def __init__(
-        self,
-        gemm1: bool,
-        block_tokens: int,
-        num_stages: int,
-        weights_before_wait: bool = False,
-        handoff: RowTileHandoff | None = None,
-    ):
+    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int, weights_before_wait: bool = False):
         """`weights_before_wait` (v2.20, GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
         schedule once the kept count of routed tokens is complete and issues its first stages' weights before
-        `griddepcontrol.wait`; only the activations (GEMM1's output) wait for GEMM1 to complete. `handoff` (candidate
-        v2.23): GEMM1 counts its finished items per row tile, and GEMM2 (with `weights_before_wait`) waits for an
-        item's GEMM1 row tile instead of GEMM1's grid."""
+        `griddepcontrol.wait`; only the activations (GEMM1's output) wait for GEMM1 to complete."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -264,9 +255,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if weights_before_wait and gemm1:
             raise StreamingConfigError("weights_before_wait is GEMM2's (GEMM1 is the call's first kernel)")
         self.weights_before_wait = weights_before_wait
-        if handoff is not None:
-            handoff.check(gemm1, block_tokens, weights_before_wait)
-        self.handoff = handoff
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -293,7 +281,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
             "x_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE * bt, 128),
             "w_scales": smem_region(Float32, ns * M_TILES * BLOCKS_PER_STAGE, 128),
             "scratch": smem_region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
-            **({} if self.handoff is None or self.gemm1 else self.handoff.gemm2_fields()),
         }
 
 
@@ -340,30 +327,25 @@ def build_expert_tables(
     counts: cute.Tensor,
     block_tokens: cutlass.Constexpr,
     tile_end: cute.Tensor,
-    expert_count: cute.Tensor | None,
-    expert_offset: cute.Tensor | None,
+    expert_count: cute.Tensor,
+    expert_offset: cute.Tensor,
     lane: Int32,
 ):
-    """One warp of a CTA: per local expert, its row tiles' inclusive prefix (`tile_end`), its token
-    count and its packed-row offset (exclusive prefix of the counts); the caller syncs. Without
-    `expert_count` and `expert_offset` only `tile_end` (GEMM1's, in a GEMM2 that polls it, candidate v2.23)."""
-    with_rows = expert_offset is not None
+    """Warp 0 of a CTA: per local expert, its row tiles' inclusive prefix (`tile_end`), its token
+    count and its packed-row offset (exclusive prefix of the counts); the caller syncs."""
     count = counts[lane]
     tiles = (count + block_tokens - 1) // block_tokens
     tiles_inclusive = tiles
     rows_inclusive = count
     for shift in cutlass.range_constexpr(5):
         tiles_up = cute.arch.shuffle_sync_up(tiles_inclusive, offset=1 << shift)
-        if cutlass.const_expr(with_rows):
-            rows_up = cute.arch.shuffle_sync_up(rows_inclusive, offset=1 << shift)
+        rows_up = cute.arch.shuffle_sync_up(rows_inclusive, offset=1 << shift)
         if lane >= (1 << shift):
             tiles_inclusive = tiles_inclusive + tiles_up
-            if cutlass.const_expr(with_rows):
-                rows_inclusive = rows_inclusive + rows_up
+            rows_inclusive = rows_inclusive + rows_up
     tile_end[lane] = tiles_inclusive
-    if cutlass.const_expr(with_rows):
-        expert_count[lane] = count
-        expert_offset[lane] = rows_inclusive - count
+    expert_count[lane] = count
+    expert_offset[lane] = rows_inclusive - count
 
 
 @cute.jit
@@ -409,62 +391,6 @@ def slot_token(
     if token_slot < valid_rows:
         token = expert_tokens[expert, first_row + token_slot]
     return token
-
-
-# ------------------------------------------------------------------------------------------------
-# candidate v2.23: GEMM2 takes a row tile as soon as GEMM1 has finished it (NOTES.md; v2.9's hand-over)
-# ------------------------------------------------------------------------------------------------
-
-
-def row_tile_capacity(num_tokens: int, gemm1_block_tokens: int = 16) -> int:
-    """Counters for GEMM1's row tiles of a call: sum over experts of ceil(count / tokens per tile) is at most
-    8 T / tokens + 32."""
-    return TOP_K * num_tokens // gemm1_block_tokens + NUM_LOCAL_EXPERTS + 1
-
-
-class RowTileHandoff:
-    """The hand-over between the two `mma.sync` GEMMs of a call (candidate v2.23): GEMM1, whose routing CTAs zero the
-    call's row-tile counters before they meet, counts each finished item in its row tile's counter (release); GEMM2
-    polls the counter of the GEMM1 row tile that holds an item's C rows before it loads them (acquire), instead of
-    waiting for GEMM1's whole grid. GEMM2 must read its schedule early (`weights_before_wait`)."""
-
-    def __init__(self, gemm1_block_tokens: int):
-        self.gemm1_block_tokens = gemm1_block_tokens
-
-    def check(self, gemm1: bool, block_tokens: int, weights_before_wait: bool) -> None:
-        if gemm1 and block_tokens != self.gemm1_block_tokens:
-            raise StreamingConfigError("the hand-over counts GEMM1's own row tiles")
-        if not gemm1 and not weights_before_wait:
-            raise StreamingConfigError("a GEMM2 that polls GEMM1's row tiles reads its schedule early: weights_before_wait")
-        if not gemm1 and (block_tokens > self.gemm1_block_tokens or self.gemm1_block_tokens % block_tokens):
-            raise StreamingConfigError("a GEMM2 row tile must lie in one GEMM1 row tile")
-
-    def gemm2_fields(self) -> dict:
-        return {"gemm1_tile_end": smem_region(Int32, NUM_LOCAL_EXPERTS, 16)}
-
-
-def gemm1_row_tile(gemm1_tile_end, count, first_row, gemm1_block_tokens: int):
-    """GEMM1's (global) row tile holding an expert's packed row `first_row`, from the expert's entry of GEMM1's
-    `tile_end` (inclusive prefix of its row tiles) and its token count. Plain arithmetic: the kernel calls it with
-    DSL integers, the CPU tests with Python ints."""
-    expert_tiles = (count + gemm1_block_tokens - 1) // gemm1_block_tokens
-    return gemm1_tile_end - expert_tiles + first_row // gemm1_block_tokens
-
-
-@cute.jit
-def zero_row_tile_counters(row_tiles: cute.Tensor, cta: Int32, grid: Int32, tidx: Int32) -> None:
-    """GEMM1's CTAs, before they meet on the routed count (whose fences order these stores before every poll)."""
-    for i in cutlass.range(cta * NUM_THREADS + tidx, row_tiles.shape[0], grid * NUM_THREADS, unroll=1):
-        row_tiles[i] = Int32(0)
-
-
-@cute.jit
-def release_row_tile(row_tiles: cute.Tensor, row_tile: Int32, tidx: Int32) -> None:
-    """GEMM1, after an item's C stores: count the item in its row tile's counter once every thread's stores are
-    done (the barrier), with release semantics at GPU scope (CUTLASS's semaphore pattern)."""
-    cute.arch.sync_threads()
-    if tidx == 0:
-        cute.arch.atomic_add((row_tiles.iterator + row_tile).llvm_ptr, Int32(1), sem="release", scope="gpu")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -558,13 +484,11 @@ class StreamingGemm(LinkedGemm):
         routing=None,
         routed=None,
         counts_out=None,
-        row_tiles=None,
     ):
         """`routing`: None, or (GEMM1 up to 1024 tokens, v2.16) `routing.route_then_meet`'s tuple: the grid
         routes the tokens before its schedule. `routed` (GEMM2 with `weights_before_wait`): the kept count of routed
         tokens that GEMM1's grid completes (`counters.kept_routed`). `counts_out` (GEMM1, v2.22): where CTA 0 copies the
-        call's final counts (`schedule_tables`). `row_tiles` (with a `handoff`, candidate v2.23): the call's row-tile
-        counters (`row_tile_capacity`)."""
+        call's final counts (`schedule_tables`)."""
         cfg = self.cfg
         bt = cfg.block_tokens
         ns = cfg.num_stages
@@ -590,7 +514,7 @@ class StreamingGemm(LinkedGemm):
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens,
             w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage, routing, routed,
-            counts_out, row_tiles,
+            counts_out,
         )  # fmt: skip
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None)
 
@@ -613,7 +537,6 @@ class StreamingGemm(LinkedGemm):
         routing,
         routed,
         counts_out,
-        row_tiles,
     ):
         if cutlass.const_expr(self.cfg.weights_before_wait):
             enter(self.link, wait=False)  # `griddepcontrol.wait` once the first stages' weights are on their way
@@ -637,9 +560,6 @@ class StreamingGemm(LinkedGemm):
         x_scales = storage.x_scales.get_tensor(x_scale_layout)
         w_scales = storage.w_scales.get_tensor(w_scale_layout)
         scratch = storage.scratch.get_tensor(scratch_layout)
-        polls = cutlass.const_expr(cfg.handoff is not None and not cfg.gemm1)  # candidate v2.23's GEMM2
-        if cutlass.const_expr(cfg.handoff is not None and cfg.gemm1):
-            zero_row_tile_counters(row_tiles, cta, grid, tidx)  # ordered before the meeting by its barrier and fences
         if cutlass.const_expr(routing is not None):
             route_then_meet(routing, counts, expert_tokens, cta, grid, tidx)
         if cutlass.const_expr(cfg.weights_before_wait):
@@ -647,12 +567,6 @@ class StreamingGemm(LinkedGemm):
             if tidx == 0:
                 wait_until_routed(routed, expert_tokens.shape[1])
             cute.arch.sync_threads()
-        if cutlass.const_expr(polls):
-            gemm1_tile_end = storage.gemm1_tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-            if warp_id == 1:  # GEMM1's row-tile table; schedule_tables' barrier covers it
-                build_expert_tables(
-                    counts, cfg.handoff.gemm1_block_tokens, gemm1_tile_end, None, None, lane
-                )
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, cfg.items_per_row_tile, cfg.k_stages, cta, grid, warp_id, lane, counts_out
         )
@@ -694,15 +608,7 @@ class StreamingGemm(LinkedGemm):
             if cutlass.const_expr(not early):
                 cute.arch.cp_async_commit_group()
         if cutlass.const_expr(early):
-            if cutlass.const_expr(polls):
-                # the first item's C rows, before the prologue loads them (GEMM1's grid is not waited for)
-                if total_stages > 0:
-                    self.acquire_item_rows(
-                        cta, tile_end, expert_count, expert_offset, gemm1_tile_end, row_tiles, tidx
-                    )
-                cute.arch.sync_threads()
-            else:
-                cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_wait()
             for p in cutlass.range_constexpr(ns - 1):
                 if p < total_stages:
                     self.load_stage(
@@ -716,14 +622,6 @@ class StreamingGemm(LinkedGemm):
         acc.fill(0.0)
 
         for s in cutlass.range(total_stages, unroll=1):
-            if cutlass.const_expr(polls):
-                # a new item's C rows, before the barrier that precedes their loads
-                if s + ns - 1 < total_stages:
-                    if (s + ns - 1) % cfg.k_stages == 0:
-                        self.acquire_item_rows(
-                            cta + ((s + ns - 1) // cfg.k_stages) * grid, tile_end, expert_count, expert_offset,
-                            gemm1_tile_end, row_tiles, tidx,
-                        )  # fmt: skip
             # Stage s has landed once at most ns - 2 younger groups are pending; the barrier also
             # tells every thread that all warps are done with the slot the next load overwrites.
             cute.arch.cp_async_wait_group(ns - 2)
@@ -757,34 +655,7 @@ class StreamingGemm(LinkedGemm):
                     acc, scratch, out, item % cfg.items_per_row_tile, packed_row0, valid_rows, warp_id, group,
                     quad, tidx,
                 )
-                if cutlass.const_expr(cfg.handoff is not None and cfg.gemm1):
-                    release_row_tile(row_tiles, item // cfg.items_per_row_tile, tidx)
         cute.arch.cp_async_wait_group(0)
-
-    @cute.jit
-    def acquire_item_rows(
-        self,
-        item: Int32,
-        tile_end: cute.Tensor,
-        expert_count: cute.Tensor,
-        expert_offset: cute.Tensor,
-        gemm1_tile_end: cute.Tensor,
-        row_tiles: cute.Tensor,
-        tidx: Int32,
-    ) -> None:
-        """A GEMM2 with a `handoff` (candidate v2.23), before the loads of work item `item`'s C rows: thread 0 waits
-        until GEMM1 has counted every item of the GEMM1 row tile that holds them (a GEMM2 row tile lies in one),
-        with acquire semantics at GPU scope. The caller's next barrier then lets every thread read the rows."""
-        cfg = self.cfg
-        if tidx == 0:
-            expert, first_row, _, _ = self.locate(item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset)
-            row_tile = gemm1_row_tile(
-                gemm1_tile_end[expert], expert_count[expert], first_row, cfg.handoff.gemm1_block_tokens
-            )
-            counter = (row_tiles.iterator + row_tile).llvm_ptr
-            done = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
-            while done < GEMM1_ITEMS_PER_ROW_TILE:
-                done = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
 
     @cute.jit
     def item_bases(self, located, item: Int32, w_scale_layout: cute.Layout, tidx: Int32):

@@ -9,8 +9,9 @@ call's final counts into `counts_out`), GEMM2 into `expert_out`, and the weighte
 (`combine.CombineKernel`), which reads the counts from `counts_out` and zeroes the kept counters again (v2.22: no
 release kernel of its own). The expert GEMMs differ between the variants; each takes `launch(a, a_scale, w,
 w_scale, out, counts, expert_tokens, grid, stream, routing=None)`, where `grid` is its number of persistent CTAs
-and `routing` (GEMM1 only) `routing.route_then_meet`'s tuple, a GEMM1 also `counts_out=`, and `with_link(link)` for
-its place in the chain.
+and `routing` (GEMM1 only) `routing.route_then_meet`'s tuple (a GEMM1 also takes `counts_out=`, a GEMM2 that
+issues its first weights before its programmatic wait `routed=`), and `with_link(link)` for its place in the
+chain.
 """
 
 from __future__ import annotations
@@ -131,9 +132,11 @@ class MoeHostSm90:
             expert_tokens,
             gemm2_grid,
             stream,
-            *((None, routed) if getattr(self.gemm2.cfg, "weights_before_wait", False) else ()),
+            **({"routed": routed} if getattr(self.gemm2.cfg, "weights_before_wait", False) else {}),
         )
-        self.combine.launch(counts_out, slot_expert, slot_rank, slot_weight, expert_out, output, stream, (counts, routed))
+        self.combine.launch(
+            counts_out, slot_expert, slot_rank, slot_weight, expert_out, output, stream, (counts, routed)
+        )
 
 
 @dataclass(frozen=True)

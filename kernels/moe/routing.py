@@ -1,6 +1,7 @@
 """The MoE's counters and routing: zero the per-expert counters of a new kept buffer (`ZeroCountsKernel`; a call's
-last kernel, the combine, zeroes them again, so that no call starts with a zeroing launch); DeepSeek-V3 no-aux routing, one warp per token (`route_token`), either as a grid of its own
-(`RoutingKernel`, above 1024 tokens) or inside GEMM1's cooperative grid (`route_then_meet`, v2.16)."""
+last kernel, the combine, zeroes them again, so that no call starts with a zeroing launch); DeepSeek-V3 no-aux
+routing, one warp per token (`route_token`), either as a grid of its own (`RoutingKernel`, above 1024 tokens) or
+inside GEMM1's cooperative grid (`route_then_meet`, v2.16)."""
 
 from __future__ import annotations
 

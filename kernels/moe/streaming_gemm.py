@@ -307,8 +307,7 @@ def schedule_tables(
     """The persistent item walk's start, in every streaming GEMM: warp 0 builds the expert tables in
     shared memory (`build_expert_tables`), the CTA waits for them, and the CTA's stage count follows.
     `counts_out` (GEMM1, v2.22): CTA 0 copies the call's final counts there, for the combine (which then zeroes the
-    kept counters) and for inspection. Returns (tile_end, expert_count, expert_offset,
-    total_stages)."""
+    kept counters) and for inspection. Returns (tile_end, expert_count, expert_offset, total_stages)."""
     tile_end = storage.tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
     expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
     expert_offset = storage.expert_offset.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
@@ -487,8 +486,8 @@ class StreamingGemm(LinkedGemm):
     ):
         """`routing`: None, or (GEMM1 up to 1024 tokens, v2.16) `routing.route_then_meet`'s tuple: the grid
         routes the tokens before its schedule. `routed` (GEMM2 with `weights_before_wait`): the kept count of routed
-        tokens that GEMM1's grid completes (`counters.kept_routed`). `counts_out` (GEMM1, v2.22): where CTA 0 copies the
-        call's final counts (`schedule_tables`)."""
+        tokens that GEMM1's grid completes (`counters.kept_routed`). `counts_out` (GEMM1, v2.22): where CTA 0 copies
+        the call's final counts (`schedule_tables`)."""
         cfg = self.cfg
         bt = cfg.block_tokens
         ns = cfg.num_stages
@@ -800,7 +799,9 @@ class StreamingGemm(LinkedGemm):
                     )
 
     @cute.jit
-    def load_weight_scales(self, s: Int32, slot: Int32, located, w_scale: cute.Tensor, w_scales: cute.Tensor, g2s_16_f32, tidx: Int32):
+    def load_weight_scales(
+        self, s: Int32, slot: Int32, located, w_scale: cute.Tensor, w_scales: cute.Tensor, g2s_16_f32, tidx: Int32
+    ):
         """`load_stage`'s weight block-scale copies."""
         cfg = self.cfg
         k_stage = s % cfg.k_stages

@@ -55,10 +55,12 @@ class MoeHostSm90:
     come zeroed from the previous call and its last kernel (the combine) zeroes them again, so no call starts with
     a tiny zeroing launch and its host gap (sessions 8 and 9)."""
 
-    def __init__(self, gemm1: ExpertGemm, gemm2: ExpertGemm, routing_in_gemm1: bool = False):
+    def __init__(
+        self, gemm1: ExpertGemm, gemm2: ExpertGemm, routing_in_gemm1: bool = False, combine_loads_first: bool = False
+    ):
         """`routing_in_gemm1` (v2.16, `kernel.py` up to 1024 tokens): no routing kernel; GEMM1's cooperative grid
         routes the tokens first (`routing.route_then_meet`), so the call is three launches and GEMM1 the first.
-        The combine is always the last (v2.22)."""
+        The combine is always the last (v2.22); `combine_loads_first`: candidate v2.25's combine."""
         if not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
             raise TypeError("the MoE host chains its launches: the expert GEMMs need with_link")
         self.routing_in_gemm1 = routing_in_gemm1
@@ -69,7 +71,7 @@ class MoeHostSm90:
             self.routing = RoutingKernel(routing_link)
         self.gemm1 = gemm1.with_link(gemm1_link)
         self.gemm2 = gemm2.with_link(gemm2_link)
-        self.combine = CombineKernel(combine_link)
+        self.combine = CombineKernel(combine_link, loads_first=combine_loads_first)
 
     @cute.jit
     def __call__(

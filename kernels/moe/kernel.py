@@ -112,6 +112,7 @@ class StreamingVariant:
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
     routing_in_gemm1: bool = False  # no routing kernel: GEMM1's cooperative grid routes first (v2.16)
     gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.21)
+    combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (candidate v2.25)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -207,7 +208,12 @@ _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
 def _compile(arch: str, variant: StreamingVariant) -> Callable:
     # The launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs).
     return host.compile_host(
-        host.MoeHostSm90(variant.make_gemm1(), variant.make_gemm2(), routing_in_gemm1=variant.routing_in_gemm1),
+        host.MoeHostSm90(
+            variant.make_gemm1(),
+            variant.make_gemm2(),
+            routing_in_gemm1=variant.routing_in_gemm1,
+            combine_loads_first=variant.combine_loads_first,
+        ),
         arch,
     )
 

@@ -214,6 +214,9 @@ class PersistentGemmConfig:
     item walk's tables (`schedule_tables`), the bytes it takes and the CTAs per SM it allows."""
 
     _smem_bytes: int | None = None
+    # A GEMM2 that issues its first weights before its programmatic wait takes the kept routed count (only the
+    # `mma.sync` one can: `StreamingGemmConfig`'s weights_before_wait, v2.21).
+    weights_before_wait: bool = False
 
     def fields(self) -> dict:
         raise NotImplementedError

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_combine_loads_first",
-            entry="candidate_combine_loads_first.py::run",
-            description="v2.25: kernel.py with the combine issuing all of a thread's loads (the token's slots, then its rows) before using one, up to 192 tokens",
-        ),
     ),
 )
 

@@ -36,9 +36,9 @@ def release_counters(release, cta_index: cutlass.Int32, tidx: cutlass.Int32):
 
 class CombineKernel(Linked):
     def __init__(self, link: ChainLink = NO_CHAIN, loads_first: bool = False):
-        """`loads_first` (candidates v2.24, v2.25): every load of a thread is issued before the first one is used (the
-        token's eight slots beside the counts, then the eight rows), instead of one dependent chain per slot. It
-        takes 92 registers per thread against 28 (3x fewer CTAs per SM), which costs where the grid is large."""
+        """`loads_first` (v2.25, up to FEW_TOKENS_MAX tokens): every load of a thread is issued before the first one is
+        used (the token's eight slots beside the counts, then the eight rows), instead of one dependent chain per slot.
+        It takes 92 registers per thread against 28 (3x fewer CTAs per SM), which costs where the grid is large."""
         super().__init__(link)
         self.loads_first = loads_first
 

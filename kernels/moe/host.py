@@ -60,7 +60,7 @@ class MoeHostSm90:
     ):
         """`routing_in_gemm1` (v2.16, `kernel.py` up to 1024 tokens): no routing kernel; GEMM1's cooperative grid
         routes the tokens first (`routing.route_then_meet`), so the call is three launches and GEMM1 the first.
-        The combine is always the last (v2.22); `combine_loads_first`: candidate v2.25's combine."""
+        The combine is always the last (v2.22); `combine_loads_first`: its loads before their first use (v2.25)."""
         if not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
             raise TypeError("the MoE host chains its launches: the expert GEMMs need with_link")
         self.routing_in_gemm1 = routing_in_gemm1

@@ -1,6 +1,6 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.8 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v2.9 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
@@ -18,8 +18,9 @@ at 901 tokens, every trial faster); in session 20 no routing kernel up to MEDIUM
 cooperative grid routing the tokens itself (v2.7, candidate v2.16: 1.038x on the six workloads below 33 tokens,
 1.022x on the 17 up to 1024); in session 22 GEMM2's first weights issued before its programmatic wait up to
 EARLY_W2_MAX_TOKENS (v2.21: 1.037x at 1 token) and no release kernel, the combine zeroing the kept counters (v2.22:
-1.006x over the 19, 90 of 95 trials faster; NOTES.md). Destination passing, definition order, no host sync, no
-data-dependent host logic, graph-safe.
+1.006x over the 19, 90 of 95 trials faster); in session 23 the combine's loads issued before their first use up to
+FEW_TOKENS_MAX (v2.25: 1.007x on those 16 workloads, 79 of 80 trials faster; NOTES.md). Destination passing,
+definition order, no host sync, no data-dependent host logic, graph-safe.
 
 Every call is the kernels of `host.py` in one TVM-FFI call, chained by programmatic dependent launches, on
 counters the previous call on the stream left at zero: up to MEDIUM_T_MAX_TOKENS three (GEMM1 + SwiGLU, which
@@ -112,7 +113,7 @@ class StreamingVariant:
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
     routing_in_gemm1: bool = False  # no routing kernel: GEMM1's cooperative grid routes first (v2.16)
     gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.21)
-    combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (candidate v2.25)
+    combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (v2.25)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -160,7 +161,12 @@ class StreamingVariant:
 # tile in a token stage.
 # Up to MEDIUM_T_MAX_TOKENS GEMM1 is the call's first kernel and routes the tokens itself (v2.16: its stream
 # starts ~6 us earlier, where the host's launch of a second kernel would have reached the GPU).
-TINY_T = StreamingVariant(block_tokens=16, gemm2_block_tokens=8, gemm2_num_stages=4, routing_in_gemm1=True)
+# Up to FEW_TOKENS_MAX the combine issues all of a thread's loads before using one (v2.25: 1.007x over the 16 workloads
+# up to 192 tokens, 79 of 80 trials faster); above it its 92 registers per thread would cut its CTAs per SM from 16 to 5
+# where a thread has about one row to load anyway (v2.24: 0.97x at 11948 and 14107 tokens).
+TINY_T = StreamingVariant(
+    block_tokens=16, gemm2_block_tokens=8, gemm2_num_stages=4, routing_in_gemm1=True, combine_loads_first=True
+)
 # Up to EARLY_W2_MAX_TOKENS GEMM2 reads its schedule once the routed count is complete and issues its first stages'
 # weights before its programmatic wait (v2.21: 1.037x at 1 token, all five trials faster; 1.007-1.034x off the list at
 # 2-6 tokens). Above it GEMM1's CTAs retire over many microseconds and the early copies compete with them for DRAM

@@ -29,7 +29,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check
 kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_wide_from_193", "candidate_combine_loads_first")
+SOLUTIONS = ("kernel", "candidate_wide_from_193")
 
 
 @functools.cache
@@ -92,6 +92,14 @@ def test_gemm2_weights_before_its_wait_up_to_the_threshold_only():
         assert kernel.variant_for(num_tokens) is kernel.TINY_T
     for variant in kernel.VARIANTS[1:]:
         assert not variant.gemm2_weights_before_wait
+
+
+def test_the_combine_loads_first_up_to_few_tokens_max_only():
+    # Above FEW_TOKENS_MAX its registers cost occupancy where the combine's grid is large (v2.24, v2.25).
+    for num_tokens in (1, kernel.EARLY_W2_MAX_TOKENS + 1, 33, kernel.FEW_TOKENS_MAX):
+        assert kernel.variant_for(num_tokens).combine_loads_first
+    for num_tokens in (kernel.FEW_TOKENS_MAX + 1, kernel.MEDIUM_T_MAX_TOKENS + 1, kernel.MAX_TOKENS):
+        assert not kernel.variant_for(num_tokens).combine_loads_first
 
 
 def test_gemm2_weights_before_its_wait_are_refused_where_nothing_completes_the_routed_count():

@@ -114,6 +114,7 @@ class StreamingVariant:
     routing_in_gemm1: bool = False  # no routing kernel: GEMM1's cooperative grid routes first (v2.16)
     gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.21)
     combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (v2.25)
+    routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (candidate v2.26)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -124,6 +125,8 @@ class StreamingVariant:
         if self.gemm2_weights_before_wait and (self.wgmma_gemm2 or not self.routing_in_gemm1):
             # It waits on the kept count of routed tokens that only a routing GEMM1 completes.
             raise ValueError("gemm2_weights_before_wait needs the mma.sync GEMM2 and routing_in_gemm1")
+        if self.routing_per_cta and (self.wgmma_gemm1 or not self.routing_in_gemm1):
+            raise ValueError("routing_per_cta needs the mma.sync GEMM1 and routing_in_gemm1")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -133,7 +136,9 @@ class StreamingVariant:
                 permuted_c=self.wgmma_gemm2,
                 scratch_in_stage=self.gemm1_scratch_in_stage,
             )
-        return StreamingGemmConfig(gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages)
+        return StreamingGemmConfig(
+            gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages, routing_per_cta=self.routing_per_cta
+        )
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:
         config = self.gemm1()

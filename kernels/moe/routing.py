@@ -78,6 +78,30 @@ def route_token(
     biased score as an ordered key, then the lowest expert holding it): a dependent chain ~170 shuffles shorter
     than v2.6's, which held one expert of each group per lane (v2.15, promoted with v2.16 as the only routing;
     the same choices, slots and weights, bit for bit). Ties: the lower group, the lower expert."""
+    my_expert, weight = choose_experts(routing_logits, routing_bias, routed_scaling_factor, token, lane)
+    if lane < TOP_K:
+        local = my_expert - local_expert_offset
+        if local >= 0 and local < NUM_LOCAL_EXPERTS:
+            rank = cute.arch.atomic_add((counts.iterator + local).llvm_ptr, cutlass.Int32(1))
+            expert_tokens[local, rank] = token
+            slot_expert[token, lane] = local
+            slot_rank[token, lane] = rank
+            slot_weight[token, lane] = weight
+        else:
+            slot_expert[token, lane] = cutlass.Int32(-1)
+            slot_rank[token, lane] = cutlass.Int32(0)
+            slot_weight[token, lane] = cutlass.Float32(0.0)
+
+
+@cute.jit
+def choose_experts(
+    routing_logits: cute.Tensor,
+    routing_bias: cute.Tensor,
+    routed_scaling_factor: cutlass.Float32,
+    token: cutlass.Int32,
+    lane: cutlass.Int32,
+):
+    """`route_token`'s choice for one token by one warp: (the k-th chosen global expert, its weight) in lane k < 8."""
     neg_inf = -cutlass.Float32.inf
     first = lane * EXPERTS_PER_LANE
     score = cute.make_rmem_tensor((EXPERTS_PER_LANE,), cutlass.Float32)
@@ -135,23 +159,18 @@ def route_token(
     for shift in cutlass.range_constexpr(3):  # lanes 0..7 form one butterfly group
         total = total + cute.arch.shuffle_sync_bfly(total, offset=4 >> shift)
     weight = my_score / (total + cutlass.Float32(NORMALISATION_EPS)) * routed_scaling_factor
-    if lane < TOP_K:
-        local = my_expert - local_expert_offset
-        if local >= 0 and local < NUM_LOCAL_EXPERTS:
-            rank = cute.arch.atomic_add((counts.iterator + local).llvm_ptr, cutlass.Int32(1))
-            expert_tokens[local, rank] = token
-            slot_expert[token, lane] = local
-            slot_rank[token, lane] = rank
-            slot_weight[token, lane] = weight
-        else:
-            slot_expert[token, lane] = cutlass.Int32(-1)
-            slot_rank[token, lane] = cutlass.Int32(0)
-            slot_weight[token, lane] = cutlass.Float32(0.0)
+    return my_expert, weight
 
 
 @cute.jit
 def route_then_meet(
-    routing, counts: cute.Tensor, expert_tokens: cute.Tensor, cta: cutlass.Int32, grid: cutlass.Int32, tidx: cutlass.Int32
+    routing,
+    counts: cute.Tensor,
+    expert_tokens: cute.Tensor,
+    cta: cutlass.Int32,
+    grid: cutlass.Int32,
+    tidx: cutlass.Int32,
+    choices=None,
 ):
     """The routing inside GEMM1, the first kernel of a call up to 1024 tokens (v2.16): warp w of CTA c routes
     tokens 4 c + w, + 4 grid, ... (`route_token`), then the CTAs meet: each adds its number of routed tokens to
@@ -160,7 +179,23 @@ def route_then_meet(
     The launch must be cooperative (every CTA resident, or the wait never ends); `routing` is (routing_logits,
     routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank, slot_weight, routed) and the
     call's last kernel zeroes `routed` again (`combine.release_counters`). The barrier is cooperative groups' grid
-    sync: a CTA barrier, then thread 0 fences, adds, polls and fences again, then a CTA barrier."""
+    sync: a CTA barrier, then thread 0 fences, adds, polls and fences again, then a CTA barrier.
+    `choices` (candidate v2.26; ROUTING_WARPS x TOP_K words of shared memory): up to ROUTING_WARPS tokens every CTA
+    routes them all instead (`route_in_every_cta`) and meets no other."""
+    if cutlass.const_expr(choices is not None):
+        if routing[0].shape[0] <= ROUTING_WARPS:
+            route_in_every_cta(routing, counts, expert_tokens, choices, cta, tidx)
+        else:
+            _route_share_and_meet(routing, counts, expert_tokens, cta, grid, tidx)
+    else:
+        _route_share_and_meet(routing, counts, expert_tokens, cta, grid, tidx)
+
+
+@cute.jit
+def _route_share_and_meet(
+    routing, counts: cute.Tensor, expert_tokens: cute.Tensor, cta: cutlass.Int32, grid: cutlass.Int32, tidx: cutlass.Int32
+):
+    """`route_then_meet`'s grid-shared routing and meeting."""
     (
         routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank,
         slot_weight, routed,
@@ -182,6 +217,61 @@ def route_then_meet(
             cute.arch.atomic_add(routed.iterator.llvm_ptr, mine, scope="gpu")
         wait_until_routed(routed, num_tokens)
     cute.arch.sync_threads()
+
+
+@cute.jit
+def route_in_every_cta(
+    routing, counts: cute.Tensor, expert_tokens: cute.Tensor, choices: cute.Tensor, cta: cutlass.Int32, tidx: cutlass.Int32
+):
+    """Up to ROUTING_WARPS tokens (candidate v2.26): the CTA routes every token itself, warp w token w
+    (`choose_experts`), keeps the chosen local experts in `choices` (shared memory, token-major) and takes each rank
+    as the number of earlier tokens that chose the same expert (a token chooses an expert once). Every CTA computes the
+    same counts, lists and slots and writes them (identical values), so none waits for another; its own schedule reads
+    its own writes after the CTA barrier. CTA 0 then adds T to the kept routed count for a GEMM2 that reads the
+    schedule before its programmatic wait (`wait_until_routed`); the call's last kernel zeroes it and the counts."""
+    (
+        routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank,
+        slot_weight, routed,
+    ) = routing  # fmt: skip
+    num_tokens = routing_logits.shape[0]
+    token = tidx // 32
+    lane = tidx % 32
+    local = cutlass.Int32(-1)
+    weight = cutlass.Float32(0.0)
+    if token < num_tokens:
+        my_expert, my_weight = choose_experts(routing_logits, routing_bias, routed_scaling_factor, token, lane)
+        weight = my_weight
+        if lane < TOP_K:
+            local = my_expert - local_expert_offset
+            if local < 0 or local >= NUM_LOCAL_EXPERTS:
+                local = cutlass.Int32(-1)
+            choices[token * TOP_K + lane] = local
+    cute.arch.sync_threads()
+    if token < num_tokens and lane < TOP_K:
+        if local >= 0:
+            rank = cutlass.Int32(0)
+            for earlier in cutlass.range(token * TOP_K, unroll=1):
+                if choices[earlier] == local:
+                    rank = rank + 1
+            expert_tokens[local, rank] = token
+            slot_expert[token, lane] = local
+            slot_rank[token, lane] = rank
+            slot_weight[token, lane] = weight
+        else:
+            slot_expert[token, lane] = cutlass.Int32(-1)
+            slot_rank[token, lane] = cutlass.Int32(0)
+            slot_weight[token, lane] = cutlass.Float32(0.0)
+    if tidx < NUM_LOCAL_EXPERTS:
+        count = cutlass.Int32(0)
+        for slot in cutlass.range(num_tokens * TOP_K, unroll=1):
+            if choices[slot] == tidx:
+                count = count + 1
+        counts[tidx] = count
+    cute.arch.sync_threads()
+    if cta == 0 and tidx == 0:
+        # Release: the CTA's writes (ordered before this thread's by the barrier) before the count GEMM2 polls.
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.atomic_add(routed.iterator.llvm_ptr, num_tokens, scope="gpu")
 
 
 @cute.jit

@@ -44,8 +44,8 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .chain import NO_CHAIN, ChainLink, enter
-from .routing import route_then_meet, wait_until_routed
-from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
+from .routing import ROUTING_WARPS, route_then_meet, wait_until_routed
+from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS, TOP_K
 from .swiglu import swiglu_bf16
 
 NUM_THREADS = 128  # 4 warps, one per K block of a stage
@@ -217,6 +217,8 @@ class PersistentGemmConfig:
     # A GEMM2 that issues its first weights before its programmatic wait takes the kept routed count (only the
     # `mma.sync` one can: `StreamingGemmConfig`'s weights_before_wait, v2.21).
     weights_before_wait: bool = False
+    # A GEMM1 whose every CTA routes up to ROUTING_WARPS tokens itself (candidate v2.26; the `mma.sync` one only).
+    routing_per_cta: bool = False
 
     def fields(self) -> dict:
         raise NotImplementedError
@@ -244,10 +246,19 @@ class PersistentGemmConfig:
 class StreamingGemmConfig(PersistentGemmConfig):
     """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
 
-    def __init__(self, gemm1: bool, block_tokens: int, num_stages: int, weights_before_wait: bool = False):
+    def __init__(
+        self,
+        gemm1: bool,
+        block_tokens: int,
+        num_stages: int,
+        weights_before_wait: bool = False,
+        routing_per_cta: bool = False,
+    ):
         """`weights_before_wait` (v2.20, GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
         schedule once the kept count of routed tokens is complete and issues its first stages' weights before
-        `griddepcontrol.wait`; only the activations (GEMM1's output) wait for GEMM1 to complete."""
+        `griddepcontrol.wait`; only the activations (GEMM1's output) wait for GEMM1 to complete.
+        `routing_per_cta` (candidate v2.26, GEMM1 that routes): up to ROUTING_WARPS tokens every CTA routes them all
+        (`routing.route_in_every_cta`) in a few words of shared memory of its own."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -258,6 +269,9 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if weights_before_wait and gemm1:
             raise StreamingConfigError("weights_before_wait is GEMM2's (GEMM1 is the call's first kernel)")
         self.weights_before_wait = weights_before_wait
+        if routing_per_cta and not gemm1:
+            raise StreamingConfigError("routing_per_cta is GEMM1's (the call's first kernel routes)")
+        self.routing_per_cta = routing_per_cta
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -284,6 +298,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
             "x_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE * bt, 128),
             "w_scales": smem_region(Float32, ns * M_TILES * BLOCKS_PER_STAGE, 128),
             "scratch": smem_region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
+            **({"routing_choices": smem_region(Int32, ROUTING_WARPS * TOP_K, 16)} if self.routing_per_cta else {}),
         }
 
 
@@ -563,7 +578,10 @@ class StreamingGemm(LinkedGemm):
         w_scales = storage.w_scales.get_tensor(w_scale_layout)
         scratch = storage.scratch.get_tensor(scratch_layout)
         if cutlass.const_expr(routing is not None):
-            route_then_meet(routing, counts, expert_tokens, cta, grid, tidx)
+            choices = None
+            if cutlass.const_expr(cfg.routing_per_cta):
+                choices = storage.routing_choices.get_tensor(cute.make_layout(ROUTING_WARPS * TOP_K))
+            route_then_meet(routing, counts, expert_tokens, cta, grid, tidx, choices)
         if cutlass.const_expr(cfg.weights_before_wait):
             # The counts are final once every routing CTA has added its tokens (before GEMM1 completes).
             if tidx == 0:

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_routing_per_cta",
-            entry="candidate_routing_per_cta.py::run",
-            description="v2.26: kernel.py with every GEMM1 CTA routing the tokens itself up to 4 tokens (no grid meeting)",
-        ),
     ),
 )
 

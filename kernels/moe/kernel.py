@@ -1,6 +1,6 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.9 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v2.10 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
@@ -19,7 +19,8 @@ cooperative grid routing the tokens itself (v2.7, candidate v2.16: 1.038x on the
 1.022x on the 17 up to 1024); in session 22 GEMM2's first weights issued before its programmatic wait up to
 EARLY_W2_MAX_TOKENS (v2.21: 1.037x at 1 token) and no release kernel, the combine zeroing the kept counters (v2.22:
 1.006x over the 19, 90 of 95 trials faster); in session 23 the combine's loads issued before their first use up to
-FEW_TOKENS_MAX (v2.25: 1.007x on those 16 workloads, 79 of 80 trials faster; NOTES.md). Destination passing,
+FEW_TOKENS_MAX (v2.25: 1.007x on those 16 workloads, 79 of 80 trials faster) and up to 4 tokens every GEMM1 CTA
+routing the tokens itself, no grid meeting (v2.26: 1.040x at 1 token; NOTES.md). Destination passing,
 definition order, no host sync, no data-dependent host logic, graph-safe.
 
 Every call is the kernels of `host.py` in one TVM-FFI call, chained by programmatic dependent launches, on
@@ -114,7 +115,7 @@ class StreamingVariant:
     routing_in_gemm1: bool = False  # no routing kernel: GEMM1's cooperative grid routes first (v2.16)
     gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.21)
     combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (v2.25)
-    routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (candidate v2.26)
+    routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -176,7 +177,10 @@ TINY_T = StreamingVariant(
 # weights before its programmatic wait (v2.21: 1.037x at 1 token, all five trials faster; 1.007-1.034x off the list at
 # 2-6 tokens). Above it GEMM1's CTAs retire over many microseconds and the early copies compete with them for DRAM
 # (v2.20: ~1.00x at 7-16 tokens, 0.983x at 32).
-TINY_T_EARLY_W2 = dataclasses.replace(TINY_T, gemm2_weights_before_wait=True)
+# Up to 4 tokens (one per warp) every GEMM1 CTA routes them all and ranks them in token order instead of meeting the
+# grid on CTA 0's routing (v2.26: 1 token 1.040x, 5 of 5 trials; off the list 2-4 tokens 1.001-1.040x, 5-6 tokens,
+# where the same kernel meets, 0.997-0.998x).
+TINY_T_EARLY_W2 = dataclasses.replace(TINY_T, gemm2_weights_before_wait=True, routing_per_cta=True)
 # From 33 tokens both GEMMs are on WGMMA (v2.0, v2.1: 1.02x over the `mma.sync` GEMM2 at 52-62).
 FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True)
 # Above 192 tokens GEMM2 converts each W2 once per 32-token tile into WGMMA's registers (v2.1: 1.22x

@@ -1,7 +1,8 @@
 """The MoE's counters and routing: zero the per-expert counters of a new kept buffer (`ZeroCountsKernel`; a call's
 last kernel, the combine, zeroes them again, so that no call starts with a zeroing launch); DeepSeek-V3 no-aux
 routing, one warp per token (`route_token`), either as a grid of its own (`RoutingKernel`, above 1024 tokens) or
-inside GEMM1's cooperative grid (`route_then_meet`, v2.16)."""
+inside GEMM1's cooperative grid (`route_then_meet`, v2.16; up to 4 tokens with `kernel.py`'s early-W2 variant every
+CTA routes them all, `route_in_every_cta`, v2.26)."""
 
 from __future__ import annotations
 
@@ -180,8 +181,8 @@ def route_then_meet(
     routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank, slot_weight, routed) and the
     call's last kernel zeroes `routed` again (`combine.release_counters`). The barrier is cooperative groups' grid
     sync: a CTA barrier, then thread 0 fences, adds, polls and fences again, then a CTA barrier.
-    `choices` (candidate v2.26; ROUTING_WARPS x TOP_K words of shared memory): up to ROUTING_WARPS tokens every CTA
-    routes them all instead (`route_in_every_cta`) and meets no other."""
+    `choices` (v2.26; ROUTING_WARPS x TOP_K words of shared memory): up to ROUTING_WARPS tokens every CTA routes
+    them all instead (`route_in_every_cta`) and meets no other."""
     if cutlass.const_expr(choices is not None):
         if routing[0].shape[0] <= ROUTING_WARPS:
             route_in_every_cta(routing, counts, expert_tokens, choices, cta, tidx)
@@ -223,7 +224,7 @@ def _route_share_and_meet(
 def route_in_every_cta(
     routing, counts: cute.Tensor, expert_tokens: cute.Tensor, choices: cute.Tensor, cta: cutlass.Int32, tidx: cutlass.Int32
 ):
-    """Up to ROUTING_WARPS tokens (candidate v2.26): the CTA routes every token itself, warp w token w
+    """Up to ROUTING_WARPS tokens (v2.26): the CTA routes every token itself, warp w token w
     (`choose_experts`), keeps the chosen local experts in `choices` (shared memory, token-major) and takes each rank
     as the number of earlier tokens that chose the same expert (a token chooses an expert once). Every CTA computes the
     same counts, lists and slots and writes them (identical values), so none waits for another; its own schedule reads

@@ -217,7 +217,7 @@ class PersistentGemmConfig:
     # A GEMM2 that issues its first weights before its programmatic wait takes the kept routed count (only the
     # `mma.sync` one can: `StreamingGemmConfig`'s weights_before_wait, v2.21).
     weights_before_wait: bool = False
-    # A GEMM1 whose every CTA routes up to ROUTING_WARPS tokens itself (candidate v2.26; the `mma.sync` one only).
+    # A GEMM1 whose every CTA routes up to ROUTING_WARPS tokens itself (v2.26; the `mma.sync` one only).
     routing_per_cta: bool = False
 
     def fields(self) -> dict:
@@ -257,7 +257,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
         """`weights_before_wait` (v2.20, GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
         schedule once the kept count of routed tokens is complete and issues its first stages' weights before
         `griddepcontrol.wait`; only the activations (GEMM1's output) wait for GEMM1 to complete.
-        `routing_per_cta` (candidate v2.26, GEMM1 that routes): up to ROUTING_WARPS tokens every CTA routes them all
+        `routing_per_cta` (v2.26, GEMM1 that routes): up to ROUTING_WARPS tokens every CTA routes them all
         (`routing.route_in_every_cta`) in a few words of shared memory of its own."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")

@@ -29,7 +29,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check
 kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_wide_from_193", "candidate_routing_per_cta")
+SOLUTIONS = ("kernel", "candidate_wide_from_193")
 
 
 @functools.cache
@@ -87,11 +87,30 @@ def test_gemm2_weights_before_its_wait_up_to_the_threshold_only():
         chosen = kernel.variant_for(num_tokens)
         assert chosen is kernel.TINY_T_EARLY_W2 and chosen.gemm2().weights_before_wait
         assert not chosen.gemm1().weights_before_wait
-        assert dataclasses.replace(chosen, gemm2_weights_before_wait=False) == kernel.TINY_T
+        assert dataclasses.replace(chosen, gemm2_weights_before_wait=False, routing_per_cta=False) == kernel.TINY_T
     for num_tokens in (kernel.EARLY_W2_MAX_TOKENS + 1, 16, kernel.WGMMA_GEMM1_MIN_TOKENS - 1):
         assert kernel.variant_for(num_tokens) is kernel.TINY_T
     for variant in kernel.VARIANTS[1:]:
         assert not variant.gemm2_weights_before_wait
+
+
+def test_every_gemm1_cta_routes_up_to_four_tokens_itself_in_the_early_w2_variant_only():
+    # One token per warp of GEMM1's CTA (v2.26); at 5-6 tokens the same kernel meets the grid as TINY_T's does.
+    routing = solution_module("routing")
+    assert routing.ROUTING_WARPS == 4 < kernel.EARLY_W2_MAX_TOKENS
+    assert kernel.TINY_T_EARLY_W2.routing_per_cta and kernel.TINY_T_EARLY_W2.gemm1().routing_per_cta
+    for variant in kernel.VARIANTS[1:]:
+        assert not variant.routing_per_cta
+
+
+def test_the_routing_in_every_cta_needs_a_routing_mma_sync_gemm1():
+    streaming = solution_module("streaming_gemm")
+    with pytest.raises(ValueError, match="routing_per_cta"):
+        dataclasses.replace(kernel.TINY_T, routing_in_gemm1=False, routing_per_cta=True)
+    with pytest.raises(ValueError, match="routing_per_cta"):
+        dataclasses.replace(kernel.FEW_TOKENS, routing_per_cta=True)
+    with pytest.raises(streaming.StreamingConfigError, match="routing_per_cta"):
+        streaming.StreamingGemmConfig(gemm1=False, block_tokens=8, num_stages=4, routing_per_cta=True)
 
 
 def test_the_combine_loads_first_up_to_few_tokens_max_only():
@@ -369,7 +388,8 @@ def _tied(inputs: dict, case, seed: int) -> dict:
 @pytest.mark.parametrize(
     "case",
     [
-        cases.CheckCase("in_gemm1_t1", 1, 0),
+        cases.CheckCase("in_gemm1_t1", 1, 0),  # routed in every CTA (v2.26)
+        cases.CheckCase("in_gemm1_t4_all_local", 4, 224, "all_local"),  # likewise, one token per warp
         cases.CheckCase("in_gemm1_t16_one_expert", 16, 96, "one_expert"),
         cases.CheckCase("in_gemm1_t61_no_local", 61, 32, "no_local"),
         cases.CheckCase("in_gemm1_t193", 193, 160),
@@ -381,14 +401,18 @@ def test_routing_in_gemm1_equals_the_routing_grid_bit_for_bit(case, tied):
     # The same `route_token` in GEMM1's cooperative grid (then the CTAs meet) and in a grid of its own (then the
     # launch boundary): the same workspaces and output; a CTA that read the counts or lists before every token
     # was routed would break them. Three calls, so that the kept meeting count must come back to zero.
+    routing = solution_module("routing")
     inputs = cases.make_inputs(case, "cuda", seed=29)
     if tied:
         inputs = _tied(inputs, case, seed=case.num_tokens)
 
     def routing_grid(num_tokens: int):
-        # GEMM2's early weights wait on the routed count that only a routing GEMM1 completes: off with the grid.
+        # GEMM2's early weights wait on the routed count that only a routing GEMM1 completes, and only a routing
+        # GEMM1 routes in every CTA: both off with the grid.
         variant = kernel.variant_for(num_tokens)
-        return dataclasses.replace(variant, routing_in_gemm1=False, gemm2_weights_before_wait=False)
+        return dataclasses.replace(
+            variant, routing_in_gemm1=False, gemm2_weights_before_wait=False, routing_per_cta=False
+        )
 
     results = []
     for choose in (routing_grid, kernel.variant_for, kernel.variant_for):
@@ -402,9 +426,10 @@ def test_routing_in_gemm1_equals_the_routing_grid_bit_for_bit(case, tied):
         assert torch.equal(ours.slot_expert, grid.slot_expert)
         assert torch.equal(ours.slot_weight, grid.slot_weight)
         for expert, count in enumerate(ours.counts.tolist()):  # ranks come from atomics: compare the sets
-            assert torch.equal(
-                ours.expert_tokens[expert, :count].sort().values, grid.expert_tokens[expert, :count].sort().values
-            )
+            listed = ours.expert_tokens[expert, :count]
+            assert torch.equal(listed.sort().values, grid.expert_tokens[expert, :count].sort().values)
+            if case.num_tokens <= routing.ROUTING_WARPS:  # routed in every CTA: ranked in token order (v2.26)
+                assert listed.tolist() == sorted(listed.tolist())
         tokens = torch.arange(case.num_tokens, device="cuda")[:, None].expand_as(ours.slot_expert)
         local = ours.slot_expert >= 0
         assert torch.equal(ours.expert_tokens[ours.slot_expert[local], ours.slot_rank[local]], tokens[local].int())

@@ -84,14 +84,27 @@ def route_token(
         local = my_expert - local_expert_offset
         if local >= 0 and local < NUM_LOCAL_EXPERTS:
             rank = cute.arch.atomic_add((counts.iterator + local).llvm_ptr, cutlass.Int32(1))
-            expert_tokens[local, rank] = token
-            slot_expert[token, lane] = local
-            slot_rank[token, lane] = rank
-            slot_weight[token, lane] = weight
+            _record_local(expert_tokens, slot_expert, slot_rank, slot_weight, token, lane, local, rank, weight)
         else:
-            slot_expert[token, lane] = cutlass.Int32(-1)
-            slot_rank[token, lane] = cutlass.Int32(0)
-            slot_weight[token, lane] = cutlass.Float32(0.0)
+            _record_not_local(slot_expert, slot_rank, slot_weight, token, lane)
+
+
+@cute.jit
+def _record_local(expert_tokens, slot_expert, slot_rank, slot_weight, token, lane, local, rank, weight):
+    """Slot `lane` of `token` holds local expert `local`, its rank among that expert's tokens and its weight; the
+    expert's packed list holds the token at that rank."""
+    expert_tokens[local, rank] = token
+    slot_expert[token, lane] = local
+    slot_rank[token, lane] = rank
+    slot_weight[token, lane] = weight
+
+
+@cute.jit
+def _record_not_local(slot_expert, slot_rank, slot_weight, token, lane):
+    """Slot `lane` of `token` chose an expert of another rank: -1, rank 0, weight 0 (the combine skips it)."""
+    slot_expert[token, lane] = cutlass.Int32(-1)
+    slot_rank[token, lane] = cutlass.Int32(0)
+    slot_weight[token, lane] = cutlass.Float32(0.0)
 
 
 @cute.jit
@@ -254,14 +267,9 @@ def route_in_every_cta(
             for earlier in cutlass.range(token * TOP_K, unroll=1):
                 if choices[earlier] == local:
                     rank = rank + 1
-            expert_tokens[local, rank] = token
-            slot_expert[token, lane] = local
-            slot_rank[token, lane] = rank
-            slot_weight[token, lane] = weight
+            _record_local(expert_tokens, slot_expert, slot_rank, slot_weight, token, lane, local, rank, weight)
         else:
-            slot_expert[token, lane] = cutlass.Int32(-1)
-            slot_rank[token, lane] = cutlass.Int32(0)
-            slot_weight[token, lane] = cutlass.Float32(0.0)
+            _record_not_local(slot_expert, slot_rank, slot_weight, token, lane)
     if tidx < NUM_LOCAL_EXPERTS:
         count = cutlass.Int32(0)
         for slot in cutlass.range(num_tokens * TOP_K, unroll=1):

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_combine_in_gemm2",
-            entry="candidate_combine_in_gemm2.py::run",
-            description="v2.27: kernel.py with GEMM2 combining the output below 33 tokens (the last item of each 32-column block sums it; no combine kernel)",
-        ),
     ),
 )
 

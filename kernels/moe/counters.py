@@ -29,14 +29,13 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .chain import NO_CHAIN
-from .combine import COMBINE_WORDS
 from .routing import ZeroCountsKernel
 from .shapes import NUM_LOCAL_EXPERTS
 
-__all__ = ["kept_combine", "kept_counts", "kept_routed"]
+__all__ = ["kept_counts", "kept_routed"]
 
 _KEPT: dict[tuple[int, int, str], torch.Tensor] = {}
-_ZERO: dict[tuple[str, int], Callable] = {}
+_ZERO: dict[str, Callable] = {}
 
 
 class _ZeroCounts:
@@ -47,20 +46,19 @@ class _ZeroCounts:
         ZeroCountsKernel(NO_CHAIN).launch(counts, stream)
 
 
-def compiled_zero(arch: str, words: int = NUM_LOCAL_EXPERTS) -> Callable:
-    """The zeroing launch of a buffer of `words` int32 for `arch` (compiled once; needs no GPU)."""
-    fn = _ZERO.get((arch, words))
+def compiled_zero(arch: str) -> Callable:
+    """The zeroing launch for `arch` (compiled once; needs no GPU)."""
+    fn = _ZERO.get(arch)
     if fn is None:
-        counts = make_fake_compact_tensor(cutlass.Int32, (words,), assumed_align=16)
+        counts = make_fake_compact_tensor(cutlass.Int32, (NUM_LOCAL_EXPERTS,), assumed_align=16)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        fn = cute.compile(_ZeroCounts(), counts, stream, options=f"--enable-tvm-ffi --gpu-arch {arch}")
-        _ZERO[(arch, words)] = fn
+        fn = _ZERO[arch] = cute.compile(_ZeroCounts(), counts, stream, options=f"--enable-tvm-ffi --gpu-arch {arch}")
     return fn
 
 
-def _zeroed(device: torch.device, arch: str, words: int) -> torch.Tensor:
-    counts = torch.empty(words, dtype=torch.int32, device=device)
-    compiled_zero(arch, words)(counts)  # on the current stream, before the call that uses it
+def _zeroed(device: torch.device, arch: str) -> torch.Tensor:
+    counts = torch.empty(NUM_LOCAL_EXPERTS, dtype=torch.int32, device=device)
+    compiled_zero(arch)(counts)  # on the current stream, before the call that uses it
     return counts
 
 
@@ -75,18 +73,12 @@ def kept_routed(device: torch.device, arch: str) -> torch.Tensor:
     return _kept(device, arch, "routed")
 
 
-def kept_combine(device: torch.device, arch: str) -> torch.Tensor:
-    """The zeroed arrival and exit counts of the combine inside GEMM2 (candidate v2.27, COMBINE_WORDS); each
-    block's last arrival and GEMM2's last exit zero theirs again, so the buffer is kept like the counts."""
-    return _kept(device, arch, "combine", COMBINE_WORDS)
-
-
-def _kept(device: torch.device, arch: str, purpose: str, words: int = NUM_LOCAL_EXPERTS) -> torch.Tensor:
+def _kept(device: torch.device, arch: str, purpose: str) -> torch.Tensor:
     if torch.cuda.is_current_stream_capturing():
-        return _zeroed(device, arch, words)
+        return _zeroed(device, arch)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch.cuda.current_stream(index).cuda_stream, purpose)
     buffer = _KEPT.get(key)
     if buffer is None:
-        buffer = _KEPT[key] = _zeroed(device, arch, words)
+        buffer = _KEPT[key] = _zeroed(device, arch)
     return buffer

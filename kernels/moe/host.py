@@ -26,7 +26,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .chain import ChainLink, chain_links
-from .combine import COMBINE_WORDS, CombineKernel
+from .combine import CombineKernel
 from .routing import RoutingKernel
 from .shapes import (
     BLOCK,
@@ -56,31 +56,22 @@ class MoeHostSm90:
     a tiny zeroing launch and its host gap (sessions 8 and 9)."""
 
     def __init__(
-        self,
-        gemm1: ExpertGemm,
-        gemm2: ExpertGemm,
-        routing_in_gemm1: bool = False,
-        combine_loads_first: bool = False,
-        combine_in_gemm2: bool = False,
+        self, gemm1: ExpertGemm, gemm2: ExpertGemm, routing_in_gemm1: bool = False, combine_loads_first: bool = False
     ):
         """`routing_in_gemm1` (v2.16, `kernel.py` up to 1024 tokens): no routing kernel; GEMM1's cooperative grid
         routes the tokens first (`routing.route_then_meet`), so the call is three launches and GEMM1 the first.
-        The combine is the last (v2.22); `combine_loads_first`: its loads before their first use (v2.25).
-        `combine_in_gemm2` (candidate v2.27, with `routing_in_gemm1` and a GEMM2 configured for it): no combine
-        kernel; GEMM2 combines and zeroes the kept counters, so the call is two launches."""
+        The combine is always the last (v2.22); `combine_loads_first`: its loads before their first use (v2.25)."""
         if not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
             raise TypeError("the MoE host chains its launches: the expert GEMMs need with_link")
-        if combine_in_gemm2 and not (routing_in_gemm1 and gemm2.cfg.combine_in_gemm2):
-            raise ValueError("combine_in_gemm2 needs routing_in_gemm1 and a GEMM2 configured to combine")
         self.routing_in_gemm1 = routing_in_gemm1
-        self.combine_in_gemm2 = combine_in_gemm2
-        links = list(chain_links(2 + (not combine_in_gemm2) + (not routing_in_gemm1)))
-        if not routing_in_gemm1:
-            self.routing = RoutingKernel(links.pop(0))
-        self.gemm1 = gemm1.with_link(links.pop(0))
-        self.gemm2 = gemm2.with_link(links.pop(0))
-        if not combine_in_gemm2:
-            self.combine = CombineKernel(links.pop(0), loads_first=combine_loads_first)
+        if routing_in_gemm1:
+            gemm1_link, gemm2_link, combine_link = chain_links(3)
+        else:
+            routing_link, gemm1_link, gemm2_link, combine_link = chain_links(4)
+            self.routing = RoutingKernel(routing_link)
+        self.gemm1 = gemm1.with_link(gemm1_link)
+        self.gemm2 = gemm2.with_link(gemm2_link)
+        self.combine = CombineKernel(combine_link, loads_first=combine_loads_first)
 
     @cute.jit
     def __call__(
@@ -108,7 +99,6 @@ class MoeHostSm90:
         gemm2_grid: cutlass.Int32,
         stream,
         routed=None,  # with routing_in_gemm1: the kept count of routed tokens (`counters.kept_routed`)
-        kept_combine=None,  # with combine_in_gemm2: its arrival and exit counts (`counters.kept_combine`)
     ):
         # What either routing reads and writes besides the counters: `RoutingKernel`'s grid, or GEMM1's
         # (`routing.route_then_meet`, with the kept count of routed tokens appended).
@@ -145,16 +135,10 @@ class MoeHostSm90:
             gemm2_grid,
             stream,
             **({"routed": routed} if self.gemm2.cfg.weights_before_wait else {}),
-            **(
-                {"combine": (slot_expert, slot_rank, slot_weight, output, kept_combine, routed)}
-                if self.combine_in_gemm2
-                else {}
-            ),
         )
-        if cutlass.const_expr(not self.combine_in_gemm2):
-            self.combine.launch(
-                counts_out, slot_expert, slot_rank, slot_weight, expert_out, output, stream, (counts, routed)
-            )
+        self.combine.launch(
+            counts_out, slot_expert, slot_rank, slot_weight, expert_out, output, stream, (counts, routed)
+        )
 
 
 @dataclass(frozen=True)
@@ -222,8 +206,6 @@ def compile_host(host: MoeHostSm90, arch: str) -> Callable:
     args = (*fake_tensor_arguments(), 0, 0, make_fake_stream(use_tvm_ffi_env_stream=True))
     if host.routing_in_gemm1:
         args = (*args, make_fake_compact_tensor(cutlass.Int32, (NUM_LOCAL_EXPERTS,), assumed_align=16))
-    if host.combine_in_gemm2:
-        args = (*args, make_fake_compact_tensor(cutlass.Int32, (COMBINE_WORDS,), assumed_align=16))
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
@@ -236,13 +218,11 @@ def launch(
     gemm2_grid: int,
     kept_counts: torch.Tensor,
     kept_routed: torch.Tensor | None = None,
-    kept_combine: torch.Tensor | None = None,
 ) -> None:
     """One call of a compiled host function: the definition's ten inputs (in order), the output,
     the workspaces and the two grid parameters. It counts in `kept_counts` (zero on entry, left at
     zero; `counters.kept_counts`) and copies the call's counts into `workspaces.counts`; a host that routes
-    in GEMM1 also counts the routed tokens in `kept_routed` (`counters.kept_routed`, likewise), and one that
-    combines in GEMM2 its arrivals and exits in `kept_combine` (`counters.kept_combine`, likewise)."""
+    in GEMM1 also counts the routed tokens in `kept_routed` (`counters.kept_routed`, likewise)."""
     *tensors, local_expert_offset, routed_scaling_factor = inputs
     compiled(
         *tensors,
@@ -260,5 +240,4 @@ def launch(
         gemm1_grid,
         gemm2_grid,
         *(() if kept_routed is None else (kept_routed,)),
-        *(() if kept_combine is None else (kept_combine,)),
     )

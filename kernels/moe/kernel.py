@@ -116,7 +116,6 @@ class StreamingVariant:
     gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.21)
     combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (v2.25)
     routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
-    combine_in_gemm2: bool = False  # GEMM2 combines the output, no combine kernel (candidate v2.27)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -129,9 +128,6 @@ class StreamingVariant:
             raise ValueError("gemm2_weights_before_wait needs the mma.sync GEMM2 and routing_in_gemm1")
         if self.routing_per_cta and (self.wgmma_gemm1 or not self.routing_in_gemm1):
             raise ValueError("routing_per_cta needs the mma.sync GEMM1 and routing_in_gemm1")
-        if self.combine_in_gemm2 and (self.wgmma_gemm2 or not self.routing_in_gemm1):
-            # Its last CTA zeroes the kept routed count, which only a routing GEMM1 keeps.
-            raise ValueError("combine_in_gemm2 needs the mma.sync GEMM2 and routing_in_gemm1")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -159,7 +155,6 @@ class StreamingVariant:
             block_tokens=block_tokens,
             num_stages=num_stages,
             weights_before_wait=self.gemm2_weights_before_wait,
-            combine_in_gemm2=self.combine_in_gemm2,
         )
 
     def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:
@@ -233,7 +228,6 @@ def _compile(arch: str, variant: StreamingVariant) -> Callable:
             variant.make_gemm2(),
             routing_in_gemm1=variant.routing_in_gemm1,
             combine_loads_first=variant.combine_loads_first,
-            combine_in_gemm2=variant.combine_in_gemm2,
         ),
         arch,
     )
@@ -350,10 +344,7 @@ def run_keeping_workspaces(
     gemm1_ctas, gemm2_ctas = _grids(variant, _num_sms(device))
     kept = counters.kept_counts(device, GPU_ARCH)
     kept_routed = counters.kept_routed(device, GPU_ARCH) if variant.routing_in_gemm1 else None
-    kept_combine = counters.kept_combine(device, GPU_ARCH) if variant.combine_in_gemm2 else None
-    host.launch(
-        compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas, kept, kept_routed, kept_combine
-    )
+    host.launch(compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas, kept, kept_routed)
     return workspaces
 
 

@@ -23,8 +23,7 @@ ROUTING_WARPS = 4  # tokens per CTA
 class ZeroCountsKernel(Linked):
     @cute.jit
     def launch(self, counts: cute.Tensor, stream):
-        # One thread per word of the buffer (a static shape: 32 counters, or a kept buffer of its own size).
-        self.kernel(counts).launch(grid=[1, 1, 1], block=[counts.shape[0], 1, 1], stream=stream, use_pdl=self.link.waits)
+        self.kernel(counts).launch(grid=[1, 1, 1], block=[NUM_LOCAL_EXPERTS, 1, 1], stream=stream, use_pdl=self.link.waits)
 
     @cute.kernel
     def kernel(self, counts: cute.Tensor):

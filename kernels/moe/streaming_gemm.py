@@ -44,7 +44,6 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .chain import NO_CHAIN, ChainLink, enter
-from .combine import COMBINE_BLOCK_COLUMNS, combine_block_if_last, release_if_last_exit, zero_output
 from .routing import ROUTING_WARPS, route_then_meet, wait_until_routed
 from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS, TOP_K
 from .swiglu import swiglu_bf16
@@ -67,7 +66,6 @@ SMEM_RESERVED_PER_CTA = 1024
 assert GEMM1_OUT == 2 * INTERMEDIATE and HIDDEN % STAGE_K == 0 and INTERMEDIATE % STAGE_K == 0
 assert BLOCK % ITEM_ROWS == 0  # an item's rows (per half for GEMM1) lie in one scale block
 assert BLOCK % GEMM1_ITEM_COLUMNS == 0
-assert ITEM_ROWS == COMBINE_BLOCK_COLUMNS  # a GEMM2 item's output columns are one block of the combine inside it
 
 
 class StreamingConfigError(ValueError):
@@ -221,8 +219,6 @@ class PersistentGemmConfig:
     weights_before_wait: bool = False
     # A GEMM1 whose every CTA routes up to ROUTING_WARPS tokens itself (v2.26; the `mma.sync` one only).
     routing_per_cta: bool = False
-    # A GEMM2 that also combines the output (candidate v2.27; the `mma.sync` one only).
-    combine_in_gemm2: bool = False
 
     def fields(self) -> dict:
         raise NotImplementedError
@@ -257,16 +253,12 @@ class StreamingGemmConfig(PersistentGemmConfig):
         num_stages: int,
         weights_before_wait: bool = False,
         routing_per_cta: bool = False,
-        combine_in_gemm2: bool = False,
     ):
         """`weights_before_wait` (v2.20, GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
         schedule once the kept count of routed tokens is complete and issues its first stages' weights before
         `griddepcontrol.wait`; only the activations (GEMM1's output) wait for GEMM1 to complete.
         `routing_per_cta` (v2.26, GEMM1 that routes): up to ROUTING_WARPS tokens every CTA routes them all
-        (`routing.route_in_every_cta`) in a few words of shared memory of its own.
-        `combine_in_gemm2` (candidate v2.27, GEMM2): the last item of each 32-column block of the output sums it for
-        every token (`combine.combine_block_if_last`) and the last CTA to exit zeroes the kept counters: no combine
-        kernel."""
+        (`routing.route_in_every_cta`) in a few words of shared memory of its own."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -280,9 +272,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if routing_per_cta and not gemm1:
             raise StreamingConfigError("routing_per_cta is GEMM1's (the call's first kernel routes)")
         self.routing_per_cta = routing_per_cta
-        if combine_in_gemm2 and gemm1:
-            raise StreamingConfigError("combine_in_gemm2 is GEMM2's (its output is the one combined)")
-        self.combine_in_gemm2 = combine_in_gemm2
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -310,7 +299,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
             "w_scales": smem_region(Float32, ns * M_TILES * BLOCKS_PER_STAGE, 128),
             "scratch": smem_region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
             **({"routing_choices": smem_region(Int32, ROUTING_WARPS * TOP_K, 16)} if self.routing_per_cta else {}),
-            **({"combine_flag": smem_region(Int32, 4, 16)} if self.combine_in_gemm2 else {}),
         }
 
 
@@ -513,13 +501,11 @@ class StreamingGemm(LinkedGemm):
         routing=None,
         routed=None,
         counts_out=None,
-        combine=None,
     ):
         """`routing`: None, or (GEMM1 up to 1024 tokens, v2.16) `routing.route_then_meet`'s tuple: the grid
         routes the tokens before its schedule. `routed` (GEMM2 with `weights_before_wait`): the kept count of routed
         tokens that GEMM1's grid completes (`counters.kept_routed`). `counts_out` (GEMM1, v2.22): where CTA 0 copies
-        the call's final counts (`schedule_tables`). `combine` (GEMM2 with `combine_in_gemm2`): the tuple of
-        `combine.combine_block_if_last`."""
+        the call's final counts (`schedule_tables`)."""
         cfg = self.cfg
         bt = cfg.block_tokens
         ns = cfg.num_stages
@@ -545,7 +531,7 @@ class StreamingGemm(LinkedGemm):
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens,
             w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage, routing, routed,
-            counts_out, combine,
+            counts_out,
         )  # fmt: skip
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None)
 
@@ -568,7 +554,6 @@ class StreamingGemm(LinkedGemm):
         routing,
         routed,
         counts_out,
-        combine,
     ):
         if cutlass.const_expr(self.cfg.weights_before_wait):
             enter(self.link, wait=False)  # `griddepcontrol.wait` once the first stages' weights are on their way
@@ -605,11 +590,6 @@ class StreamingGemm(LinkedGemm):
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, cfg.items_per_row_tile, cfg.k_stages, cta, grid, warp_id, lane, counts_out
         )
-        combine_flag = None
-        if cutlass.const_expr(combine is not None):
-            combine_flag = storage.combine_flag.get_tensor(cute.make_layout(4))
-            if tile_end[NUM_LOCAL_EXPERTS - 1] == 0:
-                zero_output(combine[3], cta, grid, tidx)
 
         g2s_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
@@ -695,14 +675,7 @@ class StreamingGemm(LinkedGemm):
                     acc, scratch, out, item % cfg.items_per_row_tile, packed_row0, valid_rows, warp_id, group,
                     quad, tidx,
                 )
-                if cutlass.const_expr(combine is not None):
-                    combine_block_if_last(
-                        combine, combine_flag, item % cfg.items_per_row_tile, tile_end[NUM_LOCAL_EXPERTS - 1],
-                        expert_offset, out, tidx,
-                    )  # fmt: skip
         cute.arch.cp_async_wait_group(0)
-        if cutlass.const_expr(combine is not None):
-            release_if_last_exit(combine, combine_flag, counts, grid, tidx)
 
     @cute.jit
     def item_bases(self, located, item: Int32, w_scale_layout: cute.Layout, tidx: Int32):

@@ -33,7 +33,10 @@ def with_gemm1_on(use_wgmma: bool):
     mma.sync."""
 
     def choose(num_tokens: int):
-        return dataclasses.replace(on_mma_sync_gemm2(kernel.variant_for(num_tokens)), wgmma_gemm1=use_wgmma)
+        variant = on_mma_sync_gemm2(kernel.variant_for(num_tokens))
+        # Only the mma.sync GEMM1 routes in every CTA (v2.26).
+        routing_per_cta = variant.routing_per_cta and not use_wgmma
+        return dataclasses.replace(variant, wgmma_gemm1=use_wgmma, routing_per_cta=routing_per_cta)
 
     return choose
 

@@ -101,7 +101,7 @@ def _record_local(expert_tokens, slot_expert, slot_rank, slot_weight, token, lan
 
 @cute.jit
 def _record_not_local(slot_expert, slot_rank, slot_weight, token, lane):
-    """Slot `lane` of `token` chose an expert of another rank: -1, rank 0, weight 0 (the combine skips it)."""
+    """Slot `lane` of `token` chose an expert outside the 32 local ones: -1, rank 0, weight 0 (the combine skips it)."""
     slot_expert[token, lane] = cutlass.Int32(-1)
     slot_rank[token, lane] = cutlass.Int32(0)
     slot_weight[token, lane] = cutlass.Float32(0.0)

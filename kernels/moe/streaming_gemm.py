@@ -555,10 +555,8 @@ class StreamingGemm(LinkedGemm):
         routed,
         counts_out,
     ):
-        if cutlass.const_expr(self.cfg.weights_before_wait):
-            enter(self.link, wait=False)  # `griddepcontrol.wait` once the first stages' weights are on their way
-        else:
-            enter(self.link)
+        # With weights_before_wait, `griddepcontrol.wait` comes once the first stages' weights are on their way.
+        enter(self.link, wait=not self.cfg.weights_before_wait)
         cfg = self.cfg
         bt = cfg.block_tokens
         ns = cfg.num_stages

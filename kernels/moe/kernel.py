@@ -116,6 +116,7 @@ class StreamingVariant:
     gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.21)
     combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (v2.25)
     routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
+    gemm1_ctas_per_sm: int = 2  # the `mma.sync` GEMM1's StreamingGemmConfig max_ctas_per_sm (v2.28)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -128,6 +129,8 @@ class StreamingVariant:
             raise ValueError("gemm2_weights_before_wait needs the mma.sync GEMM2 and routing_in_gemm1")
         if self.routing_per_cta and (self.wgmma_gemm1 or not self.routing_in_gemm1):
             raise ValueError("routing_per_cta needs the mma.sync GEMM1 and routing_in_gemm1")
+        if self.gemm1_ctas_per_sm != 2 and self.wgmma_gemm1:
+            raise ValueError("gemm1_ctas_per_sm is the mma.sync GEMM1's")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -138,7 +141,11 @@ class StreamingVariant:
                 scratch_in_stage=self.gemm1_scratch_in_stage,
             )
         return StreamingGemmConfig(
-            gemm1=True, block_tokens=self.block_tokens, num_stages=self.num_stages, routing_per_cta=self.routing_per_cta
+            gemm1=True,
+            block_tokens=self.block_tokens,
+            num_stages=self.num_stages,
+            routing_per_cta=self.routing_per_cta,
+            max_ctas_per_sm=self.gemm1_ctas_per_sm,
         )
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:

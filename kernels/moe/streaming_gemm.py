@@ -219,6 +219,9 @@ class PersistentGemmConfig:
     weights_before_wait: bool = False
     # A GEMM1 whose every CTA routes up to ROUTING_WARPS tokens itself (v2.26; the `mma.sync` one only).
     routing_per_cta: bool = False
+    # Registers allow two CTAs of 128 threads per SM at up to 255 registers a thread; a configuration that asks for
+    # more states it (`StreamingGemmConfig`'s max_ctas_per_sm) and its tests check its compiled registers.
+    max_ctas_per_sm: int = 2
 
     def fields(self) -> dict:
         raise NotImplementedError
@@ -239,8 +242,8 @@ class PersistentGemmConfig:
             raise StreamingConfigError(f"{self.smem_bytes()} B of shared memory per CTA do not fit an SM")
 
     def ctas_per_sm(self) -> int:
-        """Resident CTAs per SM the shared memory allows (registers allow 2 at 128 threads), at most 2."""
-        return max(1, min(2, SMEM_PER_SM // (self.smem_bytes() + SMEM_RESERVED_PER_CTA)))
+        """Resident CTAs per SM the shared memory allows, at most max_ctas_per_sm."""
+        return max(1, min(self.max_ctas_per_sm, SMEM_PER_SM // (self.smem_bytes() + SMEM_RESERVED_PER_CTA)))
 
 
 class StreamingGemmConfig(PersistentGemmConfig):
@@ -253,12 +256,15 @@ class StreamingGemmConfig(PersistentGemmConfig):
         num_stages: int,
         weights_before_wait: bool = False,
         routing_per_cta: bool = False,
+        max_ctas_per_sm: int = 2,
     ):
         """`weights_before_wait` (v2.20, GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
         schedule once the kept count of routed tokens is complete and issues its first stages' weights before
         `griddepcontrol.wait`; only the activations (GEMM1's output) wait for GEMM1 to complete.
         `routing_per_cta` (v2.26, GEMM1 that routes): up to ROUTING_WARPS tokens every CTA routes them all
-        (`routing.route_in_every_cta`) in a few words of shared memory of its own."""
+        (`routing.route_in_every_cta`) in a few words of shared memory of its own.
+        `max_ctas_per_sm` (v2.28): 3 where the configuration's shared memory fits three CTAs per SM and its registers
+        do (<= 170 a thread), so that no SM runs its last item with one CTA alone."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -272,6 +278,9 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if routing_per_cta and not gemm1:
             raise StreamingConfigError("routing_per_cta is GEMM1's (the call's first kernel routes)")
         self.routing_per_cta = routing_per_cta
+        if max_ctas_per_sm not in (2, 3):
+            raise StreamingConfigError(f"max_ctas_per_sm must be 2 or 3, got {max_ctas_per_sm}")
+        self.max_ctas_per_sm = max_ctas_per_sm
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item

@@ -208,7 +208,7 @@ MOE = Track(
         CandidateSide(
             name="cand_three_ctas",
             entry="candidate_three_ctas.py::run",
-            description="candidate v2.28: kernel.py with GEMM1 in 8-token tiles of 3 stages at three CTAs per SM up to 8 tokens",
+            description="candidate v2.29: kernel.py with GEMM1 in 8-token tiles of 3 stages at three CTAs per SM, paired rounds, at 7-8 tokens",
         ),
     ),
 )

@@ -62,6 +62,7 @@ FP8_CHUNKS_PER_BLOCK_ROW = BLOCK // CHUNK  # 8: one 128-wide K block of an fp8 r
 BF16_CHUNKS_PER_BLOCK_ROW = 2 * BLOCK // CHUNK  # 16
 SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on SM90
 SMEM_RESERVED_PER_CTA = 1024
+PAIRED_SLOTS = 3  # CTAs per SM of the paired-round walk (`paired_round_walk`)
 
 assert GEMM1_OUT == 2 * INTERMEDIATE and HIDDEN % STAGE_K == 0 and INTERMEDIATE % STAGE_K == 0
 assert BLOCK % ITEM_ROWS == 0  # an item's rows (per half for GEMM1) lie in one scale block
@@ -264,7 +265,8 @@ class StreamingGemmConfig(PersistentGemmConfig):
         `routing_per_cta` (v2.26, GEMM1 that routes): up to ROUTING_WARPS tokens every CTA routes them all
         (`routing.route_in_every_cta`) in a few words of shared memory of its own.
         `max_ctas_per_sm` (v2.28): 3 where the configuration's shared memory fits three CTAs per SM and its registers
-        do (<= 170 a thread), so that no SM runs its last item with one CTA alone."""
+        do (<= 170 a thread); they walk their items in paired rounds (v2.29, `paired_round_walk`), so that no SM runs
+        its last item with one CTA alone."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -281,6 +283,8 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if max_ctas_per_sm not in (2, 3):
             raise StreamingConfigError(f"max_ctas_per_sm must be 2 or 3, got {max_ctas_per_sm}")
         self.max_ctas_per_sm = max_ctas_per_sm
+        # Three CTAs per SM walk their items in paired rounds (`paired_round_walk`), which assumes they all fit.
+        self.paired_rounds = max_ctas_per_sm == PAIRED_SLOTS
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -292,6 +296,8 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if self.gemm1 and self.threads_per_token < BLOCKS_PER_STAGE:
             raise StreamingConfigError("GEMM1 needs >= 4 threads per token for the activation scales")
         self.check_fits()
+        if self.paired_rounds and self.ctas_per_sm() != PAIRED_SLOTS:
+            raise StreamingConfigError(f"{self.smem_bytes()} B of shared memory per CTA do not fit three CTAs per SM")
         if self.k_stages < num_stages:
             # The computed item's valid rows come from the load side, which must not have moved on to the next
             # item by the computed item's first stage.
@@ -386,6 +392,26 @@ def cta_stage_count(
     return my_items * k_stages
 
 
+def paired_round_walk(total_items, cta, grid):
+    """(base, stride, items) of CTA `cta`'s walk base, base + stride, ... when three CTAs share each SM (v2.29): items
+    go round robin over the S = grid / 3 SMs (CTA c sits on SM c mod S, the block scheduler's breadth-first placement),
+    and an SM's n items to its three CTAs as contiguous runs of c, min(c, n - c) and the rest, c = ceil(n / 3), so
+    that its two busiest CTAs hold the same count and no SM ends on a lone CTA unless n = 1 (a lone CTA streams at
+    about three quarters of two CTAs' rate, v2.28). Plain arithmetic (DSL or Python integers)."""
+    sms = grid // PAIRED_SLOTS
+    sm = cta % sms
+    slot = cta // sms
+    n = (total_items - sm + sms - 1) // sms  # items i < total_items with i % sms == sm
+    first = (n + 2) // 3
+    second = cutlass.min(first, n - first)
+
+    def run_start(q):  # where slot q's run starts among the SM's items (q = 0..3)
+        return cutlass.min(q, 1) * first + cutlass.max(q - 1, 0) * second
+
+    start = run_start(slot)
+    return sm + start * sms, sms, cutlass.min(run_start(slot + 1), n) - start
+
+
 @cute.jit
 def locate_row_tile(
     row_tile: Int32,
@@ -448,19 +474,20 @@ class LinkedGemm:
             cooperative=cooperative,
         )
 
-    def load_location(self, cta, grid, s, tile_end, expert_count, expert_offset, expert_tokens, tidx, bases_args=()):
-        """What the load side carries for the item of flat stage `s`: `locate_load`'s location followed by the
-        thread's copy offsets of the item (the class's `item_bases`, given `bases_args` besides the item). Called
-        while a kernel is traced; every streaming GEMM locates its items through here."""
-        located = self.locate_load(cta, grid, s, tile_end, expert_count, expert_offset, expert_tokens, tidx)
-        item = cta + (s // self.cfg.k_stages) * grid
+    def load_location(self, base, stride, s, tile_end, expert_count, expert_offset, expert_tokens, tidx, bases_args=()):
+        """What the load side carries for the item of flat stage `s` of the CTA's walk base, base + stride, ...
+        (the CTA and the grid, or `paired_round_walk`'s): `locate_load`'s location followed by the thread's copy
+        offsets of the item (the class's `item_bases`, given `bases_args` besides the item). Called while a kernel
+        is traced; every streaming GEMM locates its items through here."""
+        located = self.locate_load(base, stride, s, tile_end, expert_count, expert_offset, expert_tokens, tidx)
+        item = base + (s // self.cfg.k_stages) * stride
         return (*located, *self.item_bases(located, item, *bases_args, tidx))
 
     @cute.jit
     def locate_load(
         self,
-        cta: Int32,
-        grid: Int32,
+        base: Int32,
+        stride: Int32,
         s: Int32,
         tile_end: cute.Tensor,
         expert_count: cute.Tensor,
@@ -475,7 +502,7 @@ class LinkedGemm:
         the configurations with `gemm1`, `k_stages`, `items_per_row_tile`, `block_tokens` and
         `threads_per_token` (this file's and `wgmma_gemm1.py`'s)."""
         cfg = self.cfg
-        item = cta + (s // cfg.k_stages) * grid
+        item = base + (s // cfg.k_stages) * stride
         expert, first_row, valid_rows, packed_row0 = locate_row_tile(
             item // cfg.items_per_row_tile, cfg.block_tokens, tile_end, expert_count, expert_offset
         )
@@ -597,6 +624,12 @@ class StreamingGemm(LinkedGemm):
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, cfg.items_per_row_tile, cfg.k_stages, cta, grid, warp_id, lane, counts_out
         )
+        # The CTA's items: base, base + stride, ...
+        base, stride = cta, grid
+        if cutlass.const_expr(cfg.paired_rounds):
+            total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * cfg.items_per_row_tile
+            base, stride, my_items = paired_round_walk(total_items, cta, grid)
+            total_stages = my_items * cfg.k_stages
 
         g2s_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
@@ -618,7 +651,7 @@ class StreamingGemm(LinkedGemm):
         # stage is issued; the prologue's stages all belong to the CTA's first item. The computed item takes
         # its valid rows from there at its first K stage and locates its first packed row in its epilogue.
         located = self.load_location(
-            cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx, (w_scale.layout,)
+            base, stride, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx, (w_scale.layout,)
         )
         valid_rows = Int32(0)
         packed_row0 = Int32(0)
@@ -656,7 +689,7 @@ class StreamingGemm(LinkedGemm):
             if s + ns - 1 < total_stages:
                 if (s + ns - 1) % cfg.k_stages == 0:
                     located = self.load_location(
-                        cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx,
+                        base, stride, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx,
                         (w_scale.layout,),
                     )  # fmt: skip
                 self.load_stage(
@@ -665,7 +698,7 @@ class StreamingGemm(LinkedGemm):
                 )
             cute.arch.cp_async_commit_group()
 
-            item = cta + (s // cfg.k_stages) * grid
+            item = base + (s // cfg.k_stages) * stride
             k_stage = s % cfg.k_stages
             if k_stage == 0:
                 # The load side located this item when it issued its first stage and has not moved on

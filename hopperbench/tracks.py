@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_three_ctas",
-            entry="candidate_three_ctas.py::run",
-            description="candidate v2.29: kernel.py with GEMM1 in 8-token tiles of 3 stages at three CTAs per SM, paired rounds, at 7-8 tokens",
-        ),
     ),
 )
 

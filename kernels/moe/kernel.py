@@ -1,6 +1,6 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.10 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v2.11 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
@@ -20,7 +20,9 @@ cooperative grid routing the tokens itself (v2.7, candidate v2.16: 1.038x on the
 EARLY_W2_MAX_TOKENS (v2.21: 1.037x at 1 token) and no release kernel, the combine zeroing the kept counters (v2.22:
 1.006x over the 19, 90 of 95 trials faster); in session 23 the combine's loads issued before their first use up to
 FEW_TOKENS_MAX (v2.25: 1.007x on those 16 workloads, 79 of 80 trials faster) and up to 4 tokens every GEMM1 CTA
-routing the tokens itself, no grid meeting (v2.26: 1.040x at 1 token; NOTES.md). Destination passing,
+routing the tokens itself, no grid meeting (v2.26: 1.040x at 1 token); in session 24 at 7-8 tokens GEMM1 at three CTAs
+per SM walking its items in paired rounds, so that no busy SM ends on a lone CTA (v2.29: 1.024x at 7 tokens; NOTES.md).
+Destination passing,
 definition order, no host sync, no data-dependent host logic, graph-safe.
 
 Every call is the kernels of `host.py` in one TVM-FFI call, chained by programmatic dependent launches, on
@@ -31,6 +33,8 @@ weight streams; the variant is chosen from T alone (a shape):
 
 - GEMM1 on `mma.sync` below WGMMA_GEMM1_MIN_TOKENS (its 32-row items keep twice as many CTAs
   streaming one or two experts' weights) and on FP8 WGMMA from there (which removes its issue bound).
+  From EARLY_W2_MAX_TOKENS + 1 to THREE_CTAS_MAX_TOKENS its row tiles are 8 tokens of 3 stages, three CTAs per SM
+  whose items come in paired rounds (`streaming_gemm.paired_round_walk`).
   Row tiles of 16 tokens up to FEW_TOKENS_MAX, 32 up to MEDIUM_T_MAX_TOKENS (at T = 901 the
   synthesized routing gives 20-27 active experts ~40 tokens each, up to ~180: ~1.8 row tiles per
   expert; NOTES.md), 64 above, where each expert has hundreds of tokens and a tile of 64 reads its
@@ -69,6 +73,7 @@ __all__ = [
     "MEDIUM_T_MAX_TOKENS",
     "MoeShapeError",
     "StreamingVariant",
+    "THREE_CTAS_MAX_TOKENS",
     "WGMMA_GEMM1_MIN_TOKENS",
     "Workspaces",
     "compile_only",
@@ -96,7 +101,10 @@ MEDIUM_T_MAX_TOKENS = 1024
 # The largest count below the next official row (7 tokens) whose off-list sweep did not lose (v2.21: medians
 # 1.007-1.034x at 2-6 tokens, `results/checks/2026-11-30_moe_early_w2_release_session22_sweep.txt`).
 EARLY_W2_MAX_TOKENS = 6
-assert EARLY_W2_MAX_TOKENS < WGMMA_GEMM1_MIN_TOKENS  # TINY_T_EARLY_W2 is TINY_T with one switch
+# Up to 8 tokens no expert has more than 8 tokens, so GEMM1's 8-token row tiles (which fit three CTAs per SM) never
+# read an expert's weights twice.
+THREE_CTAS_MAX_TOKENS = 8
+assert EARLY_W2_MAX_TOKENS < THREE_CTAS_MAX_TOKENS < WGMMA_GEMM1_MIN_TOKENS  # both variants are TINY_T with switches
 NUM_STAGES = 4
 
 
@@ -188,6 +196,12 @@ TINY_T = StreamingVariant(
 # grid on CTA 0's routing (v2.26: 1 token 1.040x, 5 of 5 trials; off the list 2-4 tokens 1.001-1.040x, 5-6 tokens,
 # where the same kernel meets, 0.997-0.998x).
 TINY_T_EARLY_W2 = dataclasses.replace(TINY_T, gemm2_weights_before_wait=True, routing_per_cta=True)
+# From EARLY_W2_MAX_TOKENS + 1 to THREE_CTAS_MAX_TOKENS GEMM1 runs 8-token row tiles of 3 stages at three CTAs per SM
+# (66.5 KB each, 80 registers a thread), whose items come in paired rounds: an SM's two busiest CTAs hold the same
+# count, so it never ends on one CTA alone, which streams at about three quarters of two CTAs' rate (v2.29: 1.024x at 7
+# tokens, 4 of 5 trials faster, 1.031-1.038x with 5 experts and 1.024-1.025x with 7; 8 tokens off the list 1.020x). Below
+# it v2.28 lost on the 1-expert trial of 1 token, where every walk leaves a lone CTA (0.945x with 2 stages in flight).
+TINY_T_THREE_CTAS = dataclasses.replace(TINY_T, block_tokens=8, num_stages=3, gemm1_ctas_per_sm=3)
 # From 33 tokens both GEMMs are on WGMMA (v2.0, v2.1: 1.02x over the `mma.sync` GEMM2 at 52-62).
 FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True)
 # Above 192 tokens GEMM2 converts each W2 once per 32-token tile into WGMMA's registers (v2.1: 1.22x
@@ -206,7 +220,7 @@ MEDIUM_T = StreamingVariant(
 LARGE_T = dataclasses.replace(
     MEDIUM_T, block_tokens=64, num_stages=3, gemm1_scratch_in_stage=True, routing_in_gemm1=False
 )
-VARIANTS = (TINY_T_EARLY_W2, TINY_T, FEW_TOKENS, MEDIUM_T, LARGE_T)
+VARIANTS = (TINY_T_EARLY_W2, TINY_T_THREE_CTAS, TINY_T, FEW_TOKENS, MEDIUM_T, LARGE_T)
 
 
 def variant_for(num_tokens: int) -> StreamingVariant:
@@ -215,6 +229,8 @@ def variant_for(num_tokens: int) -> StreamingVariant:
         raise MoeShapeError(f"seq_len must be >= 1, got {num_tokens}")
     if num_tokens <= EARLY_W2_MAX_TOKENS:
         return TINY_T_EARLY_W2
+    if num_tokens <= THREE_CTAS_MAX_TOKENS:
+        return TINY_T_THREE_CTAS
     if num_tokens < WGMMA_GEMM1_MIN_TOKENS:
         return TINY_T
     if num_tokens <= FEW_TOKENS_MAX:

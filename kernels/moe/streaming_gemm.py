@@ -8,7 +8,8 @@ SM streams weights:
   16 nt.. and the 16 gate rows 2048 + 16 nt.. (so SwiGLU needs no other CTA), 128 items per row
   tile; GEMM2: 32 output columns 32 nt.., 224 items per row tile. At T = 1 with one active expert
   that is 128 (224) items of 229 KB (64 KB) for 132 SMs.
-- Persistent CTAs (grid = SMs x CTAs per SM, from the host) walk the items b, b + G, ...; the total
+- Persistent CTAs (grid = SMs x CTAs per SM, from the host) walk the items b, b + G, ... (at three CTAs
+  per SM, runs of each SM's items in paired rounds: `paired_round_walk`, v2.29); the total
   is computed on the device from the per-expert counts, so no CTA is launched for nothing and the
   host never reads a count. The cp.async pipeline runs across item boundaries (a flat loop over
   (item, K stage)), so streaming never drains between items.

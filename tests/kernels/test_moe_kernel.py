@@ -29,7 +29,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check
 kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_wide_from_193", "candidate_three_ctas")
+SOLUTIONS = ("kernel", "candidate_wide_from_193")
 
 
 @functools.cache
@@ -55,7 +55,7 @@ def test_variants_are_on_wgmma_from_33_tokens():
     streaming, wgmma_gemm1, wgmma_gemm2 = (
         solution_module(name) for name in ("streaming_gemm", "wgmma_gemm1", "wgmma_gemm2")
     )
-    for num_tokens in (1, 7, 32, 33, 64, 65, 192, 193, 2048, 2049, 14107, kernel.MAX_TOKENS):
+    for num_tokens in (1, 7, 8, 9, 32, 33, 64, 65, 192, 193, 2048, 2049, 14107, kernel.MAX_TOKENS):
         variant = kernel.variant_for(num_tokens)
         assert variant.wgmma_gemm1 == variant.wgmma_gemm2 == (num_tokens >= kernel.WGMMA_GEMM1_MIN_TOKENS)
         gemm1_class = wgmma_gemm1.WgmmaGemm1 if variant.wgmma_gemm1 else streaming.StreamingGemm
@@ -63,8 +63,9 @@ def test_variants_are_on_wgmma_from_33_tokens():
         assert type(variant.make_gemm1()) is gemm1_class and type(variant.make_gemm2()) is gemm2_class
         # GEMM1 stores C in the column order the WGMMA GEMM2 reads exactly when that one runs.
         assert getattr(variant.gemm1(), "permuted_c", False) == variant.wgmma_gemm2
-        # Every GEMM of every variant keeps two CTAs per SM.
-        assert variant.gemm1().ctas_per_sm() == variant.gemm2().ctas_per_sm() == 2
+        # Every GEMM of every variant keeps two CTAs per SM, but GEMM1 at 7-8 tokens three (v2.29).
+        three_ctas = kernel.EARLY_W2_MAX_TOKENS < num_tokens <= kernel.THREE_CTAS_MAX_TOKENS
+        assert variant.gemm1().ctas_per_sm() == (3 if three_ctas else 2) and variant.gemm2().ctas_per_sm() == 2
         # Up to MEDIUM_T_MAX_TOKENS GEMM1 routes the tokens itself (v2.16); above, the routing is a grid of its own.
         assert variant.routing_in_gemm1 == (num_tokens <= kernel.MEDIUM_T_MAX_TOKENS)
     assert kernel.WGMMA_GEMM1_MIN_TOKENS == 33
@@ -88,10 +89,27 @@ def test_gemm2_weights_before_its_wait_up_to_the_threshold_only():
         assert chosen is kernel.TINY_T_EARLY_W2 and chosen.gemm2().weights_before_wait
         assert not chosen.gemm1().weights_before_wait
         assert dataclasses.replace(chosen, gemm2_weights_before_wait=False, routing_per_cta=False) == kernel.TINY_T
-    for num_tokens in (kernel.EARLY_W2_MAX_TOKENS + 1, 16, kernel.WGMMA_GEMM1_MIN_TOKENS - 1):
+    for num_tokens in (kernel.THREE_CTAS_MAX_TOKENS + 1, 16, kernel.WGMMA_GEMM1_MIN_TOKENS - 1):
         assert kernel.variant_for(num_tokens) is kernel.TINY_T
     for variant in kernel.VARIANTS[1:]:
         assert not variant.gemm2_weights_before_wait
+
+
+def test_gemm1_at_three_ctas_per_sm_from_7_to_8_tokens_only():
+    # v2.29: 8-token tiles never read an expert's weights twice up to 8 tokens; below 7 the early-W2 variant stays
+    # (v2.28 lost on the 1-expert trial of 1 token).
+    assert kernel.EARLY_W2_MAX_TOKENS + 1 == 7 and kernel.THREE_CTAS_MAX_TOKENS == 8
+    for num_tokens in range(1, 34):
+        three = kernel.variant_for(num_tokens) is kernel.TINY_T_THREE_CTAS
+        assert three == (7 <= num_tokens <= 8)
+    variant = kernel.TINY_T_THREE_CTAS
+    gemm1 = variant.gemm1()
+    assert (gemm1.block_tokens, gemm1.num_stages, gemm1.ctas_per_sm(), gemm1.paired_rounds) == (8, 3, 3, True)
+    assert kernel.persistent_ctas(gemm1, 132) == 396
+    assert dataclasses.replace(variant, block_tokens=16, num_stages=4, gemm1_ctas_per_sm=2) == kernel.TINY_T
+    assert vars(variant.gemm2()) == vars(kernel.TINY_T.gemm2())
+    with pytest.raises(ValueError, match="gemm1_ctas_per_sm"):
+        kernel.StreamingVariant(block_tokens=32, wgmma_gemm1=True, gemm1_ctas_per_sm=3)
 
 
 def test_every_gemm1_cta_routes_up_to_four_tokens_itself_in_the_early_w2_variant_only():

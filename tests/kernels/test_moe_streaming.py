@@ -6,11 +6,13 @@ shared-memory budget and persistent grid of every configuration. Transcriptions
 of the kernel's index maps against the PTX ISA's mma.m16n8k16 fragment layouts: every MMA pairs
 weight k with activation k, each k of the warp's K block once (fp8 and bf16 activations); the
 accumulator coordinates; item rows, SwiGLU pairing and block-scale rows; the persistent schedule
-(every item once, every expert row once at combine's packed row); the cp.async group accounting.
+(every item once, every expert row once at combine's packed row) and the paired-round walk of three CTAs per
+SM; the cp.async group accounting.
 GPU (marked `gpu`, skipped without CUDA): the end-to-end checks are test_moe_kernel.py's (every
 check case, zero rows, bitwise-repeatable calls, graph replay); here, a per-GEMM check of the
 workspaces that says which GEMM and which column tiles are wrong when the end-to-end check fails
-(7-4096 tokens), and the contest rule and relative L2 at the official 11948 tokens.
+(7-4096 tokens), the early-W2 and three-CTA variants bit for bit TINY_T's, and the contest rule and
+relative L2 at the official 11948 tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ streaming = solution_module("streaming_gemm")
 
 @pytest.mark.parametrize(
     ("num_tokens", "block_tokens"),
-    [(1, 16), (7, 16), (16, 16), (80, 16), (192, 16), (193, 32), (901, 32), (1024, 32), (1025, 64), (2048, 64), (32768, 64)],
+    [(1, 16), (6, 16), (7, 8), (8, 8), (9, 16), (16, 16), (80, 16), (192, 16), (193, 32), (901, 32), (1024, 32), (1025, 64), (2048, 64), (32768, 64)],
 )
 def test_every_batch_streams_with_row_tiles_by_its_size(num_tokens, block_tokens):
     assert kernel.variant_for(num_tokens).block_tokens == block_tokens
@@ -95,6 +97,18 @@ def test_one_item_per_sm_at_one_active_expert():
 def test_config_rejects_unsupported_shapes(kwargs, message):
     with pytest.raises(streaming.StreamingConfigError, match=message):
         streaming.StreamingGemmConfig(gemm1=True, **({"num_stages": 4} | kwargs))
+
+
+def test_three_ctas_per_sm_only_where_they_fit():
+    # The paired-round walk (v2.29) assumes all three resident; the cooperative launch would refuse more.
+    three = streaming.StreamingGemmConfig(gemm1=True, block_tokens=8, num_stages=3, max_ctas_per_sm=3)
+    assert three.ctas_per_sm() == 3 and three.paired_rounds
+    assert 3 * (three.smem_bytes() + streaming.SMEM_RESERVED_PER_CTA) <= streaming.SMEM_PER_SM
+    with pytest.raises(streaming.StreamingConfigError, match="three CTAs"):
+        streaming.StreamingGemmConfig(gemm1=True, block_tokens=16, num_stages=4, max_ctas_per_sm=3)
+    with pytest.raises(streaming.StreamingConfigError, match="max_ctas_per_sm"):
+        streaming.StreamingGemmConfig(gemm1=True, block_tokens=8, num_stages=3, max_ctas_per_sm=4)
+    assert not streaming.StreamingGemmConfig(gemm1=True, block_tokens=8, num_stages=3).paired_rounds
 
 
 def test_config_rejects_a_pipeline_that_does_not_fit_an_sm():
@@ -384,6 +398,44 @@ def test_persistent_schedule_covers_every_row_and_column_tile_once(num_tokens):
             assert max(rows.values(), default=-1) < 8 * num_tokens  # rows of the packed workspaces
 
 
+def paired_walks(total_items: int, sms: int) -> list[list[int]]:
+    """Every CTA's items under `paired_round_walk` (CTA c on SM c mod sms)."""
+    items = []
+    for cta in range(3 * sms):
+        base, stride, count = streaming.paired_round_walk(total_items, cta, 3 * sms)
+        assert count >= 0
+        items.append([base + j * stride for j in range(count)])
+    return items
+
+
+# Every item count up to 4 items per SM on small grids; on the H200's, each side of every multiple of its SMs.
+PAIRED_WALK_GRIDS = [(sms, range(4 * sms + 2)) for sms in (1, 2, 7)] + [
+    (132, sorted({0, *(132 * k + d for k in range(1, 8) for d in (-1, 0, 1)), 640, 896, 1024, 1280}))
+]
+
+
+@pytest.mark.parametrize(("sms", "totals"), PAIRED_WALK_GRIDS, ids=lambda v: str(v) if isinstance(v, int) else "")
+def test_paired_round_walk_covers_every_item_once_and_pairs_each_sms_last_round(sms, totals):
+    for total_items in totals:
+        items = paired_walks(total_items, sms)
+        assert sorted(i for walk in items for i in walk) == list(range(total_items))
+        for sm in range(sms):
+            per_slot = [len(items[sm + slot * sms]) for slot in range(3)]
+            n = sum(per_slot)
+            # Items round robin over the SMs; the SM's two busiest CTAs hold the same count unless it has one item.
+            assert n == len(range(sm, total_items, sms))
+            assert all(i % sms == sm for slot in range(3) for i in items[sm + slot * sms])
+            assert per_slot[0] == max(per_slot) and per_slot[2] == min(per_slot)
+            assert per_slot[1] == per_slot[0] or n == 1
+
+
+def test_paired_rounds_at_the_7_token_rows_expert_counts():
+    # 132 SMs: 5 experts (640 items) -> SMs of 5 as (2, 2, 1); 7 experts (896) -> SMs of 7 as (3, 3, 1).
+    for total_items, busiest in ((640, (2, 2, 1)), (896, (3, 3, 1)), (1024, (3, 3, 2))):
+        items = paired_walks(total_items, 132)
+        assert tuple(len(items[slot * 132]) for slot in range(3)) == busiest
+
+
 def test_pipeline_waits_for_each_stage_and_never_overwrites_a_slot_in_use():
     # Transcription of the flat cp.async pipeline: the prologue commits ns - 1 groups (stages
     # 0..ns-2, some possibly empty), iteration s waits until <= ns - 2 groups are pending, syncs,
@@ -508,6 +560,47 @@ def test_the_early_w2_variant_is_tiny_t_bit_for_bit_call_after_call(case):
     theirs, *ours = outputs
     for output in ours:
         assert not torch.isnan(output).any()
+        assert torch.equal(output, theirs)
+
+
+def always_three_ctas(num_tokens: int):
+    """TINY_T_THREE_CTAS at any T up to 8 (its 8-token tiles would read an expert's weights twice above), so that the
+    GPU tests walk 1-4 items per SM in paired rounds beyond its dispatch range (v2.29)."""
+    assert num_tokens <= 8
+    return kernel.TINY_T_THREE_CTAS
+
+
+THREE_CTAS_CASES = [
+    cases.CheckCase("three_ctas_t1_one_expert", 1, 64, "one_expert"),
+    cases.CheckCase("three_ctas_t3_all_local", 3, 160, "all_local"),
+    cases.CheckCase("three_ctas_t5", 5, 32),
+    cases.CheckCase("three_ctas_t7", 7, 192),
+    cases.CheckCase("three_ctas_t7_all_local", 7, 0, "all_local"),
+    cases.CheckCase("three_ctas_t7_no_local", 7, 96, "no_local"),
+    cases.CheckCase("three_ctas_t8", 8, 224),
+    cases.CheckCase("three_ctas_t8_one_expert", 8, 128, "one_expert"),
+    cases.CheckCase("three_ctas_t8_all_local", 8, 32, "all_local"),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", [c for c in THREE_CTAS_CASES if c.pattern != "no_local"], ids=lambda c: c.name)
+def test_each_gemm_of_the_three_cta_variant_matches_torch(case):
+    check_each_gemm(case, always_three_ctas)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", THREE_CTAS_CASES, ids=lambda c: c.name)
+def test_the_three_cta_variant_is_tiny_t_bit_for_bit_call_after_call(case):
+    # An 8-token tile regroups no token's products, the paired walk only moves items between CTAs, and three calls in
+    # a row find the kept counters zeroed.
+    theirs, *ours = outputs_of(
+        (kernel.make_run(lambda _: kernel.TINY_T), *[kernel.make_run(always_three_ctas)] * 3), case, seed=41
+    )
+    assert torch.isfinite(theirs).all()
+    for output in ours:
         assert torch.equal(output, theirs)
 
 

@@ -205,16 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_early_w2_at_7",
-            entry="candidate_early_w2_at_7.py::run",
-            description="candidate v2.30 (a): kernel.py with GEMM2's first weights before its wait at 7-8 tokens too (GEMM2 8 x 4)",
-        ),
-        CandidateSide(
-            name="cand_early_w2_at_7_shallow",
-            entry="candidate_early_w2_at_7.py::run_shallow",
-            description="candidate v2.30 (b): as (a) with GEMM2 at 3 stages, one CTA fitting beside two GEMM1 CTAs",
-        ),
     ),
 )
 

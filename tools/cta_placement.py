@@ -2,11 +2,12 @@
 
     uv run tools/cta_placement.py [--ctas-per-sm 3] [--smem-bytes N] [--repeats 10]
 
-The paired-round walk (MoE v2.29) gives CTA c the items of SM c mod S (S = grid / ctas-per-sm), assuming that the
-block scheduler puts CTAs c, c + S, c + 2S, ... on one SM. This launches, cooperatively as GEMM1 is, grids of
+The paired-round walk (MoE v2.29) splits the items of each group of CTAs {g, g + S, g + 2S} (S = grid / ctas-per-sm)
+between them, as if the block scheduler put a group on one SM. This launches, cooperatively as GEMM1 is, grids of
 SMs x ctas-per-sm CTAs of 128 threads holding the given dynamic shared memory (default: the three-CTA GEMM1's), records
-`%smid` of every CTA, and prints per launch how many SM groups {c + k S} share one SM. If the assumption fails, the
-walk stays correct (every item once) and only its balance is lost. Exits 2 without CUDA, with one line on stderr.
+`%smid` of every CTA, and prints per launch how many groups {g + k S} share one SM (on an H200 in session 24: none;
+`results/checks/2026-12-01_cta_placement_session24.txt`). The walk is correct for any placement (every item once);
+only its balance depends on it. Exits 2 without CUDA, with one line on stderr.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
+from hopperbench.devcheck import load_folder_module
 from hopperbench.paths import REPO_ROOT
 
 THREADS = 128
@@ -65,16 +67,23 @@ def _probe(smem_bytes: int):
     return cute.compile(_Probe(smem_bytes), out, stream, options="--enable-tvm-ffi --gpu-arch sm_90a")
 
 
-def main(argv: list[str] | None = None) -> int:
-    if str(REPO_ROOT) not in sys.path:  # `uv run tools/...` puts tools/ on the path, not the repository
-        sys.path.insert(0, str(REPO_ROOT))
-    from kernels.moe import kernel
+def three_cta_gemm1_smem_bytes() -> int:
+    """The dynamic shared memory of `kernel.py`'s three-CTA GEMM1 (TINY_T_THREE_CTAS)."""
+    # kernels/ is not a package: its folder is loaded as one, as the harness does (the same module test_moe_kernel.py
+    # gets, so no second compile cache).
+    kernel = load_folder_module(REPO_ROOT / "kernels" / "moe", "moe_solution", "kernel")
+    return kernel.TINY_T_THREE_CTAS.gemm1().smem_bytes()
 
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ctas-per-sm", type=int, default=3)
-    parser.add_argument("--smem-bytes", type=int, default=kernel.TINY_T_THREE_CTAS.gemm1().smem_bytes())
+    parser.add_argument("--smem-bytes", type=int, help="default: kernel.py's three-CTA GEMM1's")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--print-smids", action="store_true", help="also print every CTA's SM id")
     args = parser.parse_args(argv)
+    if args.smem_bytes is None:
+        args.smem_bytes = three_cta_gemm1_smem_bytes()
     import torch
 
     if not torch.cuda.is_available():
@@ -90,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         smids = out.tolist()
         whole = groups_on_one_sm(smids, args.ctas_per_sm)
         print(f"launch {repeat}: {whole} of {sms} groups {{c + k {sms}}} on one SM each; first CTAs' SMs {smids[:6]}")
+        if args.print_smids:
+            print(f"  SM of each CTA: {smids}")
     return 0
 
 

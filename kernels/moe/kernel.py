@@ -21,7 +21,8 @@ EARLY_W2_MAX_TOKENS (v2.21: 1.037x at 1 token) and no release kernel, the combin
 1.006x over the 19, 90 of 95 trials faster); in session 23 the combine's loads issued before their first use up to
 FEW_TOKENS_MAX (v2.25: 1.007x on those 16 workloads, 79 of 80 trials faster) and up to 4 tokens every GEMM1 CTA
 routing the tokens itself, no grid meeting (v2.26: 1.040x at 1 token); in session 24 at 7-8 tokens GEMM1 at three CTAs
-per SM walking its items in paired rounds, so that no busy SM ends on a lone CTA (v2.29: 1.024x at 7 tokens; NOTES.md).
+per SM walking its items in paired rounds, so that most SMs never end on a lone CTA (v2.29: 1.024x at 7 tokens;
+NOTES.md).
 Destination passing,
 definition order, no host sync, no data-dependent host logic, graph-safe.
 
@@ -197,8 +198,9 @@ TINY_T = StreamingVariant(
 # where the same kernel meets, 0.997-0.998x).
 TINY_T_EARLY_W2 = dataclasses.replace(TINY_T, gemm2_weights_before_wait=True, routing_per_cta=True)
 # From EARLY_W2_MAX_TOKENS + 1 to THREE_CTAS_MAX_TOKENS GEMM1 runs 8-token row tiles of 3 stages at three CTAs per SM
-# (66.5 KB each, 80 registers a thread), whose items come in paired rounds: an SM's two busiest CTAs hold the same
-# count, so it never ends on one CTA alone, which streams at about three quarters of two CTAs' rate (v2.29: 1.024x at 7
+# (66.5 KB each, 80 registers a thread), whose items come in paired rounds: the two busiest CTAs of a group hold the
+# same count, and most SMs hold one CTA of each slot, so they do not end on one CTA alone, which streams at about three
+# quarters of two CTAs' rate (the placement: `streaming_gemm.paired_round_walk`, NOTES session 24) (v2.29: 1.024x at 7
 # tokens, 4 of 5 trials faster, 1.031-1.038x with 5 experts and 1.024-1.025x with 7; 8 tokens off the list 1.020x). Below
 # it v2.28 lost on the 1-expert trial of 1 token, where every walk leaves a lone CTA (0.945x with 2 stages in flight).
 TINY_T_THREE_CTAS = dataclasses.replace(TINY_T, block_tokens=8, num_stages=3, gemm1_ctas_per_sm=3)

@@ -396,10 +396,13 @@ def cta_stage_count(
 
 def paired_round_walk(total_items, cta, grid):
     """(base, stride, items) of CTA `cta`'s walk base, base + stride, ... when three CTAs share each SM (v2.29): items
-    go round robin over the S = grid / 3 SMs (CTA c sits on SM c mod S, the block scheduler's breadth-first placement),
-    and an SM's n items to its three CTAs as contiguous runs of c, min(c, n - c) and the rest, c = ceil(n / 3), so
-    that its two busiest CTAs hold the same count and no SM ends on a lone CTA unless n = 1 (a lone CTA streams at
-    about three quarters of two CTAs' rate, v2.28). Plain arithmetic (DSL or Python integers)."""
+    go round robin over S = grid / 3 groups of CTAs {g, g + S, g + 2S} (slot = cta // S), and a group's n items to its
+    three CTAs as contiguous runs of c, min(c, n - c) and the rest, c = ceil(n / 3), so that a group's two busiest CTAs
+    hold the same count (a lone CTA streams at about three quarters of two CTAs' rate, v2.28). The counts depend on
+    the slot, and an H200 puts one CTA of each slot on most SMs (not the group's three on one SM, as v2.29 assumed:
+    `tools/cta_placement.py` found CTAs c, c + 124, c + 248 on one SM from c = 24, and CTAs 0-23 three each on 8 SMs;
+    NOTES, session 24), so most SMs get paired rounds. Correct for any placement (every item once). Plain arithmetic
+    (DSL or Python integers)."""
     sms = grid // PAIRED_SLOTS
     sm = cta % sms
     slot = cta // sms

@@ -7,7 +7,7 @@ of the kernel's index maps against the PTX ISA's mma.m16n8k16 fragment layouts: 
 weight k with activation k, each k of the warp's K block once (fp8 and bf16 activations); the
 accumulator coordinates; item rows, SwiGLU pairing and block-scale rows; the persistent schedule
 (every item once, every expert row once at combine's packed row) and the paired-round walk of three CTAs per
-SM; the cp.async group accounting.
+SM (correct for any placement of the CTAs); the cp.async group accounting.
 GPU (marked `gpu`, skipped without CUDA): the end-to-end checks are test_moe_kernel.py's (every
 check case, zero rows, bitwise-repeatable calls, graph replay); here, a per-GEMM check of the
 workspaces that says which GEMM and which column tiles are wrong when the end-to-end check fails
@@ -399,7 +399,7 @@ def test_persistent_schedule_covers_every_row_and_column_tile_once(num_tokens):
 
 
 def paired_walks(total_items: int, sms: int) -> list[list[int]]:
-    """Every CTA's items under `paired_round_walk` (CTA c on SM c mod sms)."""
+    """Every CTA's items under `paired_round_walk`, by CTA (groups {g, g + sms, g + 2 sms})."""
     items = []
     for cta in range(3 * sms):
         base, stride, count = streaming.paired_round_walk(total_items, cta, 3 * sms)
@@ -408,21 +408,21 @@ def paired_walks(total_items: int, sms: int) -> list[list[int]]:
     return items
 
 
-# Every item count up to 4 items per SM on small grids; on the H200's, each side of every multiple of its SMs.
+# Every item count up to 4 items per group on small grids; on the H200's, each side of every multiple of its 132 groups.
 PAIRED_WALK_GRIDS = [(sms, range(4 * sms + 2)) for sms in (1, 2, 7)] + [
     (132, sorted({0, *(132 * k + d for k in range(1, 8) for d in (-1, 0, 1)), 640, 896, 1024, 1280}))
 ]
 
 
 @pytest.mark.parametrize(("sms", "totals"), PAIRED_WALK_GRIDS, ids=lambda v: str(v) if isinstance(v, int) else "")
-def test_paired_round_walk_covers_every_item_once_and_pairs_each_sms_last_round(sms, totals):
+def test_paired_round_walk_covers_every_item_once_and_pairs_each_groups_last_round(sms, totals):
     for total_items in totals:
         items = paired_walks(total_items, sms)
         assert sorted(i for walk in items for i in walk) == list(range(total_items))
         for sm in range(sms):
             per_slot = [len(items[sm + slot * sms]) for slot in range(3)]
             n = sum(per_slot)
-            # Items round robin over the SMs; the SM's two busiest CTAs hold the same count unless it has one item.
+            # Items round robin over the groups; a group's two busiest CTAs hold the same count unless it has one item.
             assert n == len(range(sm, total_items, sms))
             assert all(i % sms == sm for slot in range(3) for i in items[sm + slot * sms])
             assert per_slot[0] == max(per_slot) and per_slot[2] == min(per_slot)
@@ -430,7 +430,7 @@ def test_paired_round_walk_covers_every_item_once_and_pairs_each_sms_last_round(
 
 
 def test_paired_rounds_at_the_7_token_rows_expert_counts():
-    # 132 SMs: 5 experts (640 items) -> SMs of 5 as (2, 2, 1); 7 experts (896) -> SMs of 7 as (3, 3, 1).
+    # 132 groups: 5 experts (640 items) -> groups of 5 as (2, 2, 1); 7 experts (896) -> groups of 7 as (3, 3, 1).
     for total_items, busiest in ((640, (2, 2, 1)), (896, (3, 3, 1)), (1024, (3, 3, 2))):
         items = paired_walks(total_items, 132)
         assert tuple(len(items[slot * 132]) for slot in range(3)) == busiest

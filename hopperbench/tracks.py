@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_dispatch_order_walk",
-            entry="candidate_dispatch_order_walk.py::run",
-            description="candidate v2.31 (sizing): kernel.py with the three-CTA GEMM1's paired walk grouped in the H200's measured dispatch order",
-        ),
     ),
 )
 

@@ -126,7 +126,6 @@ class StreamingVariant:
     combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (v2.25)
     routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
     gemm1_ctas_per_sm: int = 2  # the `mma.sync` GEMM1's StreamingGemmConfig max_ctas_per_sm (v2.28, v2.29)
-    gemm1_front_sms: int = 0  # its StreamingGemmConfig front_sms (candidate v2.31)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -139,8 +138,8 @@ class StreamingVariant:
             raise ValueError("gemm2_weights_before_wait needs the mma.sync GEMM2 and routing_in_gemm1")
         if self.routing_per_cta and (self.wgmma_gemm1 or not self.routing_in_gemm1):
             raise ValueError("routing_per_cta needs the mma.sync GEMM1 and routing_in_gemm1")
-        if (self.gemm1_ctas_per_sm != 2 or self.gemm1_front_sms) and self.wgmma_gemm1:
-            raise ValueError("gemm1_ctas_per_sm and gemm1_front_sms are the mma.sync GEMM1's")
+        if self.gemm1_ctas_per_sm != 2 and self.wgmma_gemm1:
+            raise ValueError("gemm1_ctas_per_sm is the mma.sync GEMM1's")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -156,7 +155,6 @@ class StreamingVariant:
             num_stages=self.num_stages,
             routing_per_cta=self.routing_per_cta,
             max_ctas_per_sm=self.gemm1_ctas_per_sm,
-            front_sms=self.gemm1_front_sms,
         )
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:

@@ -260,7 +260,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
         weights_before_wait: bool = False,
         routing_per_cta: bool = False,
         max_ctas_per_sm: int = 2,
-        front_sms: int = 0,
     ):
         """`weights_before_wait` (v2.20, GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
         schedule once the kept count of routed tokens is complete and issues its first stages' weights before
@@ -269,8 +268,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
         (`routing.route_in_every_cta`) in a few words of shared memory of its own.
         `max_ctas_per_sm` (v2.28): 3 where the configuration's shared memory fits three CTAs per SM and its registers
         do (<= 170 a thread); they walk their items in paired rounds (v2.29, `paired_round_walk`), so that no SM runs
-        its last item with one CTA alone. `front_sms` (candidate v2.31): the walk's groups in the H200's measured
-        dispatch order (`dispatch_order_group`)."""
+        its last item with one CTA alone."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -289,9 +287,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
         self.max_ctas_per_sm = max_ctas_per_sm
         # Three CTAs per SM walk their items in paired rounds (`paired_round_walk`), which assumes they all fit.
         self.paired_rounds = max_ctas_per_sm == PAIRED_SLOTS
-        if front_sms and not self.paired_rounds:
-            raise StreamingConfigError("front_sms orders the paired-round walk's groups (max_ctas_per_sm=3)")
-        self.front_sms = front_sms  # `dispatch_order_group` (candidate v2.31); 0: v2.29's groups
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -399,41 +394,27 @@ def cta_stage_count(
     return my_items * k_stages
 
 
-def dispatch_order_group(cta, grid, front_sms: int):
-    """(group, slot, groups) of CTA `cta` in a grid of 3 x groups CTAs for `paired_round_walk`. front_sms = 0: the
-    groups {g, g + S, g + 2S} (v2.29). front_sms = F (candidate v2.31): the order in which the H200 was measured to
-    dispatch such a grid (`tools/cta_placement.py`): CTAs 0 .. 3F - 1 three each on F SMs (slot c // F of group c mod F),
-    then CTA c on the SM of c + (S - F) and c + 2 (S - F) (slot (c - 3F) // (S - F) of group F + (c - 3F) mod (S - F)).
-    Either is a bijection of the CTAs onto (group, slot), so the walk is correct for any placement. Plain arithmetic."""
-    groups = grid // PAIRED_SLOTS
-    if front_sms == 0:
-        return cta % groups, cta // groups, groups
-    front = PAIRED_SLOTS * front_sms
-    rest = groups - front_sms
-    behind = cutlass.min(cta // front, 1)  # 0 for the front CTAs, 1 after them (branch-free for DSL integers)
-    later = cta - front  # negative for the front CTAs, where `behind` zeroes its terms
-    group = (1 - behind) * (cta % front_sms) + behind * (front_sms + later % rest)
-    slot = (1 - behind) * (cta // front_sms) + behind * (later // rest)
-    return group, slot, groups
-
-
-def paired_round_walk(total_items, group, slot, groups):
-    """(base, stride, items) of the CTA in `slot` (0..2) of `group` (of `groups`, `dispatch_order_group`): its walk is
-    base, base + stride, ... (v2.29). Items go round robin over the groups, and a group's n items to its three CTAs as
-    contiguous runs of c, min(c, n - c) and the rest, c = ceil(n / 3), so that the group's two busiest CTAs hold the
-    same count (a lone CTA streams at about three quarters of two CTAs' rate, v2.28). Where a group's CTAs share an SM,
-    the SM gets paired rounds. v2.29's groups {g, g + S, g + 2S} do not match the H200's placement (CTAs 0-23 three
-    each on 8 SMs, then c, c + 124, c + 248 on one SM; NOTES, session 24), but most SMs there hold one CTA of each slot
-    and the counts depend on the slot, so most still get paired rounds. Plain arithmetic (DSL or Python integers)."""
-    n = (total_items - group + groups - 1) // groups  # items i < total_items with i % groups == group
+def paired_round_walk(total_items, cta, grid):
+    """(base, stride, items) of CTA `cta`'s walk base, base + stride, ... when three CTAs share each SM (v2.29): items
+    go round robin over S = grid / 3 groups of CTAs {g, g + S, g + 2S} (slot = cta // S), and a group's n items to its
+    three CTAs as contiguous runs of c, min(c, n - c) and the rest, c = ceil(n / 3), so that a group's two busiest CTAs
+    hold the same count (a lone CTA streams at about three quarters of two CTAs' rate, v2.28). The counts depend on
+    the slot, and an H200 puts one CTA of each slot on most SMs (not the group's three on one SM, as v2.29 assumed:
+    `tools/cta_placement.py` found CTAs c, c + 124, c + 248 on one SM from c = 24, and CTAs 0-23 three each on 8 SMs;
+    NOTES, session 24), so most SMs get paired rounds. Correct for any placement (every item once). Plain arithmetic
+    (DSL or Python integers)."""
+    sms = grid // PAIRED_SLOTS
+    sm = cta % sms
+    slot = cta // sms
+    n = (total_items - sm + sms - 1) // sms  # items i < total_items with i % sms == sm
     first = (n + 2) // 3
     second = cutlass.min(first, n - first)
 
-    def run_start(q):  # where slot q's run starts among the group's items (q = 0..3)
+    def run_start(q):  # where slot q's run starts among the SM's items (q = 0..3)
         return cutlass.min(q, 1) * first + cutlass.max(q - 1, 0) * second
 
     start = run_start(slot)
-    return group + start * groups, groups, cutlass.min(run_start(slot + 1), n) - start
+    return sm + start * sms, sms, cutlass.min(run_start(slot + 1), n) - start
 
 
 @cute.jit
@@ -652,8 +633,7 @@ class StreamingGemm(LinkedGemm):
         base, stride = cta, grid
         if cutlass.const_expr(cfg.paired_rounds):
             total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * cfg.items_per_row_tile
-            walk_group, walk_slot, walk_groups = dispatch_order_group(cta, grid, cfg.front_sms)
-            base, stride, my_items = paired_round_walk(total_items, walk_group, walk_slot, walk_groups)
+            base, stride, my_items = paired_round_walk(total_items, cta, grid)
             total_stages = my_items * cfg.k_stages
 
         g2s_16 = cute.make_copy_atom(

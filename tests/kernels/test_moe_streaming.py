@@ -534,38 +534,9 @@ EARLY_W2_CASES = [
 ]
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("case", [c for c in EARLY_W2_CASES if c.pattern != "no_local"], ids=lambda c: c.name)
-def test_each_gemm_of_the_early_w2_variant_matches_torch(case):
-    check_each_gemm(case, always_early_w2)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("case", EARLY_W2_CASES, ids=lambda c: c.name)
-def test_the_early_w2_variant_is_tiny_t_bit_for_bit_call_after_call(case):
-    # The same copies into the same places: GEMM2's weights issued before its wait change no output bit, and each
-    # call leaves the kept count of routed tokens (which that GEMM2 polls before its wait) at zero for the next.
-    inputs = cases.make_inputs(case, "cuda", seed=43)
-    counters = solution_module("counters")
-    outputs = []
-    for run in (kernel.make_run(lambda _: kernel.TINY_T), *[kernel.make_run(always_early_w2)] * 3):
-        output = cases.poisoned_output(case.num_tokens, "cuda")
-        run(*inputs.values(), output)
-        torch.cuda.synchronize()
-        routed = counters.kept_routed(torch.device("cuda"), kernel.GPU_ARCH)
-        assert int(routed.abs().sum()) == 0, "the combine leaves the kept count at zero"
-        outputs.append(output)
-    theirs, *ours = outputs
-    for output in ours:
-        assert not torch.isnan(output).any()
-        assert torch.equal(output, theirs)
-
-
 def always_three_ctas(num_tokens: int):
     """TINY_T_THREE_CTAS at any T up to 8 (its 8-token tiles would read an expert's weights twice above), so that the
-    GPU tests walk 1-4 items per SM in paired rounds beyond its dispatch range (v2.29)."""
+    GPU tests walk 1-4 items per group in paired rounds beyond its dispatch range (v2.29)."""
     assert num_tokens <= 8
     return kernel.TINY_T_THREE_CTAS
 
@@ -583,24 +554,46 @@ THREE_CTAS_CASES = [
 ]
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("case", [c for c in THREE_CTAS_CASES if c.pattern != "no_local"], ids=lambda c: c.name)
-def test_each_gemm_of_the_three_cta_variant_matches_torch(case):
-    check_each_gemm(case, always_three_ctas)
+# Variants forced beyond their dispatch range, each with its cases: TINY_T with one or two switches, so each must give
+# TINY_T's output bit for bit (the same products per token in the same order).
+FORCED_VARIANTS = [(always_early_w2, case) for case in EARLY_W2_CASES] + [
+    (always_three_ctas, case) for case in THREE_CTAS_CASES
+]
+
+
+def forced_id(value) -> str:
+    return value.__name__ if callable(value) else value.name
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("case", THREE_CTAS_CASES, ids=lambda c: c.name)
-def test_the_three_cta_variant_is_tiny_t_bit_for_bit_call_after_call(case):
-    # An 8-token tile regroups no token's products, the paired walk only moves items between CTAs, and three calls in
-    # a row find the kept counters zeroed.
-    theirs, *ours = outputs_of(
-        (kernel.make_run(lambda _: kernel.TINY_T), *[kernel.make_run(always_three_ctas)] * 3), case, seed=41
-    )
-    assert torch.isfinite(theirs).all()
+@pytest.mark.parametrize(
+    ("choose", "case"), [(f, c) for f, c in FORCED_VARIANTS if c.pattern != "no_local"], ids=forced_id
+)
+def test_each_gemm_of_a_forced_variant_matches_torch(choose, case):
+    check_each_gemm(case, choose)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("choose", "case"), FORCED_VARIANTS, ids=forced_id)
+def test_a_forced_variant_is_tiny_t_bit_for_bit_call_after_call(choose, case):
+    # The early-W2 GEMM2's weights issued before its wait (v2.21) and the three-CTA GEMM1's 8-token tiles and paired
+    # walk (v2.29) change no output bit, and each call leaves the kept count of routed tokens (which the early-W2 GEMM2
+    # polls before its wait) at zero for the next.
+    inputs = cases.make_inputs(case, "cuda", seed=43)
+    counters = solution_module("counters")
+    outputs = []
+    for run in (kernel.make_run(lambda _: kernel.TINY_T), *[kernel.make_run(choose)] * 3):
+        output = cases.poisoned_output(case.num_tokens, "cuda")
+        run(*inputs.values(), output)
+        torch.cuda.synchronize()
+        routed = counters.kept_routed(torch.device("cuda"), kernel.GPU_ARCH)
+        assert int(routed.abs().sum()) == 0, "the combine leaves the kept count at zero"
+        outputs.append(output)
+    theirs, *ours = outputs
     for output in ours:
+        assert not torch.isnan(output).any()
         assert torch.equal(output, theirs)
 
 

@@ -31,11 +31,12 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from .chain import NO_CHAIN
 from .routing import ZeroCountsKernel
 from .shapes import NUM_LOCAL_EXPERTS
+from .streaming_gemm import WALK_SLOT_WORDS
 
-__all__ = ["kept_counts", "kept_routed"]
+__all__ = ["kept_counts", "kept_routed", "kept_walk_slots"]
 
 _KEPT: dict[tuple[int, int, str], torch.Tensor] = {}
-_ZERO: dict[str, Callable] = {}
+_ZERO: dict[tuple[str, int], Callable] = {}
 
 
 class _ZeroCounts:
@@ -46,19 +47,20 @@ class _ZeroCounts:
         ZeroCountsKernel(NO_CHAIN).launch(counts, stream)
 
 
-def compiled_zero(arch: str) -> Callable:
-    """The zeroing launch for `arch` (compiled once; needs no GPU)."""
-    fn = _ZERO.get(arch)
+def compiled_zero(arch: str, words: int = NUM_LOCAL_EXPERTS) -> Callable:
+    """The zeroing launch of a new buffer of `words` int32 for `arch` (compiled once per size; needs no GPU)."""
+    key = (arch, words)
+    fn = _ZERO.get(key)
     if fn is None:
-        counts = make_fake_compact_tensor(cutlass.Int32, (NUM_LOCAL_EXPERTS,), assumed_align=16)
+        counts = make_fake_compact_tensor(cutlass.Int32, (words,), assumed_align=16)
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        fn = _ZERO[arch] = cute.compile(_ZeroCounts(), counts, stream, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+        fn = _ZERO[key] = cute.compile(_ZeroCounts(), counts, stream, options=f"--enable-tvm-ffi --gpu-arch {arch}")
     return fn
 
 
-def _zeroed(device: torch.device, arch: str) -> torch.Tensor:
-    counts = torch.empty(NUM_LOCAL_EXPERTS, dtype=torch.int32, device=device)
-    compiled_zero(arch)(counts)  # on the current stream, before the call that uses it
+def _zeroed(device: torch.device, arch: str, words: int = NUM_LOCAL_EXPERTS) -> torch.Tensor:
+    counts = torch.empty(words, dtype=torch.int32, device=device)
+    compiled_zero(arch, words)(counts)  # on the current stream, before the call that uses it
     return counts
 
 
@@ -73,12 +75,18 @@ def kept_routed(device: torch.device, arch: str) -> torch.Tensor:
     return _kept(device, arch, "routed")
 
 
-def _kept(device: torch.device, arch: str, purpose: str) -> torch.Tensor:
+def kept_walk_slots(device: torch.device, arch: str) -> torch.Tensor:
+    """The per-SM slot counters of GEMM1's walk by SM id (candidate v2.32, `streaming_gemm.take_walk_slot`): zeroed
+    once when created and never again, since every call advances each SM's word by exactly WALK_SLOT_ROUND."""
+    return _kept(device, arch, "walk_slots", WALK_SLOT_WORDS)
+
+
+def _kept(device: torch.device, arch: str, purpose: str, words: int = NUM_LOCAL_EXPERTS) -> torch.Tensor:
     if torch.cuda.is_current_stream_capturing():
-        return _zeroed(device, arch)
+        return _zeroed(device, arch, words)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch.cuda.current_stream(index).cuda_stream, purpose)
     buffer = _KEPT.get(key)
     if buffer is None:
-        buffer = _KEPT[key] = _zeroed(device, arch)
+        buffer = _KEPT[key] = _zeroed(device, arch, words)
     return buffer

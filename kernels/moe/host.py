@@ -28,6 +28,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from .chain import ChainLink, chain_links
 from .combine import CombineKernel
 from .routing import RoutingKernel
+from .streaming_gemm import WALK_SLOT_WORDS
 from .shapes import (
     BLOCK,
     GEMM1_OUT,
@@ -99,6 +100,7 @@ class MoeHostSm90:
         gemm2_grid: cutlass.Int32,
         stream,
         routed=None,  # with routing_in_gemm1: the kept count of routed tokens (`counters.kept_routed`)
+        walk_slots=None,  # with a GEMM1 that walks by SM id: its kept slot counters (`counters.kept_walk_slots`)
     ):
         # What either routing reads and writes besides the counters: `RoutingKernel`'s grid, or GEMM1's
         # (`routing.route_then_meet`, with the kept count of routed tokens appended).
@@ -123,6 +125,7 @@ class MoeHostSm90:
             stream,
             routing,
             counts_out=counts_out,
+            **({"walk_slots": walk_slots} if getattr(self.gemm1.cfg, "smid_walk", False) else {}),
         )
         self.gemm2.launch(
             intermediate,
@@ -206,6 +209,8 @@ def compile_host(host: MoeHostSm90, arch: str) -> Callable:
     args = (*fake_tensor_arguments(), 0, 0, make_fake_stream(use_tvm_ffi_env_stream=True))
     if host.routing_in_gemm1:
         args = (*args, make_fake_compact_tensor(cutlass.Int32, (NUM_LOCAL_EXPERTS,), assumed_align=16))
+    if getattr(host.gemm1.cfg, "smid_walk", False):  # only with routing_in_gemm1 (its cooperative grid)
+        args = (*args, make_fake_compact_tensor(cutlass.Int32, (WALK_SLOT_WORDS,), assumed_align=16))
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
@@ -218,11 +223,13 @@ def launch(
     gemm2_grid: int,
     kept_counts: torch.Tensor,
     kept_routed: torch.Tensor | None = None,
+    kept_walk_slots: torch.Tensor | None = None,
 ) -> None:
     """One call of a compiled host function: the definition's ten inputs (in order), the output,
     the workspaces and the two grid parameters. It counts in `kept_counts` (zero on entry, left at
     zero; `counters.kept_counts`) and copies the call's counts into `workspaces.counts`; a host that routes
-    in GEMM1 also counts the routed tokens in `kept_routed` (`counters.kept_routed`, likewise)."""
+    in GEMM1 also counts the routed tokens in `kept_routed` (`counters.kept_routed`, likewise), and one whose GEMM1
+    walks by SM id draws its CTAs' slots from `kept_walk_slots` (`counters.kept_walk_slots`)."""
     *tensors, local_expert_offset, routed_scaling_factor = inputs
     compiled(
         *tensors,
@@ -240,4 +247,5 @@ def launch(
         gemm1_grid,
         gemm2_grid,
         *(() if kept_routed is None else (kept_routed,)),
+        *(() if kept_walk_slots is None else (kept_walk_slots,)),
     )

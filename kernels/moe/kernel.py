@@ -126,6 +126,7 @@ class StreamingVariant:
     combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (v2.25)
     routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
     gemm1_ctas_per_sm: int = 2  # the `mma.sync` GEMM1's StreamingGemmConfig max_ctas_per_sm (v2.28, v2.29)
+    gemm1_smid_walk: bool = False  # its StreamingGemmConfig smid_walk (candidate v2.32)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -140,6 +141,9 @@ class StreamingVariant:
             raise ValueError("routing_per_cta needs the mma.sync GEMM1 and routing_in_gemm1")
         if self.gemm1_ctas_per_sm != 2 and self.wgmma_gemm1:
             raise ValueError("gemm1_ctas_per_sm is the mma.sync GEMM1's")
+        if self.gemm1_smid_walk and not self.routing_in_gemm1:
+            # Its slots need every CTA resident at once: GEMM1's cooperative launch, which only a routing GEMM1 has.
+            raise ValueError("gemm1_smid_walk needs routing_in_gemm1")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
         if self.wgmma_gemm1:
@@ -155,6 +159,7 @@ class StreamingVariant:
             num_stages=self.num_stages,
             routing_per_cta=self.routing_per_cta,
             max_ctas_per_sm=self.gemm1_ctas_per_sm,
+            smid_walk=self.gemm1_smid_walk,
         )
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:
@@ -369,7 +374,10 @@ def run_keeping_workspaces(
     gemm1_ctas, gemm2_ctas = _grids(variant, _num_sms(device))
     kept = counters.kept_counts(device, GPU_ARCH)
     kept_routed = counters.kept_routed(device, GPU_ARCH) if variant.routing_in_gemm1 else None
-    host.launch(compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas, kept, kept_routed)
+    kept_slots = counters.kept_walk_slots(device, GPU_ARCH) if variant.gemm1_smid_walk else None
+    host.launch(
+        compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas, kept, kept_routed, kept_slots
+    )
     return workspaces
 
 

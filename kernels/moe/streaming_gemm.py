@@ -64,6 +64,8 @@ BF16_CHUNKS_PER_BLOCK_ROW = 2 * BLOCK // CHUNK  # 16
 SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on SM90
 SMEM_RESERVED_PER_CTA = 1024
 PAIRED_SLOTS = 3  # CTAs per SM of the paired-round walk (`paired_round_walk`)
+WALK_SLOT_WORDS = 256  # SM ids the walk by SM id (candidate v2.32) keeps a slot counter for
+WALK_SLOT_ROUND = 4  # each launch advances an SM's slot counter by this (a divisor of 2**32)
 
 assert GEMM1_OUT == 2 * INTERMEDIATE and HIDDEN % STAGE_K == 0 and INTERMEDIATE % STAGE_K == 0
 assert BLOCK % ITEM_ROWS == 0  # an item's rows (per half for GEMM1) lie in one scale block
@@ -260,6 +262,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
         weights_before_wait: bool = False,
         routing_per_cta: bool = False,
         max_ctas_per_sm: int = 2,
+        smid_walk: bool = False,
     ):
         """`weights_before_wait` (v2.20, GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
         schedule once the kept count of routed tokens is complete and issues its first stages' weights before
@@ -268,7 +271,8 @@ class StreamingGemmConfig(PersistentGemmConfig):
         (`routing.route_in_every_cta`) in a few words of shared memory of its own.
         `max_ctas_per_sm` (v2.28): 3 where the configuration's shared memory fits three CTAs per SM and its registers
         do (<= 170 a thread); they walk their items in paired rounds (v2.29, `paired_round_walk`), so that no SM runs
-        its last item with one CTA alone."""
+        its last item with one CTA alone. `smid_walk` (candidate v2.32): the paired walk's groups are the SMs by id,
+        each CTA's slot drawn from a kept per-SM counter (`take_walk_slot`)."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -287,6 +291,9 @@ class StreamingGemmConfig(PersistentGemmConfig):
         self.max_ctas_per_sm = max_ctas_per_sm
         # Three CTAs per SM walk their items in paired rounds (`paired_round_walk`), which assumes they all fit.
         self.paired_rounds = max_ctas_per_sm == PAIRED_SLOTS
+        if smid_walk and not (self.paired_rounds and gemm1):
+            raise StreamingConfigError("smid_walk is the paired walk of a three-CTA GEMM1 (max_ctas_per_sm=3)")
+        self.smid_walk = smid_walk
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -316,6 +323,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
             "w_scales": smem_region(Float32, ns * M_TILES * BLOCKS_PER_STAGE, 128),
             "scratch": smem_region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
             **({"routing_choices": smem_region(Int32, ROUTING_WARPS * TOP_K, 16)} if self.routing_per_cta else {}),
+            **({"walk_slot": smem_region(Int32, 4, 16)} if self.smid_walk else {}),
         }
 
 
@@ -394,27 +402,41 @@ def cta_stage_count(
     return my_items * k_stages
 
 
-def paired_round_walk(total_items, cta, grid):
-    """(base, stride, items) of CTA `cta`'s walk base, base + stride, ... when three CTAs share each SM (v2.29): items
-    go round robin over S = grid / 3 groups of CTAs {g, g + S, g + 2S} (slot = cta // S), and a group's n items to its
-    three CTAs as contiguous runs of c, min(c, n - c) and the rest, c = ceil(n / 3), so that a group's two busiest CTAs
-    hold the same count (a lone CTA streams at about three quarters of two CTAs' rate, v2.28). The counts depend on
-    the slot, and an H200 puts one CTA of each slot on most SMs (not the group's three on one SM, as v2.29 assumed:
-    `tools/cta_placement.py` found CTAs c, c + 124, c + 248 on one SM from c = 24, and CTAs 0-23 three each on 8 SMs;
-    NOTES, session 24), so most SMs get paired rounds. Correct for any placement (every item once). Plain arithmetic
-    (DSL or Python integers)."""
-    sms = grid // PAIRED_SLOTS
-    sm = cta % sms
-    slot = cta // sms
-    n = (total_items - sm + sms - 1) // sms  # items i < total_items with i % sms == sm
+def paired_round_walk(total_items, group, slot, groups):
+    """(base, stride, items) of the CTA in `slot` (0..2) of `group` (of `groups`): its walk is base, base + stride, ...
+    (v2.29). Items go round robin over the groups, and a group's n items to its three CTAs as contiguous runs of c,
+    min(c, n - c) and the rest, c = ceil(n / 3), so that the group's two busiest CTAs hold the same count (a lone CTA
+    streams at about three quarters of two CTAs' rate, v2.28). Where a group's CTAs share an SM, the SM gets paired
+    rounds. `kernel.py`'s groups are {g, g + S, g + 2S} (slot = cta // S), which is not the H200's placement (CTAs 0-23
+    three each on 8 SMs, then c, c + 124, c + 248 on one SM; NOTES, session 24), but most SMs there hold one CTA of each
+    slot and the counts depend on the slot, so most still get paired rounds; candidate v2.32 groups by SM id
+    (`StreamingGemmConfig` smid_walk). Correct for any bijection of the CTAs onto (group, slot). Plain arithmetic (DSL
+    or Python integers)."""
+    n = (total_items - group + groups - 1) // groups  # items i < total_items with i % groups == group
     first = (n + 2) // 3
     second = cutlass.min(first, n - first)
 
-    def run_start(q):  # where slot q's run starts among the SM's items (q = 0..3)
+    def run_start(q):  # where slot q's run starts among the group's items (q = 0..3)
         return cutlass.min(q, 1) * first + cutlass.max(q - 1, 0) * second
 
     start = run_start(slot)
-    return sm + start * sms, sms, cutlass.min(run_start(slot + 1), n) - start
+    return group + start * groups, groups, cutlass.min(run_start(slot + 1), n) - start
+
+
+@cute.jit
+def take_walk_slot(slots: cute.Tensor, walk_groups: Int32, walk_slot: cute.Tensor):
+    """Thread 0 of a three-CTA GEMM1 CTA (candidate v2.32): where the SM ids are dense (`%nsmid` is the grid's SM count
+    and fits the kept buffer), draw this CTA's slot on its SM from the kept counter slots[smid] (old % 4; the CTA that
+    drew 2 adds one more, so each launch advances the word by WALK_SLOT_ROUND: 3 CTAs on every SM) and keep it in
+    walk_slot[0]; elsewhere keep -1 (the walk then groups by CTA index). The CTA's threads read it after a barrier."""
+    slot = Int32(-1)
+    nsmid = cute.arch.nsmid()
+    if nsmid == walk_groups and nsmid <= WALK_SLOT_WORDS:
+        word = (slots.iterator + cute.arch.smid()).llvm_ptr
+        slot = cute.arch.atomic_add(word, Int32(1), scope="gpu") % WALK_SLOT_ROUND
+        if slot == PAIRED_SLOTS - 1:
+            cute.arch.atomic_add(word, Int32(WALK_SLOT_ROUND - PAIRED_SLOTS), scope="gpu")
+    walk_slot[0] = slot
 
 
 @cute.jit
@@ -542,11 +564,13 @@ class StreamingGemm(LinkedGemm):
         routing=None,
         routed=None,
         counts_out=None,
+        walk_slots=None,
     ):
         """`routing`: None, or (GEMM1 up to 1024 tokens, v2.16) `routing.route_then_meet`'s tuple: the grid
         routes the tokens before its schedule. `routed` (GEMM2 with `weights_before_wait`): the kept count of routed
         tokens that GEMM1's grid completes (`counters.kept_routed`). `counts_out` (GEMM1, v2.22): where CTA 0 copies
-        the call's final counts (`schedule_tables`)."""
+        the call's final counts (`schedule_tables`). `walk_slots` (with `smid_walk`): the kept per-SM slot counters
+        (`counters.kept_walk_slots`)."""
         cfg = self.cfg
         bt = cfg.block_tokens
         ns = cfg.num_stages
@@ -572,7 +596,7 @@ class StreamingGemm(LinkedGemm):
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens,
             w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage, routing, routed,
-            counts_out,
+            counts_out, walk_slots,
         )  # fmt: skip
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None)
 
@@ -595,6 +619,7 @@ class StreamingGemm(LinkedGemm):
         routing,
         routed,
         counts_out,
+        walk_slots,
     ):
         # With weights_before_wait, `griddepcontrol.wait` comes once the first stages' weights are on their way.
         enter(self.link, wait=not self.cfg.weights_before_wait)
@@ -616,6 +641,11 @@ class StreamingGemm(LinkedGemm):
         x_scales = storage.x_scales.get_tensor(x_scale_layout)
         w_scales = storage.w_scales.get_tensor(w_scale_layout)
         scratch = storage.scratch.get_tensor(scratch_layout)
+        if cutlass.const_expr(cfg.smid_walk):
+            # Drawn first, so that the atomic's round trip overlaps the routing (read after the schedule's barrier).
+            walk_slot_word = storage.walk_slot.get_tensor(cute.make_layout(4))
+            if tidx == 0:
+                take_walk_slot(walk_slots, grid // PAIRED_SLOTS, walk_slot_word)
         if cutlass.const_expr(routing is not None):
             choices = None
             if cutlass.const_expr(cfg.routing_per_cta):
@@ -633,7 +663,14 @@ class StreamingGemm(LinkedGemm):
         base, stride = cta, grid
         if cutlass.const_expr(cfg.paired_rounds):
             total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * cfg.items_per_row_tile
-            base, stride, my_items = paired_round_walk(total_items, cta, grid)
+            walk_groups = grid // PAIRED_SLOTS
+            walk_group, walk_slot = cta % walk_groups, cta // walk_groups
+            if cutlass.const_expr(cfg.smid_walk):
+                drawn = walk_slot_word[0]
+                if drawn >= 0:
+                    walk_group = cute.arch.smid()
+                    walk_slot = drawn
+            base, stride, my_items = paired_round_walk(total_items, walk_group, walk_slot, walk_groups)
             total_stages = my_items * cfg.k_stages
 
         g2s_16 = cute.make_copy_atom(

@@ -402,7 +402,7 @@ def paired_walks(total_items: int, sms: int) -> list[list[int]]:
     """Every CTA's items under `paired_round_walk`, by CTA (groups {g, g + sms, g + 2 sms})."""
     items = []
     for cta in range(3 * sms):
-        base, stride, count = streaming.paired_round_walk(total_items, cta, 3 * sms)
+        base, stride, count = streaming.paired_round_walk(total_items, cta % sms, cta // sms, sms)
         assert count >= 0
         items.append([base + j * stride for j in range(count)])
     return items

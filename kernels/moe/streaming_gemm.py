@@ -65,8 +65,9 @@ SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on SM90
 SMEM_RESERVED_PER_CTA = 1024
 PAIRED_SLOTS = 3  # CTAs per SM of the paired-round walk (`paired_round_walk`)
 WALK_SLOT_WORDS = 256  # SM ids the walk by SM id (candidate v2.32) keeps a slot counter for
-WALK_SLOT_ROUND = 4  # each launch advances an SM's slot counter by this (a divisor of 2**32)
+WALK_SLOT_ROUND = 4  # each launch advances an SM's slot counter by this (a power of two: a divisor of 2**32)
 
+assert WALK_SLOT_ROUND & (WALK_SLOT_ROUND - 1) == 0 and WALK_SLOT_ROUND > PAIRED_SLOTS
 assert GEMM1_OUT == 2 * INTERMEDIATE and HIDDEN % STAGE_K == 0 and INTERMEDIATE % STAGE_K == 0
 assert BLOCK % ITEM_ROWS == 0  # an item's rows (per half for GEMM1) lie in one scale block
 assert BLOCK % GEMM1_ITEM_COLUMNS == 0
@@ -426,14 +427,16 @@ def paired_round_walk(total_items, group, slot, groups):
 @cute.jit
 def take_walk_slot(slots: cute.Tensor, walk_groups: Int32, walk_slot: cute.Tensor):
     """Thread 0 of a three-CTA GEMM1 CTA (candidate v2.32): where the SM ids are dense (`%nsmid` is the grid's SM count
-    and fits the kept buffer), draw this CTA's slot on its SM from the kept counter slots[smid] (old % 4; the CTA that
-    drew 2 adds one more, so each launch advances the word by WALK_SLOT_ROUND: 3 CTAs on every SM) and keep it in
-    walk_slot[0]; elsewhere keep -1 (the walk then groups by CTA index). The CTA's threads read it after a barrier."""
+    and fits the kept buffer), draw this CTA's slot on its SM from the kept counter slots[smid]: the word before its
+    add, mod WALK_SLOT_ROUND; the CTA that drew 2 adds one more, so each launch (3 CTAs on every SM) advances the word by
+    WALK_SLOT_ROUND and the next launch draws 0, 1, 2 again. Keep it in walk_slot[0]; elsewhere keep -1 (the walk then
+    groups by CTA index). The CTA's threads read it after a barrier."""
     slot = Int32(-1)
     nsmid = cute.arch.nsmid()
     if nsmid == walk_groups and nsmid <= WALK_SLOT_WORDS:
         word = (slots.iterator + cute.arch.smid()).llvm_ptr
-        slot = cute.arch.atomic_add(word, Int32(1), scope="gpu") % WALK_SLOT_ROUND
+        # A mask, not %: the word passes 2**31 after 2**29 calls, where a signed remainder would turn negative.
+        slot = cute.arch.atomic_add(word, Int32(1), scope="gpu") & (WALK_SLOT_ROUND - 1)
         if slot == PAIRED_SLOTS - 1:
             cute.arch.atomic_add(word, Int32(WALK_SLOT_ROUND - PAIRED_SLOTS), scope="gpu")
     walk_slot[0] = slot

@@ -28,7 +28,6 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from .chain import ChainLink, chain_links
 from .combine import CombineKernel
 from .routing import RoutingKernel
-from .streaming_gemm import WALK_SLOT_WORDS
 from .shapes import (
     BLOCK,
     GEMM1_OUT,
@@ -40,6 +39,7 @@ from .shapes import (
     NUM_LOCAL_EXPERTS,
     TOP_K,
 )
+from .streaming_gemm import WALK_SLOT_WORDS
 
 __all__ = ["ExpertGemm", "MoeHostSm90", "Workspaces", "compile_host", "fake_tensor_arguments", "launch"]
 
@@ -125,7 +125,7 @@ class MoeHostSm90:
             stream,
             routing,
             counts_out=counts_out,
-            **({"walk_slots": walk_slots} if getattr(self.gemm1.cfg, "smid_walk", False) else {}),
+            **({"walk_slots": walk_slots} if self.gemm1.cfg.smid_walk else {}),
         )
         self.gemm2.launch(
             intermediate,
@@ -209,7 +209,7 @@ def compile_host(host: MoeHostSm90, arch: str) -> Callable:
     args = (*fake_tensor_arguments(), 0, 0, make_fake_stream(use_tvm_ffi_env_stream=True))
     if host.routing_in_gemm1:
         args = (*args, make_fake_compact_tensor(cutlass.Int32, (NUM_LOCAL_EXPERTS,), assumed_align=16))
-    if getattr(host.gemm1.cfg, "smid_walk", False):  # only with routing_in_gemm1 (its cooperative grid)
+    if host.gemm1.cfg.smid_walk:  # only with routing_in_gemm1 (its cooperative grid)
         args = (*args, make_fake_compact_tensor(cutlass.Int32, (WALK_SLOT_WORDS,), assumed_align=16))
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 

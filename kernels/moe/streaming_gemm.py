@@ -224,6 +224,8 @@ class PersistentGemmConfig:
     weights_before_wait: bool = False
     # A GEMM1 whose every CTA routes up to ROUTING_WARPS tokens itself (v2.26; the `mma.sync` one only).
     routing_per_cta: bool = False
+    # A three-CTA GEMM1 whose walk groups by SM id and takes the kept slot counters (candidate v2.32; the `mma.sync` one).
+    smid_walk: bool = False
     # Registers allow two CTAs of 128 threads per SM at up to 255 registers a thread. A configuration that asks for
     # three states it (`StreamingGemmConfig`'s max_ctas_per_sm; its compiled registers, 72-80 a thread, were read from
     # the cubin, NOTES v2.28), and a cooperative launch of a grid that cannot all be resident fails rather than hangs.

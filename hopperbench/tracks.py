@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_smid_walk",
-            entry="candidate_smid_walk.py::run",
-            description="candidate v2.32: kernel.py with the three-CTA GEMM1's paired walk grouped by SM id (per-SM slots from a kept counter) at 7-8 tokens",
-        ),
     ),
 )
 

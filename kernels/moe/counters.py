@@ -76,8 +76,8 @@ def kept_routed(device: torch.device, arch: str) -> torch.Tensor:
 
 
 def kept_walk_slots(device: torch.device, arch: str) -> torch.Tensor:
-    """The per-SM slot counters of GEMM1's walk by SM id (candidate v2.32, `streaming_gemm.take_walk_slot`): zeroed
-    once when created and never again, since every call advances each SM's word by exactly WALK_SLOT_ROUND."""
+    """The per-SM slot counters of GEMM1's walk by SM id (v2.32, `streaming_gemm.take_walk_slot`): zeroed once when
+    created and never again, since a call's draws give every slot once whatever a word holds."""
     return _kept(device, arch, "walk_slots", WALK_SLOT_WORDS)
 
 

@@ -1,6 +1,6 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.11 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v2.12 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
@@ -21,8 +21,8 @@ EARLY_W2_MAX_TOKENS (v2.21: 1.037x at 1 token) and no release kernel, the combin
 1.006x over the 19, 90 of 95 trials faster); in session 23 the combine's loads issued before their first use up to
 FEW_TOKENS_MAX (v2.25: 1.007x on those 16 workloads, 79 of 80 trials faster) and up to 4 tokens every GEMM1 CTA
 routing the tokens itself, no grid meeting (v2.26: 1.040x at 1 token); in session 24 at 7-8 tokens GEMM1 at three CTAs
-per SM walking its items in paired rounds, so that most SMs never end on a lone CTA (v2.29: 1.024x at 7 tokens;
-NOTES.md).
+per SM walking its items in paired rounds, so that most SMs never end on a lone CTA (v2.29: 1.024x at 7 tokens); in
+session 25 that walk grouped by SM id (v2.32: 1.016x at 7 tokens; NOTES.md).
 Destination passing,
 definition order, no host sync, no data-dependent host logic, graph-safe.
 
@@ -35,7 +35,8 @@ weight streams; the variant is chosen from T alone (a shape):
 - GEMM1 on `mma.sync` below WGMMA_GEMM1_MIN_TOKENS (its 32-row items keep twice as many CTAs
   streaming one or two experts' weights) and on FP8 WGMMA from there (which removes its issue bound).
   From EARLY_W2_MAX_TOKENS + 1 to THREE_CTAS_MAX_TOKENS its row tiles are 8 tokens of 3 stages, three CTAs per SM
-  whose items come in paired rounds (`streaming_gemm.paired_round_walk`).
+  whose items come in paired rounds on each SM (`streaming_gemm.paired_round_walk`, grouped by SM id with slots
+  drawn from kept per-SM counters: `streaming_gemm.take_walk_slot`).
   Row tiles of 16 tokens up to FEW_TOKENS_MAX, 32 up to MEDIUM_T_MAX_TOKENS (at T = 901 the
   synthesized routing gives 20-27 active experts ~40 tokens each, up to ~180: ~1.8 row tiles per
   expert; NOTES.md), 64 above, where each expert has hundreds of tokens and a tile of 64 reads its
@@ -62,7 +63,7 @@ import torch
 from . import counters, host
 from .host import Workspaces
 from .inputs import MAX_TOKENS, MoeShapeError, check_inputs
-from .streaming_gemm import StreamingGemm, StreamingGemmConfig
+from .streaming_gemm import WALK_SLOT_WORDS, StreamingGemm, StreamingGemmConfig
 from .wgmma_gemm1 import WgmmaGemm1, WgmmaGemm1Config
 from .wgmma_gemm2 import WgmmaGemm2, WgmmaGemm2Config
 
@@ -126,7 +127,7 @@ class StreamingVariant:
     combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (v2.25)
     routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
     gemm1_ctas_per_sm: int = 2  # the `mma.sync` GEMM1's StreamingGemmConfig max_ctas_per_sm (v2.28, v2.29)
-    gemm1_smid_walk: bool = False  # its StreamingGemmConfig smid_walk (candidate v2.32)
+    gemm1_smid_walk: bool = False  # its StreamingGemmConfig smid_walk (v2.32)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -208,7 +209,11 @@ TINY_T_EARLY_W2 = dataclasses.replace(TINY_T, gemm2_weights_before_wait=True, ro
 # quarters of two CTAs' rate (the placement: `streaming_gemm.paired_round_walk`, NOTES session 24) (v2.29: 1.024x at 7
 # tokens, 4 of 5 trials faster, 1.031-1.038x with 5 experts and 1.024-1.025x with 7; 8 tokens off the list 1.020x). Below
 # it v2.28 lost on the 1-expert trial of 1 token, where every walk leaves a lone CTA (0.945x with 2 stages in flight).
-TINY_T_THREE_CTAS = dataclasses.replace(TINY_T, block_tokens=8, num_stages=3, gemm1_ctas_per_sm=3)
+# The walk's groups are the SMs by id, each CTA's slot drawn from a kept per-SM counter, since the H200 does not place
+# CTAs g, g + 132, g + 264 on one SM (v2.32: 1.016x at 7 tokens, 5 of 5 trials faster; 8 tokens 1.003x).
+TINY_T_THREE_CTAS = dataclasses.replace(
+    TINY_T, block_tokens=8, num_stages=3, gemm1_ctas_per_sm=3, gemm1_smid_walk=True
+)
 # From 33 tokens both GEMMs are on WGMMA (v2.0, v2.1: 1.02x over the `mma.sync` GEMM2 at 52-62).
 FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True)
 # Above 192 tokens GEMM2 converts each W2 once per 32-token tile into WGMMA's registers (v2.1: 1.22x
@@ -273,9 +278,13 @@ def compiled_for(variant: StreamingVariant, arch: str = GPU_ARCH) -> Callable:
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
-    """Compile the variants and the zeroing of a new counter buffer for `arch` without touching a GPU
+    """Compile the variants and the zeroing of new counter and slot buffers for `arch` without touching a GPU
     (for CI and warm-up: no call compiles lazily afterwards)."""
-    return (*(compiled_for(variant, arch) for variant in VARIANTS), counters.compiled_zero(arch))
+    return (
+        *(compiled_for(variant, arch) for variant in VARIANTS),
+        counters.compiled_zero(arch),
+        counters.compiled_zero(arch, WALK_SLOT_WORDS),
+    )
 
 
 _NUM_SMS: dict[int, int] = {}

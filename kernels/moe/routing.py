@@ -23,7 +23,7 @@ ROUTING_WARPS = 4  # tokens per CTA
 class ZeroCountsKernel(Linked):
     @cute.jit
     def launch(self, counts: cute.Tensor, stream):
-        # One thread per word (32 counters; 256 walk slots, candidate v2.32): the shape is static where it is compiled.
+        # One thread per word (32 counters; 256 walk slots, v2.32): the shape is static where it is compiled.
         self.kernel(counts).launch(grid=[1, 1, 1], block=[counts.shape[0], 1, 1], stream=stream, use_pdl=self.link.waits)
 
     @cute.kernel

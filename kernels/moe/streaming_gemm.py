@@ -64,10 +64,12 @@ BF16_CHUNKS_PER_BLOCK_ROW = 2 * BLOCK // CHUNK  # 16
 SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on SM90
 SMEM_RESERVED_PER_CTA = 1024
 PAIRED_SLOTS = 3  # CTAs per SM of the paired-round walk (`paired_round_walk`)
-WALK_SLOT_WORDS = 256  # SM ids the walk by SM id (candidate v2.32) keeps a slot counter for
-WALK_SLOT_ROUND = 4  # each launch advances an SM's slot counter by this (a power of two: a divisor of 2**32)
+WALK_SLOT_WORDS = 256  # SM ids the walk by SM id (v2.32) keeps a slot counter for
+# Values of an SM's slot counter per round: PAIRED_SLOTS slots and one value that a draw skips (`take_walk_slot`); a
+# power of two, so a divisor of 2**32 and the word's wrap keeps the rounds.
+WALK_SLOT_ROUND = 4
 
-assert WALK_SLOT_ROUND & (WALK_SLOT_ROUND - 1) == 0 and WALK_SLOT_ROUND > PAIRED_SLOTS
+assert WALK_SLOT_ROUND == PAIRED_SLOTS + 1 and WALK_SLOT_ROUND & (WALK_SLOT_ROUND - 1) == 0
 assert GEMM1_OUT == 2 * INTERMEDIATE and HIDDEN % STAGE_K == 0 and INTERMEDIATE % STAGE_K == 0
 assert BLOCK % ITEM_ROWS == 0  # an item's rows (per half for GEMM1) lie in one scale block
 assert BLOCK % GEMM1_ITEM_COLUMNS == 0
@@ -224,7 +226,7 @@ class PersistentGemmConfig:
     weights_before_wait: bool = False
     # A GEMM1 whose every CTA routes up to ROUTING_WARPS tokens itself (v2.26; the `mma.sync` one only).
     routing_per_cta: bool = False
-    # A three-CTA GEMM1 whose walk groups by SM id and takes the kept slot counters (candidate v2.32; the `mma.sync` one).
+    # A three-CTA GEMM1 whose walk groups by SM id and takes the kept slot counters (v2.32; the `mma.sync` one).
     smid_walk: bool = False
     # Registers allow two CTAs of 128 threads per SM at up to 255 registers a thread. A configuration that asks for
     # three states it (`StreamingGemmConfig`'s max_ctas_per_sm; its compiled registers, 72-80 a thread, were read from
@@ -274,8 +276,8 @@ class StreamingGemmConfig(PersistentGemmConfig):
         (`routing.route_in_every_cta`) in a few words of shared memory of its own.
         `max_ctas_per_sm` (v2.28): 3 where the configuration's shared memory fits three CTAs per SM and its registers
         do (<= 170 a thread); they walk their items in paired rounds (v2.29, `paired_round_walk`), so that no SM runs
-        its last item with one CTA alone. `smid_walk` (candidate v2.32): the paired walk's groups are the SMs by id,
-        each CTA's slot drawn from a kept per-SM counter (`take_walk_slot`)."""
+        its last item with one CTA alone. `smid_walk` (v2.32): the paired walk's groups are the SMs by id, each CTA's
+        slot drawn from a kept per-SM counter (`take_walk_slot`)."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -410,10 +412,11 @@ def paired_round_walk(total_items, group, slot, groups):
     (v2.29). Items go round robin over the groups, and a group's n items to its three CTAs as contiguous runs of c,
     min(c, n - c) and the rest, c = ceil(n / 3), so that the group's two busiest CTAs hold the same count (a lone CTA
     streams at about three quarters of two CTAs' rate, v2.28). Where a group's CTAs share an SM, the SM gets paired
-    rounds. `kernel.py`'s groups are {g, g + S, g + 2S} (slot = cta // S), which is not the H200's placement (CTAs 0-23
-    three each on 8 SMs, then c, c + 124, c + 248 on one SM; NOTES, session 24), but most SMs there hold one CTA of each
-    slot and the counts depend on the slot, so most still get paired rounds; candidate v2.32 groups by SM id
-    (`StreamingGemmConfig` smid_walk). Correct for any bijection of the CTAs onto (group, slot). Plain arithmetic (DSL
+    rounds. With `StreamingGemmConfig` smid_walk (v2.32) the groups are the SMs by id; without it (or where SM ids
+    are not dense) they are {g, g + S, g + 2S} (slot = cta // S), which is not the H200's placement (CTAs 0-23 three
+    each on 8 SMs, then c, c + 124, c + 248 on one SM; NOTES, session 24): most SMs there still hold one CTA of each
+    slot, but the 8 front SMs get the largest count three times. Correct for any bijection of the CTAs onto (group,
+    slot). Plain arithmetic (DSL
     or Python integers)."""
     n = (total_items - group + groups - 1) // groups  # items i < total_items with i % groups == group
     first = (n + 2) // 3
@@ -428,19 +431,21 @@ def paired_round_walk(total_items, group, slot, groups):
 
 @cute.jit
 def take_walk_slot(slots: cute.Tensor, walk_groups: Int32, walk_slot: cute.Tensor):
-    """Thread 0 of a three-CTA GEMM1 CTA (candidate v2.32): where the SM ids are dense (`%nsmid` is the grid's SM count
-    and fits the kept buffer), draw this CTA's slot on its SM from the kept counter slots[smid]: the word before its
-    add, mod WALK_SLOT_ROUND; the CTA that drew 2 adds one more, so each launch (3 CTAs on every SM) advances the word by
-    WALK_SLOT_ROUND and the next launch draws 0, 1, 2 again. Keep it in walk_slot[0]; elsewhere keep -1 (the walk then
-    groups by CTA index). The CTA's threads read it after a barrier."""
+    """Thread 0 of a three-CTA GEMM1 CTA: where the SM ids are dense (`%nsmid` is the grid's SM count and fits the kept
+    buffer), draw this CTA's slot on its SM from the kept counter slots[smid]. A draw takes the word before an add of
+    1, mod WALK_SLOT_ROUND; a CTA that draws WALK_SLOT_ROUND - 1 draws once more. The three CTAs of an SM thus take the
+    first three values after the word's start that are not 3 mod 4, which are 0, 1 and 2 in some order whatever the
+    word held: no call zeroes the buffer, and a word that anything left misaligned still gives every slot once. One
+    redraw suffices: between a CTA's two draws the SM's other two CTAs take at most two values. Keep the slot in
+    walk_slot[0]; elsewhere keep -1 (the walk then groups by CTA index). The CTA's threads read it after a barrier."""
     slot = Int32(-1)
     nsmid = cute.arch.nsmid()
     if nsmid == walk_groups and nsmid <= WALK_SLOT_WORDS:
         word = (slots.iterator + cute.arch.smid()).llvm_ptr
         # A mask, not %: the word passes 2**31 after 2**29 calls, where a signed remainder would turn negative.
         slot = cute.arch.atomic_add(word, Int32(1), scope="gpu") & (WALK_SLOT_ROUND - 1)
-        if slot == PAIRED_SLOTS - 1:
-            cute.arch.atomic_add(word, Int32(WALK_SLOT_ROUND - PAIRED_SLOTS), scope="gpu")
+        if slot == WALK_SLOT_ROUND - 1:
+            slot = cute.arch.atomic_add(word, Int32(1), scope="gpu") & (WALK_SLOT_ROUND - 1)
     walk_slot[0] = slot
 
 

@@ -18,6 +18,7 @@ relative L2 at the official 11948 tokens.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -429,6 +430,60 @@ def test_paired_round_walk_covers_every_item_once_and_pairs_each_groups_last_rou
             assert per_slot[1] == per_slot[0] or n == 1
 
 
+@pytest.mark.parametrize("sms", [1, 7, 132])
+def test_paired_round_walk_is_a_bijection_whatever_slots_the_sms_draw(sms):
+    # The walk by SM id (v2.32): any CTA may land on any SM and draw any free slot there.
+    draw = random.Random(sms)
+    for total_items in (0, 1, sms + 1, 5 * sms - 1, 640):
+        owners = [(sm, slot) for sm in range(sms) for slot in range(3)]
+        draw.shuffle(owners)
+        items = []
+        for sm, slot in owners:  # one CTA per (SM, slot), in whatever order the CTAs were numbered
+            base, stride, count = streaming.paired_round_walk(total_items, sm, slot, sms)
+            items += [base + j * stride for j in range(count)]
+        assert sorted(items) == list(range(total_items))
+
+
+def slots_drawn(start: int, choices: tuple[int, ...]) -> tuple[list[int], int]:
+    """Transcription of `take_walk_slot` on one SM's int32 word for its three CTAs: a CTA's slot is the word before an
+    add of 1, mod WALK_SLOT_ROUND, and a CTA that drew WALK_SLOT_ROUND - 1 takes its second draw, whatever it is. Each
+    atomic goes to the pending CTA that `choices` picks (an index into the pending ones). Returns (the slots by CTA,
+    the word after)."""
+    word, round_ = start, streaming.WALK_SLOT_ROUND
+    slots, draws = [-1, -1, -1], [0, 0, 0]
+    for choice in choices:
+        pending = [cta for cta in range(3) if slots[cta] < 0 or slots[cta] == round_ - 1 and draws[cta] == 1]
+        if not pending:
+            break
+        cta = pending[choice % len(pending)]
+        slots[cta], draws[cta] = word & (round_ - 1), draws[cta] + 1
+        word = (word + 1 + 2**31) % 2**32 - 2**31
+    return slots, word
+
+
+def test_the_slot_draw_gives_each_sms_ctas_every_slot_once_from_any_word_in_any_order():
+    # Every interleaving of the CTAs' atomics (at most four on an SM), from words of every residue, around zero and at
+    # the int32 wrap: one redraw suffices, since between a CTA's two draws the other two take at most two values.
+    for start in (*range(-4, 9), 2**31 - 4, 2**31 - 3, 2**31 - 2, 2**31 - 1):
+        start = (start + 2**31) % 2**32 - 2**31
+        for choices in itertools.product(range(3), repeat=5):
+            slots, after = slots_drawn(start, choices)
+            assert sorted(slots) == [0, 1, 2], (start, choices)
+            # A word at 0 mod 4 ends at 3 (the next call's first draw skips it); every other word advances by 4.
+            assert (after - start) % 2**32 == (3 if start % 4 == 0 else 4), (start, choices)
+
+
+def test_the_walk_by_sm_id_needs_a_cooperative_three_cta_gemm1():
+    with pytest.raises(streaming.StreamingConfigError, match="smid_walk"):
+        streaming.StreamingGemmConfig(gemm1=True, block_tokens=8, num_stages=3, smid_walk=True)
+    with pytest.raises(streaming.StreamingConfigError, match="smid_walk"):
+        streaming.StreamingGemmConfig(gemm1=False, block_tokens=8, num_stages=3, max_ctas_per_sm=3, smid_walk=True)
+    with pytest.raises(ValueError, match="routing_in_gemm1"):
+        kernel.StreamingVariant(block_tokens=8, num_stages=3, gemm1_ctas_per_sm=3, gemm1_smid_walk=True)
+    three_ctas = kernel.TINY_T_THREE_CTAS.gemm1()
+    assert three_ctas.smid_walk and "walk_slot" in three_ctas.fields() and three_ctas.ctas_per_sm() == 3
+
+
 def test_paired_rounds_at_the_7_token_rows_expert_counts():
     # 132 groups: 5 experts (640 items) -> groups of 5 as (2, 2, 1); 7 experts (896) -> groups of 7 as (3, 3, 1).
     for total_items, busiest in ((640, (2, 2, 1)), (896, (3, 3, 1)), (1024, (3, 3, 2))):
@@ -595,6 +650,29 @@ def test_a_forced_variant_is_tiny_t_bit_for_bit_call_after_call(choose, case):
     for output in ours:
         assert not torch.isnan(output).any()
         assert torch.equal(output, theirs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", [c for c in THREE_CTAS_CASES if c.num_tokens >= 7], ids=lambda c: c.name)
+def test_the_walk_by_sm_id_is_tiny_t_bit_for_bit_from_any_slot_words(case):
+    # The three-CTA GEMM1 draws its slots from kept per-SM words (v2.32) that no call zeroes: from words of every
+    # residue (the int32 wrap included) each call gives every SM's CTAs every slot once, so the outputs stay TINY_T's
+    # bit for bit, and each word advances by 3 from 0 mod 4 and by 4 otherwise. The H200's SM ids are dense
+    # (`tools/cta_placement.py`), so no SM takes the fallback walk.
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    words = solution_module("counters").kept_walk_slots(device, kernel.GPU_ARCH)
+    start = torch.tensor([-2**31, 2**31 - 1, -1, 0, 1, 2, 3, 5] * 32, dtype=torch.int32, device=device)[: words.numel()]
+    words.copy_(start)
+    theirs, *ours = outputs_of((kernel.make_run(lambda _: kernel.TINY_T), *[kernel.run] * 2), case, seed=59)
+    assert torch.isfinite(theirs).all()
+    for output in ours:
+        assert torch.equal(output, theirs)
+    advanced = (words.long() - start.long()) % 2**32
+    first = torch.where(start.long() % 4 == 0, 3, 4)
+    assert torch.equal(advanced[:sms], first[:sms] + 4)
+    assert torch.equal(advanced[sms:], torch.zeros_like(advanced[sms:]))
 
 
 @pytest.mark.gpu

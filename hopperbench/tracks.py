@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_route_eight",
-            entry="candidate_route_eight.py::run",
-            description="candidate v2.33: kernel.py with every GEMM1 CTA routing up to 8 tokens itself (two per warp, unrolled rank and count loops), no grid meeting",
-        ),
     ),
 )
 

@@ -126,7 +126,6 @@ class StreamingVariant:
     gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.21)
     combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (v2.25)
     routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
-    routing_tokens_per_warp: int = 1  # 2: up to 8 tokens so (candidate v2.33)
     gemm1_ctas_per_sm: int = 2  # the `mma.sync` GEMM1's StreamingGemmConfig max_ctas_per_sm (v2.28, v2.29)
     gemm1_smid_walk: bool = False  # its StreamingGemmConfig smid_walk (v2.32)
 
@@ -160,7 +159,6 @@ class StreamingVariant:
             block_tokens=self.block_tokens,
             num_stages=self.num_stages,
             routing_per_cta=self.routing_per_cta,
-            routing_tokens_per_warp=self.routing_tokens_per_warp,
             max_ctas_per_sm=self.gemm1_ctas_per_sm,
             smid_walk=self.gemm1_smid_walk,
         )

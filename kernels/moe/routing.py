@@ -186,7 +186,6 @@ def route_then_meet(
     grid: cutlass.Int32,
     tidx: cutlass.Int32,
     choices=None,
-    tokens_per_warp: cutlass.Constexpr = 1,
 ):
     """The routing inside GEMM1, the first kernel of a call up to 1024 tokens (v2.16): warp w of CTA c routes
     tokens 4 c + w, + 4 grid, ... (`route_token`), then the CTAs meet: each adds its number of routed tokens to
@@ -196,11 +195,11 @@ def route_then_meet(
     routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank, slot_weight, routed) and the
     call's last kernel zeroes `routed` again (`combine.release_counters`). The barrier is cooperative groups' grid
     sync: a CTA barrier, then thread 0 fences, adds, polls and fences again, then a CTA barrier.
-    `choices` (v2.26; ROUTING_WARPS x tokens_per_warp x TOP_K words of shared memory): up to ROUTING_WARPS x
-    tokens_per_warp tokens every CTA routes them all instead (`route_in_every_cta`) and meets no other."""
+    `choices` (v2.26; ROUTING_WARPS x TOP_K words of shared memory): up to ROUTING_WARPS tokens every CTA routes
+    them all instead (`route_in_every_cta`) and meets no other."""
     if cutlass.const_expr(choices is not None):
-        if routing[0].shape[0] <= ROUTING_WARPS * tokens_per_warp:
-            route_in_every_cta(routing, counts, expert_tokens, choices, cta, tidx, tokens_per_warp)
+        if routing[0].shape[0] <= ROUTING_WARPS:
+            route_in_every_cta(routing, counts, expert_tokens, choices, cta, tidx)
         else:
             _route_share_and_meet(routing, counts, expert_tokens, cta, grid, tidx)
     else:
@@ -236,71 +235,48 @@ def _route_share_and_meet(
 
 
 @cute.jit
-def _count_equal(choices: cute.Tensor, value: cutlass.Int32, end: cutlass.Int32, unrolled_slots: cutlass.Constexpr):
-    """How many of choices[0:end] equal `value`: a loop over `end` where `unrolled_slots` is 0, else all of
-    choices[0:unrolled_slots] compared under a predicate, whose loads do not wait for one another (candidate v2.33)."""
-    found = cutlass.Int32(0)
-    if cutlass.const_expr(unrolled_slots == 0):
-        for slot in cutlass.range(end, unroll=1):
-            if choices[slot] == value:
-                found = found + 1
-    else:
-        for slot in cutlass.range_constexpr(unrolled_slots):
-            if slot < end and choices[slot] == value:
-                found = found + 1
-    return found
-
-
-@cute.jit
 def route_in_every_cta(
-    routing,
-    counts: cute.Tensor,
-    expert_tokens: cute.Tensor,
-    choices: cute.Tensor,
-    cta: cutlass.Int32,
-    tidx: cutlass.Int32,
-    tokens_per_warp: cutlass.Constexpr = 1,
+    routing, counts: cute.Tensor, expert_tokens: cute.Tensor, choices: cute.Tensor, cta: cutlass.Int32, tidx: cutlass.Int32
 ):
-    """Up to ROUTING_WARPS x tokens_per_warp tokens (v2.26; two per warp: candidate v2.33): the CTA routes every token
-    itself, warp w tokens w, w + ROUTING_WARPS, ... (`choose_experts`), keeps the chosen local experts in `choices`
-    (shared memory, token-major) and takes each rank as the number of earlier tokens that chose the same expert (a
-    token chooses an expert once). Every CTA computes the same counts, lists and slots and writes them (identical
-    values), so none waits for another; its own schedule reads its own writes after the CTA barrier. CTA 0 then adds T
-    to the kept routed count for a GEMM2 that reads the schedule before its programmatic wait (`wait_until_routed`);
-    the call's last kernel zeroes it and the counts. With two tokens per warp the rank and count loops are unrolled
-    over every slot (up to 64: a loop of dependent shared-memory round trips would cost ~1 us)."""
+    """Up to ROUTING_WARPS tokens (v2.26): the CTA routes every token itself, warp w token w
+    (`choose_experts`), keeps the chosen local experts in `choices` (shared memory, token-major) and takes each rank
+    as the number of earlier tokens that chose the same expert (a token chooses an expert once). Every CTA computes the
+    same counts, lists and slots and writes them (identical values), so none waits for another; its own schedule reads
+    its own writes after the CTA barrier. CTA 0 then adds T to the kept routed count for a GEMM2 that reads the
+    schedule before its programmatic wait (`wait_until_routed`); the call's last kernel zeroes it and the counts."""
     (
         routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank,
         slot_weight, routed,
     ) = routing  # fmt: skip
     num_tokens = routing_logits.shape[0]
-    warp_id = tidx // 32
+    token = tidx // 32
     lane = tidx % 32
-    unrolled_slots = 0 if tokens_per_warp == 1 else ROUTING_WARPS * tokens_per_warp * TOP_K
-    chosen = []  # (token, local expert or -1, weight) of each of the warp's tokens
-    for i in cutlass.range_constexpr(tokens_per_warp):
-        token = warp_id + i * ROUTING_WARPS
-        local = cutlass.Int32(-1)
-        weight = cutlass.Float32(0.0)
-        if token < num_tokens:
-            my_expert, my_weight = choose_experts(routing_logits, routing_bias, routed_scaling_factor, token, lane)
-            weight = my_weight
-            if lane < TOP_K:
-                local = my_expert - local_expert_offset
-                if local < 0 or local >= NUM_LOCAL_EXPERTS:
-                    local = cutlass.Int32(-1)
-                choices[token * TOP_K + lane] = local
-        chosen.append((token, local, weight))
+    local = cutlass.Int32(-1)
+    weight = cutlass.Float32(0.0)
+    if token < num_tokens:
+        my_expert, my_weight = choose_experts(routing_logits, routing_bias, routed_scaling_factor, token, lane)
+        weight = my_weight
+        if lane < TOP_K:
+            local = my_expert - local_expert_offset
+            if local < 0 or local >= NUM_LOCAL_EXPERTS:
+                local = cutlass.Int32(-1)
+            choices[token * TOP_K + lane] = local
     cute.arch.sync_threads()
-    for token, local, weight in chosen:
-        if token < num_tokens and lane < TOP_K:
-            if local >= 0:
-                rank = _count_equal(choices, local, token * TOP_K, unrolled_slots)
-                _record_local(expert_tokens, slot_expert, slot_rank, slot_weight, token, lane, local, rank, weight)
-            else:
-                _record_not_local(slot_expert, slot_rank, slot_weight, token, lane)
+    if token < num_tokens and lane < TOP_K:
+        if local >= 0:
+            rank = cutlass.Int32(0)
+            for earlier in cutlass.range(token * TOP_K, unroll=1):
+                if choices[earlier] == local:
+                    rank = rank + 1
+            _record_local(expert_tokens, slot_expert, slot_rank, slot_weight, token, lane, local, rank, weight)
+        else:
+            _record_not_local(slot_expert, slot_rank, slot_weight, token, lane)
     if tidx < NUM_LOCAL_EXPERTS:
-        counts[tidx] = _count_equal(choices, tidx, num_tokens * TOP_K, unrolled_slots)
+        count = cutlass.Int32(0)
+        for slot in cutlass.range(num_tokens * TOP_K, unroll=1):
+            if choices[slot] == tidx:
+                count = count + 1
+        counts[tidx] = count
     cute.arch.sync_threads()
     if cta == 0 and tidx == 0:
         # Release: the CTA's writes (ordered before this thread's by the barrier) before the count GEMM2 polls.

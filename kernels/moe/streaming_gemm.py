@@ -224,10 +224,8 @@ class PersistentGemmConfig:
     # A GEMM2 that issues its first weights before its programmatic wait takes the kept routed count (only the
     # `mma.sync` one can: `StreamingGemmConfig`'s weights_before_wait, v2.21).
     weights_before_wait: bool = False
-    # A GEMM1 whose every CTA routes up to ROUTING_WARPS x routing_tokens_per_warp tokens itself (v2.26; two per warp:
-    # candidate v2.33; the `mma.sync` one only).
+    # A GEMM1 whose every CTA routes up to ROUTING_WARPS tokens itself (v2.26; the `mma.sync` one only).
     routing_per_cta: bool = False
-    routing_tokens_per_warp: int = 1
     # A three-CTA GEMM1 whose walk groups by SM id and takes the kept slot counters (v2.32; the `mma.sync` one).
     smid_walk: bool = False
     # Registers allow two CTAs of 128 threads per SM at up to 255 registers a thread. A configuration that asks for
@@ -270,14 +268,12 @@ class StreamingGemmConfig(PersistentGemmConfig):
         routing_per_cta: bool = False,
         max_ctas_per_sm: int = 2,
         smid_walk: bool = False,
-        routing_tokens_per_warp: int = 1,
     ):
         """`weights_before_wait` (v2.20, GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
         schedule once the kept count of routed tokens is complete and issues its first stages' weights before
         `griddepcontrol.wait`; only the activations (GEMM1's output) wait for GEMM1 to complete.
-        `routing_per_cta` (v2.26, GEMM1 that routes): up to ROUTING_WARPS x `routing_tokens_per_warp` (1 or 2; 2:
-        candidate v2.33) tokens every CTA routes them all (`routing.route_in_every_cta`) in a few words of shared
-        memory of its own.
+        `routing_per_cta` (v2.26, GEMM1 that routes): up to ROUTING_WARPS tokens every CTA routes them all
+        (`routing.route_in_every_cta`) in a few words of shared memory of its own.
         `max_ctas_per_sm` (v2.28): 3 where the configuration's shared memory fits three CTAs per SM and its registers
         do (<= 170 a thread); they walk their items in paired rounds (v2.29, `paired_round_walk`), so that no SM runs
         its last item with one CTA alone. `smid_walk` (v2.32): the paired walk's groups are the SMs by id, each CTA's
@@ -295,9 +291,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if routing_per_cta and not gemm1:
             raise StreamingConfigError("routing_per_cta is GEMM1's (the call's first kernel routes)")
         self.routing_per_cta = routing_per_cta
-        if routing_tokens_per_warp not in (1, 2) or (routing_tokens_per_warp != 1 and not routing_per_cta):
-            raise StreamingConfigError("routing_tokens_per_warp is 1, or 2 with routing_per_cta")
-        self.routing_tokens_per_warp = routing_tokens_per_warp
         if max_ctas_per_sm not in (2, 3):
             raise StreamingConfigError(f"max_ctas_per_sm must be 2 or 3, got {max_ctas_per_sm}")
         self.max_ctas_per_sm = max_ctas_per_sm
@@ -324,10 +317,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
             # item by the computed item's first stage.
             raise StreamingConfigError(f"an item of {self.k_stages} K stages needs num_stages <= {self.k_stages}")
 
-    def routing_choice_words(self) -> int:
-        """Shared-memory words of a routing-per-CTA GEMM1's chosen local experts: TOP_K per token it routes."""
-        return ROUTING_WARPS * self.routing_tokens_per_warp * TOP_K
-
     def fields(self) -> dict:
         ns, bt = self.num_stages, self.block_tokens
         x_dtype = cutlass.Float8E4M3FN if self.gemm1 else cutlass.BFloat16
@@ -338,7 +327,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
             "x_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE * bt, 128),
             "w_scales": smem_region(Float32, ns * M_TILES * BLOCKS_PER_STAGE, 128),
             "scratch": smem_region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
-            **({"routing_choices": smem_region(Int32, self.routing_choice_words(), 16)} if self.routing_per_cta else {}),
+            **({"routing_choices": smem_region(Int32, ROUTING_WARPS * TOP_K, 16)} if self.routing_per_cta else {}),
             **({"walk_slot": smem_region(Int32, 4, 16)} if self.smid_walk else {}),
         }
 
@@ -670,8 +659,8 @@ class StreamingGemm(LinkedGemm):
         if cutlass.const_expr(routing is not None):
             choices = None
             if cutlass.const_expr(cfg.routing_per_cta):
-                choices = storage.routing_choices.get_tensor(cute.make_layout(cfg.routing_choice_words()))
-            route_then_meet(routing, counts, expert_tokens, cta, grid, tidx, choices, cfg.routing_tokens_per_warp)
+                choices = storage.routing_choices.get_tensor(cute.make_layout(ROUTING_WARPS * TOP_K))
+            route_then_meet(routing, counts, expert_tokens, cta, grid, tidx, choices)
         if cutlass.const_expr(cfg.weights_before_wait):
             # The counts are final once every routing CTA has added its tokens (before GEMM1 completes).
             if tidx == 0:

@@ -137,7 +137,7 @@ class MoeHostSm90:
             expert_tokens,
             gemm2_grid,
             stream,
-            **({"routed": routed} if self.gemm2.cfg.weights_before_wait else {}),
+            **({"routed": routed} if self.gemm2.cfg.weights_before_wait or self.gemm2.cfg.dynamic_items else {}),
         )
         self.combine.launch(
             counts_out, slot_expert, slot_rank, slot_weight, expert_out, output, stream, (counts, routed)

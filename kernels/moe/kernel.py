@@ -128,6 +128,7 @@ class StreamingVariant:
     routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
     gemm1_ctas_per_sm: int = 2  # the `mma.sync` GEMM1's StreamingGemmConfig max_ctas_per_sm (v2.28, v2.29)
     gemm1_smid_walk: bool = False  # its StreamingGemmConfig smid_walk (v2.32)
+    gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (candidate v2.34)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -142,6 +143,9 @@ class StreamingVariant:
             raise ValueError("routing_per_cta needs the mma.sync GEMM1 and routing_in_gemm1")
         if self.gemm1_ctas_per_sm != 2 and self.wgmma_gemm1:
             raise ValueError("gemm1_ctas_per_sm is the mma.sync GEMM1's")
+        if self.gemm2_dynamic_items and (self.wgmma_gemm2 or not self.routing_in_gemm1):
+            # Its claim counter is a word of the kept routed-count buffer (`streaming_gemm.claim_item`).
+            raise ValueError("gemm2_dynamic_items needs the mma.sync GEMM2 and routing_in_gemm1")
         if self.gemm1_smid_walk and not self.routing_in_gemm1:
             # Its slots need every CTA resident at once: GEMM1's cooperative launch, which only a routing GEMM1 has.
             raise ValueError("gemm1_smid_walk needs routing_in_gemm1")
@@ -177,6 +181,7 @@ class StreamingVariant:
             block_tokens=block_tokens,
             num_stages=num_stages,
             weights_before_wait=self.gemm2_weights_before_wait,
+            dynamic_items=self.gemm2_dynamic_items,
         )
 
     def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:

@@ -65,6 +65,7 @@ SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on SM90
 SMEM_RESERVED_PER_CTA = 1024
 PAIRED_SLOTS = 3  # CTAs per SM of the paired-round walk (`paired_round_walk`)
 WALK_SLOT_WORDS = 256  # SM ids the walk by SM id (v2.32) keeps a slot counter for
+ITEM_CLAIMS_WORD = 1  # the word of the kept routed-count buffer that a GEMM2 with dynamic_items claims from (v2.34)
 # Values of an SM's slot counter per round: PAIRED_SLOTS slots and one value that a draw skips (`take_walk_slot`); a
 # power of two, so a divisor of 2**32 and the word's wrap keeps the rounds.
 WALK_SLOT_ROUND = 4
@@ -228,6 +229,8 @@ class PersistentGemmConfig:
     routing_per_cta: bool = False
     # A three-CTA GEMM1 whose walk groups by SM id and takes the kept slot counters (v2.32; the `mma.sync` one).
     smid_walk: bool = False
+    # A GEMM2 whose CTAs claim their items after the first from a kept counter (candidate v2.34; the `mma.sync` one).
+    dynamic_items: bool = False
     # Registers allow two CTAs of 128 threads per SM at up to 255 registers a thread. A configuration that asks for
     # three states it (`StreamingGemmConfig`'s max_ctas_per_sm; its compiled registers, 72-80 a thread, were read from
     # the cubin, NOTES v2.28), and a cooperative launch of a grid that cannot all be resident fails rather than hangs.
@@ -268,6 +271,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
         routing_per_cta: bool = False,
         max_ctas_per_sm: int = 2,
         smid_walk: bool = False,
+        dynamic_items: bool = False,
     ):
         """`weights_before_wait` (v2.20, GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
         schedule once the kept count of routed tokens is complete and issues its first stages' weights before
@@ -277,7 +281,9 @@ class StreamingGemmConfig(PersistentGemmConfig):
         `max_ctas_per_sm` (v2.28): 3 where the configuration's shared memory fits three CTAs per SM and its registers
         do (<= 170 a thread); they walk their items in paired rounds (v2.29, `paired_round_walk`), so that no SM runs
         its last item with one CTA alone. `smid_walk` (v2.32): the paired walk's groups are the SMs by id, each CTA's
-        slot drawn from a kept per-SM counter (`take_walk_slot`)."""
+        slot drawn from a kept per-SM counter (`take_walk_slot`). `dynamic_items` (candidate v2.34, GEMM2): CTA c's
+        first item is c, and each later one the next of a kept counter's claims (`claim_after`), so that the SMs that
+        finish first take the tail whatever the placement."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -299,6 +305,10 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if smid_walk and not (self.paired_rounds and gemm1):
             raise StreamingConfigError("smid_walk is the paired walk of a three-CTA GEMM1 (max_ctas_per_sm=3)")
         self.smid_walk = smid_walk
+        if dynamic_items and (gemm1 or weights_before_wait):
+            # Its claims sit in the kept routed-count buffer, which only a host that routes in GEMM1 has.
+            raise StreamingConfigError("dynamic_items is GEMM2's, without weights_before_wait")
+        self.dynamic_items = dynamic_items
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -329,6 +339,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
             "scratch": smem_region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
             **({"routing_choices": smem_region(Int32, ROUTING_WARPS * TOP_K, 16)} if self.routing_per_cta else {}),
             **({"walk_slot": smem_region(Int32, 4, 16)} if self.smid_walk else {}),
+            **({"claimed_item": smem_region(Int32, 4, 16)} if self.dynamic_items else {}),
         }
 
 
@@ -447,6 +458,24 @@ def take_walk_slot(slots: cute.Tensor, walk_groups: Int32, walk_slot: cute.Tenso
         if slot == WALK_SLOT_ROUND - 1:
             slot = cute.arch.atomic_add(word, Int32(1), scope="gpu") & (WALK_SLOT_ROUND - 1)
     walk_slot[0] = slot
+
+
+@cute.jit
+def claim_item(routed: cute.Tensor) -> Int32:
+    """Thread 0 of a GEMM2 CTA with `dynamic_items` (candidate v2.34): the next claim of the kept counter in word
+    ITEM_CLAIMS_WORD of the kept routed-count buffer (`counters.kept_routed`); claim n is item grid + n. A CTA claims
+    until a claim is past the last item, so each launch makes exactly one failing claim per CTA and the counter ends
+    at max(items - grid, 0) + grid (`release_claims`)."""
+    return cute.arch.atomic_add((routed.iterator + ITEM_CLAIMS_WORD).llvm_ptr, Int32(1), scope="gpu")
+
+
+@cute.jit
+def release_claims(routed: cute.Tensor, last_claim: Int32, total_items: Int32, grid: Int32):
+    """The CTA whose failing claim was the launch's last (every CTA has made its one failing claim, so no claim
+    follows it) brings the counter back to zero for the next launch, which stream order places after this one."""
+    final_claim = cutlass.max(total_items - grid, 0) + grid - 1
+    if last_claim == final_claim:
+        cute.arch.atomic_add((routed.iterator + ITEM_CLAIMS_WORD).llvm_ptr, -(final_claim + 1), scope="gpu")
 
 
 @cute.jit
@@ -580,7 +609,8 @@ class StreamingGemm(LinkedGemm):
         routes the tokens before its schedule. `routed` (GEMM2 with `weights_before_wait`): the kept count of routed
         tokens that GEMM1's grid completes (`counters.kept_routed`). `counts_out` (GEMM1, v2.22): where CTA 0 copies
         the call's final counts (`schedule_tables`). `walk_slots` (with `smid_walk`): the kept per-SM slot counters
-        (`counters.kept_walk_slots`)."""
+        (`counters.kept_walk_slots`). GEMM2 with `dynamic_items` takes `routed` too: word ITEM_CLAIMS_WORD of that
+        buffer is its claim counter (`claim_item`)."""
         cfg = self.cfg
         bt = cfg.block_tokens
         ns = cfg.num_stages
@@ -682,6 +712,15 @@ class StreamingGemm(LinkedGemm):
                     walk_slot = drawn
             base, stride, my_items = paired_round_walk(total_items, walk_group, walk_slot, walk_groups)
             total_stages = my_items * cfg.k_stages
+        if cutlass.const_expr(cfg.dynamic_items):
+            # CTA c's first item is c (if there is one); thread 0 claims each later one an item ahead (`claim_item`).
+            total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * cfg.items_per_row_tile
+            total_stages = cutlass.min(cutlass.max(total_items - cta, 0), 1) * cfg.k_stages
+            stride = Int32(0)  # the load side's item is then `base`, which the loop moves to each claimed item
+            claimed_word = storage.claimed_item.get_tensor(cute.make_layout(4))
+            pending = Int32(0)
+            if tidx == 0:
+                pending = claim_item(routed)
 
         g2s_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
@@ -733,40 +772,90 @@ class StreamingGemm(LinkedGemm):
         block_acc = cute.make_rmem_tensor((M_TILES * cfg.n_tiles * 4,), Float32)
         acc.fill(0.0)
 
-        for s in cutlass.range(total_stages, unroll=1):
-            # Stage s has landed once at most ns - 2 younger groups are pending; the barrier also
-            # tells every thread that all warps are done with the slot the next load overwrites.
-            cute.arch.cp_async_wait_group(ns - 2)
-            cute.arch.sync_threads()
-            if s + ns - 1 < total_stages:
+        if cutlass.const_expr(cfg.dynamic_items):
+            # The static loop's stages, for as long as claims succeed: at the stage before the load side needs a
+            # new item thread 0 publishes its pending claim in shared memory (read after the next barrier) and, if
+            # that item exists, claims the one after; the load side then extends total_stages by the item's K
+            # stages. k_stages >= num_stages keeps each publication inside the CTA's last item.
+            s = Int32(0)
+            computed_item = base
+            while s < total_stages:
+                cute.arch.cp_async_wait_group(ns - 2)
+                cute.arch.sync_threads()
                 if (s + ns - 1) % cfg.k_stages == 0:
-                    located = self.load_location(
-                        base, stride, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx,
-                        (w_scale.layout,),
-                    )  # fmt: skip
-                self.load_stage(
-                    s + ns - 1, (s + ns - 1) % ns, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales,
-                    w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
-                )
-            cute.arch.cp_async_commit_group()
+                    claimed = grid + claimed_word[0]
+                    if claimed < total_items:
+                        base = claimed
+                        total_stages = total_stages + cfg.k_stages
+                        located = self.load_location(
+                            base, stride, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx,
+                            (w_scale.layout,),
+                        )  # fmt: skip
+                if s + ns - 1 < total_stages:
+                    self.load_stage(
+                        s + ns - 1, (s + ns - 1) % ns, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales,
+                        w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
+                    )
+                cute.arch.cp_async_commit_group()
+                if tidx == 0 and (s + ns) % cfg.k_stages == 0:
+                    claimed_word[0] = pending
+                    if grid + pending < total_items:
+                        pending = claim_item(routed)
 
-            item = base + (s // cfg.k_stages) * stride
-            k_stage = s % cfg.k_stages
-            if k_stage == 0:
-                # The load side located this item when it issued its first stage and has not moved on
-                # (k_stages >= num_stages); packed_row0 waits for the epilogue, a branch of its own (v2.13: a
-                # location here was predicated, not branched around, and issued at every stage).
-                valid_rows = located[1]
-                acc.fill(0.0)
-            self.compute_block(
-                s % ns, warp_id, group, quad, valid_rows, w_stages, x_stages, x_scales, w_scales, acc, block_acc
-            )
-            if k_stage == cfg.k_stages - 1:
-                _, _, _, packed_row0 = self.locate(item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset)
-                self.epilogue(
-                    acc, scratch, out, item % cfg.items_per_row_tile, packed_row0, valid_rows, warp_id, group,
-                    quad, tidx,
+                k_stage = s % cfg.k_stages
+                if k_stage == 0:
+                    valid_rows = located[1]
+                    computed_item = base
+                    acc.fill(0.0)
+                self.compute_block(
+                    s % ns, warp_id, group, quad, valid_rows, w_stages, x_stages, x_scales, w_scales, acc, block_acc
                 )
+                if k_stage == cfg.k_stages - 1:
+                    _, _, _, packed_row0 = self.locate(
+                        computed_item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset
+                    )
+                    self.epilogue(
+                        acc, scratch, out, computed_item % cfg.items_per_row_tile, packed_row0, valid_rows, warp_id,
+                        group, quad, tidx,
+                    )
+                s = s + 1
+            if tidx == 0:
+                release_claims(routed, pending, total_items, grid)
+        else:
+            for s in cutlass.range(total_stages, unroll=1):
+                # Stage s has landed once at most ns - 2 younger groups are pending; the barrier also
+                # tells every thread that all warps are done with the slot the next load overwrites.
+                cute.arch.cp_async_wait_group(ns - 2)
+                cute.arch.sync_threads()
+                if s + ns - 1 < total_stages:
+                    if (s + ns - 1) % cfg.k_stages == 0:
+                        located = self.load_location(
+                            base, stride, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx,
+                            (w_scale.layout,),
+                        )  # fmt: skip
+                    self.load_stage(
+                        s + ns - 1, (s + ns - 1) % ns, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales,
+                        w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
+                    )
+                cute.arch.cp_async_commit_group()
+
+                item = base + (s // cfg.k_stages) * stride
+                k_stage = s % cfg.k_stages
+                if k_stage == 0:
+                    # The load side located this item when it issued its first stage and has not moved on
+                    # (k_stages >= num_stages); packed_row0 waits for the epilogue, a branch of its own (v2.13: a
+                    # location here was predicated, not branched around, and issued at every stage).
+                    valid_rows = located[1]
+                    acc.fill(0.0)
+                self.compute_block(
+                    s % ns, warp_id, group, quad, valid_rows, w_stages, x_stages, x_scales, w_scales, acc, block_acc
+                )
+                if k_stage == cfg.k_stages - 1:
+                    _, _, _, packed_row0 = self.locate(item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset)
+                    self.epilogue(
+                        acc, scratch, out, item % cfg.items_per_row_tile, packed_row0, valid_rows, warp_id, group,
+                        quad, tidx,
+                    )
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_claimed_w2",
-            entry="candidate_claimed_w2.py::run",
-            description="candidate v2.34: kernel.py with the mma.sync GEMM2 of 7-32 tokens claiming its items after the first from a kept counter",
-        ),
     ),
 )
 

@@ -72,7 +72,7 @@ def kept_counts(device: torch.device, arch: str) -> torch.Tensor:
 def kept_routed(device: torch.device, arch: str) -> torch.Tensor:
     """The zeroed buffer whose first element counts the routed tokens when the routing runs inside GEMM1
     (`routing.route_then_meet`, v2.16); kept and zeroed like the counts. Word `streaming_gemm.ITEM_CLAIMS_WORD` is the
-    claim counter of a GEMM2 with dynamic_items (candidate v2.34), which that GEMM2 itself leaves at zero."""
+    claim counter of a GEMM2 with dynamic_items (v2.34), which that GEMM2 itself leaves at zero."""
     return _kept(device, arch, "routed")
 
 

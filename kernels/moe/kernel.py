@@ -1,6 +1,6 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.12 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v2.13 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
@@ -22,7 +22,8 @@ EARLY_W2_MAX_TOKENS (v2.21: 1.037x at 1 token) and no release kernel, the combin
 FEW_TOKENS_MAX (v2.25: 1.007x on those 16 workloads, 79 of 80 trials faster) and up to 4 tokens every GEMM1 CTA
 routing the tokens itself, no grid meeting (v2.26: 1.040x at 1 token); in session 24 at 7-8 tokens GEMM1 at three CTAs
 per SM walking its items in paired rounds, so that most SMs never end on a lone CTA (v2.29: 1.024x at 7 tokens); in
-session 25 that walk grouped by SM id (v2.32: 1.016x at 7 tokens; NOTES.md).
+session 25 that walk grouped by SM id (v2.32: 1.016x at 7 tokens) and from 7 to 32 tokens GEMM2's items after the
+first claimed from a kept counter (v2.34: 1.011x at 7 tokens, 1.010-1.014x at 14-32; NOTES.md).
 Destination passing,
 definition order, no host sync, no data-dependent host logic, graph-safe.
 
@@ -45,7 +46,8 @@ weight streams; the variant is chosen from T alone (a shape):
   CTAs per SM: 8-token tiles with 4 stages up to FEW_TOKENS_MAX, 32-token tiles with 3 stages above.
   It runs on bf16 WGMMA with the e4m3 weights converted in registers wherever GEMM1 is on WGMMA
   (GEMM1 then stores C in the column order it reads). Up to EARLY_W2_MAX_TOKENS it issues its first
-  stages' weights before its programmatic wait (only C waits for GEMM1).
+  stages' weights before its programmatic wait (only C waits for GEMM1); from there to WGMMA_GEMM1_MIN_TOKENS its
+  CTAs claim their items after the first from a kept counter (`streaming_gemm.claim_item`).
 
 Each configuration is compiled once (dynamic T) on first use and cached; `compile_only()` compiles
 all of them.
@@ -128,7 +130,7 @@ class StreamingVariant:
     routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
     gemm1_ctas_per_sm: int = 2  # the `mma.sync` GEMM1's StreamingGemmConfig max_ctas_per_sm (v2.28, v2.29)
     gemm1_smid_walk: bool = False  # its StreamingGemmConfig smid_walk (v2.32)
-    gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (candidate v2.34)
+    gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -197,8 +199,16 @@ class StreamingVariant:
 # Up to FEW_TOKENS_MAX the combine issues all of a thread's loads before using one (v2.25: 1.007x over the 16 workloads
 # up to 192 tokens, 79 of 80 trials faster); above it its 92 registers per thread would cut its CTAs per SM from 16 to 5
 # where a thread has about one row to load anyway (v2.24: 0.97x at 11948 and 14107 tokens).
+# From 7 to 32 tokens GEMM2's CTAs claim their items after the first from a kept counter: they become resident as
+# GEMM1's retire, so which of them share an SM is not known, and a fixed walk's extra items ended some SMs microseconds
+# after the rest (v2.34: 1.011x at 7 tokens, 5 of 5 trials faster; 14-32 tokens 1.010-1.014x; 8 tokens 1.016x).
 TINY_T = StreamingVariant(
-    block_tokens=16, gemm2_block_tokens=8, gemm2_num_stages=4, routing_in_gemm1=True, combine_loads_first=True
+    block_tokens=16,
+    gemm2_block_tokens=8,
+    gemm2_num_stages=4,
+    routing_in_gemm1=True,
+    combine_loads_first=True,
+    gemm2_dynamic_items=True,
 )
 # Up to EARLY_W2_MAX_TOKENS GEMM2 reads its schedule once the routed count is complete and issues its first stages'
 # weights before its programmatic wait (v2.21: 1.037x at 1 token, all five trials faster; 1.007-1.034x off the list at
@@ -207,7 +217,10 @@ TINY_T = StreamingVariant(
 # Up to 4 tokens (one per warp) every GEMM1 CTA routes them all and ranks them in token order instead of meeting the
 # grid on CTA 0's routing (v2.26: 1 token 1.040x, 5 of 5 trials; off the list 2-4 tokens 1.001-1.040x, 5-6 tokens,
 # where the same kernel meets, 0.997-0.998x).
-TINY_T_EARLY_W2 = dataclasses.replace(TINY_T, gemm2_weights_before_wait=True, routing_per_cta=True)
+# Its GEMM2 walks a fixed round robin, which it knows before its wait (claims would be taken after it).
+TINY_T_EARLY_W2 = dataclasses.replace(
+    TINY_T, gemm2_weights_before_wait=True, routing_per_cta=True, gemm2_dynamic_items=False
+)
 # From EARLY_W2_MAX_TOKENS + 1 to THREE_CTAS_MAX_TOKENS GEMM1 runs 8-token row tiles of 3 stages at three CTAs per SM
 # (66.5 KB each, 80 registers a thread), whose items come in paired rounds: the two busiest CTAs of a group hold the
 # same count, and most SMs hold one CTA of each slot, so they do not end on one CTA alone, which streams at about three
@@ -220,7 +233,7 @@ TINY_T_THREE_CTAS = dataclasses.replace(
     TINY_T, block_tokens=8, num_stages=3, gemm1_ctas_per_sm=3, gemm1_smid_walk=True
 )
 # From 33 tokens both GEMMs are on WGMMA (v2.0, v2.1: 1.02x over the `mma.sync` GEMM2 at 52-62).
-FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True)
+FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True, gemm2_dynamic_items=False)
 # Above 192 tokens GEMM2 converts each W2 once per 32-token tile into WGMMA's registers (v2.1: 1.22x
 # at 901 over v1.6's `mma.sync` 16 x 3), and every larger T streams too (1.51-1.65x over v0's grouped
 # pipeline at 11948 and 14107 tokens).

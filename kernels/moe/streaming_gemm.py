@@ -229,7 +229,7 @@ class PersistentGemmConfig:
     routing_per_cta: bool = False
     # A three-CTA GEMM1 whose walk groups by SM id and takes the kept slot counters (v2.32; the `mma.sync` one).
     smid_walk: bool = False
-    # A GEMM2 whose CTAs claim their items after the first from a kept counter (candidate v2.34; the `mma.sync` one).
+    # A GEMM2 whose CTAs claim their items after the first from a kept counter (v2.34; the `mma.sync` one).
     dynamic_items: bool = False
     # Registers allow two CTAs of 128 threads per SM at up to 255 registers a thread. A configuration that asks for
     # three states it (`StreamingGemmConfig`'s max_ctas_per_sm; its compiled registers, 72-80 a thread, were read from
@@ -281,7 +281,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
         `max_ctas_per_sm` (v2.28): 3 where the configuration's shared memory fits three CTAs per SM and its registers
         do (<= 170 a thread); they walk their items in paired rounds (v2.29, `paired_round_walk`), so that no SM runs
         its last item with one CTA alone. `smid_walk` (v2.32): the paired walk's groups are the SMs by id, each CTA's
-        slot drawn from a kept per-SM counter (`take_walk_slot`). `dynamic_items` (candidate v2.34, GEMM2): CTA c's
+        slot drawn from a kept per-SM counter (`take_walk_slot`). `dynamic_items` (v2.34, GEMM2): CTA c's
         first item is c, and each later one the next of a kept counter's claims (`claim_after`), so that the SMs that
         finish first take the tail whatever the placement."""
         if block_tokens not in (8, 16, 32):
@@ -462,7 +462,7 @@ def take_walk_slot(slots: cute.Tensor, walk_groups: Int32, walk_slot: cute.Tenso
 
 @cute.jit
 def claim_item(routed: cute.Tensor) -> Int32:
-    """Thread 0 of a GEMM2 CTA with `dynamic_items` (candidate v2.34): the next claim of the kept counter in word
+    """Thread 0 of a GEMM2 CTA with `dynamic_items` (v2.34): the next claim of the kept counter in word
     ITEM_CLAIMS_WORD of the kept routed-count buffer (`counters.kept_routed`); claim n is item grid + n. A CTA claims
     until a claim is past the last item, so each launch makes exactly one failing claim per CTA and the counter ends
     at max(items - grid, 0) + grid (`release_claims`)."""

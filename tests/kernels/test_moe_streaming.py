@@ -484,6 +484,61 @@ def test_the_walk_by_sm_id_needs_a_cooperative_three_cta_gemm1():
     assert three_ctas.smid_walk and "walk_slot" in three_ctas.fields() and three_ctas.ctas_per_sm() == 3
 
 
+def test_gemm2_claims_its_items_from_7_to_32_tokens_only():
+    # v2.34: the `mma.sync` GEMM2 after the early-W2 variant (whose round robin is known before its wait).
+    for num_tokens in range(1, 200):
+        variant = kernel.variant_for(num_tokens)
+        assert variant.gemm2_dynamic_items == (7 <= num_tokens < kernel.WGMMA_GEMM1_MIN_TOKENS)
+        assert variant.gemm2().dynamic_items == variant.gemm2_dynamic_items
+    assert kernel.TINY_T.gemm2().ctas_per_sm() == 2
+
+
+def test_claims_need_a_routing_gemm1_and_the_mma_sync_gemm2_without_early_weights():
+    with pytest.raises(streaming.StreamingConfigError, match="dynamic_items"):
+        streaming.StreamingGemmConfig(gemm1=True, block_tokens=8, num_stages=3, dynamic_items=True)
+    with pytest.raises(streaming.StreamingConfigError, match="dynamic_items"):
+        streaming.StreamingGemmConfig(
+            gemm1=False, block_tokens=8, num_stages=4, weights_before_wait=True, dynamic_items=True
+        )
+    with pytest.raises(ValueError, match="gemm2_dynamic_items"):
+        kernel.StreamingVariant(block_tokens=16, gemm2_dynamic_items=True)
+    with pytest.raises(ValueError, match="gemm2_dynamic_items"):
+        kernel.StreamingVariant(
+            block_tokens=32, wgmma_gemm1=True, wgmma_gemm2=True, routing_in_gemm1=True, gemm2_dynamic_items=True
+        )
+
+
+def claims_transcribed(total_items: int, grid: int, order: random.Random, start: int = 0) -> tuple[list[int], int]:
+    """The claims of `claim_item` / `release_claims` as the loop makes them: CTA c's first item is c; each CTA claims
+    (counter += 1, item grid + claim) until a claim is past the last item; the CTA whose failing claim is the launch's
+    final one subtracts final + 1. The CTAs' atomics interleave in `order`. Returns (items computed, counter after)."""
+    counter, computed, last_claims = start, [c for c in range(min(grid, total_items))], {}
+    claiming = list(range(grid))  # every CTA makes its first claim at its start, item or not
+    while claiming:
+        cta = order.choice(claiming)
+        claim, counter = counter, counter + 1
+        if grid + claim < total_items:
+            computed.append(grid + claim)
+        else:
+            claiming.remove(cta)
+            last_claims[cta] = claim
+    final = max(total_items - grid, 0) + grid - 1
+    for claim in last_claims.values():
+        if claim == final:
+            counter -= final + 1
+    return computed, counter
+
+
+@pytest.mark.parametrize("grid", [1, 2, 264])
+def test_every_item_is_computed_once_and_the_counter_ends_at_zero(grid):
+    order = random.Random(grid)
+    for total_items in (0, 1, grid - 1, grid, grid + 1, 3 * grid + 7, 1120):
+        for _ in range(5):
+            computed, counter = claims_transcribed(total_items, grid, order)
+            assert sorted(computed) == list(range(total_items))
+            assert counter == 0
+
+
 def test_paired_rounds_at_the_7_token_rows_expert_counts():
     # 132 groups: 5 experts (640 items) -> groups of 5 as (2, 2, 1); 7 experts (896) -> groups of 7 as (3, 3, 1).
     for total_items, busiest in ((640, (2, 2, 1)), (896, (3, 3, 1)), (1024, (3, 3, 2))):
@@ -673,6 +728,33 @@ def test_the_walk_by_sm_id_is_tiny_t_bit_for_bit_from_any_slot_words(case):
     first = torch.where(start.long() % 4 == 0, 3, 4)
     assert torch.equal(advanced[:sms], first[:sms] + 4)
     assert torch.equal(advanced[sms:], torch.zeros_like(advanced[sms:]))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "case",
+    [
+        cases.CheckCase("claimed_w2_t7_all_local", 7, 0, "all_local"),
+        cases.CheckCase("claimed_w2_t7_no_local", 7, 96, "no_local"),
+        cases.CheckCase("claimed_w2_t8_one_expert", 8, 128, "one_expert"),
+        cases.CheckCase("claimed_w2_t14", 14, 32),
+        cases.CheckCase("claimed_w2_t32_one_expert", 32, 160, "one_expert"),
+    ],
+    ids=lambda c: c.name,
+)
+def test_claimed_gemm2_items_are_the_fixed_walks_bit_for_bit_and_the_claims_end_at_zero(case):
+    # v2.34: which CTA computes an item changes no output bit, and each call leaves the kept buffer (the routed count,
+    # which the combine zeroes, and the claim counter, which GEMM2 brings back itself) at zero.
+    def fixed_walk(num_tokens: int):
+        return dataclasses.replace(kernel.variant_for(num_tokens), gemm2_dynamic_items=False)
+
+    routed = solution_module("counters").kept_routed(torch.device("cuda"), kernel.GPU_ARCH)
+    theirs, *ours = outputs_of((kernel.make_run(fixed_walk), *[kernel.run] * 3), case, seed=71)
+    assert torch.isfinite(theirs).all()
+    for output in ours:
+        assert torch.equal(output, theirs)
+    assert int(routed.abs().sum()) == 0
 
 
 @pytest.mark.gpu

@@ -405,6 +405,27 @@ def _tied(inputs: dict, case, seed: int) -> dict:
     return inputs
 
 
+def routing_grid_counterpart(num_tokens: int):
+    """`kernel.py`'s variant for T with the routing as a grid of its own. GEMM2's early weights wait on the routed count
+    that only a routing GEMM1 completes, only a routing GEMM1 routes in every CTA, GEMM1's slots by SM id need its
+    cooperative grid (v2.32) and GEMM2's claims sit in the routed count's buffer (v2.34): all off with the grid."""
+    return dataclasses.replace(
+        kernel.variant_for(num_tokens),
+        routing_in_gemm1=False,
+        gemm2_weights_before_wait=False,
+        routing_per_cta=False,
+        gemm1_smid_walk=False,
+        gemm2_dynamic_items=False,
+    )
+
+
+def test_every_routing_grid_counterpart_is_a_valid_variant():
+    # On the CPU what the GPU test below builds for each T (session 25's full run found one that raised there).
+    for num_tokens in range(1, kernel.MEDIUM_T_MAX_TOKENS + 2):
+        counterpart = routing_grid_counterpart(num_tokens)
+        assert not counterpart.routing_in_gemm1 and not counterpart.gemm2_dynamic_items
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("tied", [False, True], ids=["random", "tied"])
@@ -429,16 +450,8 @@ def test_routing_in_gemm1_equals_the_routing_grid_bit_for_bit(case, tied):
     if tied:
         inputs = _tied(inputs, case, seed=case.num_tokens)
 
-    def routing_grid(num_tokens: int):
-        # GEMM2's early weights wait on the routed count that only a routing GEMM1 completes, and only a routing
-        # GEMM1 routes in every CTA: both off with the grid.
-        variant = kernel.variant_for(num_tokens)
-        return dataclasses.replace(
-            variant, routing_in_gemm1=False, gemm2_weights_before_wait=False, routing_per_cta=False
-        )
-
     results = []
-    for choose in (routing_grid, kernel.variant_for, kernel.variant_for):
+    for choose in (routing_grid_counterpart, kernel.variant_for, kernel.variant_for):
         output = cases.poisoned_output(case.num_tokens, "cuda")
         workspaces = kernel.run_keeping_workspaces(*inputs.values(), output, choose=choose)
         torch.cuda.synchronize()

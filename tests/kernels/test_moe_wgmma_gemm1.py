@@ -34,9 +34,12 @@ def with_gemm1_on(use_wgmma: bool):
 
     def choose(num_tokens: int):
         variant = on_mma_sync_gemm2(kernel.variant_for(num_tokens))
-        # Only the mma.sync GEMM1 routes in every CTA (v2.26).
-        routing_per_cta = variant.routing_per_cta and not use_wgmma
-        return dataclasses.replace(variant, wgmma_gemm1=use_wgmma, routing_per_cta=routing_per_cta)
+        if not use_wgmma:
+            return dataclasses.replace(variant, wgmma_gemm1=False)
+        # Only the mma.sync GEMM1 routes in every CTA (v2.26) and runs three CTAs per SM walking by SM id (v2.29, v2.32).
+        return dataclasses.replace(
+            variant, wgmma_gemm1=True, routing_per_cta=False, gemm1_ctas_per_sm=2, gemm1_smid_walk=False
+        )
 
     return choose
 
@@ -144,7 +147,7 @@ def test_the_epilogue_tile_takes_a_token_stage_no_copy_in_flight_targets(num_sta
 
 def test_a_wgmma_variant_keeps_its_token_tile():
     # Up to MEDIUM_T_MAX_TOKENS: above, LARGE_T's 64-token GEMM1 tiles have no mma.sync counterpart.
-    for num_tokens in (1, 32, 33, 64, 65, 192, 193, 901, kernel.MEDIUM_T_MAX_TOKENS):
+    for num_tokens in (1, 7, 8, 32, 33, 64, 65, 192, 193, 901, kernel.MEDIUM_T_MAX_TOKENS):
         chosen, plain = on_wgmma(num_tokens), on_mma_sync(num_tokens)
         assert isinstance(chosen.gemm1(), wgmma.WgmmaGemm1Config) and chosen.gemm1().block_tokens == plain.block_tokens
         assert isinstance(chosen.make_gemm1(), wgmma.WgmmaGemm1)

@@ -282,7 +282,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
         do (<= 170 a thread); they walk their items in paired rounds (v2.29, `paired_round_walk`), so that no SM runs
         its last item with one CTA alone. `smid_walk` (v2.32): the paired walk's groups are the SMs by id, each CTA's
         slot drawn from a kept per-SM counter (`take_walk_slot`). `dynamic_items` (v2.34, GEMM2): CTA c's
-        first item is c, and each later one the next of a kept counter's claims (`claim_after`), so that the SMs that
+        first item is c, and each later one the next of a kept counter's claims (`claim_item`), so that the SMs that
         finish first take the tail whatever the placement."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
@@ -306,7 +306,8 @@ class StreamingGemmConfig(PersistentGemmConfig):
             raise StreamingConfigError("smid_walk is the paired walk of a three-CTA GEMM1 (max_ctas_per_sm=3)")
         self.smid_walk = smid_walk
         if dynamic_items and (gemm1 or weights_before_wait):
-            # Its claims sit in the kept routed-count buffer, which only a host that routes in GEMM1 has.
+            # Measured for the plain GEMM2 only: GEMM1's walks are static (paired where three CTAs share an SM), and
+            # an early-weights GEMM2 issues its first items before its wait.
             raise StreamingConfigError("dynamic_items is GEMM2's, without weights_before_wait")
         self.dynamic_items = dynamic_items
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
@@ -427,8 +428,7 @@ def paired_round_walk(total_items, group, slot, groups):
     are not dense) they are {g, g + S, g + 2S} (slot = cta // S), which is not the H200's placement (CTAs 0-23 three
     each on 8 SMs, then c, c + 124, c + 248 on one SM; NOTES, session 24): most SMs there still hold one CTA of each
     slot, but the 8 front SMs get the largest count three times. Correct for any bijection of the CTAs onto (group,
-    slot). Plain arithmetic (DSL
-    or Python integers)."""
+    slot). Plain arithmetic (DSL or Python integers)."""
     n = (total_items - group + groups - 1) // groups  # items i < total_items with i % groups == group
     first = (n + 2) // 3
     second = cutlass.min(first, n - first)
@@ -802,22 +802,12 @@ class StreamingGemm(LinkedGemm):
                     if grid + pending < total_items:
                         pending = claim_item(routed)
 
-                k_stage = s % cfg.k_stages
-                if k_stage == 0:
-                    valid_rows = located[1]
-                    computed_item = base
-                    acc.fill(0.0)
-                self.compute_block(
-                    s % ns, warp_id, group, quad, valid_rows, w_stages, x_stages, x_scales, w_scales, acc, block_acc
-                )
-                if k_stage == cfg.k_stages - 1:
-                    _, _, _, packed_row0 = self.locate(
-                        computed_item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset
-                    )
-                    self.epilogue(
-                        acc, scratch, out, computed_item % cfg.items_per_row_tile, packed_row0, valid_rows, warp_id,
-                        group, quad, tidx,
-                    )
+                if s % cfg.k_stages == 0:
+                    computed_item = base  # the load side's item, as for valid_rows (see `compute_stage`)
+                valid_rows = self.compute_stage(
+                    s, computed_item, located, valid_rows, acc, block_acc, w_stages, x_stages, x_scales, w_scales,
+                    scratch, out, tile_end, expert_count, expert_offset, warp_id, group, quad, tidx,
+                )  # fmt: skip
                 s = s + 1
             if tidx == 0:
                 release_claims(routed, pending, total_items, grid)
@@ -839,24 +829,39 @@ class StreamingGemm(LinkedGemm):
                     )
                 cute.arch.cp_async_commit_group()
 
-                item = base + (s // cfg.k_stages) * stride
-                k_stage = s % cfg.k_stages
-                if k_stage == 0:
-                    # The load side located this item when it issued its first stage and has not moved on
-                    # (k_stages >= num_stages); packed_row0 waits for the epilogue, a branch of its own (v2.13: a
-                    # location here was predicated, not branched around, and issued at every stage).
-                    valid_rows = located[1]
-                    acc.fill(0.0)
-                self.compute_block(
-                    s % ns, warp_id, group, quad, valid_rows, w_stages, x_stages, x_scales, w_scales, acc, block_acc
-                )
-                if k_stage == cfg.k_stages - 1:
-                    _, _, _, packed_row0 = self.locate(item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset)
-                    self.epilogue(
-                        acc, scratch, out, item % cfg.items_per_row_tile, packed_row0, valid_rows, warp_id, group,
-                        quad, tidx,
-                    )
+                valid_rows = self.compute_stage(
+                    s, base + (s // cfg.k_stages) * stride, located, valid_rows, acc, block_acc, w_stages, x_stages,
+                    x_scales, w_scales, scratch, out, tile_end, expert_count, expert_offset, warp_id, group, quad, tidx,
+                )  # fmt: skip
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def compute_stage(
+        self, s: Int32, item: Int32, located, valid_rows: Int32, acc: cute.Tensor, block_acc: cute.Tensor,
+        w_stages: cute.Tensor, x_stages: cute.Tensor, x_scales: cute.Tensor, w_scales: cute.Tensor,
+        scratch: cute.Tensor, out: cute.Tensor, tile_end: cute.Tensor, expert_count: cute.Tensor,
+        expert_offset: cute.Tensor, warp_id: Int32, group: Int32, quad: Int32, tidx: Int32,
+    ) -> Int32:  # fmt: skip
+        """The compute side of flat stage `s` of `item`: its MMAs, and at the item's last K stage its epilogue. Returns
+        the item's valid rows, which it takes from the load side's `located` at the item's first K stage: the load
+        side located this item when it issued its first stage and has not moved on (k_stages >= num_stages);
+        packed_row0 waits for the epilogue, a branch of its own (v2.13: a location here was predicated, not branched
+        around, and issued at every stage)."""
+        cfg = self.cfg
+        k_stage = s % cfg.k_stages
+        if k_stage == 0:
+            valid_rows = located[1]
+            acc.fill(0.0)
+        self.compute_block(
+            s % cfg.num_stages, warp_id, group, quad, valid_rows, w_stages, x_stages, x_scales, w_scales, acc,
+            block_acc,
+        )  # fmt: skip
+        if k_stage == cfg.k_stages - 1:
+            _, _, _, packed_row0 = self.locate(item // cfg.items_per_row_tile, tile_end, expert_count, expert_offset)
+            self.epilogue(
+                acc, scratch, out, item % cfg.items_per_row_tile, packed_row0, valid_rows, warp_id, group, quad, tidx
+            )
+        return valid_rows
 
     @cute.jit
     def item_bases(self, located, item: Int32, w_scale_layout: cute.Layout, tidx: Int32):

@@ -745,7 +745,6 @@ class StreamingGemm(LinkedGemm):
             base, stride, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx, (w_scale.layout,)
         )
         valid_rows = Int32(0)
-        packed_row0 = Int32(0)
 
         # ---- prologue: the first ns - 1 stages (with weights_before_wait: their weights and scales, then the
         # programmatic wait, then their activations; stage p's copies all land in commit group p or earlier) ----

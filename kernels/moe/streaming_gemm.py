@@ -234,6 +234,8 @@ class PersistentGemmConfig:
     dynamic_items: bool = False
     # A GEMM1 whose CTA c prefetches GEMM2's item c into L2 (candidate v2.35): GEMM2's row-tile tokens, 0 for none.
     gemm2_prefetch_tokens: int = 0
+    # A routing GEMM1 whose meeting polls the routed count with loads (candidate v2.36; the `mma.sync` one).
+    meet_by_load: bool = False
     # Registers allow two CTAs of 128 threads per SM at up to 255 registers a thread. A configuration that asks for
     # three states it (`StreamingGemmConfig`'s max_ctas_per_sm; its compiled registers, 72-80 a thread, were read from
     # the cubin, NOTES v2.28), and a cooperative launch of a grid that cannot all be resident fails rather than hangs.
@@ -276,6 +278,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
         smid_walk: bool = False,
         dynamic_items: bool = False,
         gemm2_prefetch_tokens: int = 0,
+        meet_by_load: bool = False,
     ):
         """`weights_before_wait` (v2.20, GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
         schedule once the kept count of routed tokens is complete and issues its first stages' weights before
@@ -289,7 +292,8 @@ class StreamingGemmConfig(PersistentGemmConfig):
         first item is c, and each later one the next of a kept counter's claims (`claim_item`), so that the SMs that
         finish first take the tail whatever the placement. `gemm2_prefetch_tokens` (candidate v2.35, GEMM1): GEMM2's
         row-tile tokens; CTA c prefetches the weights of GEMM2's item c (CTA c's first) into L2 once it has issued its
-        own last loads (`gemm2_item_weights`), so that GEMM2's first stages come from L2."""
+        own last loads (`gemm2_item_weights`), so that GEMM2's first stages come from L2. `meet_by_load` (candidate
+        v2.36, GEMM1 that routes): its meeting polls the routed count with loads (`routing.wait_until_routed`)."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -319,6 +323,9 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if gemm2_prefetch_tokens and (not gemm1 or gemm2_prefetch_tokens not in (8, 16, 32)):
             raise StreamingConfigError("gemm2_prefetch_tokens is GEMM1's: GEMM2's row-tile tokens (8, 16 or 32)")
         self.gemm2_prefetch_tokens = gemm2_prefetch_tokens
+        if meet_by_load and not gemm1:
+            raise StreamingConfigError("meet_by_load is GEMM1's (the call's first kernel routes and meets)")
+        self.meet_by_load = meet_by_load
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -728,7 +735,7 @@ class StreamingGemm(LinkedGemm):
             choices = None
             if cutlass.const_expr(cfg.routing_per_cta):
                 choices = storage.routing_choices.get_tensor(cute.make_layout(ROUTING_WARPS * TOP_K))
-            route_then_meet(routing, counts, expert_tokens, cta, grid, tidx, choices)
+            route_then_meet(routing, counts, expert_tokens, cta, grid, tidx, choices, cfg.meet_by_load)
         if cutlass.const_expr(cfg.weights_before_wait):
             # The counts are final once every routing CTA has added its tokens (before GEMM1 completes).
             if tidx == 0:

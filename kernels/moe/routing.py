@@ -300,16 +300,18 @@ def wait_until_routed(routed: cute.Tensor, num_tokens: cutlass.Int32, by_load: c
     atomic adds of 0, or with `by_load` (candidate v2.36) strong relaxed loads at GPU scope, which read the count in L2
     without queueing as read-modify-writes on its one address behind every other CTA's polls; the fence after the
     poll that sees T makes either an acquire."""
-    if cutlass.const_expr(by_load):
-        word = routed.iterator.llvm_ptr
-        seen = cute.arch.load(word, cutlass.Int32, sem="relaxed", scope="gpu")
-        while seen < num_tokens:
-            seen = cute.arch.load(word, cutlass.Int32, sem="relaxed", scope="gpu")
-    else:
-        seen = cute.arch.atomic_add(routed.iterator.llvm_ptr, cutlass.Int32(0), scope="gpu")
-        while seen < num_tokens:
-            seen = cute.arch.atomic_add(routed.iterator.llvm_ptr, cutlass.Int32(0), scope="gpu")
+    seen = _read_routed(routed, by_load)
+    while seen < num_tokens:
+        seen = _read_routed(routed, by_load)
     cute.arch.fence_acq_rel_gpu()
+
+
+@cute.jit
+def _read_routed(routed: cute.Tensor, by_load: cutlass.Constexpr) -> cutlass.Int32:
+    """One poll of `wait_until_routed`: an atomic add of 0, or a strong relaxed load at GPU scope."""
+    if cutlass.const_expr(by_load):
+        return cute.arch.load(routed.iterator.llvm_ptr, cutlass.Int32, sem="relaxed", scope="gpu")
+    return cute.arch.atomic_add(routed.iterator.llvm_ptr, cutlass.Int32(0), scope="gpu")
 
 
 class RoutingKernel(Linked):

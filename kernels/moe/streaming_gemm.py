@@ -410,17 +410,22 @@ def build_expert_tables(
     count and its packed-row offset (exclusive prefix of the counts); the caller syncs."""
     count = counts[lane]
     tiles = (count + block_tokens - 1) // block_tokens
-    tiles_inclusive = tiles
-    rows_inclusive = count
-    for shift in cutlass.range_constexpr(5):
-        tiles_up = cute.arch.shuffle_sync_up(tiles_inclusive, offset=1 << shift)
-        rows_up = cute.arch.shuffle_sync_up(rows_inclusive, offset=1 << shift)
-        if lane >= (1 << shift):
-            tiles_inclusive = tiles_inclusive + tiles_up
-            rows_inclusive = rows_inclusive + rows_up
+    tiles_inclusive, rows_inclusive = lane_inclusive_sums((tiles, count), lane)
     tile_end[lane] = tiles_inclusive
     expert_count[lane] = count
     expert_offset[lane] = rows_inclusive - count
+
+
+@cute.jit
+def lane_inclusive_sums(values: tuple, lane: Int32) -> tuple:
+    """Each of `values` summed over lanes 0..lane of the warp (a Hillis-Steele scan, the values' shuffles side by
+    side at each step)."""
+    sums = list(values)
+    for shift in cutlass.range_constexpr(5):
+        ups = [cute.arch.shuffle_sync_up(value, offset=1 << shift) for value in sums]
+        if lane >= (1 << shift):
+            sums = [value + up for value, up in zip(sums, ups)]
+    return tuple(sums)
 
 
 @cute.jit
@@ -482,11 +487,7 @@ def gemm2_item_weights(expert_count: cute.Tensor, gemm2_tokens: cutlass.Constexp
     GEMM2's item `item` (its 32 weight rows, contiguous), or -1 if GEMM2 has no such item. GEMM2's row tiles are
     `gemm2_tokens` tokens, so its expert of row tile t is the number of experts whose tiles end at or before t (as
     `locate_row_tile`), from a scan of the tile counts over the warp's lanes (lane = expert)."""
-    tiles = (expert_count[lane] + gemm2_tokens - 1) // gemm2_tokens
-    for shift in cutlass.range_constexpr(5):
-        tiles_up = cute.arch.shuffle_sync_up(tiles, offset=1 << shift)
-        if lane >= (1 << shift):
-            tiles = tiles + tiles_up
+    (tiles,) = lane_inclusive_sums(((expert_count[lane] + gemm2_tokens - 1) // gemm2_tokens,), lane)
     row_tile = item // GEMM2_ITEMS_PER_ROW_TILE
     total_tiles = cute.arch.shuffle_sync(tiles, offset=NUM_LOCAL_EXPERTS - 1)
     expert = cute.arch.popc(cute.arch.vote_ballot_sync(tiles <= row_tile))

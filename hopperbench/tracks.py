@@ -205,16 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_w2_prefetch",
-            entry="candidate_w2_prefetch.py::run",
-            description="candidate v2.35: kernel.py with the mma.sync GEMM1 of 7-32 tokens prefetching GEMM2's first items into L2 once each CTA has issued its last loads",
-        ),
-        CandidateSide(
-            name="cand_meet_by_load",
-            entry="candidate_meet_by_load.py::run",
-            description="candidate v2.36: kernel.py with the mma.sync GEMM1's meeting (5-32 tokens) polling the routed count with loads instead of atomic adds of 0",
-        ),
     ),
 )
 

@@ -126,7 +126,6 @@ class MoeHostSm90:
             routing,
             counts_out=counts_out,
             **({"walk_slots": walk_slots} if self.gemm1.cfg.smid_walk else {}),
-            **({"w2": gemm2_weights} if self.gemm1.cfg.gemm2_prefetch_tokens else {}),
         )
         self.gemm2.launch(
             intermediate,

@@ -131,8 +131,6 @@ class StreamingVariant:
     gemm1_ctas_per_sm: int = 2  # the `mma.sync` GEMM1's StreamingGemmConfig max_ctas_per_sm (v2.28, v2.29)
     gemm1_smid_walk: bool = False  # its StreamingGemmConfig smid_walk (v2.32)
     gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
-    gemm1_prefetches_w2: bool = False  # the `mma.sync` GEMM1 prefetches GEMM2's first items into L2 (candidate v2.35)
-    gemm1_meets_by_load: bool = False  # the `mma.sync` GEMM1's meeting polls by load (candidate v2.36)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -147,10 +145,6 @@ class StreamingVariant:
             raise ValueError("routing_per_cta needs the mma.sync GEMM1 and routing_in_gemm1")
         if self.gemm1_ctas_per_sm != 2 and self.wgmma_gemm1:
             raise ValueError("gemm1_ctas_per_sm is the mma.sync GEMM1's")
-        if self.gemm1_meets_by_load and (self.wgmma_gemm1 or not self.routing_in_gemm1):
-            raise ValueError("gemm1_meets_by_load needs the mma.sync GEMM1 and routing_in_gemm1")
-        if self.gemm1_prefetches_w2 and (self.wgmma_gemm1 or self.wgmma_gemm2):
-            raise ValueError("gemm1_prefetches_w2 is the mma.sync GEMM1's, for the mma.sync GEMM2's items")
         if self.gemm2_dynamic_items and (self.wgmma_gemm2 or not self.routing_in_gemm1):
             # Its claim counter is a word of the kept routed-count buffer (`streaming_gemm.claim_item`).
             raise ValueError("gemm2_dynamic_items needs the mma.sync GEMM2 and routing_in_gemm1")
@@ -173,8 +167,6 @@ class StreamingVariant:
             routing_per_cta=self.routing_per_cta,
             max_ctas_per_sm=self.gemm1_ctas_per_sm,
             smid_walk=self.gemm1_smid_walk,
-            gemm2_prefetch_tokens=(self.gemm2_block_tokens or self.block_tokens) if self.gemm1_prefetches_w2 else 0,
-            meet_by_load=self.gemm1_meets_by_load,
         )
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:

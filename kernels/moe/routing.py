@@ -186,7 +186,6 @@ def route_then_meet(
     grid: cutlass.Int32,
     tidx: cutlass.Int32,
     choices=None,
-    meet_by_load: cutlass.Constexpr = False,
 ):
     """The routing inside GEMM1, the first kernel of a call up to 1024 tokens (v2.16): warp w of CTA c routes
     tokens 4 c + w, + 4 grid, ... (`route_token`), then the CTAs meet: each adds its number of routed tokens to
@@ -197,26 +196,19 @@ def route_then_meet(
     call's last kernel zeroes `routed` again (`combine.release_counters`). The barrier is cooperative groups' grid
     sync: a CTA barrier, then thread 0 fences, adds, polls and fences again, then a CTA barrier.
     `choices` (v2.26; ROUTING_WARPS x TOP_K words of shared memory): up to ROUTING_WARPS tokens every CTA routes
-    them all instead (`route_in_every_cta`) and meets no other. `meet_by_load` (candidate v2.36): the meeting polls
-    the count with loads (`wait_until_routed`)."""
+    them all instead (`route_in_every_cta`) and meets no other."""
     if cutlass.const_expr(choices is not None):
         if routing[0].shape[0] <= ROUTING_WARPS:
             route_in_every_cta(routing, counts, expert_tokens, choices, cta, tidx)
         else:
-            _route_share_and_meet(routing, counts, expert_tokens, cta, grid, tidx, meet_by_load)
+            _route_share_and_meet(routing, counts, expert_tokens, cta, grid, tidx)
     else:
-        _route_share_and_meet(routing, counts, expert_tokens, cta, grid, tidx, meet_by_load)
+        _route_share_and_meet(routing, counts, expert_tokens, cta, grid, tidx)
 
 
 @cute.jit
 def _route_share_and_meet(
-    routing,
-    counts: cute.Tensor,
-    expert_tokens: cute.Tensor,
-    cta: cutlass.Int32,
-    grid: cutlass.Int32,
-    tidx: cutlass.Int32,
-    meet_by_load: cutlass.Constexpr = False,
+    routing, counts: cute.Tensor, expert_tokens: cute.Tensor, cta: cutlass.Int32, grid: cutlass.Int32, tidx: cutlass.Int32
 ):
     """`route_then_meet`'s grid-shared routing and meeting."""
     (
@@ -238,7 +230,7 @@ def _route_share_and_meet(
         cute.arch.fence_acq_rel_gpu()
         if mine > 0:
             cute.arch.atomic_add(routed.iterator.llvm_ptr, mine, scope="gpu")
-        wait_until_routed(routed, num_tokens, meet_by_load)
+        wait_until_routed(routed, num_tokens)
     cute.arch.sync_threads()
 
 
@@ -293,25 +285,14 @@ def route_in_every_cta(
 
 
 @cute.jit
-def wait_until_routed(routed: cute.Tensor, num_tokens: cutlass.Int32, by_load: cutlass.Constexpr = False):
+def wait_until_routed(routed: cute.Tensor, num_tokens: cutlass.Int32):
     """One thread polls the kept count of routed tokens until it reaches T, then fences (acquire): the counts and
     lists that every routing CTA released before its add are then visible to its CTA after a CTA barrier. Used by
-    `route_then_meet` and by a GEMM2 that reads the schedule before its programmatic wait (v2.21). The polls are
-    atomic adds of 0, or with `by_load` (candidate v2.36) strong relaxed loads at GPU scope, which read the count in L2
-    without queueing as read-modify-writes on its one address behind every other CTA's polls; the fence after the
-    poll that sees T makes either an acquire."""
-    seen = _read_routed(routed, by_load)
+    `route_then_meet` and by a GEMM2 that reads the schedule before its programmatic wait (v2.21)."""
+    seen = cute.arch.atomic_add(routed.iterator.llvm_ptr, cutlass.Int32(0), scope="gpu")
     while seen < num_tokens:
-        seen = _read_routed(routed, by_load)
+        seen = cute.arch.atomic_add(routed.iterator.llvm_ptr, cutlass.Int32(0), scope="gpu")
     cute.arch.fence_acq_rel_gpu()
-
-
-@cute.jit
-def _read_routed(routed: cute.Tensor, by_load: cutlass.Constexpr) -> cutlass.Int32:
-    """One poll of `wait_until_routed`: an atomic add of 0, or a strong relaxed load at GPU scope."""
-    if cutlass.const_expr(by_load):
-        return cute.arch.load(routed.iterator.llvm_ptr, cutlass.Int32, sem="relaxed", scope="gpu")
-    return cute.arch.atomic_add(routed.iterator.llvm_ptr, cutlass.Int32(0), scope="gpu")
 
 
 class RoutingKernel(Linked):

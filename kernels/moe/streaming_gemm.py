@@ -43,7 +43,6 @@ from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
-from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch
 
 from .chain import NO_CHAIN, ChainLink, enter
 from .routing import ROUTING_WARPS, route_then_meet, wait_until_routed
@@ -232,10 +231,6 @@ class PersistentGemmConfig:
     smid_walk: bool = False
     # A GEMM2 whose CTAs claim their items after the first from a kept counter (v2.34; the `mma.sync` one).
     dynamic_items: bool = False
-    # A GEMM1 whose CTA c prefetches GEMM2's item c into L2 (candidate v2.35): GEMM2's row-tile tokens, 0 for none.
-    gemm2_prefetch_tokens: int = 0
-    # A routing GEMM1 whose meeting polls the routed count with loads (candidate v2.36; the `mma.sync` one).
-    meet_by_load: bool = False
     # Registers allow two CTAs of 128 threads per SM at up to 255 registers a thread. A configuration that asks for
     # three states it (`StreamingGemmConfig`'s max_ctas_per_sm; its compiled registers, 72-80 a thread, were read from
     # the cubin, NOTES v2.28), and a cooperative launch of a grid that cannot all be resident fails rather than hangs.
@@ -277,8 +272,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
         max_ctas_per_sm: int = 2,
         smid_walk: bool = False,
         dynamic_items: bool = False,
-        gemm2_prefetch_tokens: int = 0,
-        meet_by_load: bool = False,
     ):
         """`weights_before_wait` (v2.20, GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
         schedule once the kept count of routed tokens is complete and issues its first stages' weights before
@@ -290,10 +283,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
         its last item with one CTA alone. `smid_walk` (v2.32): the paired walk's groups are the SMs by id, each CTA's
         slot drawn from a kept per-SM counter (`take_walk_slot`). `dynamic_items` (v2.34, GEMM2): CTA c's
         first item is c, and each later one the next of a kept counter's claims (`claim_item`), so that the SMs that
-        finish first take the tail whatever the placement. `gemm2_prefetch_tokens` (candidate v2.35, GEMM1): GEMM2's
-        row-tile tokens; CTA c prefetches the weights of GEMM2's item c (CTA c's first) into L2 once it has issued its
-        own last loads (`gemm2_item_weights`), so that GEMM2's first stages come from L2. `meet_by_load` (candidate
-        v2.36, GEMM1 that routes): its meeting polls the routed count with loads (`routing.wait_until_routed`)."""
+        finish first take the tail whatever the placement."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -320,12 +310,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
             # an early-weights GEMM2 issues its first items before its wait.
             raise StreamingConfigError("dynamic_items is GEMM2's, without weights_before_wait")
         self.dynamic_items = dynamic_items
-        if gemm2_prefetch_tokens and (not gemm1 or gemm2_prefetch_tokens not in (8, 16, 32)):
-            raise StreamingConfigError("gemm2_prefetch_tokens is GEMM1's: GEMM2's row-tile tokens (8, 16 or 32)")
-        self.gemm2_prefetch_tokens = gemm2_prefetch_tokens
-        if meet_by_load and not gemm1:
-            raise StreamingConfigError("meet_by_load is GEMM1's (the call's first kernel routes and meets)")
-        self.meet_by_load = meet_by_load
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -482,29 +466,6 @@ def take_walk_slot(slots: cute.Tensor, walk_groups: Int32, walk_slot: cute.Tenso
 
 
 @cute.jit
-def gemm2_item_weights(expert_count: cute.Tensor, gemm2_tokens: cutlass.Constexpr, item: Int32, lane: Int32) -> Int32:
-    """Warp 0 of a GEMM1 CTA with `gemm2_prefetch_tokens` (candidate v2.35): the element offset in GEMM2's weights of
-    GEMM2's item `item` (its 32 weight rows, contiguous), or -1 if GEMM2 has no such item. GEMM2's row tiles are
-    `gemm2_tokens` tokens, so its expert of row tile t is the number of experts whose tiles end at or before t (as
-    `locate_row_tile`), from a scan of the tile counts over the warp's lanes (lane = expert)."""
-    (tiles,) = lane_inclusive_sums(((expert_count[lane] + gemm2_tokens - 1) // gemm2_tokens,), lane)
-    row_tile = item // GEMM2_ITEMS_PER_ROW_TILE
-    total_tiles = cute.arch.shuffle_sync(tiles, offset=NUM_LOCAL_EXPERTS - 1)
-    expert = cute.arch.popc(cute.arch.vote_ballot_sync(tiles <= row_tile))
-    offset = Int32(-1)
-    if row_tile < total_tiles:
-        offset = (expert * HIDDEN + (item % GEMM2_ITEMS_PER_ROW_TILE) * ITEM_ROWS) * INTERMEDIATE
-    return offset
-
-
-@cute.jit
-def prefetch_gemm2_item(w2: cute.Tensor, offset: Int32):
-    """One bulk prefetch into L2 of a GEMM2 item's weights (`gemm2_item_weights`), if it exists."""
-    if offset >= 0:
-        cp_async_bulk_prefetch(w2.iterator + offset, ITEM_ROWS * INTERMEDIATE)
-
-
-@cute.jit
 def claim_item(routed: cute.Tensor) -> Int32:
     """Thread 0 of a GEMM2 CTA with `dynamic_items` (v2.34): the next claim of the kept counter in word
     ITEM_CLAIMS_WORD of the kept routed-count buffer (`counters.kept_routed`); claim n is item grid + n. A CTA claims
@@ -648,14 +609,13 @@ class StreamingGemm(LinkedGemm):
         routed=None,
         counts_out=None,
         walk_slots=None,
-        w2=None,
     ):
         """`routing`: None, or (GEMM1 up to 1024 tokens, v2.16) `routing.route_then_meet`'s tuple: the grid
         routes the tokens before its schedule. `routed` (GEMM2 with `weights_before_wait`): the kept count of routed
         tokens that GEMM1's grid completes (`counters.kept_routed`). `counts_out` (GEMM1, v2.22): where CTA 0 copies
         the call's final counts (`schedule_tables`). `walk_slots` (with `smid_walk`): the kept per-SM slot counters
         (`counters.kept_walk_slots`). GEMM2 with `dynamic_items` takes `routed` too: word ITEM_CLAIMS_WORD of that
-        buffer is its claim counter (`claim_item`). `w2` (GEMM1 with `gemm2_prefetch_tokens`): GEMM2's weights."""
+        buffer is its claim counter (`claim_item`)."""
         cfg = self.cfg
         bt = cfg.block_tokens
         ns = cfg.num_stages
@@ -681,7 +641,7 @@ class StreamingGemm(LinkedGemm):
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens,
             w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage, routing, routed,
-            counts_out, walk_slots, w2,
+            counts_out, walk_slots,
         )  # fmt: skip
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None)
 
@@ -705,7 +665,6 @@ class StreamingGemm(LinkedGemm):
         routed,
         counts_out,
         walk_slots,
-        w2,
     ):
         # With weights_before_wait, `griddepcontrol.wait` comes once the first stages' weights are on their way.
         enter(self.link, wait=not self.cfg.weights_before_wait)
@@ -736,7 +695,7 @@ class StreamingGemm(LinkedGemm):
             choices = None
             if cutlass.const_expr(cfg.routing_per_cta):
                 choices = storage.routing_choices.get_tensor(cute.make_layout(ROUTING_WARPS * TOP_K))
-            route_then_meet(routing, counts, expert_tokens, cta, grid, tidx, choices, cfg.meet_by_load)
+            route_then_meet(routing, counts, expert_tokens, cta, grid, tidx, choices)
         if cutlass.const_expr(cfg.weights_before_wait):
             # The counts are final once every routing CTA has added its tokens (before GEMM1 completes).
             if tidx == 0:
@@ -767,13 +726,6 @@ class StreamingGemm(LinkedGemm):
             pending = Int32(0)
             if tidx == 0:
                 pending = claim_item(routed)
-        if cutlass.const_expr(cfg.gemm2_prefetch_tokens):
-            # GEMM2's item `cta` (its CTA cta's first): prefetched once this CTA's own last loads are issued, or now.
-            w2_item = Int32(-1)
-            if warp_id == 0:
-                w2_item = gemm2_item_weights(expert_count, cfg.gemm2_prefetch_tokens, cta, lane)
-            if tidx == 0 and total_stages == 0:
-                prefetch_gemm2_item(w2, w2_item)
 
         g2s_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
@@ -880,9 +832,6 @@ class StreamingGemm(LinkedGemm):
                         w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
                     )
                 cute.arch.cp_async_commit_group()
-                if cutlass.const_expr(cfg.gemm2_prefetch_tokens):
-                    if tidx == 0 and s + ns == total_stages:
-                        prefetch_gemm2_item(w2, w2_item)
 
                 valid_rows = self.compute_stage(
                     s, base + (s // cfg.k_stages) * stride, located, valid_rows, acc, block_acc, w_stages, x_stages,

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_meeting_prefetch",
-            entry="candidate_meeting_prefetch.py::run",
-            description="candidate v2.37: kernel.py with the mma.sync GEMM1 of 5-32 tokens prefetching some of its chosen experts' weights into L2 while its grid meets",
-        ),
     ),
 )
 

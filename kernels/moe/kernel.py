@@ -131,7 +131,6 @@ class StreamingVariant:
     gemm1_ctas_per_sm: int = 2  # the `mma.sync` GEMM1's StreamingGemmConfig max_ctas_per_sm (v2.28, v2.29)
     gemm1_smid_walk: bool = False  # its StreamingGemmConfig smid_walk (v2.32)
     gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
-    gemm1_meeting_prefetch: bool = False  # the `mma.sync` GEMM1's StreamingGemmConfig meeting_prefetch (candidate v2.37)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -149,8 +148,6 @@ class StreamingVariant:
         if self.gemm2_dynamic_items and (self.wgmma_gemm2 or not self.routing_in_gemm1):
             # Its claim counter is a word of the kept routed-count buffer (`streaming_gemm.claim_item`).
             raise ValueError("gemm2_dynamic_items needs the mma.sync GEMM2 and routing_in_gemm1")
-        if self.gemm1_meeting_prefetch and (self.wgmma_gemm1 or not self.routing_in_gemm1):
-            raise ValueError("gemm1_meeting_prefetch needs the mma.sync GEMM1 and routing_in_gemm1")
         if self.gemm1_smid_walk and not self.routing_in_gemm1:
             # Its slots need every CTA resident at once: GEMM1's cooperative launch, which only a routing GEMM1 has.
             raise ValueError("gemm1_smid_walk needs routing_in_gemm1")
@@ -170,7 +167,6 @@ class StreamingVariant:
             routing_per_cta=self.routing_per_cta,
             max_ctas_per_sm=self.gemm1_ctas_per_sm,
             smid_walk=self.gemm1_smid_walk,
-            meeting_prefetch=self.gemm1_meeting_prefetch,
         )
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:

@@ -79,21 +79,15 @@ def route_token(
     the lane's own eight and two butterfly steps, and each of the eight picks is two `redux.sync` (the largest
     biased score as an ordered key, then the lowest expert holding it): a dependent chain ~170 shuffles shorter
     than v2.6's, which held one expert of each group per lane (v2.15, promoted with v2.16 as the only routing;
-    the same choices, slots and weights, bit for bit). Ties: the lower group, the lower expert. Returns lane k's
-    (local expert, rank) of the k-th choice, (-1, 0) where that choice is not local and in lanes k >= 8."""
+    the same choices, slots and weights, bit for bit). Ties: the lower group, the lower expert."""
     my_expert, weight = choose_experts(routing_logits, routing_bias, routed_scaling_factor, token, lane)
-    chosen_local = cutlass.Int32(-1)
-    chosen_rank = cutlass.Int32(0)
     if lane < TOP_K:
         local = my_expert - local_expert_offset
         if local >= 0 and local < NUM_LOCAL_EXPERTS:
             rank = cute.arch.atomic_add((counts.iterator + local).llvm_ptr, cutlass.Int32(1))
             _record_local(expert_tokens, slot_expert, slot_rank, slot_weight, token, lane, local, rank, weight)
-            chosen_local = local
-            chosen_rank = rank
         else:
             _record_not_local(slot_expert, slot_rank, slot_weight, token, lane)
-    return chosen_local, chosen_rank
 
 
 @cute.jit
@@ -192,7 +186,6 @@ def route_then_meet(
     grid: cutlass.Int32,
     tidx: cutlass.Int32,
     choices=None,
-    after_release=None,
 ):
     """The routing inside GEMM1, the first kernel of a call up to 1024 tokens (v2.16): warp w of CTA c routes
     tokens 4 c + w, + 4 grid, ... (`route_token`), then the CTAs meet: each adds its number of routed tokens to
@@ -203,28 +196,19 @@ def route_then_meet(
     call's last kernel zeroes `routed` again (`combine.release_counters`). The barrier is cooperative groups' grid
     sync: a CTA barrier, then thread 0 fences, adds, polls and fences again, then a CTA barrier.
     `choices` (v2.26; ROUTING_WARPS x TOP_K words of shared memory): up to ROUTING_WARPS tokens every CTA routes
-    them all instead (`route_in_every_cta`) and meets no other. `after_release` (candidate v2.37): a trace-time
-    function of (local expert, rank, T) that every thread of a routing warp calls with its lane's choice of the CTA's
-    last routed token ((-1, 0) where it holds none, and in a CTA that routed nothing) once thread 0 has released the
-    CTA's tokens and before it polls, i.e. while the grid meets; only the grid-shared routing calls it."""
+    them all instead (`route_in_every_cta`) and meets no other."""
     if cutlass.const_expr(choices is not None):
         if routing[0].shape[0] <= ROUTING_WARPS:
             route_in_every_cta(routing, counts, expert_tokens, choices, cta, tidx)
         else:
-            _route_share_and_meet(routing, counts, expert_tokens, cta, grid, tidx, after_release)
+            _route_share_and_meet(routing, counts, expert_tokens, cta, grid, tidx)
     else:
-        _route_share_and_meet(routing, counts, expert_tokens, cta, grid, tidx, after_release)
+        _route_share_and_meet(routing, counts, expert_tokens, cta, grid, tidx)
 
 
 @cute.jit
 def _route_share_and_meet(
-    routing,
-    counts: cute.Tensor,
-    expert_tokens: cute.Tensor,
-    cta: cutlass.Int32,
-    grid: cutlass.Int32,
-    tidx: cutlass.Int32,
-    after_release=None,
+    routing, counts: cute.Tensor, expert_tokens: cute.Tensor, cta: cutlass.Int32, grid: cutlass.Int32, tidx: cutlass.Int32
 ):
     """`route_then_meet`'s grid-shared routing and meeting."""
     (
@@ -233,10 +217,8 @@ def _route_share_and_meet(
     ) = routing  # fmt: skip
     num_tokens = routing_logits.shape[0]
     warp_id = tidx // 32
-    local = cutlass.Int32(-1)
-    rank = cutlass.Int32(0)
     for token in cutlass.range(cta * ROUTING_WARPS + warp_id, num_tokens, grid * ROUTING_WARPS, unroll=1):
-        local, rank = route_token(
+        route_token(
             routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, counts, expert_tokens,
             slot_expert, slot_rank, slot_weight, token, tidx % 32,
         )  # fmt: skip
@@ -248,12 +230,7 @@ def _route_share_and_meet(
         cute.arch.fence_acq_rel_gpu()
         if mine > 0:
             cute.arch.atomic_add(routed.iterator.llvm_ptr, mine, scope="gpu")
-        if cutlass.const_expr(after_release is None):
-            wait_until_routed(routed, num_tokens)
-    if cutlass.const_expr(after_release is not None):
-        after_release(local, rank, num_tokens)
-        if tidx == 0:
-            wait_until_routed(routed, num_tokens)
+        wait_until_routed(routed, num_tokens)
     cute.arch.sync_threads()
 
 

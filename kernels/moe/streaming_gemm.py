@@ -37,15 +37,12 @@ routing and combine kernels are reused unchanged.
 
 from __future__ import annotations
 
-import functools
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
-from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch
 
 from .chain import NO_CHAIN, ChainLink, enter
 from .routing import ROUTING_WARPS, route_then_meet, wait_until_routed
@@ -69,9 +66,6 @@ SMEM_RESERVED_PER_CTA = 1024
 PAIRED_SLOTS = 3  # CTAs per SM of the paired-round walk (`paired_round_walk`)
 WALK_SLOT_WORDS = 256  # SM ids the walk by SM id (v2.32) keeps a slot counter for
 ITEM_CLAIMS_WORD = 1  # the word of the kept routed-count buffer that a GEMM2 with dynamic_items claims from (v2.34)
-# GEMM1 items whose weights the grid-shared routing prefetches into L2 while the grid meets, per routed token (candidate
-# v2.37, `meeting_prefetch_items`): ~6.3 MB at 7 tokens with one local expert per token, ~1.5 us of DRAM.
-MEETING_PREFETCH_ITEMS = 28
 # Values of an SM's slot counter per round: PAIRED_SLOTS slots and one value that a draw skips (`take_walk_slot`); a
 # power of two, so a divisor of 2**32 and the word's wrap keeps the rounds.
 WALK_SLOT_ROUND = 4
@@ -278,7 +272,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
         max_ctas_per_sm: int = 2,
         smid_walk: bool = False,
         dynamic_items: bool = False,
-        meeting_prefetch: bool = False,
     ):
         """`weights_before_wait` (v2.20, GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
         schedule once the kept count of routed tokens is complete and issues its first stages' weights before
@@ -290,9 +283,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
         its last item with one CTA alone. `smid_walk` (v2.32): the paired walk's groups are the SMs by id, each CTA's
         slot drawn from a kept per-SM counter (`take_walk_slot`). `dynamic_items` (v2.34, GEMM2): CTA c's
         first item is c, and each later one the next of a kept counter's claims (`claim_item`), so that the SMs that
-        finish first take the tail whatever the placement. `meeting_prefetch` (candidate v2.37, GEMM1 that routes):
-        while the grid meets, each routing lane prefetches into L2 the weights of some of its chosen expert's items
-        (`prefetch_chosen_items`), in the one window of the call where DRAM idles and GEMM1's weights are known."""
+        finish first take the tail whatever the placement."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -319,9 +310,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
             # an early-weights GEMM2 issues its first items before its wait.
             raise StreamingConfigError("dynamic_items is GEMM2's, without weights_before_wait")
         self.dynamic_items = dynamic_items
-        if meeting_prefetch and not gemm1:
-            raise StreamingConfigError("meeting_prefetch is GEMM1's (the call's first kernel routes and meets)")
-        self.meeting_prefetch = meeting_prefetch
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -475,27 +463,6 @@ def take_walk_slot(slots: cute.Tensor, walk_groups: Int32, walk_slot: cute.Tenso
         if slot == WALK_SLOT_ROUND - 1:
             slot = cute.arch.atomic_add(word, Int32(1), scope="gpu") & (WALK_SLOT_ROUND - 1)
     walk_slot[0] = slot
-
-
-def meeting_prefetch_items(rank, num_tokens):
-    """(first item n, items) of one expert's GEMM1 items that its choice with rank `rank` prefetches (candidate v2.37):
-    m = max(1, MEETING_PREFETCH_ITEMS // T) items from rank m on, clipped at the row tile's 128, so the tokens of one
-    expert take different items. Plain arithmetic (DSL or Python integers)."""
-    per_choice = cutlass.max(MEETING_PREFETCH_ITEMS // num_tokens, 1)
-    first = cutlass.min(rank * per_choice, GEMM1_ITEMS_PER_ROW_TILE)
-    return first, cutlass.min(per_choice, GEMM1_ITEMS_PER_ROW_TILE - first)
-
-
-@cute.jit
-def prefetch_chosen_items(w: cute.Tensor, local: Int32, rank: Int32, num_tokens: Int32):
-    """A routing lane's choice (local expert, rank; -1: none) prefetches the W13 rows of its items
-    (`meeting_prefetch_items`) into L2: their up rows and their gate rows, each contiguous, one bulk prefetch each."""
-    if local >= 0:
-        first, items = meeting_prefetch_items(rank, num_tokens)
-        if items > 0:
-            for half in cutlass.range_constexpr(2):
-                row = local * GEMM1_OUT + item_weight_row(True, first, half * GEMM1_ITEM_COLUMNS)
-                cp_async_bulk_prefetch(w.iterator + row * HIDDEN, items * GEMM1_ITEM_COLUMNS * HIDDEN)
 
 
 @cute.jit
@@ -728,7 +695,7 @@ class StreamingGemm(LinkedGemm):
             choices = None
             if cutlass.const_expr(cfg.routing_per_cta):
                 choices = storage.routing_choices.get_tensor(cute.make_layout(ROUTING_WARPS * TOP_K))
-            route_then_meet(routing, counts, expert_tokens, cta, grid, tidx, choices, self.meeting_hook(w))
+            route_then_meet(routing, counts, expert_tokens, cta, grid, tidx, choices)
         if cutlass.const_expr(cfg.weights_before_wait):
             # The counts are final once every routing CTA has added its tokens (before GEMM1 completes).
             if tidx == 0:
@@ -871,11 +838,6 @@ class StreamingGemm(LinkedGemm):
                     x_scales, w_scales, scratch, out, tile_end, expert_count, expert_offset, warp_id, group, quad, tidx,
                 )  # fmt: skip
         cute.arch.cp_async_wait_group(0)
-
-    def meeting_hook(self, w: cute.Tensor):
-        """`route_then_meet`'s after_release: with meeting_prefetch (candidate v2.37) the prefetch of the chosen
-        items' weights (`prefetch_chosen_items`), else None. Plain Python, called while the kernel is traced."""
-        return functools.partial(prefetch_chosen_items, w) if self.cfg.meeting_prefetch else None
 
     @cute.jit
     def compute_stage(

@@ -1,4 +1,4 @@
-"""tools/l2_prefetch_probe.py: the chunk split and the argument checks (CPU), the prefetch kernel's compile (CPU), and on
+"""tools/l2_prefetch_probe.py: the chunk split and the argument checks (CPU), the compile of its three kernels (CPU), and on
 a GPU (marked `gpu`) one short probe that prints its table."""
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ def test_bad_arguments_are_refused():
     assert probe.main(["--megabytes", "0"]) == 2
 
 
-def test_the_prefetch_kernel_compiles_without_a_gpu():
+def test_the_probe_kernels_compile_without_a_gpu():
     assert callable(probe.compiled_prefetcher(448 << 10))
+    assert callable(probe.compiled_reader())
+    assert callable(probe.compiled_spin())
 
 
 @pytest.mark.gpu

@@ -7,16 +7,19 @@ Why: MoE candidates v2.35 and v2.37 (kernels/moe/NOTES.md, session 26) prefetche
 large bulk prefetches and lost (0.962x and 0.977x at 7 tokens), v2.37 in a window where DRAM idles, as if the later
 loads read none of the prefetched lines from L2. This separates the two questions on a plain buffer.
 
-Each measurement first writes a 256-MB buffer (which evicts the H200's 60-MB L2), then times the reader (one
-`torch.sum` over the probed buffer, a reduction whose loads go through L2) with CUDA events:
+Each measurement first writes a 256-MB buffer (which evicts the H200's 60-MB L2), then times the reader with CUDA
+events. The reader reads the probed buffer as the MoE GEMMs read their weights: 16-byte `cp.async.cg` copies into
+shared memory (L2 only), READER_COPIES per thread in flight, two CTAs per SM (`_Reader`). All steps run in stream order
+without host waits, so the GPU never idles down its clocks between them (a first version slept on the host and timed
+its reader at idle clocks):
 
-- cold: the reader alone;
-- warm: the reader right after a first reader (the buffer in L2: the most a prefetch can give);
-- settled: the prefetch from P CTAs (one per SM at most), a device synchronisation and 1 ms on the host, then the reader:
-  equal to warm if prefetched lines serve later loads, equal to cold if they do not;
-- in stream: the prefetch from P CTAs, then at once the reader, in stream order (the timed span starts once the
-  prefetch kernel has issued its prefetches, which are then still in flight), against cold: what the prefetches add or
-  save when loads follow them at once, as in v2.37.
+- cold: a SPIN_US spin (one CTA reading `%globaltimer`), then the reader;
+- warm: the reader, the spin, the reader again (the buffer in L2: the most a prefetch can give);
+- settled: the prefetch from P CTAs (one per SM at most), the spin (time for every prefetch to land), the reader: equal
+  to warm if prefetched lines serve later loads, equal to cold if they do not;
+- in stream: the prefetch from P CTAs, then at once the reader (the timed span starts once the prefetch kernel has
+  issued its prefetches, still in flight), against cold: what the prefetches add or save when loads follow them at
+  once, as in v2.37.
 
 Thread 0 of CTA c of the prefetch grid issues one bulk prefetch per chunk c, c + P, ... (`chunks_of_cta`). Medians of
 `--repeats` measurements each. Exits 2 without CUDA, with one line on stderr.
@@ -27,16 +30,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch
 
 FLUSH_BYTES = 256 << 20  # over four times the H200's L2
 THREADS = 32
+CHUNK = 16  # bytes per cp.async of the reader
+READER_THREADS = 128
+READER_COPIES = 8  # cp.async per reader thread in flight: 16 KB per CTA, ~4 MB over two CTAs per SM
+SPIN_US = 50  # longer than any probed buffer takes to land from DRAM (48 MB at ~4 TB/s: ~12 us)
 
 
 def chunks_of_cta(cta: int, ctas: int, chunks: int) -> list[int]:
@@ -67,11 +74,98 @@ class _Prefetcher:
                 cp_async_bulk_prefetch(buffer.iterator + chunk * self.chunk_bytes, self.chunk_bytes)
 
 
+# The reader's shared memory: one 16-byte slot per copy in flight (built from a dict: this module's annotations are
+# strings, which `cute.struct` does not take).
+_ReaderStorage = cute.struct(
+    type(
+        "ReaderStorage",
+        (),
+        {
+            "__annotations__": {
+                "slots": cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, READER_THREADS * READER_COPIES * CHUNK], 128]
+            }
+        },
+    )
+)
+
+
+class _Reader:
+    """Thread t of CTA c copies 16-byte chunks c R + t + j 128 (j < READER_COPIES), then the same a grid's R further on
+    (R = READER_THREADS x READER_COPIES), each into its own shared-memory slot, and waits for its copies after each
+    round: a stream of L2-only loads with READER_COPIES per thread in flight."""
+
+    @cute.jit
+    def __call__(self, buffer: cute.Tensor, ctas: cutlass.Int32, stream):
+        self.kernel(buffer).launch(
+            grid=[ctas, 1, 1], block=[READER_THREADS, 1, 1], smem=_ReaderStorage.size_in_bytes(), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, buffer: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        storage = cutlass.memory.SmemAllocator().allocate(_ReaderStorage)
+        slots = storage.slots.get_tensor(cute.make_layout(READER_THREADS * READER_COPIES * CHUNK))
+        copy = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Uint8, num_bits_per_copy=CHUNK * 8
+        )
+        chunks = buffer.shape[0] // CHUNK
+        per_cta = READER_THREADS * READER_COPIES
+        for first in cutlass.range(cta * per_cta + tidx, chunks, ctas * per_cta, unroll=1):
+            for j in cutlass.range_constexpr(READER_COPIES):
+                chunk = first + j * READER_THREADS
+                if chunk < chunks:
+                    source = cute.make_tensor(
+                        buffer.iterator + cute.assume(chunk * CHUNK, divby=CHUNK), cute.make_layout(CHUNK)
+                    )
+                    cute.copy(copy, source, cute.local_tile(slots, (CHUNK,), (j * READER_THREADS + tidx,)))
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+
+
+class _Spin:
+    """One CTA that reads `%globaltimer` until `nanoseconds` have passed, then writes the nanoseconds it spun into
+    elapsed[0]: GPU time between two kernels, with no host wait."""
+
+    @cute.jit
+    def __call__(self, elapsed: cute.Tensor, nanoseconds: cutlass.Int32, stream):
+        self.kernel(elapsed, nanoseconds).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, elapsed: cute.Tensor, nanoseconds: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        start = cute.arch.globaltimer()
+        now = cute.arch.globaltimer()
+        while now - start < cutlass.Int64(nanoseconds):
+            now = cute.arch.globaltimer()
+        if tidx == 0:
+            elapsed[0] = cutlass.Int32(now - start)
+
+
+def _compile(probe, *args) -> Callable:
+    return cute.compile(
+        probe, *args, make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi --gpu-arch sm_90a"
+    )
+
+
+def _fake_buffer():
+    return make_fake_compact_tensor(cutlass.Uint8, (cute.sym_int(),), assumed_align=16)
+
+
 def compiled_prefetcher(chunk_bytes: int) -> Callable:
     """The prefetch kernel for sm_90a as a TVM-FFI function (needs no GPU): (uint8 buffer, CTAs)."""
-    buffer = make_fake_compact_tensor(cutlass.Uint8, (cute.sym_int(),), assumed_align=16)
-    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(_Prefetcher(chunk_bytes), buffer, 0, stream, options="--enable-tvm-ffi --gpu-arch sm_90a")
+    return _compile(_Prefetcher(chunk_bytes), _fake_buffer(), 0)
+
+
+def compiled_reader() -> Callable:
+    """The reader for sm_90a as a TVM-FFI function (needs no GPU): (uint8 buffer, CTAs)."""
+    return _compile(_Reader(), _fake_buffer(), 0)
+
+
+def compiled_spin() -> Callable:
+    """The spin for sm_90a as a TVM-FFI function (needs no GPU): (int32 elapsed[1], nanoseconds)."""
+    return _compile(_Spin(), make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4), 0)
 
 
 def _sm_counts(text: str) -> list[int]:
@@ -102,51 +196,49 @@ def main(argv: list[str] | None = None) -> int:
     if max(args.sms) > sms:
         print(f"l2_prefetch_probe: at most {sms} prefetching CTAs (one per SM), got {max(args.sms)}", file=sys.stderr)
         return 2
-    prefetch = compiled_prefetcher(chunk_bytes)
-    # Random bytes: a reader of zeros could be served by anything; the sum also keeps the reads from being dropped.
+    prefetch, reader, spin = compiled_prefetcher(chunk_bytes), compiled_reader(), compiled_spin()
     buffer = torch.randint(0, 256, (chunks * chunk_bytes,), dtype=torch.uint8, device="cuda")
-    words = buffer.view(torch.int32)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    expected = int(words.sum())
-
-    def timed(before: Callable[[], None], settle: bool) -> float:
-        """The reader's time in us, after the flush, `before` and, with `settle`, a synchronisation and 1 ms."""
-        flush.fill_(1)
-        before()
-        if settle:
-            torch.cuda.synchronize()
-            time.sleep(1e-3)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        total = words.sum()
-        end.record()
-        torch.cuda.synchronize()
-        if int(total) != expected:
-            raise RuntimeError("the reader's sum changed: the probe is broken")
-        return start.elapsed_time(end) * 1e3  # us
-
-    def median(measure: Callable[[], float]) -> float:
-        measure()  # the first call of each form pays for its own setup
-        return statistics.median(measure() for _ in range(args.repeats))
-
-    def nothing() -> None:
-        pass
+    spun = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def read() -> None:
-        words.sum()
+        reader(buffer, 2 * sms)
 
-    cold = median(lambda: timed(nothing, settle=False))
-    warm = median(lambda: timed(read, settle=False))
-    print(f"buffer {chunks * chunk_bytes / 2**20:.2f} MB in {chunks} bulk prefetches of {args.chunk_kb} KB; "
-          f"reader: cold {cold:.1f} us, warm (in L2) {warm:.1f} us; medians of {args.repeats}")  # fmt: skip
+    def pause() -> None:
+        spin(spun, SPIN_US * 1000)
+
+    def timed(*before: Callable[[], None]) -> float:
+        """The reader's time in us after the flush and `before`, all in stream order."""
+        flush.fill_(1)
+        for step in before:
+            step()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        read()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3
+
+    def median(*before: Callable[[], None]) -> float:
+        timed(*before)  # the first call of each form pays for its own setup
+        return statistics.median(timed(*before) for _ in range(args.repeats))
+
+    cold = median(pause)
+    if int(spun[0]) < SPIN_US * 1000:
+        raise RuntimeError(f"the spin lasted {int(spun[0])} ns, under {SPIN_US} us: the probe is broken")
+    warm = median(read, pause)
+    size = chunks * chunk_bytes
+    print(f"buffer {size / 2**20:.2f} MB in {chunks} bulk prefetches of {args.chunk_kb} KB; reader: cold {cold:.1f} us "
+          f"({size / cold / 1e6:.2f} TB/s), warm (in L2) {warm:.1f} us ({size / warm / 1e6:.2f} TB/s); medians of "
+          f"{args.repeats}")  # fmt: skip
     print(f"{'CTAs':>5} {'settled us':>11} {'settled vs warm':>16} {'in stream us':>13} {'in stream vs cold':>18}")
     for ctas in args.sms:
 
         def issue(ctas: int = ctas) -> None:
             prefetch(buffer, ctas)
 
-        settled = median(lambda: timed(issue, settle=True))
-        in_stream = median(lambda: timed(issue, settle=False))
+        settled = median(issue, pause)
+        in_stream = median(issue)
         print(f"{ctas:>5} {settled:>11.1f} {settled / warm:>16.2f} {in_stream:>13.1f} {in_stream / cold:>18.2f}")
     return 0
 

@@ -18,8 +18,9 @@ its reader at idle clocks):
 - settled: the prefetch from P CTAs (one per SM at most), the spin (time for every prefetch to land), the reader: equal
   to warm if prefetched lines serve later loads, equal to cold if they do not;
 - in stream: the prefetch from P CTAs, then at once the reader (the timed span starts once the prefetch kernel has
-  issued its prefetches, still in flight), against cold: what the prefetches add or save when loads follow them at
-  once, as in v2.37.
+  ended), against cold: what the prefetches add or save when loads follow them at once, as in v2.37;
+- issue: the prefetch kernel itself, after the spin: if it lasts about as long as its bytes take from DRAM, its threads
+  (or its end) wait for the prefetches, which a GEMM CTA that prefetches and then loads would feel.
 
 Thread 0 of CTA c of the prefetch grid issues one bulk prefetch per chunk c, c + P, ... (`chunks_of_cta`). Medians of
 `--repeats` measurements each. Exits 2 without CUDA, with one line on stderr.
@@ -207,21 +208,21 @@ def main(argv: list[str] | None = None) -> int:
     def pause() -> None:
         spin(spun, SPIN_US * 1000)
 
-    def timed(*before: Callable[[], None]) -> float:
-        """The reader's time in us after the flush and `before`, all in stream order."""
+    def timed(*before: Callable[[], None], step: Callable[[], None] = read) -> float:
+        """The time of `step` (the reader) in us after the flush and `before`, all in stream order."""
         flush.fill_(1)
-        for step in before:
-            step()
+        for earlier in before:
+            earlier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        read()
+        step()
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) * 1e3
 
-    def median(*before: Callable[[], None]) -> float:
-        timed(*before)  # the first call of each form pays for its own setup
-        return statistics.median(timed(*before) for _ in range(args.repeats))
+    def median(*before: Callable[[], None], step: Callable[[], None] = read) -> float:
+        timed(*before, step=step)  # the first call of each form pays for its own setup
+        return statistics.median(timed(*before, step=step) for _ in range(args.repeats))
 
     cold = median(pause)
     if int(spun[0]) < SPIN_US * 1000:
@@ -231,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"buffer {size / 2**20:.2f} MB in {chunks} bulk prefetches of {args.chunk_kb} KB; reader: cold {cold:.1f} us "
           f"({size / cold / 1e6:.2f} TB/s), warm (in L2) {warm:.1f} us ({size / warm / 1e6:.2f} TB/s); medians of "
           f"{args.repeats}")  # fmt: skip
-    print(f"{'CTAs':>5} {'settled us':>11} {'settled vs warm':>16} {'in stream us':>13} {'in stream vs cold':>18}")
+    print(f"{'CTAs':>5} {'settled us':>11} {'settled vs warm':>16} {'in stream us':>13} {'in stream vs cold':>18} "
+          f"{'issue us':>9}")  # fmt: skip
     for ctas in args.sms:
 
         def issue(ctas: int = ctas) -> None:
@@ -239,7 +241,11 @@ def main(argv: list[str] | None = None) -> int:
 
         settled = median(issue, pause)
         in_stream = median(issue)
-        print(f"{ctas:>5} {settled:>11.1f} {settled / warm:>16.2f} {in_stream:>13.1f} {in_stream / cold:>18.2f}")
+        issuing = median(pause, step=issue)
+        print(
+            f"{ctas:>5} {settled:>11.1f} {settled / warm:>16.2f} {in_stream:>13.1f} {in_stream / cold:>18.2f} "
+            f"{issuing:>9.1f}"
+        )
     return 0
 
 

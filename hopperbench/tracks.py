@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_claimed_early_w2",
-            entry="candidate_claimed_early_w2.py::run",
-            description="candidate v2.38: kernel.py with the early-weights GEMM2 of 1-6 tokens claiming its items after the first",
-        ),
     ),
 )
 

@@ -217,7 +217,8 @@ TINY_T = StreamingVariant(
 # Up to 4 tokens (one per warp) every GEMM1 CTA routes them all and ranks them in token order instead of meeting the
 # grid on CTA 0's routing (v2.26: 1 token 1.040x, 5 of 5 trials; off the list 2-4 tokens 1.001-1.040x, 5-6 tokens,
 # where the same kernel meets, 0.997-0.998x).
-# Its GEMM2 walks a fixed round robin, which it knows before its wait (claims would be taken after it).
+# Its GEMM2 walks a fixed round robin: claims (v2.38) measured 1.003x at 1 token, where GEMM2 mostly has 1-2 experts and
+# at most two items per CTA (1.010-1.024x off the list at 2-6 tokens).
 TINY_T_EARLY_W2 = dataclasses.replace(
     TINY_T, gemm2_weights_before_wait=True, routing_per_cta=True, gemm2_dynamic_items=False
 )

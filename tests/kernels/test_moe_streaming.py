@@ -493,9 +493,13 @@ def test_gemm2_claims_its_items_from_7_to_32_tokens_only():
     assert kernel.TINY_T.gemm2().ctas_per_sm() == 2
 
 
-def test_claims_need_a_routing_gemm1_and_the_mma_sync_gemm2():
+def test_claims_need_a_routing_gemm1_and_the_mma_sync_gemm2_without_early_weights():
     with pytest.raises(streaming.StreamingConfigError, match="dynamic_items"):
         streaming.StreamingGemmConfig(gemm1=True, block_tokens=8, num_stages=3, dynamic_items=True)
+    with pytest.raises(streaming.StreamingConfigError, match="dynamic_items"):
+        streaming.StreamingGemmConfig(
+            gemm1=False, block_tokens=8, num_stages=4, weights_before_wait=True, dynamic_items=True
+        )
     with pytest.raises(ValueError, match="gemm2_dynamic_items"):
         kernel.StreamingVariant(block_tokens=16, gemm2_dynamic_items=True)
     with pytest.raises(ValueError, match="gemm2_dynamic_items"):

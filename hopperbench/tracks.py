@@ -205,6 +205,11 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
+        CandidateSide(
+            name="cand_f16_wgmma_c",
+            entry="candidate_f16_wgmma_c.py::run",
+            description="v2.39: kernel.py with C rewritten as f16 times a power of two per row from 33 tokens, so the WGMMA GEMM2 multiplies f16 and converts its e4m3 weights once per pair",
+        ),
     ),
 )
 

@@ -7,7 +7,9 @@ programmatic dependent of the one before (`chain.py`): route (`routing.RoutingKe
 stream left at zero (`counters.py` keeps them), GEMM1 + SwiGLU into `intermediate` (its CTA 0 also copies the
 call's final counts into `counts_out`), GEMM2 into `expert_out`, and the weighted combine into `output`
 (`combine.CombineKernel`), which reads the counts from `counts_out` and zeroes the kept counters again (v2.22: no
-release kernel of its own). The expert GEMMs differ between the variants; each takes `launch(a, a_scale, w,
+release kernel of its own). A GEMM2 that multiplies f16 (`f16_c`, candidate v2.39) gets one more kernel before it,
+`c_to_f16.CToF16Kernel`, which rewrites C in place as f16 times a power of two per packed row (`c_scale`). The expert
+GEMMs differ between the variants; each takes `launch(a, a_scale, w,
 w_scale, out, counts, expert_tokens, grid, stream, routing=None)`, where `grid` is its number of persistent CTAs
 and `routing` (GEMM1 only) `routing.route_then_meet`'s tuple (a GEMM1 also takes `counts_out=`, a GEMM2 that
 issues its first weights before its programmatic wait `routed=`), and `with_link(link)` for its place in the
@@ -25,6 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
+from .c_to_f16 import CToF16Kernel
 from .chain import ChainLink, chain_links
 from .combine import CombineKernel
 from .routing import RoutingKernel
@@ -65,12 +68,13 @@ class MoeHostSm90:
         if not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
             raise TypeError("the MoE host chains its launches: the expert GEMMs need with_link")
         self.routing_in_gemm1 = routing_in_gemm1
-        if routing_in_gemm1:
-            gemm1_link, gemm2_link, combine_link = chain_links(3)
-        else:
-            routing_link, gemm1_link, gemm2_link, combine_link = chain_links(4)
-            self.routing = RoutingKernel(routing_link)
-        self.gemm1 = gemm1.with_link(gemm1_link)
+        f16_c = getattr(gemm2.cfg, "f16_c", False)
+        links = list(chain_links(3 + (not routing_in_gemm1) + f16_c))
+        if not routing_in_gemm1:
+            self.routing = RoutingKernel(links.pop(0))
+        self.gemm1 = gemm1.with_link(links.pop(0))
+        self.c_to_f16 = CToF16Kernel(links.pop(0)) if f16_c else None
+        gemm2_link, combine_link = links
         self.gemm2 = gemm2.with_link(gemm2_link)
         self.combine = CombineKernel(combine_link, loads_first=combine_loads_first)
 
@@ -96,6 +100,7 @@ class MoeHostSm90:
         slot_weight: cute.Tensor,
         intermediate: cute.Tensor,
         expert_out: cute.Tensor,
+        c_scale: cute.Tensor,
         gemm1_grid: cutlass.Int32,
         gemm2_grid: cutlass.Int32,
         stream,
@@ -127,9 +132,13 @@ class MoeHostSm90:
             counts_out=counts_out,
             **({"walk_slots": walk_slots} if self.gemm1.cfg.smid_walk else {}),
         )
+        gemm2_scale = hidden_states_scale  # not read by a GEMM2 on bf16 C (it keeps its kernels' parameters)
+        if cutlass.const_expr(self.c_to_f16 is not None):
+            self.c_to_f16.launch(counts, intermediate, c_scale, stream)
+            gemm2_scale = c_scale
         self.gemm2.launch(
             intermediate,
-            hidden_states_scale,
+            gemm2_scale,
             gemm2_weights,
             gemm2_weights_scale,
             expert_out,
@@ -155,6 +164,7 @@ class Workspaces:
     slot_weight: torch.Tensor  # [T, 8] fp32
     intermediate: torch.Tensor  # [8 T, 2048] bf16: C = silu(gate) * up per packed row
     expert_out: torch.Tensor  # [8 T, 7168] fp32: C W2^T per packed row
+    c_scale: torch.Tensor  # [8 T] fp32: with an f16 GEMM2, the power of two that undoes each packed row's rewrite
 
     @classmethod
     def allocate(cls, num_tokens: int, device: torch.device) -> Workspaces:
@@ -167,6 +177,7 @@ class Workspaces:
             slot_weight=torch.empty(num_tokens, TOP_K, dtype=torch.float32, device=device),
             intermediate=torch.empty(num_rows, INTERMEDIATE, dtype=torch.bfloat16, device=device),
             expert_out=torch.empty(num_rows, HIDDEN, dtype=torch.float32, device=device),
+            c_scale=torch.empty(num_rows, dtype=torch.float32, device=device),
         )
 
 
@@ -200,6 +211,7 @@ def fake_tensor_arguments() -> tuple:
         rowmajor(f32, (num_tokens, TOP_K)),
         rowmajor(bf16, (num_rows, INTERMEDIATE)),
         rowmajor(f32, (num_rows, HIDDEN)),
+        rowmajor(f32, (num_rows,)),
     )
 
 
@@ -244,6 +256,7 @@ def launch(
         workspaces.slot_weight,
         workspaces.intermediate,
         workspaces.expert_out,
+        workspaces.c_scale,
         gemm1_grid,
         gemm2_grid,
         *(() if kept_routed is None else (kept_routed,)),

@@ -146,7 +146,7 @@ def accumulator_coords(m_tile, n_tile, i, group, quad):
 
 
 def _e4m3x2_to_mma_input(word: Int32, high: bool, bf16: bool) -> Int32:
-    return e4m3x2_to_bf16x2(word, high) if bf16 else _e4m3x2_to_f16x2(word, high)
+    return e4m3x2_to_bf16x2(word, high) if bf16 else e4m3x2_to_f16x2(word, high)
 
 
 @dsl_user_op
@@ -169,7 +169,7 @@ def lds_shared(pointer, count: int, *, loc=None, ip=None) -> tuple[Int32, ...]:
     return tuple(Int32(llvm.extractvalue(T.i32(), words, [i], loc=loc, ip=ip)) for i in range(count))
 
 
-def _e4m3x2_to_f16x2(word: Int32, high: bool) -> Int32:
+def e4m3x2_to_f16x2(word: Int32, high: bool) -> Int32:
     """Two e4m3 bytes (the low or high half of `word`) as f16x2, exactly."""
     half = "hi" if high else "lo"
     return cute.arch.inline_ptx(
@@ -1078,7 +1078,7 @@ class StreamingGemm(LinkedGemm):
                         )
                         for j in cutlass.range_constexpr(4):
                             for r in cutlass.range_constexpr(2):
-                                b_words[2 * j + r] = _e4m3x2_to_f16x2(x_words[j], B_REGISTER_HIGH_HALF[r])
+                                b_words[2 * j + r] = e4m3x2_to_f16x2(x_words[j], B_REGISTER_HIGH_HALF[r])
                     else:
                         # bf16 elements 64 half + 16 q .. + 15: words 4 c .. 4 c + 3 from chunk c; word
                         # 2 j + r holds elements 16 q + 4 j + 2 r, + 1, exactly the K slots of b_r of MMA j

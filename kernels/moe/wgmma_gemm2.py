@@ -27,6 +27,10 @@ Design (the schedule, the promotion and the numerics are `streaming_gemm.py`'s G
   sets; session 10 measured 1.01x over converting, multiplying and promoting each block in turn).
 - Epilogue: the fp32 accumulator straight to `expert_out` for the item's valid tokens (columns of
   absent tokens hold whatever the stage held and are never stored).
+- `f16_c` (candidate v2.39): C holds f16 times a power of two per packed row (`c_to_f16.py`), the MMA multiplies
+  f16 (`wgmma.m64nNk16.f32.f16.f16`), a pair of weights takes one conversion instead of four, and the epilogue
+  multiplies each token's column by its row's inverse power: every product and partial sum is the bf16 path's
+  times that power, so the output is the same bit for bit.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from .streaming_gemm import (
     PersistentGemmConfig,
     StreamingConfigError,
     e4m3x2_to_bf16x2,
+    e4m3x2_to_f16x2,
     lds_shared,
     locate_row_tile,
     schedule_tables,
@@ -88,16 +93,23 @@ def weight_offset(row, k, stage):
 
 
 class WgmmaGemm2Config(PersistentGemmConfig):
-    """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth."""
+    """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth; `f16_c`: C is
+    f16 times a power of two per packed row (`c_to_f16.py`) and the MMA multiplies f16 (candidate v2.39)."""
 
-    def __init__(self, block_tokens: int, num_stages: int):
+    def __init__(self, block_tokens: int, num_stages: int, f16_c: bool = False):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
         self.block_tokens = block_tokens
         self.num_stages = num_stages
+        self.f16_c = f16_c
         self.check_fits()
+
+    @property
+    def c_dtype(self):
+        """The 16-bit type of C's elements and of both MMA operands."""
+        return cutlass.Float16 if self.f16_c else cutlass.BFloat16
 
     # What `LinkedGemm.locate_load` reads besides block_tokens (no token: the item's first packed row).
     gemm1 = False
@@ -109,19 +121,19 @@ class WgmmaGemm2Config(PersistentGemmConfig):
         return {
             "w_stages": smem_region(cutlass.Float8E4M3FN, ns * ITEM_ROWS * STAGE_K, 128),
             # 1024-B aligned: the swizzle pattern repeats every 1024 B from the start of an atom
-            "c_stages": smem_region(cutlass.BFloat16, ns * bt * STAGE_K, 1024),
+            "c_stages": smem_region(self.c_dtype, ns * bt * STAGE_K, 1024),
             "w_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE, 16),
         }
 
 
 @cute.jit
-def wgmma_operands(block_tokens: cutlass.Constexpr, num_stages: cutlass.Constexpr):
-    """The bf16 tiled MMA (M = 64 weight rows from registers, N = the tokens, k16) and the staged
-    K_SW128 layout of its C (B) tile."""
+def wgmma_operands(block_tokens: cutlass.Constexpr, num_stages: cutlass.Constexpr, dtype: cutlass.Constexpr):
+    """The 16-bit (`dtype`: bf16 or f16) tiled MMA (M = 64 weight rows from registers, N = the tokens, k16) and the
+    staged K_SW128 layout of its C (B) tile."""
     k_major = LayoutEnum.ROW_MAJOR  # K-major for A and for B alike
     tiled_mma = sm90_utils.make_trivial_tiled_mma(
-        cutlass.BFloat16,
-        cutlass.BFloat16,
+        dtype,
+        dtype,
         k_major.sm90_mma_major_mode(),
         k_major.sm90_mma_major_mode(),
         Float32,
@@ -130,21 +142,22 @@ def wgmma_operands(block_tokens: cutlass.Constexpr, num_stages: cutlass.Constexp
         a_source=warpgroup.OperandSource.RMEM,
     )
     b_layout = sm90_utils.make_smem_layout_b(
-        k_major, (ITEM_ROWS, block_tokens, STAGE_K), cutlass.BFloat16, num_stages
+        k_major, (ITEM_ROWS, block_tokens, STAGE_K), dtype, num_stages
     )
     return tiled_mma, b_layout
 
 
 class WgmmaGemm2(LinkedGemm):
-    """GEMM2 with `launch(c, unused_scale, w, w_scale, out, counts, expert_tokens, num_ctas, stream)`,
+    """GEMM2 with `launch(c, c_scale, w, w_scale, out, counts, expert_tokens, num_ctas, stream)`,
     as `streaming_gemm.StreamingGemm` (c = C [rows, 2048] bf16 in `intermediate_order.py`'s column
-    order, w = W2 [32, 7168, 2048], w_scale [32, 56, 16], out = O [rows, 7168] fp32)."""
+    order, w = W2 [32, 7168, 2048], w_scale [32, 56, 16], out = O [rows, 7168] fp32; with `f16_c` c holds f16
+    times a power of two per row and c_scale [rows] its inverse, otherwise c_scale is not read)."""
 
     @cute.jit
     def launch(
         self,
         c: cute.Tensor,
-        unused_scale: cute.Tensor,
+        c_scale: cute.Tensor,
         w: cute.Tensor,
         w_scale: cute.Tensor,
         out: cute.Tensor,
@@ -154,15 +167,20 @@ class WgmmaGemm2(LinkedGemm):
         stream,
     ):
         cfg = self.cfg
-        tiled_mma, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
+        tiled_mma, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages, cfg.c_dtype)
         SharedStorage = cfg.shared_storage()
-        kernel = self.kernel(c, w, w_scale, out, counts, tiled_mma, b_layout, SharedStorage)
+        if cutlass.const_expr(cfg.f16_c):
+            c = cute.recast_tensor(c, cutlass.Float16)  # the same bits, rewritten by `c_to_f16.py`
+        else:
+            c_scale = None  # not a parameter of the bf16 kernel
+        kernel = self.kernel(c, c_scale, w, w_scale, out, counts, tiled_mma, b_layout, SharedStorage)
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream)
 
     @cute.kernel
     def kernel(
         self,
         c: cute.Tensor,
+        c_scale,  # None unless f16_c
         w: cute.Tensor,
         w_scale: cute.Tensor,
         out: cute.Tensor,
@@ -187,7 +205,7 @@ class WgmmaGemm2(LinkedGemm):
         storage = smem.allocate(SharedStorage)
         s_c = storage.c_stages.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         w_bytes = storage.w_stages.get_tensor(cute.make_layout(ns * ITEM_ROWS * STAGE_K))
-        c_bytes = storage.c_stages.get_tensor(cute.make_layout(ns * bt * STAGE_K))  # bf16 elements
+        c_bytes = storage.c_stages.get_tensor(cute.make_layout(ns * bt * STAGE_K))  # 16-bit elements
         w_scales = storage.w_scales.get_tensor(cute.make_layout((BLOCKS_PER_STAGE, ns)))
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid, warp_id, lane
@@ -197,7 +215,7 @@ class WgmmaGemm2(LinkedGemm):
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
         )
         g2s_16_c = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cfg.c_dtype, num_bits_per_copy=128
         )
         g2s_4_f32 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), Float32, num_bits_per_copy=32
@@ -205,10 +223,10 @@ class WgmmaGemm2(LinkedGemm):
 
         thr_mma = tiled_mma.get_slice(tidx)
         t_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_c))  # (MMA, N, k16 steps, stage)
-        # A fragments of a 128-K block: (values, M, k16 steps) bf16, and one accumulator per block,
+        # A fragments of a 128-K block: (values, M, k16 steps) of C's type, and one accumulator per block,
         # for each block of a stage (both are in flight at once).
         a_blocks = [
-            cute.make_rmem_tensor(thr_mma.partition_shape_A((ITEM_ROWS, BLOCK)), cutlass.BFloat16)
+            cute.make_rmem_tensor(thr_mma.partition_shape_A((ITEM_ROWS, BLOCK)), cfg.c_dtype)
             for _ in range(BLOCKS_PER_STAGE)
         ]
         acc_shape = thr_mma.partition_shape_C((ITEM_ROWS, bt))
@@ -264,7 +282,10 @@ class WgmmaGemm2(LinkedGemm):
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     row, token_slot = coords[i]
                     if token_slot < item_valid_rows:
-                        out[item_packed_row0 + token_slot, n_tile * ITEM_ROWS + row] = acc[i]
+                        value = acc[i]
+                        if cutlass.const_expr(cfg.f16_c):
+                            value = value * c_scale[item_packed_row0 + token_slot]
+                        out[item_packed_row0 + token_slot, n_tile * ITEM_ROWS + row] = value
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit
@@ -282,7 +303,7 @@ class WgmmaGemm2(LinkedGemm):
     def convert_block(
         self, a_block: cute.Tensor, w_bytes: cute.Tensor, b: cutlass.Constexpr, row_g: Int32, quad: Int32, slot: Int32
     ):
-        """This thread's weights of K block `b` of the stage in `slot`, converted into the A fragments of
+        """This thread's weights of K block `b` of the stage in `slot`, converted (to C's type) into the A fragments of
         its eight k16 steps: 8 bytes of rows g and g + 8 per k32 group j, natural K 32 j + 8 t .. + 7
         (`intermediate_order.py`: word `step` of a row's load feeds k16 step 2 j + step, its halves K
         slots 2 t and 2 t + 8). Through the fragment's word view ((1, v1, v2), M, step): word v1 + 2 v2
@@ -294,7 +315,10 @@ class WgmmaGemm2(LinkedGemm):
                 words = lds_shared(w_bytes.iterator + weight_offset(row_g + 8 * v1, k, slot), 2)
                 for step in cutlass.range_constexpr(2):
                     for v2 in cutlass.range_constexpr(2):
-                        a_words[(0, v1, v2), 0, 2 * j + step] = e4m3x2_to_bf16x2(words[step], v2 == 1)
+                        if cutlass.const_expr(self.cfg.f16_c):
+                            a_words[(0, v1, v2), 0, 2 * j + step] = e4m3x2_to_f16x2(words[step], v2 == 1)
+                        else:
+                            a_words[(0, v1, v2), 0, 2 * j + step] = e4m3x2_to_bf16x2(words[step], v2 == 1)
 
     @cute.jit
     def issue_block(

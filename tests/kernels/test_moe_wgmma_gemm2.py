@@ -10,7 +10,8 @@ CPU:
   fragment's Int32 word view has the layout the kernel writes through;
 - the byte offsets of C's copies equal CuTe's B layout under its swizzle (8-32 tokens); the weight tile's
   swizzle keeps every chunk aligned and spreads a load phase's 8 rows over distinct banks;
-- the configurations' shared memory.
+- the configurations' shared memory;
+each layout check for both 16-bit types of C, bf16 (`kernel.py`) and f16 (`f16_c`, candidate v2.39).
 GPU (marked `gpu`): kernel.py's distance from the reference with the WGMMA GEMM2 against the same
 variant with the `mma.sync` GEMM2. The per-GEMM checks (C un-permuted) are test_moe_streaming.py's,
 the end-to-end checks test_moe_kernel.py's.
@@ -33,6 +34,7 @@ gemm2 = solution_module("wgmma_gemm2")
 gemm1 = solution_module("wgmma_gemm1")
 order = solution_module("intermediate_order")
 STAGES = 3
+C_TYPES = pytest.mark.parametrize("dtype", [cutlass.BFloat16, cutlass.Float16], ids=["bf16", "f16"])
 
 
 def test_the_column_order_is_a_permutation_of_each_group():
@@ -40,14 +42,14 @@ def test_the_column_order_is_a_permutation_of_each_group():
     assert all(order.natural_column(order.stored_position(c)) == c for c in range(order.GROUP))
 
 
-def _traced_a_coordinates() -> list[tuple[int, int, int, int]]:
+def _traced_a_coordinates(dtype) -> list[tuple[int, int, int, int]]:
     """(thread, value, row, k) of the A fragment of one 32-wide K group (two k16 steps) for every
     thread of the warpgroup, as CuTe partitions the RS tiled MMA."""
     seen: list[tuple[int, int, int, int]] = []
 
     @cute.jit
     def probe(unused: cute.Tensor):
-        tiled_mma, _ = gemm2.wgmma_operands(32, STAGES)
+        tiled_mma, _ = gemm2.wgmma_operands(32, STAGES, dtype)
         for tid in cutlass.range_constexpr(gemm2.NUM_THREADS):
             coords = tiled_mma.get_slice(tid).partition_A(cute.make_identity_tensor((gemm2.ITEM_ROWS, order.GROUP)))
             for i in cutlass.range_constexpr(cute.size(coords)):
@@ -58,8 +60,9 @@ def _traced_a_coordinates() -> list[tuple[int, int, int, int]]:
     return seen
 
 
-def test_every_a_fragment_value_meets_the_column_its_weight_byte_multiplies():
-    seen = _traced_a_coordinates()
+@C_TYPES
+def test_every_a_fragment_value_meets_the_column_its_weight_byte_multiplies(dtype):
+    seen = _traced_a_coordinates(dtype)
     assert len(seen) == gemm2.NUM_THREADS * 16
     for tid, i, row, slot in seen:
         warp, group, quad = tid // 32, (tid % 32) // 4, tid % 4
@@ -71,17 +74,16 @@ def test_every_a_fragment_value_meets_the_column_its_weight_byte_multiplies():
         assert order.natural_column(slot) == 8 * quad + 4 * step + 2 * v2 + v0, (tid, i)
 
 
-def test_the_a_fragment_words_are_the_value_pairs_the_kernel_writes():
-    # The kernel writes word (0, v1, v2) of step k of a bf16 fragment through its Int32 view; that word
+@C_TYPES
+def test_the_a_fragment_words_are_the_value_pairs_the_kernel_writes(dtype):
+    # The kernel writes word (0, v1, v2) of step k of a 16-bit fragment through its Int32 view; that word
     # must hold values (v0 = 0, 1) of (v1, v2) of step k: compact, v0 fastest.
     layouts: list[str] = []
 
     @cute.jit
     def probe(unused: cute.Tensor):
-        tiled_mma, _ = gemm2.wgmma_operands(32, STAGES)
-        block = cute.make_rmem_tensor(
-            tiled_mma.get_slice(0).partition_shape_A((gemm2.ITEM_ROWS, gemm2.BLOCK)), cutlass.BFloat16
-        )
+        tiled_mma, _ = gemm2.wgmma_operands(32, STAGES, dtype)
+        block = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_A((gemm2.ITEM_ROWS, gemm2.BLOCK)), dtype)
         layouts.append(str(block.layout))
         layouts.append(str(cute.recast_tensor(block, cutlass.Int32).layout))
 
@@ -89,7 +91,7 @@ def test_the_a_fragment_words_are_the_value_pairs_the_kernel_writes():
     assert layouts == ["((2,2,2),1,8):((1,2,4),0,8)", "((1,2,2),1,8):((1,1,2),0,4)"]
 
 
-def _traced_c_layout(block_tokens: int) -> tuple[str, list[tuple[int, int, int, int]]]:
+def _traced_c_layout(block_tokens: int, dtype) -> tuple[str, list[tuple[int, int, int, int]]]:
     """The staged C (B) layout as CuTe builds it: its swizzle, which the shared-memory tensor applies to
     byte addresses, and (row, k, stage, unswizzled byte offset) at every 16-B chunk start."""
     seen: list[tuple[int, int, int, int]] = []
@@ -97,20 +99,21 @@ def _traced_c_layout(block_tokens: int) -> tuple[str, list[tuple[int, int, int, 
 
     @cute.jit
     def probe(unused: cute.Tensor):
-        _, b_layout = gemm2.wgmma_operands(block_tokens, STAGES)
+        _, b_layout = gemm2.wgmma_operands(block_tokens, STAGES, dtype)
         swizzle.append(str(b_layout.inner))
         for row in cutlass.range_constexpr(block_tokens):
             for k in cutlass.range_constexpr(0, gemm2.STAGE_K, 8):
                 for stage in cutlass.range_constexpr(STAGES):
-                    seen.append((row, k, stage, b_layout.outer((row, k, stage)) * 2))  # bf16 elements -> bytes
+                    seen.append((row, k, stage, b_layout.outer((row, k, stage)) * 2))  # 16-bit elements -> bytes
 
     cute.compile(probe, make_fake_compact_tensor(cutlass.Float32, (4,), assumed_align=16), options="--gpu-arch sm_90a")
     return swizzle[0], seen
 
 
+@C_TYPES
 @pytest.mark.parametrize("block_tokens", [8, 16, 32, 64])
-def test_c_copy_offsets_are_the_mma_layout_byte_for_byte(block_tokens):
-    swizzle, seen = _traced_c_layout(block_tokens)
+def test_c_copy_offsets_are_the_mma_layout_byte_for_byte(block_tokens, dtype):
+    swizzle, seen = _traced_c_layout(block_tokens, dtype)
     # Swizzle<3,4,3> on byte addresses: the 16-B chunk index (bits 4-6) XOR bits 7-9, the hardware's
     # 128-B pattern, which `swizzled_offset` applies.
     assert swizzle == "S<3,4,3>"
@@ -141,6 +144,8 @@ def test_weight_tile_is_a_swizzled_permutation_with_conflict_free_load_phases():
 def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
     for block_tokens in (8, 16, 32):
         assert gemm2.WgmmaGemm2Config(block_tokens, 3).ctas_per_sm() == 2
+        f16_c = gemm2.WgmmaGemm2Config(block_tokens, 3, f16_c=True)
+        assert f16_c.smem_bytes() == gemm2.WgmmaGemm2Config(block_tokens, 3).smem_bytes()
     assert gemm2.WgmmaGemm2Config(64, 3).ctas_per_sm() == 1  # 144 KB (candidate v2.2)
     with pytest.raises(gemm2.StreamingConfigError):
         gemm2.WgmmaGemm2Config(24, 3)
@@ -168,7 +173,7 @@ def test_the_wgmma_gemm2_is_as_accurate_as_the_mma_sync_one(num_tokens):
     assert errors["wgmma"] < 1.1 * errors["mma.sync"] and errors["wgmma"] < 1e-2, errors
 
 
-def _traced_block_operands(block_tokens: int):
+def _traced_block_operands(block_tokens: int, dtype):
     """CuTe's view of one 128-K block: the A fragment coordinates (thread, value, row, k) of the RS tiled
     MMA, and the unswizzled byte offsets of the B (C) layout at every (token, k) of a stage."""
     a_coords: list[tuple[int, int, int, int]] = []
@@ -176,7 +181,7 @@ def _traced_block_operands(block_tokens: int):
 
     @cute.jit
     def probe(unused: cute.Tensor):
-        tiled_mma, b_layout = gemm2.wgmma_operands(block_tokens, STAGES)
+        tiled_mma, b_layout = gemm2.wgmma_operands(block_tokens, STAGES, dtype)
         for tid in cutlass.range_constexpr(gemm2.NUM_THREADS):
             coords = tiled_mma.get_slice(tid).partition_A(cute.make_identity_tensor((gemm2.ITEM_ROWS, gemm2.BLOCK)))
             for i in cutlass.range_constexpr(cute.size(coords)):
@@ -190,7 +195,8 @@ def _traced_block_operands(block_tokens: int):
     return a_coords, b_offsets
 
 
-def test_one_stage_of_the_data_path_computes_w_times_c_on_the_cpu():
+@C_TYPES
+def test_one_stage_of_the_data_path_computes_w_times_c_on_the_cpu(dtype):
     """The kernel's index maps composed, on integers: GEMM1 stores C permuted, the copies place W and C in
     shared memory (`weight_offset`, `swizzled_offset`), each thread loads and splits its weight bytes as
     `convert_block` does, the tensor core reads C through CuTe's swizzled layout; the products summed
@@ -199,7 +205,7 @@ def test_one_stage_of_the_data_path_computes_w_times_c_on_the_cpu():
     rng = torch.Generator().manual_seed(3)
     w = torch.randint(-8, 8, (gemm2.ITEM_ROWS, gemm2.STAGE_K), generator=rng)
     c = torch.randint(-8, 8, (block_tokens, gemm2.STAGE_K), generator=rng)
-    a_coords, b_offsets = _traced_block_operands(block_tokens)
+    a_coords, b_offsets = _traced_block_operands(block_tokens, dtype)
 
     # GEMM1's permuted store, then the copies into shared memory (bytes as Python dict cells).
     c_stored = torch.empty_like(c)

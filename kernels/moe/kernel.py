@@ -132,6 +132,7 @@ class StreamingVariant:
     gemm1_smid_walk: bool = False  # its StreamingGemmConfig smid_walk (v2.32)
     gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
     f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (candidate v2.39)
+    gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm (candidate v2.40)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -149,8 +150,8 @@ class StreamingVariant:
         if self.gemm2_dynamic_items and (self.wgmma_gemm2 or not self.routing_in_gemm1):
             # Its claim counter is a word of the kept routed-count buffer (`streaming_gemm.claim_item`).
             raise ValueError("gemm2_dynamic_items needs the mma.sync GEMM2 and routing_in_gemm1")
-        if self.f16_c and not self.wgmma_gemm2:
-            raise ValueError("f16_c is the WGMMA GEMM2's")
+        if (self.f16_c or self.gemm2_ctas_per_sm != 2) and not self.wgmma_gemm2:
+            raise ValueError("f16_c and gemm2_ctas_per_sm are the WGMMA GEMM2's")
         if self.gemm1_smid_walk and not self.routing_in_gemm1:
             # Its slots need every CTA resident at once: GEMM1's cooperative launch, which only a routing GEMM1 has.
             raise ValueError("gemm1_smid_walk needs routing_in_gemm1")
@@ -180,7 +181,12 @@ class StreamingVariant:
         block_tokens = self.gemm2_block_tokens or self.block_tokens
         num_stages = self.gemm2_num_stages or self.num_stages
         if self.wgmma_gemm2:
-            return WgmmaGemm2Config(block_tokens=block_tokens, num_stages=num_stages, f16_c=self.f16_c)
+            return WgmmaGemm2Config(
+                block_tokens=block_tokens,
+                num_stages=num_stages,
+                f16_c=self.f16_c,
+                max_ctas_per_sm=self.gemm2_ctas_per_sm,
+            )
         return StreamingGemmConfig(
             gemm1=False,
             block_tokens=block_tokens,

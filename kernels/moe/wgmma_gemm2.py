@@ -94,16 +94,23 @@ def weight_offset(row, k, stage):
 
 class WgmmaGemm2Config(PersistentGemmConfig):
     """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth; `f16_c`: C is
-    f16 times a power of two per packed row (`c_to_f16.py`) and the MMA multiplies f16 (candidate v2.39)."""
+    f16 times a power of two per packed row (`c_to_f16.py`) and the MMA multiplies f16 (candidate v2.39);
+    `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them (candidate v2.40:
+    32-token tiles with 2 stages, ~66 KB; 165 registers a thread, so three CTAs' 384 threads fit the register file).
+    Two stages are enough for correctness: the load into a slot is issued after the barrier that follows every
+    warp's wait for the MMAs that read it."""
 
-    def __init__(self, block_tokens: int, num_stages: int, f16_c: bool = False):
+    def __init__(self, block_tokens: int, num_stages: int, f16_c: bool = False, max_ctas_per_sm: int = 2):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
-        if num_stages < 3:
-            raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
+        if num_stages < 2:
+            raise StreamingConfigError(f"num_stages must be >= 2, got {num_stages}")
+        if max_ctas_per_sm not in (2, 3):
+            raise StreamingConfigError(f"max_ctas_per_sm must be 2 or 3, got {max_ctas_per_sm}")
         self.block_tokens = block_tokens
         self.num_stages = num_stages
         self.f16_c = f16_c
+        self.max_ctas_per_sm = max_ctas_per_sm
         self.check_fits()
 
     @property

@@ -150,7 +150,13 @@ def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
     with pytest.raises(gemm2.StreamingConfigError):
         gemm2.WgmmaGemm2Config(24, 3)
     with pytest.raises(gemm2.StreamingConfigError):
-        gemm2.WgmmaGemm2Config(32, 2)
+        gemm2.WgmmaGemm2Config(32, 1)
+    # candidate v2.40: two stages of 32 tokens fit three CTAs per SM where the configuration allows them
+    assert gemm2.WgmmaGemm2Config(32, 2).ctas_per_sm() == 2
+    assert gemm2.WgmmaGemm2Config(32, 2, f16_c=True, max_ctas_per_sm=3).ctas_per_sm() == 3
+    assert gemm2.WgmmaGemm2Config(32, 3, max_ctas_per_sm=3).ctas_per_sm() == 2
+    with pytest.raises(gemm2.StreamingConfigError):
+        gemm2.WgmmaGemm2Config(32, 2, max_ctas_per_sm=4)
 
 
 @pytest.mark.gpu

@@ -205,16 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_f16_wgmma_c",
-            entry="candidate_f16_wgmma_c.py::run",
-            description="v2.39: kernel.py with C rewritten as f16 times a power of two per row from 33 tokens, so the WGMMA GEMM2 multiplies f16 and converts its e4m3 weights once per pair",
-        ),
-        CandidateSide(
-            name="cand_f16_three_ctas",
-            entry="candidate_f16_three_ctas.py::run",
-            description="v2.40: v2.39's f16 WGMMA GEMM2 above 192 tokens with two stages and three CTAs per SM instead of three stages and two",
-        ),
     ),
 )
 

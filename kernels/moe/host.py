@@ -7,10 +7,10 @@ programmatic dependent of the one before (`chain.py`): route (`routing.RoutingKe
 stream left at zero (`counters.py` keeps them), GEMM1 + SwiGLU into `intermediate` (its CTA 0 also copies the
 call's final counts into `counts_out`), GEMM2 into `expert_out`, and the weighted combine into `output`
 (`combine.CombineKernel`), which reads the counts from `counts_out` and zeroes the kept counters again (v2.22: no
-release kernel of its own). A GEMM2 that multiplies f16 (`f16_c`, candidate v2.39) gets one more kernel before it,
-`c_to_f16.CToF16Kernel`, which rewrites C in place as f16 times a power of two per packed row (`c_scale`). The expert
-GEMMs differ between the variants; each takes `launch(a, a_scale, w,
-w_scale, out, counts, expert_tokens, grid, stream, routing=None)`, where `grid` is its number of persistent CTAs
+release kernel of its own). A GEMM2 that multiplies f16 (`f16_c`, v2.39: `kernel.py` above 192 tokens) gets one
+more kernel before it, `c_to_f16.CToF16Kernel`, which rewrites C in place as f16 times a power of two per packed row
+(`c_scale`). The expert GEMMs differ between the variants; each takes `launch(a, a_scale, w, w_scale, out, counts,
+expert_tokens, grid, stream, routing=None)`, where `grid` is its number of persistent CTAs
 and `routing` (GEMM1 only) `routing.route_then_meet`'s tuple (a GEMM1 also takes `counts_out=`, a GEMM2 that
 issues its first weights before its programmatic wait `routed=`), and `with_link(link)` for its place in the
 chain.

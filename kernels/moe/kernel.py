@@ -1,6 +1,6 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.13 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v2.14 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
@@ -23,14 +23,17 @@ FEW_TOKENS_MAX (v2.25: 1.007x on those 16 workloads, 79 of 80 trials faster) and
 routing the tokens itself, no grid meeting (v2.26: 1.040x at 1 token); in session 24 at 7-8 tokens GEMM1 at three CTAs
 per SM walking its items in paired rounds, so that most SMs never end on a lone CTA (v2.29: 1.024x at 7 tokens); in
 session 25 that walk grouped by SM id (v2.32: 1.016x at 7 tokens) and from 7 to 32 tokens GEMM2's items after the
-first claimed from a kept counter (v2.34: 1.011x at 7 tokens, 1.010-1.014x at 14-32; NOTES.md).
+first claimed from a kept counter (v2.34: 1.011x at 7 tokens, 1.010-1.014x at 14-32); in session 27 above 192 tokens C
+rewritten as f16 times a power of two per row so that GEMM2 multiplies f16, in two stages at three CTAs per SM (v2.39 and
+v2.40: 1.047x at 901 tokens, 1.069x / 1.074x at 11948 / 14107; NOTES.md).
 Destination passing,
 definition order, no host sync, no data-dependent host logic, graph-safe.
 
 Every call is the kernels of `host.py` in one TVM-FFI call, chained by programmatic dependent launches, on
 counters the previous call on the stream left at zero: up to MEDIUM_T_MAX_TOKENS three (GEMM1 + SwiGLU, which
 first routes the tokens, meets on a kept count and copies the final counts out, GEMM2, and the combine, which also
-zeroes the kept counters for the next call), above it four (the routing grid first). Both GEMMs are persistent
+zeroes the kept counters for the next call), above it four (the routing grid first); above FEW_TOKENS_MAX one more
+between the GEMMs, the rewrite of C as f16 (`c_to_f16.py`). Both GEMMs are persistent
 weight streams; the variant is chosen from T alone (a shape):
 
 - GEMM1 on `mma.sync` below WGMMA_GEMM1_MIN_TOKENS (its 32-row items keep twice as many CTAs
@@ -42,12 +45,14 @@ weight streams; the variant is chosen from T alone (a shape):
   synthesized routing gives 20-27 active experts ~40 tokens each, up to ~180: ~1.8 row tiles per
   expert; NOTES.md), 64 above, where each expert has hundreds of tokens and a tile of 64 reads its
   weights half as often (three stages, its epilogue tile in the stage just consumed: two CTAs per SM).
-- GEMM2 (whose bf16 activation stages are twice GEMM1's) gets tiles and stages that still fit two
-  CTAs per SM: 8-token tiles with 4 stages up to FEW_TOKENS_MAX, 32-token tiles with 3 stages above.
-  It runs on bf16 WGMMA with the e4m3 weights converted in registers wherever GEMM1 is on WGMMA
-  (GEMM1 then stores C in the column order it reads). Up to EARLY_W2_MAX_TOKENS it issues its first
-  stages' weights before its programmatic wait (only C waits for GEMM1); from there to WGMMA_GEMM1_MIN_TOKENS its
-  CTAs claim their items after the first from a kept counter (`streaming_gemm.claim_item`).
+- GEMM2 (whose 16-bit activation stages are twice GEMM1's) gets 8-token tiles with 4 stages at two CTAs per SM up
+  to FEW_TOKENS_MAX, 32-token tiles with 2 stages at three CTAs per SM above. It runs on 16-bit WGMMA with the e4m3
+  weights converted in registers wherever GEMM1 is on WGMMA (GEMM1 then stores C in the column order it reads):
+  bf16 up to FEW_TOKENS_MAX, above it f16 on C rewritten as f16 times a power of two per row (one conversion per pair
+  of weights instead of four; the same products up to that power, so the same output bit for bit). Up to
+  EARLY_W2_MAX_TOKENS it issues its first stages' weights before its programmatic wait (only C waits for GEMM1); from
+  there to WGMMA_GEMM1_MIN_TOKENS its CTAs claim their items after the first from a kept counter
+  (`streaming_gemm.claim_item`).
 
 Each configuration is compiled once (dynamic T) on first use and cached; `compile_only()` compiles
 all of them.
@@ -131,8 +136,8 @@ class StreamingVariant:
     gemm1_ctas_per_sm: int = 2  # the `mma.sync` GEMM1's StreamingGemmConfig max_ctas_per_sm (v2.28, v2.29)
     gemm1_smid_walk: bool = False  # its StreamingGemmConfig smid_walk (v2.32)
     gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
-    f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (candidate v2.39)
-    gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm (candidate v2.40)
+    f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (v2.39)
+    gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm (v2.40)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -201,7 +206,7 @@ class StreamingVariant:
 
 
 # GEMM2's shared memory per CTA fits two CTAs per SM in every variant: on `mma.sync` 103 KB (8 x 4),
-# on WGMMA ~80 KB (8 x 4) and ~97 KB (32 x 3). So does GEMM1's: ~98 KB at 64 x 3 with the epilogue
+# on WGMMA ~80 KB (8 x 4); three at 32 x 2 (~66 KB). So does GEMM1's: ~98 KB at 64 x 3 with the epilogue
 # tile in a token stage.
 # Up to MEDIUM_T_MAX_TOKENS GEMM1 is the call's first kernel and routes the tokens itself (v2.16: its stream
 # starts ~6 us earlier, where the host's launch of a second kernel would have reached the GPU).
@@ -246,14 +251,19 @@ TINY_T_THREE_CTAS = dataclasses.replace(
 FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True, gemm2_dynamic_items=False)
 # Above 192 tokens GEMM2 converts each W2 once per 32-token tile into WGMMA's registers (v2.1: 1.22x
 # at 901 over v1.6's `mma.sync` 16 x 3), and every larger T streams too (1.51-1.65x over v0's grouped
-# pipeline at 11948 and 14107 tokens).
+# pipeline at 11948 and 14107 tokens). Its C is f16 times a power of two per row (v2.39: one conversion per pair of
+# weights; 1.019x at 901 tokens, 1.026-1.027x at 11948 / 14107; at 52-80 tokens, 8-token tiles, no gain), in two
+# stages at three CTAs per SM (v2.40: ncu found this GEMM2 bound by each warp's chain of loads, conversions and MMAs at
+# 8 warps per SM; 1.047x at 901, 1.069x / 1.074x at 11948 / 14107 over v2.13, every trial faster).
 MEDIUM_T = StreamingVariant(
     block_tokens=32,
     gemm2_block_tokens=32,
-    gemm2_num_stages=3,
+    gemm2_num_stages=2,
     wgmma_gemm1=True,
     wgmma_gemm2=True,
     routing_in_gemm1=True,
+    f16_c=True,
+    gemm2_ctas_per_sm=3,
 )
 # Above MEDIUM_T_MAX_TOKENS GEMM1 reads each expert's weights once per 64 tokens (v2.2), and the routing is a
 # grid of its own (T warps over the SMs; GEMM1's grid would route 4 x its CTAs tokens at a time).

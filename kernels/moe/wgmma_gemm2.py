@@ -27,10 +27,10 @@ Design (the schedule, the promotion and the numerics are `streaming_gemm.py`'s G
   sets; session 10 measured 1.01x over converting, multiplying and promoting each block in turn).
 - Epilogue: the fp32 accumulator straight to `expert_out` for the item's valid tokens (columns of
   absent tokens hold whatever the stage held and are never stored).
-- `f16_c` (candidate v2.39): C holds f16 times a power of two per packed row (`c_to_f16.py`), the MMA multiplies
-  f16 (`wgmma.m64nNk16.f32.f16.f16`), a pair of weights takes one conversion instead of four, and the epilogue
-  multiplies each token's column by its row's inverse power: every product and partial sum is the bf16 path's
-  times that power, so the output is the same bit for bit.
+- `f16_c` (v2.39, `kernel.py` above 192 tokens): C holds f16 times a power of two per packed row (`c_to_f16.py`),
+  the MMA multiplies f16 (`wgmma.m64nNk16.f32.f16.f16`), a pair of weights takes one conversion instead of four,
+  and the epilogue multiplies each token's column by its row's inverse power: every product and partial sum is the
+  bf16 path's times that power, so the output is the same bit for bit.
 """
 
 from __future__ import annotations
@@ -94,9 +94,9 @@ def weight_offset(row, k, stage):
 
 class WgmmaGemm2Config(PersistentGemmConfig):
     """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth; `f16_c`: C is
-    f16 times a power of two per packed row (`c_to_f16.py`) and the MMA multiplies f16 (candidate v2.39);
-    `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them (candidate v2.40:
-    32-token tiles with 2 stages, ~66 KB; 165 registers a thread, so three CTAs' 384 threads fit the register file).
+    f16 times a power of two per packed row (`c_to_f16.py`) and the MMA multiplies f16 (v2.39);
+    `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them (v2.40:
+    32-token tiles with 2 stages, ~66 KB; 160 registers a thread, so three CTAs' 384 threads fit the register file).
     Two stages are enough for correctness: the load into a slot is issued after the barrier that follows every
     warp's wait for the MMAs that read it."""
 

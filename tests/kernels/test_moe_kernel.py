@@ -29,7 +29,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check
 kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_wide_from_193", "candidate_f16_wgmma_c", "candidate_f16_three_ctas")
+SOLUTIONS = ("kernel", "candidate_wide_from_193")
 
 
 @functools.cache
@@ -64,9 +64,13 @@ def test_variants_are_on_wgmma_from_33_tokens():
         assert type(variant.make_gemm1()) is gemm1_class and type(variant.make_gemm2()) is gemm2_class
         # GEMM1 stores C in the column order the WGMMA GEMM2 reads exactly when that one runs.
         assert getattr(variant.gemm1(), "permuted_c", False) == variant.wgmma_gemm2
-        # Every GEMM of every variant keeps two CTAs per SM, but GEMM1 at 7-8 tokens three (v2.29).
+        # Every GEMM of every variant keeps two CTAs per SM, but GEMM1 at 7-8 tokens three (v2.29) and the f16 GEMM2
+        # above FEW_TOKENS_MAX three (v2.40).
         three_ctas = kernel.EARLY_W2_MAX_TOKENS < num_tokens <= kernel.THREE_CTAS_MAX_TOKENS
-        assert variant.gemm1().ctas_per_sm() == (3 if three_ctas else 2) and variant.gemm2().ctas_per_sm() == 2
+        f16_gemm2 = num_tokens > kernel.FEW_TOKENS_MAX
+        assert variant.gemm1().ctas_per_sm() == (3 if three_ctas else 2)
+        assert variant.gemm2().ctas_per_sm() == (3 if f16_gemm2 else 2)
+        assert variant.f16_c == getattr(variant.gemm2(), "f16_c", False) == f16_gemm2
         # Up to MEDIUM_T_MAX_TOKENS GEMM1 routes the tokens itself (v2.16); above, the routing is a grid of its own.
         assert variant.routing_in_gemm1 == (num_tokens <= kernel.MEDIUM_T_MAX_TOKENS)
     assert kernel.WGMMA_GEMM1_MIN_TOKENS == 33

@@ -1,0 +1,108 @@
+"""kernel.py's f16 GEMM2 above FEW_TOKENS_MAX (v2.39, v2.40: kernels/moe/c_to_f16.py rewrites C in place as f16 times
+a power of two per packed row; kernels/moe/wgmma_gemm2.py multiplies f16 in 2 stages at three CTAs per SM).
+
+CPU: which variants take it, the chain with the rewrite between the GEMMs, the configurations' guards. GPU (marked
+`gpu`): the rewritten C is the bf16 C times a power of two per row (every element kept, the row's amax put in
+[2^14, 2^15)), and kernel.py's output equals, bit for bit, that of the same variant on the bf16 GEMM2 of v2.13
+(3 stages, two CTAs per SM) at 193-3000 tokens for every routing pattern.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, solution_module
+from tests.kernels.test_moe_streaming import outputs_of
+
+host = solution_module("host")
+
+BITWISE_CASES = (
+    cases.CheckCase("t193", 193, 224),
+    cases.CheckCase("t901", 901, 96),
+    cases.CheckCase("t1024_all_local", 1024, 32, "all_local"),
+    cases.CheckCase("t1025_no_local", 1025, 64, "no_local"),
+    cases.CheckCase("t2049_one_expert", 2049, 160, "one_expert"),
+    cases.CheckCase("t3000", 3000, 0),
+)
+
+
+def on_bf16_gemm2(variant):
+    """`variant` with v2.13's GEMM2: bf16 C, 3 stages, two CTAs per SM."""
+    return dataclasses.replace(variant, f16_c=False, gemm2_num_stages=3, gemm2_ctas_per_sm=2)
+
+
+def test_the_f16_gemm2_runs_above_few_tokens_max_only():
+    for variant in (kernel.MEDIUM_T, kernel.LARGE_T):
+        gemm2 = variant.gemm2()
+        assert variant.f16_c and gemm2.f16_c and gemm2.num_stages == 2 and gemm2.ctas_per_sm() == 3
+    for variant in kernel.VARIANTS[:4]:
+        assert not variant.f16_c and variant.gemm2_ctas_per_sm == 2
+    with pytest.raises(ValueError, match="WGMMA GEMM2"):
+        dataclasses.replace(kernel.TINY_T, f16_c=True)
+    with pytest.raises(ValueError, match="WGMMA GEMM2"):
+        dataclasses.replace(kernel.TINY_T, gemm2_ctas_per_sm=3)
+
+
+@pytest.mark.parametrize("variant", [kernel.MEDIUM_T, kernel.LARGE_T], ids=["MEDIUM_T", "LARGE_T"])
+def test_the_rewrite_of_c_is_a_kernel_between_the_gemms(variant):
+    moe_host = host.MoeHostSm90(
+        variant.make_gemm1(), variant.make_gemm2(), routing_in_gemm1=variant.routing_in_gemm1
+    )
+    assert moe_host.c_to_f16 is not None
+    assert moe_host.c_to_f16.link.waits and moe_host.c_to_f16.link.releases
+    assert moe_host.gemm1.link.releases and moe_host.gemm2.link.waits and moe_host.gemm2.link.releases
+    assert moe_host.combine.link.waits and not moe_host.combine.link.releases
+    assert moe_host.gemm1.link.waits != variant.routing_in_gemm1  # the first kernel of a call must not wait
+    bf16 = on_bf16_gemm2(variant)
+    assert host.MoeHostSm90(bf16.make_gemm1(), bf16.make_gemm2(), routing_in_gemm1=True).c_to_f16 is None
+
+
+def rows_by_token(workspaces) -> torch.Tensor:
+    """The packed rows of a call in (expert, token) order: two calls rank an expert's tokens in whatever order their
+    CTAs routed them, so their rows are compared through this map."""
+    rows = []
+    offset = 0
+    for expert, count in enumerate(workspaces.counts.tolist()):
+        rows.append(offset + torch.argsort(workspaces.expert_tokens[expert, :count]))
+        offset += count
+    return torch.cat(rows)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_tokens", (193, 901, 2049))
+def test_the_rewritten_c_is_the_bf16_c_times_a_power_of_two_per_row(num_tokens):
+    case = cases.CheckCase(f"t{num_tokens}", num_tokens, 224)
+    inputs = cases.make_inputs(case, "cuda", seed=11)
+    variant = kernel.variant_for(num_tokens)
+    bf16_c = kernel.run_keeping_workspaces(
+        *inputs.values(), cases.poisoned_output(case.num_tokens, "cuda"), choose=lambda _: on_bf16_gemm2(variant)
+    )
+    f16_c = kernel.run_keeping_workspaces(*inputs.values(), cases.poisoned_output(case.num_tokens, "cuda"))
+    torch.cuda.synchronize()
+    rows = int(bf16_c.counts.sum())
+    assert rows > 0 and torch.equal(bf16_c.counts, f16_c.counts)
+    c = bf16_c.intermediate[:rows][rows_by_token(bf16_c)].float()
+    assert torch.isfinite(c).all() and bool((c != 0).any())
+    in_order = rows_by_token(f16_c)
+    scale = f16_c.c_scale[:rows][in_order]
+    stored = f16_c.intermediate[:rows][in_order].view(torch.float16).float()
+    assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)  # powers of two
+    scaled_amax = stored.abs().amax(dim=1)
+    assert bool(((scaled_amax >= 2**14) & (scaled_amax < 2**15)).all())
+    assert torch.equal(stored * scale[:, None], c)  # every element kept
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", BITWISE_CASES, ids=lambda case: case.name)
+def test_outputs_are_the_bf16_gemm2s_bit_for_bit(case):
+    bf16 = kernel.make_run(lambda num_tokens: on_bf16_gemm2(kernel.variant_for(num_tokens)))
+    outputs = outputs_of((bf16, kernel.run, kernel.run), case, seed=53)
+    assert torch.isfinite(outputs[0]).all()
+    if case.pattern != "no_local":
+        assert bool((outputs[0] != 0).any())
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])

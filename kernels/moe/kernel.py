@@ -133,7 +133,7 @@ class StreamingVariant:
     gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.21)
     combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (v2.25)
     routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
-    gemm1_ctas_per_sm: int = 2  # the `mma.sync` GEMM1's StreamingGemmConfig max_ctas_per_sm (v2.28, v2.29)
+    gemm1_ctas_per_sm: int = 2  # GEMM1's max_ctas_per_sm (`mma.sync`: v2.28, v2.29; WGMMA: candidate v2.41)
     gemm1_smid_walk: bool = False  # its StreamingGemmConfig smid_walk (v2.32)
     gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
     f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (v2.39)
@@ -150,8 +150,6 @@ class StreamingVariant:
             raise ValueError("gemm2_weights_before_wait needs the mma.sync GEMM2 and routing_in_gemm1")
         if self.routing_per_cta and (self.wgmma_gemm1 or not self.routing_in_gemm1):
             raise ValueError("routing_per_cta needs the mma.sync GEMM1 and routing_in_gemm1")
-        if self.gemm1_ctas_per_sm != 2 and self.wgmma_gemm1:
-            raise ValueError("gemm1_ctas_per_sm is the mma.sync GEMM1's")
         if self.gemm2_dynamic_items and (self.wgmma_gemm2 or not self.routing_in_gemm1):
             # Its claim counter is a word of the kept routed-count buffer (`streaming_gemm.claim_item`).
             raise ValueError("gemm2_dynamic_items needs the mma.sync GEMM2 and routing_in_gemm1")
@@ -168,6 +166,7 @@ class StreamingVariant:
                 num_stages=self.num_stages,
                 permuted_c=self.wgmma_gemm2,
                 scratch_in_stage=self.gemm1_scratch_in_stage,
+                max_ctas_per_sm=self.gemm1_ctas_per_sm,
             )
         return StreamingGemmConfig(
             gemm1=True,

@@ -129,17 +129,28 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     `scratch_in_stage`: the epilogue's fp32 tile (`block_tokens` x 64, as many bytes as a token stage)
     lives in the token stage the item's last K stage has just consumed instead of a region of its own,
     which no copy in flight targets (candidate v2.2: 64-token tiles with 3 stages then fit two CTAs
-    per SM)."""
+    per SM); `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them
+    (candidate v2.41: 32-token tiles with 3 stages and the tile in a stage, ~73 KB; 78 registers a thread)."""
 
-    def __init__(self, block_tokens: int, num_stages: int, permuted_c: bool = False, scratch_in_stage: bool = False):
+    def __init__(
+        self,
+        block_tokens: int,
+        num_stages: int,
+        permuted_c: bool = False,
+        scratch_in_stage: bool = False,
+        max_ctas_per_sm: int = 2,
+    ):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
+        if max_ctas_per_sm not in (2, 3):
+            raise StreamingConfigError(f"max_ctas_per_sm must be 2 or 3, got {max_ctas_per_sm}")
         self.block_tokens = block_tokens
         self.num_stages = num_stages
         self.permuted_c = permuted_c
         self.scratch_in_stage = scratch_in_stage
+        self.max_ctas_per_sm = max_ctas_per_sm
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
 

@@ -3,9 +3,11 @@ packed row of C rewritten in place from bf16 to f16 times a power of two, with t
 (`c_scale`), so that GEMM2 converts its e4m3 weights once per pair (`cvt.rn.f16x2.e4m3x2`) instead of four times.
 
 The scale puts the row's amax in [2^14, 2^15): bf16's 8-bit significands fit f16's 11 and the multiplication by a
-power of two is exact, so each element keeps its value (times the power) unless it lies below 2^-28 of the row's
-amax (an f16 subnormal). One warp per packed row: 64 elements per lane, read as 32 bf16 pairs, written back as 32
-f16 pairs to the same words by the same lane (all reads of a lane precede its writes through the amax).
+power of two is exact, so each element keeps its value (times the power) unless it lies below 2^-31 of the row's
+amax, where f16's subnormals (steps of 2^-24) no longer hold 8 significant bits; such an element (silu of a very
+negative gate) is rounded to that step, an error of at most 2^-39 of the amax. One warp per packed row: 64 elements
+per lane, read as 32 bf16 pairs, written back as 32 f16 pairs to the same words by the same lane (all reads of a lane
+precede its writes through the amax).
 """
 
 from __future__ import annotations

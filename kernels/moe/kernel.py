@@ -23,9 +23,9 @@ FEW_TOKENS_MAX (v2.25: 1.007x on those 16 workloads, 79 of 80 trials faster) and
 routing the tokens itself, no grid meeting (v2.26: 1.040x at 1 token); in session 24 at 7-8 tokens GEMM1 at three CTAs
 per SM walking its items in paired rounds, so that most SMs never end on a lone CTA (v2.29: 1.024x at 7 tokens); in
 session 25 that walk grouped by SM id (v2.32: 1.016x at 7 tokens) and from 7 to 32 tokens GEMM2's items after the
-first claimed from a kept counter (v2.34: 1.011x at 7 tokens, 1.010-1.014x at 14-32); in session 27 above 192 tokens C
-rewritten as f16 times a power of two per row so that GEMM2 multiplies f16, in two stages at three CTAs per SM (v2.39 and
-v2.40: 1.047x at 901 tokens, 1.069x / 1.074x at 11948 / 14107; NOTES.md).
+first claimed from a kept counter (v2.34: 1.011x at 7 tokens, 1.010-1.014x at 14-32); in session 27 above 192 tokens
+C rewritten as f16 times a power of two per row so that GEMM2 multiplies f16, in two stages at three CTAs per SM (v2.39
+and v2.40: 1.047x at 901 tokens, 1.069x / 1.074x at 11948 / 14107; NOTES.md).
 Destination passing,
 definition order, no host sync, no data-dependent host logic, graph-safe.
 
@@ -49,10 +49,10 @@ weight streams; the variant is chosen from T alone (a shape):
   to FEW_TOKENS_MAX, 32-token tiles with 2 stages at three CTAs per SM above. It runs on 16-bit WGMMA with the e4m3
   weights converted in registers wherever GEMM1 is on WGMMA (GEMM1 then stores C in the column order it reads):
   bf16 up to FEW_TOKENS_MAX, above it f16 on C rewritten as f16 times a power of two per row (one conversion per pair
-  of weights instead of four; the same products up to that power, so the same output bit for bit). Up to
-  EARLY_W2_MAX_TOKENS it issues its first stages' weights before its programmatic wait (only C waits for GEMM1); from
-  there to WGMMA_GEMM1_MIN_TOKENS its CTAs claim their items after the first from a kept counter
-  (`streaming_gemm.claim_item`).
+  of weights instead of four; the same products up to that power but for elements below 2^-31 of their row's amax,
+  and the same output bit for bit in every case tested). Up to EARLY_W2_MAX_TOKENS it issues its first stages'
+  weights before its programmatic wait (only C waits for GEMM1); from there to WGMMA_GEMM1_MIN_TOKENS its CTAs claim
+  their items after the first from a kept counter (`streaming_gemm.claim_item`).
 
 Each configuration is compiled once (dynamic T) on first use and cached; `compile_only()` compiles
 all of them.

@@ -30,7 +30,8 @@ Design (the schedule, the promotion and the numerics are `streaming_gemm.py`'s G
 - `f16_c` (v2.39, `kernel.py` above 192 tokens): C holds f16 times a power of two per packed row (`c_to_f16.py`),
   the MMA multiplies f16 (`wgmma.m64nNk16.f32.f16.f16`), a pair of weights takes one conversion instead of four,
   and the epilogue multiplies each token's column by its row's inverse power: every product and partial sum is the
-  bf16 path's times that power, so the output is the same bit for bit.
+  bf16 path's times that power (except for elements of C below 2^-31 of their row's amax, which the f16 rewrite
+  rounds by at most 2^-39 of it), so the output is the same bit for bit in every case tested (193-3000 tokens).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 a power of two per packed row; kernels/moe/wgmma_gemm2.py multiplies f16 in 2 stages at three CTAs per SM).
 
 CPU: which variants take it, the chain with the rewrite between the GEMMs, the configurations' guards. GPU (marked
-`gpu`): the rewritten C is the bf16 C times a power of two per row (every element kept, the row's amax put in
-[2^14, 2^15)), and kernel.py's output equals, bit for bit, that of the same variant on the bf16 GEMM2 of v2.13
-(3 stages, two CTAs per SM) at 193-3000 tokens for every routing pattern.
+`gpu`): the rewritten C is the bf16 C times a power of two per row (the row's amax put in [2^14, 2^15), every element
+above 2^-31 of it kept exactly, smaller ones within 2^-39 of it), and kernel.py's output equals, bit for bit, that of
+the same variant on the bf16 GEMM2 of v2.13 (3 stages, two CTAs per SM) at 193-3000 tokens for every routing pattern
+(measured: exact only where no element below 2^-31 of its row's amax reaches a product that fp32 would keep).
 """
 
 from __future__ import annotations
@@ -60,6 +61,26 @@ def test_the_rewrite_of_c_is_a_kernel_between_the_gemms(variant):
     assert host.MoeHostSm90(bf16.make_gemm1(), bf16.make_gemm2(), routing_in_gemm1=True).c_to_f16 is None
 
 
+def test_the_rewrites_arithmetic_keeps_every_element_above_2_to_the_minus_31_of_the_amax():
+    """c_to_f16.py's arithmetic emulated in torch (the power from the amax's biased exponent e: 2^(141 - e)) on bf16
+    rows spanning 80 binades: elements above 2^-31 of the amax come back exactly, smaller ones within 2^-39 of it."""
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(20):
+        magnitudes = torch.exp2(torch.empty(2048).uniform_(-60, 20, generator=generator))
+        signs = torch.randint(0, 2, (2048,), generator=generator) * 2 - 1
+        c = (magnitudes * signs).to(torch.bfloat16).float()
+        amax = c.abs().max()
+        biased = int(torch.frexp(amax)[1]) - 1 + 127
+        to_f16, from_f16 = 2.0 ** (141 - biased), 2.0 ** (biased - 141)
+        stored = (c * to_f16).half().float()
+        assert 2**14 <= float(stored.abs().max()) < 2**15
+        rewritten = stored * from_f16
+        kept = c.abs() >= amax * 2.0**-31
+        assert bool((~kept).any())  # the rows do reach below the bound
+        assert torch.equal(rewritten[kept], c[kept])
+        assert bool(((rewritten - c).abs() <= amax * 2.0**-39).all())
+
+
 def rows_by_token(workspaces) -> torch.Tensor:
     """The packed rows of a call in (expert, token) order: two calls rank an expert's tokens in whatever order their
     CTAs routed them, so their rows are compared through this map."""
@@ -93,7 +114,15 @@ def test_the_rewritten_c_is_the_bf16_c_times_a_power_of_two_per_row(num_tokens):
     assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)  # powers of two
     scaled_amax = stored.abs().amax(dim=1)
     assert bool(((scaled_amax >= 2**14) & (scaled_amax < 2**15)).all())
-    assert torch.equal(stored * scale[:, None], c)  # every element kept
+    # Every element at least 2^-31 of its row's amax keeps its bf16 value exactly (8 significant bits fit f16's
+    # normals and, down to 2^-17 after the scale, its subnormals); a smaller one (silu of a very negative gate) is an
+    # f16 subnormal, within half of its 2^-24 step: at most 2^-39 of the amax. (Session 27's first version asked for
+    # every element exactly and failed at 2049 tokens on such elements.)
+    amax = c.abs().amax(dim=1, keepdim=True)
+    kept = c.abs() >= amax * 2.0**-31
+    rewritten = stored * scale[:, None]
+    assert torch.equal(rewritten[kept], c[kept])
+    assert bool(((rewritten - c).abs() <= scale[:, None] * 2.0**-25).all())
 
 
 @pytest.mark.gpu

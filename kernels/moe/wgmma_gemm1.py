@@ -130,7 +130,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     lives in the token stage the item's last K stage has just consumed instead of a region of its own,
     which no copy in flight targets (candidate v2.2: 64-token tiles with 3 stages then fit two CTAs
     per SM); `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them
-    (candidate v2.41: 32-token tiles with 3 stages and the tile in a stage, ~73 KB; 78 registers a thread)."""
+    (candidate v2.41: 32-token tiles with 3 stages and the tile in a stage, ~74 KB; 79 registers a thread)."""
 
     def __init__(
         self,

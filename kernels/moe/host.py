@@ -68,7 +68,7 @@ class MoeHostSm90:
         if not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
             raise TypeError("the MoE host chains its launches: the expert GEMMs need with_link")
         self.routing_in_gemm1 = routing_in_gemm1
-        f16_c = getattr(gemm2.cfg, "f16_c", False)
+        f16_c = gemm2.cfg.f16_c
         links = list(chain_links(3 + (not routing_in_gemm1) + f16_c))
         if not routing_in_gemm1:
             self.routing = RoutingKernel(links.pop(0))

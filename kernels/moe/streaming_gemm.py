@@ -231,6 +231,8 @@ class PersistentGemmConfig:
     smid_walk: bool = False
     # A GEMM2 whose CTAs claim their items after the first from a kept counter (v2.34; the `mma.sync` one).
     dynamic_items: bool = False
+    # A GEMM2 that multiplies C rewritten as f16 and so needs `c_to_f16.py` before it (v2.39; the WGMMA one).
+    f16_c: bool = False
     # Registers allow two CTAs of 128 threads per SM at up to 255 registers a thread. A configuration that asks for
     # three states it (`StreamingGemmConfig`'s max_ctas_per_sm; its compiled registers, 72-80 a thread, were read from
     # the cubin, NOTES v2.28), and a cooperative launch of a grid that cannot all be resident fails rather than hangs.

@@ -70,7 +70,7 @@ def test_variants_are_on_wgmma_from_33_tokens():
         f16_gemm2 = num_tokens > kernel.FEW_TOKENS_MAX
         assert variant.gemm1().ctas_per_sm() == (3 if three_ctas else 2)
         assert variant.gemm2().ctas_per_sm() == (3 if f16_gemm2 else 2)
-        assert variant.f16_c == getattr(variant.gemm2(), "f16_c", False) == f16_gemm2
+        assert variant.f16_c == variant.gemm2().f16_c == f16_gemm2
         # Up to MEDIUM_T_MAX_TOKENS GEMM1 routes the tokens itself (v2.16); above, the routing is a grid of its own.
         assert variant.routing_in_gemm1 == (num_tokens <= kernel.MEDIUM_T_MAX_TOKENS)
     assert kernel.WGMMA_GEMM1_MIN_TOKENS == 33

@@ -823,6 +823,16 @@ def outputs_of(runs, case, seed: int) -> list[torch.Tensor]:
     return outputs
 
 
+def assert_bit_for_bit(runs, case, seed: int) -> None:
+    """`runs` (the first the reference point, e.g. kernel.py's `run`) give finite outputs, non-zero unless no token
+    has a local expert, and all of them the same bits."""
+    outputs = outputs_of(runs, case, seed)
+    assert torch.isfinite(outputs[0]).all()
+    if case.pattern != "no_local":
+        assert bool((outputs[0] != 0).any())
+    assert all(torch.equal(outputs[0], output) for output in outputs[1:])
+
+
 def check_each_gemm(case, choose) -> None:
     """Localises a failure of test_matches_reference for the streaming variants `choose` picks: the
     routing lists against the reference's routing, C (GEMM1 + SwiGLU, bf16) against torch on the

@@ -134,7 +134,7 @@ class StreamingVariant:
     combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (v2.25)
     routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
     gemm1_ctas_per_sm: int = 2  # GEMM1's max_ctas_per_sm (`mma.sync`: v2.28, v2.29; WGMMA: candidate v2.41)
-    gemm1_smid_walk: bool = False  # its StreamingGemmConfig smid_walk (v2.32)
+    gemm1_smid_walk: bool = False  # GEMM1's smid_walk (`mma.sync`: v2.32; WGMMA: candidate v2.42)
     gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
     f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (v2.39)
     gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm (v2.40)
@@ -167,6 +167,7 @@ class StreamingVariant:
                 permuted_c=self.wgmma_gemm2,
                 scratch_in_stage=self.gemm1_scratch_in_stage,
                 max_ctas_per_sm=self.gemm1_ctas_per_sm,
+                smid_walk=self.gemm1_smid_walk,
             )
         return StreamingGemmConfig(
             gemm1=True,

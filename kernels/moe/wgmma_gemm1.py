@@ -37,12 +37,15 @@ from .intermediate_order import GROUP, stored_position
 from .routing import route_then_meet
 from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE
 from .streaming_gemm import (
+    PAIRED_SLOTS,
     LinkedGemm,
     PersistentGemmConfig,
     StreamingConfigError,
+    cta_stage_count,
     locate_row_tile,
     schedule_tables,
     smem_region,
+    take_walk_slot,
 )
 from .swiglu import swiglu_bf16
 
@@ -130,7 +133,10 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     lives in the token stage the item's last K stage has just consumed instead of a region of its own,
     which no copy in flight targets (candidate v2.2: 64-token tiles with 3 stages then fit two CTAs
     per SM); `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them
-    (candidate v2.41: 32-token tiles with 3 stages and the tile in a stage, ~74 KB; 79 registers a thread)."""
+    (candidate v2.41: 32-token tiles with 3 stages and the tile in a stage, ~74 KB; 79 registers a thread);
+    `smid_walk` (candidate v2.42, three CTAs per SM and a routing, i.e. cooperative, launch only): the round-robin walk
+    runs over slot x SMs + `%smid` instead of the CTA index, the slot drawn from the kept per-SM counters
+    (`streaming_gemm.take_walk_slot`), so that SM s takes the items = s mod SMs whatever the hardware's placement."""
 
     def __init__(
         self,
@@ -139,6 +145,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         permuted_c: bool = False,
         scratch_in_stage: bool = False,
         max_ctas_per_sm: int = 2,
+        smid_walk: bool = False,
     ):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
@@ -151,8 +158,12 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         self.permuted_c = permuted_c
         self.scratch_in_stage = scratch_in_stage
         self.max_ctas_per_sm = max_ctas_per_sm
+        self.smid_walk = smid_walk
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
+        if smid_walk and self.ctas_per_sm() != PAIRED_SLOTS:
+            # The draw gives an SM's CTAs the slots 0, 1 and 2: it needs exactly three of them on every SM.
+            raise StreamingConfigError("smid_walk needs three CTAs per SM (max_ctas_per_sm=3, and their shared memory)")
 
     # What `LinkedGemm.locate_load` reads besides block_tokens and threads_per_token.
     gemm1 = True
@@ -170,6 +181,8 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         }
         if not self.scratch_in_stage:
             fields["scratch"] = smem_region(Float32, ITEM_ROWS * bt, 128)
+        if self.smid_walk:
+            fields["walk_slot"] = smem_region(Int32, 4, 16)
         return fields
 
 
@@ -212,14 +225,16 @@ class WgmmaGemm1(LinkedGemm):
         stream,
         routing=None,
         counts_out=None,
+        walk_slots=None,
     ):
-        """`routing` and `counts_out`: as `streaming_gemm.StreamingGemm.launch`'s (v2.16, v2.22)."""
+        """`routing`, `counts_out` and `walk_slots` (with smid_walk): as `streaming_gemm.StreamingGemm.launch`'s
+        (v2.16, v2.22, v2.32)."""
         cfg = self.cfg
         tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
         SharedStorage = cfg.shared_storage()
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens, tiled_mma, a_layout, b_layout, SharedStorage, routing,
-            counts_out,
+            counts_out, walk_slots,
         )
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None)
 
@@ -239,6 +254,7 @@ class WgmmaGemm1(LinkedGemm):
         SharedStorage: cutlass.Constexpr,
         routing,
         counts_out,
+        walk_slots,
     ):
         enter(self.link)
         cfg = self.cfg
@@ -252,6 +268,11 @@ class WgmmaGemm1(LinkedGemm):
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
+        if cutlass.const_expr(cfg.smid_walk):
+            # Drawn first, so that the atomic's round trip overlaps the routing (read after the schedule's barrier).
+            walk_slot_word = storage.walk_slot.get_tensor(cute.make_layout(4))
+            if tidx == 0:
+                take_walk_slot(walk_slots, grid // PAIRED_SLOTS, walk_slot_word)
         if cutlass.const_expr(routing is not None):
             route_then_meet(routing, counts, expert_tokens, cta, grid, tidx)
         # The MMA's swizzled views, and flat byte views of the same buffers for the copies.
@@ -271,6 +292,14 @@ class WgmmaGemm1(LinkedGemm):
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid, warp_id, lane, counts_out
         )
+        # The walk's index: items walk, walk + grid, ... (the CTA index, or by SM id with smid_walk). The routing
+        # above and the schedule's counts_out copy stay the CTA's.
+        walk = cta
+        if cutlass.const_expr(cfg.smid_walk):
+            drawn = walk_slot_word[0]
+            if drawn >= 0:
+                walk = drawn * (grid // PAIRED_SLOTS) + cute.arch.smid()
+                total_stages = cta_stage_count(tile_end, ITEMS_PER_ROW_TILE, K_STAGES, walk, grid)
 
         g2s_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
@@ -289,12 +318,12 @@ class WgmmaGemm1(LinkedGemm):
         acc.fill(0.0)
         # Where the next load's item lies, located at its first K stage only (v2.4): (expert, valid rows,
         # this thread's token). The prologue's stages all belong to the CTA's first item.
-        located = self.load_location(cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
+        located = self.load_location(walk, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
 
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
                 self.load_stage(
-                    p, p, cta, grid, located, x, x_scale, w, w_scale, w_bytes, x_bytes, x_scales, w_scales, g2s_16,
+                    p, p, walk, grid, located, x, x_scale, w, w_scale, w_bytes, x_bytes, x_scales, w_scales, g2s_16,
                     g2s_4_f32, tidx,
                 )
             cute.arch.cp_async_commit_group()
@@ -309,15 +338,15 @@ class WgmmaGemm1(LinkedGemm):
             if s + ns - 1 < total_stages:
                 if (s + ns - 1) % K_STAGES == 0:
                     located = self.load_location(
-                        cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx
+                        walk, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx
                     )
                 self.load_stage(
-                    s + ns - 1, (s + ns - 1) % ns, cta, grid, located, x, x_scale, w, w_scale, w_bytes, x_bytes,
+                    s + ns - 1, (s + ns - 1) % ns, walk, grid, located, x, x_scale, w, w_scale, w_bytes, x_bytes,
                     x_scales, w_scales, g2s_16, g2s_4_f32, tidx,
                 )
             cute.arch.cp_async_commit_group()
 
-            item = cta + (s // K_STAGES) * grid
+            item = walk + (s // K_STAGES) * grid
             k_stage = s % K_STAGES
             if k_stage == 0:
                 acc.fill(0.0)
@@ -364,7 +393,7 @@ class WgmmaGemm1(LinkedGemm):
         self,
         s: Int32,
         slot: Int32,
-        cta: Int32,
+        walk: Int32,
         grid: Int32,
         located,
         x: cute.Tensor,
@@ -379,12 +408,12 @@ class WgmmaGemm1(LinkedGemm):
         g2s_4_f32: cute.CopyAtom,
         tidx: Int32,
     ):
-        """Issue the cp.async copies of flat stage `s` of this CTA (weights, tokens, scales); `located` is
-        `locate_load`'s (expert, valid rows, this thread's token) and `item_bases`' two offsets for the stage's
-        item."""
+        """Issue the cp.async copies of flat stage `s` of the walk walk, walk + grid, ... (weights, tokens,
+        scales); `located` is `locate_load`'s (expert, valid rows, this thread's token) and `item_bases`' two
+        offsets for the stage's item."""
         cfg = self.cfg
         bt = cfg.block_tokens
-        item = cta + (s // K_STAGES) * grid
+        item = walk + (s // K_STAGES) * grid
         k_stage = s % K_STAGES
         n_tile = item % ITEMS_PER_ROW_TILE
         expert, valid_rows, token = located[0], located[1], located[2]

@@ -205,16 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_gemm1_three_ctas",
-            entry="candidate_gemm1_three_ctas.py::run",
-            description="v2.41: kernel.py with MEDIUM_T's GEMM1 (193-1024 tokens) in 3 stages at three CTAs per SM, its epilogue tile in a stage",
-        ),
-        CandidateSide(
-            name="cand_gemm1_smid_walk",
-            entry="candidate_gemm1_smid_walk.py::run",
-            description="v2.42: v2.41 (MEDIUM_T's GEMM1 at three CTAs per SM) walking its items by SM id, slots from kept per-SM counters",
-        ),
     ),
 )
 

@@ -1,6 +1,6 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.14 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v2.15 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
@@ -25,7 +25,9 @@ per SM walking its items in paired rounds, so that most SMs never end on a lone 
 session 25 that walk grouped by SM id (v2.32: 1.016x at 7 tokens) and from 7 to 32 tokens GEMM2's items after the
 first claimed from a kept counter (v2.34: 1.011x at 7 tokens, 1.010-1.014x at 14-32); in session 27 above 192 tokens
 C rewritten as f16 times a power of two per row so that GEMM2 multiplies f16, in two stages at three CTAs per SM (v2.39
-and v2.40: 1.047x at 901 tokens, 1.069x / 1.074x at 11948 / 14107; NOTES.md).
+and v2.40: 1.047x at 901 tokens, 1.069x / 1.074x at 11948 / 14107); in session 28 from 193 to MEDIUM_T_MAX_TOKENS
+GEMM1 in 3 stages at three CTAs per SM walking its items by SM id (v2.41 and v2.42: 1.043x at 901 tokens, 5 of 5
+trials faster; NOTES.md).
 Destination passing,
 definition order, no host sync, no data-dependent host logic, graph-safe.
 
@@ -44,7 +46,9 @@ weight streams; the variant is chosen from T alone (a shape):
   Row tiles of 16 tokens up to FEW_TOKENS_MAX, 32 up to MEDIUM_T_MAX_TOKENS (at T = 901 the
   synthesized routing gives 20-27 active experts ~40 tokens each, up to ~180: ~1.8 row tiles per
   expert; NOTES.md), 64 above, where each expert has hundreds of tokens and a tile of 64 reads its
-  weights half as often (three stages, its epilogue tile in the stage just consumed: two CTAs per SM).
+  weights half as often (three stages, its epilogue tile in the stage just consumed: two CTAs per SM). The 32-token
+  tiles take 3 stages, the epilogue tile in a stage too, at three CTAs per SM, their round robin over slot x SMs +
+  SM id (the same kept slot draw), so that every SM holds an equal share of the items whatever the placement.
 - GEMM2 (whose 16-bit activation stages are twice GEMM1's) gets 8-token tiles with 4 stages at two CTAs per SM up
   to FEW_TOKENS_MAX, 32-token tiles with 2 stages at three CTAs per SM above. It runs on 16-bit WGMMA with the e4m3
   weights converted in registers wherever GEMM1 is on WGMMA (GEMM1 then stores C in the column order it reads):
@@ -133,8 +137,8 @@ class StreamingVariant:
     gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.21)
     combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (v2.25)
     routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
-    gemm1_ctas_per_sm: int = 2  # GEMM1's max_ctas_per_sm (`mma.sync`: v2.28, v2.29; WGMMA: candidate v2.41)
-    gemm1_smid_walk: bool = False  # GEMM1's smid_walk (`mma.sync`: v2.32; WGMMA: candidate v2.42)
+    gemm1_ctas_per_sm: int = 2  # GEMM1's max_ctas_per_sm (`mma.sync`: v2.28, v2.29; WGMMA: v2.41)
+    gemm1_smid_walk: bool = False  # GEMM1's smid_walk (`mma.sync`: v2.32; WGMMA: v2.42)
     gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
     f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (v2.39)
     gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm (v2.40)
@@ -255,20 +259,30 @@ FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True, gem
 # weights; 1.019x at 901 tokens, 1.026-1.027x at 11948 / 14107; at 52-80 tokens, 8-token tiles, no gain), in two
 # stages at three CTAs per SM (v2.40: ncu found this GEMM2 bound by each warp's chain of loads, conversions and MMAs at
 # 8 warps per SM; 1.047x at 901, 1.069x / 1.074x at 11948 / 14107 over v2.13, every trial faster).
+# Its GEMM1 runs 3 stages at three CTAs per SM, the epilogue tile in the stage just consumed (~74 KB, 79 registers a
+# thread), and walks round robin over slot x 132 + SM id with v2.32's kept slot draw (v2.41 and v2.42: the third CTA
+# shortened GEMM1 ~5 %, but over the CTA index the H200's placement of CTAs 0-23 three each on 8 SMs left those SMs a
+# round behind on 2 of 5 routings at 901 tokens (0.975x, 0.993x); by SM id 1.043x at 901, 5 of 5 trials faster, and
+# 1.02-1.21x off the list at 256-1024 tokens).
 MEDIUM_T = StreamingVariant(
     block_tokens=32,
+    num_stages=3,
     gemm2_block_tokens=32,
     gemm2_num_stages=2,
     wgmma_gemm1=True,
     wgmma_gemm2=True,
     routing_in_gemm1=True,
+    gemm1_scratch_in_stage=True,
+    gemm1_ctas_per_sm=3,
+    gemm1_smid_walk=True,
     f16_c=True,
     gemm2_ctas_per_sm=3,
 )
 # Above MEDIUM_T_MAX_TOKENS GEMM1 reads each expert's weights once per 64 tokens (v2.2), and the routing is a
-# grid of its own (T warps over the SMs; GEMM1's grid would route 4 x its CTAs tokens at a time).
+# grid of its own (T warps over the SMs; GEMM1's grid would route 4 x its CTAs tokens at a time). Its ~98 KB a CTA fit
+# two per SM, and without the routing its launch is not cooperative, so it walks over the CTA index.
 LARGE_T = dataclasses.replace(
-    MEDIUM_T, block_tokens=64, num_stages=3, gemm1_scratch_in_stage=True, routing_in_gemm1=False
+    MEDIUM_T, block_tokens=64, routing_in_gemm1=False, gemm1_ctas_per_sm=2, gemm1_smid_walk=False
 )
 VARIANTS = (TINY_T_EARLY_W2, TINY_T_THREE_CTAS, TINY_T, FEW_TOKENS, MEDIUM_T, LARGE_T)
 

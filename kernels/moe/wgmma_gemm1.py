@@ -133,8 +133,8 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     lives in the token stage the item's last K stage has just consumed instead of a region of its own,
     which no copy in flight targets (candidate v2.2: 64-token tiles with 3 stages then fit two CTAs
     per SM); `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them
-    (candidate v2.41: 32-token tiles with 3 stages and the tile in a stage, ~74 KB; 79 registers a thread);
-    `smid_walk` (candidate v2.42, three CTAs per SM and a routing, i.e. cooperative, launch only): the round-robin walk
+    (v2.41, `kernel.py`'s MEDIUM_T: 32-token tiles with 3 stages and the tile in a stage, ~74 KB; 79 registers a
+    thread); `smid_walk` (v2.42, three CTAs per SM and a routing, i.e. cooperative, launch only): the round-robin walk
     runs over slot x SMs + `%smid` instead of the CTA index, the slot drawn from the kept per-SM counters
     (`streaming_gemm.take_walk_slot`), so that SM s takes the items = s mod SMs whatever the hardware's placement."""
 

@@ -29,7 +29,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check
 kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_wide_from_193", "candidate_gemm1_three_ctas", "candidate_gemm1_smid_walk")
+SOLUTIONS = ("kernel", "candidate_wide_from_193")
 
 
 @functools.cache
@@ -64,11 +64,15 @@ def test_variants_are_on_wgmma_from_33_tokens():
         assert type(variant.make_gemm1()) is gemm1_class and type(variant.make_gemm2()) is gemm2_class
         # GEMM1 stores C in the column order the WGMMA GEMM2 reads exactly when that one runs.
         assert getattr(variant.gemm1(), "permuted_c", False) == variant.wgmma_gemm2
-        # Every GEMM of every variant keeps two CTAs per SM, but GEMM1 at 7-8 tokens three (v2.29) and the f16 GEMM2
-        # above FEW_TOKENS_MAX three (v2.40).
-        three_ctas = kernel.EARLY_W2_MAX_TOKENS < num_tokens <= kernel.THREE_CTAS_MAX_TOKENS
+        # Every GEMM of every variant keeps two CTAs per SM, but GEMM1 at 7-8 tokens (v2.29) and from 193 to
+        # MEDIUM_T_MAX_TOKENS (v2.41) three, both walking by SM id (v2.32, v2.42), and the f16 GEMM2 above
+        # FEW_TOKENS_MAX three (v2.40).
+        three_ctas = kernel.EARLY_W2_MAX_TOKENS < num_tokens <= kernel.THREE_CTAS_MAX_TOKENS or (
+            kernel.FEW_TOKENS_MAX < num_tokens <= kernel.MEDIUM_T_MAX_TOKENS
+        )
         f16_gemm2 = num_tokens > kernel.FEW_TOKENS_MAX
         assert variant.gemm1().ctas_per_sm() == (3 if three_ctas else 2)
+        assert variant.gemm1_smid_walk == variant.gemm1().smid_walk == three_ctas
         assert variant.gemm2().ctas_per_sm() == (3 if f16_gemm2 else 2)
         assert variant.f16_c == variant.gemm2().f16_c == f16_gemm2
         # Up to MEDIUM_T_MAX_TOKENS GEMM1 routes the tokens itself (v2.16); above, the routing is a grid of its own.
@@ -81,9 +85,12 @@ def test_variants_are_on_wgmma_from_33_tokens():
     assert kernel.variant_for(kernel.FEW_TOKENS_MAX + 1) is kernel.variant_for(kernel.MEDIUM_T_MAX_TOKENS) is kernel.MEDIUM_T
     large = kernel.variant_for(kernel.MEDIUM_T_MAX_TOKENS + 1)
     assert large is kernel.LARGE_T is kernel.variant_for(kernel.MAX_TOKENS)
-    # LARGE_T differs from MEDIUM_T only in GEMM1's tiles (64 tokens, 3 stages, the epilogue tile in a stage) and
-    # in its routing kernel.
+    # LARGE_T differs from MEDIUM_T only in GEMM1's tiles (64 tokens, 3 stages, the epilogue tile in a stage, at two
+    # CTAs per SM over the CTA index: its launch is not cooperative) and in its routing kernel.
     assert (large.gemm1().block_tokens, large.gemm1().num_stages, large.gemm1().scratch_in_stage) == (64, 3, True)
+    medium_gemm1 = kernel.MEDIUM_T.gemm1()
+    assert (medium_gemm1.block_tokens, medium_gemm1.num_stages, medium_gemm1.scratch_in_stage) == (32, 3, True)
+    assert kernel.persistent_ctas(medium_gemm1, 132) == 396 and kernel.MEDIUM_T.routing_in_gemm1  # all resident
     medium_gemm2 = kernel.MEDIUM_T.gemm2()
     assert (large.gemm2().block_tokens, large.gemm2().num_stages) == (medium_gemm2.block_tokens, medium_gemm2.num_stages)
     assert len(set(kernel.VARIANTS)) == len(kernel.VARIANTS)  # each compiled configuration once
@@ -117,7 +124,7 @@ def test_gemm1_at_three_ctas_per_sm_from_7_to_8_tokens_only():
     switches = dict(block_tokens=16, num_stages=4, gemm1_ctas_per_sm=2, gemm1_smid_walk=False)
     assert dataclasses.replace(variant, **switches) == kernel.TINY_T
     assert vars(variant.gemm2()) == vars(kernel.TINY_T.gemm2())
-    # A WGMMA GEMM1 gets three CTAs per SM only where its shared memory allows them (candidate v2.41).
+    # A WGMMA GEMM1 gets three CTAs per SM only where its shared memory allows them (v2.41).
     assert kernel.StreamingVariant(block_tokens=32, wgmma_gemm1=True, gemm1_ctas_per_sm=3).gemm1().ctas_per_sm() == 2
 
 

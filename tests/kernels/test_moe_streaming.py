@@ -371,8 +371,8 @@ def _schedule_counts(num_tokens: int) -> list[list[int]]:
 def test_persistent_schedule_covers_every_row_and_column_tile_once(num_tokens):
     # The mma.sync GEMMs' schedule at each variant's tiles (the WGMMA GEMMs walk their own items:
     # test_moe_wgmma_gemm1.py).
-    variant = dataclasses.replace(
-        kernel.variant_for(num_tokens), wgmma_gemm1=False, wgmma_gemm2=False, f16_c=False, gemm2_ctas_per_sm=2
+    variant = on_mma_sync_gemm1(
+        dataclasses.replace(kernel.variant_for(num_tokens), wgmma_gemm2=False, f16_c=False, gemm2_ctas_per_sm=2)
     )
     for config in (variant.gemm1(), variant.gemm2()):
         bt = config.block_tokens
@@ -486,6 +486,14 @@ def test_the_walk_by_sm_id_needs_a_cooperative_three_cta_gemm1():
         kernel.StreamingVariant(block_tokens=8, num_stages=3, gemm1_ctas_per_sm=3, gemm1_smid_walk=True)
     three_ctas = kernel.TINY_T_THREE_CTAS.gemm1()
     assert three_ctas.smid_walk and "walk_slot" in three_ctas.fields() and three_ctas.ctas_per_sm() == 3
+    # The WGMMA GEMM1's (v2.42): its draw gives the slots 0-2, so it needs exactly three CTAs on every SM.
+    wgmma_gemm1 = solution_module("wgmma_gemm1")
+    with pytest.raises(streaming.StreamingConfigError, match="smid_walk"):
+        wgmma_gemm1.WgmmaGemm1Config(block_tokens=32, num_stages=3, scratch_in_stage=True, smid_walk=True)
+    with pytest.raises(streaming.StreamingConfigError, match="smid_walk"):  # ~104 KB a CTA: two fit
+        wgmma_gemm1.WgmmaGemm1Config(block_tokens=32, num_stages=4, max_ctas_per_sm=3, smid_walk=True)
+    medium = kernel.MEDIUM_T.gemm1()
+    assert medium.smid_walk and "walk_slot" in medium.fields() and medium.ctas_per_sm() == 3
 
 
 def test_gemm2_claims_its_items_from_7_to_32_tokens_only():
@@ -711,21 +719,40 @@ def test_a_forced_variant_is_tiny_t_bit_for_bit_call_after_call(choose, case):
         assert torch.equal(output, theirs)
 
 
+# The GEMM1s that walk by SM id: the `mma.sync` one at 7-8 tokens (v2.32) and the WGMMA one at 193-1024 (v2.42).
+SMID_WALK_CASES = [c for c in THREE_CTAS_CASES if c.num_tokens >= 7] + [
+    cases.CheckCase("smid_walk_t193", 193, 224),
+    cases.CheckCase("smid_walk_t500_one_expert", 500, 32, "one_expert"),
+    cases.CheckCase("smid_walk_t901", 901, 96),
+    cases.CheckCase("smid_walk_t1000_no_local", 1000, 64, "no_local"),
+    cases.CheckCase("smid_walk_t1024_all_local", 1024, 160, "all_local"),
+]
+
+
+def walk_by_cta_index(num_tokens: int) -> kernel.StreamingVariant:
+    """`kernel.py`'s variant with GEMM1 walking over its CTA index instead of by SM id (the same items elsewhere)."""
+    variant = kernel.variant_for(num_tokens)
+    return kernel.TINY_T if variant is kernel.TINY_T_THREE_CTAS else dataclasses.replace(variant, gemm1_smid_walk=False)
+
+
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("case", [c for c in THREE_CTAS_CASES if c.num_tokens >= 7], ids=lambda c: c.name)
-def test_the_walk_by_sm_id_is_tiny_t_bit_for_bit_from_any_slot_words(case):
-    # The three-CTA GEMM1 draws its slots from kept per-SM words (v2.32) that no call zeroes: from words of every
-    # residue (the int32 wrap included) each call gives every SM's CTAs every slot once, so the outputs stay TINY_T's
-    # bit for bit, and each word advances by 3 from 0 mod 4 and by 4 otherwise. The H200's SM ids are dense
-    # (`tools/cta_placement.py`), so no SM takes the fallback walk.
+@pytest.mark.parametrize("case", SMID_WALK_CASES, ids=lambda c: c.name)
+def test_the_walk_by_sm_id_is_the_walk_by_cta_bit_for_bit_from_any_slot_words(case):
+    # The three-CTA GEMM1s draw their slots from kept per-SM words (v2.32) that no call zeroes: from words of every
+    # residue (the int32 wrap included) each call gives every SM's CTAs every slot once, so the outputs stay those of a
+    # walk over the CTA index (TINY_T's at 7-8 tokens) bit for bit, and each word advances by 3 from 0 mod 4 and by 4
+    # otherwise. The H200's SM ids are dense (`tools/cta_placement.py`), so no SM takes the fallback walk.
+    assert kernel.variant_for(case.num_tokens).gemm1_smid_walk
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     words = solution_module("counters").kept_walk_slots(device, kernel.GPU_ARCH)
     start = torch.tensor([-2**31, 2**31 - 1, -1, 0, 1, 2, 3, 5] * 32, dtype=torch.int32, device=device)[: words.numel()]
     words.copy_(start)
-    theirs, *ours = outputs_of((kernel.make_run(lambda _: kernel.TINY_T), *[kernel.run] * 2), case, seed=59)
+    theirs, *ours = outputs_of((kernel.make_run(walk_by_cta_index), *[kernel.run] * 2), case, seed=59)
     assert torch.isfinite(theirs).all()
+    if case.pattern != "no_local":
+        assert bool((theirs != 0).any())
     for output in ours:
         assert torch.equal(output, theirs)
     advanced = (words.long() - start.long()) % 2**32
@@ -784,6 +811,16 @@ def test_official_large_batch_passes(case=cases.CheckCase("large_t11948", 11948,
     torch.cuda.synchronize()
     stats = cases.compare(output, reference.run(*inputs.values()))
     assert stats.passed and stats.relative_l2 < 1e-2, stats
+
+
+def on_mma_sync_gemm1(variant):
+    """`variant` with `streaming_gemm.py`'s GEMM1 (itself where it has that one; its GEMM2 must not be on WGMMA). The
+    WGMMA GEMM1's own switches (its epilogue tile in a stage; at 32-token tiles three CTAs per SM walking by SM id,
+    v2.41 and v2.42) have no `mma.sync` counterpart that fits, so they go back to their defaults."""
+    if not variant.wgmma_gemm1:
+        return variant
+    switches = dict(gemm1_scratch_in_stage=False, gemm1_ctas_per_sm=2, gemm1_smid_walk=False)
+    return dataclasses.replace(variant, wgmma_gemm1=False, **switches)
 
 
 def on_mma_sync_gemm2(variant):

@@ -22,7 +22,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor
 
 from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, solution_module
-from tests.kernels.test_moe_streaming import check_each_gemm, on_mma_sync_gemm2
+from tests.kernels.test_moe_streaming import check_each_gemm, on_mma_sync_gemm1, on_mma_sync_gemm2
 
 wgmma = solution_module("wgmma_gemm1")
 STAGES = 3
@@ -35,8 +35,10 @@ def with_gemm1_on(use_wgmma: bool):
     def choose(num_tokens: int):
         variant = on_mma_sync_gemm2(kernel.variant_for(num_tokens))
         if not use_wgmma:
-            return dataclasses.replace(variant, wgmma_gemm1=False)
-        # Only the mma.sync GEMM1 routes in every CTA (v2.26) and runs three CTAs per SM walking by SM id (v2.29, v2.32).
+            return on_mma_sync_gemm1(variant)
+        if variant.wgmma_gemm1:
+            return variant
+        # Only the mma.sync GEMM1 routes in every CTA (v2.26); its 8-token three-CTA walk (v2.29, v2.32) stays its own.
         return dataclasses.replace(
             variant, wgmma_gemm1=True, routing_per_cta=False, gemm1_ctas_per_sm=2, gemm1_smid_walk=False
         )

@@ -259,11 +259,11 @@ FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True, gem
 # weights; 1.019x at 901 tokens, 1.026-1.027x at 11948 / 14107; at 52-80 tokens, 8-token tiles, no gain), in two
 # stages at three CTAs per SM (v2.40: ncu found this GEMM2 bound by each warp's chain of loads, conversions and MMAs at
 # 8 warps per SM; 1.047x at 901, 1.069x / 1.074x at 11948 / 14107 over v2.13, every trial faster).
-# Its GEMM1 runs 3 stages at three CTAs per SM, the epilogue tile in the stage just consumed (~74 KB, 79 registers a
+# Its GEMM1 runs 3 stages at three CTAs per SM, the epilogue tile in the stage just consumed (~74 KB, 87 registers a
 # thread), and walks round robin over slot x 132 + SM id with v2.32's kept slot draw (v2.41 and v2.42: the third CTA
 # shortened GEMM1 ~5 %, but over the CTA index the H200's placement of CTAs 0-23 three each on 8 SMs left those SMs a
 # round behind on 2 of 5 routings at 901 tokens (0.975x, 0.993x); by SM id 1.043x at 901, 5 of 5 trials faster, and
-# 1.02-1.21x off the list at 256-1024 tokens).
+# medians 1.02-1.08x off the list at 256-1024 tokens).
 MEDIUM_T = StreamingVariant(
     block_tokens=32,
     num_stages=3,

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_overlap_blocks",
-            entry="candidate_overlap_blocks.py::run",
-            description="v2.43: kernel.py with every WGMMA GEMM1 issuing a K stage's two blocks before promoting the first",
-        ),
     ),
 )
 

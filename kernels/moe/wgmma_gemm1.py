@@ -134,8 +134,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     which no copy in flight targets (candidate v2.2: 64-token tiles with 3 stages then fit two CTAs
     per SM); `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them
     (v2.41, `kernel.py`'s MEDIUM_T: 32-token tiles with 3 stages and the tile in a stage, ~74 KB; 79 registers a
-    thread, 87 with v2.42's walk); `overlap_blocks` (candidate v2.43): a K stage's two blocks' MMAs are both issued
-    before the first block's promotion, into two accumulators, so that it overlaps the second block's MMAs; `smid_walk` (v2.42, three CTAs per SM and a routing, i.e. cooperative, launch only): the round-robin walk
+    thread, 87 with v2.42's walk); `smid_walk` (v2.42, three CTAs per SM and a routing, i.e. cooperative, launch only): the round-robin walk
     runs over slot x SMs + `%smid` instead of the CTA index, the slot drawn from the kept per-SM counters
     (`streaming_gemm.take_walk_slot`), so that SM s takes the items = s mod SMs whatever the hardware's placement."""
 
@@ -147,7 +146,6 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         scratch_in_stage: bool = False,
         max_ctas_per_sm: int = 2,
         smid_walk: bool = False,
-        overlap_blocks: bool = False,
     ):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
@@ -161,7 +159,6 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         self.scratch_in_stage = scratch_in_stage
         self.max_ctas_per_sm = max_ctas_per_sm
         self.smid_walk = smid_walk
-        self.overlap_blocks = overlap_blocks
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
         if smid_walk and self.ctas_per_sm() != PAIRED_SLOTS:
@@ -207,15 +204,6 @@ def wgmma_operands(block_tokens: cutlass.Constexpr, num_stages: cutlass.Constexp
     a_layout = sm90_utils.make_smem_layout_a(k_major, tile, cutlass.Float8E4M3FN, num_stages)
     b_layout = sm90_utils.make_smem_layout_b(k_major, tile, cutlass.Float8E4M3FN, num_stages)
     return tiled_mma, a_layout, b_layout
-
-
-@cute.jit
-def promote_block(acc, block_acc, coords, w_scales, x_scales, b: cutlass.Constexpr, slot):
-    """v0's promotion: acc += block b's exact fp32 sum times (weight block scale x token scale)."""
-    for i in cutlass.range_constexpr(cute.size(acc)):
-        row, token_slot = coords[i]
-        scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
-        acc[i] = acc[i] + block_acc[i] * scale
 
 
 class WgmmaGemm1(LinkedGemm):
@@ -326,9 +314,6 @@ class WgmmaGemm1(LinkedGemm):
         acc_shape = thr_mma.partition_shape_C((ITEM_ROWS, bt))
         acc = cute.make_rmem_tensor(acc_shape, Float32)
         block_acc = cute.make_rmem_tensor(acc_shape, Float32)
-        block_accs = [block_acc]
-        if cutlass.const_expr(cfg.overlap_blocks):
-            block_accs.append(cute.make_rmem_tensor(acc_shape, Float32))
         coords = thr_mma.partition_C(cute.make_identity_tensor((ITEM_ROWS, bt)))  # (item row, token slot)
         acc.fill(0.0)
         # Where the next load's item lies, located at its first K stage only (v2.4): (expert, valid rows,
@@ -366,36 +351,20 @@ class WgmmaGemm1(LinkedGemm):
             if k_stage == 0:
                 acc.fill(0.0)
             slot = s % ns
-            if cutlass.const_expr(cfg.overlap_blocks):
-                # Both blocks in flight, one commit group each; block b is promoted once at most the later
-                # blocks' groups are pending: the same sums, promoted in the same order.
+            for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
                 cute.nvgpu.warpgroup.fence()
-                for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                    for k in cutlass.range_constexpr(K_STEPS_PER_BLOCK):
-                        step = b * K_STEPS_PER_BLOCK + k
-                        cute.gemm(
-                            tiled_mma, block_accs[b], t_a[None, None, step, slot], t_b[None, None, step, slot],
-                            block_accs[b],
-                        )  # fmt: skip
-                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.commit_group()
-                for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                    cute.nvgpu.warpgroup.wait_group(BLOCKS_PER_STAGE - 1 - b)
-                    promote_block(acc, block_accs[b], coords, w_scales, x_scales, b, slot)
-            else:
-                for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                    cute.nvgpu.warpgroup.fence()
-                    for k in cutlass.range_constexpr(K_STEPS_PER_BLOCK):
-                        step = b * K_STEPS_PER_BLOCK + k
-                        cute.gemm(
-                            tiled_mma, block_acc, t_a[None, None, step, slot], t_b[None, None, step, slot], block_acc
-                        )
-                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.commit_group()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    promote_block(acc, block_acc, coords, w_scales, x_scales, b, slot)
+                for k in cutlass.range_constexpr(K_STEPS_PER_BLOCK):
+                    step = b * K_STEPS_PER_BLOCK + k
+                    cute.gemm(tiled_mma, block_acc, t_a[None, None, step, slot], t_b[None, None, step, slot], block_acc)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                # v0's promotion: the block's exact fp32 sum times (weight block scale x token scale)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    row, token_slot = coords[i]
+                    scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
+                    acc[i] = acc[i] + block_acc[i] * scale
             if k_stage == K_STAGES - 1:
                 # the computed item, located once at its end (its K stages need no location)
                 _, _, item_valid_rows, item_packed_row0 = locate_row_tile(

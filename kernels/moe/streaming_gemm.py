@@ -478,6 +478,17 @@ def claim_item(routed: cute.Tensor) -> Int32:
 
 
 @cute.jit
+def publish_claim(claimed_word: cute.Tensor, pending: Int32, routed: cute.Tensor, total_items: Int32, grid: Int32):
+    """Thread 0 of a GEMM2 CTA with `dynamic_items`, at the stage before its load side needs a new item: publish the
+    pending claim in shared memory (its threads read it after the next barrier) and, if that claim is an item, claim
+    the one after. Returns the claim now pending."""
+    claimed_word[0] = pending
+    if grid + pending < total_items:
+        pending = claim_item(routed)
+    return pending
+
+
+@cute.jit
 def release_claims(routed: cute.Tensor, last_claim: Int32, total_items: Int32, grid: Int32):
     """The CTA whose failing claim was the launch's last (every CTA has made its one failing claim, so no claim
     follows it) brings the counter back to zero for the next launch, which stream order places after this one."""
@@ -805,9 +816,7 @@ class StreamingGemm(LinkedGemm):
                     )
                 cute.arch.cp_async_commit_group()
                 if tidx == 0 and (s + ns) % cfg.k_stages == 0:
-                    claimed_word[0] = pending
-                    if grid + pending < total_items:
-                        pending = claim_item(routed)
+                    pending = publish_claim(claimed_word, pending, routed, total_items, grid)
 
                 if s % cfg.k_stages == 0:
                     computed_item = base  # the load side's item, as for valid_rows (see `compute_stage`)

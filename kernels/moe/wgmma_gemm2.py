@@ -55,6 +55,7 @@ from .streaming_gemm import (
     e4m3x2_to_f16x2,
     lds_shared,
     locate_row_tile,
+    publish_claim,
     release_claims,
     schedule_tables,
     smem_region,
@@ -315,9 +316,7 @@ class WgmmaGemm2(LinkedGemm):
                     )  # fmt: skip
                 cute.arch.cp_async_commit_group()
                 if tidx == 0 and (s + ns) % K_STAGES == 0:
-                    claimed_word[0] = pending
-                    if grid + pending < total_items:
-                        pending = claim_item(routed)
+                    pending = publish_claim(claimed_word, pending, routed, total_items, grid)
                 if s % K_STAGES == 0:
                     computed_item = base  # the load side's item: it has not moved on (K_STAGES >= num_stages)
                 self.compute_stage(s, computed_item, *compute_args)

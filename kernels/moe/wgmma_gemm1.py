@@ -134,9 +134,10 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     which no copy in flight targets (candidate v2.2: 64-token tiles with 3 stages then fit two CTAs
     per SM); `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them
     (v2.41, `kernel.py`'s MEDIUM_T: 32-token tiles with 3 stages and the tile in a stage, ~74 KB; 79 registers a
-    thread, 87 with v2.42's walk); `smid_walk` (v2.42, three CTAs per SM and a routing, i.e. cooperative, launch only): the round-robin walk
-    runs over slot x SMs + `%smid` instead of the CTA index, the slot drawn from the kept per-SM counters
-    (`streaming_gemm.take_walk_slot`), so that SM s takes the items = s mod SMs whatever the hardware's placement."""
+    thread, 87 with v2.42's walk); `smid_walk` (v2.42; three CTAs per SM and a routing, i.e. cooperative, launch
+    only): the round-robin walk runs over slot x SMs + `%smid` instead of the CTA index, the slot drawn from the kept
+    per-SM counters (`streaming_gemm.take_walk_slot`), so that SM s takes the items = s mod SMs whatever the
+    hardware's placement."""
 
     def __init__(
         self,

@@ -210,6 +210,11 @@ MOE = Track(
             entry="candidate_claimed_wgmma_w2.py::run",
             description="v2.44 (not yet run): kernel.py with MEDIUM_T's WGMMA GEMM2 claiming its items after the first from a kept counter",
         ),
+        CandidateSide(
+            name="cand_scales_before_wait",
+            entry="candidate_scales_before_wait.py::run",
+            description="v2.45 (not yet run): kernel.py with every WGMMA GEMM1 reading a block's scales before waiting for its MMAs",
+        ),
     ),
 )
 

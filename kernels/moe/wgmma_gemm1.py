@@ -137,7 +137,8 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     thread, 87 with v2.42's walk); `smid_walk` (v2.42; three CTAs per SM and a routing, i.e. cooperative, launch
     only): the round-robin walk runs over slot x SMs + `%smid` instead of the CTA index, the slot drawn from the kept
     per-SM counters (`streaming_gemm.take_walk_slot`), so that SM s takes the items = s mod SMs whatever the
-    hardware's placement."""
+    hardware's placement; `scales_before_wait` (candidate v2.45): a block's scale products are read from shared
+    memory while its MMAs run, between their commit and the wait, instead of after the wait."""
 
     def __init__(
         self,
@@ -147,6 +148,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         scratch_in_stage: bool = False,
         max_ctas_per_sm: int = 2,
         smid_walk: bool = False,
+        scales_before_wait: bool = False,
     ):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
@@ -160,6 +162,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         self.scratch_in_stage = scratch_in_stage
         self.max_ctas_per_sm = max_ctas_per_sm
         self.smid_walk = smid_walk
+        self.scales_before_wait = scales_before_wait
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
         if smid_walk and self.ctas_per_sm() != PAIRED_SLOTS:
@@ -360,12 +363,22 @@ class WgmmaGemm1(LinkedGemm):
                     cute.gemm(tiled_mma, block_acc, t_a[None, None, step, slot], t_b[None, None, step, slot], block_acc)
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(0)
                 # v0's promotion: the block's exact fp32 sum times (weight block scale x token scale)
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    row, token_slot = coords[i]
-                    scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
-                    acc[i] = acc[i] + block_acc[i] * scale
+                if cutlass.const_expr(cfg.scales_before_wait):
+                    # The scale products read while the MMAs run: the same products, added in the same order.
+                    scales = []
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        row, token_slot = coords[i]
+                        scales.append(w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot])
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        acc[i] = acc[i] + block_acc[i] * scales[i]
+                else:
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        row, token_slot = coords[i]
+                        scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
+                        acc[i] = acc[i] + block_acc[i] * scale
             if k_stage == K_STAGES - 1:
                 # the computed item, located once at its end (its K stages need no location)
                 _, _, item_valid_rows, item_packed_row0 = locate_row_tile(

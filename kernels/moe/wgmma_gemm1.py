@@ -121,6 +121,13 @@ def item_weight_row(n_tile, row):
     return n_tile * HALF_ROWS + row + half * (INTERMEDIATE - HALF_ROWS)
 
 
+def block_scale(w_scales, x_scales, coord, b, slot):
+    """The promotion's factor of K block `b` (of the stage in `slot`) for the accumulator element at `coord` = (item
+    row, token slot): the row half's weight block scale times the token's scale, both from shared memory."""
+    row, token_slot = coord
+    return w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
+
+
 def item_weight_scale_row(n_tile, half):
     """Row of the 128 x 128 weight block scales that holds the item's `half` (0: up, 1: gate)."""
     return (half * INTERMEDIATE + n_tile * HALF_ROWS) // BLOCK
@@ -368,16 +375,14 @@ class WgmmaGemm1(LinkedGemm):
                     # The scale products read while the MMAs run: the same products, added in the same order.
                     scales = []
                     for i in cutlass.range_constexpr(cute.size(acc)):
-                        row, token_slot = coords[i]
-                        scales.append(w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot])
+                        scales.append(block_scale(w_scales, x_scales, coords[i], b, slot))
                     cute.nvgpu.warpgroup.wait_group(0)
                     for i in cutlass.range_constexpr(cute.size(acc)):
                         acc[i] = acc[i] + block_acc[i] * scales[i]
                 else:
                     cute.nvgpu.warpgroup.wait_group(0)
                     for i in cutlass.range_constexpr(cute.size(acc)):
-                        row, token_slot = coords[i]
-                        scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
+                        scale = block_scale(w_scales, x_scales, coords[i], b, slot)
                         acc[i] = acc[i] + block_acc[i] * scale
             if k_stage == K_STAGES - 1:
                 # the computed item, located once at its end (its K stages need no location)

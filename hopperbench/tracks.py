@@ -206,11 +206,6 @@ MOE = Track(
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
         CandidateSide(
-            name="cand_claimed_wgmma_w2",
-            entry="candidate_claimed_wgmma_w2.py::run",
-            description="v2.44 (not yet run): kernel.py with MEDIUM_T's WGMMA GEMM2 claiming its items after the first from a kept counter",
-        ),
-        CandidateSide(
             name="cand_scales_before_wait",
             entry="candidate_scales_before_wait.py::run",
             description="v2.45 (not yet run): kernel.py with every WGMMA GEMM1 reading a block's scales before waiting for its MMAs",

@@ -140,7 +140,7 @@ class StreamingVariant:
     gemm1_ctas_per_sm: int = 2  # GEMM1's max_ctas_per_sm (`mma.sync`: v2.28, v2.29; WGMMA: v2.41)
     gemm1_smid_walk: bool = False  # GEMM1's smid_walk (`mma.sync`: v2.32; WGMMA: v2.42)
     gemm1_scales_before_wait: bool = False  # the WGMMA GEMM1's scales_before_wait (candidate v2.45)
-    gemm2_dynamic_items: bool = False  # GEMM2's dynamic_items (`mma.sync`: v2.34; WGMMA: candidate v2.44)
+    gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
     f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (v2.39)
     gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm (v2.40)
 
@@ -155,9 +155,9 @@ class StreamingVariant:
             raise ValueError("gemm2_weights_before_wait needs the mma.sync GEMM2 and routing_in_gemm1")
         if self.routing_per_cta and (self.wgmma_gemm1 or not self.routing_in_gemm1):
             raise ValueError("routing_per_cta needs the mma.sync GEMM1 and routing_in_gemm1")
-        if self.gemm2_dynamic_items and not self.routing_in_gemm1:
+        if self.gemm2_dynamic_items and (self.wgmma_gemm2 or not self.routing_in_gemm1):
             # Its claim counter is a word of the kept routed-count buffer (`streaming_gemm.claim_item`).
-            raise ValueError("gemm2_dynamic_items needs routing_in_gemm1")
+            raise ValueError("gemm2_dynamic_items needs the mma.sync GEMM2 and routing_in_gemm1")
         if (self.f16_c or self.gemm2_ctas_per_sm != 2) and not self.wgmma_gemm2:
             raise ValueError("f16_c and gemm2_ctas_per_sm are the WGMMA GEMM2's")
         if self.gemm1_smid_walk and not self.routing_in_gemm1:
@@ -197,7 +197,6 @@ class StreamingVariant:
                 num_stages=num_stages,
                 f16_c=self.f16_c,
                 max_ctas_per_sm=self.gemm2_ctas_per_sm,
-                dynamic_items=self.gemm2_dynamic_items,
             )
         return StreamingGemmConfig(
             gemm1=False,

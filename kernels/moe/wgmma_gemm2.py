@@ -45,18 +45,15 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .chain import enter
 from .intermediate_order import GROUP
-from .shapes import BLOCK, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
+from .shapes import BLOCK, HIDDEN, INTERMEDIATE
 from .streaming_gemm import (
     LinkedGemm,
     PersistentGemmConfig,
     StreamingConfigError,
-    claim_item,
     e4m3x2_to_bf16x2,
     e4m3x2_to_f16x2,
     lds_shared,
     locate_row_tile,
-    publish_claim,
-    release_claims,
     schedule_tables,
     smem_region,
 )
@@ -102,18 +99,9 @@ class WgmmaGemm2Config(PersistentGemmConfig):
     `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them (v2.40:
     32-token tiles with 2 stages, ~66 KB; 160 registers a thread, so three CTAs' 384 threads fit the register file).
     Two stages are enough for correctness: the load into a slot is issued after the barrier that follows every
-    warp's wait for the MMAs that read it. `dynamic_items` (candidate v2.44): CTA c's first item is c and each later
-    one the next claim of the kept counter (`streaming_gemm.claim_item`, v2.34's protocol), so that the SMs that
-    hold the most CTAs' items at the end do not set it; the launch then takes the kept routed-count buffer."""
+    warp's wait for the MMAs that read it."""
 
-    def __init__(
-        self,
-        block_tokens: int,
-        num_stages: int,
-        f16_c: bool = False,
-        max_ctas_per_sm: int = 2,
-        dynamic_items: bool = False,
-    ):
+    def __init__(self, block_tokens: int, num_stages: int, f16_c: bool = False, max_ctas_per_sm: int = 2):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 2:
@@ -124,7 +112,6 @@ class WgmmaGemm2Config(PersistentGemmConfig):
         self.num_stages = num_stages
         self.f16_c = f16_c
         self.max_ctas_per_sm = max_ctas_per_sm
-        self.dynamic_items = dynamic_items
         self.check_fits()
 
     @property
@@ -144,7 +131,6 @@ class WgmmaGemm2Config(PersistentGemmConfig):
             # 1024-B aligned: the swizzle pattern repeats every 1024 B from the start of an atom
             "c_stages": smem_region(self.c_dtype, ns * bt * STAGE_K, 1024),
             "w_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE, 16),
-            **({"claimed_item": smem_region(Int32, 4, 16)} if self.dynamic_items else {}),
         }
 
 
@@ -187,10 +173,7 @@ class WgmmaGemm2(LinkedGemm):
         expert_tokens: cute.Tensor,
         num_ctas: Int32,
         stream,
-        routed=None,
     ):
-        """`routed` (with dynamic_items): the kept routed-count buffer, whose word ITEM_CLAIMS_WORD is the claim
-        counter (`streaming_gemm.claim_item`)."""
         cfg = self.cfg
         tiled_mma, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages, cfg.c_dtype)
         SharedStorage = cfg.shared_storage()
@@ -198,7 +181,7 @@ class WgmmaGemm2(LinkedGemm):
             c = cute.recast_tensor(c, cutlass.Float16)  # the same bits, rewritten by `c_to_f16.py`
         else:
             c_scale = None  # not a parameter of the bf16 kernel
-        kernel = self.kernel(c, c_scale, w, w_scale, out, counts, tiled_mma, b_layout, SharedStorage, routed)
+        kernel = self.kernel(c, c_scale, w, w_scale, out, counts, tiled_mma, b_layout, SharedStorage)
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream)
 
     @cute.kernel
@@ -213,7 +196,6 @@ class WgmmaGemm2(LinkedGemm):
         tiled_mma: cute.TiledMma,
         b_layout: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
-        routed,  # None unless dynamic_items
     ):
         enter(self.link)
         cfg = self.cfg
@@ -236,17 +218,6 @@ class WgmmaGemm2(LinkedGemm):
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid, warp_id, lane
         )
-        # The load side's walk: items base, base + stride, ...
-        base, stride = cta, grid
-        if cutlass.const_expr(cfg.dynamic_items):
-            # CTA c's first item is c (if there is one); thread 0 claims each later one an item ahead (`claim_item`).
-            total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * ITEMS_PER_ROW_TILE
-            total_stages = cutlass.min(cutlass.max(total_items - cta, 0), 1) * K_STAGES
-            stride = Int32(0)  # the load side's item is then `base`, which the loop moves to each claimed item
-            claimed_word = storage.claimed_item.get_tensor(cute.make_layout(4))
-            pending = Int32(0)
-            if tidx == 0:
-                pending = claim_item(routed)
 
         g2s_16_w = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
@@ -274,108 +245,56 @@ class WgmmaGemm2(LinkedGemm):
         row_g = warp_id * 16 + group
         # Where the next load's item lies, located at its first K stage only (v2.4, as wgmma_gemm1.py):
         # (expert, valid rows, first packed row). The prologue's stages all belong to the CTA's first item.
-        located = self.load_location(base, stride, Int32(0), tile_end, expert_count, expert_offset, None, tidx)
+        located = self.load_location(cta, grid, Int32(0), tile_end, expert_count, expert_offset, None, tidx)
 
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
                 self.load_stage(
-                    p, p, base, stride, located, c, w, w_scale, w_bytes, c_bytes, w_scales, g2s_16_w, g2s_16_c,
+                    p, p, cta, grid, located, c, w, w_scale, w_bytes, c_bytes, w_scales, g2s_16_w, g2s_16_c,
                     g2s_4_f32, tidx,
                 )
             cute.arch.cp_async_commit_group()
 
-        # What the compute side of a stage reads besides the stage and its item.
-        compute_args = (
-            tiled_mma, a_blocks, block_accs, acc, coords, t_b, w_bytes, w_scales, c_scale, out, tile_end, expert_count,
-            expert_offset, row_g, quad,
-        )  # fmt: skip
-        if cutlass.const_expr(cfg.dynamic_items):
-            # The static loop's stages, for as long as claims succeed (`streaming_gemm.StreamingGemm`'s loop with
-            # claims): at the stage before the load side needs a new item thread 0 publishes its pending claim in
-            # shared memory (read after the next barrier) and, if that item exists, claims the one after; the load
-            # side then extends total_stages by the item's K stages. K_STAGES >= num_stages keeps each publication
-            # inside the CTA's last item.
-            s = Int32(0)
-            computed_item = base
-            while s < total_stages:
-                cute.arch.cp_async_wait_group(ns - 2)
-                cute.arch.fence_view_async_shared()
-                cute.arch.sync_threads()
+        for s in cutlass.range(total_stages, unroll=1):
+            # As wgmma_gemm1.py: stage s has landed, every thread's copies are visible to the async
+            # proxy after the barrier, and the slot the next load overwrites is free.
+            cute.arch.cp_async_wait_group(ns - 2)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+            if s + ns - 1 < total_stages:
                 if (s + ns - 1) % K_STAGES == 0:
-                    claimed = grid + claimed_word[0]
-                    if claimed < total_items:
-                        base = claimed
-                        total_stages = total_stages + K_STAGES
-                        located = self.load_location(
-                            base, stride, Int32(0), tile_end, expert_count, expert_offset, None, tidx
-                        )
-                if s + ns - 1 < total_stages:
-                    self.load_stage(
-                        s + ns - 1, (s + ns - 1) % ns, base, stride, located, c, w, w_scale, w_bytes, c_bytes,
-                        w_scales, g2s_16_w, g2s_16_c, g2s_4_f32, tidx,
-                    )  # fmt: skip
-                cute.arch.cp_async_commit_group()
-                if tidx == 0 and (s + ns) % K_STAGES == 0:
-                    pending = publish_claim(claimed_word, pending, routed, total_items, grid)
-                if s % K_STAGES == 0:
-                    computed_item = base  # the load side's item: it has not moved on (K_STAGES >= num_stages)
-                self.compute_stage(s, computed_item, *compute_args)
-                s = s + 1
-            if tidx == 0:
-                release_claims(routed, pending, total_items, grid)
-        else:
-            for s in cutlass.range(total_stages, unroll=1):
-                # As wgmma_gemm1.py: stage s has landed, every thread's copies are visible to the async
-                # proxy after the barrier, and the slot the next load overwrites is free.
-                cute.arch.cp_async_wait_group(ns - 2)
-                cute.arch.fence_view_async_shared()
-                cute.arch.sync_threads()
-                if s + ns - 1 < total_stages:
-                    if (s + ns - 1) % K_STAGES == 0:
-                        located = self.load_location(
-                            base, stride, s + ns - 1, tile_end, expert_count, expert_offset, None, tidx
-                        )
-                    self.load_stage(
-                        s + ns - 1, (s + ns - 1) % ns, base, stride, located, c, w, w_scale, w_bytes, c_bytes,
-                        w_scales, g2s_16_w, g2s_16_c, g2s_4_f32, tidx,
-                    )  # fmt: skip
-                cute.arch.cp_async_commit_group()
-                self.compute_stage(s, base + (s // K_STAGES) * stride, *compute_args)
-        cute.arch.cp_async_wait_group(0)
+                    located = self.load_location(cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, None, tidx)
+                self.load_stage(
+                    s + ns - 1, (s + ns - 1) % ns, cta, grid, located, c, w, w_scale, w_bytes, c_bytes, w_scales,
+                    g2s_16_w, g2s_16_c, g2s_4_f32, tidx,
+                )
+            cute.arch.cp_async_commit_group()
 
-    @cute.jit
-    def compute_stage(
-        self, s: Int32, item: Int32, tiled_mma: cute.TiledMma, a_blocks: list, block_accs: list, acc: cute.Tensor,
-        coords: cute.Tensor, t_b: cute.Tensor, w_bytes: cute.Tensor, w_scales: cute.Tensor, c_scale,
-        out: cute.Tensor, tile_end: cute.Tensor, expert_count: cute.Tensor, expert_offset: cute.Tensor,
-        row_g: Int32, quad: Int32,
-    ):  # fmt: skip
-        """The compute side of flat stage `s` of `item`: its two blocks' conversions and MMAs and their promotion,
-        and at the item's last K stage its epilogue."""
-        cfg = self.cfg
-        k_stage = s % K_STAGES
-        if k_stage == 0:
-            acc.fill(0.0)
-        slot = s % cfg.num_stages
-        for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-            self.convert_block(a_blocks[b], w_bytes, b, row_g, quad, slot)
-            self.issue_block(tiled_mma, block_accs[b], a_blocks[b], t_b, b, slot)
-        for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-            warpgroup.wait_group(BLOCKS_PER_STAGE - 1 - b)
-            self.promote(acc, block_accs[b], w_scales[b, slot])
-        if k_stage == K_STAGES - 1:
-            # the computed item, located once at its end (its K stages need no location)
-            _, _, item_valid_rows, item_packed_row0 = locate_row_tile(
-                item // ITEMS_PER_ROW_TILE, cfg.block_tokens, tile_end, expert_count, expert_offset
-            )
-            n_tile = item % ITEMS_PER_ROW_TILE
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                row, token_slot = coords[i]
-                if token_slot < item_valid_rows:
-                    value = acc[i]
-                    if cutlass.const_expr(cfg.f16_c):
-                        value = value * c_scale[item_packed_row0 + token_slot]
-                    out[item_packed_row0 + token_slot, n_tile * ITEM_ROWS + row] = value
+            item = cta + (s // K_STAGES) * grid
+            k_stage = s % K_STAGES
+            if k_stage == 0:
+                acc.fill(0.0)
+            slot = s % ns
+            for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+                self.convert_block(a_blocks[b], w_bytes, b, row_g, quad, slot)
+                self.issue_block(tiled_mma, block_accs[b], a_blocks[b], t_b, b, slot)
+            for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+                warpgroup.wait_group(BLOCKS_PER_STAGE - 1 - b)
+                self.promote(acc, block_accs[b], w_scales[b, slot])
+            if k_stage == K_STAGES - 1:
+                # the computed item, located once at its end (its K stages need no location)
+                _, _, item_valid_rows, item_packed_row0 = locate_row_tile(
+                    item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
+                )
+                n_tile = item % ITEMS_PER_ROW_TILE
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    row, token_slot = coords[i]
+                    if token_slot < item_valid_rows:
+                        value = acc[i]
+                        if cutlass.const_expr(cfg.f16_c):
+                            value = value * c_scale[item_packed_row0 + token_slot]
+                        out[item_packed_row0 + token_slot, n_tile * ITEM_ROWS + row] = value
+        cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def item_bases(self, located, item: Int32, tidx: Int32):
@@ -438,8 +357,8 @@ class WgmmaGemm2(LinkedGemm):
         self,
         s: Int32,
         slot: Int32,
-        base: Int32,
-        stride: Int32,
+        cta: Int32,
+        grid: Int32,
         located,
         c: cute.Tensor,
         w: cute.Tensor,
@@ -452,11 +371,11 @@ class WgmmaGemm2(LinkedGemm):
         g2s_4_f32: cute.CopyAtom,
         tidx: Int32,
     ):
-        """Issue the cp.async copies of flat stage `s` of the walk base, base + stride, ... (weights, C rows, weight
-        scales); `located` is `locate_load`'s (expert, valid rows, first packed row) and `item_bases`' two offsets
-        for the stage's item."""
+        """Issue the cp.async copies of flat stage `s` of this CTA (weights, C rows, weight scales);
+        `located` is `locate_load`'s (expert, valid rows, first packed row) and `item_bases`' two offsets for
+        the stage's item."""
         bt = self.cfg.block_tokens
-        item = base + (s // K_STAGES) * stride
+        item = cta + (s // K_STAGES) * grid
         k_stage = s % K_STAGES
         n_tile = item % ITEMS_PER_ROW_TILE
         expert, valid_rows = located[0], located[1]

@@ -505,7 +505,7 @@ def test_gemm2_claims_its_items_from_7_to_32_tokens_only():
     assert kernel.TINY_T.gemm2().ctas_per_sm() == 2
 
 
-def test_claims_need_a_routing_gemm1_and_a_gemm2_without_early_weights():
+def test_claims_need_a_routing_gemm1_and_the_mma_sync_gemm2_without_early_weights():
     with pytest.raises(streaming.StreamingConfigError, match="dynamic_items"):
         streaming.StreamingGemmConfig(gemm1=True, block_tokens=8, num_stages=3, dynamic_items=True)
     with pytest.raises(streaming.StreamingConfigError, match="dynamic_items"):
@@ -515,13 +515,9 @@ def test_claims_need_a_routing_gemm1_and_a_gemm2_without_early_weights():
     with pytest.raises(ValueError, match="gemm2_dynamic_items"):
         kernel.StreamingVariant(block_tokens=16, gemm2_dynamic_items=True)
     with pytest.raises(ValueError, match="gemm2_dynamic_items"):
-        kernel.StreamingVariant(block_tokens=32, wgmma_gemm1=True, wgmma_gemm2=True, gemm2_dynamic_items=True)
-    # The WGMMA GEMM2 claims too where GEMM1 routes (candidate v2.44), with the claimed item's word in shared memory.
-    claimed = kernel.StreamingVariant(
-        block_tokens=32, wgmma_gemm1=True, wgmma_gemm2=True, routing_in_gemm1=True, gemm2_dynamic_items=True
-    )
-    assert claimed.gemm2().dynamic_items and "claimed_item" in claimed.gemm2().fields()
-    assert "claimed_item" not in kernel.MEDIUM_T.gemm2().fields()
+        kernel.StreamingVariant(
+            block_tokens=32, wgmma_gemm1=True, wgmma_gemm2=True, routing_in_gemm1=True, gemm2_dynamic_items=True
+        )
 
 
 def claims_transcribed(total_items: int, grid: int, order: random.Random, start: int = 0) -> tuple[list[int], int]:

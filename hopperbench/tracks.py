@@ -205,16 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_large_t_scales_first",
-            entry="candidate_large_t_scales_first.py::run",
-            description="v2.46: kernel.py with LARGE_T's GEMM1 reading a block's scales before waiting for its MMAs",
-        ),
-        CandidateSide(
-            name="cand_half_tiles",
-            entry="candidate_half_tiles.py::run",
-            description="v2.47: kernel.py with MEDIUM_T's GEMM1 in 64-token tiles of two stages at three CTAs per SM, half-width MMAs for tiles of <= 32 tokens",
-        ),
     ),
 )
 

@@ -121,13 +121,6 @@ def item_weight_row(n_tile, row):
     return n_tile * HALF_ROWS + row + half * (INTERMEDIATE - HALF_ROWS)
 
 
-def block_scale(w_scales, x_scales, coord, b, slot):
-    """The promotion's factor of K block `b` (of the stage in `slot`) for the accumulator element at `coord` = (item
-    row, token slot): the row half's weight block scale times the token's scale, both from shared memory."""
-    row, token_slot = coord
-    return w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
-
-
 def item_weight_scale_row(n_tile, half):
     """Row of the 128 x 128 weight block scales that holds the item's `half` (0: up, 1: gate)."""
     return (half * INTERMEDIATE + n_tile * HALF_ROWS) // BLOCK
@@ -144,13 +137,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     thread, 87 with v2.42's walk); `smid_walk` (v2.42; three CTAs per SM and a routing, i.e. cooperative, launch
     only): the round-robin walk runs over slot x SMs + `%smid` instead of the CTA index, the slot drawn from the kept
     per-SM counters (`streaming_gemm.take_walk_slot`), so that SM s takes the items = s mod SMs whatever the
-    hardware's placement; `scales_before_wait` (candidate v2.45): a block's scale products are read from shared
-    memory while its MMAs run, between their commit and the wait, instead of after the wait; `half_tile_items`
-    (candidate v2.47): an item whose row tile holds at most half of `block_tokens` tokens runs the MMA of half the
-    width on the first half of the token stage and promotes only those accumulator columns (the half-width
-    fragment is the first half of the full one), so that wide tiles do not cost narrow ones their empty columns.
-    Two stages are enough for correctness: a slot is loaded only after the barrier that follows every warp's wait
-    for the MMAs that read it, and the epilogue's tile (scratch_in_stage) lies in the slot no copy targets."""
+    hardware's placement."""
 
     def __init__(
         self,
@@ -160,15 +147,11 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         scratch_in_stage: bool = False,
         max_ctas_per_sm: int = 2,
         smid_walk: bool = False,
-        scales_before_wait: bool = False,
-        half_tile_items: bool = False,
     ):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
-        if num_stages < 2:
-            raise StreamingConfigError(f"num_stages must be >= 2, got {num_stages}")
-        if half_tile_items and (block_tokens < 16 or scales_before_wait):
-            raise StreamingConfigError("half_tile_items needs block_tokens >= 16 and no scales_before_wait")
+        if num_stages < 3:
+            raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
         if max_ctas_per_sm not in (2, 3):
             raise StreamingConfigError(f"max_ctas_per_sm must be 2 or 3, got {max_ctas_per_sm}")
         self.block_tokens = block_tokens
@@ -177,8 +160,6 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         self.scratch_in_stage = scratch_in_stage
         self.max_ctas_per_sm = max_ctas_per_sm
         self.smid_walk = smid_walk
-        self.scales_before_wait = scales_before_wait
-        self.half_tile_items = half_tile_items
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
         if smid_walk and self.ctas_per_sm() != PAIRED_SLOTS:
@@ -251,13 +232,10 @@ class WgmmaGemm1(LinkedGemm):
         (v2.16, v2.22, v2.32)."""
         cfg = self.cfg
         tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
-        half_mma = None  # the MMA of half the tile's width (half_tile_items)
-        if cutlass.const_expr(cfg.half_tile_items):
-            half_mma, _, _ = wgmma_operands(cfg.block_tokens // 2, cfg.num_stages)
         SharedStorage = cfg.shared_storage()
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens, tiled_mma, a_layout, b_layout, SharedStorage, routing,
-            counts_out, walk_slots, half_mma,
+            counts_out, walk_slots,
         )
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None)
 
@@ -278,7 +256,6 @@ class WgmmaGemm1(LinkedGemm):
         routing,
         counts_out,
         walk_slots,
-        half_mma,
     ):
         enter(self.link)
         cfg = self.cfg
@@ -340,20 +317,6 @@ class WgmmaGemm1(LinkedGemm):
         block_acc = cute.make_rmem_tensor(acc_shape, Float32)
         coords = thr_mma.partition_C(cute.make_identity_tensor((ITEM_ROWS, bt)))  # (item row, token slot)
         acc.fill(0.0)
-        if cutlass.const_expr(cfg.half_tile_items):
-            # The half-width MMA on the first half of the token stage's rows; its accumulator is the first half of
-            # the full one's registers (values ordered by 8-column chunk, so the same coordinates).
-            half_thr = half_mma.get_slice(tidx)
-            t_b_half = half_mma.make_fragment_B(
-                half_thr.partition_B(cute.local_tile(s_x, (bt // 2, STAGE_K, ns), (0, 0, 0)))
-            )
-            block_acc_half = cute.make_tensor(
-                block_acc.iterator, cute.make_layout(half_thr.partition_shape_C((ITEM_ROWS, bt // 2)))
-            )
-        # half_tile_items: the computed item's valid rows and first packed row, located at its first K stage (defined for
-        # every configuration: the tracer types a variable by all of its assignments, pruned or not).
-        tile_valid_rows = Int32(0)
-        tile_packed_row0 = Int32(0)
         # Where the next load's item lies, located at its first K stage only (v2.4): (expert, valid rows,
         # this thread's token). The prologue's stages all belong to the CTA's first item.
         located = self.load_location(walk, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
@@ -388,30 +351,26 @@ class WgmmaGemm1(LinkedGemm):
             k_stage = s % K_STAGES
             if k_stage == 0:
                 acc.fill(0.0)
-                if cutlass.const_expr(cfg.half_tile_items):
-                    _, _, tile_valid_rows, tile_packed_row0 = locate_row_tile(
-                        item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
-                    )
             slot = s % ns
-            # Both blocks inside one branch: an MMA's accumulate switch is a traced value, which must not leave it.
-            if cutlass.const_expr(cfg.half_tile_items):
-                if tile_valid_rows <= bt // 2:
-                    for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                        self.block_mma(half_mma, block_acc_half, t_a, t_b_half, acc, coords, w_scales, x_scales, b, slot)
-                else:
-                    for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                        self.block_mma(tiled_mma, block_acc, t_a, t_b, acc, coords, w_scales, x_scales, b, slot)
-            else:
-                for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                    self.block_mma(tiled_mma, block_acc, t_a, t_b, acc, coords, w_scales, x_scales, b, slot)
+            for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                cute.nvgpu.warpgroup.fence()
+                for k in cutlass.range_constexpr(K_STEPS_PER_BLOCK):
+                    step = b * K_STEPS_PER_BLOCK + k
+                    cute.gemm(tiled_mma, block_acc, t_a[None, None, step, slot], t_b[None, None, step, slot], block_acc)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+                # v0's promotion: the block's exact fp32 sum times (weight block scale x token scale)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    row, token_slot = coords[i]
+                    scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
+                    acc[i] = acc[i] + block_acc[i] * scale
             if k_stage == K_STAGES - 1:
-                if cutlass.const_expr(cfg.half_tile_items):
-                    item_valid_rows, item_packed_row0 = tile_valid_rows, tile_packed_row0
-                else:
-                    # the computed item, located once at its end (its K stages need no location)
-                    _, _, item_valid_rows, item_packed_row0 = locate_row_tile(
-                        item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
-                    )
+                # the computed item, located once at its end (its K stages need no location)
+                _, _, item_valid_rows, item_packed_row0 = locate_row_tile(
+                    item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
+                )
                 n_tile = item % ITEMS_PER_ROW_TILE
                 if cutlass.const_expr(cfg.scratch_in_stage):
                     # The token stage in `slot`. A warp's wait_group covers its own share of the
@@ -429,44 +388,6 @@ class WgmmaGemm1(LinkedGemm):
                 else:
                     self.epilogue(acc, coords, scratch, out, n_tile, item_packed_row0, item_valid_rows, tidx)
         cute.arch.cp_async_wait_group(0)
-
-    @cute.jit
-    def block_mma(
-        self,
-        mma: cute.TiledMma,
-        block_acc: cute.Tensor,
-        t_a: cute.Tensor,
-        t_b: cute.Tensor,
-        acc: cute.Tensor,
-        coords: cute.Tensor,
-        w_scales: cute.Tensor,
-        x_scales: cute.Tensor,
-        b: cutlass.Constexpr,
-        slot: Int32,
-    ):
-        """K block `b` of the stage in `slot`: its k32 MMAs into a fresh `block_acc` (the full tile's, or with
-        half_tile_items the first half of its registers), then v0's promotion of those values: acc += the block's
-        exact fp32 sum times (weight block scale x token scale)."""
-        mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        cute.nvgpu.warpgroup.fence()
-        for k in cutlass.range_constexpr(K_STEPS_PER_BLOCK):
-            step = b * K_STEPS_PER_BLOCK + k
-            cute.gemm(mma, block_acc, t_a[None, None, step, slot], t_b[None, None, step, slot], block_acc)
-            mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        cute.nvgpu.warpgroup.commit_group()
-        if cutlass.const_expr(self.cfg.scales_before_wait):
-            # The scale products read while the MMAs run: the same products, added in the same order.
-            scales = []
-            for i in cutlass.range_constexpr(cute.size(block_acc)):
-                scales.append(block_scale(w_scales, x_scales, coords[i], b, slot))
-            cute.nvgpu.warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(block_acc)):
-                acc[i] = acc[i] + block_acc[i] * scales[i]
-        else:
-            cute.nvgpu.warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(block_acc)):
-                scale = block_scale(w_scales, x_scales, coords[i], b, slot)
-                acc[i] = acc[i] + block_acc[i] * scale
 
     @cute.jit
     def load_stage(

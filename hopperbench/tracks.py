@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_narrow_stages",
-            entry="candidate_narrow_stages.py::run",
-            description="v2.48: kernel.py with MEDIUM_T's GEMM1 in six 128-wide stages instead of three 256-wide ones",
-        ),
     ),
 )
 

@@ -88,15 +88,15 @@ def swizzled_offset(row, k, stage, rows: int, row_bytes: int = STAGE_K):
 ROWS_PER_PASS = NUM_THREADS // CHUNKS_PER_ROW  # 8: copy i of a thread reads item row tidx / 16 + 8 i
 
 
-def copy_weight_tile(atom, source, w_bytes, destination, tidx, chunks_per_row: int = CHUNKS_PER_ROW) -> None:
-    """Issue the cp.async copies of one stage of a 64-row weight item (256 e4m3 per row, or 128 with a 128-wide
-    GEMM1 stage), for both WGMMA GEMMs: `chunks_per_row` consecutive threads read one row's contiguous bytes.
-    `source(i, row, chunk)` is the 16-B global tile that copy i reads (item row `row`, chunk `chunk` of the stage) and
+def copy_weight_tile(atom, source, w_bytes, destination, tidx) -> None:
+    """Issue the cp.async copies of one stage of a 64-row weight item (256 e4m3 per row), for both
+    WGMMA GEMMs: 16 consecutive threads read one row's 256 contiguous bytes. `source(i, row, chunk)` is
+    the 16-B global tile that copy i reads (item row `row`, chunk `chunk` of the stage) and
     `destination(row, byte)` its byte offset in `w_bytes`; plain Python, called while the kernel is traced."""
-    for i in range(ITEM_ROWS * chunks_per_row // NUM_THREADS):
+    for i in range(ITEM_ROWS * CHUNKS_PER_ROW // NUM_THREADS):
         linear = i * NUM_THREADS + tidx
-        row = linear // chunks_per_row
-        chunk = linear % chunks_per_row
+        row = linear // CHUNKS_PER_ROW
+        chunk = linear % CHUNKS_PER_ROW
         cute.copy(
             atom,
             source(i, row, chunk),
@@ -104,14 +104,13 @@ def copy_weight_tile(atom, source, w_bytes, destination, tidx, chunks_per_row: i
         )
 
 
-def weight_source(w, thread_base, k_stage, row_delta, row_elems, stage_k: int = STAGE_K):
+def weight_source(w, thread_base, k_stage, row_delta, row_elems):
     """`copy_weight_tile`'s source from the thread's per-item base (the element offset of its first copy at K
-    stage 0): copy i adds the stage's K offset and `row_delta(i * rows per pass)` rows of `row_elems` (v2.6:
+    stage 0): copy i adds the stage's K offset and `row_delta(i * ROWS_PER_PASS)` rows of `row_elems` (v2.6:
     `kernel.py` v2.5 rebuilt every copy's 64-bit address from expert, row and K at every stage)."""
-    stage = w.iterator + cute.assume(thread_base + k_stage * stage_k, divby=CHUNK)
-    rows_per_pass = NUM_THREADS // (stage_k // CHUNK)  # ROWS_PER_PASS at 256-wide stages
+    stage = w.iterator + cute.assume(thread_base + k_stage * STAGE_K, divby=CHUNK)
     return lambda i, row, chunk: cute.make_tensor(
-        stage + row_delta(i * rows_per_pass) * row_elems, cute.make_layout(CHUNK)
+        stage + row_delta(i * ROWS_PER_PASS) * row_elems, cute.make_layout(CHUNK)
     )
 
 
@@ -138,9 +137,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     thread, 87 with v2.42's walk); `smid_walk` (v2.42; three CTAs per SM and a routing, i.e. cooperative, launch
     only): the round-robin walk runs over slot x SMs + `%smid` instead of the CTA index, the slot drawn from the kept
     per-SM counters (`streaming_gemm.take_walk_slot`), so that SM s takes the items = s mod SMs whatever the
-    hardware's placement; `stage_k` (candidate v2.48): a stage's width in K, 256 (two quantisation blocks) or 128
-    (one: twice the stages in the same shared memory); at 128 the epilogue's tile (scratch_in_stage) lies in the
-    slot's weight stage, 64 rows x 128 B, which holds it up to 32 tokens."""
+    hardware's placement."""
 
     def __init__(
         self,
@@ -150,16 +147,9 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         scratch_in_stage: bool = False,
         max_ctas_per_sm: int = 2,
         smid_walk: bool = False,
-        stage_k: int = STAGE_K,
     ):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
-        if stage_k not in (BLOCK, STAGE_K):
-            raise StreamingConfigError(f"stage_k must be {BLOCK} or {STAGE_K}, got {stage_k}")
-        tile_bytes = block_tokens * ITEM_ROWS * 4  # the epilogue's fp32 tile
-        if stage_k < STAGE_K and (block_tokens < 16 or (scratch_in_stage and tile_bytes > ITEM_ROWS * stage_k)):
-            # A token row's 8 chunks need at most 8 threads a token; the tile must fit the slot's weight stage.
-            raise StreamingConfigError(f"stage_k={stage_k} needs block_tokens >= 16, and <= 32 with scratch_in_stage")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
         if max_ctas_per_sm not in (2, 3):
@@ -170,10 +160,6 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         self.scratch_in_stage = scratch_in_stage
         self.max_ctas_per_sm = max_ctas_per_sm
         self.smid_walk = smid_walk
-        self.stage_k = stage_k
-        self.blocks_per_stage = stage_k // BLOCK
-        self.k_stages = HIDDEN // stage_k  # what `LinkedGemm.locate_load` reads
-        self.chunks_per_row = stage_k // CHUNK
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
         if smid_walk and self.ctas_per_sm() != PAIRED_SLOTS:
@@ -182,16 +168,17 @@ class WgmmaGemm1Config(PersistentGemmConfig):
 
     # What `LinkedGemm.locate_load` reads besides block_tokens and threads_per_token.
     gemm1 = True
+    k_stages = K_STAGES
     items_per_row_tile = ITEMS_PER_ROW_TILE
 
     def fields(self) -> dict:
-        ns, bt, sk, bps = self.num_stages, self.block_tokens, self.stage_k, self.blocks_per_stage
+        ns, bt = self.num_stages, self.block_tokens
         fields = {
             # 1024-B aligned: the swizzle pattern repeats every 1024 B from the start of an atom
-            "w_stages": smem_region(cutlass.Float8E4M3FN, ns * ITEM_ROWS * sk, 1024),
-            "x_stages": smem_region(cutlass.Float8E4M3FN, ns * bt * sk, 1024),
-            "x_scales": smem_region(Float32, ns * bps * bt, 128),
-            "w_scales": smem_region(Float32, ns * bps * 2, 128),
+            "w_stages": smem_region(cutlass.Float8E4M3FN, ns * ITEM_ROWS * STAGE_K, 1024),
+            "x_stages": smem_region(cutlass.Float8E4M3FN, ns * bt * STAGE_K, 1024),
+            "x_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE * bt, 128),
+            "w_scales": smem_region(Float32, ns * BLOCKS_PER_STAGE * 2, 128),
         }
         if not self.scratch_in_stage:
             fields["scratch"] = smem_region(Float32, ITEM_ROWS * bt, 128)
@@ -201,7 +188,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
 
 
 @cute.jit
-def wgmma_operands(block_tokens: cutlass.Constexpr, num_stages: cutlass.Constexpr, stage_k: cutlass.Constexpr = STAGE_K):
+def wgmma_operands(block_tokens: cutlass.Constexpr, num_stages: cutlass.Constexpr):
     """The FP8 tiled MMA (M = 64 weight rows, N = the tokens, k32) and the staged K_SW128 layouts
     of its weight (A) and token (B) tiles."""
     k_major = LayoutEnum.ROW_MAJOR  # K-major for A and for B alike
@@ -214,7 +201,7 @@ def wgmma_operands(block_tokens: cutlass.Constexpr, num_stages: cutlass.Constexp
         (1, 1, 1),
         tiler_mn=(ITEM_ROWS, block_tokens),
     )
-    tile = (ITEM_ROWS, block_tokens, stage_k)
+    tile = (ITEM_ROWS, block_tokens, STAGE_K)
     a_layout = sm90_utils.make_smem_layout_a(k_major, tile, cutlass.Float8E4M3FN, num_stages)
     b_layout = sm90_utils.make_smem_layout_b(k_major, tile, cutlass.Float8E4M3FN, num_stages)
     return tiled_mma, a_layout, b_layout
@@ -244,7 +231,7 @@ class WgmmaGemm1(LinkedGemm):
         """`routing`, `counts_out` and `walk_slots` (with smid_walk): as `streaming_gemm.StreamingGemm.launch`'s
         (v2.16, v2.22, v2.32)."""
         cfg = self.cfg
-        tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages, cfg.stage_k)
+        tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
         SharedStorage = cfg.shared_storage()
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens, tiled_mma, a_layout, b_layout, SharedStorage, routing,
@@ -274,7 +261,6 @@ class WgmmaGemm1(LinkedGemm):
         cfg = self.cfg
         bt = cfg.block_tokens
         ns = cfg.num_stages
-        sk, bps, ks = cfg.stage_k, cfg.blocks_per_stage, cfg.k_stages  # stage width, its K blocks, stages per item
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -293,15 +279,19 @@ class WgmmaGemm1(LinkedGemm):
         # The MMA's swizzled views, and flat byte views of the same buffers for the copies.
         s_w = storage.w_stages.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         s_x = storage.x_stages.get_tensor(b_layout.outer, swizzle=b_layout.inner)
-        w_bytes = storage.w_stages.get_tensor(cute.make_layout(ns * ITEM_ROWS * sk))
-        x_bytes = storage.x_stages.get_tensor(cute.make_layout(ns * bt * sk))
-        x_scales = storage.x_scales.get_tensor(cute.make_layout((bt, bps, ns), stride=(1, bt, bps * bt)))
-        w_scales = storage.w_scales.get_tensor(cute.make_layout((2, bps, ns), stride=(1, 2, 2 * bps)))
+        w_bytes = storage.w_stages.get_tensor(cute.make_layout(ns * ITEM_ROWS * STAGE_K))
+        x_bytes = storage.x_stages.get_tensor(cute.make_layout(ns * bt * STAGE_K))
+        x_scales = storage.x_scales.get_tensor(
+            cute.make_layout((bt, BLOCKS_PER_STAGE, ns), stride=(1, bt, BLOCKS_PER_STAGE * bt))
+        )
+        w_scales = storage.w_scales.get_tensor(
+            cute.make_layout((2, BLOCKS_PER_STAGE, ns), stride=(1, 2, 2 * BLOCKS_PER_STAGE))
+        )
         scratch_layout = cute.make_layout((bt, ITEM_ROWS), stride=(ITEM_ROWS, 1))
         if cutlass.const_expr(not cfg.scratch_in_stage):
             scratch = storage.scratch.get_tensor(scratch_layout)
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
-            storage, counts, bt, ITEMS_PER_ROW_TILE, ks, cta, grid, warp_id, lane, counts_out
+            storage, counts, bt, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid, warp_id, lane, counts_out
         )
         # The walk's index: items walk, walk + grid, ... (the CTA index, or by SM id with smid_walk). The routing
         # above and the schedule's counts_out copy stay the CTA's.
@@ -310,7 +300,7 @@ class WgmmaGemm1(LinkedGemm):
             drawn = walk_slot_word[0]
             if drawn >= 0:
                 walk = drawn * (grid // PAIRED_SLOTS) + cute.arch.smid()
-                total_stages = cta_stage_count(tile_end, ITEMS_PER_ROW_TILE, ks, walk, grid)
+                total_stages = cta_stage_count(tile_end, ITEMS_PER_ROW_TILE, K_STAGES, walk, grid)
 
         g2s_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
@@ -347,7 +337,7 @@ class WgmmaGemm1(LinkedGemm):
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             if s + ns - 1 < total_stages:
-                if (s + ns - 1) % ks == 0:
+                if (s + ns - 1) % K_STAGES == 0:
                     located = self.load_location(
                         walk, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx
                     )
@@ -357,12 +347,12 @@ class WgmmaGemm1(LinkedGemm):
                 )
             cute.arch.cp_async_commit_group()
 
-            item = walk + (s // ks) * grid
-            k_stage = s % ks
+            item = walk + (s // K_STAGES) * grid
+            k_stage = s % K_STAGES
             if k_stage == 0:
                 acc.fill(0.0)
             slot = s % ns
-            for b in cutlass.range_constexpr(bps):
+            for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
                 cute.nvgpu.warpgroup.fence()
                 for k in cutlass.range_constexpr(K_STEPS_PER_BLOCK):
@@ -376,24 +366,21 @@ class WgmmaGemm1(LinkedGemm):
                     row, token_slot = coords[i]
                     scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
                     acc[i] = acc[i] + block_acc[i] * scale
-            if k_stage == ks - 1:
+            if k_stage == K_STAGES - 1:
                 # the computed item, located once at its end (its K stages need no location)
                 _, _, item_valid_rows, item_packed_row0 = locate_row_tile(
                     item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
                 )
                 n_tile = item % ITEMS_PER_ROW_TILE
                 if cutlass.const_expr(cfg.scratch_in_stage):
-                    # The token stage in `slot` (the weight stage at 128-wide stages). A warp's wait_group
-                    # covers its own share of the warpgroup's MMAs, which read all of the stage: the fence and
-                    # barrier let no thread write the tile before every warp's MMAs on it are done. The copies
-                    # in flight target the other slots, and the next load into this one comes after the barrier
-                    # at the top of the next stage, i.e. after every thread's epilogue.
+                    # The token stage in `slot`. A warp's wait_group covers its own share of the
+                    # warpgroup's MMAs, which read all of the stage: the fence and barrier let no thread
+                    # write the tile before every warp's MMAs on it are done. The copies in flight target
+                    # the other slots, and the next load into this one comes after the barrier at the
+                    # top of the next stage, i.e. after every thread's epilogue.
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()
-                    if cutlass.const_expr(sk == STAGE_K):
-                        stage_scratch = cute.recast_ptr(x_bytes.iterator + slot * (bt * sk), dtype=Float32)
-                    else:
-                        stage_scratch = cute.recast_ptr(w_bytes.iterator + slot * (ITEM_ROWS * sk), dtype=Float32)
+                    stage_scratch = cute.recast_ptr(x_bytes.iterator + slot * (bt * STAGE_K), dtype=Float32)
                     self.epilogue(
                         acc, coords, cute.make_tensor(stage_scratch, scratch_layout), out, n_tile, item_packed_row0,
                         item_valid_rows, tidx,
@@ -427,51 +414,47 @@ class WgmmaGemm1(LinkedGemm):
         offsets for the stage's item."""
         cfg = self.cfg
         bt = cfg.block_tokens
-        sk, bps, ks = cfg.stage_k, cfg.blocks_per_stage, cfg.k_stages
-        item = walk + (s // ks) * grid
-        k_stage = s % ks
+        item = walk + (s // K_STAGES) * grid
+        k_stage = s % K_STAGES
         n_tile = item % ITEMS_PER_ROW_TILE
         expert, valid_rows, token = located[0], located[1], located[2]
 
-        source = weight_source(w, located[3], k_stage, lambda row: item_weight_row(0, row), HIDDEN, sk)
-        copy_weight_tile(
-            g2s_16, source, w_bytes, lambda row, byte: swizzled_offset(row, byte, slot, ITEM_ROWS, sk), tidx,
-            cfg.chunks_per_row,
-        )  # fmt: skip
+        source = weight_source(w, located[3], k_stage, lambda row: item_weight_row(0, row), HIDDEN)
+        copy_weight_tile(g2s_16, source, w_bytes, lambda row, byte: swizzled_offset(row, byte, slot, ITEM_ROWS), tidx)
 
-        # ---- tokens: thread group per token, the row's 16 (8) chunks strided over the group ----
+        # ---- tokens: thread group per token, the row's 16 chunks strided over the group ----
         tpt = cfg.threads_per_token
         token_slot = tidx // tpt
         sub = tidx % tpt
         if token_slot < valid_rows:
-            x_stage = x.iterator + cute.assume(located[4] + k_stage * sk, divby=CHUNK)
-            for i in cutlass.range_constexpr(cfg.chunks_per_row // tpt):
+            x_stage = x.iterator + cute.assume(located[4] + k_stage * STAGE_K, divby=CHUNK)
+            for i in cutlass.range_constexpr(CHUNKS_PER_ROW // tpt):
                 chunk = sub + i * tpt
                 x_source = cute.make_tensor(x_stage + i * tpt * CHUNK, cute.make_layout(CHUNK))
                 cute.copy(
                     g2s_16,
                     x_source,
                     cute.local_tile(
-                        x_bytes, (CHUNK,), (swizzled_offset(token_slot, chunk * CHUNK, slot, bt, sk) // CHUNK,)
+                        x_bytes, (CHUNK,), (swizzled_offset(token_slot, chunk * CHUNK, slot, bt) // CHUNK,)
                     ),
                 )
-            if sub < bps:  # x_scale is [56, T] (transposed)
+            if sub < BLOCKS_PER_STAGE:  # x_scale is [56, T] (transposed)
                 cute.copy(
                     g2s_4_f32,
-                    cute.local_tile(x_scale[k_stage * bps + sub, None], (1,), (token,)),
+                    cute.local_tile(x_scale[k_stage * BLOCKS_PER_STAGE + sub, None], (1,), (token,)),
                     cute.local_tile(x_scales[None, sub, slot], (1,), (token_slot,)),
                 )
 
         # ---- weight block scales: one per (row half, K block) ----
-        if tidx < 2 * bps:
-            half = tidx // bps
-            block = tidx % bps
+        if tidx < 2 * BLOCKS_PER_STAGE:
+            half = tidx // BLOCKS_PER_STAGE
+            block = tidx % BLOCKS_PER_STAGE
             cute.copy(
                 g2s_4_f32,
                 cute.local_tile(
                     w_scale[expert, item_weight_scale_row(n_tile, half), None],
                     (1,),
-                    (k_stage * bps + block,),
+                    (k_stage * BLOCKS_PER_STAGE + block,),
                 ),
                 cute.local_tile(w_scales[half, None, slot], (1,), (block,)),
             )
@@ -480,9 +463,8 @@ class WgmmaGemm1(LinkedGemm):
     def item_bases(self, located, item: Int32, tidx: Int32):
         """(weights, tokens): this thread's element offsets of the item's first K stage, at its first weight row
         and 16-B chunk and at its token's row; computed when the item is located and carried with it (v2.6)."""
-        chunks_per_row = self.cfg.chunks_per_row
-        w_row = item_weight_row(item % ITEMS_PER_ROW_TILE, tidx // chunks_per_row)
-        w_base = (located[0] * GEMM1_OUT + w_row) * HIDDEN + (tidx % chunks_per_row) * CHUNK
+        w_row = item_weight_row(item % ITEMS_PER_ROW_TILE, tidx // CHUNKS_PER_ROW)
+        w_base = (located[0] * GEMM1_OUT + w_row) * HIDDEN + (tidx % CHUNKS_PER_ROW) * CHUNK
         x_base = located[2] * HIDDEN + (tidx % self.cfg.threads_per_token) * CHUNK
         return w_base, x_base
 

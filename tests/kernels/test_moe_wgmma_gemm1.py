@@ -49,17 +49,17 @@ def with_gemm1_on(use_wgmma: bool):
 on_wgmma, on_mma_sync = with_gemm1_on(True), with_gemm1_on(False)
 
 
-def _traced_offsets(block_tokens: int, stage_k: int) -> list[tuple[int, int, int, int, int]]:
+def _traced_offsets(block_tokens: int) -> list[tuple[int, int, int, int, int]]:
     """(rows, row, k, stage, offset) of both staged layouts at every 16-B chunk start, and of the
     bytes inside a few chunks, evaluated by CuTe while it traces (no GPU)."""
     seen: list[tuple[int, int, int, int, int]] = []
 
     @cute.jit
     def probe(unused: cute.Tensor):
-        _, a_layout, b_layout = wgmma.wgmma_operands(block_tokens, STAGES, stage_k)
+        _, a_layout, b_layout = wgmma.wgmma_operands(block_tokens, STAGES)
         for layout, rows in ((a_layout, wgmma.ITEM_ROWS), (b_layout, block_tokens)):
             for row in cutlass.range_constexpr(rows):
-                for k in cutlass.range_constexpr(0, stage_k, wgmma.CHUNK):
+                for k in cutlass.range_constexpr(0, wgmma.STAGE_K, wgmma.CHUNK):
                     for stage in cutlass.range_constexpr(STAGES):
                         seen.append((rows, row, k, stage, layout((row, k, stage))))
                 for k in cutlass.range_constexpr(wgmma.CHUNK):  # inside the first chunks of row `row`
@@ -70,34 +70,29 @@ def _traced_offsets(block_tokens: int, stage_k: int) -> list[tuple[int, int, int
     return seen
 
 
-@pytest.mark.parametrize("stage_k", [wgmma.STAGE_K, wgmma.BLOCK])
 @pytest.mark.parametrize("block_tokens", [8, 16, 32, 64])
-def test_copy_offsets_are_the_mma_layouts_byte_for_byte(block_tokens, stage_k):
-    seen = _traced_offsets(block_tokens, stage_k)
-    assert len(seen) > 500 and all(isinstance(offset, int) for *_, offset in seen)
+def test_copy_offsets_are_the_mma_layouts_byte_for_byte(block_tokens):
+    seen = _traced_offsets(block_tokens)
+    assert len(seen) > 1000 and all(isinstance(offset, int) for *_, offset in seen)
     wrong = [
         (rows, row, k, stage, offset)
         for rows, row, k, stage, offset in seen
-        if offset != wgmma.swizzled_offset(row, k, stage, rows, stage_k)
+        if offset != wgmma.swizzled_offset(row, k, stage, rows)
     ]
     assert not wrong, wrong[:5]
 
 
-@pytest.mark.parametrize("stage_k", [wgmma.STAGE_K, wgmma.BLOCK])
-def test_a_chunk_is_contiguous_and_aligned_under_the_swizzle(stage_k):
+def test_a_chunk_is_contiguous_and_aligned_under_the_swizzle():
     # The copies write 16 contiguous bytes from a 16-B aligned offset: the swizzle only permutes
-    # 16-B chunks within 128-B rows; a stage's chunks fill it once.
+    # 16-B chunks within 128-B rows.
     for rows in (8, 16, 32, 64):
-        starts = set()
         for row in range(rows):
-            for k in range(0, stage_k, wgmma.CHUNK):
-                start = wgmma.swizzled_offset(row, k, 2, rows, stage_k)
+            for k in range(0, wgmma.STAGE_K, wgmma.CHUNK):
+                start = wgmma.swizzled_offset(row, k, 2, rows)
                 assert start % wgmma.CHUNK == 0
-                assert [wgmma.swizzled_offset(row, k + j, 2, rows, stage_k) for j in range(wgmma.CHUNK)] == list(
+                assert [wgmma.swizzled_offset(row, k + j, 2, rows) for j in range(wgmma.CHUNK)] == list(
                     range(start, start + wgmma.CHUNK)
                 )
-                starts.add(start)
-        assert starts == set(range(2 * rows * stage_k, 3 * rows * stage_k, wgmma.CHUNK))
 
 
 def test_items_cover_every_w13_row_once_and_pair_up_with_gate_rows():
@@ -112,19 +107,15 @@ def test_items_cover_every_w13_row_once_and_pair_up_with_gate_rows():
             assert block_rows == {wgmma.item_weight_scale_row(n, half)}  # one scale per half and K block
 
 
-@pytest.mark.parametrize("stage_k", [wgmma.STAGE_K, wgmma.BLOCK])
-def test_item_bases_and_copy_offsets_address_the_item_rows(stage_k):
-    # WgmmaGemm1.item_bases takes the thread's first row; copy i adds item_weight_row(0, 8 i) rows (16 i at 128-wide
-    # stages; v2.6). GEMM2's item rows are consecutive, so its copy i simply adds 8 i rows.
-    chunks_per_row = stage_k // wgmma.CHUNK
-    rows_per_pass = wgmma.NUM_THREADS // chunks_per_row
-    assert wgmma.ROWS_PER_PASS == wgmma.NUM_THREADS // wgmma.CHUNKS_PER_ROW
+def test_item_bases_and_copy_offsets_address_the_item_rows():
+    # WgmmaGemm1.item_bases takes the thread's first row; copy i adds item_weight_row(0, 8 i) rows (v2.6). GEMM2's
+    # item rows are consecutive, so its copy i simply adds 8 i rows.
     for n_tile in range(wgmma.ITEMS_PER_ROW_TILE):
         for tidx in range(wgmma.NUM_THREADS):
-            first = wgmma.item_weight_row(n_tile, tidx // chunks_per_row)
-            for i in range(wgmma.ITEM_ROWS * chunks_per_row // wgmma.NUM_THREADS):
-                row = (i * wgmma.NUM_THREADS + tidx) // chunks_per_row
-                delta = wgmma.item_weight_row(0, i * rows_per_pass)
+            first = wgmma.item_weight_row(n_tile, tidx // wgmma.CHUNKS_PER_ROW)
+            for i in range(wgmma.ITEM_ROWS * wgmma.CHUNKS_PER_ROW // wgmma.NUM_THREADS):
+                row = (i * wgmma.NUM_THREADS + tidx) // wgmma.CHUNKS_PER_ROW
+                delta = wgmma.item_weight_row(0, i * wgmma.ROWS_PER_PASS)
                 assert first + delta == wgmma.item_weight_row(n_tile, row)
 
 
@@ -143,20 +134,6 @@ def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
         wgmma.WgmmaGemm1Config(32, 2)
     with pytest.raises(wgmma.StreamingConfigError, match="do not fit"):
         wgmma.WgmmaGemm1Config(32, 16)
-    # 128-wide stages (candidate v2.48): twice the stages in the same shared memory; the epilogue's tile in the slot's
-    # weight stage, which holds it up to 32 tokens.
-    narrow = wgmma.WgmmaGemm1Config(32, 6, scratch_in_stage=True, max_ctas_per_sm=3, stage_k=wgmma.BLOCK)
-    assert (narrow.k_stages, narrow.blocks_per_stage, narrow.chunks_per_row) == (56, 1, 8)
-    assert narrow.smem_bytes() == wgmma.WgmmaGemm1Config(32, 3, scratch_in_stage=True, max_ctas_per_sm=3).smem_bytes()
-    assert narrow.ctas_per_sm() == 3
-    assert wgmma.WgmmaGemm1Config(32, 3).k_stages == wgmma.K_STAGES
-    for bad in (
-        dict(block_tokens=64, num_stages=4, scratch_in_stage=True, stage_k=wgmma.BLOCK),  # a 16-KB tile, 8-KB stage
-        dict(block_tokens=8, num_stages=6, stage_k=wgmma.BLOCK),  # 16 threads a token, 8 chunks a row
-        dict(block_tokens=32, num_stages=6, stage_k=512),
-    ):
-        with pytest.raises(wgmma.StreamingConfigError, match="stage_k"):
-            wgmma.WgmmaGemm1Config(**bad)
 
 
 @pytest.mark.parametrize("num_stages", [3, 4])

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_bf16_expert_out",
-            entry="candidate_bf16_expert_out.py::run",
-            description="v2.49: kernel.py with GEMM2's expert outputs stored as bf16 above 192 tokens (the combine reads half the bytes)",
-        ),
     ),
 )
 

@@ -34,14 +34,6 @@ def release_counters(release, cta_index: cutlass.Int32, tidx: cutlass.Int32):
                 routed[0] = cutlass.Int32(0)
 
 
-@cute.jit
-def widened(value):
-    """An expert output as fp32 (a no-op on fp32 ones)."""
-    if cutlass.const_expr(value.dtype == cutlass.Float32):
-        return value
-    return value.to(cutlass.Float32)
-
-
 class CombineKernel(Linked):
     def __init__(self, link: ChainLink = NO_CHAIN, loads_first: bool = False):
         """`loads_first` (v2.25, up to FEW_TOKENS_MAX tokens): every load of a thread is issued before the first one is
@@ -117,12 +109,11 @@ class CombineKernel(Linked):
         cute.arch.sync_threads()
 
         column_chunk = column_block * NUM_THREADS + tidx  # in units of COMBINE_COLS_PER_THREAD columns
-        stored = expert_out.element_type  # fp32, or bf16 from a GEMM2 with bf16_out (widened before the sum)
         total = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD,), cutlass.Float32)
         total.fill(0.0)
         if cutlass.const_expr(self.loads_first):
             # All of the token's rows in flight at once, then the sum in slot order (the same FMAs as below).
-            rows = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD, TOP_K), stored)
+            rows = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD, TOP_K), cutlass.Float32)
             for k in cutlass.range_constexpr(TOP_K):
                 if experts[k] >= 0:
                     packed_row = offsets[experts[k]] + ranks[k]
@@ -131,9 +122,9 @@ class CombineKernel(Linked):
             for k in cutlass.range_constexpr(TOP_K):
                 if experts[k] >= 0:
                     for j in cutlass.range_constexpr(COMBINE_COLS_PER_THREAD):
-                        total[j] = total[j] + weights[k] * widened(rows[j, k])
+                        total[j] = total[j] + weights[k] * rows[j, k]
         else:
-            row = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD,), stored)
+            row = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD,), cutlass.Float32)
             for k in cutlass.range_constexpr(TOP_K):
                 local = slot_expert[token, k]
                 if local >= 0:
@@ -144,7 +135,7 @@ class CombineKernel(Linked):
                     )
                     cute.autovec_copy(source, row)
                     for j in cutlass.range_constexpr(COMBINE_COLS_PER_THREAD):
-                        total[j] = total[j] + weight * widened(row[j])
+                        total[j] = total[j] + weight * row[j]
         result = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD,), cutlass.BFloat16)
         result.store(total.load().to(cutlass.BFloat16))
         cute.autovec_copy(

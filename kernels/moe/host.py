@@ -163,11 +163,11 @@ class Workspaces:
     slot_rank: torch.Tensor  # [T, 8] int32
     slot_weight: torch.Tensor  # [T, 8] fp32
     intermediate: torch.Tensor  # [8 T, 2048] bf16: C = silu(gate) * up per packed row
-    expert_out: torch.Tensor  # [8 T, 7168] fp32 (bf16 from a GEMM2 with bf16_out): C W2^T per packed row
+    expert_out: torch.Tensor  # [8 T, 7168] fp32: C W2^T per packed row
     c_scale: torch.Tensor  # [8 T] fp32: with an f16 GEMM2, the power of two that undoes each packed row's rewrite
 
     @classmethod
-    def allocate(cls, num_tokens: int, device: torch.device, expert_out_dtype: torch.dtype = torch.float32) -> Workspaces:
+    def allocate(cls, num_tokens: int, device: torch.device) -> Workspaces:
         num_rows = TOP_K * num_tokens  # worst case: all 8 chosen experts are local
         return cls(
             counts=torch.empty(NUM_LOCAL_EXPERTS, dtype=torch.int32, device=device),  # zeroed by our kernel
@@ -176,12 +176,12 @@ class Workspaces:
             slot_rank=torch.empty(num_tokens, TOP_K, dtype=torch.int32, device=device),
             slot_weight=torch.empty(num_tokens, TOP_K, dtype=torch.float32, device=device),
             intermediate=torch.empty(num_rows, INTERMEDIATE, dtype=torch.bfloat16, device=device),
-            expert_out=torch.empty(num_rows, HIDDEN, dtype=expert_out_dtype, device=device),
+            expert_out=torch.empty(num_rows, HIDDEN, dtype=torch.float32, device=device),
             c_scale=torch.empty(num_rows, dtype=torch.float32, device=device),
         )
 
 
-def fake_tensor_arguments(expert_out_dtype=cutlass.Float32) -> tuple:
+def fake_tensor_arguments() -> tuple:
     """Compile-time stand-ins (symbolic T and packed-row count) for the host function's arguments
     from `routing_logits` through the workspaces, in call order."""
     num_tokens = cute.sym_int()
@@ -210,7 +210,7 @@ def fake_tensor_arguments(expert_out_dtype=cutlass.Float32) -> tuple:
         rowmajor(i32, (num_tokens, TOP_K)),
         rowmajor(f32, (num_tokens, TOP_K)),
         rowmajor(bf16, (num_rows, INTERMEDIATE)),
-        rowmajor(expert_out_dtype, (num_rows, HIDDEN)),
+        rowmajor(f32, (num_rows, HIDDEN)),
         rowmajor(f32, (num_rows,)),
     )
 
@@ -218,13 +218,7 @@ def fake_tensor_arguments(expert_out_dtype=cutlass.Float32) -> tuple:
 def compile_host(host: MoeHostSm90, arch: str) -> Callable:
     """`cute.compile` of `host` for `arch` as a TVM-FFI function on the current torch stream (the
     two grid parameters are runtime scalars; needs no GPU)."""
-    bf16_out = getattr(host.gemm2.cfg, "bf16_out", False)  # the WGMMA GEMM2's switch
-    args = (
-        *fake_tensor_arguments(cutlass.BFloat16 if bf16_out else cutlass.Float32),
-        0,
-        0,
-        make_fake_stream(use_tvm_ffi_env_stream=True),
-    )
+    args = (*fake_tensor_arguments(), 0, 0, make_fake_stream(use_tvm_ffi_env_stream=True))
     if host.routing_in_gemm1:
         args = (*args, make_fake_compact_tensor(cutlass.Int32, (NUM_LOCAL_EXPERTS,), assumed_align=16))
     if host.gemm1.cfg.smid_walk:  # only with routing_in_gemm1 (its cooperative grid)

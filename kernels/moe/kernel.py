@@ -142,7 +142,6 @@ class StreamingVariant:
     gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
     f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (v2.39)
     gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm (v2.40)
-    bf16_expert_out: bool = False  # the WGMMA GEMM2's bf16_out (candidate v2.49)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -158,8 +157,8 @@ class StreamingVariant:
         if self.gemm2_dynamic_items and (self.wgmma_gemm2 or not self.routing_in_gemm1):
             # Its claim counter is a word of the kept routed-count buffer (`streaming_gemm.claim_item`).
             raise ValueError("gemm2_dynamic_items needs the mma.sync GEMM2 and routing_in_gemm1")
-        if (self.f16_c or self.gemm2_ctas_per_sm != 2 or self.bf16_expert_out) and not self.wgmma_gemm2:
-            raise ValueError("f16_c, gemm2_ctas_per_sm and bf16_expert_out are the WGMMA GEMM2's")
+        if (self.f16_c or self.gemm2_ctas_per_sm != 2) and not self.wgmma_gemm2:
+            raise ValueError("f16_c and gemm2_ctas_per_sm are the WGMMA GEMM2's")
         if self.gemm1_smid_walk and not self.routing_in_gemm1:
             # Its slots need every CTA resident at once: GEMM1's cooperative launch, which only a routing GEMM1 has.
             raise ValueError("gemm1_smid_walk needs routing_in_gemm1")
@@ -196,7 +195,6 @@ class StreamingVariant:
                 num_stages=num_stages,
                 f16_c=self.f16_c,
                 max_ctas_per_sm=self.gemm2_ctas_per_sm,
-                bf16_out=self.bf16_expert_out,
             )
         return StreamingGemmConfig(
             gemm1=False,
@@ -433,7 +431,7 @@ def run_keeping_workspaces(
         return None
     variant = choose(num_tokens)
     device = routing_logits.device
-    workspaces = Workspaces.allocate(num_tokens, device, torch.bfloat16 if variant.bf16_expert_out else torch.float32)
+    workspaces = Workspaces.allocate(num_tokens, device)
     gemm1_ctas, gemm2_ctas = _grids(variant, _num_sms(device))
     kept = counters.kept_counts(device, GPU_ARCH)
     kept_routed = counters.kept_routed(device, GPU_ARCH) if variant.routing_in_gemm1 else None

@@ -99,12 +99,9 @@ class WgmmaGemm2Config(PersistentGemmConfig):
     `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them (v2.40:
     32-token tiles with 2 stages, ~66 KB; 160 registers a thread, so three CTAs' 384 threads fit the register file).
     Two stages are enough for correctness: the load into a slot is issued after the barrier that follows every
-    warp's wait for the MMAs that read it. `bf16_out` (candidate v2.49): the expert outputs are stored rounded to
-    bf16 instead of fp32 (half the bytes written here and read by the combine)."""
+    warp's wait for the MMAs that read it."""
 
-    def __init__(
-        self, block_tokens: int, num_stages: int, f16_c: bool = False, max_ctas_per_sm: int = 2, bf16_out: bool = False
-    ):
+    def __init__(self, block_tokens: int, num_stages: int, f16_c: bool = False, max_ctas_per_sm: int = 2):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 2:
@@ -115,7 +112,6 @@ class WgmmaGemm2Config(PersistentGemmConfig):
         self.num_stages = num_stages
         self.f16_c = f16_c
         self.max_ctas_per_sm = max_ctas_per_sm
-        self.bf16_out = bf16_out
         self.check_fits()
 
     @property
@@ -297,8 +293,6 @@ class WgmmaGemm2(LinkedGemm):
                         value = acc[i]
                         if cutlass.const_expr(cfg.f16_c):
                             value = value * c_scale[item_packed_row0 + token_slot]
-                        if cutlass.const_expr(cfg.bf16_out):
-                            value = value.to(cutlass.BFloat16)
                         out[item_packed_row0 + token_slot, n_tile * ITEM_ROWS + row] = value
         cute.arch.cp_async_wait_group(0)
 

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_tma_weights",
-            entry="candidate_tma_weights.py::run",
-            description="v2.50: kernel.py with MEDIUM_T's GEMM1 fetching its weight stages by TMA on per-slot mbarriers",
-        ),
     ),
 )
 

@@ -137,8 +137,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     thread, 87 with v2.42's walk); `smid_walk` (v2.42; three CTAs per SM and a routing, i.e. cooperative, launch
     only): the round-robin walk runs over slot x SMs + `%smid` instead of the CTA index, the slot drawn from the kept
     per-SM counters (`streaming_gemm.take_walk_slot`), so that SM s takes the items = s mod SMs whatever the
-    hardware's placement; `tma_weights` (candidate v2.50): the weight stages come by TMA (`weight_tma`), warp 0
-    arming the slot's mbarrier, every thread waiting on it beside its `cp.async` wait for the tokens."""
+    hardware's placement."""
 
     def __init__(
         self,
@@ -148,7 +147,6 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         scratch_in_stage: bool = False,
         max_ctas_per_sm: int = 2,
         smid_walk: bool = False,
-        tma_weights: bool = False,
     ):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
@@ -162,7 +160,6 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         self.scratch_in_stage = scratch_in_stage
         self.max_ctas_per_sm = max_ctas_per_sm
         self.smid_walk = smid_walk
-        self.tma_weights = tma_weights
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
         if smid_walk and self.ctas_per_sm() != PAIRED_SLOTS:
@@ -187,8 +184,6 @@ class WgmmaGemm1Config(PersistentGemmConfig):
             fields["scratch"] = smem_region(Float32, ITEM_ROWS * bt, 128)
         if self.smid_walk:
             fields["walk_slot"] = smem_region(Int32, 4, 16)
-        if self.tma_weights:
-            fields["w_full"] = smem_region(cutlass.Int64, ns, 8)  # one mbarrier per slot
         return fields
 
 
@@ -210,23 +205,6 @@ def wgmma_operands(block_tokens: cutlass.Constexpr, num_stages: cutlass.Constexp
     a_layout = sm90_utils.make_smem_layout_a(k_major, tile, cutlass.Float8E4M3FN, num_stages)
     b_layout = sm90_utils.make_smem_layout_b(k_major, tile, cutlass.Float8E4M3FN, num_stages)
     return tiled_mma, a_layout, b_layout
-
-
-@cute.jit
-def weight_tma(w: cute.Tensor, stage_layout: cute.ComposedLayout):
-    """The TMA atom and coordinate tensor of GEMM1's weight stages (tma_weights): W13 seen as ((32 rows, 2 halves, 64
-    items), K, expert), so that one (64, 256) tile is an item's 32 up rows and their 32 gate rows over a 256-wide K
-    stage, landing in `stage_layout` (one stage of the MMA's 128-B swizzled K-major A layout): two 8-KB boxes, one per
-    128-B K half, on a 5-dimensional tensor map."""
-    rows, halves = HALF_ROWS, GEMM1_OUT // INTERMEDIATE
-    view = cute.make_tensor(
-        w.iterator,
-        cute.make_layout(
-            ((rows, halves, ITEMS_PER_ROW_TILE), HIDDEN, w.shape[0]),
-            stride=((HIDDEN, INTERMEDIATE * HIDDEN, rows * HIDDEN), 1, GEMM1_OUT * HIDDEN),
-        ),
-    )
-    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, stage_layout, (ITEM_ROWS, STAGE_K))
 
 
 class WgmmaGemm1(LinkedGemm):
@@ -255,12 +233,9 @@ class WgmmaGemm1(LinkedGemm):
         cfg = self.cfg
         tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
         SharedStorage = cfg.shared_storage()
-        tma = None
-        if cutlass.const_expr(cfg.tma_weights):
-            tma = weight_tma(w, cute.slice_(a_layout, (None, None, 0)))
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens, tiled_mma, a_layout, b_layout, SharedStorage, routing,
-            counts_out, walk_slots, tma,
+            counts_out, walk_slots,
         )
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None)
 
@@ -281,7 +256,6 @@ class WgmmaGemm1(LinkedGemm):
         routing,
         counts_out,
         walk_slots,
-        tma,  # with tma_weights: `weight_tma`'s (atom, coordinate tensor)
     ):
         enter(self.link)
         cfg = self.cfg
@@ -316,21 +290,6 @@ class WgmmaGemm1(LinkedGemm):
         scratch_layout = cute.make_layout((bt, ITEM_ROWS), stride=(ITEM_ROWS, 1))
         if cutlass.const_expr(not cfg.scratch_in_stage):
             scratch = storage.scratch.get_tensor(scratch_layout)
-        w_tma = None  # with tma_weights: (atom, the weight tiles by (item, K stage, expert), the slots, the mbarriers)
-        if cutlass.const_expr(cfg.tma_weights):
-            tma_atom, tma_coords = tma
-            if warp_id == 0:
-                cpasync.prefetch_descriptor(tma_atom)
-            w_full = storage.w_full.data_ptr()
-            if tidx == 0:
-                for i in cutlass.range_constexpr(ns):
-                    cute.arch.mbarrier_init(w_full + i, 1)
-                cute.arch.mbarrier_init_fence()
-            tiles = cute.local_tile(tma_coords, (ITEM_ROWS, STAGE_K), (None, None, None))
-            slots_w, tiles_w = cpasync.tma_partition(
-                tma_atom, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(tiles, 0, 2)
-            )
-            w_tma = (tma_atom, tiles_w, slots_w, w_full)
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid, warp_id, lane, counts_out
         )
@@ -366,7 +325,7 @@ class WgmmaGemm1(LinkedGemm):
             if p < total_stages:
                 self.load_stage(
                     p, p, walk, grid, located, x, x_scale, w, w_scale, w_bytes, x_bytes, x_scales, w_scales, g2s_16,
-                    g2s_4_f32, tidx, w_tma,
+                    g2s_4_f32, tidx,
                 )
             cute.arch.cp_async_commit_group()
 
@@ -375,8 +334,6 @@ class WgmmaGemm1(LinkedGemm):
             # its own copies visible to the tensor core's (async) proxy; the barrier then covers
             # everyone's, and tells every thread that the slot the next load overwrites is free.
             cute.arch.cp_async_wait_group(ns - 2)
-            if cutlass.const_expr(cfg.tma_weights):
-                cute.arch.mbarrier_wait(w_tma[3] + s % ns, (s // ns) % 2)  # the slot's weights, its (s // ns)-th use
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             if s + ns - 1 < total_stages:
@@ -386,7 +343,7 @@ class WgmmaGemm1(LinkedGemm):
                     )
                 self.load_stage(
                     s + ns - 1, (s + ns - 1) % ns, walk, grid, located, x, x_scale, w, w_scale, w_bytes, x_bytes,
-                    x_scales, w_scales, g2s_16, g2s_4_f32, tidx, w_tma,
+                    x_scales, w_scales, g2s_16, g2s_4_f32, tidx,
                 )
             cute.arch.cp_async_commit_group()
 
@@ -451,11 +408,10 @@ class WgmmaGemm1(LinkedGemm):
         g2s_16: cute.CopyAtom,
         g2s_4_f32: cute.CopyAtom,
         tidx: Int32,
-        w_tma=None,
     ):
         """Issue the cp.async copies of flat stage `s` of the walk walk, walk + grid, ... (weights, tokens,
         scales); `located` is `locate_load`'s (expert, valid rows, this thread's token) and `item_bases`' two
-        offsets for the stage's item. With `w_tma` (tma_weights) the weights come by TMA instead."""
+        offsets for the stage's item."""
         cfg = self.cfg
         bt = cfg.block_tokens
         item = walk + (s // K_STAGES) * grid
@@ -463,19 +419,8 @@ class WgmmaGemm1(LinkedGemm):
         n_tile = item % ITEMS_PER_ROW_TILE
         expert, valid_rows, token = located[0], located[1], located[2]
 
-        if cutlass.const_expr(w_tma is None):
-            source = weight_source(w, located[3], k_stage, lambda row: item_weight_row(0, row), HIDDEN)
-            copy_weight_tile(
-                g2s_16, source, w_bytes, lambda row, byte: swizzled_offset(row, byte, slot, ITEM_ROWS), tidx
-            )
-        else:
-            tma_atom, tiles_w, slots_w, w_full = w_tma
-            if tidx // 32 == 0:  # a whole warp: the TMA copy elects its own lane
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(w_full + slot, ITEM_ROWS * STAGE_K)
-                cute.copy(
-                    tma_atom, tiles_w[(None, n_tile, k_stage, expert)], slots_w[(None, slot)], tma_bar_ptr=w_full + slot
-                )
+        source = weight_source(w, located[3], k_stage, lambda row: item_weight_row(0, row), HIDDEN)
+        copy_weight_tile(g2s_16, source, w_bytes, lambda row, byte: swizzled_offset(row, byte, slot, ITEM_ROWS), tidx)
 
         # ---- tokens: thread group per token, the row's 16 chunks strided over the group ----
         tpt = cfg.threads_per_token

@@ -139,6 +139,7 @@ class StreamingVariant:
     routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
     gemm1_ctas_per_sm: int = 2  # GEMM1's max_ctas_per_sm (`mma.sync`: v2.28, v2.29; WGMMA: v2.41)
     gemm1_smid_walk: bool = False  # GEMM1's smid_walk (`mma.sync`: v2.32; WGMMA: v2.42)
+    gemm1_producer_warp: bool = False  # the WGMMA GEMM1's producer_warp (candidate v2.51)
     gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
     f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (v2.39)
     gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm (v2.40)
@@ -147,8 +148,10 @@ class StreamingVariant:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
             # The WGMMA GEMM2 reads C in the column order only the WGMMA GEMM1 writes.
             raise ValueError("wgmma_gemm2 needs wgmma_gemm1")
-        if self.gemm1_scratch_in_stage and not self.wgmma_gemm1:
-            raise ValueError("gemm1_scratch_in_stage needs wgmma_gemm1")
+        if (self.gemm1_scratch_in_stage or self.gemm1_producer_warp) and not self.wgmma_gemm1:
+            raise ValueError("gemm1_scratch_in_stage and gemm1_producer_warp need wgmma_gemm1")
+        if self.gemm1_producer_warp and not self.routing_in_gemm1:
+            raise ValueError("gemm1_producer_warp needs routing_in_gemm1")  # the only GEMM1 built with its guard
         if self.gemm2_weights_before_wait and (self.wgmma_gemm2 or not self.routing_in_gemm1):
             # It waits on the kept count of routed tokens that only a routing GEMM1 completes.
             raise ValueError("gemm2_weights_before_wait needs the mma.sync GEMM2 and routing_in_gemm1")
@@ -172,6 +175,7 @@ class StreamingVariant:
                 scratch_in_stage=self.gemm1_scratch_in_stage,
                 max_ctas_per_sm=self.gemm1_ctas_per_sm,
                 smid_walk=self.gemm1_smid_walk,
+                producer_warp=self.gemm1_producer_warp,
             )
         return StreamingGemmConfig(
             gemm1=True,

@@ -186,6 +186,7 @@ def route_then_meet(
     grid: cutlass.Int32,
     tidx: cutlass.Int32,
     choices=None,
+    extra_warps: cutlass.Constexpr = False,
 ):
     """The routing inside GEMM1, the first kernel of a call up to 1024 tokens (v2.16): warp w of CTA c routes
     tokens 4 c + w, + 4 grid, ... (`route_token`), then the CTAs meet: each adds its number of routed tokens to
@@ -196,19 +197,26 @@ def route_then_meet(
     call's last kernel zeroes `routed` again (`combine.release_counters`). The barrier is cooperative groups' grid
     sync: a CTA barrier, then thread 0 fences, adds, polls and fences again, then a CTA barrier.
     `choices` (v2.26; ROUTING_WARPS x TOP_K words of shared memory): up to ROUTING_WARPS tokens every CTA routes
-    them all instead (`route_in_every_cta`) and meets no other."""
+    them all instead (`route_in_every_cta`) and meets no other. `extra_warps` (candidate v2.51): the CTA has warps
+    beyond the first ROUTING_WARPS, which route nothing but take part in the meeting's CTA barriers."""
     if cutlass.const_expr(choices is not None):
         if routing[0].shape[0] <= ROUTING_WARPS:
             route_in_every_cta(routing, counts, expert_tokens, choices, cta, tidx)
         else:
             _route_share_and_meet(routing, counts, expert_tokens, cta, grid, tidx)
     else:
-        _route_share_and_meet(routing, counts, expert_tokens, cta, grid, tidx)
+        _route_share_and_meet(routing, counts, expert_tokens, cta, grid, tidx, extra_warps)
 
 
 @cute.jit
 def _route_share_and_meet(
-    routing, counts: cute.Tensor, expert_tokens: cute.Tensor, cta: cutlass.Int32, grid: cutlass.Int32, tidx: cutlass.Int32
+    routing,
+    counts: cute.Tensor,
+    expert_tokens: cute.Tensor,
+    cta: cutlass.Int32,
+    grid: cutlass.Int32,
+    tidx: cutlass.Int32,
+    extra_warps: cutlass.Constexpr = False,
 ):
     """`route_then_meet`'s grid-shared routing and meeting."""
     (
@@ -217,7 +225,11 @@ def _route_share_and_meet(
     ) = routing  # fmt: skip
     num_tokens = routing_logits.shape[0]
     warp_id = tidx // 32
-    for token in cutlass.range(cta * ROUTING_WARPS + warp_id, num_tokens, grid * ROUTING_WARPS, unroll=1):
+    routed_end = num_tokens
+    if cutlass.const_expr(extra_warps):
+        if warp_id >= ROUTING_WARPS:
+            routed_end = cutlass.Int32(0)  # its tokens are the next CTA's warps'
+    for token in cutlass.range(cta * ROUTING_WARPS + warp_id, routed_end, grid * ROUTING_WARPS, unroll=1):
         route_token(
             routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, counts, expert_tokens,
             slot_expert, slot_rank, slot_weight, token, tidx % 32,

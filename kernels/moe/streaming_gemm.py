@@ -546,13 +546,15 @@ class LinkedGemm:
         """The same GEMM at `link` of a chain of programmatic dependent launches."""
         return type(self)(self.cfg, link)
 
-    def launch_persistent(self, kernel, num_ctas: Int32, shared_storage, stream, cooperative: bool = False) -> None:
+    def launch_persistent(
+        self, kernel, num_ctas: Int32, shared_storage, stream, cooperative: bool = False, threads: int = NUM_THREADS
+    ) -> None:
         """Launch `kernel` (the kernel applied to its arguments) as the GEMM's persistent grid of
-        `num_ctas` CTAs of 128 threads, at its place in the chain; `cooperative` where its CTAs meet
-        (`routing.route_then_meet`). Called while `launch` is traced."""
+        `num_ctas` CTAs of `threads` threads (128, or 160 with the WGMMA GEMM1's producer warp), at its place in the
+        chain; `cooperative` where its CTAs meet (`routing.route_then_meet`). Called while `launch` is traced."""
         kernel.launch(
             grid=[num_ctas, 1, 1],
-            block=[NUM_THREADS, 1, 1],
+            block=[threads, 1, 1],
             smem=shared_storage.size_in_bytes(),
             stream=stream,
             use_pdl=self.link.waits,

@@ -38,6 +38,7 @@ from .routing import route_then_meet
 from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE
 from .streaming_gemm import (
     PAIRED_SLOTS,
+    slot_token,
     LinkedGemm,
     PersistentGemmConfig,
     StreamingConfigError,
@@ -85,6 +86,7 @@ def swizzled_offset(row, k, stage, rows: int, row_bytes: int = STAGE_K):
     return linear ^ (((linear >> 7) & 7) << 4)
 
 
+PRODUCER_WARP = NUM_THREADS // 32  # producer_warp: the fifth warp, after the warpgroup
 ROWS_PER_PASS = NUM_THREADS // CHUNKS_PER_ROW  # 8: copy i of a thread reads item row tidx / 16 + 8 i
 
 
@@ -137,7 +139,10 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     thread, 87 with v2.42's walk); `smid_walk` (v2.42; three CTAs per SM and a routing, i.e. cooperative, launch
     only): the round-robin walk runs over slot x SMs + `%smid` instead of the CTA index, the slot drawn from the kept
     per-SM counters (`streaming_gemm.take_walk_slot`), so that SM s takes the items = s mod SMs whatever the
-    hardware's placement."""
+    hardware's placement; `producer_warp` (candidate v2.51; 32-token tiles with the tile in a stage and the routing's
+    cooperative grid): a fifth warp issues every stage (the weights by TMA, `weight_tma`; a token row per lane by
+    `cp.async`) on the slot's full mbarrier and the warpgroup waits on that alone, releasing the slot on its empty
+    mbarrier, so that no CTA-wide barrier ends a K stage."""
 
     def __init__(
         self,
@@ -147,6 +152,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         scratch_in_stage: bool = False,
         max_ctas_per_sm: int = 2,
         smid_walk: bool = False,
+        producer_warp: bool = False,
     ):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
@@ -160,6 +166,11 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         self.scratch_in_stage = scratch_in_stage
         self.max_ctas_per_sm = max_ctas_per_sm
         self.smid_walk = smid_walk
+        if producer_warp and (block_tokens != 32 or not scratch_in_stage):
+            # A lane per token slot; the epilogue's tile in the slot it releases afterwards.
+            raise StreamingConfigError("producer_warp needs block_tokens=32 and scratch_in_stage")
+        self.producer_warp = producer_warp
+        self.num_threads = NUM_THREADS + 32 if producer_warp else NUM_THREADS
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
         if smid_walk and self.ctas_per_sm() != PAIRED_SLOTS:
@@ -184,6 +195,9 @@ class WgmmaGemm1Config(PersistentGemmConfig):
             fields["scratch"] = smem_region(Float32, ITEM_ROWS * bt, 128)
         if self.smid_walk:
             fields["walk_slot"] = smem_region(Int32, 4, 16)
+        if self.producer_warp:
+            fields["stage_full"] = smem_region(cutlass.Int64, ns, 8)  # mbarriers: a slot's copies have landed
+            fields["stage_empty"] = smem_region(cutlass.Int64, ns, 8)  # the MMA warps are done with a slot
         return fields
 
 
@@ -205,6 +219,23 @@ def wgmma_operands(block_tokens: cutlass.Constexpr, num_stages: cutlass.Constexp
     a_layout = sm90_utils.make_smem_layout_a(k_major, tile, cutlass.Float8E4M3FN, num_stages)
     b_layout = sm90_utils.make_smem_layout_b(k_major, tile, cutlass.Float8E4M3FN, num_stages)
     return tiled_mma, a_layout, b_layout
+
+
+@cute.jit
+def weight_tma(w: cute.Tensor, stage_layout: cute.ComposedLayout):
+    """The TMA atom and coordinate tensor of GEMM1's weight stages (producer_warp): W13 seen as ((32 rows, 2 halves, 64
+    items), K, expert), so that one (64, 256) tile is an item's 32 up rows and their 32 gate rows over a 256-wide K
+    stage, landing in `stage_layout` (one stage of the MMA's 128-B swizzled K-major A layout): two 8-KB boxes, one per
+    128-B K half, on a 5-dimensional tensor map (candidate v2.50 measured it bit for bit)."""
+    rows, halves = HALF_ROWS, GEMM1_OUT // INTERMEDIATE
+    view = cute.make_tensor(
+        w.iterator,
+        cute.make_layout(
+            ((rows, halves, ITEMS_PER_ROW_TILE), HIDDEN, w.shape[0]),
+            stride=((HIDDEN, INTERMEDIATE * HIDDEN, rows * HIDDEN), 1, GEMM1_OUT * HIDDEN),
+        ),
+    )
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, stage_layout, (ITEM_ROWS, STAGE_K))
 
 
 class WgmmaGemm1(LinkedGemm):
@@ -233,11 +264,16 @@ class WgmmaGemm1(LinkedGemm):
         cfg = self.cfg
         tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
         SharedStorage = cfg.shared_storage()
+        tma = None
+        if cutlass.const_expr(cfg.producer_warp):
+            tma = weight_tma(w, cute.slice_(a_layout, (None, None, 0)))
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens, tiled_mma, a_layout, b_layout, SharedStorage, routing,
-            counts_out, walk_slots,
+            counts_out, walk_slots, tma,
         )
-        self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None)
+        self.launch_persistent(
+            kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None, threads=cfg.num_threads
+        )
 
     @cute.kernel
     def kernel(
@@ -256,6 +292,7 @@ class WgmmaGemm1(LinkedGemm):
         routing,
         counts_out,
         walk_slots,
+        tma,  # with producer_warp: `weight_tma`'s (atom, coordinate tensor)
     ):
         enter(self.link)
         cfg = self.cfg
@@ -274,8 +311,15 @@ class WgmmaGemm1(LinkedGemm):
             walk_slot_word = storage.walk_slot.get_tensor(cute.make_layout(4))
             if tidx == 0:
                 take_walk_slot(walk_slots, grid // PAIRED_SLOTS, walk_slot_word)
+        if cutlass.const_expr(cfg.producer_warp):
+            # Initialised before the schedule's CTA barrier, which publishes them.
+            if tidx == 0:
+                for i in cutlass.range_constexpr(ns):
+                    cute.arch.mbarrier_init(storage.stage_full.data_ptr() + i, 1 + 32)  # the TMA's, each lane's
+                    cute.arch.mbarrier_init(storage.stage_empty.data_ptr() + i, NUM_THREADS // 32)  # each MMA warp's
+                cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(routing is not None):
-            route_then_meet(routing, counts, expert_tokens, cta, grid, tidx)
+            route_then_meet(routing, counts, expert_tokens, cta, grid, tidx, extra_warps=cfg.producer_warp)
         # The MMA's swizzled views, and flat byte views of the same buffers for the copies.
         s_w = storage.w_stages.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         s_x = storage.x_stages.get_tensor(b_layout.outer, swizzle=b_layout.inner)
@@ -287,9 +331,9 @@ class WgmmaGemm1(LinkedGemm):
         w_scales = storage.w_scales.get_tensor(
             cute.make_layout((2, BLOCKS_PER_STAGE, ns), stride=(1, 2, 2 * BLOCKS_PER_STAGE))
         )
-        scratch_layout = cute.make_layout((bt, ITEM_ROWS), stride=(ITEM_ROWS, 1))
+        scratch = None  # the epilogue's tile, when it does not live in a stage
         if cutlass.const_expr(not cfg.scratch_in_stage):
-            scratch = storage.scratch.get_tensor(scratch_layout)
+            scratch = storage.scratch.get_tensor(cute.make_layout((bt, ITEM_ROWS), stride=(ITEM_ROWS, 1)))
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid, warp_id, lane, counts_out
         )
@@ -309,6 +353,68 @@ class WgmmaGemm1(LinkedGemm):
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), Float32, num_bits_per_copy=32
         )
 
+        tables = (tile_end, expert_count, expert_offset)
+        if cutlass.const_expr(cfg.producer_warp):
+            full, empty = storage.stage_full.data_ptr(), storage.stage_empty.data_ptr()
+            if warp_id == PRODUCER_WARP:
+                self.produce(
+                    walk, grid, total_stages, tables, expert_tokens, x, x_scale, w_scale, x_bytes, x_scales, w_scales,
+                    tma, s_w, full, empty, g2s_16, g2s_4_f32, tidx % 32,
+                )  # fmt: skip
+            else:
+                fragments = self.mma_fragments(tiled_mma, s_w, s_x, tidx)
+                for s in cutlass.range(total_stages, unroll=1):
+                    slot = s % ns
+                    cute.arch.mbarrier_wait(full + slot, (s // ns) % 2)  # the slot's (s // ns)-th fill
+                    cute.arch.fence_view_async_shared()  # the producer's cp.async writes, for the MMAs' async proxy
+                    self.compute_stage(
+                        s, walk, grid, tiled_mma, fragments, w_scales, x_scales, x_bytes, None, out, tables, tidx
+                    )
+                    if tidx % 32 == 0:
+                        cute.arch.mbarrier_arrive(empty + slot)  # after this warp's MMAs and epilogue on the slot
+        else:
+            fragments = self.mma_fragments(tiled_mma, s_w, s_x, tidx)
+            # Where the next load's item lies, located at its first K stage only (v2.4): (expert, valid rows,
+            # this thread's token). The prologue's stages all belong to the CTA's first item.
+            located = self.load_location(
+                walk, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx
+            )
+
+            for p in cutlass.range_constexpr(ns - 1):
+                if p < total_stages:
+                    self.load_stage(
+                        p, p, walk, grid, located, x, x_scale, w, w_scale, w_bytes, x_bytes, x_scales, w_scales,
+                        g2s_16, g2s_4_f32, tidx,
+                    )  # fmt: skip
+                cute.arch.cp_async_commit_group()
+
+            for s in cutlass.range(total_stages, unroll=1):
+                # Stage s has landed once at most ns - 2 younger groups are pending. Each thread makes
+                # its own copies visible to the tensor core's (async) proxy; the barrier then covers
+                # everyone's, and tells every thread that the slot the next load overwrites is free.
+                cute.arch.cp_async_wait_group(ns - 2)
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_threads()
+                if s + ns - 1 < total_stages:
+                    if (s + ns - 1) % K_STAGES == 0:
+                        located = self.load_location(
+                            walk, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx
+                        )
+                    self.load_stage(
+                        s + ns - 1, (s + ns - 1) % ns, walk, grid, located, x, x_scale, w, w_scale, w_bytes, x_bytes,
+                        x_scales, w_scales, g2s_16, g2s_4_f32, tidx,
+                    )
+                cute.arch.cp_async_commit_group()
+                self.compute_stage(
+                    s, walk, grid, tiled_mma, fragments, w_scales, x_scales, x_bytes, scratch, out, tables, tidx
+                )
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def mma_fragments(self, tiled_mma: cute.TiledMma, s_w: cute.Tensor, s_x: cute.Tensor, tidx: Int32):
+        """The warpgroup's MMA operands of every stage, its accumulators (the item's, zeroed, and a block's) and
+        their (item row, token slot) coordinates."""
+        bt = self.cfg.block_tokens
         thr_mma = tiled_mma.get_slice(tidx)
         t_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_w))  # (MMA, M, K steps, stage)
         t_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_x))
@@ -317,77 +423,161 @@ class WgmmaGemm1(LinkedGemm):
         block_acc = cute.make_rmem_tensor(acc_shape, Float32)
         coords = thr_mma.partition_C(cute.make_identity_tensor((ITEM_ROWS, bt)))  # (item row, token slot)
         acc.fill(0.0)
-        # Where the next load's item lies, located at its first K stage only (v2.4): (expert, valid rows,
-        # this thread's token). The prologue's stages all belong to the CTA's first item.
-        located = self.load_location(walk, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx)
+        return t_a, t_b, acc, block_acc, coords
 
-        for p in cutlass.range_constexpr(ns - 1):
-            if p < total_stages:
-                self.load_stage(
-                    p, p, walk, grid, located, x, x_scale, w, w_scale, w_bytes, x_bytes, x_scales, w_scales, g2s_16,
-                    g2s_4_f32, tidx,
-                )
-            cute.arch.cp_async_commit_group()
+    @cute.jit
+    def compute_stage(
+        self,
+        s: Int32,
+        walk: Int32,
+        grid: Int32,
+        tiled_mma: cute.TiledMma,
+        fragments,
+        w_scales: cute.Tensor,
+        x_scales: cute.Tensor,
+        x_bytes: cute.Tensor,
+        scratch,
+        out: cute.Tensor,
+        tables,
+        tidx: Int32,
+    ):
+        """The warpgroup's side of flat stage `s` of the walk walk, walk + grid, ...: its two blocks' MMAs and
+        promotions, and at the item's last K stage the epilogue."""
+        cfg = self.cfg
+        bt, ns = cfg.block_tokens, cfg.num_stages
+        t_a, t_b, acc, block_acc, coords = fragments
+        tile_end, expert_count, expert_offset = tables
+        item = walk + (s // K_STAGES) * grid
+        k_stage = s % K_STAGES
+        if k_stage == 0:
+            acc.fill(0.0)
+        slot = s % ns
+        for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            cute.nvgpu.warpgroup.fence()
+            for k in cutlass.range_constexpr(K_STEPS_PER_BLOCK):
+                step = b * K_STEPS_PER_BLOCK + k
+                cute.gemm(tiled_mma, block_acc, t_a[None, None, step, slot], t_b[None, None, step, slot], block_acc)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            # v0's promotion: the block's exact fp32 sum times (weight block scale x token scale)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                row, token_slot = coords[i]
+                scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
+                acc[i] = acc[i] + block_acc[i] * scale
+        if k_stage == K_STAGES - 1:
+            # the computed item, located once at its end (its K stages need no location)
+            _, _, item_valid_rows, item_packed_row0 = locate_row_tile(
+                item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
+            )
+            n_tile = item % ITEMS_PER_ROW_TILE
+            if cutlass.const_expr(cfg.scratch_in_stage):
+                # The token stage in `slot`. A warp's wait_group covers its own share of the
+                # warpgroup's MMAs, which read all of the stage: the fence and barrier let no thread
+                # write the tile before every warp's MMAs on it are done. The copies in flight target
+                # the other slots, and the next load into this one comes after the barrier at the
+                # top of the next stage (with producer_warp: after every MMA warp released the slot),
+                # i.e. after every thread's epilogue.
+                cute.arch.fence_view_async_shared()
+                self.warpgroup_barrier()
+                stage_scratch = cute.recast_ptr(x_bytes.iterator + slot * (bt * STAGE_K), dtype=Float32)
+                scratch_layout = cute.make_layout((bt, ITEM_ROWS), stride=(ITEM_ROWS, 1))
+                self.epilogue(
+                    acc, coords, cute.make_tensor(stage_scratch, scratch_layout), out, n_tile, item_packed_row0,
+                    item_valid_rows, tidx,
+                )  # fmt: skip
+            else:
+                self.epilogue(acc, coords, scratch, out, n_tile, item_packed_row0, item_valid_rows, tidx)
 
-        for s in cutlass.range(total_stages, unroll=1):
-            # Stage s has landed once at most ns - 2 younger groups are pending. Each thread makes
-            # its own copies visible to the tensor core's (async) proxy; the barrier then covers
-            # everyone's, and tells every thread that the slot the next load overwrites is free.
-            cute.arch.cp_async_wait_group(ns - 2)
-            cute.arch.fence_view_async_shared()
+    @cute.jit
+    def warpgroup_barrier(self):
+        """A barrier of the MMA warpgroup: the CTA's, or with producer_warp named barrier 1 of its 128 threads (the
+        producer warp does not take part)."""
+        if cutlass.const_expr(self.cfg.producer_warp):
+            cute.arch.barrier(barrier_id=1, number_of_threads=NUM_THREADS)
+        else:
             cute.arch.sync_threads()
-            if s + ns - 1 < total_stages:
-                if (s + ns - 1) % K_STAGES == 0:
-                    located = self.load_location(
-                        walk, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx
-                    )
-                self.load_stage(
-                    s + ns - 1, (s + ns - 1) % ns, walk, grid, located, x, x_scale, w, w_scale, w_bytes, x_bytes,
-                    x_scales, w_scales, g2s_16, g2s_4_f32, tidx,
-                )
-            cute.arch.cp_async_commit_group()
 
+    @cute.jit
+    def produce(
+        self,
+        walk: Int32,
+        grid: Int32,
+        total_stages: Int32,
+        tables,
+        expert_tokens: cute.Tensor,
+        x: cute.Tensor,
+        x_scale: cute.Tensor,
+        w_scale: cute.Tensor,
+        x_bytes: cute.Tensor,
+        x_scales: cute.Tensor,
+        w_scales: cute.Tensor,
+        tma,
+        s_w: cute.Tensor,
+        full,
+        empty,
+        g2s_16: cute.CopyAtom,
+        g2s_4_f32: cute.CopyAtom,
+        lane: Int32,
+    ):
+        """The producer warp (producer_warp): every stage of the walk into its slot once the MMA warps released the
+        slot's previous fill: the weight tile by TMA (`weight_tma`, on the slot's full mbarrier with its bytes), lane
+        t's token row (token slot t) and its two scales by `cp.async`, lanes 0-3 the weight block scales; each lane
+        then arrives on the full mbarrier when its copies land."""
+        cfg = self.cfg
+        bt, ns = cfg.block_tokens, cfg.num_stages
+        tile_end, expert_count, expert_offset = tables
+        tma_atom, tma_coords = tma
+        cpasync.prefetch_descriptor(tma_atom)
+        tiles = cute.local_tile(tma_coords, (ITEM_ROWS, STAGE_K), (None, None, None))
+        slots_w, tiles_w = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(tiles, 0, 2)
+        )
+        expert, valid_rows, token = Int32(0), Int32(0), Int32(0)  # the item's, located at its first K stage
+        for s in cutlass.range(total_stages, unroll=1):
+            slot = s % ns
+            if s >= ns:
+                cute.arch.mbarrier_wait(empty + slot, (s // ns - 1) % 2)  # the slot's previous fill released
             item = walk + (s // K_STAGES) * grid
             k_stage = s % K_STAGES
+            n_tile = item % ITEMS_PER_ROW_TILE
             if k_stage == 0:
-                acc.fill(0.0)
-            slot = s % ns
-            for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                cute.nvgpu.warpgroup.fence()
-                for k in cutlass.range_constexpr(K_STEPS_PER_BLOCK):
-                    step = b * K_STEPS_PER_BLOCK + k
-                    cute.gemm(tiled_mma, block_acc, t_a[None, None, step, slot], t_b[None, None, step, slot], block_acc)
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(0)
-                # v0's promotion: the block's exact fp32 sum times (weight block scale x token scale)
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    row, token_slot = coords[i]
-                    scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
-                    acc[i] = acc[i] + block_acc[i] * scale
-            if k_stage == K_STAGES - 1:
-                # the computed item, located once at its end (its K stages need no location)
-                _, _, item_valid_rows, item_packed_row0 = locate_row_tile(
+                expert, first_row, valid_rows, _ = locate_row_tile(
                     item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
                 )
-                n_tile = item % ITEMS_PER_ROW_TILE
-                if cutlass.const_expr(cfg.scratch_in_stage):
-                    # The token stage in `slot`. A warp's wait_group covers its own share of the
-                    # warpgroup's MMAs, which read all of the stage: the fence and barrier let no thread
-                    # write the tile before every warp's MMAs on it are done. The copies in flight target
-                    # the other slots, and the next load into this one comes after the barrier at the
-                    # top of the next stage, i.e. after every thread's epilogue.
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.sync_threads()
-                    stage_scratch = cute.recast_ptr(x_bytes.iterator + slot * (bt * STAGE_K), dtype=Float32)
-                    self.epilogue(
-                        acc, coords, cute.make_tensor(stage_scratch, scratch_layout), out, n_tile, item_packed_row0,
-                        item_valid_rows, tidx,
-                    )  # fmt: skip
-                else:
-                    self.epilogue(acc, coords, scratch, out, n_tile, item_packed_row0, item_valid_rows, tidx)
-        cute.arch.cp_async_wait_group(0)
+                token = slot_token(expert_tokens, expert, first_row, valid_rows, lane)
+            # the whole warp: the TMA copy elects its own lane
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(full + slot, ITEM_ROWS * STAGE_K)
+            cute.copy(tma_atom, tiles_w[(None, n_tile, k_stage, expert)], slots_w[(None, slot)], tma_bar_ptr=full + slot)
+            if lane < valid_rows:
+                x_stage = x.iterator + cute.assume(token * HIDDEN + k_stage * STAGE_K, divby=CHUNK)
+                for chunk in cutlass.range_constexpr(CHUNKS_PER_ROW):
+                    cute.copy(
+                        g2s_16,
+                        cute.make_tensor(x_stage + chunk * CHUNK, cute.make_layout(CHUNK)),
+                        cute.local_tile(x_bytes, (CHUNK,), (swizzled_offset(lane, chunk * CHUNK, slot, bt) // CHUNK,)),
+                    )
+                for block in cutlass.range_constexpr(BLOCKS_PER_STAGE):  # x_scale is [56, T] (transposed)
+                    cute.copy(
+                        g2s_4_f32,
+                        cute.local_tile(x_scale[k_stage * BLOCKS_PER_STAGE + block, None], (1,), (token,)),
+                        cute.local_tile(x_scales[None, block, slot], (1,), (lane,)),
+                    )
+            if lane < 2 * BLOCKS_PER_STAGE:  # one weight block scale per (row half, K block)
+                half = lane // BLOCKS_PER_STAGE
+                block = lane % BLOCKS_PER_STAGE
+                cute.copy(
+                    g2s_4_f32,
+                    cute.local_tile(
+                        w_scale[expert, item_weight_scale_row(n_tile, half), None],
+                        (1,),
+                        (k_stage * BLOCKS_PER_STAGE + block,),
+                    ),
+                    cute.local_tile(w_scales[half, None, slot], (1,), (block,)),
+                )
+            cute.arch.cp_async_mbarrier_arrive_noinc(full + slot)
 
     @cute.jit
     def load_stage(
@@ -486,7 +676,7 @@ class WgmmaGemm1(LinkedGemm):
         for i in cutlass.range_constexpr(cute.size(acc)):
             row, token_slot = coords[i]
             scratch[token_slot, row] = acc[i]
-        cute.arch.sync_threads()
+        self.warpgroup_barrier()
         for i in cutlass.range_constexpr(HALF_ROWS * bt // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             token_slot = linear // HALF_ROWS

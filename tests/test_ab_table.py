@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from hopperbench.devcheck import load_module_by_path
-from hopperbench.environment import EnvironmentRecord
 from hopperbench.paths import REPO_ROOT
-from hopperbench.results import SideResult, Status, WorkloadKey, WorkloadRow, read_results, write_results
+from hopperbench.results import SideResult, Status, read_results
+from tests.test_compare_runs import write_run
 
 ab_table = load_module_by_path(REPO_ROOT / "tools/ab_table.py", "ab_table")
 
@@ -18,19 +18,6 @@ def timed(side: str, per_trial_ms: list[float]) -> SideResult:
     ordered = sorted(per_trial_ms)
     return SideResult(side=side, status=Status.PASSED, latency_ms=ordered[len(ordered) // 2], min_ms=ordered[0],
                       max_ms=ordered[-1], per_trial_ms=per_trial_ms)  # fmt: skip
-
-
-def write_run(path: Path, sides_by_index: dict[int, list[SideResult]]) -> Path:
-    rows = [
-        WorkloadRow.from_sides(
-            WorkloadKey(track="moe", definition="d", uuid=f"u{i}", index=i, axes={"seq_len": 901},
-                        data_source="synthesized", seed=0),  # fmt: skip
-            {s.side: s for s in sides},
-        )
-        for i, sides in sides_by_index.items()
-    ]
-    write_results(path, EnvironmentRecord(), rows)
-    return path
 
 
 def test_paired_ratios_use_every_trial_where_the_ratio_of_medians_is_one_trials(tmp_path: Path, capsys) -> None:

@@ -128,6 +128,32 @@ def item_weight_scale_row(n_tile, half):
     return (half * INTERMEDIATE + n_tile * HALF_ROWS) // BLOCK
 
 
+def copy_token_scale(atom, x_scale, x_scales, token, token_slot, k_stage, slot, block) -> None:
+    """Issue the copy of `token`'s scale of K block `block` of stage `k_stage` (x_scale is [56, T], transposed) into
+    its token slot of the stage in `slot`; plain Python, called while the kernel is traced."""
+    cute.copy(
+        atom,
+        cute.local_tile(x_scale[k_stage * BLOCKS_PER_STAGE + block, None], (1,), (token,)),
+        cute.local_tile(x_scales[None, block, slot], (1,), (token_slot,)),
+    )
+
+
+def copy_weight_block_scale(atom, w_scale, w_scales, expert, n_tile, k_stage, slot, index) -> None:
+    """Issue copy `index` (< 2 x BLOCKS_PER_STAGE) of a stage's weight block scales, one per (row half, K block), into
+    the stage in `slot`; plain Python, called while the kernel is traced."""
+    half = index // BLOCKS_PER_STAGE
+    block = index % BLOCKS_PER_STAGE
+    cute.copy(
+        atom,
+        cute.local_tile(
+            w_scale[expert, item_weight_scale_row(n_tile, half), None],
+            (1,),
+            (k_stage * BLOCKS_PER_STAGE + block,),
+        ),
+        cute.local_tile(w_scales[half, None, slot], (1,), (block,)),
+    )
+
+
 class WgmmaGemm1Config(PersistentGemmConfig):
     """Compile-time shape of the WGMMA GEMM1: tokens per row tile (WGMMA's N) and pipeline depth;
     `permuted_c`: C's columns in the stored order `wgmma_gemm2.py` reads (`intermediate_order.py`);
@@ -559,24 +585,10 @@ class WgmmaGemm1(LinkedGemm):
                         cute.make_tensor(x_stage + chunk * CHUNK, cute.make_layout(CHUNK)),
                         cute.local_tile(x_bytes, (CHUNK,), (swizzled_offset(lane, chunk * CHUNK, slot, bt) // CHUNK,)),
                     )
-                for block in cutlass.range_constexpr(BLOCKS_PER_STAGE):  # x_scale is [56, T] (transposed)
-                    cute.copy(
-                        g2s_4_f32,
-                        cute.local_tile(x_scale[k_stage * BLOCKS_PER_STAGE + block, None], (1,), (token,)),
-                        cute.local_tile(x_scales[None, block, slot], (1,), (lane,)),
-                    )
-            if lane < 2 * BLOCKS_PER_STAGE:  # one weight block scale per (row half, K block)
-                half = lane // BLOCKS_PER_STAGE
-                block = lane % BLOCKS_PER_STAGE
-                cute.copy(
-                    g2s_4_f32,
-                    cute.local_tile(
-                        w_scale[expert, item_weight_scale_row(n_tile, half), None],
-                        (1,),
-                        (k_stage * BLOCKS_PER_STAGE + block,),
-                    ),
-                    cute.local_tile(w_scales[half, None, slot], (1,), (block,)),
-                )
+                for block in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+                    copy_token_scale(g2s_4_f32, x_scale, x_scales, token, lane, k_stage, slot, block)
+            if lane < 2 * BLOCKS_PER_STAGE:
+                copy_weight_block_scale(g2s_4_f32, w_scale, w_scales, expert, n_tile, k_stage, slot, lane)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + slot)
 
     @cute.jit
@@ -628,26 +640,12 @@ class WgmmaGemm1(LinkedGemm):
                         x_bytes, (CHUNK,), (swizzled_offset(token_slot, chunk * CHUNK, slot, bt) // CHUNK,)
                     ),
                 )
-            if sub < BLOCKS_PER_STAGE:  # x_scale is [56, T] (transposed)
-                cute.copy(
-                    g2s_4_f32,
-                    cute.local_tile(x_scale[k_stage * BLOCKS_PER_STAGE + sub, None], (1,), (token,)),
-                    cute.local_tile(x_scales[None, sub, slot], (1,), (token_slot,)),
-                )
+            if sub < BLOCKS_PER_STAGE:
+                copy_token_scale(g2s_4_f32, x_scale, x_scales, token, token_slot, k_stage, slot, sub)
 
         # ---- weight block scales: one per (row half, K block) ----
         if tidx < 2 * BLOCKS_PER_STAGE:
-            half = tidx // BLOCKS_PER_STAGE
-            block = tidx % BLOCKS_PER_STAGE
-            cute.copy(
-                g2s_4_f32,
-                cute.local_tile(
-                    w_scale[expert, item_weight_scale_row(n_tile, half), None],
-                    (1,),
-                    (k_stage * BLOCKS_PER_STAGE + block,),
-                ),
-                cute.local_tile(w_scales[half, None, slot], (1,), (block,)),
-            )
+            copy_weight_block_scale(g2s_4_f32, w_scale, w_scales, expert, n_tile, k_stage, slot, tidx)
 
     @cute.jit
     def item_bases(self, located, item: Int32, tidx: Int32):

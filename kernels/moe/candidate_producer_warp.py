@@ -1,7 +1,7 @@
 """MoE candidate v2.51 (NOTES.md; written in session 29, not yet run): `kernel.py` with MEDIUM_T's GEMM1 (193 to
-MEDIUM_T_MAX_TOKENS tokens) fed by a producer warp: a fifth warp issues every K stage (the weights by TMA, a token row per
-lane by `cp.async`) on the slot's full mbarrier, and the MMA warpgroup waits on that alone and releases the slot on its
-empty mbarrier, so that no CTA-wide barrier ends a K stage.
+MEDIUM_T_MAX_TOKENS tokens) fed by a producer warp: a fifth warp issues every K stage (the weights by TMA, a token row
+per lane by `cp.async`) on the slot's full mbarrier, and the MMA warpgroup waits on that alone and releases the slot on
+its empty mbarrier, so that no CTA-wide barrier ends a K stage.
 
 Why: session 29's candidates v2.45, v2.47, v2.48 and v2.50 changed what a K stage carries or how it is fetched and
 measured 0.956-1.001x at 901 tokens; what they kept is the CTA-wide rendezvous at the end of every stage. Outputs: the

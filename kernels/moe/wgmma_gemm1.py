@@ -38,13 +38,13 @@ from .routing import route_then_meet
 from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE
 from .streaming_gemm import (
     PAIRED_SLOTS,
-    slot_token,
     LinkedGemm,
     PersistentGemmConfig,
     StreamingConfigError,
     cta_stage_count,
     locate_row_tile,
     schedule_tables,
+    slot_token,
     smem_region,
     take_walk_slot,
 )
@@ -576,7 +576,9 @@ class WgmmaGemm1(LinkedGemm):
             # the whole warp: the TMA copy elects its own lane
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + slot, ITEM_ROWS * STAGE_K)
-            cute.copy(tma_atom, tiles_w[(None, n_tile, k_stage, expert)], slots_w[(None, slot)], tma_bar_ptr=full + slot)
+            cute.copy(
+                tma_atom, tiles_w[(None, n_tile, k_stage, expert)], slots_w[(None, slot)], tma_bar_ptr=full + slot
+            )
             if lane < valid_rows:
                 x_stage = x.iterator + cute.assume(token * HIDDEN + k_stage * STAGE_K, divby=CHUNK)
                 for chunk in cutlass.range_constexpr(CHUNKS_PER_ROW):

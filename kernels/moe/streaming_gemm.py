@@ -241,6 +241,12 @@ class PersistentGemmConfig:
     def fields(self) -> dict:
         raise NotImplementedError
 
+    def set_max_ctas_per_sm(self, max_ctas_per_sm: int) -> None:
+        """Keep `max_ctas_per_sm`: 2, or 3 from a configuration that states its registers allow it."""
+        if max_ctas_per_sm not in (2, 3):
+            raise StreamingConfigError(f"max_ctas_per_sm must be 2 or 3, got {max_ctas_per_sm}")
+        self.max_ctas_per_sm = max_ctas_per_sm
+
     def shared_storage(self):
         """The kernel's shared-memory struct (one definition for the kernel and the occupancy maths)."""
         tables = {name: smem_region(Int32, NUM_LOCAL_EXPERTS, 16) for name in SCHEDULE_TABLES}
@@ -299,9 +305,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if routing_per_cta and not gemm1:
             raise StreamingConfigError("routing_per_cta is GEMM1's (the call's first kernel routes)")
         self.routing_per_cta = routing_per_cta
-        if max_ctas_per_sm not in (2, 3):
-            raise StreamingConfigError(f"max_ctas_per_sm must be 2 or 3, got {max_ctas_per_sm}")
-        self.max_ctas_per_sm = max_ctas_per_sm
+        self.set_max_ctas_per_sm(max_ctas_per_sm)
         # Three CTAs per SM walk their items in paired rounds (`paired_round_walk`), which assumes they all fit.
         self.paired_rounds = max_ctas_per_sm == PAIRED_SLOTS
         if smid_walk and not (self.paired_rounds and gemm1):

@@ -184,13 +184,11 @@ class WgmmaGemm1Config(PersistentGemmConfig):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
-        if max_ctas_per_sm not in (2, 3):
-            raise StreamingConfigError(f"max_ctas_per_sm must be 2 or 3, got {max_ctas_per_sm}")
+        self.set_max_ctas_per_sm(max_ctas_per_sm)
         self.block_tokens = block_tokens
         self.num_stages = num_stages
         self.permuted_c = permuted_c
         self.scratch_in_stage = scratch_in_stage
-        self.max_ctas_per_sm = max_ctas_per_sm
         self.smid_walk = smid_walk
         if producer_warp and (block_tokens != 32 or not scratch_in_stage):
             # A lane per token slot; the epilogue's tile in the slot it releases afterwards.

@@ -106,12 +106,10 @@ class WgmmaGemm2Config(PersistentGemmConfig):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 2:
             raise StreamingConfigError(f"num_stages must be >= 2, got {num_stages}")
-        if max_ctas_per_sm not in (2, 3):
-            raise StreamingConfigError(f"max_ctas_per_sm must be 2 or 3, got {max_ctas_per_sm}")
+        self.set_max_ctas_per_sm(max_ctas_per_sm)
         self.block_tokens = block_tokens
         self.num_stages = num_stages
         self.f16_c = f16_c
-        self.max_ctas_per_sm = max_ctas_per_sm
         self.check_fits()
 
     @property

@@ -208,7 +208,7 @@ MOE = Track(
         CandidateSide(
             name="cand_producer_warp",
             entry="candidate_producer_warp.py::run",
-            description="v2.51 (not yet run): kernel.py with MEDIUM_T's GEMM1 fed by a producer warp on per-slot mbarriers (no CTA-wide barrier per K stage)",
+            description="v2.52 (not yet run): kernel.py with MEDIUM_T's GEMM1 fed by a producer warp on per-slot mbarriers (no CTA-wide barrier per K stage), its token rows coalesced",
         ),
     ),
 )

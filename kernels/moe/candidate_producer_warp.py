@@ -1,11 +1,12 @@
-"""MoE candidate v2.51 (NOTES.md; written in session 29, not yet run): `kernel.py` with MEDIUM_T's GEMM1 (193 to
-MEDIUM_T_MAX_TOKENS tokens) fed by a producer warp: a fifth warp issues every K stage (the weights by TMA, a token row
-per lane by `cp.async`) on the slot's full mbarrier, and the MMA warpgroup waits on that alone and releases the slot on
-its empty mbarrier, so that no CTA-wide barrier ends a K stage.
+"""MoE candidate v2.52 (NOTES.md): `kernel.py` with MEDIUM_T's GEMM1 (193 to MEDIUM_T_MAX_TOKENS tokens) fed by a
+producer warp: a fifth warp issues every K stage (the weights by TMA, the token rows by coalesced `cp.async`, two rows
+per copy) on the slot's full mbarrier, and the MMA warpgroup waits on that alone and releases the slot on its empty
+mbarrier, so that no CTA-wide barrier ends a K stage.
 
 Why: session 29's candidates v2.45, v2.47, v2.48 and v2.50 changed what a K stage carries or how it is fetched and
-measured 0.956-1.001x at 901 tokens; what they kept is the CTA-wide rendezvous at the end of every stage. Outputs: the
-same bytes in the same layout, the same MMAs and promotions, so bit for bit `kernel.py`'s (a GPU test).
+measured 0.956-1.001x at 901 tokens; what they kept is the CTA-wide rendezvous at the end of every stage. v2.51 (one
+token row per producer lane) measured 0.849x at 901; v2.52 coalesces those copies. Outputs: the same bytes in the same
+layout, the same MMAs and promotions, so bit for bit `kernel.py`'s (a GPU test).
 """
 
 from __future__ import annotations

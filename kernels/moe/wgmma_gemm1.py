@@ -62,6 +62,7 @@ K_STAGES = HIDDEN // STAGE_K  # 28
 K_STEPS_PER_BLOCK = BLOCK // 32  # k32 WGMMAs per quantisation block
 CHUNK = 16  # bytes per cp.async
 CHUNKS_PER_ROW = STAGE_K // CHUNK  # 16
+ROWS_PER_PRODUCER_COPY = 32 // CHUNKS_PER_ROW  # token rows per warp-wide cp.async of the producer warp
 SWIZZLE_ATOM_ROWS = 8
 SWIZZLE_ROW_BYTES = 128
 
@@ -165,10 +166,10 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     thread, 87 with v2.42's walk); `smid_walk` (v2.42; three CTAs per SM and a routing, i.e. cooperative, launch
     only): the round-robin walk runs over slot x SMs + `%smid` instead of the CTA index, the slot drawn from the kept
     per-SM counters (`streaming_gemm.take_walk_slot`), so that SM s takes the items = s mod SMs whatever the
-    hardware's placement; `producer_warp` (candidate v2.51; 32-token tiles with the tile in a stage and the routing's
-    cooperative grid): a fifth warp issues every stage (the weights by TMA, `weight_tma`; a token row per lane by
-    `cp.async`) on the slot's full mbarrier and the warpgroup waits on that alone, releasing the slot on its empty
-    mbarrier, so that no CTA-wide barrier ends a K stage."""
+    hardware's placement; `producer_warp` (candidates v2.51-v2.52; 32-token tiles with the tile in a stage and the
+    routing's cooperative grid): a fifth warp issues every stage (the weights by TMA, `weight_tma`; the token rows by
+    coalesced `cp.async`) on the slot's full mbarrier and the warpgroup waits on that alone, releasing the slot on its
+    empty mbarrier, so that no CTA-wide barrier ends a K stage."""
 
     def __init__(
         self,
@@ -546,9 +547,9 @@ class WgmmaGemm1(LinkedGemm):
         lane: Int32,
     ):
         """The producer warp (producer_warp): every stage of the walk into its slot once the MMA warps released the
-        slot's previous fill: the weight tile by TMA (`weight_tma`, on the slot's full mbarrier with its bytes), lane
-        t's token row (token slot t) and its two scales by `cp.async`, lanes 0-3 the weight block scales; each lane
-        then arrives on the full mbarrier when its copies land."""
+        slot's previous fill: the weight tile by TMA (`weight_tma`, on the slot's full mbarrier with its bytes), the
+        token rows by coalesced `cp.async` (two rows per copy), lane t the scales of token slot t, lanes 0-3 the weight
+        block scales; each lane then arrives on the full mbarrier when its copies land."""
         cfg = self.cfg
         bt, ns = cfg.block_tokens, cfg.num_stages
         tile_end, expert_count, expert_offset = tables
@@ -577,14 +578,22 @@ class WgmmaGemm1(LinkedGemm):
             cute.copy(
                 tma_atom, tiles_w[(None, n_tile, k_stage, expert)], slots_w[(None, slot)], tma_bar_ptr=full + slot
             )
-            if lane < valid_rows:
-                x_stage = x.iterator + cute.assume(token * HIDDEN + k_stage * STAGE_K, divby=CHUNK)
-                for chunk in cutlass.range_constexpr(CHUNKS_PER_ROW):
+            # Coalesced token rows (v2.52): each copy covers ROWS_PER_PRODUCER_COPY rows, a row's lanes along its
+            # bytes; a row's token comes from the lane that located it (token slot = lane).
+            chunk = lane % CHUNKS_PER_ROW
+            for i in cutlass.range_constexpr(bt // ROWS_PER_PRODUCER_COPY):
+                row = i * ROWS_PER_PRODUCER_COPY + lane // CHUNKS_PER_ROW
+                row_token = cute.arch.shuffle_sync(token, row)
+                if row < valid_rows:
+                    x_chunk = x.iterator + cute.assume(
+                        row_token * HIDDEN + k_stage * STAGE_K + chunk * CHUNK, divby=CHUNK
+                    )
                     cute.copy(
                         g2s_16,
-                        cute.make_tensor(x_stage + chunk * CHUNK, cute.make_layout(CHUNK)),
-                        cute.local_tile(x_bytes, (CHUNK,), (swizzled_offset(lane, chunk * CHUNK, slot, bt) // CHUNK,)),
+                        cute.make_tensor(x_chunk, cute.make_layout(CHUNK)),
+                        cute.local_tile(x_bytes, (CHUNK,), (swizzled_offset(row, chunk * CHUNK, slot, bt) // CHUNK,)),
                     )
+            if lane < valid_rows:
                 for block in cutlass.range_constexpr(BLOCKS_PER_STAGE):
                     copy_token_scale(g2s_4_f32, x_scale, x_scales, token, lane, k_stage, slot, block)
             if lane < 2 * BLOCKS_PER_STAGE:

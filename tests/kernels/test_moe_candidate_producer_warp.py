@@ -1,4 +1,4 @@
-"""MoE candidate v2.51 (kernels/moe/candidate_producer_warp.py): MEDIUM_T's GEMM1 fed by a producer warp on per-slot
+"""MoE candidate v2.52 (kernels/moe/candidate_producer_warp.py): MEDIUM_T's GEMM1 fed by a producer warp on per-slot
 mbarriers. CPU: the dispatch, the configuration and its guards (160 threads, two mbarriers per slot, three CTAs per SM),
 the compile. GPU (marked `gpu`): the output bit for bit kernel.py's at 193-1024 tokens for every routing pattern, call
 after call. The end-to-end checks against the reference are test_moe_kernel.py's (the module is in SOLUTIONS).

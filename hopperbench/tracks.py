@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_producer_warp",
-            entry="candidate_producer_warp.py::run",
-            description="v2.52 (not yet run): kernel.py with MEDIUM_T's GEMM1 fed by a producer warp on per-slot mbarriers (no CTA-wide barrier per K stage), its token rows coalesced",
-        ),
     ),
 )
 

@@ -1,6 +1,6 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.15 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v2.16 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
@@ -27,7 +27,8 @@ first claimed from a kept counter (v2.34: 1.011x at 7 tokens, 1.010-1.014x at 14
 C rewritten as f16 times a power of two per row so that GEMM2 multiplies f16, in two stages at three CTAs per SM (v2.39
 and v2.40: 1.047x at 901 tokens, 1.069x / 1.074x at 11948 / 14107); in session 28 from 193 to MEDIUM_T_MAX_TOKENS
 GEMM1 in 3 stages at three CTAs per SM walking its items by SM id (v2.41 and v2.42: 1.043x at 901 tokens, 5 of 5
-trials faster; NOTES.md).
+trials faster); in session 30 that GEMM1's stages issued by a producer warp on per-slot mbarriers, no CTA-wide barrier
+per K stage (v2.52: 1.011x at 901 tokens by the ratio of medians, paired 1.023x, 5 of 5 trials faster; NOTES.md).
 Destination passing,
 definition order, no host sync, no data-dependent host logic, graph-safe.
 
@@ -139,7 +140,7 @@ class StreamingVariant:
     routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
     gemm1_ctas_per_sm: int = 2  # GEMM1's max_ctas_per_sm (`mma.sync`: v2.28, v2.29; WGMMA: v2.41)
     gemm1_smid_walk: bool = False  # GEMM1's smid_walk (`mma.sync`: v2.32; WGMMA: v2.42)
-    gemm1_producer_warp: bool = False  # the WGMMA GEMM1's producer_warp (candidates v2.51-v2.52)
+    gemm1_producer_warp: bool = False  # the WGMMA GEMM1's producer_warp (v2.52)
     gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
     f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (v2.39)
     gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm (v2.40)
@@ -267,7 +268,10 @@ FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True, gem
 # thread), and walks round robin over slot x 132 + SM id with v2.32's kept slot draw (v2.41 and v2.42: the third CTA
 # shortened GEMM1 ~5 %, but over the CTA index the H200's placement of CTAs 0-23 three each on 8 SMs left those SMs a
 # round behind on 2 of 5 routings at 901 tokens (0.975x, 0.993x); by SM id 1.043x at 901, 5 of 5 trials faster, and
-# medians 1.02-1.08x off the list at 256-1024 tokens).
+# medians 1.02-1.08x off the list at 256-1024 tokens). A fifth warp issues its stages (the weights by TMA, the token rows
+# by coalesced cp.async) on per-slot full and empty mbarriers, so no CTA-wide barrier ends a K stage (v2.52: 901 tokens
+# 1.011x by the ratio of medians, paired median 1.023x, 5 of 5 trials faster; medians 1.015-1.022x off the list at
+# 256-1024 tokens; v2.51, one token row per producer lane, lost 0.849x on its uncoalesced copies).
 MEDIUM_T = StreamingVariant(
     block_tokens=32,
     num_stages=3,
@@ -279,14 +283,21 @@ MEDIUM_T = StreamingVariant(
     gemm1_scratch_in_stage=True,
     gemm1_ctas_per_sm=3,
     gemm1_smid_walk=True,
+    gemm1_producer_warp=True,
     f16_c=True,
     gemm2_ctas_per_sm=3,
 )
 # Above MEDIUM_T_MAX_TOKENS GEMM1 reads each expert's weights once per 64 tokens (v2.2), and the routing is a
 # grid of its own (T warps over the SMs; GEMM1's grid would route 4 x its CTAs tokens at a time). Its ~98 KB a CTA fit
-# two per SM, and without the routing its launch is not cooperative, so it walks over the CTA index.
+# two per SM, and without the routing its launch is not cooperative, so it walks over the CTA index. Its stages end on a
+# CTA-wide barrier: the producer warp locates one token slot per lane, and needs the routing grid's cooperative launch.
 LARGE_T = dataclasses.replace(
-    MEDIUM_T, block_tokens=64, routing_in_gemm1=False, gemm1_ctas_per_sm=2, gemm1_smid_walk=False
+    MEDIUM_T,
+    block_tokens=64,
+    routing_in_gemm1=False,
+    gemm1_ctas_per_sm=2,
+    gemm1_smid_walk=False,
+    gemm1_producer_warp=False,
 )
 VARIANTS = (TINY_T_EARLY_W2, TINY_T_THREE_CTAS, TINY_T, FEW_TOKENS, MEDIUM_T, LARGE_T)
 

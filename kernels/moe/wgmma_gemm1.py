@@ -166,7 +166,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     thread, 87 with v2.42's walk); `smid_walk` (v2.42; three CTAs per SM and a routing, i.e. cooperative, launch
     only): the round-robin walk runs over slot x SMs + `%smid` instead of the CTA index, the slot drawn from the kept
     per-SM counters (`streaming_gemm.take_walk_slot`), so that SM s takes the items = s mod SMs whatever the
-    hardware's placement; `producer_warp` (candidates v2.51-v2.52; 32-token tiles with the tile in a stage and the
+    hardware's placement; `producer_warp` (v2.52, MEDIUM_T; 32-token tiles with the tile in a stage and the
     routing's cooperative grid): a fifth warp issues every stage (the weights by TMA, `weight_tma`; the token rows by
     coalesced `cp.async`) on the slot's full mbarrier and the warpgroup waits on that alone, releasing the slot on its
     empty mbarrier, so that no CTA-wide barrier ends a K stage."""

@@ -29,7 +29,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check
 kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_wide_from_193", "candidate_producer_warp")
+SOLUTIONS = ("kernel", "candidate_wide_from_193")
 
 
 @functools.cache
@@ -86,10 +86,11 @@ def test_variants_are_on_wgmma_from_33_tokens():
     large = kernel.variant_for(kernel.MEDIUM_T_MAX_TOKENS + 1)
     assert large is kernel.LARGE_T is kernel.variant_for(kernel.MAX_TOKENS)
     # LARGE_T differs from MEDIUM_T only in GEMM1's tiles (64 tokens, 3 stages, the epilogue tile in a stage, at two
-    # CTAs per SM over the CTA index: its launch is not cooperative) and in its routing kernel.
+    # CTAs per SM over the CTA index: its launch is not cooperative; no producer warp) and in its routing kernel.
     assert (large.gemm1().block_tokens, large.gemm1().num_stages, large.gemm1().scratch_in_stage) == (64, 3, True)
     medium_gemm1 = kernel.MEDIUM_T.gemm1()
     assert (medium_gemm1.block_tokens, medium_gemm1.num_stages, medium_gemm1.scratch_in_stage) == (32, 3, True)
+    assert medium_gemm1.producer_warp and not large.gemm1().producer_warp
     assert kernel.persistent_ctas(medium_gemm1, 132) == 396 and kernel.MEDIUM_T.routing_in_gemm1  # all resident
     medium_gemm2 = kernel.MEDIUM_T.gemm2()
     assert (large.gemm2().block_tokens, large.gemm2().num_stages) == (medium_gemm2.block_tokens, medium_gemm2.num_stages)
@@ -419,7 +420,8 @@ def _tied(inputs: dict, case, seed: int) -> dict:
 def routing_grid_counterpart(num_tokens: int):
     """`kernel.py`'s variant for T with the routing as a grid of its own. GEMM2's early weights wait on the routed count
     that only a routing GEMM1 completes, only a routing GEMM1 routes in every CTA, GEMM1's slots by SM id need its
-    cooperative grid (v2.32) and GEMM2's claims sit in the routed count's buffer (v2.34): all off with the grid."""
+    cooperative grid (v2.32), GEMM2's claims sit in the routed count's buffer (v2.34) and the producer warp is built
+    only beside the routing's guard (v2.52): all off with the grid."""
     return dataclasses.replace(
         kernel.variant_for(num_tokens),
         routing_in_gemm1=False,
@@ -427,6 +429,7 @@ def routing_grid_counterpart(num_tokens: int):
         routing_per_cta=False,
         gemm1_smid_walk=False,
         gemm2_dynamic_items=False,
+        gemm1_producer_warp=False,
     )
 
 

@@ -816,10 +816,11 @@ def test_official_large_batch_passes(case=cases.CheckCase("large_t11948", 11948,
 def on_mma_sync_gemm1(variant):
     """`variant` with `streaming_gemm.py`'s GEMM1 (itself where it has that one; its GEMM2 must not be on WGMMA). The
     WGMMA GEMM1's own switches (its epilogue tile in a stage; at 32-token tiles three CTAs per SM walking by SM id,
-    v2.41 and v2.42) have no `mma.sync` counterpart that fits, so they go back to their defaults."""
+    v2.41 and v2.42, and the producer warp, v2.52) have no `mma.sync` counterpart that fits, so they go back to their
+    defaults."""
     if not variant.wgmma_gemm1:
         return variant
-    switches = dict(gemm1_scratch_in_stage=False, gemm1_ctas_per_sm=2, gemm1_smid_walk=False)
+    switches = dict(gemm1_scratch_in_stage=False, gemm1_ctas_per_sm=2, gemm1_smid_walk=False, gemm1_producer_warp=False)
     return dataclasses.replace(variant, wgmma_gemm1=False, **switches)
 
 

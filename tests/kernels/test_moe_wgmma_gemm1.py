@@ -4,10 +4,11 @@ from 33 tokens since v1.5).
 CPU: the byte offsets the cp.async copies write equal the offsets of the swizzled K_SW128 layouts
 the WGMMA reads (traced from CuTe's own layouts, for every token-tile width and three stages); item
 rows, SwiGLU pairing and block-scale rows; the shared-memory budget.
+CPU also: the producer warp's configuration (v2.52) and its guards.
 GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py with GEMM1 on WGMMA in every
 variant, also those kernel.py keeps on mma.sync (7-1024 tokens); its accuracy against the mma.sync
-GEMM1's. Both with the `mma.sync` GEMM2, so that only GEMM1 differs. The end-to-end checks are
-test_moe_kernel.py's.
+GEMM1's. Both with the `mma.sync` GEMM2, so that only GEMM1 differs. MEDIUM_T's output with the producer warp bit
+for bit the same variant's without it. The end-to-end checks are test_moe_kernel.py's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor
 
 from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, solution_module
-from tests.kernels.test_moe_streaming import check_each_gemm, on_mma_sync_gemm1, on_mma_sync_gemm2
+from tests.kernels.test_moe_streaming import (
+    assert_bit_for_bit,
+    check_each_gemm,
+    on_mma_sync_gemm1,
+    on_mma_sync_gemm2,
+)
 
 wgmma = solution_module("wgmma_gemm1")
 STAGES = 3
@@ -153,6 +159,48 @@ def test_a_wgmma_variant_keeps_its_token_tile():
         chosen, plain = on_wgmma(num_tokens), on_mma_sync(num_tokens)
         assert isinstance(chosen.gemm1(), wgmma.WgmmaGemm1Config) and chosen.gemm1().block_tokens == plain.block_tokens
         assert isinstance(chosen.make_gemm1(), wgmma.WgmmaGemm1)
+
+
+def test_producer_warp_configuration_and_its_guards():
+    # v2.52: MEDIUM_T's GEMM1 has a fifth (producer) warp and a full and an empty mbarrier per slot, at three CTAs per SM.
+    gemm1 = kernel.MEDIUM_T.gemm1()
+    without = dataclasses.replace(kernel.MEDIUM_T, gemm1_producer_warp=False).gemm1()
+    assert gemm1.producer_warp and gemm1.num_threads == 160 and without.num_threads == 128
+    assert {"stage_full", "stage_empty"} <= set(gemm1.fields()) and gemm1.ctas_per_sm() == 3 and gemm1.smid_walk
+    assert "stage_full" not in without.fields() and not kernel.LARGE_T.gemm1().producer_warp
+    with pytest.raises(wgmma.StreamingConfigError, match="producer_warp"):
+        wgmma.WgmmaGemm1Config(64, 3, scratch_in_stage=True, producer_warp=True)  # a lane per token slot
+    with pytest.raises(wgmma.StreamingConfigError, match="producer_warp"):
+        wgmma.WgmmaGemm1Config(32, 3, producer_warp=True)  # the tile's slot is released after the epilogue
+    with pytest.raises(ValueError, match="gemm1_producer_warp"):
+        kernel.StreamingVariant(block_tokens=16, gemm1_producer_warp=True)  # the `mma.sync` GEMM1 has no such switch
+    with pytest.raises(ValueError, match="gemm1_producer_warp"):
+        dataclasses.replace(kernel.LARGE_T, block_tokens=32, gemm1_producer_warp=True)  # no routing grid
+    assert wgmma.ROWS_PER_PRODUCER_COPY * wgmma.CHUNKS_PER_ROW == 32  # a producer copy spans whole token rows
+
+
+def without_producer_warp(num_tokens: int):
+    """kernel.py's variant for T with GEMM1's stages ending on the CTA-wide barrier instead of a producer warp."""
+    return dataclasses.replace(kernel.variant_for(num_tokens), gemm1_producer_warp=False)
+
+
+PRODUCER_WARP_CASES = (
+    cases.CheckCase("t193", 193, 224),
+    cases.CheckCase("t512", 512, 0),
+    cases.CheckCase("t901", 901, 96),
+    cases.CheckCase("t901_one_expert", 901, 224, "one_expert"),
+    cases.CheckCase("t1000_no_local", 1000, 64, "no_local"),
+    cases.CheckCase("t1024_all_local", 1024, 160, "all_local"),
+)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", PRODUCER_WARP_CASES, ids=lambda case: case.name)
+def test_the_producer_warp_changes_no_bit(case):
+    # The same bytes into the same swizzled slots and the same MMAs: only who issues the copies and how the stages
+    # synchronise differ. kernel.run twice: call after call.
+    assert_bit_for_bit((kernel.make_run(without_producer_warp), kernel.run, kernel.run), case, seed=113)
 
 
 @pytest.mark.gpu

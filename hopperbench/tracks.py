@@ -205,6 +205,11 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
+        CandidateSide(
+            name="cand_l1_token_rows",
+            entry="candidate_l1_token_rows.py::run",
+            description="v2.53 (not yet run): kernel.py with MEDIUM_T's GEMM1 taking three consecutive items on an SM's three CTAs in every full round, its token rows copied through L1",
+        ),
     ),
 )
 

@@ -141,6 +141,7 @@ class StreamingVariant:
     gemm1_ctas_per_sm: int = 2  # GEMM1's max_ctas_per_sm (`mma.sync`: v2.28, v2.29; WGMMA: v2.41)
     gemm1_smid_walk: bool = False  # GEMM1's smid_walk (`mma.sync`: v2.32; WGMMA: v2.42)
     gemm1_producer_warp: bool = False  # the WGMMA GEMM1's producer_warp (v2.52)
+    gemm1_token_rows_in_l1: bool = False  # the WGMMA GEMM1's token_rows_in_l1 (candidate v2.53)
     gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
     f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (v2.39)
     gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm (v2.40)
@@ -151,6 +152,8 @@ class StreamingVariant:
             raise ValueError("wgmma_gemm2 needs wgmma_gemm1")
         if (self.gemm1_scratch_in_stage or self.gemm1_producer_warp) and not self.wgmma_gemm1:
             raise ValueError("gemm1_scratch_in_stage and gemm1_producer_warp need wgmma_gemm1")
+        if self.gemm1_token_rows_in_l1 and not (self.gemm1_producer_warp and self.gemm1_smid_walk):
+            raise ValueError("gemm1_token_rows_in_l1 needs gemm1_producer_warp and gemm1_smid_walk")
         if self.gemm1_producer_warp and not self.routing_in_gemm1:
             raise ValueError("gemm1_producer_warp needs routing_in_gemm1")  # the only GEMM1 built with its guard
         if self.gemm2_weights_before_wait and (self.wgmma_gemm2 or not self.routing_in_gemm1):
@@ -177,6 +180,7 @@ class StreamingVariant:
                 max_ctas_per_sm=self.gemm1_ctas_per_sm,
                 smid_walk=self.gemm1_smid_walk,
                 producer_warp=self.gemm1_producer_warp,
+                token_rows_in_l1=self.gemm1_token_rows_in_l1,
             )
         return StreamingGemmConfig(
             gemm1=True,
@@ -268,10 +272,10 @@ FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True, gem
 # thread), and walks round robin over slot x 132 + SM id with v2.32's kept slot draw (v2.41 and v2.42: the third CTA
 # shortened GEMM1 ~5 %, but over the CTA index the H200's placement of CTAs 0-23 three each on 8 SMs left those SMs a
 # round behind on 2 of 5 routings at 901 tokens (0.975x, 0.993x); by SM id 1.043x at 901, 5 of 5 trials faster, and
-# medians 1.02-1.08x off the list at 256-1024 tokens). A fifth warp issues its stages (the weights by TMA, the token rows
-# by coalesced cp.async) on per-slot full and empty mbarriers, so no CTA-wide barrier ends a K stage (v2.52: 901 tokens
-# 1.011x by the ratio of medians, paired median 1.023x, 5 of 5 trials faster; medians 1.015-1.022x off the list at
-# 256-1024 tokens; v2.51, one token row per producer lane, lost 0.849x on its uncoalesced copies).
+# medians 1.02-1.08x off the list at 256-1024 tokens). A fifth warp issues its stages (the weights by TMA, the token
+# rows by coalesced cp.async) on per-slot full and empty mbarriers, so no CTA-wide barrier ends a K stage (v2.52: 901
+# tokens 1.011x by the ratio of medians, paired median 1.023x, 5 of 5 trials faster; medians 1.015-1.022x off the list
+# at 256-1024 tokens; v2.51, one token row per producer lane, lost 0.849x on its uncoalesced copies).
 MEDIUM_T = StreamingVariant(
     block_tokens=32,
     num_stages=3,

@@ -16,21 +16,44 @@ from typing import Callable
 from . import kernel
 from .kernel import MoeShapeError, StreamingVariant
 
-__all__ = ["L1_TOKEN_ROWS", "MoeShapeError", "compile_only", "run", "variant_for"]
+__all__ = [
+    "GROUPED_ONLY",
+    "L1_ONLY",
+    "L1_TOKEN_ROWS",
+    "MoeShapeError",
+    "compile_only",
+    "run",
+    "run_grouped_only",
+    "run_l1_only",
+    "variant_for",
+]
 
-L1_TOKEN_ROWS = dataclasses.replace(kernel.MEDIUM_T, gemm1_token_rows_in_l1=True)
+L1_TOKEN_ROWS = dataclasses.replace(kernel.MEDIUM_T, gemm1_sm_grouped_items=True, gemm1_token_rows_through_l1=True)
+# Its two halves, one at a time (session 30's diagnostic of v2.53's loss).
+GROUPED_ONLY = dataclasses.replace(kernel.MEDIUM_T, gemm1_sm_grouped_items=True)
+L1_ONLY = dataclasses.replace(kernel.MEDIUM_T, gemm1_token_rows_through_l1=True)
 
 
-def variant_for(num_tokens: int) -> StreamingVariant:
-    """`kernel.py`'s variant, MEDIUM_T's GEMM1 with its token rows through L1."""
-    chosen = kernel.variant_for(num_tokens)  # also rejects an empty batch
-    return L1_TOKEN_ROWS if chosen is kernel.MEDIUM_T else chosen
+def medium_t_as(replacement: StreamingVariant) -> Callable[[int], StreamingVariant]:
+    """`kernel.py`'s dispatch with `replacement` for MEDIUM_T."""
+
+    def choose(num_tokens: int) -> StreamingVariant:
+        chosen = kernel.variant_for(num_tokens)  # also rejects an empty batch
+        return replacement if chosen is kernel.MEDIUM_T else chosen
+
+    return choose
+
+
+variant_for = medium_t_as(L1_TOKEN_ROWS)
 
 
 def compile_only(arch: str = kernel.GPU_ARCH) -> tuple[Callable, ...]:
-    """`kernel.py`'s configurations and this candidate's, for `arch` without a GPU."""
-    return (*kernel.compile_only(arch), kernel.compiled_for(L1_TOKEN_ROWS, arch))
+    """`kernel.py`'s configurations and this candidate's three, for `arch` without a GPU."""
+    mine = (L1_TOKEN_ROWS, GROUPED_ONLY, L1_ONLY)
+    return (*kernel.compile_only(arch), *(kernel.compiled_for(variant, arch) for variant in mine))
 
 
-# `kernel.py`'s contract, with this dispatch.
+# `kernel.py`'s contract, with these dispatches.
 run = kernel.make_run(variant_for)
+run_grouped_only = kernel.make_run(medium_t_as(GROUPED_ONLY))
+run_l1_only = kernel.make_run(medium_t_as(L1_ONLY))

@@ -36,21 +36,27 @@ def test_only_medium_t_changes():
     for num_tokens in (193, 901, kernel.MEDIUM_T_MAX_TOKENS):
         chosen = candidate.variant_for(num_tokens)
         assert chosen is candidate.L1_TOKEN_ROWS
-        assert dataclasses.replace(chosen, gemm1_token_rows_in_l1=False) == kernel.MEDIUM_T
+        switches = dict(gemm1_sm_grouped_items=False, gemm1_token_rows_through_l1=False)
+        assert dataclasses.replace(chosen, **switches) == kernel.MEDIUM_T
+        assert candidate.medium_t_as(candidate.L1_ONLY)(num_tokens) is candidate.L1_ONLY
     with pytest.raises(kernel.MoeShapeError):
         candidate.variant_for(0)
 
 
 def test_configuration_and_its_guards():
     gemm1 = candidate.L1_TOKEN_ROWS.gemm1()
-    assert gemm1.token_rows_in_l1 and not kernel.MEDIUM_T.gemm1().token_rows_in_l1
+    assert gemm1.sm_grouped_items and gemm1.token_rows_through_l1
+    assert candidate.GROUPED_ONLY.gemm1().sm_grouped_items and not candidate.GROUPED_ONLY.gemm1().token_rows_through_l1
+    assert not kernel.MEDIUM_T.gemm1().sm_grouped_items and not kernel.MEDIUM_T.gemm1().token_rows_through_l1
     plain = kernel.MEDIUM_T.gemm1()
     assert set(gemm1.fields()) == set(plain.fields()) and gemm1.smem_bytes() == plain.smem_bytes()
     assert gemm1.ctas_per_sm() == 3
-    with pytest.raises(wgmma_gemm1.StreamingConfigError, match="token_rows_in_l1"):
-        wgmma_gemm1.WgmmaGemm1Config(32, 3, scratch_in_stage=True, producer_warp=True, token_rows_in_l1=True)
-    with pytest.raises(ValueError, match="gemm1_token_rows_in_l1"):
-        dataclasses.replace(kernel.MEDIUM_T, gemm1_smid_walk=False, gemm1_token_rows_in_l1=True)
+    with pytest.raises(wgmma_gemm1.StreamingConfigError, match="sm_grouped_items"):
+        wgmma_gemm1.WgmmaGemm1Config(32, 3, scratch_in_stage=True, producer_warp=True, sm_grouped_items=True)
+    with pytest.raises(wgmma_gemm1.StreamingConfigError, match="token_rows_through_l1"):
+        wgmma_gemm1.WgmmaGemm1Config(32, 3, scratch_in_stage=True, token_rows_through_l1=True)
+    with pytest.raises(ValueError, match="gemm1_sm_grouped_items"):
+        dataclasses.replace(kernel.LARGE_T, gemm1_sm_grouped_items=True)
 
 
 def cta_items(total_items: int, slot: int, sm: int) -> list[int]:
@@ -80,11 +86,12 @@ def test_the_grouped_walk_takes_every_item_once(row_tiles):
 
 
 def test_compiles_without_gpu():
-    assert len(candidate.compile_only("sm_90a")) == len(kernel.compile_only("sm_90a")) + 1
+    assert len(candidate.compile_only("sm_90a")) == len(kernel.compile_only("sm_90a")) + 3
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("case", BITWISE_CASES, ids=lambda case: case.name)
 def test_outputs_are_kernel_py_bit_for_bit(case):
-    assert_bit_for_bit((kernel.run, candidate.run, candidate.run), case, seed=113)
+    runs = (kernel.run, candidate.run, candidate.run, candidate.run_grouped_only, candidate.run_l1_only)
+    assert_bit_for_bit(runs, case, seed=113)

@@ -205,21 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_l1_token_rows",
-            entry="candidate_l1_token_rows.py::run",
-            description="v2.53: kernel.py with MEDIUM_T's GEMM1 taking three consecutive items on an SM's three CTAs in every full round, its token rows copied through L1 (0.900x at 901 tokens)",
-        ),
-        CandidateSide(
-            name="cand_grouped_only",
-            entry="candidate_l1_token_rows.py::run_grouped_only",
-            description="v2.53's item grouping alone (token rows still cp.async.cg): a diagnostic of its loss",
-        ),
-        CandidateSide(
-            name="cand_l1_only",
-            entry="candidate_l1_token_rows.py::run_l1_only",
-            description="v2.53's token rows through L1 alone (v2.16's walk): a diagnostic of its loss",
-        ),
     ),
 )
 

@@ -35,7 +35,7 @@ from . import streaming_gemm
 from .chain import enter
 from .intermediate_order import GROUP, stored_position
 from .routing import route_then_meet
-from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE, NUM_LOCAL_EXPERTS
+from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE
 from .streaming_gemm import (
     PAIRED_SLOTS,
     LinkedGemm,
@@ -129,15 +129,6 @@ def item_weight_scale_row(n_tile, half):
     return (half * INTERMEDIATE + n_tile * HALF_ROWS) // BLOCK
 
 
-def grouped_round_item(round_, walk, sm_walk, full_rounds, grid):
-    """The item of round `round_` of the CTA whose walk index is `walk` and whose SM-grouped index is `sm_walk`
-    (sm_grouped_items, candidate v2.53): round x grid + sm_walk in the walk's `full_rounds` full rounds, round x grid +
-    walk in its last, partial one (a CTA's rounds never pass it). Both indices run over 0 .. grid - 1 once, so every
-    item is taken once and a CTA's count is the plain walk's. Plain arithmetic, for the kernel and the CPU tests."""
-    partial = (round_ + 1) // (full_rounds + 1)  # 1 in the partial round, 0 before it
-    return round_ * grid + sm_walk + partial * (walk - sm_walk)
-
-
 def copy_token_scale(atom, x_scale, x_scales, token, token_slot, k_stage, slot, block) -> None:
     """Issue the copy of `token`'s scale of K block `block` of stage `k_stage` (x_scale is [56, T], transposed) into
     its token slot of the stage in `slot`; plain Python, called while the kernel is traced."""
@@ -178,10 +169,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     hardware's placement; `producer_warp` (v2.52, MEDIUM_T; 32-token tiles with the tile in a stage and the
     routing's cooperative grid): a fifth warp issues every stage (the weights by TMA, `weight_tma`; the token rows by
     coalesced `cp.async`) on the slot's full mbarrier and the warpgroup waits on that alone, releasing the slot on its
-    empty mbarrier, so that no CTA-wide barrier ends a K stage. Candidate v2.53 (with producer_warp):
-    `sm_grouped_items` (and smid_walk): in the walk's full rounds an SM's three CTAs take three consecutive items
-    (mostly one row tile's, `grouped_round_item`); `token_rows_through_l1`: the producer's token rows come through L1
-    (`cp.async.ca`), where the SM's other CTAs may find them."""
+    empty mbarrier, so that no CTA-wide barrier ends a K stage."""
 
     def __init__(
         self,
@@ -192,8 +180,6 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         max_ctas_per_sm: int = 2,
         smid_walk: bool = False,
         producer_warp: bool = False,
-        sm_grouped_items: bool = False,
-        token_rows_through_l1: bool = False,
     ):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
@@ -209,14 +195,6 @@ class WgmmaGemm1Config(PersistentGemmConfig):
             # A lane per token slot; the epilogue's tile in the slot it releases afterwards.
             raise StreamingConfigError("producer_warp needs block_tokens=32 and scratch_in_stage")
         self.producer_warp = producer_warp
-        if (sm_grouped_items and not (producer_warp and smid_walk)) or (token_rows_through_l1 and not producer_warp):
-            # Only the producer's loop walks by `item_at` and copies tokens alone with its own atom; the grouping is
-            # over the SM ids of smid_walk's draw.
-            raise StreamingConfigError(
-                "sm_grouped_items needs producer_warp and smid_walk, token_rows_through_l1 producer_warp"
-            )
-        self.sm_grouped_items = sm_grouped_items
-        self.token_rows_through_l1 = token_rows_through_l1
         self.num_threads = NUM_THREADS + 32 if producer_warp else NUM_THREADS
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
@@ -387,21 +365,15 @@ class WgmmaGemm1(LinkedGemm):
         # The walk's index: items walk, walk + grid, ... (the CTA index, or by SM id with smid_walk). The routing
         # above and the schedule's counts_out copy stay the CTA's.
         walk = cta
-        sm_walk = cta  # sm_grouped_items: the walk index of an SM's three CTAs side by side
         if cutlass.const_expr(cfg.smid_walk):
             drawn = walk_slot_word[0]
             if drawn >= 0:
                 walk = drawn * (grid // PAIRED_SLOTS) + cute.arch.smid()
                 total_stages = cta_stage_count(tile_end, ITEMS_PER_ROW_TILE, K_STAGES, walk, grid)
-                if cutlass.const_expr(cfg.sm_grouped_items):
-                    sm_walk = cute.arch.smid() * PAIRED_SLOTS + drawn
-        if cutlass.const_expr(cfg.sm_grouped_items):
-            # (walk, SM-grouped walk, full rounds): `item_at` picks the item of a stage (`grouped_round_item`).
-            walk = (walk, sm_walk, tile_end[NUM_LOCAL_EXPERTS - 1] * ITEMS_PER_ROW_TILE // grid)
 
-        # token_rows_through_l1: the producer's token rows through L1 (.ca), where an SM's other CTAs may find them.
-        x_cache = cpasync.LoadCacheMode.ALWAYS if cfg.token_rows_through_l1 else cpasync.LoadCacheMode.GLOBAL
-        g2s_16 = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=x_cache), cutlass.Float8E4M3FN, num_bits_per_copy=128)
+        g2s_16 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
+        )
         g2s_4_f32 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), Float32, num_bits_per_copy=32
         )
@@ -500,7 +472,7 @@ class WgmmaGemm1(LinkedGemm):
         bt, ns = cfg.block_tokens, cfg.num_stages
         t_a, t_b, acc, block_acc, coords = fragments
         tile_end, expert_count, expert_offset = tables
-        item = self.item_at(s, walk, grid)
+        item = walk + (s // K_STAGES) * grid
         k_stage = s % K_STAGES
         if k_stage == 0:
             acc.fill(0.0)
@@ -542,13 +514,6 @@ class WgmmaGemm1(LinkedGemm):
                 )  # fmt: skip
             else:
                 self.epilogue(acc, coords, scratch, out, n_tile, item_packed_row0, item_valid_rows, tidx)
-
-    def item_at(self, s, walk, grid):
-        """The item of flat stage `s` of the walk: walk + round x grid, or with sm_grouped_items (`walk` then the
-        tuple (walk, SM-grouped walk, full rounds)) `grouped_round_item`'s."""
-        if self.cfg.sm_grouped_items:
-            return grouped_round_item(s // K_STAGES, walk[0], walk[1], walk[2], grid)
-        return walk + (s // K_STAGES) * grid
 
     @cute.jit
     def warpgroup_barrier(self):
@@ -599,7 +564,7 @@ class WgmmaGemm1(LinkedGemm):
             slot = s % ns
             if s >= ns:
                 cute.arch.mbarrier_wait(empty + slot, (s // ns - 1) % 2)  # the slot's previous fill released
-            item = self.item_at(s, walk, grid)
+            item = walk + (s // K_STAGES) * grid
             k_stage = s % K_STAGES
             n_tile = item % ITEMS_PER_ROW_TILE
             if k_stage == 0:

@@ -197,8 +197,8 @@ def route_then_meet(
     call's last kernel zeroes `routed` again (`combine.release_counters`). The barrier is cooperative groups' grid
     sync: a CTA barrier, then thread 0 fences, adds, polls and fences again, then a CTA barrier.
     `choices` (v2.26; ROUTING_WARPS x TOP_K words of shared memory): up to ROUTING_WARPS tokens every CTA routes
-    them all instead (`route_in_every_cta`) and meets no other. `extra_warps` (v2.52): the CTA has
-    warps beyond the first ROUTING_WARPS, which route nothing but take part in the meeting's CTA barriers."""
+    them all instead (`route_in_every_cta`) and meets no other. `extra_warps` (v2.52): the CTA has warps beyond the
+    first ROUTING_WARPS, which route nothing but take part in the meeting's CTA barriers."""
     if cutlass.const_expr(choices is not None):
         if routing[0].shape[0] <= ROUTING_WARPS:
             route_in_every_cta(routing, counts, expert_tokens, choices, cta, tidx)

@@ -162,7 +162,8 @@ def test_a_wgmma_variant_keeps_its_token_tile():
 
 
 def test_producer_warp_configuration_and_its_guards():
-    # v2.52: MEDIUM_T's GEMM1 has a fifth (producer) warp and a full and an empty mbarrier per slot, at three CTAs per SM.
+    # v2.52: MEDIUM_T's GEMM1 has a fifth (producer) warp and a full and an empty mbarrier per slot, at three CTAs
+    # per SM.
     gemm1 = kernel.MEDIUM_T.gemm1()
     without = dataclasses.replace(kernel.MEDIUM_T, gemm1_producer_warp=False).gemm1()
     assert gemm1.producer_warp and gemm1.num_threads == 160 and without.num_threads == 128

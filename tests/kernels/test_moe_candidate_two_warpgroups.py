@@ -11,20 +11,11 @@ import dataclasses
 
 import pytest
 
-from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, solution_module
-from tests.kernels.test_moe_streaming import assert_bit_for_bit
+from tests.kernels.test_moe_kernel import kernel, needs_cuda, solution_module
+from tests.kernels.test_moe_streaming import MEDIUM_T_BITWISE_CASES, assert_bit_for_bit
 
 candidate = solution_module("candidate_two_warpgroups")
 wgmma_gemm1 = solution_module("wgmma_gemm1")
-
-BITWISE_CASES = (
-    cases.CheckCase("t193", 193, 224),
-    cases.CheckCase("t512", 512, 0),
-    cases.CheckCase("t901", 901, 96),
-    cases.CheckCase("t901_one_expert", 901, 224, "one_expert"),
-    cases.CheckCase("t1000_no_local", 1000, 64, "no_local"),
-    cases.CheckCase("t1024_all_local", 1024, 160, "all_local"),
-)
 
 
 def test_only_medium_t_changes():
@@ -75,6 +66,6 @@ def test_compiles_without_gpu():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("case", BITWISE_CASES, ids=lambda case: case.name)
+@pytest.mark.parametrize("case", MEDIUM_T_BITWISE_CASES, ids=lambda case: case.name)
 def test_outputs_are_kernel_py_bit_for_bit(case):
     assert_bit_for_bit((kernel.run, candidate.run, candidate.run), case, seed=113)

@@ -861,6 +861,18 @@ def outputs_of(runs, case, seed: int) -> list[torch.Tensor]:
     return outputs
 
 
+# MEDIUM_T's tokens (193-1024) in every routing pattern: the cases where a change to MEDIUM_T's kernels must keep every
+# bit (v2.52's producer warp, candidates of MEDIUM_T's GEMM1).
+MEDIUM_T_BITWISE_CASES = (
+    cases.CheckCase("t193", 193, 224),
+    cases.CheckCase("t512", 512, 0),
+    cases.CheckCase("t901", 901, 96),
+    cases.CheckCase("t901_one_expert", 901, 224, "one_expert"),
+    cases.CheckCase("t1000_no_local", 1000, 64, "no_local"),
+    cases.CheckCase("t1024_all_local", 1024, 160, "all_local"),
+)
+
+
 def assert_bit_for_bit(runs, case, seed: int) -> None:
     """`runs` (the first the reference point, e.g. kernel.py's `run`) give finite outputs, non-zero unless no token
     has a local expert, and all of them the same bits."""

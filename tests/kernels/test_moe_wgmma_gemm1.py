@@ -24,6 +24,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor
 
 from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, solution_module
 from tests.kernels.test_moe_streaming import (
+    MEDIUM_T_BITWISE_CASES,
     assert_bit_for_bit,
     check_each_gemm,
     on_mma_sync_gemm1,
@@ -185,19 +186,9 @@ def without_producer_warp(num_tokens: int):
     return dataclasses.replace(kernel.variant_for(num_tokens), gemm1_producer_warp=False)
 
 
-PRODUCER_WARP_CASES = (
-    cases.CheckCase("t193", 193, 224),
-    cases.CheckCase("t512", 512, 0),
-    cases.CheckCase("t901", 901, 96),
-    cases.CheckCase("t901_one_expert", 901, 224, "one_expert"),
-    cases.CheckCase("t1000_no_local", 1000, 64, "no_local"),
-    cases.CheckCase("t1024_all_local", 1024, 160, "all_local"),
-)
-
-
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("case", PRODUCER_WARP_CASES, ids=lambda case: case.name)
+@pytest.mark.parametrize("case", MEDIUM_T_BITWISE_CASES, ids=lambda case: case.name)
 def test_the_producer_warp_changes_no_bit(case):
     # The same bytes into the same swizzled slots and the same MMAs: only who issues the copies and how the stages
     # synchronise differ. kernel.run twice: call after call.

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_two_warpgroups",
-            entry="candidate_two_warpgroups.py::run",
-            description="v2.54 (not yet run): kernel.py with MEDIUM_T's GEMM1 on 64-token row tiles, two MMA warpgroups sharing each stage's weights (one CTA per SM, six stages)",
-        ),
     ),
 )
 

@@ -87,6 +87,7 @@ def swizzled_offset(row, k, stage, rows: int, row_bytes: int = STAGE_K):
     return linear ^ (((linear >> 7) & 7) << 4)
 
 
+PRODUCER_WARP = NUM_THREADS // 32  # producer_warp: the fifth warp, after the warpgroup
 ROWS_PER_PASS = NUM_THREADS // CHUNKS_PER_ROW  # 8: copy i of a thread reads item row tidx / 16 + 8 i
 
 
@@ -168,9 +169,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     hardware's placement; `producer_warp` (v2.52, MEDIUM_T; 32-token tiles with the tile in a stage and the
     routing's cooperative grid): a fifth warp issues every stage (the weights by TMA, `weight_tma`; the token rows by
     coalesced `cp.async`) on the slot's full mbarrier and the warpgroup waits on that alone, releasing the slot on its
-    empty mbarrier, so that no CTA-wide barrier ends a K stage; `two_warpgroups` (candidate v2.54; with producer_warp
-    and 64-token row tiles): two MMA warpgroups share each stage's weight tile, warpgroup g on the tile's tokens
-    32 g .. 32 g + 31 (a stage's tokens are two 32-token sub-stages), and release the slot together."""
+    empty mbarrier, so that no CTA-wide barrier ends a K stage."""
 
     def __init__(
         self,
@@ -181,7 +180,6 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         max_ctas_per_sm: int = 2,
         smid_walk: bool = False,
         producer_warp: bool = False,
-        two_warpgroups: bool = False,
     ):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
@@ -193,18 +191,11 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         self.permuted_c = permuted_c
         self.scratch_in_stage = scratch_in_stage
         self.smid_walk = smid_walk
-        if two_warpgroups and not (producer_warp and block_tokens == 64):
-            raise StreamingConfigError("two_warpgroups needs producer_warp and block_tokens=64")
-        # Warpgroups per CTA, each on `mma_tokens` of a row tile's tokens (two_warpgroups: candidate v2.54).
-        self.warpgroups = 2 if two_warpgroups else 1
-        self.mma_tokens = block_tokens // self.warpgroups
-        if producer_warp and (self.mma_tokens != 32 or not scratch_in_stage):
-            # A lane per token slot of a warpgroup; the epilogue's tile in the slot it releases afterwards.
-            raise StreamingConfigError("producer_warp needs 32 tokens a warpgroup and scratch_in_stage")
+        if producer_warp and (block_tokens != 32 or not scratch_in_stage):
+            # A lane per token slot; the epilogue's tile in the slot it releases afterwards.
+            raise StreamingConfigError("producer_warp needs block_tokens=32 and scratch_in_stage")
         self.producer_warp = producer_warp
-        self.two_warpgroups = two_warpgroups
-        self.producer_warp_id = NUM_THREADS * self.warpgroups // 32  # the warp after the warpgroups
-        self.num_threads = NUM_THREADS * self.warpgroups + (32 if producer_warp else 0)
+        self.num_threads = NUM_THREADS + 32 if producer_warp else NUM_THREADS
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
         if smid_walk and self.ctas_per_sm() != PAIRED_SLOTS:
@@ -296,9 +287,7 @@ class WgmmaGemm1(LinkedGemm):
         """`routing`, `counts_out` and `walk_slots` (with smid_walk): as `streaming_gemm.StreamingGemm.launch`'s
         (v2.16, v2.22, v2.32)."""
         cfg = self.cfg
-        tiled_mma, a_layout, b_layout = wgmma_operands(cfg.mma_tokens, cfg.num_stages)
-        if cutlass.const_expr(cfg.two_warpgroups):
-            _, _, b_layout = wgmma_operands(cfg.mma_tokens, cfg.num_stages * cfg.warpgroups)  # a warpgroup's tokens
+        tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
         SharedStorage = cfg.shared_storage()
         tma = None
         if cutlass.const_expr(cfg.producer_warp):
@@ -352,7 +341,7 @@ class WgmmaGemm1(LinkedGemm):
             if tidx == 0:
                 for i in cutlass.range_constexpr(ns):
                     cute.arch.mbarrier_init(storage.stage_full.data_ptr() + i, 1 + 32)  # the TMA's, each lane's
-                    cute.arch.mbarrier_init(storage.stage_empty.data_ptr() + i, cfg.producer_warp_id)  # each MMA warp's
+                    cute.arch.mbarrier_init(storage.stage_empty.data_ptr() + i, NUM_THREADS // 32)  # each MMA warp's
                 cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(routing is not None):
             route_then_meet(routing, counts, expert_tokens, cta, grid, tidx, extra_warps=cfg.producer_warp)
@@ -361,9 +350,8 @@ class WgmmaGemm1(LinkedGemm):
         s_x = storage.x_stages.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         w_bytes = storage.w_stages.get_tensor(cute.make_layout(ns * ITEM_ROWS * STAGE_K))
         x_bytes = storage.x_stages.get_tensor(cute.make_layout(ns * bt * STAGE_K))
-        mt, sub_stages = cfg.mma_tokens, ns * cfg.warpgroups  # a warpgroup's tokens, in sub-stage slot x wgs + g
         x_scales = storage.x_scales.get_tensor(
-            cute.make_layout((mt, BLOCKS_PER_STAGE, sub_stages), stride=(1, mt, BLOCKS_PER_STAGE * mt))
+            cute.make_layout((bt, BLOCKS_PER_STAGE, ns), stride=(1, bt, BLOCKS_PER_STAGE * bt))
         )
         w_scales = storage.w_scales.get_tensor(
             cute.make_layout((2, BLOCKS_PER_STAGE, ns), stride=(1, 2, 2 * BLOCKS_PER_STAGE))
@@ -393,24 +381,20 @@ class WgmmaGemm1(LinkedGemm):
         tables = (tile_end, expert_count, expert_offset)
         if cutlass.const_expr(cfg.producer_warp):
             full, empty = storage.stage_full.data_ptr(), storage.stage_empty.data_ptr()
-            if warp_id == cfg.producer_warp_id:
+            if warp_id == PRODUCER_WARP:
                 self.produce(
                     walk, grid, total_stages, tables, expert_tokens, x, x_scale, w_scale, x_bytes, x_scales, w_scales,
                     tma, s_w, full, empty, g2s_16, g2s_4_f32, tidx % 32,
                 )  # fmt: skip
             else:
-                wg, wg_tidx = 0, tidx  # the MMA warpgroup and the thread's index in it
-                if cutlass.const_expr(cfg.two_warpgroups):
-                    wg, wg_tidx = warp_id // (NUM_THREADS // 32), tidx % NUM_THREADS
-                fragments = self.mma_fragments(tiled_mma, s_w, s_x, wg_tidx)
+                fragments = self.mma_fragments(tiled_mma, s_w, s_x, tidx)
                 for s in cutlass.range(total_stages, unroll=1):
                     slot = s % ns
                     cute.arch.mbarrier_wait(full + slot, (s // ns) % 2)  # the slot's (s // ns)-th fill
                     cute.arch.fence_view_async_shared()  # the producer's cp.async writes, for the MMAs' async proxy
                     self.compute_stage(
-                        s, walk, grid, tiled_mma, fragments, w_scales, x_scales, x_bytes, None, out, tables, wg_tidx,
-                        wg,
-                    )  # fmt: skip
+                        s, walk, grid, tiled_mma, fragments, w_scales, x_scales, x_bytes, None, out, tables, tidx
+                    )
                     if tidx % 32 == 0:
                         cute.arch.mbarrier_arrive(empty + slot)  # after this warp's MMAs and epilogue on the slot
         else:
@@ -454,15 +438,15 @@ class WgmmaGemm1(LinkedGemm):
     @cute.jit
     def mma_fragments(self, tiled_mma: cute.TiledMma, s_w: cute.Tensor, s_x: cute.Tensor, tidx: Int32):
         """The warpgroup's MMA operands of every stage, its accumulators (the item's, zeroed, and a block's) and
-        their (item row, token slot) coordinates; `tidx` is the thread's index in its warpgroup."""
-        mt = self.cfg.mma_tokens
+        their (item row, token slot) coordinates."""
+        bt = self.cfg.block_tokens
         thr_mma = tiled_mma.get_slice(tidx)
         t_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_w))  # (MMA, M, K steps, stage)
-        t_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_x))  # (MMA, N, K steps, sub-stage)
-        acc_shape = thr_mma.partition_shape_C((ITEM_ROWS, mt))
+        t_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_x))
+        acc_shape = thr_mma.partition_shape_C((ITEM_ROWS, bt))
         acc = cute.make_rmem_tensor(acc_shape, Float32)
         block_acc = cute.make_rmem_tensor(acc_shape, Float32)
-        coords = thr_mma.partition_C(cute.make_identity_tensor((ITEM_ROWS, mt)))  # (item row, token slot)
+        coords = thr_mma.partition_C(cute.make_identity_tensor((ITEM_ROWS, bt)))  # (item row, token slot)
         acc.fill(0.0)
         return t_a, t_b, acc, block_acc, coords
 
@@ -481,12 +465,11 @@ class WgmmaGemm1(LinkedGemm):
         out: cute.Tensor,
         tables,
         tidx: Int32,
-        wg=0,
     ):
-        """Warpgroup `wg`'s side of flat stage `s` of the walk walk, walk + grid, ...: its two blocks' MMAs and
-        promotions, and at the item's last K stage the epilogue; `tidx` is the thread's index in the warpgroup."""
+        """The warpgroup's side of flat stage `s` of the walk walk, walk + grid, ...: its two blocks' MMAs and
+        promotions, and at the item's last K stage the epilogue."""
         cfg = self.cfg
-        bt, ns, mt = cfg.block_tokens, cfg.num_stages, cfg.mma_tokens
+        bt, ns = cfg.block_tokens, cfg.num_stages
         t_a, t_b, acc, block_acc, coords = fragments
         tile_end, expert_count, expert_offset = tables
         item = walk + (s // K_STAGES) * grid
@@ -494,22 +477,19 @@ class WgmmaGemm1(LinkedGemm):
         if k_stage == 0:
             acc.fill(0.0)
         slot = s % ns
-        x_slot = slot  # the warpgroup's token sub-stage
-        if cutlass.const_expr(cfg.two_warpgroups):
-            x_slot = slot * cfg.warpgroups + wg
         for b in cutlass.range_constexpr(BLOCKS_PER_STAGE):
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             cute.nvgpu.warpgroup.fence()
             for k in cutlass.range_constexpr(K_STEPS_PER_BLOCK):
                 step = b * K_STEPS_PER_BLOCK + k
-                cute.gemm(tiled_mma, block_acc, t_a[None, None, step, slot], t_b[None, None, step, x_slot], block_acc)
+                cute.gemm(tiled_mma, block_acc, t_a[None, None, step, slot], t_b[None, None, step, slot], block_acc)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(0)
             # v0's promotion: the block's exact fp32 sum times (weight block scale x token scale)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 row, token_slot = coords[i]
-                scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, x_slot]
+                scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
                 acc[i] = acc[i] + block_acc[i] * scale
         if k_stage == K_STAGES - 1:
             # the computed item, located once at its end (its K stages need no location)
@@ -517,10 +497,6 @@ class WgmmaGemm1(LinkedGemm):
                 item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
             )
             n_tile = item % ITEMS_PER_ROW_TILE
-            if cutlass.const_expr(cfg.two_warpgroups):
-                # the warpgroup's tokens of the tile (none where the tile has at most 32 g)
-                item_valid_rows = item_valid_rows - wg * mt
-                item_packed_row0 = item_packed_row0 + wg * mt
             if cutlass.const_expr(cfg.scratch_in_stage):
                 # The token stage in `slot`. A warp's wait_group covers its own share of the
                 # warpgroup's MMAs, which read all of the stage: the fence and barrier let no thread
@@ -528,25 +504,22 @@ class WgmmaGemm1(LinkedGemm):
                 # the other slots, and the next load into this one comes after the barrier at the
                 # top of the next stage (with producer_warp: after every MMA warp released the slot),
                 # i.e. after every thread's epilogue.
-                # With two_warpgroups the tile is the warpgroup's own token sub-stage.
                 cute.arch.fence_view_async_shared()
-                self.warpgroup_barrier(wg)
-                stage_scratch = cute.recast_ptr(x_bytes.iterator + x_slot * (mt * STAGE_K), dtype=Float32)
-                scratch_layout = cute.make_layout((mt, ITEM_ROWS), stride=(ITEM_ROWS, 1))
+                self.warpgroup_barrier()
+                stage_scratch = cute.recast_ptr(x_bytes.iterator + slot * (bt * STAGE_K), dtype=Float32)
+                scratch_layout = cute.make_layout((bt, ITEM_ROWS), stride=(ITEM_ROWS, 1))
                 self.epilogue(
                     acc, coords, cute.make_tensor(stage_scratch, scratch_layout), out, n_tile, item_packed_row0,
-                    item_valid_rows, tidx, wg,
+                    item_valid_rows, tidx,
                 )  # fmt: skip
             else:
                 self.epilogue(acc, coords, scratch, out, n_tile, item_packed_row0, item_valid_rows, tidx)
 
     @cute.jit
-    def warpgroup_barrier(self, wg=0):
-        """A barrier of MMA warpgroup `wg`: the CTA's, or with producer_warp named barrier 1 + wg of its 128 threads
-        (the producer warp and the other warpgroup do not take part)."""
-        if cutlass.const_expr(self.cfg.two_warpgroups):
-            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=NUM_THREADS)
-        elif cutlass.const_expr(self.cfg.producer_warp):
+    def warpgroup_barrier(self):
+        """A barrier of the MMA warpgroup: the CTA's, or with producer_warp named barrier 1 of its 128 threads (the
+        producer warp does not take part)."""
+        if cutlass.const_expr(self.cfg.producer_warp):
             cute.arch.barrier(barrier_id=1, number_of_threads=NUM_THREADS)
         else:
             cute.arch.sync_threads()
@@ -575,9 +548,8 @@ class WgmmaGemm1(LinkedGemm):
     ):
         """The producer warp (producer_warp): every stage of the walk into its slot once the MMA warps released the
         slot's previous fill: the weight tile by TMA (`weight_tma`, on the slot's full mbarrier with its bytes), the
-        token rows by coalesced `cp.async` (two rows per copy), lane t the scales of token slot t (and t + 32 with
-        two_warpgroups), lanes 0-3 the weight block scales; each lane then arrives on the full mbarrier when its copies
-        land."""
+        token rows by coalesced `cp.async` (two rows per copy), lane t the scales of token slot t, lanes 0-3 the weight
+        block scales; each lane then arrives on the full mbarrier when its copies land."""
         cfg = self.cfg
         bt, ns = cfg.block_tokens, cfg.num_stages
         tile_end, expert_count, expert_offset = tables
@@ -588,7 +560,6 @@ class WgmmaGemm1(LinkedGemm):
             tma_atom, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(tiles, 0, 2)
         )
         expert, valid_rows, token = Int32(0), Int32(0), Int32(0)  # the item's, located at its first K stage
-        token_hi = Int32(0)  # two_warpgroups: the token in slot lane + 32 (the second warpgroup's slot lane)
         for s in cutlass.range(total_stages, unroll=1):
             slot = s % ns
             if s >= ns:
@@ -601,8 +572,6 @@ class WgmmaGemm1(LinkedGemm):
                     item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
                 )
                 token = slot_token(expert_tokens, expert, first_row, valid_rows, lane)
-                if cutlass.const_expr(cfg.two_warpgroups):
-                    token_hi = slot_token(expert_tokens, expert, first_row, valid_rows, lane + 32)
             # the whole warp: the TMA copy elects its own lane
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + slot, ITEM_ROWS * STAGE_K)
@@ -611,28 +580,22 @@ class WgmmaGemm1(LinkedGemm):
             )
             # Coalesced token rows (v2.52): each copy covers ROWS_PER_PRODUCER_COPY rows, a row's lanes along its
             # bytes; a row's token comes from the lane that located it (token slot = lane).
-            # With two_warpgroups, tile row r is row r % 32 of warpgroup r // 32's sub-stage slot x 2 + r // 32.
             chunk = lane % CHUNKS_PER_ROW
-            mt, wgs = cfg.mma_tokens, cfg.warpgroups
             for i in cutlass.range_constexpr(bt // ROWS_PER_PRODUCER_COPY):
                 row = i * ROWS_PER_PRODUCER_COPY + lane // CHUNKS_PER_ROW
-                wg = i * ROWS_PER_PRODUCER_COPY // mt  # the same for the copy's rows
-                row_token = cute.arch.shuffle_sync(token if wg == 0 else token_hi, row - wg * mt)
+                row_token = cute.arch.shuffle_sync(token, row)
                 if row < valid_rows:
                     x_chunk = x.iterator + cute.assume(
                         row_token * HIDDEN + k_stage * STAGE_K + chunk * CHUNK, divby=CHUNK
                     )
-                    x_offset = swizzled_offset(row - wg * mt, chunk * CHUNK, slot * wgs + wg, mt)
                     cute.copy(
                         g2s_16,
                         cute.make_tensor(x_chunk, cute.make_layout(CHUNK)),
-                        cute.local_tile(x_bytes, (CHUNK,), (x_offset // CHUNK,)),
+                        cute.local_tile(x_bytes, (CHUNK,), (swizzled_offset(row, chunk * CHUNK, slot, bt) // CHUNK,)),
                     )
-            for wg in cutlass.range_constexpr(wgs):
-                if lane + wg * mt < valid_rows:
-                    for block in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                        wg_token = token if wg == 0 else token_hi
-                        copy_token_scale(g2s_4_f32, x_scale, x_scales, wg_token, lane, k_stage, slot * wgs + wg, block)
+            if lane < valid_rows:
+                for block in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+                    copy_token_scale(g2s_4_f32, x_scale, x_scales, token, lane, k_stage, slot, block)
             if lane < 2 * BLOCKS_PER_STAGE:
                 copy_weight_block_scale(g2s_4_f32, w_scale, w_scales, expert, n_tile, k_stage, slot, lane)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + slot)
@@ -713,16 +676,15 @@ class WgmmaGemm1(LinkedGemm):
         packed_row0: Int32,
         valid_rows: Int32,
         tidx: Int32,
-        wg=0,
     ):
         """C = silu(gate) * up for the item's valid tokens, through shared memory (an up row and its
-        gate row sit in different warps of the accumulator); warpgroup `wg`'s, `tidx` the index in it."""
-        mt = self.cfg.mma_tokens
+        gate row sit in different warps of the accumulator)."""
+        bt = self.cfg.block_tokens
         for i in cutlass.range_constexpr(cute.size(acc)):
             row, token_slot = coords[i]
             scratch[token_slot, row] = acc[i]
-        self.warpgroup_barrier(wg)
-        for i in cutlass.range_constexpr(HALF_ROWS * mt // NUM_THREADS):
+        self.warpgroup_barrier()
+        for i in cutlass.range_constexpr(HALF_ROWS * bt // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             token_slot = linear // HALF_ROWS
             column = linear % HALF_ROWS

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_token_major_scales",
-            entry="candidate_token_major_scales.py::run",
-            description="v2.55: kernel.py with MEDIUM_T's GEMM1 reading each stage's two token scales as one 8-B copy from a token-major copy of x_scale",
-        ),
     ),
 )
 

@@ -106,7 +106,6 @@ class MoeHostSm90:
         stream,
         routed=None,  # with routing_in_gemm1: the kept count of routed tokens (`counters.kept_routed`)
         walk_slots=None,  # with a GEMM1 that walks by SM id: its kept slot counters (`counters.kept_walk_slots`)
-        token_scales=None,  # with a GEMM1 of token_major_scales (and an SM-id walk): `Workspaces.token_scales`
     ):
         # What either routing reads and writes besides the counters: `RoutingKernel`'s grid, or GEMM1's
         # (`routing.route_then_meet`, with the kept count of routed tokens appended).
@@ -132,7 +131,6 @@ class MoeHostSm90:
             routing,
             counts_out=counts_out,
             **({"walk_slots": walk_slots} if self.gemm1.cfg.smid_walk else {}),
-            **({"token_scales": token_scales} if _token_major_scales(self.gemm1) else {}),
         )
         gemm2_scale = hidden_states_scale  # not read by a GEMM2 on bf16 C (it keeps its kernels' parameters)
         if cutlass.const_expr(self.c_to_f16 is not None):
@@ -167,10 +165,9 @@ class Workspaces:
     intermediate: torch.Tensor  # [8 T, 2048] bf16: C = silu(gate) * up per packed row
     expert_out: torch.Tensor  # [8 T, 7168] fp32: C W2^T per packed row
     c_scale: torch.Tensor  # [8 T] fp32: with an f16 GEMM2, the power of two that undoes each packed row's rewrite
-    token_scales: torch.Tensor | None = None  # [T, 56] fp32: x_scale token-major, for a GEMM1 of token_major_scales
 
     @classmethod
-    def allocate(cls, num_tokens: int, device: torch.device, token_scales: bool = False) -> Workspaces:
+    def allocate(cls, num_tokens: int, device: torch.device) -> Workspaces:
         num_rows = TOP_K * num_tokens  # worst case: all 8 chosen experts are local
         return cls(
             counts=torch.empty(NUM_LOCAL_EXPERTS, dtype=torch.int32, device=device),  # zeroed by our kernel
@@ -181,9 +178,6 @@ class Workspaces:
             intermediate=torch.empty(num_rows, INTERMEDIATE, dtype=torch.bfloat16, device=device),
             expert_out=torch.empty(num_rows, HIDDEN, dtype=torch.float32, device=device),
             c_scale=torch.empty(num_rows, dtype=torch.float32, device=device),
-            token_scales=(
-                torch.empty(num_tokens, HIDDEN_BLOCKS, dtype=torch.float32, device=device) if token_scales else None
-            ),
         )
 
 
@@ -221,11 +215,6 @@ def fake_tensor_arguments() -> tuple:
     )
 
 
-def _token_major_scales(gemm1: ExpertGemm) -> bool:
-    """Whether `gemm1` reads the token-major copy of x_scale (only the WGMMA GEMM1's configuration has the switch)."""
-    return getattr(gemm1.cfg, "token_major_scales", False)
-
-
 def compile_host(host: MoeHostSm90, arch: str) -> Callable:
     """`cute.compile` of `host` for `arch` as a TVM-FFI function on the current torch stream (the
     two grid parameters are runtime scalars; needs no GPU)."""
@@ -234,11 +223,6 @@ def compile_host(host: MoeHostSm90, arch: str) -> Callable:
         args = (*args, make_fake_compact_tensor(cutlass.Int32, (NUM_LOCAL_EXPERTS,), assumed_align=16))
     if host.gemm1.cfg.smid_walk:  # only with routing_in_gemm1 (its cooperative grid)
         args = (*args, make_fake_compact_tensor(cutlass.Int32, (WALK_SLOT_WORDS,), assumed_align=16))
-    if _token_major_scales(host.gemm1):  # only with smid_walk (`StreamingVariant`'s guard)
-        token_major = make_fake_compact_tensor(
-            cutlass.Float32, (cute.sym_int(), HIDDEN_BLOCKS), stride_order=(1, 0), assumed_align=16
-        )  # row-major [T, 56]
-        args = (*args, token_major)
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
@@ -277,5 +261,4 @@ def launch(
         gemm2_grid,
         *(() if kept_routed is None else (kept_routed,)),
         *(() if kept_walk_slots is None else (kept_walk_slots,)),
-        *(() if workspaces.token_scales is None else (workspaces.token_scales,)),
     )

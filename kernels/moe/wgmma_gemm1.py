@@ -35,7 +35,7 @@ from . import streaming_gemm
 from .chain import enter
 from .intermediate_order import GROUP, stored_position
 from .routing import route_then_meet
-from .shapes import BLOCK, GEMM1_OUT, HIDDEN, HIDDEN_BLOCKS, INTERMEDIATE
+from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE
 from .streaming_gemm import (
     PAIRED_SLOTS,
     LinkedGemm,
@@ -65,9 +65,6 @@ CHUNKS_PER_ROW = STAGE_K // CHUNK  # 16
 ROWS_PER_PRODUCER_COPY = 32 // CHUNKS_PER_ROW  # token rows per warp-wide cp.async of the producer warp
 SWIZZLE_ATOM_ROWS = 8
 SWIZZLE_ROW_BYTES = 128
-# token_major_scales: x_scale elements a producer lane transposes per batch of loads (the producer warps of 396 CTAs
-# cover 56 x 1024 scales in one batch of five).
-TRANSPOSE_BATCH = 5
 
 assert HIDDEN % STAGE_K == 0 and BLOCK % HALF_ROWS == 0 and BLOCK % 32 == 0
 assert HALF_ROWS == GROUP  # an item's C columns are one group of the permuted order
@@ -142,36 +139,6 @@ def copy_token_scale(atom, x_scale, x_scales, token, token_slot, k_stage, slot, 
     )
 
 
-def copy_token_scale_pair(atom, token_scales, x_scales, token, token_slot, k_stage, slot) -> None:
-    """Issue the one 8-B copy of `token`'s two scales of stage `k_stage` from the token-major `token_scales` [T, 56]
-    (token_major_scales) into its token slot of the stage in `slot`; plain Python, called while the kernel is
-    traced."""
-    cute.copy(
-        atom,
-        cute.local_tile(token_scales[token, None], (BLOCKS_PER_STAGE,), (k_stage,)),
-        x_scales[token_slot, None, slot],
-    )
-
-
-@cute.jit
-def transpose_token_scales(x_scale: cute.Tensor, token_scales: cute.Tensor, first: Int32, step: Int32):
-    """token_scales[t, b] = x_scale[b, t] for x_scale's elements first, first + step, ... in its own (token-minor)
-    order, so that a warp's reads are coalesced; each thread issues TRANSPOSE_BATCH loads before their stores, since
-    the compiler may not move a load above a store to another tensor it cannot tell apart."""
-    num_tokens = x_scale.shape[1]
-    total = HIDDEN_BLOCKS * num_tokens
-    values = cute.make_rmem_tensor(cute.make_layout(TRANSPOSE_BATCH), Float32)
-    for base in cutlass.range(first, total, step * TRANSPOSE_BATCH, unroll=1):
-        for j in cutlass.range_constexpr(TRANSPOSE_BATCH):
-            i = base + j * step
-            if i < total:
-                values[j] = x_scale[i // num_tokens, i % num_tokens]
-        for j in cutlass.range_constexpr(TRANSPOSE_BATCH):
-            i = base + j * step
-            if i < total:
-                token_scales[i % num_tokens, i // num_tokens] = values[j]
-
-
 def copy_weight_block_scale(atom, w_scale, w_scales, expert, n_tile, k_stage, slot, index) -> None:
     """Issue copy `index` (< 2 x BLOCKS_PER_STAGE) of a stage's weight block scales, one per (row half, K block), into
     the stage in `slot`; plain Python, called while the kernel is traced."""
@@ -202,10 +169,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     hardware's placement; `producer_warp` (v2.52, MEDIUM_T; 32-token tiles with the tile in a stage and the
     routing's cooperative grid): a fifth warp issues every stage (the weights by TMA, `weight_tma`; the token rows by
     coalesced `cp.async`) on the slot's full mbarrier and the warpgroup waits on that alone, releasing the slot on its
-    empty mbarrier, so that no CTA-wide barrier ends a K stage; `token_major_scales` (candidate v2.55, with
-    producer_warp): the producer warps first transpose x_scale [56, T] into a token-major workspace [T, 56] (before
-    the routing's grid meeting, which publishes it), and each stage's two scales of a token are one 8-B copy instead
-    of two 4-B copies from two lines; the stage's scales are then token-major in shared memory too."""
+    empty mbarrier, so that no CTA-wide barrier ends a K stage."""
 
     def __init__(
         self,
@@ -216,7 +180,6 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         max_ctas_per_sm: int = 2,
         smid_walk: bool = False,
         producer_warp: bool = False,
-        token_major_scales: bool = False,
     ):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
@@ -232,9 +195,6 @@ class WgmmaGemm1Config(PersistentGemmConfig):
             # A lane per token slot; the epilogue's tile in the slot it releases afterwards.
             raise StreamingConfigError("producer_warp needs block_tokens=32 and scratch_in_stage")
         self.producer_warp = producer_warp
-        if token_major_scales and not producer_warp:
-            raise StreamingConfigError("token_major_scales needs producer_warp (its warp transposes and copies them)")
-        self.token_major_scales = token_major_scales
         self.num_threads = NUM_THREADS + 32 if producer_warp else NUM_THREADS
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
@@ -323,10 +283,9 @@ class WgmmaGemm1(LinkedGemm):
         routing=None,
         counts_out=None,
         walk_slots=None,
-        token_scales=None,
     ):
         """`routing`, `counts_out` and `walk_slots` (with smid_walk): as `streaming_gemm.StreamingGemm.launch`'s
-        (v2.16, v2.22, v2.32); `token_scales` (with token_major_scales): the [T, 56] fp32 workspace."""
+        (v2.16, v2.22, v2.32)."""
         cfg = self.cfg
         tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
         SharedStorage = cfg.shared_storage()
@@ -335,7 +294,7 @@ class WgmmaGemm1(LinkedGemm):
             tma = weight_tma(w, cute.slice_(a_layout, (None, None, 0)))
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens, tiled_mma, a_layout, b_layout, SharedStorage, routing,
-            counts_out, walk_slots, tma, token_scales,
+            counts_out, walk_slots, tma,
         )
         self.launch_persistent(
             kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None, threads=cfg.num_threads
@@ -359,7 +318,6 @@ class WgmmaGemm1(LinkedGemm):
         counts_out,
         walk_slots,
         tma,  # with producer_warp: `weight_tma`'s (atom, coordinate tensor)
-        token_scales,  # with token_major_scales: the [T, 56] workspace the producer warps fill
     ):
         enter(self.link)
         cfg = self.cfg
@@ -385,10 +343,6 @@ class WgmmaGemm1(LinkedGemm):
                     cute.arch.mbarrier_init(storage.stage_full.data_ptr() + i, 1 + 32)  # the TMA's, each lane's
                     cute.arch.mbarrier_init(storage.stage_empty.data_ptr() + i, NUM_THREADS // 32)  # each MMA warp's
                 cute.arch.mbarrier_init_fence()
-        if cutlass.const_expr(cfg.token_major_scales):
-            # The producer warp routes nothing: it transposes while the other warps route.
-            if warp_id == PRODUCER_WARP:
-                transpose_token_scales(x_scale, token_scales, cta * 32 + lane, grid * 32)
         if cutlass.const_expr(routing is not None):
             route_then_meet(routing, counts, expert_tokens, cta, grid, tidx, extra_warps=cfg.producer_warp)
         # The MMA's swizzled views, and flat byte views of the same buffers for the copies.
@@ -396,11 +350,9 @@ class WgmmaGemm1(LinkedGemm):
         s_x = storage.x_stages.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         w_bytes = storage.w_stages.get_tensor(cute.make_layout(ns * ITEM_ROWS * STAGE_K))
         x_bytes = storage.x_stages.get_tensor(cute.make_layout(ns * bt * STAGE_K))
-        # (token slot, block, slot); token-major (a token's two scales adjacent) with token_major_scales.
-        x_scale_strides = (1, bt, BLOCKS_PER_STAGE * bt)
-        if cutlass.const_expr(cfg.token_major_scales):
-            x_scale_strides = (BLOCKS_PER_STAGE, 1, BLOCKS_PER_STAGE * bt)
-        x_scales = storage.x_scales.get_tensor(cute.make_layout((bt, BLOCKS_PER_STAGE, ns), stride=x_scale_strides))
+        x_scales = storage.x_scales.get_tensor(
+            cute.make_layout((bt, BLOCKS_PER_STAGE, ns), stride=(1, bt, BLOCKS_PER_STAGE * bt))
+        )
         w_scales = storage.w_scales.get_tensor(
             cute.make_layout((2, BLOCKS_PER_STAGE, ns), stride=(1, 2, 2 * BLOCKS_PER_STAGE))
         )
@@ -425,11 +377,6 @@ class WgmmaGemm1(LinkedGemm):
         g2s_4_f32 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), Float32, num_bits_per_copy=32
         )
-        scale_copy = g2s_4_f32  # a token's scales of a stage: two 4-B copies, or one 8-B copy (token_major_scales)
-        if cutlass.const_expr(cfg.token_major_scales):
-            scale_copy = cute.make_copy_atom(
-                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), Float32, num_bits_per_copy=64
-            )
 
         tables = (tile_end, expert_count, expert_offset)
         if cutlass.const_expr(cfg.producer_warp):
@@ -437,7 +384,7 @@ class WgmmaGemm1(LinkedGemm):
             if warp_id == PRODUCER_WARP:
                 self.produce(
                     walk, grid, total_stages, tables, expert_tokens, x, x_scale, w_scale, x_bytes, x_scales, w_scales,
-                    tma, s_w, full, empty, g2s_16, g2s_4_f32, tidx % 32, token_scales, scale_copy,
+                    tma, s_w, full, empty, g2s_16, g2s_4_f32, tidx % 32,
                 )  # fmt: skip
             else:
                 fragments = self.mma_fragments(tiled_mma, s_w, s_x, tidx)
@@ -598,14 +545,11 @@ class WgmmaGemm1(LinkedGemm):
         g2s_16: cute.CopyAtom,
         g2s_4_f32: cute.CopyAtom,
         lane: Int32,
-        token_scales,
-        scale_copy: cute.CopyAtom,
     ):
         """The producer warp (producer_warp): every stage of the walk into its slot once the MMA warps released the
         slot's previous fill: the weight tile by TMA (`weight_tma`, on the slot's full mbarrier with its bytes), the
-        token rows by coalesced `cp.async` (two rows per copy), lane t the scales of token slot t (`scale_copy`: from
-        `token_scales` with token_major_scales), lanes 0-3 the weight block scales; each lane then arrives on the full
-        mbarrier when its copies land."""
+        token rows by coalesced `cp.async` (two rows per copy), lane t the scales of token slot t, lanes 0-3 the weight
+        block scales; each lane then arrives on the full mbarrier when its copies land."""
         cfg = self.cfg
         bt, ns = cfg.block_tokens, cfg.num_stages
         tile_end, expert_count, expert_offset = tables
@@ -650,11 +594,8 @@ class WgmmaGemm1(LinkedGemm):
                         cute.local_tile(x_bytes, (CHUNK,), (swizzled_offset(row, chunk * CHUNK, slot, bt) // CHUNK,)),
                     )
             if lane < valid_rows:
-                if cutlass.const_expr(self.cfg.token_major_scales):
-                    copy_token_scale_pair(scale_copy, token_scales, x_scales, token, lane, k_stage, slot)
-                else:
-                    for block in cutlass.range_constexpr(BLOCKS_PER_STAGE):
-                        copy_token_scale(scale_copy, x_scale, x_scales, token, lane, k_stage, slot, block)
+                for block in cutlass.range_constexpr(BLOCKS_PER_STAGE):
+                    copy_token_scale(g2s_4_f32, x_scale, x_scales, token, lane, k_stage, slot, block)
             if lane < 2 * BLOCKS_PER_STAGE:
                 copy_weight_block_scale(g2s_4_f32, w_scale, w_scales, expert, n_tile, k_stage, slot, lane)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + slot)

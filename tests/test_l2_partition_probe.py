@@ -1,6 +1,7 @@
-"""tools/l2_partition_probe.py: the line offsets, the fast/slow threshold, the split by a reference SM and the SM ranges
-(CPU, on made-up latencies of both L2 models), the argument checks, the compile of its kernel (CPU), and on a GPU
-(marked `gpu`) one short probe whose two references agree."""
+"""tools/l2_partition_probe.py and kernels/moe/l2_partitions.py: the line offsets, the fast/slow threshold, the split
+by a reference SM, the ranks from a split and the SM ranges (CPU, on made-up latencies of both L2 models), the argument
+checks, the compile of the kernels (CPU), and on a GPU (marked `gpu`) one short probe whose two references agree and
+the ranks of the device."""
 
 from __future__ import annotations
 
@@ -13,19 +14,20 @@ from hopperbench.devcheck import load_module_by_path
 from hopperbench.paths import REPO_ROOT
 
 probe = load_module_by_path(REPO_ROOT / "tools/l2_partition_probe.py", "l2_partition_probe")
+partitions = probe.partitions
 
 FAST, SLOW = 300, 520
 
 
 def test_line_offsets_are_distinct_lines_inside_the_buffer():
-    offsets = [i * probe.line_stride_words(256) for i in range(256)]
-    assert len(set(o // probe.LINE_WORDS for o in offsets)) == 256
-    assert all(o % probe.LINE_WORDS == 0 and 0 <= o < probe.BUFFER_WORDS for o in offsets)
+    offsets = [i * partitions.line_stride_words(256) for i in range(256)]
+    assert len(set(o // partitions.LINE_WORDS for o in offsets)) == 256
+    assert all(o % partitions.LINE_WORDS == 0 and 0 <= o < partitions.BUFFER_WORDS for o in offsets)
 
 
 def test_threshold_falls_between_the_two_modes():
     rows = [[FAST + (i % 7) for i in range(64)], [SLOW - (i % 5) if i % 2 else FAST for i in range(64)]]
-    assert FAST + 7 < probe.slow_threshold(rows) < SLOW - 5
+    assert FAST + 7 < partitions.slow_threshold(rows) < SLOW - 5
 
 
 def _partitions() -> set[int]:
@@ -37,7 +39,7 @@ def test_split_in_a_replicating_l2():
     # from the other partition.
     home_far = [i % 2 == 0 for i in range(40)]
     latencies = {sm: [FAST if sm in _partitions() or not far else SLOW for far in home_far] for sm in range(12)}
-    same, other = probe.split_by_reference(latencies, 0)
+    same, other = partitions.split_by_reference(latencies, 0)
     assert same == sorted(_partitions()) and other == sorted(set(range(12)) - _partitions())
 
 
@@ -45,7 +47,7 @@ def test_split_in_a_home_partition_l2():
     # No copies: each line is slow from the partition it is not homed in, so the two halves see complementary patterns.
     homed_here = [i % 3 == 0 for i in range(40)]
     latencies = {sm: [FAST if (sm in _partitions()) == here else SLOW for here in homed_here] for sm in range(12)}
-    same, other = probe.split_by_reference(latencies, 4)
+    same, other = partitions.split_by_reference(latencies, 4)
     assert same == sorted(_partitions()) and other == sorted(set(range(12)) - _partitions())
 
 
@@ -59,8 +61,15 @@ def test_bad_arguments_are_refused():
     assert probe.main(["--references", "0"]) == 2
 
 
-def test_the_probe_kernel_compiles_without_a_gpu():
-    assert callable(probe.compiled_probe())
+def test_ranks_from_a_split():
+    assert partitions.ranks_from_split([0, 1, 4, 5], [2, 3, 6, 7], 8) == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert partitions.ranks_from_split(list(range(8)), [], 8) == list(range(8))  # no split: the identity
+    assert partitions.ranks_from_split([0], list(range(1, 8)), 8) == list(range(8))  # not halves
+    assert partitions.ranks_from_split([0, 1, 2, 3], [4, 5, 6], 8) == list(range(8))  # an SM missing
+
+
+def test_the_kernels_compile_without_a_gpu():
+    assert all(callable(fn) for fn in partitions.compiled_kernels("sm_90a"))
 
 
 @pytest.mark.gpu
@@ -72,3 +81,8 @@ def test_a_short_probe_splits_the_sms(tmp_path, capsys):
     first = found["references"][0]
     assert found["agree"] and sorted(first["same"] + first["other"]) == list(range(found["sms"]))
     assert "reference SM 0" in capsys.readouterr().out
+    device = torch.device("cuda", torch.cuda.current_device())
+    ranks = partitions.partition_ranks(device)
+    assert sorted(ranks) == list(range(found["sms"]))
+    if len(first["other"]) >= found["sms"] // 3:  # a split: the reference's group first
+        assert sorted(ranks[sm] for sm in first["same"]) == list(range(len(first["same"])))

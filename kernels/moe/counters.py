@@ -31,7 +31,8 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from .chain import NO_CHAIN
 from .routing import ZeroCountsKernel
 from .shapes import NUM_LOCAL_EXPERTS
-from .streaming_gemm import WALK_SLOT_WORDS
+from .l2_partitions import partition_ranks
+from .streaming_gemm import RANKS_WRITTEN, WALK_SLOT_WORDS
 
 __all__ = ["kept_counts", "kept_routed", "kept_walk_slots"]
 
@@ -76,18 +77,42 @@ def kept_routed(device: torch.device, arch: str) -> torch.Tensor:
     return _kept(device, arch, "routed")
 
 
-def kept_walk_slots(device: torch.device, arch: str) -> torch.Tensor:
+def kept_walk_slots(device: torch.device, arch: str, ranked: bool = False) -> torch.Tensor:
     """The per-SM slot counters of GEMM1's walk by SM id (v2.32, `streaming_gemm.take_walk_slot`): zeroed once when
-    created and never again, since a call's draws give every slot once whatever a word holds."""
-    return _kept(device, arch, "walk_slots", WALK_SLOT_WORDS)
+    created and never again, since a call's draws give every slot once whatever a word holds. `ranked` (candidate
+    v2.56's partition walk): twice as long, word WALK_SLOT_WORDS + s holding SM s's rank in
+    `l2_partitions.partition_ranks` and the last word RANKS_WRITTEN, both copied from the host once when the buffer is
+    created (not inside a capture, whose fresh buffer then walks by `%smid`)."""
+    if not ranked:
+        return _kept(device, arch, "walk_slots", WALK_SLOT_WORDS)
+    return _kept(device, arch, "walk_slots_ranked", 2 * WALK_SLOT_WORDS, _write_ranks)
 
 
-def _kept(device: torch.device, arch: str, purpose: str, words: int = NUM_LOCAL_EXPERTS) -> torch.Tensor:
+def _write_ranks(buffer: torch.Tensor) -> None:
+    ranks = partition_ranks(buffer.device)
+    words = torch.zeros(WALK_SLOT_WORDS, dtype=torch.int32)
+    words[: len(ranks)] = torch.tensor(ranks, dtype=torch.int32)
+    words[-1] = RANKS_WRITTEN
+    buffer[WALK_SLOT_WORDS:].copy_(words)  # a host-to-device copy on the current stream, after the zeroing
+
+
+def _kept(
+    device: torch.device,
+    arch: str,
+    purpose: str,
+    words: int = NUM_LOCAL_EXPERTS,
+    initialise: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """The kept buffer of `purpose` for the current stream of `device`, zeroed (then `initialise`d) when created; a
+    fresh zeroed one inside a capture."""
     if torch.cuda.is_current_stream_capturing():
         return _zeroed(device, arch, words)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch.cuda.current_stream(index).cuda_stream, purpose)
     buffer = _KEPT.get(key)
     if buffer is None:
-        buffer = _KEPT[key] = _zeroed(device, arch, words)
+        buffer = _zeroed(device, arch, words)
+        if initialise is not None:
+            initialise(buffer)
+        _KEPT[key] = buffer
     return buffer

@@ -141,6 +141,7 @@ class StreamingVariant:
     gemm1_ctas_per_sm: int = 2  # GEMM1's max_ctas_per_sm (`mma.sync`: v2.28, v2.29; WGMMA: v2.41)
     gemm1_smid_walk: bool = False  # GEMM1's smid_walk (`mma.sync`: v2.32; WGMMA: v2.42)
     gemm1_producer_warp: bool = False  # the WGMMA GEMM1's producer_warp (v2.52)
+    gemm1_partition_walk: bool = False  # the WGMMA GEMM1's partition_walk (candidate v2.56)
     gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
     f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (v2.39)
     gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm (v2.40)
@@ -151,6 +152,8 @@ class StreamingVariant:
             raise ValueError("wgmma_gemm2 needs wgmma_gemm1")
         if (self.gemm1_scratch_in_stage or self.gemm1_producer_warp) and not self.wgmma_gemm1:
             raise ValueError("gemm1_scratch_in_stage and gemm1_producer_warp need wgmma_gemm1")
+        if self.gemm1_partition_walk and not (self.gemm1_producer_warp and self.gemm1_smid_walk):
+            raise ValueError("gemm1_partition_walk needs gemm1_producer_warp and gemm1_smid_walk")
         if self.gemm1_producer_warp and not self.routing_in_gemm1:
             raise ValueError("gemm1_producer_warp needs routing_in_gemm1")  # the only GEMM1 built with its guard
         if self.gemm2_weights_before_wait and (self.wgmma_gemm2 or not self.routing_in_gemm1):
@@ -177,6 +180,7 @@ class StreamingVariant:
                 max_ctas_per_sm=self.gemm1_ctas_per_sm,
                 smid_walk=self.gemm1_smid_walk,
                 producer_warp=self.gemm1_producer_warp,
+                partition_walk=self.gemm1_partition_walk,
             )
         return StreamingGemmConfig(
             gemm1=True,
@@ -450,7 +454,9 @@ def run_keeping_workspaces(
     gemm1_ctas, gemm2_ctas = _grids(variant, _num_sms(device))
     kept = counters.kept_counts(device, GPU_ARCH)
     kept_routed = counters.kept_routed(device, GPU_ARCH) if variant.routing_in_gemm1 else None
-    kept_slots = counters.kept_walk_slots(device, GPU_ARCH) if variant.gemm1_smid_walk else None
+    kept_slots = None
+    if variant.gemm1_smid_walk:
+        kept_slots = counters.kept_walk_slots(device, GPU_ARCH, ranked=variant.gemm1_partition_walk)
     host.launch(
         compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas, kept, kept_routed, kept_slots
     )

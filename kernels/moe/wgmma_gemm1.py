@@ -38,6 +38,8 @@ from .routing import route_then_meet
 from .shapes import BLOCK, GEMM1_OUT, HIDDEN, INTERMEDIATE
 from .streaming_gemm import (
     PAIRED_SLOTS,
+    RANKS_WRITTEN,
+    WALK_SLOT_WORDS,
     LinkedGemm,
     PersistentGemmConfig,
     StreamingConfigError,
@@ -169,7 +171,11 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     hardware's placement; `producer_warp` (v2.52, MEDIUM_T; 32-token tiles with the tile in a stage and the
     routing's cooperative grid): a fifth warp issues every stage (the weights by TMA, `weight_tma`; the token rows by
     coalesced `cp.async`) on the slot's full mbarrier and the warpgroup waits on that alone, releasing the slot on its
-    empty mbarrier, so that no CTA-wide barrier ends a K stage."""
+    empty mbarrier, so that no CTA-wide barrier ends a K stage; `partition_walk` (candidate v2.56, with smid_walk and
+    producer_warp): the walk's SM index is the SM's rank in `l2_partitions.partition_ranks` (one L2 partition's SMs
+    first; kept after the slot counters in the walk's buffer, `counters.kept_walk_slots`) instead of `%smid`, and an expert's items run weight
+    tile by weight tile (its row tiles adjacent, `item_tile`), so that the CTAs reading one weight tile at once sit on
+    one partition's SMs and the tile crosses the fabric between the partitions at most once."""
 
     def __init__(
         self,
@@ -180,6 +186,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         max_ctas_per_sm: int = 2,
         smid_walk: bool = False,
         producer_warp: bool = False,
+        partition_walk: bool = False,
     ):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
@@ -195,6 +202,9 @@ class WgmmaGemm1Config(PersistentGemmConfig):
             # A lane per token slot; the epilogue's tile in the slot it releases afterwards.
             raise StreamingConfigError("producer_warp needs block_tokens=32 and scratch_in_stage")
         self.producer_warp = producer_warp
+        if partition_walk and not (smid_walk and producer_warp):
+            raise StreamingConfigError("partition_walk needs smid_walk and producer_warp")
+        self.partition_walk = partition_walk
         self.num_threads = NUM_THREADS + 32 if producer_warp else NUM_THREADS
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
@@ -368,7 +378,12 @@ class WgmmaGemm1(LinkedGemm):
         if cutlass.const_expr(cfg.smid_walk):
             drawn = walk_slot_word[0]
             if drawn >= 0:
-                walk = drawn * (grid // PAIRED_SLOTS) + cute.arch.smid()
+                round_base = drawn * (grid // PAIRED_SLOTS)
+                sm_position = cute.arch.smid()
+                if cutlass.const_expr(cfg.partition_walk):
+                    if walk_slots[2 * WALK_SLOT_WORDS - 1] == RANKS_WRITTEN:
+                        sm_position = walk_slots[WALK_SLOT_WORDS + sm_position]  # the SM's partition rank
+                walk = round_base + sm_position
                 total_stages = cta_stage_count(tile_end, ITEMS_PER_ROW_TILE, K_STAGES, walk, grid)
 
         g2s_16 = cute.make_copy_atom(
@@ -494,9 +509,9 @@ class WgmmaGemm1(LinkedGemm):
         if k_stage == K_STAGES - 1:
             # the computed item, located once at its end (its K stages need no location)
             _, _, item_valid_rows, item_packed_row0 = locate_row_tile(
-                item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
+                self.item_row_tile(item, tables), bt, tile_end, expert_count, expert_offset
             )
-            n_tile = item % ITEMS_PER_ROW_TILE
+            n_tile = self.item_n_tile(item, tables)
             if cutlass.const_expr(cfg.scratch_in_stage):
                 # The token stage in `slot`. A warp's wait_group covers its own share of the
                 # warpgroup's MMAs, which read all of the stage: the fence and barrier let no thread
@@ -514,6 +529,35 @@ class WgmmaGemm1(LinkedGemm):
                 )  # fmt: skip
             else:
                 self.epilogue(acc, coords, scratch, out, n_tile, item_packed_row0, item_valid_rows, tidx)
+
+    @cute.jit
+    def expert_items(self, item: Int32, tables):
+        """partition_walk: (the expert's first row tile, its row tiles R, the item's index among its 64 R items)."""
+        tile_end, expert_count, expert_offset = tables
+        bt = self.cfg.block_tokens
+        tile = item // ITEMS_PER_ROW_TILE  # a tile of the item's expert (its items span its tiles' 64 x R)
+        expert, first_row, _, _ = locate_row_tile(tile, bt, tile_end, expert_count, expert_offset)
+        first_tile = tile - first_row // bt
+        return first_tile, (expert_count[expert] + bt - 1) // bt, item - first_tile * ITEMS_PER_ROW_TILE
+
+    @cute.jit
+    def item_row_tile(self, item: Int32, tables):
+        """The row tile of a walk item: item // 64 (a row tile's 64 items adjacent), or with partition_walk row tile
+        local % R of its expert (the expert's R row tiles of one N tile adjacent, `expert_items`)."""
+        row_tile = item // ITEMS_PER_ROW_TILE
+        if cutlass.const_expr(self.cfg.partition_walk):
+            first_tile, tiles, local = self.expert_items(item, tables)
+            row_tile = first_tile + local % tiles
+        return row_tile
+
+    @cute.jit
+    def item_n_tile(self, item: Int32, tables):
+        """The N tile (32 up rows and their gate rows) of a walk item: item % 64, or with partition_walk local // R."""
+        n_tile = item % ITEMS_PER_ROW_TILE
+        if cutlass.const_expr(self.cfg.partition_walk):
+            _, tiles, local = self.expert_items(item, tables)
+            n_tile = local // tiles
+        return n_tile
 
     @cute.jit
     def warpgroup_barrier(self):
@@ -560,6 +604,7 @@ class WgmmaGemm1(LinkedGemm):
             tma_atom, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(tiles, 0, 2)
         )
         expert, valid_rows, token = Int32(0), Int32(0), Int32(0)  # the item's, located at its first K stage
+        item_n_tile = Int32(0)  # with partition_walk, located at the first K stage too
         for s in cutlass.range(total_stages, unroll=1):
             slot = s % ns
             if s >= ns:
@@ -569,9 +614,13 @@ class WgmmaGemm1(LinkedGemm):
             n_tile = item % ITEMS_PER_ROW_TILE
             if k_stage == 0:
                 expert, first_row, valid_rows, _ = locate_row_tile(
-                    item // ITEMS_PER_ROW_TILE, bt, tile_end, expert_count, expert_offset
+                    self.item_row_tile(item, tables), bt, tile_end, expert_count, expert_offset
                 )
                 token = slot_token(expert_tokens, expert, first_row, valid_rows, lane)
+                if cutlass.const_expr(cfg.partition_walk):
+                    item_n_tile = self.item_n_tile(item, tables)
+            if cutlass.const_expr(cfg.partition_walk):
+                n_tile = item_n_tile
             # the whole warp: the TMA copy elects its own lane
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + slot, ITEM_ROWS * STAGE_K)

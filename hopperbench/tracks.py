@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_partition_walk",
-            entry="candidate_partition_walk.py::run",
-            description="v2.56: kernel.py with MEDIUM_T's GEMM1 walking partition by partition (SM ranks from the measured L2 partition map, an expert's items weight tile by weight tile)",
-        ),
     ),
 )
 

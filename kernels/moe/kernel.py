@@ -72,7 +72,7 @@ from typing import Callable
 
 import torch
 
-from . import counters, host
+from . import counters, host, l2_partitions
 from .host import Workspaces
 from .inputs import MAX_TOKENS, MoeShapeError, check_inputs
 from .streaming_gemm import WALK_SLOT_WORDS, StreamingGemm, StreamingGemmConfig
@@ -275,7 +275,11 @@ FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True, gem
 # medians 1.02-1.08x off the list at 256-1024 tokens). A fifth warp issues its stages (the weights by TMA, the token
 # rows by coalesced cp.async) on per-slot full and empty mbarriers, so no CTA-wide barrier ends a K stage (v2.52: 901
 # tokens 1.011x by the ratio of medians, paired median 1.023x, 5 of 5 trials faster; medians 1.015-1.022x off the list
-# at 256-1024 tokens; v2.51, one token row per producer lane, lost 0.849x on its uncoalesced copies).
+# at 256-1024 tokens; v2.51, one token row per producer lane, lost 0.849x on its uncoalesced copies). Its walk takes the
+# SMs by their rank with one L2 partition's SMs first (measured once per device, `l2_partitions.partition_ranks`) and
+# an expert's items weight tile by weight tile, so that the CTAs reading one weight tile share a partition: the fabric
+# between the two partitions bounded this GEMM1 at 901 tokens (ncu: 86.7 % -> 75.2 %; v2.56: 901 tokens 1.034x by the
+# ratio of medians, paired median 1.067x, 5 of 5 trials faster; medians 0.996 / 1.026 / 1.058x at 256 / 512 / 1024).
 MEDIUM_T = StreamingVariant(
     block_tokens=32,
     num_stages=3,
@@ -288,6 +292,7 @@ MEDIUM_T = StreamingVariant(
     gemm1_ctas_per_sm=3,
     gemm1_smid_walk=True,
     gemm1_producer_warp=True,
+    gemm1_partition_walk=True,
     f16_c=True,
     gemm2_ctas_per_sm=3,
 )
@@ -302,6 +307,7 @@ LARGE_T = dataclasses.replace(
     gemm1_ctas_per_sm=2,
     gemm1_smid_walk=False,
     gemm1_producer_warp=False,
+    gemm1_partition_walk=False,
 )
 VARIANTS = (TINY_T_EARLY_W2, TINY_T_THREE_CTAS, TINY_T, FEW_TOKENS, MEDIUM_T, LARGE_T)
 
@@ -349,12 +355,15 @@ def compiled_for(variant: StreamingVariant, arch: str = GPU_ARCH) -> Callable:
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
-    """Compile the variants and the zeroing of new counter and slot buffers for `arch` without touching a GPU
-    (for CI and warm-up: no call compiles lazily afterwards)."""
+    """Compile the variants, the zeroing of new counter and slot buffers (the ranked walk buffer twice as long) and
+    the L2 partition probe's kernels for `arch` without touching a GPU (for CI and warm-up: no call compiles lazily
+    afterwards)."""
     return (
         *(compiled_for(variant, arch) for variant in VARIANTS),
         counters.compiled_zero(arch),
         counters.compiled_zero(arch, WALK_SLOT_WORDS),
+        counters.compiled_zero(arch, 2 * WALK_SLOT_WORDS),
+        *l2_partitions.compiled_kernels(arch),
     )
 
 

@@ -29,7 +29,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check
 kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_wide_from_193", "candidate_partition_walk")
+SOLUTIONS = ("kernel", "candidate_wide_from_193")
 
 
 @functools.cache
@@ -46,10 +46,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_compiles_for_sm90a_without_gpu():
-    # Every variant and the zeroing of new counter and slot buffers, so that no call compiles lazily.
-    compiled = assert_compiles_and_caches(kernel.compile_only, len(kernel.VARIANTS) + 2)
+    # Every variant, the zeroing of new counter and slot buffers and the L2 partition probe, so that no call compiles
+    # lazily.
+    compiled = assert_compiles_and_caches(kernel.compile_only, len(kernel.VARIANTS) + 5)
     counters = solution_module("counters")
-    assert compiled[-2:] == (counters.compiled_zero("sm_90a"), counters.compiled_zero("sm_90a", 256))
+    zeroing = tuple(counters.compiled_zero("sm_90a", words) for words in (32, 256, 512))
+    assert compiled[len(kernel.VARIANTS) : len(kernel.VARIANTS) + 3] == zeroing
+    assert compiled[-2:] == solution_module("l2_partitions").compiled_kernels("sm_90a")
 
 
 def test_variants_are_on_wgmma_from_33_tokens():

@@ -4,11 +4,13 @@ from 33 tokens since v1.5).
 CPU: the byte offsets the cp.async copies write equal the offsets of the swizzled K_SW128 layouts
 the WGMMA reads (traced from CuTe's own layouts, for every token-tile width and three stages); item
 rows, SwiGLU pairing and block-scale rows; the shared-memory budget.
-CPU also: the producer warp's configuration (v2.52) and its guards.
+CPU also: the producer warp's configuration (v2.52) and its guards; the partition walk's (v2.56) and its item order.
 GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py with GEMM1 on WGMMA in every
 variant, also those kernel.py keeps on mma.sync (7-1024 tokens); its accuracy against the mma.sync
 GEMM1's. Both with the `mma.sync` GEMM2, so that only GEMM1 differs. MEDIUM_T's output with the producer warp bit
-for bit the same variant's without it. The end-to-end checks are test_moe_kernel.py's.
+for bit the same variant's without it, and with the partition walk bit for bit without it; after a call the kept walk
+buffer holds a permutation of the SMs, and a CUDA-graph replay (whose captured buffer has no ranks) follows new
+inputs. The end-to-end checks are test_moe_kernel.py's.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor
 
-from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, solution_module
+from hopperbench.devcheck import replay_on_fresh_inputs
+from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, reference, solution_module
 from tests.kernels.test_moe_streaming import (
     MEDIUM_T_BITWISE_CASES,
     assert_bit_for_bit,
@@ -182,8 +185,44 @@ def test_producer_warp_configuration_and_its_guards():
 
 
 def without_producer_warp(num_tokens: int):
-    """kernel.py's variant for T with GEMM1's stages ending on the CTA-wide barrier instead of a producer warp."""
-    return dataclasses.replace(kernel.variant_for(num_tokens), gemm1_producer_warp=False)
+    """kernel.py's variant for T with GEMM1's stages ending on the CTA-wide barrier instead of a producer warp (and
+    so without the partition walk, which needs it)."""
+    return dataclasses.replace(kernel.variant_for(num_tokens), gemm1_producer_warp=False, gemm1_partition_walk=False)
+
+
+def test_partition_walk_configuration_and_its_guards():
+    # v2.56: MEDIUM_T's GEMM1 walks by the SMs' L2-partition ranks, kept after the walk's slot counters.
+    assert kernel.MEDIUM_T.gemm1().partition_walk and not kernel.LARGE_T.gemm1().partition_walk
+    with pytest.raises(wgmma.StreamingConfigError, match="partition_walk"):
+        wgmma.WgmmaGemm1Config(32, 3, scratch_in_stage=True, producer_warp=True, partition_walk=True)  # no smid walk
+    with pytest.raises(ValueError, match="gemm1_partition_walk"):
+        dataclasses.replace(kernel.LARGE_T, gemm1_partition_walk=True)
+
+
+def _partition_walk_item(item: int, first_tile: int, tiles: int) -> tuple[int, int]:
+    # (row tile, N tile) of `item_row_tile` / `item_n_tile` with partition_walk, for an item of the expert whose
+    # `tiles` row tiles start at first_tile
+    local = item - first_tile * wgmma.ITEMS_PER_ROW_TILE
+    return first_tile + local % tiles, local // tiles
+
+
+@pytest.mark.parametrize("tiles_per_expert", [(1,), (3, 1, 6), (2, 2, 5, 1, 4)])
+def test_the_partition_walks_item_order_is_a_bijection(tiles_per_expert):
+    per_tile = wgmma.ITEMS_PER_ROW_TILE
+    seen, first_tile = [], 0
+    for tiles in tiles_per_expert:
+        items = range(first_tile * per_tile, (first_tile + tiles) * per_tile)
+        pairs = [_partition_walk_item(item, first_tile, tiles) for item in items]
+        # the expert's row tiles of one N tile are adjacent items
+        assert pairs[:tiles] == [(row, 0) for row in range(first_tile, first_tile + tiles)]
+        seen += pairs
+        first_tile += tiles
+    assert sorted(seen) == [(row, n) for row in range(first_tile) for n in range(per_tile)]
+
+
+def without_partition_walk(num_tokens: int):
+    """kernel.py's variant for T with GEMM1 walking by `%smid` and row tile by row tile."""
+    return dataclasses.replace(kernel.variant_for(num_tokens), gemm1_partition_walk=False)
 
 
 @pytest.mark.gpu
@@ -193,6 +232,43 @@ def test_the_producer_warp_changes_no_bit(case):
     # The same bytes into the same swizzled slots and the same MMAs: only who issues the copies and how the stages
     # synchronise differ. kernel.run twice: call after call.
     assert_bit_for_bit((kernel.make_run(without_producer_warp), kernel.run, kernel.run), case, seed=113)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", MEDIUM_T_BITWISE_CASES, ids=lambda case: case.name)
+def test_the_partition_walk_changes_no_bit(case):
+    # The same items with the same bytes and MMAs: only which CTA takes an item, and when, differ.
+    assert_bit_for_bit((kernel.make_run(without_partition_walk), kernel.run, kernel.run), case, seed=113)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_kept_walk_buffer_holds_the_partition_ranks():
+    case = cases.CheckCase("t512", 512, 96)
+    inputs = cases.make_inputs(case, "cuda", seed=31)
+    output = cases.poisoned_output(case.num_tokens, "cuda")
+    kernel.run(*inputs.values(), output)
+    torch.cuda.synchronize()
+    counters, streaming_gemm = solution_module("counters"), solution_module("streaming_gemm")
+    words = counters.kept_walk_slots(torch.device("cuda"), kernel.GPU_ARCH, ranked=True).cpu()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    slots = streaming_gemm.WALK_SLOT_WORDS
+    assert sorted(words[slots : slots + sms].tolist()) == list(range(sms))
+    assert int(words[-1]) == streaming_gemm.RANKS_WRITTEN
+    assert cases.compare(output, reference.run(*inputs.values())).passed
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_graph_replay_without_partition_ranks_follows_new_inputs():
+    case = cases.CheckCase("graph", 512, 96)
+    static = cases.make_inputs(case, "cuda", seed=1)
+    output = cases.poisoned_output(case.num_tokens, "cuda")
+    fresh = cases.make_inputs(case, "cuda", seed=2)
+    replay_on_fresh_inputs(lambda: kernel.run(*static.values(), output), static, fresh, (output,))
+    stats = cases.compare(output, reference.run(*fresh.values()))
+    assert stats.passed, stats
 
 
 @pytest.mark.gpu

@@ -424,7 +424,7 @@ def routing_grid_counterpart(num_tokens: int):
     """`kernel.py`'s variant for T with the routing as a grid of its own. GEMM2's early weights wait on the routed count
     that only a routing GEMM1 completes, only a routing GEMM1 routes in every CTA, GEMM1's slots by SM id need its
     cooperative grid (v2.32), GEMM2's claims sit in the routed count's buffer (v2.34) and the producer warp is built
-    only beside the routing's guard (v2.52): all off with the grid."""
+    only beside the routing's guard (v2.52), the partition walk (v2.56) only with both: all off with the grid."""
     return dataclasses.replace(
         kernel.variant_for(num_tokens),
         routing_in_gemm1=False,
@@ -433,6 +433,7 @@ def routing_grid_counterpart(num_tokens: int):
         gemm1_smid_walk=False,
         gemm2_dynamic_items=False,
         gemm1_producer_warp=False,
+        gemm1_partition_walk=False,
     )
 
 

@@ -730,9 +730,12 @@ SMID_WALK_CASES = [c for c in THREE_CTAS_CASES if c.num_tokens >= 7] + [
 
 
 def walk_by_cta_index(num_tokens: int) -> kernel.StreamingVariant:
-    """`kernel.py`'s variant with GEMM1 walking over its CTA index instead of by SM id (the same items elsewhere)."""
+    """`kernel.py`'s variant with GEMM1 walking over its CTA index instead of by SM id (and so without the partition
+    walk, v2.56, which ranks the SM ids; the same items elsewhere)."""
     variant = kernel.variant_for(num_tokens)
-    return kernel.TINY_T if variant is kernel.TINY_T_THREE_CTAS else dataclasses.replace(variant, gemm1_smid_walk=False)
+    if variant is kernel.TINY_T_THREE_CTAS:
+        return kernel.TINY_T
+    return dataclasses.replace(variant, gemm1_smid_walk=False, gemm1_partition_walk=False)
 
 
 @pytest.mark.gpu
@@ -816,11 +819,17 @@ def test_official_large_batch_passes(case=cases.CheckCase("large_t11948", 11948,
 def on_mma_sync_gemm1(variant):
     """`variant` with `streaming_gemm.py`'s GEMM1 (itself where it has that one; its GEMM2 must not be on WGMMA). The
     WGMMA GEMM1's own switches (its epilogue tile in a stage; at 32-token tiles three CTAs per SM walking by SM id,
-    v2.41 and v2.42, and the producer warp, v2.52) have no `mma.sync` counterpart that fits, so they go back to their
-    defaults."""
+    v2.41 and v2.42, the producer warp, v2.52, and the partition walk, v2.56) have no `mma.sync` counterpart that fits,
+    so they go back to their defaults."""
     if not variant.wgmma_gemm1:
         return variant
-    switches = dict(gemm1_scratch_in_stage=False, gemm1_ctas_per_sm=2, gemm1_smid_walk=False, gemm1_producer_warp=False)
+    switches = dict(
+        gemm1_scratch_in_stage=False,
+        gemm1_ctas_per_sm=2,
+        gemm1_smid_walk=False,
+        gemm1_producer_warp=False,
+        gemm1_partition_walk=False,
+    )
     return dataclasses.replace(variant, wgmma_gemm1=False, **switches)
 
 

@@ -50,7 +50,12 @@ def with_gemm1_on(use_wgmma: bool):
             return variant
         # Only the mma.sync GEMM1 routes in every CTA (v2.26); its 8-token three-CTA walk (v2.29, v2.32) stays its own.
         return dataclasses.replace(
-            variant, wgmma_gemm1=True, routing_per_cta=False, gemm1_ctas_per_sm=2, gemm1_smid_walk=False
+            variant,
+            wgmma_gemm1=True,
+            routing_per_cta=False,
+            gemm1_ctas_per_sm=2,
+            gemm1_smid_walk=False,
+            gemm1_partition_walk=False,
         )
 
     return choose
@@ -169,7 +174,7 @@ def test_producer_warp_configuration_and_its_guards():
     # v2.52: MEDIUM_T's GEMM1 has a fifth (producer) warp and a full and an empty mbarrier per slot, at three CTAs
     # per SM.
     gemm1 = kernel.MEDIUM_T.gemm1()
-    without = dataclasses.replace(kernel.MEDIUM_T, gemm1_producer_warp=False).gemm1()
+    without = dataclasses.replace(kernel.MEDIUM_T, gemm1_producer_warp=False, gemm1_partition_walk=False).gemm1()
     assert gemm1.producer_warp and gemm1.num_threads == 160 and without.num_threads == 128
     assert {"stage_full", "stage_empty"} <= set(gemm1.fields()) and gemm1.ctas_per_sm() == 3 and gemm1.smid_walk
     assert "stage_full" not in without.fields() and not kernel.LARGE_T.gemm1().producer_warp

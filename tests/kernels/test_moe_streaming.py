@@ -745,11 +745,15 @@ def test_the_walk_by_sm_id_is_the_walk_by_cta_bit_for_bit_from_any_slot_words(ca
     # The three-CTA GEMM1s draw their slots from kept per-SM words (v2.32) that no call zeroes: from words of every
     # residue (the int32 wrap included) each call gives every SM's CTAs every slot once, so the outputs stay those of a
     # walk over the CTA index (TINY_T's at 7-8 tokens) bit for bit, and each word advances by 3 from 0 mod 4 and by 4
-    # otherwise. The H200's SM ids are dense (`tools/cta_placement.py`), so no SM takes the fallback walk.
-    assert kernel.variant_for(case.num_tokens).gemm1_smid_walk
+    # otherwise. The H200's SM ids are dense (`tools/cta_placement.py`), so no SM takes the fallback walk. MEDIUM_T's
+    # partition walk (v2.56) keeps its counters in the ranked buffer, before the ranks.
+    variant = kernel.variant_for(case.num_tokens)
+    assert variant.gemm1_smid_walk
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    words = solution_module("counters").kept_walk_slots(device, kernel.GPU_ARCH)
+    counters = solution_module("counters")
+    buffer = counters.kept_walk_slots(device, kernel.GPU_ARCH, ranked=variant.gemm1_partition_walk)
+    words = buffer[: solution_module("streaming_gemm").WALK_SLOT_WORDS]  # a view: the slot counters
     start = torch.tensor([-2**31, 2**31 - 1, -1, 0, 1, 2, 3, 5] * 32, dtype=torch.int32, device=device)[: words.numel()]
     words.copy_(start)
     theirs, *ours = outputs_of((kernel.make_run(walk_by_cta_index), *[kernel.run] * 2), case, seed=59)

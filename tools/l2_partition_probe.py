@@ -16,7 +16,8 @@ each next one an SM the previous reference's split put in the other group). `spl
 reference's group when its slow lines agree with the reference's own pattern (none slow in a replicating L2; the
 same lines slow in a home-partition L2) on at least three quarters of the lines. Prints the two groups per reference
 (SM ids as ranges), their latencies and whether the references agree; `--output` writes them as JSON. The
-measurement and the split are `kernels/moe/l2_partitions.py`'s (which candidate v2.56 runs on its first call).
+measurement and the split are `kernels/moe/l2_partitions.py`'s, which the MoE kernel runs on its first call at
+193-1024 tokens.
 Exits 2 without CUDA or on bad arguments, with one line on stderr; 1 if some SM could not be probed.
 """
 

@@ -79,8 +79,8 @@ def kept_routed(device: torch.device, arch: str) -> torch.Tensor:
 
 def kept_walk_slots(device: torch.device, arch: str, ranked: bool = False) -> torch.Tensor:
     """The per-SM slot counters of GEMM1's walk by SM id (v2.32, `streaming_gemm.take_walk_slot`): zeroed once when
-    created and never again, since a call's draws give every slot once whatever a word holds. `ranked` (candidate
-    v2.56's partition walk): twice as long, word WALK_SLOT_WORDS + s holding SM s's rank in
+    created and never again, since a call's draws give every slot once whatever a word holds. `ranked` (MEDIUM_T's
+    partition walk, v2.56): twice as long, word WALK_SLOT_WORDS + s holding SM s's rank in
     `l2_partitions.partition_ranks` and the last word RANKS_WRITTEN, both copied from the host once when the buffer is
     created (not inside a capture, whose fresh buffer then walks by `%smid`)."""
     if not ranked:

@@ -141,7 +141,7 @@ class StreamingVariant:
     gemm1_ctas_per_sm: int = 2  # GEMM1's max_ctas_per_sm (`mma.sync`: v2.28, v2.29; WGMMA: v2.41)
     gemm1_smid_walk: bool = False  # GEMM1's smid_walk (`mma.sync`: v2.32; WGMMA: v2.42)
     gemm1_producer_warp: bool = False  # the WGMMA GEMM1's producer_warp (v2.52)
-    gemm1_partition_walk: bool = False  # the WGMMA GEMM1's partition_walk (candidate v2.56)
+    gemm1_partition_walk: bool = False  # the WGMMA GEMM1's partition_walk (v2.56)
     gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
     f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (v2.39)
     gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm (v2.40)

@@ -65,7 +65,7 @@ SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on SM90
 SMEM_RESERVED_PER_CTA = 1024
 PAIRED_SLOTS = 3  # CTAs per SM of the paired-round walk (`paired_round_walk`)
 WALK_SLOT_WORDS = 256  # SM ids the walk by SM id (v2.32) keeps a slot counter for
-# The last word of a walk buffer with partition ranks (candidate v2.56: twice WALK_SLOT_WORDS, the ranks after the slot
+# The last word of a walk buffer with partition ranks (v2.56: twice WALK_SLOT_WORDS, the ranks after the slot
 # counters) once its ranks are written; a buffer without it (made inside a CUDA-graph capture) walks by `%smid`.
 RANKS_WRITTEN = 0x5A17
 ITEM_CLAIMS_WORD = 1  # the word of the kept routed-count buffer that a GEMM2 with dynamic_items claims from (v2.34)

@@ -171,11 +171,12 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     hardware's placement; `producer_warp` (v2.52, MEDIUM_T; 32-token tiles with the tile in a stage and the
     routing's cooperative grid): a fifth warp issues every stage (the weights by TMA, `weight_tma`; the token rows by
     coalesced `cp.async`) on the slot's full mbarrier and the warpgroup waits on that alone, releasing the slot on its
-    empty mbarrier, so that no CTA-wide barrier ends a K stage; `partition_walk` (candidate v2.56, with smid_walk and
+    empty mbarrier, so that no CTA-wide barrier ends a K stage; `partition_walk` (v2.56, MEDIUM_T; with smid_walk and
     producer_warp): the walk's SM index is the SM's rank in `l2_partitions.partition_ranks` (one L2 partition's SMs
-    first; kept after the slot counters in the walk's buffer, `counters.kept_walk_slots`) instead of `%smid`, and an expert's items run weight
-    tile by weight tile (its row tiles adjacent, `item_tile`), so that the CTAs reading one weight tile at once sit on
-    one partition's SMs and the tile crosses the fabric between the partitions at most once."""
+    first; kept after the slot counters in the walk's buffer, `counters.kept_walk_slots`) instead of `%smid`, and an
+    expert's items run weight tile by weight tile (its row tiles adjacent, `item_row_tile`, `item_n_tile`), so that
+    the CTAs reading one weight tile at once sit on one partition's SMs and the tile crosses the fabric between the
+    partitions at most once."""
 
     def __init__(
         self,
@@ -604,7 +605,9 @@ class WgmmaGemm1(LinkedGemm):
             tma_atom, 0, cute.make_layout(1), cute.group_modes(s_w, 0, 2), cute.group_modes(tiles, 0, 2)
         )
         expert, valid_rows, token = Int32(0), Int32(0), Int32(0)  # the item's, located at its first K stage
-        item_n_tile = Int32(0)  # with partition_walk, located at the first K stage too
+        # With partition_walk the N tile is located at the item's first K stage too; without it item % 64 stays where
+        # it was computed before (each stage), which keeps that walk's instructions as measured.
+        item_n_tile = Int32(0)
         for s in cutlass.range(total_stages, unroll=1):
             slot = s % ns
             if s >= ns:

@@ -1,6 +1,6 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.16 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v2.17 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
@@ -28,9 +28,11 @@ C rewritten as f16 times a power of two per row so that GEMM2 multiplies f16, in
 and v2.40: 1.047x at 901 tokens, 1.069x / 1.074x at 11948 / 14107); in session 28 from 193 to MEDIUM_T_MAX_TOKENS
 GEMM1 in 3 stages at three CTAs per SM walking its items by SM id (v2.41 and v2.42: 1.043x at 901 tokens, 5 of 5
 trials faster); in session 30 that GEMM1's stages issued by a producer warp on per-slot mbarriers, no CTA-wide barrier
-per K stage (v2.52: 1.011x at 901 tokens by the ratio of medians, paired 1.023x, 5 of 5 trials faster; NOTES.md).
-Destination passing,
-definition order, no host sync, no data-dependent host logic, graph-safe.
+per K stage (v2.52: 1.011x at 901 tokens by the ratio of medians, paired 1.023x, 5 of 5 trials faster); in session 31
+that GEMM1 walking by the SMs' L2-partition ranks with an expert's items weight tile by weight tile (v2.56: 1.034x at
+901 tokens by the ratio of medians, paired 1.067x, 5 of 5 trials faster; NOTES.md). Destination passing,
+definition order, no host sync (but once per device, at the first call of 193-1024 tokens: the L2 partition probe), no
+data-dependent host logic, graph-safe.
 
 Every call is the kernels of `host.py` in one TVM-FFI call, chained by programmatic dependent launches, on
 counters the previous call on the stream left at zero: up to MEDIUM_T_MAX_TOKENS three (GEMM1 + SwiGLU, which
@@ -49,7 +51,11 @@ weight streams; the variant is chosen from T alone (a shape):
   expert; NOTES.md), 64 above, where each expert has hundreds of tokens and a tile of 64 reads its
   weights half as often (three stages, its epilogue tile in the stage just consumed: two CTAs per SM). The 32-token
   tiles take 3 stages, the epilogue tile in a stage too, at three CTAs per SM, their round robin over slot x SMs +
-  SM id (the same kept slot draw), so that every SM holds an equal share of the items whatever the placement.
+  the SM's rank (the same kept slot draw), so that every SM holds an equal share of the items whatever the placement;
+  the rank puts one L2 partition's SMs first and an expert's row tiles of one weight tile are adjacent items, so that
+  the CTAs reading a weight tile at once share a partition (`l2_partitions.py`: the first call at these sizes on a
+  device measures which SMs share one, ~20 ms, and synchronises; a CUDA-graph capture that makes the buffer walks by
+  SM id).
 - GEMM2 (whose 16-bit activation stages are twice GEMM1's) gets 8-token tiles with 4 stages at two CTAs per SM up
   to FEW_TOKENS_MAX, 32-token tiles with 2 stages at three CTAs per SM above. It runs on 16-bit WGMMA with the e4m3
   weights converted in registers wherever GEMM1 is on WGMMA (GEMM1 then stores C in the column order it reads):

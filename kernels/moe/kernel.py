@@ -54,8 +54,8 @@ weight streams; the variant is chosen from T alone (a shape):
   the SM's rank (the same kept slot draw), so that every SM holds an equal share of the items whatever the placement;
   the rank puts one L2 partition's SMs first and an expert's row tiles of one weight tile are adjacent items, so that
   the CTAs reading a weight tile at once share a partition (`l2_partitions.py`: the first call at these sizes on a
-  device measures which SMs share one, ~20 ms, and synchronises; a CUDA-graph capture that makes the buffer walks by
-  SM id).
+  device measures which SMs share one, tens of ms by estimate, and synchronises; a CUDA-graph capture that makes the
+  buffer walks by SM id).
 - GEMM2 (whose 16-bit activation stages are twice GEMM1's) gets 8-token tiles with 4 stages at two CTAs per SM up
   to FEW_TOKENS_MAX, 32-token tiles with 2 stages at three CTAs per SM above. It runs on 16-bit WGMMA with the e4m3
   weights converted in registers wherever GEMM1 is on WGMMA (GEMM1 then stores C in the column order it reads):

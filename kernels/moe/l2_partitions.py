@@ -3,8 +3,8 @@
 Why (NOTES.md, session 31): the H200's L2 is two partitions that replicate lines; a line that CTAs of both partitions
 read crosses the fabric between them once more than one read in a single partition, and that fabric bounds GEMM1 at
 901 tokens. No PTX register names an SM's partition, and which SMs share one may differ from chip to chip (which
-TPCs are fused off; one H200 measured, so not known), so a walk that keeps readers of a line in one partition (MEDIUM_T's GEMM1, v2.56) measures the map on first
-use.
+TPCs are fused off; one H200 measured, so not known), so a walk that keeps readers of a line in one partition
+(MEDIUM_T's GEMM1, v2.56) measures the map on first use.
 
 The measurement (`measure_latencies`): our own fill kernel writes a buffer larger than the L2 (evicting it), thread 0
 of the first CTA that lands on the reference SM loads a set of 128-B lines, then the same on the probed SM, which times
@@ -200,8 +200,9 @@ _RANKS: dict[int, list[int]] = {}
 
 def partition_ranks(device: torch.device) -> list[int]:
     """rank[sm] for the SMs of `device`: one L2 partition's SMs first, then the other's (`ranks_from_split` on a
-    measurement against SM 0; the identity if it does not split the SMs in two). Measured once per device (~20 ms, it
-    synchronises); during a CUDA-graph capture, before that, the identity (a correct walk, only not partition-aware)."""
+    measurement against SM 0; the identity if it does not split the SMs in two). Measured once per device (132 L2
+    flushes: tens of ms, estimated; it synchronises); during a CUDA-graph capture, before that, the identity (a correct
+    walk, only not partition-aware)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     ranks = _RANKS.get(index)
     if ranks is None:

@@ -223,7 +223,7 @@ def compile_host(host: MoeHostSm90, arch: str) -> Callable:
         args = (*args, make_fake_compact_tensor(cutlass.Int32, (NUM_LOCAL_EXPERTS,), assumed_align=16))
     if host.gemm1.cfg.smid_walk:  # only with routing_in_gemm1 (its cooperative grid)
         # with partition ranks after the slot counters for a partition walk (`counters.kept_walk_slots`)
-        words = WALK_SLOT_WORDS * (2 if getattr(host.gemm1.cfg, "partition_walk", False) else 1)
+        words = WALK_SLOT_WORDS * (2 if host.gemm1.cfg.partition_walk else 1)
         args = (*args, make_fake_compact_tensor(cutlass.Int32, (words,), assumed_align=16))
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 

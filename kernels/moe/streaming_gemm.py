@@ -232,6 +232,8 @@ class PersistentGemmConfig:
     routing_per_cta: bool = False
     # A three-CTA GEMM1 whose walk groups by SM id and takes the kept slot counters (v2.32; the `mma.sync` one).
     smid_walk: bool = False
+    # A GEMM1 whose SM-id walk takes the SMs' L2-partition ranks after those counters (v2.56; the WGMMA one).
+    partition_walk: bool = False
     # A GEMM2 whose CTAs claim their items after the first from a kept counter (v2.34; the `mma.sync` one).
     dynamic_items: bool = False
     # A GEMM2 that multiplies C rewritten as f16 and so needs `c_to_f16.py` before it (v2.39; the WGMMA one).

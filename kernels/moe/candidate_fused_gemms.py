@@ -1,0 +1,462 @@
+"""MoE candidate v2.57 (`cand_fused_gemms`): from FUSED_MIN_TOKENS to FUSED_MAX_TOKENS both expert GEMMs run in one
+cooperative kernel whose CTAs go on from their GEMM1 items to GEMM2 items as soon as the items' expert has all its
+GEMM1 items done, instead of two kernels chained by a programmatic launch; elsewhere `kernel.py`.
+
+Why (NOTES, session 32): at 7 tokens' 5-expert trial about a third of the call streams no weights at full rate: the
+GEMM1 grid's last round, the hand-over to GEMM2 (its CTAs become resident as GEMM1's retire, wait for the whole GEMM1
+grid, build their schedule, then issue their first stages) and GEMM2's own ramp. Here GEMM1's items are walked round
+robin in expert order, so the early experts complete first, and a CTA that has no GEMM1 item left streams W2 for them
+while the others finish GEMM1.
+
+The kernel: routing and meeting as `kernel.py`'s GEMM1 up to 1024 tokens (`routing.route_then_meet`), CTA 0 zeroing
+the call's readiness counters before the meeting (so that every later signal follows the zeroing); GEMM1 + SwiGLU
+exactly as the `mma.sync` streaming GEMM (8-token row tiles, four stages, two CTAs per SM, items cta, cta + grid, ...),
+each item then signalled by thread 0 after the CTA barrier that follows its epilogue (a gpu-scope fence and an add to
+its expert's counter and to the total, as a cooperative grid barrier releases); GEMM2 exactly as the claiming
+`mma.sync` GEMM2 (`dynamic_items`, 8-token row tiles, four stages), thread 0 making sure of an item's expert before
+the barrier after which its activations (C) are loaded: once the total shows every GEMM1 item done it checks no more,
+else it polls the expert's counter (acquire) until all of that expert's GEMM1 items are in. No CTA waits for a GEMM1
+item that is not already its own or another resident CTA's, so the polls end (cooperative launch). The combine stays
+the next kernel (programmatic dependent). The same items, products and promotions as `kernel.py`'s streaming GEMMs:
+outputs bit for bit (a GPU test).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+from . import counters, kernel
+from .chain import ChainLink, chain_links, enter
+from .combine import CombineKernel
+from .host import Workspaces, fake_tensor_arguments
+from .inputs import check_inputs
+from .kernel import MoeShapeError, StreamingVariant
+from .routing import route_then_meet
+from .shapes import NUM_LOCAL_EXPERTS
+from .streaming_gemm import (
+    BLOCK,
+    BLOCKS_PER_STAGE,
+    GEMM1_ITEMS_PER_ROW_TILE,
+    GEMM2_ITEMS_PER_ROW_TILE,
+    ITEM_ROWS,
+    M_TILES,
+    NUM_THREADS,
+    NUM_WARPS,
+    StreamingGemm,
+    StreamingGemmConfig,
+    claim_item,
+    locate_row_tile,
+    publish_claim,
+    release_claims,
+    schedule_tables,
+)
+
+__all__ = ["FUSED_MAX_TOKENS", "FUSED_MIN_TOKENS", "MoeShapeError", "compile_only", "run", "variant_for"]
+
+# The rows that route by meeting (above 4 tokens every GEMM1 CTA would route them all) and keep `mma.sync` GEMMs
+# (below WGMMA_GEMM1_MIN_TOKENS): 7, 14-16 and 32 tokens on the list.
+FUSED_MIN_TOKENS = 5
+FUSED_MAX_TOKENS = kernel.WGMMA_GEMM1_MIN_TOKENS - 1
+ROW_TILE_TOKENS = 8  # both GEMMs' row tiles: one table serves both phases
+NUM_STAGES = 4
+# Readiness words: GEMM1 items done per local expert, then their total.
+TOTAL_WORD = NUM_LOCAL_EXPERTS
+READY_WORDS = NUM_LOCAL_EXPERTS + 1
+
+
+class FusedVariant:
+    """Stands where `kernel.py` would name a `StreamingVariant`: the fused kernel of this module."""
+
+
+FUSED = FusedVariant()
+
+
+def variant_for(num_tokens: int) -> StreamingVariant | FusedVariant:
+    """The fused kernel from FUSED_MIN_TOKENS to FUSED_MAX_TOKENS, else `kernel.py`'s variant."""
+    chosen = kernel.variant_for(num_tokens)  # also rejects an empty batch
+    return FUSED if FUSED_MIN_TOKENS <= num_tokens <= FUSED_MAX_TOKENS else chosen
+
+
+@cute.jit
+def signal_item_done(ready: cute.Tensor, expert: Int32):
+    """Thread 0, after the CTA barrier that follows an item's epilogue: release the CTA's C stores (gpu-scope fence,
+    as a cooperative grid barrier does), then count the item for its expert and in the total."""
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.atomic_add((ready.iterator + expert).llvm_ptr, Int32(1), scope="gpu")
+    cute.arch.atomic_add((ready.iterator + TOTAL_WORD).llvm_ptr, Int32(1), scope="gpu")
+
+
+@cute.jit
+def wait_for_expert(
+    ready: cute.Tensor, item: Int32, total_gemm1_items: Int32, verified: Int32, tile_end: cute.Tensor,
+    expert_count: cute.Tensor, expert_offset: cute.Tensor,
+) -> Int32:  # fmt: skip
+    """Thread 0 of a CTA before the barrier after which GEMM2 item `item`'s activations are loaded: return with every
+    GEMM1 item of its expert done and acquired. `verified` is the highest expert known complete (NUM_LOCAL_EXPERTS
+    once the total was seen complete); claims only grow, so an expert at or below it needs no check. Returns the new
+    `verified`."""
+    expert, _, _, _ = locate_row_tile(
+        item // GEMM2_ITEMS_PER_ROW_TILE, ROW_TILE_TOKENS, tile_end, expert_count, expert_offset
+    )
+    if expert > verified:
+        done = cute.arch.atomic_add((ready.iterator + TOTAL_WORD).llvm_ptr, Int32(0), scope="gpu")
+        if done == total_gemm1_items:
+            verified = Int32(NUM_LOCAL_EXPERTS)
+        else:
+            first_tile = Int32(0)
+            if expert > 0:
+                first_tile = tile_end[expert - 1]
+            needed = (tile_end[expert] - first_tile) * GEMM1_ITEMS_PER_ROW_TILE
+            seen = cute.arch.atomic_add((ready.iterator + expert).llvm_ptr, Int32(0), scope="gpu")
+            while seen < needed:
+                seen = cute.arch.atomic_add((ready.iterator + expert).llvm_ptr, Int32(0), scope="gpu")
+            verified = expert
+        cute.arch.fence_acq_rel_gpu()
+    return verified
+
+
+class FusedExpertGemms:
+    """GEMM1 + SwiGLU and GEMM2 in one cooperative persistent grid (the module's docstring), the call's first kernel."""
+
+    def __init__(self, link: ChainLink):
+        self.link = link
+        self.gemm1 = StreamingGemm(StreamingGemmConfig(gemm1=True, block_tokens=ROW_TILE_TOKENS, num_stages=NUM_STAGES))
+        self.gemm2 = StreamingGemm(
+            StreamingGemmConfig(gemm1=False, block_tokens=ROW_TILE_TOKENS, num_stages=NUM_STAGES, dynamic_items=True)
+        )
+        # GEMM2's shared memory holds GEMM1's: the same rings, GEMM1 viewing the activation ring (bf16 for C) as fp8.
+        self.cfg = self.gemm2.cfg
+
+    @cute.jit
+    def launch(
+        self, x: cute.Tensor, x_scale: cute.Tensor, w13: cute.Tensor, w13_scale: cute.Tensor, c: cute.Tensor,
+        w2: cute.Tensor, w2_scale: cute.Tensor, expert_out: cute.Tensor, counts: cute.Tensor,
+        expert_tokens: cute.Tensor, num_ctas: Int32, stream, routing, routed: cute.Tensor, counts_out: cute.Tensor,
+        ready: cute.Tensor,
+    ):  # fmt: skip
+        ns, bt = NUM_STAGES, ROW_TILE_TOKENS
+        SharedStorage = self.cfg.shared_storage()
+        # `StreamingGemm.launch`'s layouts (the activations' in elements, the same count for fp8 x and bf16 C)
+        w_layout = cute.make_layout(
+            (BLOCK, ITEM_ROWS, BLOCKS_PER_STAGE, ns),
+            stride=(1, BLOCK, ITEM_ROWS * BLOCK, BLOCKS_PER_STAGE * ITEM_ROWS * BLOCK),
+        )
+        x_layout = cute.make_layout(
+            (BLOCK, bt, BLOCKS_PER_STAGE, ns), stride=(1, BLOCK, bt * BLOCK, BLOCKS_PER_STAGE * bt * BLOCK)
+        )
+        x_scale_layout = cute.make_layout((bt, BLOCKS_PER_STAGE, ns), stride=(1, bt, BLOCKS_PER_STAGE * bt))
+        w_scale_layout = cute.make_layout(
+            (BLOCKS_PER_STAGE, M_TILES, ns), stride=(1, BLOCKS_PER_STAGE, M_TILES * BLOCKS_PER_STAGE)
+        )
+        scratch_layout = cute.make_layout((bt, ITEM_ROWS, NUM_WARPS), stride=(1, bt, ITEM_ROWS * bt))
+        self.kernel(
+            x, x_scale, w13, w13_scale, c, w2, w2_scale, expert_out, counts, expert_tokens, w_layout, x_layout,
+            x_scale_layout, w_scale_layout, scratch_layout, SharedStorage, routing, routed, counts_out, ready,
+        ).launch(
+            grid=[num_ctas, 1, 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            use_pdl=self.link.waits,
+            cooperative=True,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self, x: cute.Tensor, x_scale: cute.Tensor, w13: cute.Tensor, w13_scale: cute.Tensor, c: cute.Tensor,
+        w2: cute.Tensor, w2_scale: cute.Tensor, expert_out: cute.Tensor, counts: cute.Tensor,
+        expert_tokens: cute.Tensor, w_layout: cute.Layout, x_layout: cute.Layout, x_scale_layout: cute.Layout,
+        w_scale_layout: cute.Layout, scratch_layout: cute.Layout, SharedStorage: cutlass.Constexpr, routing,
+        routed: cute.Tensor, counts_out: cute.Tensor, ready: cute.Tensor,
+    ):  # fmt: skip
+        enter(self.link)
+        k1, k2, ns = self.gemm1.cfg.k_stages, self.gemm2.cfg.k_stages, NUM_STAGES
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp_id = tidx // 32
+        lane = tidx % 32
+        group = lane // 4
+        quad = lane % 4
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        w_stages = storage.w_stages.get_tensor(w_layout)
+        x1_stages = storage.x_stages.get_tensor(x_layout, dtype=cutlass.Float8E4M3FN)
+        x2_stages = storage.x_stages.get_tensor(x_layout)
+        x_scales = storage.x_scales.get_tensor(x_scale_layout)
+        w_scales = storage.w_scales.get_tensor(w_scale_layout)
+        scratch = storage.scratch.get_tensor(scratch_layout)
+
+        # Zeroed before CTA 0's add of the meeting, which every CTA acquires before its first signal or poll.
+        if cta == 0:
+            if tidx < READY_WORDS:
+                ready[tidx] = Int32(0)
+        route_then_meet(routing, counts, expert_tokens, cta, grid, tidx)
+        tile_end, expert_count, expert_offset, total_stages = schedule_tables(
+            storage, counts, ROW_TILE_TOKENS, GEMM1_ITEMS_PER_ROW_TILE, k1, cta, grid, warp_id, lane, counts_out
+        )
+
+        g2s_16 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
+        )
+        g2s_16_x = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
+        )
+        g2s_16_f32 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float32, num_bits_per_copy=128
+        )
+        g2s_4_f32 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), cutlass.Float32, num_bits_per_copy=32
+        )
+        acc = cute.make_rmem_tensor((M_TILES * self.gemm1.cfg.n_tiles * 4,), cutlass.Float32)
+        block_acc = cute.make_rmem_tensor((M_TILES * self.gemm1.cfg.n_tiles * 4,), cutlass.Float32)
+
+        # ---- GEMM1 + SwiGLU: items cta, cta + grid, ... (expert order), each signalled once its C is stored ----
+        located = self.gemm1.load_location(
+            cta, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx, (w13_scale.layout,)
+        )
+        valid_rows = Int32(0)
+        for p in cutlass.range_constexpr(ns - 1):
+            if p < total_stages:
+                self.gemm1.load_stage(
+                    p, p, located, x, x_scale, w13, w13_scale, w_stages, x1_stages, x_scales, w_scales, g2s_16,
+                    g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
+                )  # fmt: skip
+            cute.arch.cp_async_commit_group()
+        acc.fill(0.0)
+        for s in cutlass.range(total_stages, unroll=1):
+            cute.arch.cp_async_wait_group(ns - 2)
+            cute.arch.sync_threads()
+            if s + ns - 1 < total_stages:
+                if (s + ns - 1) % k1 == 0:
+                    located = self.gemm1.load_location(
+                        cta, grid, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx,
+                        (w13_scale.layout,),
+                    )  # fmt: skip
+                self.gemm1.load_stage(
+                    s + ns - 1, (s + ns - 1) % ns, located, x, x_scale, w13, w13_scale, w_stages, x1_stages,
+                    x_scales, w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
+                )  # fmt: skip
+            cute.arch.cp_async_commit_group()
+            if tidx == 0:
+                if s > 0 and s % k1 == 0:  # the barrier above followed the previous item's epilogue
+                    self.signal(ready, cta + (s // k1 - 1) * grid, tile_end, expert_count, expert_offset)
+            valid_rows = self.gemm1.compute_stage(
+                s, cta + (s // k1) * grid, located, valid_rows, acc, block_acc, w_stages, x1_stages, x_scales,
+                w_scales, scratch, c, tile_end, expert_count, expert_offset, warp_id, group, quad, tidx,
+            )  # fmt: skip
+        # Every copy landed and every warp done with the rings and the last epilogue before GEMM2 reuses them.
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        if tidx == 0:
+            if total_stages > 0:
+                self.signal(ready, cta + (total_stages // k1 - 1) * grid, tile_end, expert_count, expert_offset)
+
+        # ---- GEMM2: CTA c's first item is c, later ones claimed; an item's C is loaded once its expert is done ----
+        total_gemm1_items = tile_end[NUM_LOCAL_EXPERTS - 1] * GEMM1_ITEMS_PER_ROW_TILE
+        total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * GEMM2_ITEMS_PER_ROW_TILE
+        total_stages = cutlass.min(cutlass.max(total_items - cta, 0), 1) * k2
+        base = cta
+        claimed_word = storage.claimed_item.get_tensor(cute.make_layout(4))
+        pending = Int32(0)
+        verified = Int32(-1)  # thread 0's highest expert known complete
+        if tidx == 0:
+            pending = claim_item(routed)
+            if total_stages > 0:
+                verified = wait_for_expert(
+                    ready, base, total_gemm1_items, verified, tile_end, expert_count, expert_offset
+                )
+        cute.arch.sync_threads()
+        located = self.gemm2.load_location(
+            base, Int32(0), Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx, (w2_scale.layout,)
+        )
+        for p in cutlass.range_constexpr(ns - 1):
+            if p < total_stages:
+                self.gemm2.load_stage(
+                    p, p, located, c, x_scale, w2, w2_scale, w_stages, x2_stages, x_scales, w_scales, g2s_16,
+                    g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
+                )  # fmt: skip
+            cute.arch.cp_async_commit_group()
+        acc.fill(0.0)
+        s = Int32(0)
+        computed_item = base
+        while s < total_stages:
+            cute.arch.cp_async_wait_group(ns - 2)
+            if tidx == 0:
+                if (s + ns - 1) % k2 == 0:  # the load side takes the claim thread 0 published last stage
+                    upcoming = grid + claimed_word[0]
+                    if upcoming < total_items:
+                        verified = wait_for_expert(
+                            ready, upcoming, total_gemm1_items, verified, tile_end, expert_count, expert_offset
+                        )
+            cute.arch.sync_threads()
+            if (s + ns - 1) % k2 == 0:
+                claimed = grid + claimed_word[0]
+                if claimed < total_items:
+                    base = claimed
+                    total_stages = total_stages + k2
+                    located = self.gemm2.load_location(
+                        base, Int32(0), Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx,
+                        (w2_scale.layout,),
+                    )  # fmt: skip
+            if s + ns - 1 < total_stages:
+                self.gemm2.load_stage(
+                    s + ns - 1, (s + ns - 1) % ns, located, c, x_scale, w2, w2_scale, w_stages, x2_stages, x_scales,
+                    w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
+                )  # fmt: skip
+            cute.arch.cp_async_commit_group()
+            if tidx == 0 and (s + ns) % k2 == 0:
+                pending = publish_claim(claimed_word, pending, routed, total_items, grid)
+            if s % k2 == 0:
+                computed_item = base
+            valid_rows = self.gemm2.compute_stage(
+                s, computed_item, located, valid_rows, acc, block_acc, w_stages, x2_stages, x_scales, w_scales,
+                scratch, expert_out, tile_end, expert_count, expert_offset, warp_id, group, quad, tidx,
+            )  # fmt: skip
+            s = s + 1
+        if tidx == 0:
+            release_claims(routed, pending, total_items, grid)
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def signal(self, ready: cute.Tensor, item: Int32, tile_end, expert_count, expert_offset):
+        expert, _, _, _ = locate_row_tile(
+            item // GEMM1_ITEMS_PER_ROW_TILE, ROW_TILE_TOKENS, tile_end, expert_count, expert_offset
+        )
+        signal_item_done(ready, expert)
+
+
+class FusedMoeHost:
+    """The call's two launches: the fused expert GEMMs (routing first, cooperative) and the combine, a programmatic
+    dependent that also zeroes the kept counters. Arguments as `host.MoeHostSm90`'s, one grid, then the kept routed
+    count and the call's readiness words."""
+
+    def __init__(self):
+        gemms_link, combine_link = chain_links(2)
+        self.gemms = FusedExpertGemms(gemms_link)
+        self.combine = CombineKernel(combine_link, loads_first=True)
+
+    @cute.jit
+    def __call__(
+        self, routing_logits: cute.Tensor, routing_bias: cute.Tensor, hidden_states: cute.Tensor,
+        hidden_states_scale: cute.Tensor, gemm1_weights: cute.Tensor, gemm1_weights_scale: cute.Tensor,
+        gemm2_weights: cute.Tensor, gemm2_weights_scale: cute.Tensor, local_expert_offset: Int32,
+        routed_scaling_factor: cutlass.Float32, output: cute.Tensor, counts: cute.Tensor, counts_out: cute.Tensor,
+        expert_tokens: cute.Tensor, slot_expert: cute.Tensor, slot_rank: cute.Tensor, slot_weight: cute.Tensor,
+        intermediate: cute.Tensor, expert_out: cute.Tensor, c_scale: cute.Tensor, grid: Int32, stream,
+        routed: cute.Tensor, ready: cute.Tensor,
+    ):  # fmt: skip
+        routing = (
+            routing_logits, routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank,
+            slot_weight, routed,
+        )  # fmt: skip
+        self.gemms.launch(
+            hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, intermediate, gemm2_weights,
+            gemm2_weights_scale, expert_out, counts, expert_tokens, grid, stream, routing, routed, counts_out, ready,
+        )  # fmt: skip
+        self.combine.launch(
+            counts_out, slot_expert, slot_rank, slot_weight, expert_out, output, stream, (counts, routed)
+        )
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def compiled_fused(arch: str = kernel.GPU_ARCH) -> Callable:
+    """The fused host function for `arch` (compiled on first use; needs no GPU)."""
+    fn = _COMPILED.get(arch)
+    if fn is None:
+        words = (NUM_LOCAL_EXPERTS, READY_WORDS)
+        args = (
+            *fake_tensor_arguments(),
+            0,
+            make_fake_stream(use_tvm_ffi_env_stream=True),
+            *(make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=16) for n in words),
+        )
+        fn = _COMPILED[arch] = cute.compile(FusedMoeHost(), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+    return fn
+
+
+def compile_only(arch: str = kernel.GPU_ARCH) -> tuple[Callable, ...]:
+    """`kernel.py`'s configurations and the fused kernel for `arch`, without a GPU."""
+    return (*kernel.compile_only(arch), compiled_fused(arch))
+
+
+def grid_ctas(num_sms: int) -> int:
+    """The fused grid: every CTA resident at once (cooperative), as many per SM as its shared memory allows."""
+    return kernel.persistent_ctas(FusedExpertGemms(chain_links(2)[0]).cfg, num_sms)
+
+
+def run(
+    routing_logits,
+    routing_bias,
+    hidden_states,
+    hidden_states_scale,
+    gemm1_weights,
+    gemm1_weights_scale,
+    gemm2_weights,
+    gemm2_weights_scale,
+    local_expert_offset,
+    routed_scaling_factor,
+    output,
+) -> None:
+    """`kernel.py`'s contract: the fused kernel from FUSED_MIN_TOKENS to FUSED_MAX_TOKENS, else `kernel.run`."""
+    inputs = (
+        routing_logits,
+        routing_bias,
+        hidden_states,
+        hidden_states_scale,
+        gemm1_weights,
+        gemm1_weights_scale,
+        gemm2_weights,
+        gemm2_weights_scale,
+        local_expert_offset,
+        routed_scaling_factor,
+    )
+    check_inputs(*inputs[:9], output)
+    num_tokens = routing_logits.shape[0]
+    if num_tokens == 0 or variant_for(num_tokens) is not FUSED:
+        kernel.run(*inputs, output)
+        return
+    device = routing_logits.device
+    workspaces = Workspaces.allocate(num_tokens, device)
+    ready = torch.empty(READY_WORDS, dtype=torch.int32, device=device)  # zeroed by the kernel (CTA 0)
+    *tensors, offset, factor = inputs
+    compiled_fused()(
+        *tensors,
+        int(offset),
+        float(factor),
+        output,
+        counters.kept_counts(device, kernel.GPU_ARCH),
+        workspaces.counts,
+        workspaces.expert_tokens,
+        workspaces.slot_expert,
+        workspaces.slot_rank,
+        workspaces.slot_weight,
+        workspaces.intermediate,
+        workspaces.expert_out,
+        workspaces.c_scale,
+        _grid(device),
+        counters.kept_routed(device, kernel.GPU_ARCH),
+        ready,
+    )
+
+
+_GRIDS: dict[int, int] = {}
+
+
+def _grid(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    grid = _GRIDS.get(index)
+    if grid is None:
+        grid = _GRIDS[index] = grid_ctas(torch.cuda.get_device_properties(index).multi_processor_count)
+    return grid

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_fused_gemms",
-            entry="candidate_fused_gemms.py::run",
-            description="v2.57: from 5 to 32 tokens GEMM1 and GEMM2 in one cooperative kernel, GEMM2 items starting as their expert's GEMM1 items complete",
-        ),
     ),
 )
 

@@ -238,12 +238,14 @@ def launch(
     kept_counts: torch.Tensor,
     kept_routed: torch.Tensor | None = None,
     kept_walk_slots: torch.Tensor | None = None,
+    readiness: torch.Tensor | None = None,
 ) -> None:
     """One call of a compiled host function: the definition's ten inputs (in order), the output,
     the workspaces and the two grid parameters. It counts in `kept_counts` (zero on entry, left at
     zero; `counters.kept_counts`) and copies the call's counts into `workspaces.counts`; a host that routes
     in GEMM1 also counts the routed tokens in `kept_routed` (`counters.kept_routed`, likewise), and one whose GEMM1
-    walks by SM id draws its CTAs' slots from `kept_walk_slots` (`counters.kept_walk_slots`)."""
+    walks by SM id draws its CTAs' slots from `kept_walk_slots` (`counters.kept_walk_slots`); the fused GEMMs
+    (`fused_gemms.py`) count their done items in the call's `readiness` words."""
     *tensors, local_expert_offset, routed_scaling_factor = inputs
     compiled(
         *tensors,
@@ -263,4 +265,5 @@ def launch(
         gemm2_grid,
         *(() if kept_routed is None else (kept_routed,)),
         *(() if kept_walk_slots is None else (kept_walk_slots,)),
+        *(() if readiness is None else (readiness,)),
     )

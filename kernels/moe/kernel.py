@@ -78,7 +78,7 @@ from typing import Callable
 
 import torch
 
-from . import counters, host, l2_partitions
+from . import counters, fused_gemms, host, l2_partitions
 from .host import Workspaces
 from .inputs import MAX_TOKENS, MoeShapeError, check_inputs
 from .streaming_gemm import WALK_SLOT_WORDS, StreamingGemm, StreamingGemmConfig
@@ -118,9 +118,10 @@ WGMMA_GEMM1_MIN_TOKENS = 33
 # many tokens the busiest experts get) and 1.15-1.17x at 11948 and 14107; between them, off the list
 # (`tools/time_axes.py`, session 11), 0.99-1.07x at 1024, 1.05-1.09x at 1536 and 1.02-1.08x at 2048.
 MEDIUM_T_MAX_TOKENS = 1024
-# The largest count below the next official row (7 tokens) whose off-list sweep did not lose (v2.21: medians
-# 1.007-1.034x at 2-6 tokens, `results/checks/2026-11-30_moe_early_w2_release_session22_sweep.txt`).
-EARLY_W2_MAX_TOKENS = 6
+# The early-W2 variant up to here, where every GEMM1 CTA routes the tokens itself (v2.26); from the next count to
+# WGMMA_GEMM1_MIN_TOKENS - 1 the fused GEMMs (v2.18), which measured 1.043x and 1.049x (medians) off the list at 5 and
+# 6 tokens over this variant (`results/checks/2026-12-01_moe_fused_gemms_session32_sweep.txt`).
+EARLY_W2_MAX_TOKENS = 4
 # Up to 8 tokens no expert has more than 8 tokens, so GEMM1's 8-token row tiles (which fit three CTAs per SM) never
 # read an expert's weights twice.
 THREE_CTAS_MAX_TOKENS = 8
@@ -151,6 +152,7 @@ class StreamingVariant:
     gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
     f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (v2.39)
     gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm (v2.40)
+    fused_gemms: bool = False  # both `mma.sync` GEMMs in one cooperative kernel (`fused_gemms.py`, v2.18)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -172,6 +174,9 @@ class StreamingVariant:
             raise ValueError("gemm2_dynamic_items needs the mma.sync GEMM2 and routing_in_gemm1")
         if (self.f16_c or self.gemm2_ctas_per_sm != 2) and not self.wgmma_gemm2:
             raise ValueError("f16_c and gemm2_ctas_per_sm are the WGMMA GEMM2's")
+        if self.fused_gemms and not (self.routing_in_gemm1 and self.gemm2_dynamic_items and not self.wgmma_gemm1):
+            # Its GEMM2 phase claims its items and its grid meets after the routing (`fused_gemms.FusedExpertGemms`).
+            raise ValueError("fused_gemms needs the mma.sync GEMMs, routing_in_gemm1 and gemm2_dynamic_items")
         if self.gemm1_smid_walk and not self.routing_in_gemm1:
             # Its slots need every CTA resident at once: GEMM1's cooperative launch, which only a routing GEMM1 has.
             raise ValueError("gemm1_smid_walk needs routing_in_gemm1")
@@ -263,9 +268,14 @@ TINY_T_EARLY_W2 = dataclasses.replace(
 # it v2.28 lost on the 1-expert trial of 1 token, where every walk leaves a lone CTA (0.945x with 2 stages in flight).
 # The walk's groups are the SMs by id, each CTA's slot drawn from a kept per-SM counter, since the H200 does not place
 # CTAs g, g + 132, g + 264 on one SM (v2.32: 1.016x at 7 tokens, 5 of 5 trials faster; 8 tokens 1.003x).
-TINY_T_THREE_CTAS = dataclasses.replace(
-    TINY_T, block_tokens=8, num_stages=3, gemm1_ctas_per_sm=3, gemm1_smid_walk=True
-)
+TINY_T_THREE_CTAS = dataclasses.replace(TINY_T, block_tokens=8, num_stages=3, gemm1_ctas_per_sm=3, gemm1_smid_walk=True)
+# From EARLY_W2_MAX_TOKENS + 1 to WGMMA_GEMM1_MIN_TOKENS - 1 both GEMMs run in one cooperative kernel whose CTAs go on to
+# GEMM2 items as soon as their expert's GEMM1 items are all done (`fused_gemms.py`; v2.57: 7 tokens 1.028x by the ratio of
+# medians, paired 1.030x, 5 of 5 trials faster; 14 / 15 / 16 / 32 tokens 1.068 / 1.024 / 1.057 / 1.026x; medians
+# 1.043-1.059x off the list at 5, 6, 8 and 24 tokens): GEMM1 on 8-token row tiles as GEMM2, four stages, two CTAs per
+# SM. It replaced TINY_T_THREE_CTAS (7-8 tokens) and TINY_T (9-32 tokens), which no call runs since; both stay as the
+# configurations that the streaming tests force on any T, so that their walks stay checked.
+FUSED_T = dataclasses.replace(TINY_T, block_tokens=8, fused_gemms=True)
 # From 33 tokens both GEMMs are on WGMMA (v2.0, v2.1: 1.02x over the `mma.sync` GEMM2 at 52-62).
 FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True, gemm2_dynamic_items=False)
 # Above 192 tokens GEMM2 converts each W2 once per 32-token tile into WGMMA's registers (v2.1: 1.22x
@@ -315,7 +325,7 @@ LARGE_T = dataclasses.replace(
     gemm1_producer_warp=False,
     gemm1_partition_walk=False,
 )
-VARIANTS = (TINY_T_EARLY_W2, TINY_T_THREE_CTAS, TINY_T, FEW_TOKENS, MEDIUM_T, LARGE_T)
+VARIANTS = (TINY_T_EARLY_W2, FUSED_T, FEW_TOKENS, MEDIUM_T, LARGE_T)
 
 
 def variant_for(num_tokens: int) -> StreamingVariant:
@@ -324,10 +334,8 @@ def variant_for(num_tokens: int) -> StreamingVariant:
         raise MoeShapeError(f"seq_len must be >= 1, got {num_tokens}")
     if num_tokens <= EARLY_W2_MAX_TOKENS:
         return TINY_T_EARLY_W2
-    if num_tokens <= THREE_CTAS_MAX_TOKENS:
-        return TINY_T_THREE_CTAS
     if num_tokens < WGMMA_GEMM1_MIN_TOKENS:
-        return TINY_T
+        return FUSED_T
     if num_tokens <= FEW_TOKENS_MAX:
         return FEW_TOKENS
     if num_tokens <= MEDIUM_T_MAX_TOKENS:
@@ -339,7 +347,9 @@ _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
 
 
 def _compile(arch: str, variant: StreamingVariant) -> Callable:
-    # The launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs).
+    # The launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs), or of the fused GEMMs.
+    if variant.fused_gemms:
+        return fused_gemms.compile_fused(fused_gemms.FusedMoeHost(variant.make_gemm1(), variant.make_gemm2()), arch)
     return host.compile_host(
         host.MoeHostSm90(
             variant.make_gemm1(),
@@ -391,7 +401,10 @@ def persistent_ctas(config: StreamingGemmConfig | WgmmaGemm1Config | WgmmaGemm2C
 
 @functools.cache
 def _grids(variant: StreamingVariant, num_sms: int) -> tuple[int, int]:
-    """(GEMM1, GEMM2) persistent grids; cached, since building the configurations costs ~0.5 ms."""
+    """(GEMM1, GEMM2) persistent grids; cached, since building the configurations costs ~0.5 ms. The fused GEMMs run on
+    one grid in GEMM2's shared memory, which holds GEMM1's."""
+    if variant.fused_gemms:
+        return (persistent_ctas(variant.gemm2(), num_sms),) * 2
     return persistent_ctas(variant.gemm1(), num_sms), persistent_ctas(variant.gemm2(), num_sms)
 
 
@@ -472,8 +485,10 @@ def run_keeping_workspaces(
     kept_slots = None
     if variant.gemm1_smid_walk:
         kept_slots = counters.kept_walk_slots(device, GPU_ARCH, ranked=variant.gemm1_partition_walk)
+    # The fused GEMMs' readiness words, zeroed by the kernel itself (`fused_gemms.py`).
+    ready = torch.empty(fused_gemms.READY_WORDS, dtype=torch.int32, device=device) if variant.fused_gemms else None
     host.launch(
-        compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas, kept, kept_routed, kept_slots
+        compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas, kept, kept_routed, kept_slots, ready
     )
     return workspaces
 

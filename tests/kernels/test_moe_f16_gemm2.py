@@ -39,7 +39,7 @@ def test_the_f16_gemm2_runs_above_few_tokens_max_only():
     for variant in (kernel.MEDIUM_T, kernel.LARGE_T):
         gemm2 = variant.gemm2()
         assert variant.f16_c and gemm2.f16_c and gemm2.num_stages == 2 and gemm2.ctas_per_sm() == 3
-    for variant in kernel.VARIANTS[:4]:
+    for variant in kernel.VARIANTS[:3]:
         assert not variant.f16_c and variant.gemm2_ctas_per_sm == 2
     with pytest.raises(ValueError, match="WGMMA GEMM2"):
         dataclasses.replace(kernel.TINY_T, f16_c=True)

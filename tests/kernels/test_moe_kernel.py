@@ -29,7 +29,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check
 kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_wide_from_193", "candidate_fused_gemms")
+SOLUTIONS = ("kernel", "candidate_wide_from_193")
 
 
 @functools.cache
@@ -67,12 +67,9 @@ def test_variants_are_on_wgmma_from_33_tokens():
         assert type(variant.make_gemm1()) is gemm1_class and type(variant.make_gemm2()) is gemm2_class
         # GEMM1 stores C in the column order the WGMMA GEMM2 reads exactly when that one runs.
         assert getattr(variant.gemm1(), "permuted_c", False) == variant.wgmma_gemm2
-        # Every GEMM of every variant keeps two CTAs per SM, but GEMM1 at 7-8 tokens (v2.29) and from 193 to
-        # MEDIUM_T_MAX_TOKENS (v2.41) three, both walking by SM id (v2.32, v2.42), and the f16 GEMM2 above
-        # FEW_TOKENS_MAX three (v2.40).
-        three_ctas = kernel.EARLY_W2_MAX_TOKENS < num_tokens <= kernel.THREE_CTAS_MAX_TOKENS or (
-            kernel.FEW_TOKENS_MAX < num_tokens <= kernel.MEDIUM_T_MAX_TOKENS
-        )
+        # Every GEMM of every variant keeps two CTAs per SM, but GEMM1 from 193 to MEDIUM_T_MAX_TOKENS (v2.41) three,
+        # walking by SM id (v2.42), and the f16 GEMM2 above FEW_TOKENS_MAX three (v2.40).
+        three_ctas = kernel.FEW_TOKENS_MAX < num_tokens <= kernel.MEDIUM_T_MAX_TOKENS
         f16_gemm2 = num_tokens > kernel.FEW_TOKENS_MAX
         assert variant.gemm1().ctas_per_sm() == (3 if three_ctas else 2)
         assert variant.gemm1_smid_walk == variant.gemm1().smid_walk == three_ctas
@@ -81,9 +78,11 @@ def test_variants_are_on_wgmma_from_33_tokens():
         # Up to MEDIUM_T_MAX_TOKENS GEMM1 routes the tokens itself (v2.16); above, the routing is a grid of its own.
         assert variant.routing_in_gemm1 == (num_tokens <= kernel.MEDIUM_T_MAX_TOKENS)
     assert kernel.WGMMA_GEMM1_MIN_TOKENS == 33
-    # Up to FEW_TOKENS_MAX the two variants differ only in the GEMMs' instructions (and the `mma.sync` GEMM2's claims).
+    # Up to FEW_TOKENS_MAX the WGMMA variant differs from TINY_T only in the GEMMs' instructions (and the `mma.sync`
+    # GEMM2's claims), and the fused GEMMs below it from TINY_T in GEMM1's row tiles and the fusion.
     on_mma_sync = dict(wgmma_gemm1=False, wgmma_gemm2=False, gemm2_dynamic_items=True)
-    assert dataclasses.replace(kernel.variant_for(33), **on_mma_sync) == kernel.variant_for(32)
+    assert dataclasses.replace(kernel.variant_for(33), **on_mma_sync) == kernel.TINY_T
+    assert dataclasses.replace(kernel.variant_for(32), block_tokens=16, fused_gemms=False) == kernel.TINY_T
     assert kernel.variant_for(kernel.FEW_TOKENS_MAX) is kernel.FEW_TOKENS
     assert kernel.variant_for(kernel.FEW_TOKENS_MAX + 1) is kernel.variant_for(kernel.MEDIUM_T_MAX_TOKENS) is kernel.MEDIUM_T
     large = kernel.variant_for(kernel.MEDIUM_T_MAX_TOKENS + 1)
@@ -108,19 +107,31 @@ def test_gemm2_weights_before_its_wait_up_to_the_threshold_only():
         # Its GEMM2's round robin is known before the wait, where TINY_T's claims come after it (v2.34).
         switches = dict(gemm2_weights_before_wait=False, routing_per_cta=False, gemm2_dynamic_items=True)
         assert dataclasses.replace(chosen, **switches) == kernel.TINY_T
-    for num_tokens in (kernel.THREE_CTAS_MAX_TOKENS + 1, 16, kernel.WGMMA_GEMM1_MIN_TOKENS - 1):
-        assert kernel.variant_for(num_tokens) is kernel.TINY_T
+    for num_tokens in (kernel.EARLY_W2_MAX_TOKENS + 1, 16, kernel.WGMMA_GEMM1_MIN_TOKENS - 1):
+        assert kernel.variant_for(num_tokens) is kernel.FUSED_T
     for variant in kernel.VARIANTS[1:]:
         assert not variant.gemm2_weights_before_wait
 
 
-def test_gemm1_at_three_ctas_per_sm_from_7_to_8_tokens_only():
-    # v2.29: 8-token tiles never read an expert's weights twice up to 8 tokens; below 7 the early-W2 variant stays
-    # (v2.28 lost on the 1-expert trial of 1 token). v2.32: the paired walk grouped by SM id.
-    assert kernel.EARLY_W2_MAX_TOKENS + 1 == 7 and kernel.THREE_CTAS_MAX_TOKENS == 8
+def test_the_fused_gemms_from_5_to_32_tokens_only():
+    # v2.18: the fused GEMMs replaced the three-CTA GEMM1 at 7-8 tokens and TINY_T at 9-32; the early-W2 variant keeps
+    # the tokens that every GEMM1 CTA routes itself.
     for num_tokens in range(1, 34):
-        three = kernel.variant_for(num_tokens) is kernel.TINY_T_THREE_CTAS
-        assert three == (7 <= num_tokens <= 8)
+        assert (kernel.variant_for(num_tokens) is kernel.FUSED_T) == (5 <= num_tokens <= 32)
+        assert (num_tokens <= kernel.EARLY_W2_MAX_TOKENS) == (num_tokens <= 4)
+    fused = kernel.FUSED_T
+    assert fused.fused_gemms and fused in kernel.VARIANTS and kernel.TINY_T_THREE_CTAS not in kernel.VARIANTS
+    assert (fused.gemm1().block_tokens, fused.gemm1().num_stages) == (fused.gemm2().block_tokens, 4) == (8, 4)
+    assert fused.gemm2().dynamic_items and kernel._grids(fused, 132) == (264, 264)
+    with pytest.raises(ValueError, match="fused_gemms"):
+        dataclasses.replace(kernel.FEW_TOKENS, fused_gemms=True)
+    with pytest.raises(ValueError, match="fused_gemms"):
+        dataclasses.replace(kernel.TINY_T_EARLY_W2, fused_gemms=True)  # its GEMM2 does not claim
+
+
+def test_the_three_cta_gemm1_configuration_kept_for_the_streaming_tests():
+    # v2.29 / v2.32's GEMM1 (no call runs it since v2.18; the streaming tests force it on any T up to 8).
+    assert kernel.THREE_CTAS_MAX_TOKENS == 8
     variant = kernel.TINY_T_THREE_CTAS
     gemm1 = variant.gemm1()
     assert (gemm1.block_tokens, gemm1.num_stages, gemm1.ctas_per_sm(), gemm1.paired_rounds) == (8, 3, 3, True)
@@ -133,9 +144,9 @@ def test_gemm1_at_three_ctas_per_sm_from_7_to_8_tokens_only():
 
 
 def test_every_gemm1_cta_routes_up_to_four_tokens_itself_in_the_early_w2_variant_only():
-    # One token per warp of GEMM1's CTA (v2.26); at 5-6 tokens the same kernel meets the grid as TINY_T's does.
+    # One token per warp of GEMM1's CTA (v2.26), the early-W2 variant's whole range since v2.18.
     routing = solution_module("routing")
-    assert routing.ROUTING_WARPS == 4 < kernel.EARLY_W2_MAX_TOKENS
+    assert routing.ROUTING_WARPS == 4 == kernel.EARLY_W2_MAX_TOKENS
     assert kernel.TINY_T_EARLY_W2.routing_per_cta and kernel.TINY_T_EARLY_W2.gemm1().routing_per_cta
     for variant in kernel.VARIANTS[1:]:
         assert not variant.routing_per_cta
@@ -426,7 +437,8 @@ def routing_grid_counterpart(num_tokens: int):
     """`kernel.py`'s variant for T with the routing as a grid of its own. GEMM2's early weights wait on the routed count
     that only a routing GEMM1 completes, only a routing GEMM1 routes in every CTA, GEMM1's slots by SM id need its
     cooperative grid (v2.32), GEMM2's claims sit in the routed count's buffer (v2.34) and the producer warp is built
-    only beside the routing's guard (v2.52), the partition walk (v2.56) only with both: all off with the grid."""
+    only beside the routing's guard (v2.52), the partition walk (v2.56) only with both, and the fused GEMMs meet after
+    the routing (v2.18): all off with the grid."""
     return dataclasses.replace(
         kernel.variant_for(num_tokens),
         routing_in_gemm1=False,
@@ -436,6 +448,7 @@ def routing_grid_counterpart(num_tokens: int):
         gemm2_dynamic_items=False,
         gemm1_producer_warp=False,
         gemm1_partition_walk=False,
+        fused_gemms=False,
     )
 
 

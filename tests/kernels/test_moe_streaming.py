@@ -36,7 +36,7 @@ streaming = solution_module("streaming_gemm")
 
 @pytest.mark.parametrize(
     ("num_tokens", "block_tokens"),
-    [(1, 16), (6, 16), (7, 8), (8, 8), (9, 16), (16, 16), (80, 16), (192, 16), (193, 32), (901, 32), (1024, 32), (1025, 64), (2048, 64), (32768, 64)],
+    [(1, 16), (6, 8), (7, 8), (8, 8), (9, 8), (16, 8), (32, 8), (80, 16), (192, 16), (193, 32), (901, 32), (1024, 32), (1025, 64), (2048, 64), (32768, 64)],
 )
 def test_every_batch_streams_with_row_tiles_by_its_size(num_tokens, block_tokens):
     assert kernel.variant_for(num_tokens).block_tokens == block_tokens
@@ -496,11 +496,12 @@ def test_the_walk_by_sm_id_needs_a_cooperative_three_cta_gemm1():
     assert medium.smid_walk and "walk_slot" in medium.fields() and medium.ctas_per_sm() == 3
 
 
-def test_gemm2_claims_its_items_from_7_to_32_tokens_only():
-    # v2.34: the `mma.sync` GEMM2 after the early-W2 variant (whose round robin is known before its wait).
+def test_gemm2_claims_its_items_from_5_to_32_tokens_only():
+    # v2.34: the `mma.sync` GEMM2 after the early-W2 variant (whose round robin is known before its wait); since v2.18
+    # the fused GEMMs' GEMM2 phase.
     for num_tokens in range(1, 200):
         variant = kernel.variant_for(num_tokens)
-        assert variant.gemm2_dynamic_items == (7 <= num_tokens < kernel.WGMMA_GEMM1_MIN_TOKENS)
+        assert variant.gemm2_dynamic_items == (5 <= num_tokens < kernel.WGMMA_GEMM1_MIN_TOKENS)
         assert variant.gemm2().dynamic_items == variant.gemm2_dynamic_items
     assert kernel.TINY_T.gemm2().ctas_per_sm() == 2
 

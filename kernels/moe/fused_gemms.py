@@ -1,31 +1,28 @@
-"""MoE candidate v2.57 (`cand_fused_gemms`): from FUSED_MIN_TOKENS to FUSED_MAX_TOKENS both expert GEMMs run in one
-cooperative kernel whose CTAs go on from their GEMM1 items to GEMM2 items as soon as the items' expert has all its
-GEMM1 items done, instead of two kernels chained by a programmatic launch; elsewhere `kernel.py`.
+"""Both expert GEMMs of the MoE in one cooperative kernel (v2.18, candidate v2.57; `kernel.py`'s FUSED_T variant from
+FUSED_MIN_TOKENS to WGMMA_GEMM1_MIN_TOKENS - 1): its CTAs go on from their GEMM1 items to GEMM2 items as soon as the
+items' expert has all its GEMM1 items done, instead of two kernels chained by a programmatic launch.
 
-Why (NOTES, session 32): at 7 tokens' 5-expert trial about a third of the call streams no weights at full rate: the
-GEMM1 grid's last round, the hand-over to GEMM2 (its CTAs become resident as GEMM1's retire, wait for the whole GEMM1
-grid, build their schedule, then issue their first stages) and GEMM2's own ramp. Here GEMM1's items are walked round
-robin in expert order, so the early experts complete first, and a CTA that has no GEMM1 item left streams W2 for them
-while the others finish GEMM1.
+Why (NOTES, session 32): at few tokens DRAM idles between the GEMMs: GEMM1's last round, the hand-over to GEMM2 (whose
+CTAs become resident as GEMM1's retire, wait for the whole GEMM1 grid, build their schedule, then issue their first
+stages) and GEMM2's own ramp. Here GEMM1's items are walked round robin in expert order, so the first experts complete
+first, and a CTA that has no GEMM1 item left streams W2 for them while the others finish GEMM1 (v2.57: 7 tokens 1.028x,
+14-32 tokens 1.024-1.068x, every trial of 7 tokens faster).
 
-The kernel: routing and meeting as `kernel.py`'s GEMM1 up to 1024 tokens (`routing.route_then_meet`), CTA 0 zeroing
-the call's readiness counters before the meeting (so that every later signal follows the zeroing); GEMM1 + SwiGLU
-exactly as the `mma.sync` streaming GEMM (8-token row tiles, four stages, two CTAs per SM, items cta, cta + grid, ...),
-each item then signalled by thread 0 after the CTA barrier that follows its epilogue (a gpu-scope fence and an add to
-its expert's counter and to the total, as a cooperative grid barrier releases); GEMM2 exactly as the claiming
-`mma.sync` GEMM2 (`dynamic_items`, 8-token row tiles, four stages), thread 0 making sure of an item's expert before
-the barrier after which its activations (C) are loaded: once the total shows every GEMM1 item done it checks no more,
-else it polls the expert's counter (acquire) until all of that expert's GEMM1 items are in. No CTA waits for a GEMM1
-item that is not already its own or another resident CTA's, so the polls end (cooperative launch). The combine stays
-the next kernel (programmatic dependent). The same items, products and promotions as `kernel.py`'s streaming GEMMs:
-outputs bit for bit (a GPU test).
+The kernel: routing and meeting as the routing GEMM1's (`routing.route_then_meet`), CTA 0 zeroing the call's readiness
+words before the meeting (so that every later signal follows the zeroing); GEMM1 + SwiGLU exactly as the `mma.sync`
+streaming GEMM (items cta, cta + grid, ...), each item then signalled by thread 0 after the CTA barrier that follows its
+epilogue (a gpu-scope fence and an add to its expert's counter and to the total, as a cooperative grid barrier
+releases); GEMM2 exactly as the claiming `mma.sync` GEMM2 (`dynamic_items`), thread 0 making sure of an item's expert
+before the barrier after which its activations (C) are loaded: once the total shows every GEMM1 item done it checks no
+more, else it polls the expert's counter (acquire) until all of that expert's GEMM1 items are in. No CTA waits for a
+GEMM1 item that is not already its own or another resident CTA's, so the polls end (cooperative launch). The combine
+stays the next kernel (programmatic dependent). The same items, products and promotions as the two streaming GEMMs:
+outputs bit for bit.
 """
 
 from __future__ import annotations
 
 from typing import Callable
-
-import torch
 
 import cutlass
 import cutlass.cute as cute
@@ -33,12 +30,9 @@ from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-from . import counters, kernel
 from .chain import ChainLink, chain_links, enter
 from .combine import CombineKernel
-from .host import Workspaces, fake_tensor_arguments
-from .inputs import check_inputs
-from .kernel import MoeShapeError, StreamingVariant
+from .host import fake_tensor_arguments
 from .routing import route_then_meet
 from .shapes import NUM_LOCAL_EXPERTS
 from .streaming_gemm import (
@@ -50,8 +44,8 @@ from .streaming_gemm import (
     M_TILES,
     NUM_THREADS,
     NUM_WARPS,
+    StreamingConfigError,
     StreamingGemm,
-    StreamingGemmConfig,
     claim_item,
     locate_row_tile,
     publish_claim,
@@ -59,30 +53,11 @@ from .streaming_gemm import (
     schedule_tables,
 )
 
-__all__ = ["FUSED_MAX_TOKENS", "FUSED_MIN_TOKENS", "MoeShapeError", "compile_only", "run", "variant_for"]
+__all__ = ["READY_WORDS", "FusedExpertGemms", "FusedMoeHost", "compile_fused"]
 
-# The rows that route by meeting (above 4 tokens every GEMM1 CTA would route them all) and keep `mma.sync` GEMMs
-# (below WGMMA_GEMM1_MIN_TOKENS): 7, 14-16 and 32 tokens on the list.
-FUSED_MIN_TOKENS = 5
-FUSED_MAX_TOKENS = kernel.WGMMA_GEMM1_MIN_TOKENS - 1
-ROW_TILE_TOKENS = 8  # both GEMMs' row tiles: one table serves both phases
-NUM_STAGES = 4
 # Readiness words: GEMM1 items done per local expert, then their total.
 TOTAL_WORD = NUM_LOCAL_EXPERTS
 READY_WORDS = NUM_LOCAL_EXPERTS + 1
-
-
-class FusedVariant:
-    """Stands where `kernel.py` would name a `StreamingVariant`: the fused kernel of this module."""
-
-
-FUSED = FusedVariant()
-
-
-def variant_for(num_tokens: int) -> StreamingVariant | FusedVariant:
-    """The fused kernel from FUSED_MIN_TOKENS to FUSED_MAX_TOKENS, else `kernel.py`'s variant."""
-    chosen = kernel.variant_for(num_tokens)  # also rejects an empty batch
-    return FUSED if FUSED_MIN_TOKENS <= num_tokens <= FUSED_MAX_TOKENS else chosen
 
 
 @cute.jit
@@ -97,14 +72,14 @@ def signal_item_done(ready: cute.Tensor, expert: Int32):
 @cute.jit
 def wait_for_expert(
     ready: cute.Tensor, item: Int32, total_gemm1_items: Int32, verified: Int32, tile_end: cute.Tensor,
-    expert_count: cute.Tensor, expert_offset: cute.Tensor,
+    expert_count: cute.Tensor, expert_offset: cute.Tensor, block_tokens: cutlass.Constexpr,
 ) -> Int32:  # fmt: skip
     """Thread 0 of a CTA before the barrier after which GEMM2 item `item`'s activations are loaded: return with every
     GEMM1 item of its expert done and acquired. `verified` is the highest expert known complete (NUM_LOCAL_EXPERTS
     once the total was seen complete); claims only grow, so an expert at or below it needs no check. Returns the new
     `verified`."""
     expert, _, _, _ = locate_row_tile(
-        item // GEMM2_ITEMS_PER_ROW_TILE, ROW_TILE_TOKENS, tile_end, expert_count, expert_offset
+        item // GEMM2_ITEMS_PER_ROW_TILE, block_tokens, tile_end, expert_count, expert_offset
     )
     if expert > verified:
         done = cute.arch.atomic_add((ready.iterator + TOTAL_WORD).llvm_ptr, Int32(0), scope="gpu")
@@ -124,16 +99,21 @@ def wait_for_expert(
 
 
 class FusedExpertGemms:
-    """GEMM1 + SwiGLU and GEMM2 in one cooperative persistent grid (the module's docstring), the call's first kernel."""
+    """GEMM1 + SwiGLU and GEMM2 in one cooperative persistent grid (the module's docstring), the call's first kernel:
+    `gemm1` and `gemm2` are the two `mma.sync` streaming GEMMs whose loops it runs, on one row tile (one table serves
+    both phases) and one pipeline depth, GEMM2 claiming its items."""
 
-    def __init__(self, link: ChainLink):
+    def __init__(self, gemm1: StreamingGemm, gemm2: StreamingGemm, link: ChainLink):
+        cfg1, cfg2 = gemm1.cfg, gemm2.cfg
+        if not (cfg1.gemm1 and not cfg2.gemm1 and cfg2.dynamic_items):
+            raise StreamingConfigError("the fused GEMMs are a GEMM1 and a claiming GEMM2")
+        if (cfg1.block_tokens, cfg1.num_stages) != (cfg2.block_tokens, cfg2.num_stages) or cfg1.paired_rounds:
+            raise StreamingConfigError("the fused GEMMs share their row tiles and stages, at two CTAs per SM")
         self.link = link
-        self.gemm1 = StreamingGemm(StreamingGemmConfig(gemm1=True, block_tokens=ROW_TILE_TOKENS, num_stages=NUM_STAGES))
-        self.gemm2 = StreamingGemm(
-            StreamingGemmConfig(gemm1=False, block_tokens=ROW_TILE_TOKENS, num_stages=NUM_STAGES, dynamic_items=True)
-        )
+        self.gemm1 = gemm1
+        self.gemm2 = gemm2
         # GEMM2's shared memory holds GEMM1's: the same rings, GEMM1 viewing the activation ring (bf16 for C) as fp8.
-        self.cfg = self.gemm2.cfg
+        self.cfg = cfg2
 
     @cute.jit
     def launch(
@@ -142,7 +122,7 @@ class FusedExpertGemms:
         expert_tokens: cute.Tensor, num_ctas: Int32, stream, routing, routed: cute.Tensor, counts_out: cute.Tensor,
         ready: cute.Tensor,
     ):  # fmt: skip
-        ns, bt = NUM_STAGES, ROW_TILE_TOKENS
+        ns, bt = self.cfg.num_stages, self.cfg.block_tokens
         SharedStorage = self.cfg.shared_storage()
         # `StreamingGemm.launch`'s layouts (the activations' in elements, the same count for fp8 x and bf16 C)
         w_layout = cute.make_layout(
@@ -178,7 +158,8 @@ class FusedExpertGemms:
         routed: cute.Tensor, counts_out: cute.Tensor, ready: cute.Tensor,
     ):  # fmt: skip
         enter(self.link)
-        k1, k2, ns = self.gemm1.cfg.k_stages, self.gemm2.cfg.k_stages, NUM_STAGES
+        k1, k2, ns = self.gemm1.cfg.k_stages, self.gemm2.cfg.k_stages, self.cfg.num_stages
+        bt = self.cfg.block_tokens
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -202,7 +183,7 @@ class FusedExpertGemms:
                 ready[tidx] = Int32(0)
         route_then_meet(routing, counts, expert_tokens, cta, grid, tidx)
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
-            storage, counts, ROW_TILE_TOKENS, GEMM1_ITEMS_PER_ROW_TILE, k1, cta, grid, warp_id, lane, counts_out
+            storage, counts, bt, GEMM1_ITEMS_PER_ROW_TILE, k1, cta, grid, warp_id, lane, counts_out
         )
 
         g2s_16 = cute.make_copy_atom(
@@ -273,7 +254,7 @@ class FusedExpertGemms:
             pending = claim_item(routed)
             if total_stages > 0:
                 verified = wait_for_expert(
-                    ready, base, total_gemm1_items, verified, tile_end, expert_count, expert_offset
+                    ready, base, total_gemm1_items, verified, tile_end, expert_count, expert_offset, bt
                 )
         cute.arch.sync_threads()
         located = self.gemm2.load_location(
@@ -296,7 +277,7 @@ class FusedExpertGemms:
                     upcoming = grid + claimed_word[0]
                     if upcoming < total_items:
                         verified = wait_for_expert(
-                            ready, upcoming, total_gemm1_items, verified, tile_end, expert_count, expert_offset
+                            ready, upcoming, total_gemm1_items, verified, tile_end, expert_count, expert_offset, bt
                         )
             cute.arch.sync_threads()
             if (s + ns - 1) % k2 == 0:
@@ -330,19 +311,19 @@ class FusedExpertGemms:
     @cute.jit
     def signal(self, ready: cute.Tensor, item: Int32, tile_end, expert_count, expert_offset):
         expert, _, _, _ = locate_row_tile(
-            item // GEMM1_ITEMS_PER_ROW_TILE, ROW_TILE_TOKENS, tile_end, expert_count, expert_offset
+            item // GEMM1_ITEMS_PER_ROW_TILE, self.cfg.block_tokens, tile_end, expert_count, expert_offset
         )
         signal_item_done(ready, expert)
 
 
 class FusedMoeHost:
     """The call's two launches: the fused expert GEMMs (routing first, cooperative) and the combine, a programmatic
-    dependent that also zeroes the kept counters. Arguments as `host.MoeHostSm90`'s, one grid, then the kept routed
-    count and the call's readiness words."""
+    dependent that also zeroes the kept counters. Arguments as `host.MoeHostSm90`'s with a routing GEMM1 (GEMM2 runs
+    on GEMM1's grid: `gemm2_grid` is not read), then the call's readiness words."""
 
-    def __init__(self):
+    def __init__(self, gemm1: StreamingGemm, gemm2: StreamingGemm):
         gemms_link, combine_link = chain_links(2)
-        self.gemms = FusedExpertGemms(gemms_link)
+        self.gemms = FusedExpertGemms(gemm1, gemm2, gemms_link)
         self.combine = CombineKernel(combine_link, loads_first=True)
 
     @cute.jit
@@ -352,7 +333,7 @@ class FusedMoeHost:
         gemm2_weights: cute.Tensor, gemm2_weights_scale: cute.Tensor, local_expert_offset: Int32,
         routed_scaling_factor: cutlass.Float32, output: cute.Tensor, counts: cute.Tensor, counts_out: cute.Tensor,
         expert_tokens: cute.Tensor, slot_expert: cute.Tensor, slot_rank: cute.Tensor, slot_weight: cute.Tensor,
-        intermediate: cute.Tensor, expert_out: cute.Tensor, c_scale: cute.Tensor, grid: Int32, stream,
+        intermediate: cute.Tensor, expert_out: cute.Tensor, c_scale: cute.Tensor, gemm1_grid: Int32, gemm2_grid: Int32, stream,
         routed: cute.Tensor, ready: cute.Tensor,
     ):  # fmt: skip
         routing = (
@@ -361,102 +342,22 @@ class FusedMoeHost:
         )  # fmt: skip
         self.gemms.launch(
             hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, intermediate, gemm2_weights,
-            gemm2_weights_scale, expert_out, counts, expert_tokens, grid, stream, routing, routed, counts_out, ready,
+            gemm2_weights_scale, expert_out, counts, expert_tokens, gemm1_grid, stream, routing, routed, counts_out, ready,
         )  # fmt: skip
         self.combine.launch(
             counts_out, slot_expert, slot_rank, slot_weight, expert_out, output, stream, (counts, routed)
         )
 
 
-_COMPILED: dict[str, Callable] = {}
-
-
-def compiled_fused(arch: str = kernel.GPU_ARCH) -> Callable:
-    """The fused host function for `arch` (compiled on first use; needs no GPU)."""
-    fn = _COMPILED.get(arch)
-    if fn is None:
-        words = (NUM_LOCAL_EXPERTS, READY_WORDS)
-        args = (
-            *fake_tensor_arguments(),
-            0,
-            make_fake_stream(use_tvm_ffi_env_stream=True),
-            *(make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=16) for n in words),
-        )
-        fn = _COMPILED[arch] = cute.compile(FusedMoeHost(), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
-    return fn
-
-
-def compile_only(arch: str = kernel.GPU_ARCH) -> tuple[Callable, ...]:
-    """`kernel.py`'s configurations and the fused kernel for `arch`, without a GPU."""
-    return (*kernel.compile_only(arch), compiled_fused(arch))
-
-
-def grid_ctas(num_sms: int) -> int:
-    """The fused grid: every CTA resident at once (cooperative), as many per SM as its shared memory allows."""
-    return kernel.persistent_ctas(FusedExpertGemms(chain_links(2)[0]).cfg, num_sms)
-
-
-def run(
-    routing_logits,
-    routing_bias,
-    hidden_states,
-    hidden_states_scale,
-    gemm1_weights,
-    gemm1_weights_scale,
-    gemm2_weights,
-    gemm2_weights_scale,
-    local_expert_offset,
-    routed_scaling_factor,
-    output,
-) -> None:
-    """`kernel.py`'s contract: the fused kernel from FUSED_MIN_TOKENS to FUSED_MAX_TOKENS, else `kernel.run`."""
-    inputs = (
-        routing_logits,
-        routing_bias,
-        hidden_states,
-        hidden_states_scale,
-        gemm1_weights,
-        gemm1_weights_scale,
-        gemm2_weights,
-        gemm2_weights_scale,
-        local_expert_offset,
-        routed_scaling_factor,
+def compile_fused(host: FusedMoeHost, arch: str) -> Callable:
+    """`cute.compile` of `host` for `arch` as a TVM-FFI function on the current torch stream, with `host.py`'s
+    arguments (`compile_host`'s, the kept routed count included) and the readiness words last; needs no GPU."""
+    words = (NUM_LOCAL_EXPERTS, READY_WORDS)
+    args = (
+        *fake_tensor_arguments(),
+        0,
+        0,
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+        *(make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=16) for n in words),
     )
-    check_inputs(*inputs[:9], output)
-    num_tokens = routing_logits.shape[0]
-    if num_tokens == 0 or variant_for(num_tokens) is not FUSED:
-        kernel.run(*inputs, output)
-        return
-    device = routing_logits.device
-    workspaces = Workspaces.allocate(num_tokens, device)
-    ready = torch.empty(READY_WORDS, dtype=torch.int32, device=device)  # zeroed by the kernel (CTA 0)
-    *tensors, offset, factor = inputs
-    compiled_fused()(
-        *tensors,
-        int(offset),
-        float(factor),
-        output,
-        counters.kept_counts(device, kernel.GPU_ARCH),
-        workspaces.counts,
-        workspaces.expert_tokens,
-        workspaces.slot_expert,
-        workspaces.slot_rank,
-        workspaces.slot_weight,
-        workspaces.intermediate,
-        workspaces.expert_out,
-        workspaces.c_scale,
-        _grid(device),
-        counters.kept_routed(device, kernel.GPU_ARCH),
-        ready,
-    )
-
-
-_GRIDS: dict[int, int] = {}
-
-
-def _grid(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    grid = _GRIDS.get(index)
-    if grid is None:
-        grid = _GRIDS[index] = grid_ctas(torch.cuda.get_device_properties(index).multi_processor_count)
-    return grid
+    return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")

@@ -1,0 +1,89 @@
+"""kernel.py's fused GEMMs (kernels/moe/fused_gemms.py, v2.18): both expert GEMMs in one cooperative kernel from 5 to
+32 tokens. CPU: the kernel's guards, its shared memory (two CTAs per SM, every CTA resident), the compile. GPU (marked
+`gpu`): the output bit for bit the two chained streaming GEMMs' (TINY_T, forced) at 5-32 tokens in every routing
+pattern, call after call (so the kept counters and the claim word come back to zero), beyond 8 tokens per expert
+(several row tiles per expert), and a CUDA-graph replay against the reference. The end-to-end checks are
+test_moe_kernel.py's (kernel.py's `run` takes this kernel from 5 to 32 tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hopperbench.devcheck import replay_on_fresh_inputs
+from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, reference, solution_module
+from tests.kernels.test_moe_streaming import assert_bit_for_bit
+
+fused_gemms = solution_module("fused_gemms")
+streaming = solution_module("streaming_gemm")
+chain = solution_module("chain")
+
+
+def test_every_cta_is_resident_at_two_per_sm():
+    gemms = fused_gemms.FusedMoeHost(kernel.FUSED_T.make_gemm1(), kernel.FUSED_T.make_gemm2()).gemms
+    assert gemms.cfg.ctas_per_sm() == 2 and kernel.persistent_ctas(gemms.cfg, 132) == 264
+    # GEMM2's rings hold GEMM1's: the same stage layouts, its bf16 activation ring twice GEMM1's fp8 one.
+    fields1, fields2 = kernel.FUSED_T.gemm1().fields(), gemms.cfg.fields()
+    assert set(fields1) < set(fields2) and gemms.cfg.smem_bytes() >= kernel.FUSED_T.gemm1().smem_bytes()
+    assert (gemms.link.waits, gemms.link.releases) == (False, True)  # the call's first kernel
+
+
+def test_the_fused_kernel_takes_a_gemm1_and_a_claiming_gemm2_of_one_tile():
+    link = chain.chain_links(2)[0]
+    gemm1, gemm2 = kernel.FUSED_T.make_gemm1(), kernel.FUSED_T.make_gemm2()
+    with pytest.raises(streaming.StreamingConfigError, match="claiming GEMM2"):
+        fused_gemms.FusedExpertGemms(gemm1, kernel.TINY_T_EARLY_W2.make_gemm2(), link)
+    with pytest.raises(streaming.StreamingConfigError, match="row tiles"):
+        fused_gemms.FusedExpertGemms(kernel.TINY_T.make_gemm1(), gemm2, link)  # 16-token GEMM1 tiles
+    with pytest.raises(streaming.StreamingConfigError, match="row tiles"):
+        fused_gemms.FusedExpertGemms(kernel.TINY_T_THREE_CTAS.make_gemm1(), gemm2, link)
+
+
+def test_compiles_without_gpu():
+    assert kernel.compiled_for(kernel.FUSED_T, "sm_90a") is kernel.compiled_for(kernel.FUSED_T, "sm_90a")
+
+
+FUSED_BITWISE_CASES = (
+    cases.CheckCase("t5", 5, 32),
+    cases.CheckCase("t7", 7, 192),
+    cases.CheckCase("t7_off0", 7, 0),
+    cases.CheckCase("t8_all_local", 8, 64, "all_local"),
+    cases.CheckCase("t14", 14, 0),
+    cases.CheckCase("t16_one_expert", 16, 224, "one_expert"),  # two row tiles of one expert
+    cases.CheckCase("t24_no_local", 24, 96, "no_local"),
+    cases.CheckCase("t32_one_expert", 32, 32, "one_expert"),  # four row tiles of one expert
+    cases.CheckCase("t32_all_local", 32, 160, "all_local"),
+)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", FUSED_BITWISE_CASES, ids=lambda case: case.name)
+def test_outputs_are_the_chained_gemms_bit_for_bit(case):
+    assert kernel.variant_for(case.num_tokens) is kernel.FUSED_T
+    chained = kernel.make_run(lambda _: kernel.TINY_T)
+    assert_bit_for_bit((chained, kernel.run, kernel.run, kernel.run), case, seed=157)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fused_beyond_its_range_is_the_chained_gemms_bit_for_bit():
+    # 33 and 64 tokens: more row tiles per expert than the dispatch gives it.
+    fused = kernel.make_run(lambda _: kernel.FUSED_T)
+    chained = kernel.make_run(lambda _: dataclasses.replace(kernel.FUSED_T, fused_gemms=False))
+    for case in (cases.CheckCase("t33", 33, 96), cases.CheckCase("t64_one_expert", 64, 0, "one_expert")):
+        assert_bit_for_bit((chained, fused, fused), case, seed=158)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_replay_follows_new_inputs():
+    case = cases.CheckCase("graph", 7, 192)
+    static = cases.make_inputs(case, "cuda", seed=1)
+    output = cases.poisoned_output(case.num_tokens, "cuda")
+    fresh = cases.make_inputs(case, "cuda", seed=2)
+    replay_on_fresh_inputs(lambda: kernel.run(*static.values(), output), static, fresh, (output,))
+    stats = cases.compare(output, reference.run(*fresh.values()))
+    assert stats.passed, stats

@@ -730,10 +730,15 @@ SMID_WALK_CASES = [c for c in THREE_CTAS_CASES if c.num_tokens >= 7] + [
 ]
 
 
+def walking_by_sm_id(num_tokens: int) -> kernel.StreamingVariant:
+    """The three-CTA GEMM1 up to 8 tokens (no call runs it since v2.18: forced here), else `kernel.py`'s variant."""
+    return kernel.TINY_T_THREE_CTAS if num_tokens <= kernel.THREE_CTAS_MAX_TOKENS else kernel.variant_for(num_tokens)
+
+
 def walk_by_cta_index(num_tokens: int) -> kernel.StreamingVariant:
-    """`kernel.py`'s variant with GEMM1 walking over its CTA index instead of by SM id (and so without the partition
-    walk, v2.56, which ranks the SM ids; the same items elsewhere)."""
-    variant = kernel.variant_for(num_tokens)
+    """`walking_by_sm_id`'s variant with GEMM1 walking over its CTA index instead of by SM id (and so without the
+    partition walk, v2.56, which ranks the SM ids; the same items elsewhere)."""
+    variant = walking_by_sm_id(num_tokens)
     if variant is kernel.TINY_T_THREE_CTAS:
         return kernel.TINY_T
     return dataclasses.replace(variant, gemm1_smid_walk=False, gemm1_partition_walk=False)
@@ -748,7 +753,7 @@ def test_the_walk_by_sm_id_is_the_walk_by_cta_bit_for_bit_from_any_slot_words(ca
     # walk over the CTA index (TINY_T's at 7-8 tokens) bit for bit, and each word advances by 3 from 0 mod 4 and by 4
     # otherwise. The H200's SM ids are dense (`tools/cta_placement.py`), so no SM takes the fallback walk. MEDIUM_T's
     # partition walk (v2.56) keeps its counters in the ranked buffer, before the ranks.
-    variant = kernel.variant_for(case.num_tokens)
+    variant = walking_by_sm_id(case.num_tokens)
     assert variant.gemm1_smid_walk
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -757,7 +762,9 @@ def test_the_walk_by_sm_id_is_the_walk_by_cta_bit_for_bit_from_any_slot_words(ca
     words = buffer[: solution_module("streaming_gemm").WALK_SLOT_WORDS]  # a view: the slot counters
     start = torch.tensor([-2**31, 2**31 - 1, -1, 0, 1, 2, 3, 5] * 32, dtype=torch.int32, device=device)[: words.numel()]
     words.copy_(start)
-    theirs, *ours = outputs_of((kernel.make_run(walk_by_cta_index), *[kernel.run] * 2), case, seed=59)
+    theirs, *ours = outputs_of(
+        (kernel.make_run(walk_by_cta_index), *[kernel.make_run(walking_by_sm_id)] * 2), case, seed=59
+    )
     assert torch.isfinite(theirs).all()
     if case.pattern != "no_local":
         assert bool((theirs != 0).any())
@@ -784,9 +791,10 @@ def test_the_walk_by_sm_id_is_the_walk_by_cta_bit_for_bit_from_any_slot_words(ca
 )
 def test_claimed_gemm2_items_are_the_fixed_walks_bit_for_bit_and_the_claims_end_at_zero(case):
     # v2.34: which CTA computes an item changes no output bit, and each call leaves the kept buffer (the routed count,
-    # which the combine zeroes, and the claim counter, which GEMM2 brings back itself) at zero.
+    # which the combine zeroes, and the claim counter, which GEMM2 brings back itself) at zero; since v2.18 the claims
+    # are the fused GEMMs' (whose unfused counterpart walks GEMM2 over the CTA index).
     def fixed_walk(num_tokens: int):
-        return dataclasses.replace(kernel.variant_for(num_tokens), gemm2_dynamic_items=False)
+        return dataclasses.replace(kernel.variant_for(num_tokens), gemm2_dynamic_items=False, fused_gemms=False)
 
     routed = solution_module("counters").kept_routed(torch.device("cuda"), kernel.GPU_ARCH)
     theirs, *ours = outputs_of((kernel.make_run(fixed_walk), *[kernel.run] * 3), case, seed=71)

@@ -1,6 +1,6 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.17 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
+v2.18 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
 1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
 `chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
 `counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
@@ -30,7 +30,10 @@ GEMM1 in 3 stages at three CTAs per SM walking its items by SM id (v2.41 and v2.
 trials faster); in session 30 that GEMM1's stages issued by a producer warp on per-slot mbarriers, no CTA-wide barrier
 per K stage (v2.52: 1.011x at 901 tokens by the ratio of medians, paired 1.023x, 5 of 5 trials faster); in session 31
 that GEMM1 walking by the SMs' L2-partition ranks with an expert's items weight tile by weight tile (v2.56: 1.034x at
-901 tokens by the ratio of medians, paired 1.067x, 5 of 5 trials faster; NOTES.md). Destination passing,
+901 tokens by the ratio of medians, paired 1.067x, 5 of 5 trials faster); in session 32 from 5 to 32 tokens both
+`mma.sync` GEMMs in one cooperative kernel whose CTAs go on to GEMM2 items as soon as their expert's GEMM1 items are
+done (`fused_gemms.py`; v2.57: 1.028x at 7 tokens by the ratio of medians, paired 1.030x, 5 of 5 trials faster,
+1.024-1.068x at 14-32 tokens; NOTES.md). Destination passing,
 definition order, no host sync (but once per device, at the first call of 193-1024 tokens: the L2 partition probe), no
 data-dependent host logic, graph-safe.
 
@@ -38,15 +41,15 @@ Every call is the kernels of `host.py` in one TVM-FFI call, chained by programma
 counters the previous call on the stream left at zero: up to MEDIUM_T_MAX_TOKENS three (GEMM1 + SwiGLU, which
 first routes the tokens, meets on a kept count and copies the final counts out, GEMM2, and the combine, which also
 zeroes the kept counters for the next call), above it four (the routing grid first); above FEW_TOKENS_MAX one more
-between the GEMMs, the rewrite of C as f16 (`c_to_f16.py`). Both GEMMs are persistent
+between the GEMMs, the rewrite of C as f16 (`c_to_f16.py`); from EARLY_W2_MAX_TOKENS + 1 to WGMMA_GEMM1_MIN_TOKENS - 1
+two (both GEMMs in one cooperative kernel, `fused_gemms.py`, and the combine). Both GEMMs are persistent
 weight streams; the variant is chosen from T alone (a shape):
 
 - GEMM1 on `mma.sync` below WGMMA_GEMM1_MIN_TOKENS (its 32-row items keep twice as many CTAs
   streaming one or two experts' weights) and on FP8 WGMMA from there (which removes its issue bound).
-  From EARLY_W2_MAX_TOKENS + 1 to THREE_CTAS_MAX_TOKENS its row tiles are 8 tokens of 3 stages, three CTAs per SM
-  whose items come in paired rounds on each SM (`streaming_gemm.paired_round_walk`, grouped by SM id with slots
-  drawn from kept per-SM counters: `streaming_gemm.take_walk_slot`).
-  Row tiles of 16 tokens up to FEW_TOKENS_MAX, 32 up to MEDIUM_T_MAX_TOKENS (at T = 901 the
+  From EARLY_W2_MAX_TOKENS + 1 to WGMMA_GEMM1_MIN_TOKENS - 1 its row tiles are 8 tokens of 4 stages, in the fused
+  kernel, whose GEMM2 phase (the same tiles and stages) starts an expert's items once its GEMM1 items are done.
+  Otherwise row tiles of 16 tokens up to FEW_TOKENS_MAX, 32 up to MEDIUM_T_MAX_TOKENS (at T = 901 the
   synthesized routing gives 20-27 active experts ~40 tokens each, up to ~180: ~1.8 row tiles per
   expert; NOTES.md), 64 above, where each expert has hundreds of tokens and a tile of 64 reads its
   weights half as often (three stages, its epilogue tile in the stage just consumed: two CTAs per SM). The 32-token

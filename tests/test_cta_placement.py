@@ -25,8 +25,9 @@ def test_counts_groups_whose_ctas_share_one_sm():
 
 def test_the_probe_compiles_without_a_gpu():
     assert callable(cta_placement._probe(66560))
-    # v2.32's slot word grew it from the 66432 bytes the session-24 probe ran with; three still fit an SM either way.
-    assert cta_placement.three_cta_gemm1_smem_bytes() == 66560
+    # MEDIUM_T's GEMM1 since v2.18 (the session-24 probe ran with the `mma.sync` three-CTA GEMM1's 66432 bytes); three
+    # still fit an SM.
+    assert cta_placement.three_cta_gemm1_smem_bytes() == 75776
 
 
 @pytest.mark.gpu

@@ -1,13 +1,13 @@
-"""Which SM each CTA of a persistent grid lands on: the placement `kernels/moe/streaming_gemm.paired_round_walk` assumes.
+"""Which SM each CTA of a persistent grid lands on: why the MoE's three-CTA GEMM1 walks by SM id, not by CTA index.
 
     uv run tools/cta_placement.py [--ctas-per-sm 3] [--smem-bytes N] [--repeats 10]
 
-The paired-round walk (MoE v2.29) splits the items of each group of CTAs {g, g + S, g + 2S} (S = grid / ctas-per-sm)
-between them, as if the block scheduler put a group on one SM. This launches, cooperatively as GEMM1 is, grids of
-SMs x ctas-per-sm CTAs of 128 threads holding the given dynamic shared memory (default: the three-CTA GEMM1's), records
-`%smid` of every CTA, and prints per launch how many groups {g + k S} share one SM (on an H200 in session 24: none;
-`results/checks/2026-12-01_cta_placement_session24.txt`). The walk is correct for any placement (every item once);
-only its balance depends on it. Exits 2 without CUDA, with one line on stderr.
+A walk over the CTA index that splits the items of each group of CTAs {g, g + S, g + 2S} (S = grid / ctas-per-sm)
+between them (MoE v2.29's paired rounds, replaced in v2.18) assumes the block scheduler puts a group on one SM. This
+launches, cooperatively as GEMM1 is, grids of SMs x ctas-per-sm CTAs of 128 threads holding the given dynamic shared
+memory (default: the three-CTA GEMM1's, MEDIUM_T's since v2.18), records `%smid` of every CTA, and prints per launch how
+many groups {g + k S} share one SM (on an H200 in session 24: none, `results/checks/2026-12-01_cta_placement_session24.txt`;
+hence the walks by SM id, v2.32 and v2.42). Exits 2 without CUDA, with one line on stderr.
 """
 
 from __future__ import annotations
@@ -68,11 +68,11 @@ def _probe(smem_bytes: int):
 
 
 def three_cta_gemm1_smem_bytes() -> int:
-    """The dynamic shared memory of `kernel.py`'s three-CTA GEMM1 (TINY_T_THREE_CTAS)."""
+    """The dynamic shared memory of `kernel.py`'s three-CTA GEMM1 (MEDIUM_T's, on WGMMA)."""
     # kernels/ is not a package: its folder is loaded as one, as the harness does (the same module test_moe_kernel.py
     # gets, so no second compile cache).
     kernel = load_folder_module(REPO_ROOT / "kernels" / "moe", "moe_solution", "kernel")
-    return kernel.TINY_T_THREE_CTAS.gemm1().smem_bytes()
+    return kernel.MEDIUM_T.gemm1().smem_bytes()
 
 
 def main(argv: list[str] | None = None) -> int:

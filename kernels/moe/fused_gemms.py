@@ -107,8 +107,8 @@ class FusedExpertGemms:
         cfg1, cfg2 = gemm1.cfg, gemm2.cfg
         if not (cfg1.gemm1 and not cfg2.gemm1 and cfg2.dynamic_items):
             raise StreamingConfigError("the fused GEMMs are a GEMM1 and a claiming GEMM2")
-        if (cfg1.block_tokens, cfg1.num_stages) != (cfg2.block_tokens, cfg2.num_stages) or cfg1.paired_rounds:
-            raise StreamingConfigError("the fused GEMMs share their row tiles and stages, at two CTAs per SM")
+        if (cfg1.block_tokens, cfg1.num_stages) != (cfg2.block_tokens, cfg2.num_stages):
+            raise StreamingConfigError("the fused GEMMs share their row tiles and stages")
         self.link = link
         self.gemm1 = gemm1
         self.gemm2 = gemm2

@@ -96,7 +96,6 @@ __all__ = [
     "MEDIUM_T_MAX_TOKENS",
     "MoeShapeError",
     "StreamingVariant",
-    "THREE_CTAS_MAX_TOKENS",
     "WGMMA_GEMM1_MIN_TOKENS",
     "Workspaces",
     "compile_only",
@@ -125,10 +124,7 @@ MEDIUM_T_MAX_TOKENS = 1024
 # WGMMA_GEMM1_MIN_TOKENS - 1 the fused GEMMs (v2.18), which measured 1.043x and 1.049x (medians) off the list at 5 and
 # 6 tokens over this variant (`results/checks/2026-12-01_moe_fused_gemms_session32_sweep.txt`).
 EARLY_W2_MAX_TOKENS = 4
-# Up to 8 tokens no expert has more than 8 tokens, so GEMM1's 8-token row tiles (which fit three CTAs per SM) never
-# read an expert's weights twice.
-THREE_CTAS_MAX_TOKENS = 8
-assert EARLY_W2_MAX_TOKENS < THREE_CTAS_MAX_TOKENS < WGMMA_GEMM1_MIN_TOKENS  # both variants are TINY_T with switches
+assert EARLY_W2_MAX_TOKENS < WGMMA_GEMM1_MIN_TOKENS  # both variants below are TINY_T with switches
 NUM_STAGES = 4
 
 
@@ -148,8 +144,8 @@ class StreamingVariant:
     gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.21)
     combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (v2.25)
     routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
-    gemm1_ctas_per_sm: int = 2  # GEMM1's max_ctas_per_sm (`mma.sync`: v2.28, v2.29; WGMMA: v2.41)
-    gemm1_smid_walk: bool = False  # GEMM1's smid_walk (`mma.sync`: v2.32; WGMMA: v2.42)
+    gemm1_ctas_per_sm: int = 2  # the WGMMA GEMM1's max_ctas_per_sm (v2.41; the `mma.sync` one's v2.29 until v2.18)
+    gemm1_smid_walk: bool = False  # the WGMMA GEMM1's smid_walk (v2.42; the `mma.sync` one's v2.32 until v2.18)
     gemm1_producer_warp: bool = False  # the WGMMA GEMM1's producer_warp (v2.52)
     gemm1_partition_walk: bool = False  # the WGMMA GEMM1's partition_walk (v2.56)
     gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
@@ -180,6 +176,9 @@ class StreamingVariant:
         if self.fused_gemms and not (self.routing_in_gemm1 and self.gemm2_dynamic_items and not self.wgmma_gemm1):
             # Its GEMM2 phase claims its items and its grid meets after the routing (`fused_gemms.FusedExpertGemms`).
             raise ValueError("fused_gemms needs the mma.sync GEMMs, routing_in_gemm1 and gemm2_dynamic_items")
+        if (self.gemm1_ctas_per_sm != 2 or self.gemm1_smid_walk) and not self.wgmma_gemm1:
+            # The `mma.sync` GEMM1 keeps two CTAs per SM over the CTA index since the fused GEMMs (v2.18).
+            raise ValueError("gemm1_ctas_per_sm and gemm1_smid_walk are the WGMMA GEMM1's")
         if self.gemm1_smid_walk and not self.routing_in_gemm1:
             # Its slots need every CTA resident at once: GEMM1's cooperative launch, which only a routing GEMM1 has.
             raise ValueError("gemm1_smid_walk needs routing_in_gemm1")
@@ -201,8 +200,6 @@ class StreamingVariant:
             block_tokens=self.block_tokens,
             num_stages=self.num_stages,
             routing_per_cta=self.routing_per_cta,
-            max_ctas_per_sm=self.gemm1_ctas_per_sm,
-            smid_walk=self.gemm1_smid_walk,
         )
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:
@@ -263,21 +260,13 @@ TINY_T = StreamingVariant(
 TINY_T_EARLY_W2 = dataclasses.replace(
     TINY_T, gemm2_weights_before_wait=True, routing_per_cta=True, gemm2_dynamic_items=False
 )
-# From EARLY_W2_MAX_TOKENS + 1 to THREE_CTAS_MAX_TOKENS GEMM1 runs 8-token row tiles of 3 stages at three CTAs per SM
-# (66.5 KB each, 80 registers a thread), whose items come in paired rounds: the two busiest CTAs of a group hold the
-# same count, and most SMs hold one CTA of each slot, so they do not end on one CTA alone, which streams at about three
-# quarters of two CTAs' rate (the placement: `streaming_gemm.paired_round_walk`, NOTES session 24) (v2.29: 1.024x at 7
-# tokens, 4 of 5 trials faster, 1.031-1.038x with 5 experts and 1.024-1.025x with 7; 8 tokens off the list 1.020x). Below
-# it v2.28 lost on the 1-expert trial of 1 token, where every walk leaves a lone CTA (0.945x with 2 stages in flight).
-# The walk's groups are the SMs by id, each CTA's slot drawn from a kept per-SM counter, since the H200 does not place
-# CTAs g, g + 132, g + 264 on one SM (v2.32: 1.016x at 7 tokens, 5 of 5 trials faster; 8 tokens 1.003x).
-TINY_T_THREE_CTAS = dataclasses.replace(TINY_T, block_tokens=8, num_stages=3, gemm1_ctas_per_sm=3, gemm1_smid_walk=True)
 # From EARLY_W2_MAX_TOKENS + 1 to WGMMA_GEMM1_MIN_TOKENS - 1 both GEMMs run in one cooperative kernel whose CTAs go on to
 # GEMM2 items as soon as their expert's GEMM1 items are all done (`fused_gemms.py`; v2.57: 7 tokens 1.028x by the ratio of
 # medians, paired 1.030x, 5 of 5 trials faster; 14 / 15 / 16 / 32 tokens 1.068 / 1.024 / 1.057 / 1.026x; medians
 # 1.043-1.059x off the list at 5, 6, 8 and 24 tokens): GEMM1 on 8-token row tiles as GEMM2, four stages, two CTAs per
-# SM. It replaced TINY_T_THREE_CTAS (7-8 tokens) and TINY_T (9-32 tokens), which no call runs since; both stay as the
-# configurations that the streaming tests force on any T, so that their walks stay checked.
+# SM. It replaced v2.29 / v2.32's GEMM1 at three CTAs per SM walking paired rounds by SM id at 7-8 tokens (removed with
+# its walk, NOTES session 32) and TINY_T's two chained kernels at 9-32 tokens (TINY_T stays: the base of the variants
+# here and the chained reference that the tests compare the fused GEMMs with bit for bit).
 FUSED_T = dataclasses.replace(TINY_T, block_tokens=8, fused_gemms=True)
 # From 33 tokens both GEMMs are on WGMMA (v2.0, v2.1: 1.02x over the `mma.sync` GEMM2 at 52-62).
 FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True, gemm2_dynamic_items=False)

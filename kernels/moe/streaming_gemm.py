@@ -8,8 +8,7 @@ SM streams weights:
   16 nt.. and the 16 gate rows 2048 + 16 nt.. (so SwiGLU needs no other CTA), 128 items per row
   tile; GEMM2: 32 output columns 32 nt.., 224 items per row tile. At T = 1 with one active expert
   that is 128 (224) items of 229 KB (64 KB) for 132 SMs.
-- Persistent CTAs (grid = SMs x CTAs per SM, from the host) walk the items b, b + G, ... (at three CTAs
-  per SM, runs of each SM's items in paired rounds: `paired_round_walk`, v2.29); the total
+- Persistent CTAs (grid = SMs x CTAs per SM, from the host) walk the items b, b + G, ...; the total
   is computed on the device from the per-expert counts, so no CTA is launched for nothing and the
   host never reads a count. The cp.async pipeline runs across item boundaries (a flat loop over
   (item, K stage)), so streaming never drains between items.
@@ -63,7 +62,7 @@ FP8_CHUNKS_PER_BLOCK_ROW = BLOCK // CHUNK  # 8: one 128-wide K block of an fp8 r
 BF16_CHUNKS_PER_BLOCK_ROW = 2 * BLOCK // CHUNK  # 16
 SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on SM90
 SMEM_RESERVED_PER_CTA = 1024
-PAIRED_SLOTS = 3  # CTAs per SM of the paired-round walk (`paired_round_walk`)
+PAIRED_SLOTS = 3  # CTAs per SM of a GEMM1 that walks by SM id (`take_walk_slot`'s slots 0-2; the WGMMA GEMM1's)
 WALK_SLOT_WORDS = 256  # SM ids the walk by SM id (v2.32) keeps a slot counter for
 # The last word of a walk buffer with partition ranks (v2.56: twice WALK_SLOT_WORDS, the ranks after the slot
 # counters) once its ranks are written; a buffer without it (made inside a CUDA-graph capture) walks by `%smid`.
@@ -230,7 +229,7 @@ class PersistentGemmConfig:
     weights_before_wait: bool = False
     # A GEMM1 whose every CTA routes up to ROUTING_WARPS tokens itself (v2.26; the `mma.sync` one only).
     routing_per_cta: bool = False
-    # A three-CTA GEMM1 whose walk groups by SM id and takes the kept slot counters (v2.32; the `mma.sync` one).
+    # A three-CTA GEMM1 whose walk groups by SM id and takes the kept slot counters (v2.42; the WGMMA one).
     smid_walk: bool = False
     # A GEMM1 whose SM-id walk takes the SMs' L2-partition ranks after those counters (v2.56; the WGMMA one).
     partition_walk: bool = False
@@ -282,19 +281,15 @@ class StreamingGemmConfig(PersistentGemmConfig):
         num_stages: int,
         weights_before_wait: bool = False,
         routing_per_cta: bool = False,
-        max_ctas_per_sm: int = 2,
-        smid_walk: bool = False,
         dynamic_items: bool = False,
     ):
         """`weights_before_wait` (v2.20, GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
         schedule once the kept count of routed tokens is complete and issues its first stages' weights before
         `griddepcontrol.wait`; only the activations (GEMM1's output) wait for GEMM1 to complete.
         `routing_per_cta` (v2.26, GEMM1 that routes): up to ROUTING_WARPS tokens every CTA routes them all
-        (`routing.route_in_every_cta`) in a few words of shared memory of its own.
-        `max_ctas_per_sm` (v2.28): 3 where the configuration's shared memory fits three CTAs per SM and its registers
-        do (<= 170 a thread); they walk their items in paired rounds (v2.29, `paired_round_walk`), so that no SM runs
-        its last item with one CTA alone. `smid_walk` (v2.32): the paired walk's groups are the SMs by id, each CTA's
-        slot drawn from a kept per-SM counter (`take_walk_slot`). `dynamic_items` (v2.34, GEMM2): CTA c's
+        (`routing.route_in_every_cta`) in a few words of shared memory of its own. Two CTAs per SM (v2.29's three, 8-token
+        GEMM1 tiles of 3 stages walking paired rounds by SM id, v2.32, ran at 7-8 tokens until the fused GEMMs replaced
+        them, v2.18; their walk is in the history before session 32's cleanup). `dynamic_items` (v2.34, GEMM2): CTA c's
         first item is c, and each later one the next of a kept counter's claims (`claim_item`), so that the SMs that
         finish first take the tail whatever the placement."""
         if block_tokens not in (8, 16, 32):
@@ -310,14 +305,8 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if routing_per_cta and not gemm1:
             raise StreamingConfigError("routing_per_cta is GEMM1's (the call's first kernel routes)")
         self.routing_per_cta = routing_per_cta
-        self.set_max_ctas_per_sm(max_ctas_per_sm)
-        # Three CTAs per SM walk their items in paired rounds (`paired_round_walk`), which assumes they all fit.
-        self.paired_rounds = max_ctas_per_sm == PAIRED_SLOTS
-        if smid_walk and not (self.paired_rounds and gemm1):
-            raise StreamingConfigError("smid_walk is the paired walk of a three-CTA GEMM1 (max_ctas_per_sm=3)")
-        self.smid_walk = smid_walk
         if dynamic_items and (gemm1 or weights_before_wait):
-            # Kept for the plain GEMM2: GEMM1's walks are static (paired where three CTAs share an SM), and with an
+            # Kept for the plain GEMM2: GEMM1's walks are static, and with an
             # early-weights GEMM2 (whose first claim would come right after its schedule, before its wait) the claims
             # measured 1.003x at 1 token (candidate v2.38, NOTES session 26).
             raise StreamingConfigError("dynamic_items is GEMM2's, without weights_before_wait")
@@ -333,8 +322,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if self.gemm1 and self.threads_per_token < BLOCKS_PER_STAGE:
             raise StreamingConfigError("GEMM1 needs >= 4 threads per token for the activation scales")
         self.check_fits()
-        if self.paired_rounds and self.ctas_per_sm() != PAIRED_SLOTS:
-            raise StreamingConfigError(f"{self.smem_bytes()} B of shared memory per CTA do not fit three CTAs per SM")
         if self.k_stages < num_stages:
             # The computed item's valid rows come from the load side, which must not have moved on to the next
             # item by the computed item's first stage.
@@ -351,7 +338,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
             "w_scales": smem_region(Float32, ns * M_TILES * BLOCKS_PER_STAGE, 128),
             "scratch": smem_region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
             **({"routing_choices": smem_region(Int32, ROUTING_WARPS * TOP_K, 16)} if self.routing_per_cta else {}),
-            **({"walk_slot": smem_region(Int32, 4, 16)} if self.smid_walk else {}),
             **({"claimed_item": smem_region(Int32, 4, 16)} if self.dynamic_items else {}),
         }
 
@@ -434,27 +420,6 @@ def cta_stage_count(
     if cta < total_items:
         my_items = (total_items - cta + grid - 1) // grid
     return my_items * k_stages
-
-
-def paired_round_walk(total_items, group, slot, groups):
-    """(base, stride, items) of the CTA in `slot` (0..2) of `group` (of `groups`): its walk is base, base + stride, ...
-    (v2.29). Items go round robin over the groups, and a group's n items to its three CTAs as contiguous runs of c,
-    min(c, n - c) and the rest, c = ceil(n / 3), so that the group's two busiest CTAs hold the same count (a lone CTA
-    streams at about three quarters of two CTAs' rate, v2.28). Where a group's CTAs share an SM, the SM gets paired
-    rounds. With `StreamingGemmConfig` smid_walk (v2.32) the groups are the SMs by id; without it (or where SM ids
-    are not dense) they are {g, g + S, g + 2S} (slot = cta // S), which is not the H200's placement (CTAs 0-23 three
-    each on 8 SMs, then c, c + 124, c + 248 on one SM; NOTES, session 24): most SMs there still hold one CTA of each
-    slot, but the 8 front SMs get the largest count three times. Correct for any bijection of the CTAs onto (group,
-    slot). Plain arithmetic (DSL or Python integers)."""
-    n = (total_items - group + groups - 1) // groups  # items i < total_items with i % groups == group
-    first = (n + 2) // 3
-    second = cutlass.min(first, n - first)
-
-    def run_start(q):  # where slot q's run starts among the group's items (q = 0..3)
-        return cutlass.min(q, 1) * first + cutlass.max(q - 1, 0) * second
-
-    start = run_start(slot)
-    return group + start * groups, groups, cutlass.min(run_start(slot + 1), n) - start
 
 
 @cute.jit
@@ -572,7 +537,7 @@ class LinkedGemm:
 
     def load_location(self, base, stride, s, tile_end, expert_count, expert_offset, expert_tokens, tidx, bases_args=()):
         """What the load side carries for the item of flat stage `s` of the CTA's walk base, base + stride, ...
-        (the CTA and the grid, or `paired_round_walk`'s): `locate_load`'s location followed by the thread's copy
+        (the CTA and the grid, or a claimed item and 0): `locate_load`'s location followed by the thread's copy
         offsets of the item (the class's `item_bases`, given `bases_args` besides the item). Called while a kernel
         is traced; every streaming GEMM locates its items through here."""
         located = self.locate_load(base, stride, s, tile_end, expert_count, expert_offset, expert_tokens, tidx)
@@ -633,13 +598,11 @@ class StreamingGemm(LinkedGemm):
         routing=None,
         routed=None,
         counts_out=None,
-        walk_slots=None,
     ):
         """`routing`: None, or (GEMM1 up to 1024 tokens, v2.16) `routing.route_then_meet`'s tuple: the grid
         routes the tokens before its schedule. `routed` (GEMM2 with `weights_before_wait`): the kept count of routed
         tokens that GEMM1's grid completes (`counters.kept_routed`). `counts_out` (GEMM1, v2.22): where CTA 0 copies
-        the call's final counts (`schedule_tables`). `walk_slots` (with `smid_walk`): the kept per-SM slot counters
-        (`counters.kept_walk_slots`). GEMM2 with `dynamic_items` takes `routed` too: word ITEM_CLAIMS_WORD of that
+        the call's final counts (`schedule_tables`). GEMM2 with `dynamic_items` takes `routed` too: word ITEM_CLAIMS_WORD of that
         buffer is its claim counter (`claim_item`)."""
         cfg = self.cfg
         bt = cfg.block_tokens
@@ -666,7 +629,7 @@ class StreamingGemm(LinkedGemm):
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens,
             w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage, routing, routed,
-            counts_out, walk_slots,
+            counts_out,
         )  # fmt: skip
         self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None)
 
@@ -689,7 +652,6 @@ class StreamingGemm(LinkedGemm):
         routing,
         routed,
         counts_out,
-        walk_slots,
     ):
         # With weights_before_wait, `griddepcontrol.wait` comes once the first stages' weights are on their way.
         enter(self.link, wait=not self.cfg.weights_before_wait)
@@ -711,11 +673,6 @@ class StreamingGemm(LinkedGemm):
         x_scales = storage.x_scales.get_tensor(x_scale_layout)
         w_scales = storage.w_scales.get_tensor(w_scale_layout)
         scratch = storage.scratch.get_tensor(scratch_layout)
-        if cutlass.const_expr(cfg.smid_walk):
-            # Drawn first, so that the atomic's round trip overlaps the routing (read after the schedule's barrier).
-            walk_slot_word = storage.walk_slot.get_tensor(cute.make_layout(4))
-            if tidx == 0:
-                take_walk_slot(walk_slots, grid // PAIRED_SLOTS, walk_slot_word)
         if cutlass.const_expr(routing is not None):
             choices = None
             if cutlass.const_expr(cfg.routing_per_cta):
@@ -731,17 +688,6 @@ class StreamingGemm(LinkedGemm):
         )
         # The CTA's items: base, base + stride, ...
         base, stride = cta, grid
-        if cutlass.const_expr(cfg.paired_rounds):
-            total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * cfg.items_per_row_tile
-            walk_groups = grid // PAIRED_SLOTS
-            walk_group, walk_slot = cta % walk_groups, cta // walk_groups
-            if cutlass.const_expr(cfg.smid_walk):
-                drawn = walk_slot_word[0]
-                if drawn >= 0:
-                    walk_group = cute.arch.smid()
-                    walk_slot = drawn
-            base, stride, my_items = paired_round_walk(total_items, walk_group, walk_slot, walk_groups)
-            total_stages = my_items * cfg.k_stages
         if cutlass.const_expr(cfg.dynamic_items):
             # CTA c's first item is c (if there is one); thread 0 claims each later one an item ahead (`claim_item`).
             total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * cfg.items_per_row_tile

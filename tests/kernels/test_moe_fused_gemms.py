@@ -38,7 +38,8 @@ def test_the_fused_kernel_takes_a_gemm1_and_a_claiming_gemm2_of_one_tile():
     with pytest.raises(streaming.StreamingConfigError, match="row tiles"):
         fused_gemms.FusedExpertGemms(kernel.TINY_T.make_gemm1(), gemm2, link)  # 16-token GEMM1 tiles
     with pytest.raises(streaming.StreamingConfigError, match="row tiles"):
-        fused_gemms.FusedExpertGemms(kernel.TINY_T_THREE_CTAS.make_gemm1(), gemm2, link)
+        three_stages = streaming.StreamingGemmConfig(gemm1=True, block_tokens=8, num_stages=3)
+        fused_gemms.FusedExpertGemms(streaming.StreamingGemm(three_stages), gemm2, link)
 
 
 def test_compiles_without_gpu():

@@ -120,7 +120,7 @@ def test_the_fused_gemms_from_5_to_32_tokens_only():
         assert (kernel.variant_for(num_tokens) is kernel.FUSED_T) == (5 <= num_tokens <= 32)
         assert (num_tokens <= kernel.EARLY_W2_MAX_TOKENS) == (num_tokens <= 4)
     fused = kernel.FUSED_T
-    assert fused.fused_gemms and fused in kernel.VARIANTS and kernel.TINY_T_THREE_CTAS not in kernel.VARIANTS
+    assert fused.fused_gemms and fused in kernel.VARIANTS and kernel.TINY_T not in kernel.VARIANTS
     assert (fused.gemm1().block_tokens, fused.gemm1().num_stages) == (fused.gemm2().block_tokens, 4) == (8, 4)
     assert fused.gemm2().dynamic_items and kernel._grids(fused, 132) == (264, 264)
     with pytest.raises(ValueError, match="fused_gemms"):
@@ -129,18 +129,11 @@ def test_the_fused_gemms_from_5_to_32_tokens_only():
         dataclasses.replace(kernel.TINY_T_EARLY_W2, fused_gemms=True)  # its GEMM2 does not claim
 
 
-def test_the_three_cta_gemm1_configuration_kept_for_the_streaming_tests():
-    # v2.29 / v2.32's GEMM1 (no call runs it since v2.18; the streaming tests force it on any T up to 8).
-    assert kernel.THREE_CTAS_MAX_TOKENS == 8
-    variant = kernel.TINY_T_THREE_CTAS
-    gemm1 = variant.gemm1()
-    assert (gemm1.block_tokens, gemm1.num_stages, gemm1.ctas_per_sm(), gemm1.paired_rounds) == (8, 3, 3, True)
-    assert gemm1.smid_walk and kernel.persistent_ctas(gemm1, 132) == 396
-    switches = dict(block_tokens=16, num_stages=4, gemm1_ctas_per_sm=2, gemm1_smid_walk=False)
-    assert dataclasses.replace(variant, **switches) == kernel.TINY_T
-    assert vars(variant.gemm2()) == vars(kernel.TINY_T.gemm2())
-    # A WGMMA GEMM1 gets three CTAs per SM only where its shared memory allows them (v2.41).
+def test_three_gemm1_ctas_per_sm_where_the_wgmma_gemm1s_shared_memory_allows_them_only():
+    # v2.41; the `mma.sync` GEMM1's three (v2.29) went with the fused GEMMs (v2.18).
     assert kernel.StreamingVariant(block_tokens=32, wgmma_gemm1=True, gemm1_ctas_per_sm=3).gemm1().ctas_per_sm() == 2
+    with pytest.raises(ValueError, match="WGMMA GEMM1"):
+        kernel.StreamingVariant(block_tokens=8, num_stages=3, gemm1_ctas_per_sm=3)
 
 
 def test_every_gemm1_cta_routes_up_to_four_tokens_itself_in_the_early_w2_variant_only():

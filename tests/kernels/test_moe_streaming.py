@@ -6,12 +6,12 @@ shared-memory budget and persistent grid of every configuration. Transcriptions
 of the kernel's index maps against the PTX ISA's mma.m16n8k16 fragment layouts: every MMA pairs
 weight k with activation k, each k of the warp's K block once (fp8 and bf16 activations); the
 accumulator coordinates; item rows, SwiGLU pairing and block-scale rows; the persistent schedule
-(every item once, every expert row once at combine's packed row) and the paired-round walk of three CTAs per
-SM (correct for any placement of the CTAs); the cp.async group accounting.
+(every item once, every expert row once at combine's packed row), the slot draw of the walk by SM id and the GEMM2
+claims (correct for any placement or order of the CTAs); the cp.async group accounting.
 GPU (marked `gpu`, skipped without CUDA): the end-to-end checks are test_moe_kernel.py's (every
 check case, zero rows, bitwise-repeatable calls, graph replay); here, a per-GEMM check of the
 workspaces that says which GEMM and which column tiles are wrong when the end-to-end check fails
-(7-4096 tokens), the early-W2 and three-CTA variants bit for bit TINY_T's, and the contest rule and
+(7-4096 tokens), the early-W2 variant and the fused GEMMs forced on any T below 33 bit for bit TINY_T's, and the contest rule and
 relative L2 at the official 11948 tokens.
 """
 
@@ -102,16 +102,13 @@ def test_config_rejects_unsupported_shapes(kwargs, message):
         streaming.StreamingGemmConfig(gemm1=True, **({"num_stages": 4} | kwargs))
 
 
-def test_three_ctas_per_sm_only_where_they_fit():
-    # The paired-round walk (v2.29) assumes all three resident; the cooperative launch would refuse more.
-    three = streaming.StreamingGemmConfig(gemm1=True, block_tokens=8, num_stages=3, max_ctas_per_sm=3)
-    assert three.ctas_per_sm() == 3 and three.paired_rounds
-    assert 3 * (three.smem_bytes() + streaming.SMEM_RESERVED_PER_CTA) <= streaming.SMEM_PER_SM
-    with pytest.raises(streaming.StreamingConfigError, match="three CTAs"):
-        streaming.StreamingGemmConfig(gemm1=True, block_tokens=16, num_stages=4, max_ctas_per_sm=3)
-    with pytest.raises(streaming.StreamingConfigError, match="max_ctas_per_sm"):
-        streaming.StreamingGemmConfig(gemm1=True, block_tokens=8, num_stages=3, max_ctas_per_sm=4)
-    assert not streaming.StreamingGemmConfig(gemm1=True, block_tokens=8, num_stages=3).paired_rounds
+def test_the_mma_sync_gemms_keep_two_ctas_per_sm():
+    # v2.29's three-CTA `mma.sync` GEMM1 went with the fused GEMMs (v2.18); a variant cannot ask for it any more.
+    for config in (kernel.FUSED_T.gemm1(), kernel.FUSED_T.gemm2(), kernel.TINY_T.gemm1()):
+        assert config.max_ctas_per_sm == 2 and config.ctas_per_sm() == 2 and not config.smid_walk
+    for switches in (dict(gemm1_ctas_per_sm=3), dict(gemm1_smid_walk=True)):
+        with pytest.raises(ValueError, match="WGMMA GEMM1"):
+            dataclasses.replace(kernel.TINY_T, block_tokens=8, num_stages=3, **switches)
 
 
 def test_config_rejects_a_pipeline_that_does_not_fit_an_sm():
@@ -403,51 +400,6 @@ def test_persistent_schedule_covers_every_row_and_column_tile_once(num_tokens):
             assert max(rows.values(), default=-1) < 8 * num_tokens  # rows of the packed workspaces
 
 
-def paired_walks(total_items: int, sms: int) -> list[list[int]]:
-    """Every CTA's items under `paired_round_walk`, by CTA (groups {g, g + sms, g + 2 sms})."""
-    items = []
-    for cta in range(3 * sms):
-        base, stride, count = streaming.paired_round_walk(total_items, cta % sms, cta // sms, sms)
-        assert count >= 0
-        items.append([base + j * stride for j in range(count)])
-    return items
-
-
-# Every item count up to 4 items per group on small grids; on the H200's, each side of every multiple of its 132 groups.
-PAIRED_WALK_GRIDS = [(sms, range(4 * sms + 2)) for sms in (1, 2, 7)] + [
-    (132, sorted({0, *(132 * k + d for k in range(1, 8) for d in (-1, 0, 1)), 640, 896, 1024, 1280}))
-]
-
-
-@pytest.mark.parametrize(("sms", "totals"), PAIRED_WALK_GRIDS, ids=lambda v: str(v) if isinstance(v, int) else "")
-def test_paired_round_walk_covers_every_item_once_and_pairs_each_groups_last_round(sms, totals):
-    for total_items in totals:
-        items = paired_walks(total_items, sms)
-        assert sorted(i for walk in items for i in walk) == list(range(total_items))
-        for sm in range(sms):
-            per_slot = [len(items[sm + slot * sms]) for slot in range(3)]
-            n = sum(per_slot)
-            # Items round robin over the groups; a group's two busiest CTAs hold the same count unless it has one item.
-            assert n == len(range(sm, total_items, sms))
-            assert all(i % sms == sm for slot in range(3) for i in items[sm + slot * sms])
-            assert per_slot[0] == max(per_slot) and per_slot[2] == min(per_slot)
-            assert per_slot[1] == per_slot[0] or n == 1
-
-
-@pytest.mark.parametrize("sms", [1, 7, 132])
-def test_paired_round_walk_is_a_bijection_whatever_slots_the_sms_draw(sms):
-    # The walk by SM id (v2.32): any CTA may land on any SM and draw any free slot there.
-    draw = random.Random(sms)
-    for total_items in (0, 1, sms + 1, 5 * sms - 1, 640):
-        owners = [(sm, slot) for sm in range(sms) for slot in range(3)]
-        draw.shuffle(owners)
-        items = []
-        for sm, slot in owners:  # one CTA per (SM, slot), in whatever order the CTAs were numbered
-            base, stride, count = streaming.paired_round_walk(total_items, sm, slot, sms)
-            items += [base + j * stride for j in range(count)]
-        assert sorted(items) == list(range(total_items))
-
-
 def slots_drawn(start: int, choices: tuple[int, ...]) -> tuple[list[int], int]:
     """Transcription of `take_walk_slot` on one SM's int32 word for its three CTAs: a CTA's slot is the word before an
     add of 1, mod WALK_SLOT_ROUND, and a CTA that drew WALK_SLOT_ROUND - 1 takes its second draw, whatever it is. Each
@@ -478,14 +430,8 @@ def test_the_slot_draw_gives_each_sms_ctas_every_slot_once_from_any_word_in_any_
 
 
 def test_the_walk_by_sm_id_needs_a_cooperative_three_cta_gemm1():
-    with pytest.raises(streaming.StreamingConfigError, match="smid_walk"):
-        streaming.StreamingGemmConfig(gemm1=True, block_tokens=8, num_stages=3, smid_walk=True)
-    with pytest.raises(streaming.StreamingConfigError, match="smid_walk"):
-        streaming.StreamingGemmConfig(gemm1=False, block_tokens=8, num_stages=3, max_ctas_per_sm=3, smid_walk=True)
     with pytest.raises(ValueError, match="routing_in_gemm1"):
-        kernel.StreamingVariant(block_tokens=8, num_stages=3, gemm1_ctas_per_sm=3, gemm1_smid_walk=True)
-    three_ctas = kernel.TINY_T_THREE_CTAS.gemm1()
-    assert three_ctas.smid_walk and "walk_slot" in three_ctas.fields() and three_ctas.ctas_per_sm() == 3
+        dataclasses.replace(kernel.MEDIUM_T, routing_in_gemm1=False, gemm1_producer_warp=False, gemm1_partition_walk=False)
     # The WGMMA GEMM1's (v2.42): its draw gives the slots 0-2, so it needs exactly three CTAs on every SM.
     wgmma_gemm1 = solution_module("wgmma_gemm1")
     with pytest.raises(streaming.StreamingConfigError, match="smid_walk"):
@@ -550,13 +496,6 @@ def test_every_item_is_computed_once_and_the_counter_ends_at_zero(grid):
             computed, counter = claims_transcribed(total_items, grid, order)
             assert sorted(computed) == list(range(total_items))
             assert counter == 0
-
-
-def test_paired_rounds_at_the_7_token_rows_expert_counts():
-    # 132 groups: 5 experts (640 items) -> groups of 5 as (2, 2, 1); 7 experts (896) -> groups of 7 as (3, 3, 1).
-    for total_items, busiest in ((640, (2, 2, 1)), (896, (3, 3, 1)), (1024, (3, 3, 2))):
-        items = paired_walks(total_items, 132)
-        assert tuple(len(items[slot * 132]) for slot in range(3)) == busiest
 
 
 def test_pipeline_waits_for_each_stage_and_never_overwrites_a_slot_in_use():
@@ -657,31 +596,26 @@ EARLY_W2_CASES = [
 ]
 
 
-def always_three_ctas(num_tokens: int):
-    """TINY_T_THREE_CTAS at any T up to 8 (its 8-token tiles would read an expert's weights twice above), so that the
-    GPU tests walk 1-4 items per group in paired rounds beyond its dispatch range (v2.29)."""
-    assert num_tokens <= 8
-    return kernel.TINY_T_THREE_CTAS
+def always_fused(num_tokens: int):
+    """FUSED_T at any T below 33, so that the GPU tests run the fused GEMMs beyond their dispatch range (v2.18: its grid
+    meets after the routing at 1-4 tokens too, where `kernel.py` routes in every CTA)."""
+    assert num_tokens < kernel.WGMMA_GEMM1_MIN_TOKENS
+    return kernel.FUSED_T
 
 
-THREE_CTAS_CASES = [
-    cases.CheckCase("three_ctas_t1_one_expert", 1, 64, "one_expert"),
-    cases.CheckCase("three_ctas_t3_all_local", 3, 160, "all_local"),
-    cases.CheckCase("three_ctas_t5", 5, 32),
-    cases.CheckCase("three_ctas_t7", 7, 192),
-    cases.CheckCase("three_ctas_t7_all_local", 7, 0, "all_local"),
-    cases.CheckCase("three_ctas_t7_no_local", 7, 96, "no_local"),
-    cases.CheckCase("three_ctas_t8", 8, 224),
-    cases.CheckCase("three_ctas_t8_one_expert", 8, 128, "one_expert"),
-    cases.CheckCase("three_ctas_t8_all_local", 8, 32, "all_local"),
+FUSED_CASES = [
+    cases.CheckCase("fused_t1_one_expert", 1, 64, "one_expert"),
+    cases.CheckCase("fused_t3_all_local", 3, 160, "all_local"),
+    cases.CheckCase("fused_t4", 4, 32),
+    cases.CheckCase("fused_t7_no_local", 7, 96, "no_local"),
+    cases.CheckCase("fused_t8_one_expert", 8, 128, "one_expert"),
+    cases.CheckCase("fused_t24_all_local", 24, 32, "all_local"),
 ]
 
 
 # Variants forced beyond their dispatch range, each with its cases: TINY_T with one or two switches, so each must give
 # TINY_T's output bit for bit (the same products per token in the same order).
-FORCED_VARIANTS = [(always_early_w2, case) for case in EARLY_W2_CASES] + [
-    (always_three_ctas, case) for case in THREE_CTAS_CASES
-]
+FORCED_VARIANTS = [(always_early_w2, case) for case in EARLY_W2_CASES] + [(always_fused, case) for case in FUSED_CASES]
 
 
 def forced_id(value) -> str:
@@ -701,9 +635,9 @@ def test_each_gemm_of_a_forced_variant_matches_torch(choose, case):
 @needs_cuda
 @pytest.mark.parametrize(("choose", "case"), FORCED_VARIANTS, ids=forced_id)
 def test_a_forced_variant_is_tiny_t_bit_for_bit_call_after_call(choose, case):
-    # The early-W2 GEMM2's weights issued before its wait (v2.21) and the three-CTA GEMM1's 8-token tiles and paired
-    # walk (v2.29) change no output bit, and each call leaves the kept count of routed tokens (which the early-W2 GEMM2
-    # polls before its wait) at zero for the next.
+    # The early-W2 GEMM2's weights issued before its wait (v2.21) and the fused GEMMs (v2.18: 8-token GEMM1 tiles, GEMM2
+    # items started per expert) change no output bit, and each call leaves the kept count of routed tokens (which the
+    # early-W2 GEMM2 polls before its wait, and whose second word holds the fused GEMM2's claims) at zero for the next.
     inputs = cases.make_inputs(case, "cuda", seed=43)
     counters = solution_module("counters")
     outputs = []
@@ -721,7 +655,7 @@ def test_a_forced_variant_is_tiny_t_bit_for_bit_call_after_call(choose, case):
 
 
 # The GEMM1s that walk by SM id: the `mma.sync` one at 7-8 tokens (v2.32) and the WGMMA one at 193-1024 (v2.42).
-SMID_WALK_CASES = [c for c in THREE_CTAS_CASES if c.num_tokens >= 7] + [
+SMID_WALK_CASES = [
     cases.CheckCase("smid_walk_t193", 193, 224),
     cases.CheckCase("smid_walk_t500_one_expert", 500, 32, "one_expert"),
     cases.CheckCase("smid_walk_t901", 901, 96),
@@ -730,30 +664,22 @@ SMID_WALK_CASES = [c for c in THREE_CTAS_CASES if c.num_tokens >= 7] + [
 ]
 
 
-def walking_by_sm_id(num_tokens: int) -> kernel.StreamingVariant:
-    """The three-CTA GEMM1 up to 8 tokens (no call runs it since v2.18: forced here), else `kernel.py`'s variant."""
-    return kernel.TINY_T_THREE_CTAS if num_tokens <= kernel.THREE_CTAS_MAX_TOKENS else kernel.variant_for(num_tokens)
-
-
 def walk_by_cta_index(num_tokens: int) -> kernel.StreamingVariant:
-    """`walking_by_sm_id`'s variant with GEMM1 walking over its CTA index instead of by SM id (and so without the
-    partition walk, v2.56, which ranks the SM ids; the same items elsewhere)."""
-    variant = walking_by_sm_id(num_tokens)
-    if variant is kernel.TINY_T_THREE_CTAS:
-        return kernel.TINY_T
-    return dataclasses.replace(variant, gemm1_smid_walk=False, gemm1_partition_walk=False)
+    """`kernel.py`'s variant with GEMM1 walking over its CTA index instead of by SM id (and so without the partition
+    walk, v2.56, which ranks the SM ids; the same items elsewhere)."""
+    return dataclasses.replace(kernel.variant_for(num_tokens), gemm1_smid_walk=False, gemm1_partition_walk=False)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("case", SMID_WALK_CASES, ids=lambda c: c.name)
 def test_the_walk_by_sm_id_is_the_walk_by_cta_bit_for_bit_from_any_slot_words(case):
-    # The three-CTA GEMM1s draw their slots from kept per-SM words (v2.32) that no call zeroes: from words of every
+    # The three-CTA GEMM1 draws its slots from kept per-SM words (v2.42) that no call zeroes: from words of every
     # residue (the int32 wrap included) each call gives every SM's CTAs every slot once, so the outputs stay those of a
-    # walk over the CTA index (TINY_T's at 7-8 tokens) bit for bit, and each word advances by 3 from 0 mod 4 and by 4
+    # walk over the CTA index bit for bit, and each word advances by 3 from 0 mod 4 and by 4
     # otherwise. The H200's SM ids are dense (`tools/cta_placement.py`), so no SM takes the fallback walk. MEDIUM_T's
     # partition walk (v2.56) keeps its counters in the ranked buffer, before the ranks.
-    variant = walking_by_sm_id(case.num_tokens)
+    variant = kernel.variant_for(case.num_tokens)
     assert variant.gemm1_smid_walk
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -762,9 +688,7 @@ def test_the_walk_by_sm_id_is_the_walk_by_cta_bit_for_bit_from_any_slot_words(ca
     words = buffer[: solution_module("streaming_gemm").WALK_SLOT_WORDS]  # a view: the slot counters
     start = torch.tensor([-2**31, 2**31 - 1, -1, 0, 1, 2, 3, 5] * 32, dtype=torch.int32, device=device)[: words.numel()]
     words.copy_(start)
-    theirs, *ours = outputs_of(
-        (kernel.make_run(walk_by_cta_index), *[kernel.make_run(walking_by_sm_id)] * 2), case, seed=59
-    )
+    theirs, *ours = outputs_of((kernel.make_run(walk_by_cta_index), *[kernel.run] * 2), case, seed=59)
     assert torch.isfinite(theirs).all()
     if case.pattern != "no_local":
         assert bool((theirs != 0).any())

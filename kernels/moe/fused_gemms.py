@@ -27,7 +27,6 @@ from typing import Callable
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
-from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .chain import ChainLink, chain_links, enter
@@ -36,21 +35,19 @@ from .host import fake_tensor_arguments
 from .routing import route_then_meet
 from .shapes import NUM_LOCAL_EXPERTS
 from .streaming_gemm import (
-    BLOCK,
-    BLOCKS_PER_STAGE,
     GEMM1_ITEMS_PER_ROW_TILE,
     GEMM2_ITEMS_PER_ROW_TILE,
-    ITEM_ROWS,
     M_TILES,
     NUM_THREADS,
-    NUM_WARPS,
     StreamingConfigError,
     StreamingGemm,
     claim_item,
+    copy_atoms,
     locate_row_tile,
     publish_claim,
     release_claims,
     schedule_tables,
+    stage_layouts,
 )
 
 __all__ = ["READY_WORDS", "FusedExpertGemms", "FusedMoeHost", "compile_fused"]
@@ -122,21 +119,9 @@ class FusedExpertGemms:
         expert_tokens: cute.Tensor, num_ctas: Int32, stream, routing, routed: cute.Tensor, counts_out: cute.Tensor,
         ready: cute.Tensor,
     ):  # fmt: skip
-        ns, bt = self.cfg.num_stages, self.cfg.block_tokens
         SharedStorage = self.cfg.shared_storage()
-        # `StreamingGemm.launch`'s layouts (the activations' in elements, the same count for fp8 x and bf16 C)
-        w_layout = cute.make_layout(
-            (BLOCK, ITEM_ROWS, BLOCKS_PER_STAGE, ns),
-            stride=(1, BLOCK, ITEM_ROWS * BLOCK, BLOCKS_PER_STAGE * ITEM_ROWS * BLOCK),
-        )
-        x_layout = cute.make_layout(
-            (BLOCK, bt, BLOCKS_PER_STAGE, ns), stride=(1, BLOCK, bt * BLOCK, BLOCKS_PER_STAGE * bt * BLOCK)
-        )
-        x_scale_layout = cute.make_layout((bt, BLOCKS_PER_STAGE, ns), stride=(1, bt, BLOCKS_PER_STAGE * bt))
-        w_scale_layout = cute.make_layout(
-            (BLOCKS_PER_STAGE, M_TILES, ns), stride=(1, BLOCKS_PER_STAGE, M_TILES * BLOCKS_PER_STAGE)
-        )
-        scratch_layout = cute.make_layout((bt, ITEM_ROWS, NUM_WARPS), stride=(1, bt, ITEM_ROWS * bt))
+        # The streaming GEMMs' layouts, in elements: fp8 x and bf16 C take the same count
+        w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout = stage_layouts(self.cfg)
         self.kernel(
             x, x_scale, w13, w13_scale, c, w2, w2_scale, expert_out, counts, expert_tokens, w_layout, x_layout,
             x_scale_layout, w_scale_layout, scratch_layout, SharedStorage, routing, routed, counts_out, ready,
@@ -186,18 +171,7 @@ class FusedExpertGemms:
             storage, counts, bt, GEMM1_ITEMS_PER_ROW_TILE, k1, cta, grid, warp_id, lane, counts_out
         )
 
-        g2s_16 = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
-        )
-        g2s_16_x = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
-        )
-        g2s_16_f32 = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float32, num_bits_per_copy=128
-        )
-        g2s_4_f32 = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), cutlass.Float32, num_bits_per_copy=32
-        )
+        atoms = copy_atoms()
         acc = cute.make_rmem_tensor((M_TILES * self.gemm1.cfg.n_tiles * 4,), cutlass.Float32)
         block_acc = cute.make_rmem_tensor((M_TILES * self.gemm1.cfg.n_tiles * 4,), cutlass.Float32)
 
@@ -209,9 +183,8 @@ class FusedExpertGemms:
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
                 self.gemm1.load_stage(
-                    p, p, located, x, x_scale, w13, w13_scale, w_stages, x1_stages, x_scales, w_scales, g2s_16,
-                    g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
-                )  # fmt: skip
+                    p, p, located, x, x_scale, w13, w13_scale, w_stages, x1_stages, x_scales, w_scales, *atoms, tidx
+                )
             cute.arch.cp_async_commit_group()
         acc.fill(0.0)
         for s in cutlass.range(total_stages, unroll=1):
@@ -225,7 +198,7 @@ class FusedExpertGemms:
                     )  # fmt: skip
                 self.gemm1.load_stage(
                     s + ns - 1, (s + ns - 1) % ns, located, x, x_scale, w13, w13_scale, w_stages, x1_stages,
-                    x_scales, w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
+                    x_scales, w_scales, *atoms, tidx,
                 )  # fmt: skip
             cute.arch.cp_async_commit_group()
             if tidx == 0:
@@ -263,9 +236,8 @@ class FusedExpertGemms:
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
                 self.gemm2.load_stage(
-                    p, p, located, c, x_scale, w2, w2_scale, w_stages, x2_stages, x_scales, w_scales, g2s_16,
-                    g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
-                )  # fmt: skip
+                    p, p, located, c, x_scale, w2, w2_scale, w_stages, x2_stages, x_scales, w_scales, *atoms, tidx
+                )
             cute.arch.cp_async_commit_group()
         acc.fill(0.0)
         s = Int32(0)
@@ -292,7 +264,7 @@ class FusedExpertGemms:
             if s + ns - 1 < total_stages:
                 self.gemm2.load_stage(
                     s + ns - 1, (s + ns - 1) % ns, located, c, x_scale, w2, w2_scale, w_stages, x2_stages, x_scales,
-                    w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
+                    w_scales, *atoms, tidx,
                 )  # fmt: skip
             cute.arch.cp_async_commit_group()
             if tidx == 0 and (s + ns) % k2 == 0:

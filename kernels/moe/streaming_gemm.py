@@ -509,6 +509,41 @@ def slot_token(
 # ------------------------------------------------------------------------------------------------
 
 
+def stage_layouts(cfg: StreamingGemmConfig) -> tuple:
+    """The shared-memory layouts of a streaming GEMM's pipeline, in elements (fp8 x and bf16 C alike): weights (bytes
+    of a K block row, rows, K block of the stage, stage), activations (the same with the row tile's tokens), activation
+    scales, weight block scales and the epilogue's partial sums. Called while a launch is traced."""
+    ns, bt = cfg.num_stages, cfg.block_tokens
+    w_layout = cute.make_layout(
+        (BLOCK, ITEM_ROWS, BLOCKS_PER_STAGE, ns),
+        stride=(1, BLOCK, ITEM_ROWS * BLOCK, BLOCKS_PER_STAGE * ITEM_ROWS * BLOCK),
+    )
+    x_layout = cute.make_layout(
+        (BLOCK, bt, BLOCKS_PER_STAGE, ns), stride=(1, BLOCK, bt * BLOCK, BLOCKS_PER_STAGE * bt * BLOCK)
+    )
+    x_scale_layout = cute.make_layout((bt, BLOCKS_PER_STAGE, ns), stride=(1, bt, BLOCKS_PER_STAGE * bt))
+    w_scale_layout = cute.make_layout(
+        (BLOCKS_PER_STAGE, M_TILES, ns), stride=(1, BLOCKS_PER_STAGE, M_TILES * BLOCKS_PER_STAGE)
+    )
+    scratch_layout = cute.make_layout((bt, ITEM_ROWS, NUM_WARPS), stride=(1, bt, ITEM_ROWS * bt))
+    return w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout
+
+
+def copy_atoms() -> tuple:
+    """The streaming GEMMs' cp.async atoms, as `StreamingGemm.load_stage` takes them: 16 B of fp8, of bf16 and of fp32
+    through L2 only, and 4 B of fp32 (the activation scales) through L1. Called while a kernel is traced."""
+    return (
+        cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
+        ),
+        cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
+        ),
+        cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32, num_bits_per_copy=128),
+        cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), Float32, num_bits_per_copy=32),
+    )
+
+
 class LinkedGemm:
     """An expert GEMM of a configuration at its place in the call's chain of launches (chain.py)."""
 
@@ -602,29 +637,11 @@ class StreamingGemm(LinkedGemm):
         """`routing`: None, or (GEMM1 up to 1024 tokens, v2.16) `routing.route_then_meet`'s tuple: the grid
         routes the tokens before its schedule. `routed` (GEMM2 with `weights_before_wait`): the kept count of routed
         tokens that GEMM1's grid completes (`counters.kept_routed`). `counts_out` (GEMM1, v2.22): where CTA 0 copies
-        the call's final counts (`schedule_tables`). GEMM2 with `dynamic_items` takes `routed` too: word ITEM_CLAIMS_WORD of that
-        buffer is its claim counter (`claim_item`)."""
+        the call's final counts (`schedule_tables`). GEMM2 with `dynamic_items` takes `routed` too: word
+        ITEM_CLAIMS_WORD of that buffer is its claim counter (`claim_item`)."""
         cfg = self.cfg
-        bt = cfg.block_tokens
-        ns = cfg.num_stages
-        x_row_elems = BLOCK  # elements of one K block of one token
-
         SharedStorage = cfg.shared_storage()
-
-        # (bytes of a K block row, rows, K block of the stage, stage)
-        w_layout = cute.make_layout(
-            (BLOCK, ITEM_ROWS, BLOCKS_PER_STAGE, ns),
-            stride=(1, BLOCK, ITEM_ROWS * BLOCK, BLOCKS_PER_STAGE * ITEM_ROWS * BLOCK),
-        )
-        x_layout = cute.make_layout(
-            (x_row_elems, bt, BLOCKS_PER_STAGE, ns),
-            stride=(1, x_row_elems, bt * x_row_elems, BLOCKS_PER_STAGE * bt * x_row_elems),
-        )
-        x_scale_layout = cute.make_layout((bt, BLOCKS_PER_STAGE, ns), stride=(1, bt, BLOCKS_PER_STAGE * bt))
-        w_scale_layout = cute.make_layout(
-            (BLOCKS_PER_STAGE, M_TILES, ns), stride=(1, BLOCKS_PER_STAGE, M_TILES * BLOCKS_PER_STAGE)
-        )
-        scratch_layout = cute.make_layout((bt, ITEM_ROWS, NUM_WARPS), stride=(1, bt, ITEM_ROWS * bt))
+        w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout = stage_layouts(cfg)
 
         kernel = self.kernel(
             x, x_scale, w, w_scale, out, counts, expert_tokens,
@@ -698,18 +715,7 @@ class StreamingGemm(LinkedGemm):
             if tidx == 0:
                 pending = claim_item(routed)
 
-        g2s_16 = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float8E4M3FN, num_bits_per_copy=128
-        )
-        g2s_16_x = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
-        )
-        g2s_16_f32 = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32, num_bits_per_copy=128
-        )
-        g2s_4_f32 = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), Float32, num_bits_per_copy=32
-        )
+        g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32 = copy_atoms()
 
         # Each item is located once per side (v2.4; session 15's ncu found the two locations per K stage,
         # binary searches over shared memory, and the token's reload from global memory on the stage's

@@ -205,11 +205,6 @@ MOE = Track(
             entry="candidate_wide_from_193.py::run",
             description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
-        CandidateSide(
-            name="cand_fused_early_w2",
-            entry="candidate_fused_early_w2.py::run",
-            description="v2.58: the fused GEMMs from 1 token on (every CTA routing up to 4 tokens), a CTA's first GEMM2 weights issued before its readiness check",
-        ),
     ),
 )
 

@@ -23,19 +23,15 @@ assert HIDDEN % COMBINE_COLS_PER_CTA == 0
 
 @cute.jit
 def release_counters(release, cta_index: cutlass.Int32, tidx: cutlass.Int32):
-    """CTA 0 of the combine leaves the kept counters (and the kept count of routed tokens, and the fused GEMMs' kept
-    readiness words, if any) at zero for the next call, whose first kernel is launched plainly and so starts after
-    this grid has completed. `release`: (counters, routed count or None[, readiness words])."""
-    kept_counts, routed, *kept_ready = release
+    """CTA 0 of the combine leaves the kept counters (and the kept count of routed tokens, if any) at zero for the
+    next call, whose first kernel is launched plainly and so starts after this grid has completed."""
+    kept_counts, routed = release
     if cta_index == 0:
         if tidx < NUM_LOCAL_EXPERTS:
             kept_counts[tidx] = cutlass.Int32(0)
         if cutlass.const_expr(routed is not None):
             if tidx == 0:
                 routed[0] = cutlass.Int32(0)
-        if cutlass.const_expr(len(kept_ready) > 0):
-            if tidx < kept_ready[0].shape[0]:
-                kept_ready[0][tidx] = cutlass.Int32(0)
 
 
 class CombineKernel(Linked):

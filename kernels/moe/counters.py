@@ -34,7 +34,7 @@ from .shapes import NUM_LOCAL_EXPERTS
 from .l2_partitions import partition_ranks
 from .streaming_gemm import RANKS_WRITTEN, WALK_SLOT_WORDS
 
-__all__ = ["kept_counts", "kept_ready", "kept_routed", "kept_walk_slots"]
+__all__ = ["kept_counts", "kept_routed", "kept_walk_slots"]
 
 _KEPT: dict[tuple[int, int, str], torch.Tensor] = {}
 _ZERO: dict[tuple[str, int], Callable] = {}
@@ -75,12 +75,6 @@ def kept_routed(device: torch.device, arch: str) -> torch.Tensor:
     (`routing.route_then_meet`, v2.16); kept and zeroed like the counts. Word `streaming_gemm.ITEM_CLAIMS_WORD` is the
     claim counter of a GEMM2 with dynamic_items (v2.34), which that GEMM2 itself leaves at zero."""
     return _kept(device, arch, "routed")
-
-
-def kept_ready(device: torch.device, arch: str, words: int) -> torch.Tensor:
-    """The fused GEMMs' readiness words where no grid meeting orders a zeroing inside the call (candidate v2.58: every
-    CTA routes the tokens itself): kept and zeroed like the counts, by the combine (`combine.release_counters`)."""
-    return _kept(device, arch, "ready", words)
 
 
 def kept_walk_slots(device: torch.device, arch: str, ranked: bool = False) -> torch.Tensor:

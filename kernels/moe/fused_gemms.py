@@ -32,8 +32,8 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from .chain import ChainLink, chain_links, enter
 from .combine import CombineKernel
 from .host import fake_tensor_arguments
-from .routing import ROUTING_WARPS, route_then_meet
-from .shapes import NUM_LOCAL_EXPERTS, TOP_K
+from .routing import route_then_meet
+from .shapes import NUM_LOCAL_EXPERTS
 from .streaming_gemm import (
     GEMM1_ITEMS_PER_ROW_TILE,
     GEMM2_ITEMS_PER_ROW_TILE,
@@ -48,7 +48,6 @@ from .streaming_gemm import (
     release_claims,
     schedule_tables,
     stage_layouts,
-    storage_with_tables,
 )
 
 __all__ = ["READY_WORDS", "FusedExpertGemms", "FusedMoeHost", "compile_fused"]
@@ -101,17 +100,7 @@ class FusedExpertGemms:
     `gemm1` and `gemm2` are the two `mma.sync` streaming GEMMs whose loops it runs, on one row tile (one table serves
     both phases) and one pipeline depth, GEMM2 claiming its items."""
 
-    def __init__(
-        self,
-        gemm1: StreamingGemm,
-        gemm2: StreamingGemm,
-        link: ChainLink,
-        weights_before_ready: bool = False,
-    ):
-        """`weights_before_ready` (candidate v2.58): a CTA's first GEMM2 item issues its first stages' weights before
-        the readiness check, only its C after it. A GEMM1 that routes in every CTA (`routing_per_cta`, up to 4 tokens)
-        meets no other CTA, so nothing orders a zeroing of the readiness words inside the call: they are kept and the
-        combine zeroes them (`kept_ready`)."""
+    def __init__(self, gemm1: StreamingGemm, gemm2: StreamingGemm, link: ChainLink):
         cfg1, cfg2 = gemm1.cfg, gemm2.cfg
         if not (cfg1.gemm1 and not cfg2.gemm1 and cfg2.dynamic_items):
             raise StreamingConfigError("the fused GEMMs are a GEMM1 and a claiming GEMM2")
@@ -120,12 +109,8 @@ class FusedExpertGemms:
         self.link = link
         self.gemm1 = gemm1
         self.gemm2 = gemm2
-        self.weights_before_ready = weights_before_ready
-        self.kept_ready = cfg1.routing_per_cta
-        # GEMM2's shared memory holds GEMM1's: the same rings, GEMM1 viewing the activation ring (bf16 for C) as fp8;
-        # GEMM1's own fields (its routing choices) before GEMM2's claim word.
+        # GEMM2's shared memory holds GEMM1's: the same rings, GEMM1 viewing the activation ring (bf16 for C) as fp8.
         self.cfg = cfg2
-        self.fields = {**cfg1.fields(), **cfg2.fields()}
 
     @cute.jit
     def launch(
@@ -134,7 +119,7 @@ class FusedExpertGemms:
         expert_tokens: cute.Tensor, num_ctas: Int32, stream, routing, routed: cute.Tensor, counts_out: cute.Tensor,
         ready: cute.Tensor,
     ):  # fmt: skip
-        SharedStorage = storage_with_tables(self.fields)
+        SharedStorage = self.cfg.shared_storage()
         # The streaming GEMMs' layouts, in elements: fp8 x and bf16 C take the same count
         w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout = stage_layouts(self.cfg)
         self.kernel(
@@ -177,16 +162,11 @@ class FusedExpertGemms:
         w_scales = storage.w_scales.get_tensor(w_scale_layout)
         scratch = storage.scratch.get_tensor(scratch_layout)
 
-        choices = None
-        if cutlass.const_expr(self.kept_ready):
-            # Every CTA routes up to ROUTING_WARPS tokens itself; the previous call's combine zeroed the words.
-            choices = storage.routing_choices.get_tensor(cute.make_layout(ROUTING_WARPS * TOP_K))
-        else:
-            # Zeroed before CTA 0's add of the meeting, which every CTA acquires before its first signal or poll.
-            if cta == 0:
-                if tidx < READY_WORDS:
-                    ready[tidx] = Int32(0)
-        route_then_meet(routing, counts, expert_tokens, cta, grid, tidx, choices)
+        # Zeroed before CTA 0's add of the meeting, which every CTA acquires before its first signal or poll.
+        if cta == 0:
+            if tidx < READY_WORDS:
+                ready[tidx] = Int32(0)
+        route_then_meet(routing, counts, expert_tokens, cta, grid, tidx)
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, GEMM1_ITEMS_PER_ROW_TILE, k1, cta, grid, warp_id, lane, counts_out
         )
@@ -243,46 +223,21 @@ class FusedExpertGemms:
         claimed_word = storage.claimed_item.get_tensor(cute.make_layout(4))
         pending = Int32(0)
         verified = Int32(-1)  # thread 0's highest expert known complete
-        early = self.weights_before_ready
-        if cutlass.const_expr(early):
-            # The first stages' weights need no C: they go out before the readiness check (stage p's copies land in
-            # commit group p or earlier, as with `StreamingGemmConfig`'s weights_before_wait).
-            if tidx == 0:
-                pending = claim_item(routed)
-            located = self.gemm2.load_location(
-                base, Int32(0), Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx,
-                (w2_scale.layout,),
-            )  # fmt: skip
-            for p in cutlass.range_constexpr(ns - 1):
-                if p < total_stages:
-                    self.gemm2.load_stage(
-                        p, p, located, c, x_scale, w2, w2_scale, w_stages, x2_stages, x_scales, w_scales, *atoms,
-                        tidx, activations=False,
-                    )  # fmt: skip
-            if tidx == 0:
-                if total_stages > 0:
-                    verified = wait_for_expert(
-                        ready, base, total_gemm1_items, verified, tile_end, expert_count, expert_offset, bt
-                    )
-        else:
-            if tidx == 0:
-                pending = claim_item(routed)
-                if total_stages > 0:
-                    verified = wait_for_expert(
-                        ready, base, total_gemm1_items, verified, tile_end, expert_count, expert_offset, bt
-                    )
+        if tidx == 0:
+            pending = claim_item(routed)
+            if total_stages > 0:
+                verified = wait_for_expert(
+                    ready, base, total_gemm1_items, verified, tile_end, expert_count, expert_offset, bt
+                )
         cute.arch.sync_threads()
-        if cutlass.const_expr(not early):
-            located = self.gemm2.load_location(
-                base, Int32(0), Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx,
-                (w2_scale.layout,),
-            )  # fmt: skip
+        located = self.gemm2.load_location(
+            base, Int32(0), Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx, (w2_scale.layout,)
+        )
         for p in cutlass.range_constexpr(ns - 1):
             if p < total_stages:
                 self.gemm2.load_stage(
-                    p, p, located, c, x_scale, w2, w2_scale, w_stages, x2_stages, x_scales, w_scales, *atoms, tidx,
-                    weights=not early,
-                )  # fmt: skip
+                    p, p, located, c, x_scale, w2, w2_scale, w_stages, x2_stages, x_scales, w_scales, *atoms, tidx
+                )
             cute.arch.cp_async_commit_group()
         acc.fill(0.0)
         s = Int32(0)
@@ -338,9 +293,9 @@ class FusedMoeHost:
     dependent that also zeroes the kept counters. Arguments as `host.MoeHostSm90`'s with a routing GEMM1 (GEMM2 runs
     on GEMM1's grid: `gemm2_grid` is not read), then the call's readiness words."""
 
-    def __init__(self, gemm1: StreamingGemm, gemm2: StreamingGemm, weights_before_ready: bool = False):
+    def __init__(self, gemm1: StreamingGemm, gemm2: StreamingGemm):
         gemms_link, combine_link = chain_links(2)
-        self.gemms = FusedExpertGemms(gemm1, gemm2, gemms_link, weights_before_ready)
+        self.gemms = FusedExpertGemms(gemm1, gemm2, gemms_link)
         self.combine = CombineKernel(combine_link, loads_first=True)
 
     @cute.jit
@@ -361,8 +316,9 @@ class FusedMoeHost:
             hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, intermediate, gemm2_weights,
             gemm2_weights_scale, expert_out, counts, expert_tokens, gemm1_grid, stream, routing, routed, counts_out, ready,
         )  # fmt: skip
-        release = (counts, routed, ready) if self.gemms.kept_ready else (counts, routed)
-        self.combine.launch(counts_out, slot_expert, slot_rank, slot_weight, expert_out, output, stream, release)
+        self.combine.launch(
+            counts_out, slot_expert, slot_rank, slot_weight, expert_out, output, stream, (counts, routed)
+        )
 
 
 def compile_fused(host: FusedMoeHost, arch: str) -> Callable:

@@ -152,7 +152,6 @@ class StreamingVariant:
     f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (v2.39)
     gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm (v2.40)
     fused_gemms: bool = False  # both `mma.sync` GEMMs in one cooperative kernel (`fused_gemms.py`, v2.18)
-    fused_weights_before_ready: bool = False  # `fused_gemms.FusedExpertGemms`'s weights_before_ready (v2.58)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -180,8 +179,6 @@ class StreamingVariant:
         if (self.gemm1_ctas_per_sm != 2 or self.gemm1_smid_walk) and not self.wgmma_gemm1:
             # The `mma.sync` GEMM1 keeps two CTAs per SM over the CTA index since the fused GEMMs (v2.18).
             raise ValueError("gemm1_ctas_per_sm and gemm1_smid_walk are the WGMMA GEMM1's")
-        if self.fused_weights_before_ready and not self.fused_gemms:
-            raise ValueError("fused_weights_before_ready needs fused_gemms")
         if self.gemm1_smid_walk and not self.routing_in_gemm1:
             # Its slots need every CTA resident at once: GEMM1's cooperative launch, which only a routing GEMM1 has.
             raise ValueError("gemm1_smid_walk needs routing_in_gemm1")
@@ -344,10 +341,7 @@ _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
 def _compile(arch: str, variant: StreamingVariant) -> Callable:
     # The launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs), or of the fused GEMMs.
     if variant.fused_gemms:
-        fused_host = fused_gemms.FusedMoeHost(
-            variant.make_gemm1(), variant.make_gemm2(), weights_before_ready=variant.fused_weights_before_ready
-        )
-        return fused_gemms.compile_fused(fused_host, arch)
+        return fused_gemms.compile_fused(fused_gemms.FusedMoeHost(variant.make_gemm1(), variant.make_gemm2()), arch)
     return host.compile_host(
         host.MoeHostSm90(
             variant.make_gemm1(),
@@ -483,13 +477,8 @@ def run_keeping_workspaces(
     kept_slots = None
     if variant.gemm1_smid_walk:
         kept_slots = counters.kept_walk_slots(device, GPU_ARCH, ranked=variant.gemm1_partition_walk)
-    # The fused GEMMs' readiness words: zeroed by the kernel itself after its routing meeting, or, where every CTA routes
-    # the tokens (no meeting), kept and zeroed by the combine for the next call (`fused_gemms.py`).
-    ready = None
-    if variant.fused_gemms and variant.routing_per_cta:
-        ready = counters.kept_ready(device, GPU_ARCH, fused_gemms.READY_WORDS)
-    elif variant.fused_gemms:
-        ready = torch.empty(fused_gemms.READY_WORDS, dtype=torch.int32, device=device)
+    # The fused GEMMs' readiness words, zeroed by the kernel itself (`fused_gemms.py`).
+    ready = torch.empty(fused_gemms.READY_WORDS, dtype=torch.int32, device=device) if variant.fused_gemms else None
     host.launch(
         compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas, kept, kept_routed, kept_slots, ready
     )

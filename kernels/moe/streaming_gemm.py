@@ -218,12 +218,6 @@ def smem_region(dtype, count: int, alignment: int):
     return cute.struct.Align[cute.struct.MemRange[dtype, count], alignment]
 
 
-def storage_with_tables(fields: dict):
-    """A persistent GEMM's shared-memory struct: `fields` (a configuration's, in order), then the item walk's tables."""
-    tables = {name: smem_region(Int32, NUM_LOCAL_EXPERTS, 16) for name in SCHEDULE_TABLES}
-    return cute.struct(type("SharedStorage", (), {"__annotations__": {**fields, **tables}}))
-
-
 class PersistentGemmConfig:
     """What the persistent weight-streaming GEMMs' configurations (this file's, `wgmma_gemm1.py`'s and
     `wgmma_gemm2.py`'s) share: a shared-memory struct made of the subclass's `fields()` followed by the
@@ -259,7 +253,8 @@ class PersistentGemmConfig:
 
     def shared_storage(self):
         """The kernel's shared-memory struct (one definition for the kernel and the occupancy maths)."""
-        return storage_with_tables(self.fields())
+        tables = {name: smem_region(Int32, NUM_LOCAL_EXPERTS, 16) for name in SCHEDULE_TABLES}
+        return cute.struct(type("SharedStorage", (), {"__annotations__": {**self.fields(), **tables}}))
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory per CTA (building the struct takes ~0.1 ms: computed once)."""

@@ -237,9 +237,10 @@ class StreamingVariant:
 # Up to FEW_TOKENS_MAX the combine issues all of a thread's loads before using one (v2.25: 1.007x over the 16 workloads
 # up to 192 tokens, 79 of 80 trials faster); above it its 92 registers per thread would cut its CTAs per SM from 16 to 5
 # where a thread has about one row to load anyway (v2.24: 0.97x at 11948 and 14107 tokens).
-# From 7 to 32 tokens GEMM2's CTAs claim their items after the first from a kept counter: they become resident as
-# GEMM1's retire, so which of them share an SM is not known, and a fixed walk's extra items ended some SMs microseconds
-# after the rest (v2.34: 1.011x at 7 tokens, 5 of 5 trials faster; 14-32 tokens 1.010-1.014x; 8 tokens 1.016x).
+# GEMM2's CTAs claim their items after the first from a kept counter: they become resident as GEMM1's retire, so which
+# of them share an SM is not known, and a fixed walk's extra items ended some SMs microseconds after the rest (v2.34:
+# 1.011x at 7 tokens, 5 of 5 trials faster; 14-32 tokens 1.010-1.014x; 8 tokens 1.016x); since v2.18 the fused GEMMs'
+# GEMM2 phase at 5-32 tokens, whose CTAs come to it as their GEMM1 items end.
 TINY_T = StreamingVariant(
     block_tokens=16,
     gemm2_block_tokens=8,

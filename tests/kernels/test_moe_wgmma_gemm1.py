@@ -47,17 +47,8 @@ def with_gemm1_on(use_wgmma: bool):
             return on_mma_sync_gemm1(variant)
         if variant.wgmma_gemm1:
             return variant
-        # Only the mma.sync GEMM1 routes in every CTA (v2.26); its 8-token three-CTA walk (v2.29, v2.32) stays its own,
-        # and the fused GEMMs (v2.18) are the mma.sync ones.
-        return dataclasses.replace(
-            variant,
-            wgmma_gemm1=True,
-            fused_gemms=False,
-            routing_per_cta=False,
-            gemm1_ctas_per_sm=2,
-            gemm1_smid_walk=False,
-            gemm1_partition_walk=False,
-        )
+        # Only the mma.sync GEMM1 routes in every CTA (v2.26), and the fused GEMMs (v2.18) are the mma.sync ones.
+        return dataclasses.replace(variant, wgmma_gemm1=True, fused_gemms=False, routing_per_cta=False)
 
     return choose
 

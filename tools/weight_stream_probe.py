@@ -1,6 +1,6 @@
 """How fast one grid of CTAs can stream fp8 expert weights from DRAM on this GPU, by copy form, with nothing else to do.
 
-    uv run tools/weight_stream_probe.py [--items-per-cta 1,2] [--repeats 30]
+    uv run tools/weight_stream_probe.py [--items 264,384,528] [--repeats 30]
 
 Why: MoE issue #8's one short row is 1 token (kernels/moe/NOTES.md, session 33): ~88 MB of two experts' weights in
 38.3 us (2.28 TB/s) where the bar asks 29.4 us, and GEMM1 alone streams its 58.7 MB at ~2.6 TB/s after the routing.
@@ -15,8 +15,9 @@ each reading 229,376-byte items (32 rows of 7168 B: one GEMM1 item) into a share
 - `bulk`: the contiguous stages as one `cp.async.bulk` each, issued by thread 0 onto the slot's mbarrier;
 - `bulk_rows`: the `rows` stages as 32 bulk copies of 512 B (one per row, warp 0's lanes) onto the slot's mbarrier.
 
-Each form runs at --ctas-per-sm CTAs per SM (grid = SMs x that), CTA c reading items c, c + grid, ...; the buffer is
-grid x --items-per-cta items, so every CTA has the same work, as GEMM1's 256 items on 264 CTAs at 1 token nearly do.
+Each form runs at its CTAs per SM (grid = SMs x that), CTA c reading items c, c + grid, ..., over buffers of --items
+items: 264 is one item per CTA at two CTAs per SM (as GEMM1's 256 items at 1 token), 384 is the 88 MB of two experts'
+W13 and W2 (the 1-token row's 2-expert trial), 528 two items per CTA.
 Timed like the runner (`hopperbench.timing.time_cold_l2`: CUPTI kernel span, L2 flushed before every call, medians of
 --repeats); a torch copy of the same buffer (reads and writes) is the last row. Exits 2 without CUDA or on bad
 arguments, with one line on stderr.
@@ -77,7 +78,9 @@ class ProbeConfig:
         if self.stages < 2 or self.ctas_per_sm < 1:
             raise ValueError(f"need stages >= 2 and ctas_per_sm >= 1, got {self.stages} and {self.ctas_per_sm}")
         if self.ctas_per_sm * (self.smem_bytes() + 1024) > SMEM_PER_SM:
-            raise ValueError(f"{self.ctas_per_sm} CTAs of {self.stages} x 16-KB stages do not fit one SM's shared memory")
+            raise ValueError(
+                f"{self.ctas_per_sm} CTAs of {self.stages} x 16-KB stages do not fit one SM's shared memory"
+            )
 
     def smem_bytes(self) -> int:
         return self.stages * STAGE_BYTES + 8 * self.stages  # the ring and one mbarrier per slot
@@ -107,7 +110,7 @@ class _StreamProbe:
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * STAGE_BYTES), byte_alignment=128)
         full = smem.allocate_array(cutlass.Int64, stages)
         items = buffer.shape[0] // ITEM_BYTES
@@ -209,7 +212,7 @@ def _counts(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items-per-cta", type=_counts, default=[1, 2], help="items per CTA (GEMM1 at 1 token: ~1)")
+    parser.add_argument("--items", type=_counts, default=[264, 384, 528], help="items per buffer (229,376 B each)")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -220,24 +223,24 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("weight_stream_probe: needs a CUDA device", file=sys.stderr)
         return 2
-    from hopperbench.timing import time_cold_l2
+    from hopperbench.timing import empty_kernel_span_ms, time_cold_l2
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{'form':<36} {'items/CTA':>9} {'MB':>7} {'span us':>8} {'TB/s':>6}")
+    print(f"empty-kernel span {1e3 * empty_kernel_span_ms(device='cuda'):.2f} us; medians of {args.repeats}")
+    print(f"{'form':<36} {'items':>6} {'MB':>7} {'span us':>8} {'TB/s':>6}")
     for config in CONFIGS:
         probe = compiled_probe(config)
-        ctas = sms * config.ctas_per_sm
-        for per_cta in args.items_per_cta:
-            buffer = torch.randint(0, 256, (ctas * per_cta * ITEM_BYTES,), dtype=torch.uint8, device="cuda")
-            span_us = 1e3 * statistics.median(time_cold_l2(probe, (buffer, ctas), 3, args.repeats))
+        for items in args.items:
+            buffer = torch.randint(0, 256, (items * ITEM_BYTES,), dtype=torch.uint8, device="cuda")
+            span_us = 1e3 * statistics.median(time_cold_l2(probe, (buffer, sms * config.ctas_per_sm), 3, args.repeats))
             megabytes = buffer.numel() / 1e6
-            print(f"{config.label:<36} {per_cta:>9} {megabytes:>7.1f} {span_us:>8.2f} {megabytes / span_us:>6.2f}")
-    for per_cta in args.items_per_cta:
-        source = torch.randint(0, 256, (2 * sms * per_cta * ITEM_BYTES,), dtype=torch.uint8, device="cuda")
+            print(f"{config.label:<36} {items:>6} {megabytes:>7.1f} {span_us:>8.2f} {megabytes / span_us:>6.2f}")
+    for items in args.items:
+        source = torch.randint(0, 256, (items * ITEM_BYTES,), dtype=torch.uint8, device="cuda")
         target = torch.empty_like(source)
         span_us = 1e3 * statistics.median(time_cold_l2(target.copy_, (source,), 3, args.repeats))
         megabytes = source.numel() / 1e6
-        print(f"{'torch copy (read + write: 2x MB)':<36} {per_cta:>9} {megabytes:>7.1f} {span_us:>8.2f} "
+        print(f"{'torch copy (read + write: 2x MB)':<36} {items:>6} {megabytes:>7.1f} {span_us:>8.2f} "
               f"{2 * megabytes / span_us:>6.2f}")  # fmt: skip
     return 0
 

@@ -102,10 +102,10 @@ class _BareGather:
 def compiled_gather() -> Callable:
     """The bare gather for sm_90a as a TVM-FFI function (needs no GPU): (uint8 ckv rows, uint8 kpe rows, int32 flat
     row ids, CTAs)."""
-    uint8 = make_fake_compact_tensor(cutlass.Uint8, (cute.sym_int(),), assumed_align=16)
+    ckv, kpe = (make_fake_compact_tensor(cutlass.Uint8, (cute.sym_int(),), assumed_align=16) for _ in range(2))
     int32 = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=16)
     return cute.compile(
-        _BareGather(), uint8, uint8, int32, 0, make_fake_stream(use_tvm_ffi_env_stream=True),
+        _BareGather(), ckv, kpe, int32, 0, make_fake_stream(use_tvm_ffi_env_stream=True),
         options="--enable-tvm-ffi --gpu-arch sm_90a",
     )  # fmt: skip
 

@@ -13,7 +13,9 @@ each reading 229,376-byte items (32 rows of 7168 B: one GEMM1 item) into a share
 - `contiguous`: the same copies and barriers, but K stage s is the item's bytes [16 KB s, 16 KB (s + 1)): what
   reading whole rows in order would give;
 - `bulk`: the contiguous stages as one `cp.async.bulk` each, issued by thread 0 onto the slot's mbarrier;
-- `bulk_rows`: the `rows` stages as 32 bulk copies of 512 B (one per row, warp 0's lanes) onto the slot's mbarrier.
+- `bulk_rows`: the `rows` stages as 32 bulk copies of 512 B (one per row, warp 0's lanes) onto the slot's mbarrier;
+- `after a load`: thread 0 first loads a word of a buffer that the L2 flush evicted and the CTA's item addresses add
+  it (zero): the least any routed stream waits before its first request (the routing reads its logits first).
 
 Each form runs at its CTAs per SM (grid = SMs x that), CTA c reading items c, c + grid, ..., over buffers of --items
 items: 264 is one item per CTA at two CTAs per SM (as GEMM1's 256 items at 1 token), 384 is the 88 MB of two experts'
@@ -71,6 +73,9 @@ class ProbeConfig:
     form: str
     stages: int = 4
     ctas_per_sm: int = 2
+    # Thread 0 first loads a word of a cold buffer, and the CTA's item addresses depend on it: a stream that can start
+    # only after one dependent DRAM round trip, as a routed expert's weights can start only after the routing's loads.
+    dependent_start: bool = False
 
     def __post_init__(self) -> None:
         if self.form not in FORMS:
@@ -87,7 +92,8 @@ class ProbeConfig:
 
     @property
     def label(self) -> str:
-        return f"{self.form}, {self.stages} stages, {self.ctas_per_sm} CTA/SM"
+        start = ", after a load" if self.dependent_start else ""
+        return f"{self.form}, {self.stages} stages, {self.ctas_per_sm} CTA/SM{start}"
 
 
 class _StreamProbe:
@@ -99,13 +105,13 @@ class _StreamProbe:
         self.bulk = config.form.startswith("bulk")
 
     @cute.jit
-    def __call__(self, buffer: cute.Tensor, ctas: cutlass.Int32, stream):
-        self.kernel(buffer).launch(
+    def __call__(self, buffer: cute.Tensor, start: cute.Tensor, ctas: cutlass.Int32, stream):
+        self.kernel(buffer, start).launch(
             grid=[ctas, 1, 1], block=[THREADS, 1, 1], smem=self.config.smem_bytes() + 128, stream=stream
         )
 
     @cute.kernel
-    def kernel(self, buffer: cute.Tensor):
+    def kernel(self, buffer: cute.Tensor, start: cute.Tensor):
         stages = self.config.stages
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -113,9 +119,16 @@ class _StreamProbe:
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * STAGE_BYTES), byte_alignment=128)
         full = smem.allocate_array(cutlass.Int64, stages)
+        shift = smem.allocate_array(cutlass.Int32, 1)
         items = buffer.shape[0] // ITEM_BYTES
         my_items = (items - cta + ctas - 1) // ctas
         steps = my_items * STAGES_PER_ITEM
+        first_item = cta
+        if cutlass.const_expr(self.config.dependent_start):
+            if tidx == 0:
+                shift[0] = start[cta % start.shape[0]]  # zero: the items do not move, but their addresses wait for it
+            cute.arch.sync_threads()
+            first_item = cta + shift[0]
         if cutlass.const_expr(self.bulk):
             if tidx == 0:
                 for slot in cutlass.range_constexpr(stages):
@@ -124,7 +137,7 @@ class _StreamProbe:
             cute.arch.sync_threads()
         for step in cutlass.range_constexpr(stages - 1):
             if step < steps:
-                self.issue(buffer, ring, full, cta, ctas, step, tidx)
+                self.issue(buffer, ring, full, first_item, ctas, step, tidx)
             if cutlass.const_expr(not self.bulk):
                 cute.arch.cp_async_commit_group()
         for step in cutlass.range(steps, unroll=1):
@@ -135,16 +148,16 @@ class _StreamProbe:
             # Every thread is past stage step - 1, whose slot the next issue refills.
             cute.arch.sync_threads()
             if step + stages - 1 < steps:
-                self.issue(buffer, ring, full, cta, ctas, step + stages - 1, tidx)
+                self.issue(buffer, ring, full, first_item, ctas, step + stages - 1, tidx)
             if cutlass.const_expr(not self.bulk):
                 cute.arch.cp_async_commit_group()
         if cutlass.const_expr(not self.bulk):
             cute.arch.cp_async_wait_group(0)
 
     @cute.jit
-    def issue(self, buffer, ring, full, cta, ctas, step, tidx):
+    def issue(self, buffer, ring, full, first_item, ctas, step, tidx):
         stages = self.config.stages
-        item = cta + (step // STAGES_PER_ITEM) * ctas
+        item = first_item + (step // STAGES_PER_ITEM) * ctas
         stage = step % STAGES_PER_ITEM
         slot = step % stages
         base = item * ITEM_BYTES
@@ -184,10 +197,11 @@ class _StreamProbe:
 
 
 def compiled_probe(config: ProbeConfig) -> Callable:
-    """The probe for sm_90a as a TVM-FFI function (needs no GPU): (uint8 buffer, CTAs)."""
+    """The probe for sm_90a as a TVM-FFI function (needs no GPU): (uint8 buffer, int32 zeros, CTAs)."""
     buffer = make_fake_compact_tensor(cutlass.Uint8, (cute.sym_int(),), assumed_align=128)
+    start = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
     return cute.compile(
-        _StreamProbe(config), buffer, 0, make_fake_stream(use_tvm_ffi_env_stream=True),
+        _StreamProbe(config), buffer, start, 0, make_fake_stream(use_tvm_ffi_env_stream=True),
         options="--enable-tvm-ffi --gpu-arch sm_90a",
     )  # fmt: skip
 
@@ -200,6 +214,8 @@ CONFIGS = (
     ProbeConfig("rows", stages=6),
     ProbeConfig("bulk", stages=6),
     ProbeConfig("bulk", stages=12, ctas_per_sm=1),
+    ProbeConfig("rows", dependent_start=True),
+    ProbeConfig("bulk", stages=12, ctas_per_sm=1, dependent_start=True),
 )
 
 
@@ -226,13 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     from hopperbench.timing import empty_kernel_span_ms, time_cold_l2
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    start = torch.zeros(4096, dtype=torch.int32, device="cuda")  # evicted by every call's L2 flush, like routing logits
     print(f"empty-kernel span {1e3 * empty_kernel_span_ms(device='cuda'):.2f} us; medians of {args.repeats}")
     print(f"{'form':<36} {'items':>6} {'MB':>7} {'span us':>8} {'TB/s':>6}")
     for config in CONFIGS:
         probe = compiled_probe(config)
         for items in args.items:
             buffer = torch.randint(0, 256, (items * ITEM_BYTES,), dtype=torch.uint8, device="cuda")
-            span_us = 1e3 * statistics.median(time_cold_l2(probe, (buffer, sms * config.ctas_per_sm), 3, args.repeats))
+            call = (buffer, start, sms * config.ctas_per_sm)
+            span_us = 1e3 * statistics.median(time_cold_l2(probe, call, 3, args.repeats))
             megabytes = buffer.numel() / 1e6
             print(f"{config.label:<36} {items:>6} {megabytes:>7.1f} {span_us:>8.2f} {megabytes / span_us:>6.2f}")
     for items in args.items:

@@ -35,6 +35,7 @@ def test_bad_arguments_are_refused():
         probe._indices("0,-1")
     assert probe.main(["--repeats", "0"]) == 2
     assert probe.main(["--workloads", "23"]) == 2
+    assert probe.main(["--ctas", "-1"]) == 2
 
 
 def test_the_probe_kernel_compiles_without_a_gpu():

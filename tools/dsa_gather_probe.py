@@ -1,6 +1,6 @@
 """The least time any DSA kernel can take on this GPU: a bare gather of a workload's selected cache rows, against its floor.
 
-    uv run tools/dsa_gather_probe.py [--workloads 0,1,13,11,9] [--repeats 30]
+    uv run tools/dsa_gather_probe.py [--workloads 0,1,13,11,9] [--ctas 132] [--repeats 30]
 
 Why: issue #6 asks latency / floor <= 2.0 (geometric mean over the 23 workloads), floor = the workload's minimal bytes at
 4.3 TB/s plus the CUPTI span of an empty kernel; `kernel.py` v1.11 is at 3.44 after eleven candidates
@@ -8,7 +8,8 @@ Why: issue #6 asks latency / floor <= 2.0 (geometric mean over the 23 workloads)
 times only that chain, with nothing else (no Q, no compute, no partials, no merge, no output), so its span / floor is
 a lower bound of what a real kernel's can be, per workload.
 
-One CTA per SM (256 threads); the workload's T x 2048 (token, slot) pairs are split into equal runs, one per CTA. A
+One CTA per SM (256 threads; --ctas takes fewer, e.g. `kernel.py`'s T x splits); the workload's T x 2048 (token, slot)
+pairs are split into equal runs, one per CTA. A
 CTA loads its run's row ids (one per thread), puts them in shared memory, then issues every 16-B `cp.async` of its
 valid rows at once (the 1024-B ckv part and the 128-B kpe part of each row; padding skipped) and waits for them: all of
 its bytes in flight together, more than any pipelined kernel keeps. Inputs: the runner's synthesized inputs of each
@@ -120,10 +121,11 @@ def _indices(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", type=_indices, default=[0, 1, 13, 11, 9], help="indices of the workload list")
+    parser.add_argument("--ctas", type=int, default=0, help="gathering CTAs, one per SM at most (0: every SM)")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        print("dsa_gather_probe: --repeats must be >= 1", file=sys.stderr)
+    if args.repeats < 1 or args.ctas < 0:
+        print("dsa_gather_probe: --repeats must be >= 1 and --ctas >= 0", file=sys.stderr)
         return 2
     import torch
 
@@ -146,25 +148,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ours = load_folder_module(REPO_ROOT / "kernels" / "dsa_attention", "dsa_solution", "kernel")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ctas = args.ctas or sms
+    if ctas > sms:
+        print(f"dsa_gather_probe: at most {sms} CTAs (one per SM), got {ctas}", file=sys.stderr)
+        return 2
     gather = compiled_gather()
     t_lat_us = 1e3 * empty_kernel_span_ms(device="cuda")
-    print(f"empty-kernel span {t_lat_us:.2f} us; medians of {args.repeats}")
+    print(f"empty-kernel span {t_lat_us:.2f} us; the gather on {ctas} CTAs; medians of {args.repeats}")
     print(f"{'index':>5} {'T':>3} {'rows':>6} {'distinct':>8} {'floor us':>8} {'gather us':>9} {'gather/floor':>12} "
           f"{'ours us':>8} {'ours/floor':>10}")  # fmt: skip
     for index in args.workloads:
         workload = workloads[index]
         inputs = make_inputs("dsa_attention", workload, 0, 0, "cuda")
         indices = inputs["sparse_indices"]
-        if rows_per_cta(indices.numel(), sms) > MAX_ROWS_PER_CTA:
+        if rows_per_cta(indices.numel(), ctas) > MAX_ROWS_PER_CTA:
             print(
-                f"dsa_gather_probe: workload {index} has more rows than {sms} CTAs of {MAX_ROWS_PER_CTA} hold",
+                f"dsa_gather_probe: workload {index} has more rows than {ctas} CTAs of {MAX_ROWS_PER_CTA} hold",
                 file=sys.stderr,
             )
             return 2
         ckv = inputs["ckv_cache"].view(torch.uint8).reshape(-1)
         kpe = inputs["kpe_cache"].view(torch.uint8).reshape(-1)
         flat = indices.to(torch.int32).reshape(-1).contiguous()
-        gather_us = 1e3 * statistics.median(time_cold_l2(gather, (ckv, kpe, flat, sms), 3, args.repeats))
+        gather_us = 1e3 * statistics.median(time_cold_l2(gather, (ckv, kpe, flat, ctas), 3, args.repeats))
         output = torch.empty_like(inputs["q_nope"])
         lse = torch.empty(inputs["q_nope"].shape[:2], dtype=torch.float32, device="cuda")
         call = (*inputs.values(), output, lse)

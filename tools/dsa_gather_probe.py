@@ -9,10 +9,9 @@ times only that chain, with nothing else (no Q, no compute, no partials, no merg
 a lower bound of what a real kernel's can be, per workload.
 
 One CTA per SM (256 threads; --ctas takes fewer, e.g. `kernel.py`'s T x splits); the workload's T x 2048 (token, slot)
-pairs are split into equal runs, one per CTA. A
-CTA loads its run's row ids (one per thread), puts them in shared memory, then issues every 16-B `cp.async` of its
-valid rows at once (the 1024-B ckv part and the 128-B kpe part of each row; padding skipped) and waits for them: all of
-its bytes in flight together, more than any pipelined kernel keeps. Inputs: the runner's synthesized inputs of each
+pairs are split into equal runs, one per CTA. A CTA loads its run's row ids (one per thread), puts them in shared
+memory, then issues every 16-B `cp.async` of its valid rows at once (the 1024-B ckv part and the 128-B kpe part of each
+row; padding skipped) and waits for them: all of its bytes in flight together, more than any pipelined kernel keeps. Inputs: the runner's synthesized inputs of each
 workload (seed 0, trial 0). Timed like the runner (`hopperbench.timing.time_cold_l2`: CUPTI span, L2 flushed before
 every call, medians of --repeats); the floor is `hopperbench.floors`' with the empty-kernel span measured here, and the
 last column is `kernel.py`'s span on the same inputs in the same protocol. Exits 2 without CUDA or on bad arguments,

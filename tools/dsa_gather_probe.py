@@ -31,9 +31,14 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-TOPK = 2048
-CKV_BYTES = 1024  # 512 bf16
-KPE_BYTES = 128  # 64 bf16
+from hopperbench.devcheck import load_folder_module
+from hopperbench.paths import REPO_ROOT
+
+ours = load_folder_module(REPO_ROOT / "kernels" / "dsa_attention", "dsa_solution", "kernel")
+
+TOPK = ours.TOPK
+CKV_BYTES = 2 * ours.CKV_DIM  # bf16
+KPE_BYTES = 2 * ours.KPE_DIM
 ROW_BYTES = CKV_BYTES + KPE_BYTES
 CHUNK = 16
 CHUNKS_PER_ROW = ROW_BYTES // CHUNK  # 72: 64 ckv chunks, then 8 kpe chunks
@@ -128,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from hopperbench.devcheck import load_folder_module
     from hopperbench.floors import floor
-    from hopperbench.paths import REPO_ROOT
     from hopperbench.synth import make_inputs
     from hopperbench.timing import empty_kernel_span_ms, time_cold_l2
     from hopperbench.workloads import load_workloads
@@ -145,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("dsa_gather_probe: needs a CUDA device", file=sys.stderr)
         return 2
-    ours = load_folder_module(REPO_ROOT / "kernels" / "dsa_attention", "dsa_solution", "kernel")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ctas = args.ctas or sms
     if ctas > sms:

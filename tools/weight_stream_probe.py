@@ -38,17 +38,22 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-ROW_BYTES = 7168  # one W13 row (K = hidden size) of fp8 weights
-ITEM_ROWS = 32  # weight rows per GEMM1 item of the `mma.sync` GEMMs (kernels/moe/streaming_gemm.py)
+from hopperbench.devcheck import load_folder_module
+from hopperbench.paths import REPO_ROOT
+
+# The geometry of the `mma.sync` GEMMs whose copies the `rows` form repeats, from the kernel itself.
+gemm = load_folder_module(REPO_ROOT / "kernels" / "moe", "moe_solution", "streaming_gemm")
+
+ROW_BYTES = gemm.HIDDEN  # one W13 row (K = hidden size) of fp8 weights
+ITEM_ROWS = gemm.ITEM_ROWS  # weight rows per GEMM1 item
 ITEM_BYTES = ROW_BYTES * ITEM_ROWS
-ROW_STAGE_BYTES = 512  # K bytes of each row per K stage of the `mma.sync` GEMMs
+ROW_STAGE_BYTES = gemm.STAGE_K  # K bytes of each row per K stage
 STAGE_BYTES = ITEM_ROWS * ROW_STAGE_BYTES  # 16 KB
 STAGES_PER_ITEM = ITEM_BYTES // STAGE_BYTES  # 14
-THREADS = 128
-CHUNK = 16  # bytes per `cp.async`
+THREADS = gemm.NUM_THREADS
+CHUNK = gemm.CHUNK  # bytes per `cp.async`
 COPIES_PER_THREAD = STAGE_BYTES // (CHUNK * THREADS)  # 8
 FORMS = ("rows", "contiguous", "bulk", "bulk_rows")
-SMEM_PER_SM = 227 * 1024
 
 assert ROW_BYTES % ROW_STAGE_BYTES == 0 and STAGE_BYTES % (CHUNK * THREADS) == 0
 
@@ -82,7 +87,7 @@ class ProbeConfig:
             raise ValueError(f"form must be one of {', '.join(FORMS)}, got {self.form!r}")
         if self.stages < 2 or self.ctas_per_sm < 1:
             raise ValueError(f"need stages >= 2 and ctas_per_sm >= 1, got {self.stages} and {self.ctas_per_sm}")
-        if self.ctas_per_sm * (self.smem_bytes() + 1024) > SMEM_PER_SM:
+        if self.ctas_per_sm * (self.smem_bytes() + gemm.SMEM_RESERVED_PER_CTA) > gemm.SMEM_PER_SM:
             raise ValueError(
                 f"{self.ctas_per_sm} CTAs of {self.stages} x 16-KB stages do not fit one SM's shared memory"
             )

@@ -38,6 +38,14 @@ class Status(StrEnum):
     UNAVAILABLE = "UNAVAILABLE"
 
 
+class GraphStatus(StrEnum):
+    """The outcome of timing a side's call replayed from a CUDA graph."""
+
+    PASSED = "PASSED"
+    NOT_CAPTURABLE = "NOT_CAPTURABLE"
+    FAILED = "FAILED"
+
+
 # Errors can be inf or NaN; JSON has no such numbers, so they travel as "Infinity"/"NaN" strings.
 _MODEL_CONFIG = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
 
@@ -75,6 +83,18 @@ class SideResult(BaseModel):
     # The floor of each timed trial's inputs, aligned with per_trial_ms; empty when the worker
     # recorded none (records written before it existed, or inputs the floor model cannot read).
     per_trial_floor: list[TrialFloor] = Field(default_factory=list)
+    # The same call replayed from a CUDA graph captured once per trial on that trial's inputs,
+    # timed under the same protocol (flush outside the replay): host launch gaps drop out.
+    # graph_status PASSED: graph_ms / graph_busy_ms hold the medians over trials of the per-trial
+    # medians; NOT_CAPTURABLE: the capture failed (graph_message says why; never timed eagerly in
+    # its place); FAILED: the replay's outputs did not pass the gate; None: not attempted (the side
+    # failed, or the definition's reference, which is timed eagerly only).
+    graph_status: GraphStatus | None = None
+    graph_ms: float | None = None
+    graph_busy_ms: float | None = None
+    per_trial_graph_ms: list[float] = Field(default_factory=list)
+    per_trial_graph_busy_ms: list[float] = Field(default_factory=list)
+    graph_message: str | None = None
     max_abs_err: float | None = None
     max_rel_err: float | None = None
     relative_l2: float | None = None
@@ -91,6 +111,10 @@ class SideResult(BaseModel):
     @property
     def timed(self) -> bool:
         return self.passed and self.latency_ms is not None and self.latency_ms > 0
+
+    @property
+    def graph_timed(self) -> bool:
+        return self.graph_status == GraphStatus.PASSED and self.graph_ms is not None and self.graph_ms > 0
 
 
 class WorkloadKey(BaseModel):

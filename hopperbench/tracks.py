@@ -66,6 +66,12 @@ class LibrarySide:
     description: str
     submodule: str | None = None
     package: str | None = None
+    # What one timed call contains, in a sentence (README's library table shows it).
+    timed_call: str = ""
+    # `<function in the adapter file>` run once per trial, untimed, on the definition's inputs: it
+    # returns the arguments `entry` takes, the inputs stored as the library keeps them (a serving
+    # engine's cache layout). None: `entry` takes the definition's inputs as they are.
+    prepare: str | None = None
 
 
 CANDIDATE_PREFIX = "cand_"

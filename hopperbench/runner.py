@@ -51,6 +51,7 @@ from hopperbench.environment import EnvironmentRecord, EnvironmentRequest, colle
 from hopperbench.paths import BENCHMARK_DATA_DIR, REPO_ROOT
 from hopperbench.prebuild import PREBUILD_TARGET, PREBUILT_KINDS, WORKER_ENV
 from hopperbench.results import (
+    GraphStatus,
     Journal,
     JournalHeader,
     JournalMismatchError,
@@ -611,6 +612,12 @@ def _job_result(job: WorkerJob, files: JobFiles, outcome: JobExit, timeout: floa
         return SideResult(side=job.side.name, status=status, pinned=job.side.pinned, message=message)
 
     if outcome.timed_out:
+        eager = _checkpointed_result(files)
+        if eager is not None:  # killed during its graph replays: the eager timing stands
+            return eager.model_copy(
+                update={"graph_status": GraphStatus.FAILED,
+                        "graph_message": f"graph replays did not finish within {timeout:g} s (killed); log {files.log}"}
+            )  # fmt: skip
         return failed(Status.TIMEOUT, f"no result after {timeout:g} s (killed); log {files.log}")
     if files.result.is_file():
         try:
@@ -622,6 +629,15 @@ def _job_result(job: WorkerJob, files: JobFiles, outcome: JobExit, timeout: floa
     returncode = outcome.returncode
     reason = describe_exit(returncode) if returncode != 0 else "exited without writing a result"
     return failed(Status.CRASH, f"worker {reason}; log {files.log}\n{_tail(files.log)}")
+
+
+def _checkpointed_result(files: JobFiles) -> SideResult | None:
+    """The eager result a worker wrote before its graph replays, if it got that far."""
+    try:
+        result = SideResult.model_validate_json(files.result.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return result if result.timed and result.graph_status is None else None
 
 
 class RunState:

@@ -74,6 +74,9 @@ class Side(BaseModel):
     # Human side only: whether the submodule is at its pinned commit and clean (None = not checked).
     pinned: bool | None = None
     description: str = ""
+    # Library sides: a function of the entry file run untimed once per trial on the definition's
+    # inputs, returning them stored as the library keeps them (see LibrarySide.prepare).
+    prepare: str | None = None
 
     def solution(self, definition: Definition) -> Solution:
         """This side as a flashinfer-bench Solution, its sources read from disk as they are."""
@@ -287,6 +290,7 @@ def resolve_libraries(track: Track, ctx: SideContext) -> list[Side]:
                 language="python",
                 destination_passing_style=True,
                 description=library.description,
+                prepare=library.prepare,
             )
         )
     return sides

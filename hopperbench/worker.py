@@ -8,7 +8,11 @@ and is checked against the stored outputs with the track's acceptance rule; it m
 also leave its inputs bit-for-bit unchanged. Only a side that passes every trial is
 timed: on each trial's fresh inputs, with the CUPTI cold-L2 timer; latency is the
 median over trials of the per-trial medians. Before each trial is timed, the roofline
-floor of exactly its inputs is recorded beside its latency (`per_trial_floor`).
+floor of exactly its inputs is recorded beside its latency (`per_trial_floor`). After the
+eager trials, every side but the reference is captured in a CUDA graph per trial, its replay
+gated like the eager call, and the replays timed under the same protocol (`graph_*` fields;
+a side that cannot be captured is NOT_CAPTURABLE). A library side with a `prepare` step gets
+its inputs through it, untimed, once per trial (e.g. a cache stored in the library's layout).
 
 Whatever happens inside the side is reported as a result (RUNTIME_ERROR, FAILED,
 NO_REFERENCE); a crash of the process itself is the runner's to report.
@@ -33,8 +37,9 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from hopperbench.floors import FloorInputError, trial_floor
-from hopperbench.results import SideResult, Status, TrialFloor
+from hopperbench.results import GraphStatus, SideResult, Status, TrialFloor
 from hopperbench.sides import Side, SideKind
+from hopperbench.timing.graph import NotCapturable
 from hopperbench.timing.span import ActivityTrace
 from hopperbench.tracks import AcceptanceRule, get_track
 
@@ -81,6 +86,12 @@ class WorkerDeps:
     # The floor of one trial's inputs: (track, workload axes, inputs) -> TrialFloor; raises
     # hopperbench.floors.FloorInputError when the inputs do not fit the floor model.
     trial_floor: Callable[[str, Mapping[str, int], Mapping[str, InputValue]], TrialFloor]
+    # (fn, args) -> (replay, value the captured call returned): one call recorded in a CUDA graph;
+    # raises hopperbench.timing.graph.NotCapturable when it cannot be.
+    capture: Callable[[Callable[..., Any], Sequence[Any]], tuple[Callable[[], Any], Any]]
+    # A library side's untimed step (its `prepare` function: definition inputs -> the arguments
+    # its entry takes), or None for a side that takes the definition's inputs as they are.
+    load_prepare: Callable[[Side], Callable[..., Mapping[str, InputValue]] | None]
 
     @classmethod
     def default(cls) -> WorkerDeps:
@@ -88,6 +99,7 @@ class WorkerDeps:
         from hopperbench.definitions import load_definition
         from hopperbench.synth import make_inputs
         from hopperbench.timing.cupti_timer import record_cold_l2
+        from hopperbench.timing.graph import capture_call
         from hopperbench.workloads import WorkloadSpec
 
         return cls(
@@ -99,7 +111,25 @@ class WorkerDeps:
             time_fn=record_cold_l2,
             build=lambda side, definition: side.build(definition),
             trial_floor=trial_floor,
+            capture=capture_call,
+            load_prepare=load_side_prepare,
         )
+
+
+def load_side_prepare(side: Side) -> Callable[..., Mapping[str, InputValue]] | None:
+    """The side's `prepare` function from its entry file, imported by path; None without one."""
+    if side.prepare is None:
+        return None
+    import importlib.util
+
+    assert side.source_dir is not None
+    path = side.source_dir / side.entry_point.split("::")[0]
+    spec = importlib.util.spec_from_file_location(f"_hopperbench_prepare_{side.track}_{side.name}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, side.prepare)
 
 
 # ------------------------------------------------------------------------------------------
@@ -162,12 +192,17 @@ def allocate_poisoned_outputs(
     buffers = []
     for shape, dtype in zip(shapes, definition.torch_output_dtypes):
         buffer = torch.empty(tuple(shape or ()), dtype=dtype, device=device)
-        if dtype.is_floating_point:
-            buffer.fill_(float("nan"))
-        elif dtype != torch.bool:
-            buffer.fill_(torch.iinfo(dtype).min)
+        _poison(buffer)
         buffers.append(buffer)
     return buffers
+
+
+def _poison(buffer: torch.Tensor) -> None:
+    """NaN (floating point) or the type's minimum (integers): a value no passing output holds."""
+    if buffer.dtype.is_floating_point:
+        buffer.fill_(float("nan"))
+    elif buffer.dtype != torch.bool:
+        buffer.fill_(torch.iinfo(buffer.dtype).min)
 
 
 def as_output_dict(definition: Any, result: Any) -> dict[str, torch.Tensor]:
@@ -258,9 +293,15 @@ class _Outcome(Exception):
 
 
 class JobRunner:
-    def __init__(self, job: WorkerJob, deps: WorkerDeps) -> None:
+    def __init__(
+        self, job: WorkerJob, deps: WorkerDeps, checkpoint: Callable[[SideResult], None] | None = None
+    ) -> None:
         self.job = job
         self.deps = deps
+        # Called with the eager result before the graph replays are attempted, so that a replay
+        # that hangs (and gets the process killed) does not take the eager timing with it.
+        self.checkpoint = checkpoint or (lambda result: None)
+        self.prepare: Callable[..., Mapping[str, InputValue]] | None = None
         self.track = get_track(job.track)
         self.device = torch.device(job.device)
         self.phases = PhaseLog()
@@ -272,6 +313,16 @@ class JobRunner:
 
     def inputs(self, trial: int) -> dict[str, InputValue]:
         return self.deps.make_inputs(self.job.track, self.workload, self.job.seed, trial, self.device)
+
+    def arguments(self, inputs: Mapping[str, InputValue]) -> list[InputValue]:
+        """The side's positional arguments for these inputs: as they are, or as its untimed
+        `prepare` stores them (the same names, in definition order)."""
+        if self.prepare is None:
+            return list(inputs.values())
+        prepared = self.checked(partial(self.prepare, *inputs.values()))
+        if list(prepared) != list(inputs):
+            raise _Outcome(self.result(Status.RUNTIME_ERROR, message="prepare must return every input by name, in order"))
+        return list(prepared.values())
 
     def run(self) -> SideResult:
         try:
@@ -286,6 +337,7 @@ class JobRunner:
         self.phases.mark("setup")
         try:
             fn = self.deps.build(side, self.definition)
+            self.prepare = self.deps.load_prepare(side)
         except Exception as e:
             traceback.print_exc()
             return self.result(Status.RUNTIME_ERROR, message=f"build failed: {one_line(e)}")
@@ -326,12 +378,13 @@ class JobRunner:
                 return self.result(Status.NO_REFERENCE, message=str(e))
             inputs = self.inputs(trial)
             snapshot = snapshot_inputs(inputs)
+            args = self.arguments(inputs)
             if dps:
                 buffers = allocate_poisoned_outputs(self.definition, self.workload.axes, self.device)
-                self.call(fn, [*inputs.values(), *buffers])
+                self.call(fn, [*args, *buffers])
                 outputs = dict(zip(output_names(self.definition), buffers))
             else:
-                result = self.call(fn, list(inputs.values()))
+                result = self.call(fn, args)
                 outputs = self.checked(partial(as_output_dict, self.definition, result))
             changed = modified_inputs(snapshot, inputs)
             if changed:
@@ -339,7 +392,7 @@ class JobRunner:
                     Status.FAILED, message=f"modified its inputs ({', '.join(changed)}) in trial {trial}"
                 )
             verdicts.append(self.deps.check_outputs(self.track.acceptance_for(job.side.kind), outputs, reference))
-            del inputs, snapshot, outputs, reference  # free before the next trial's inputs
+            del inputs, args, snapshot, outputs, reference  # free before the next trial's inputs
         self.phases.mark("checks")
         verdict = self.deps.merge_verdicts(verdicts)
         stats = error_stats(verdict)
@@ -369,6 +422,9 @@ class JobRunner:
             raise _Outcome(self.result(Status.RUNTIME_ERROR, message=one_line(e))) from None
 
     def timed(self, fn: Callable[..., Any], dps: bool, **stats: Any) -> SideResult:
+        """Eager timing of every trial, then, for any side but the reference, the same calls
+        replayed from a CUDA graph (`graph_timed`). Eager first and in full: a side whose replay
+        breaks the CUDA context cannot cost its eager result."""
         job = self.job
         if job.iterations == 0:
             return self.result(Status.PASSED, **stats)
@@ -378,7 +434,7 @@ class JobRunner:
             inputs = self.inputs(trial)  # fresh: never the inputs the correctness call saw
             if floors is not None:
                 floors = self.floor_of(inputs, floors)  # may synchronize: before the timed region
-            args = list(inputs.values())
+            args = self.arguments(inputs)
             if dps:
                 args += allocate_poisoned_outputs(self.definition, self.workload.axes, self.device)
             trace = self.checked(
@@ -390,7 +446,7 @@ class JobRunner:
             per_trial_iterations.append(len(spans))
             del inputs, args
             self.phases.mark(f"timing_trial{trial}")
-        return self.result(
+        eager = self.result(
             Status.PASSED,
             latency_ms=statistics.median(per_trial),
             min_ms=min(per_trial),
@@ -402,6 +458,56 @@ class JobRunner:
             per_trial_floor=floors or [],
             **stats,
         )
+        if job.side.kind == SideKind.REFERENCE:
+            return eager  # the definition's reference is timed eagerly only
+        self.checkpoint(eager)
+        return eager.model_copy(update=self.graph_timed(fn, dps))
+
+    def graph_timed(self, fn: Callable[..., Any], dps: bool) -> dict[str, Any]:
+        """Per trial: capture one call on the trial's inputs, replay it once into poisoned outputs
+        and gate them against the stored reference, then time replays under the same protocol.
+        The result fields of the graph columns (`SideResult.graph_*`)."""
+        job = self.job
+        spans_ms: list[float] = []
+        busy_ms: list[float] = []
+        for trial in range(job.trials):
+            inputs = self.inputs(trial)
+            args = self.arguments(inputs)
+            buffers = allocate_poisoned_outputs(self.definition, self.workload.axes, self.device) if dps else []
+            try:
+                replay, returned = self.deps.capture(fn, [*args, *buffers])
+            except NotCapturable as e:
+                return {"graph_status": GraphStatus.NOT_CAPTURABLE, "graph_message": str(e)}
+            try:
+                outputs = dict(zip(output_names(self.definition), buffers)) if dps else as_output_dict(
+                    self.definition, returned
+                )
+                for tensor in outputs.values():
+                    _poison(tensor)
+                replay()
+                _synchronize(self.device)
+                path = reference_output_path(job.scratch_dir, job.track, self.workload.uuid, trial)
+                reference = load_reference_outputs(path, job.seed, self.device)
+                verdict = self.deps.check_outputs(self.track.acceptance_for(job.side.kind), outputs, reference)
+                if not verdict.passed:
+                    why = verdict.reason or "outputs do not match the reference"
+                    return {"graph_status": GraphStatus.FAILED, "graph_message": f"replay in trial {trial}: {why}"}
+                trace = self.deps.time_fn(replay, [], job.warmup, job.iterations, time_budget_s=job.time_budget_s)
+                spans_ms.append(statistics.median(trace.spans()))
+                busy_ms.append(statistics.median(trace.busy()))
+            except Exception as e:
+                traceback.print_exc()
+                return {"graph_status": GraphStatus.FAILED, "graph_message": f"replay in trial {trial}: {one_line(e)}"}
+            finally:
+                del inputs, args, buffers
+            self.phases.mark(f"graph_trial{trial}")
+        return {
+            "graph_status": GraphStatus.PASSED,
+            "graph_ms": statistics.median(spans_ms),
+            "graph_busy_ms": statistics.median(busy_ms),
+            "per_trial_graph_ms": spans_ms,
+            "per_trial_graph_busy_ms": busy_ms,
+        }
 
     def floor_of(self, inputs: Mapping[str, InputValue], floors: list[TrialFloor]) -> list[TrialFloor] | None:
         """`floors` with this trial's appended, or None when the inputs do not fit the floor model:
@@ -432,9 +538,11 @@ def error_stats(verdict: Any) -> dict[str, float | None]:
     }
 
 
-def run_job(job: WorkerJob, deps: WorkerDeps | None = None) -> SideResult:
+def run_job(
+    job: WorkerJob, deps: WorkerDeps | None = None, checkpoint: Callable[[SideResult], None] | None = None
+) -> SideResult:
     try:
-        return JobRunner(job, deps or WorkerDeps.default()).run()
+        return JobRunner(job, deps or WorkerDeps.default(), checkpoint).run()
     except Exception as e:
         # The harness's own steps (inputs, comparison) failed, not the side's call: still one result line.
         traceback.print_exc()
@@ -454,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m hopperbench.worker JOB.json RESULT.json", file=sys.stderr)
         return 2
     job = WorkerJob.model_validate_json(Path(args[0]).read_text(encoding="utf-8"))
-    result = run_job(job)
+    result = run_job(job, checkpoint=partial(write_result, Path(args[1])))
     write_result(Path(args[1]), result)
     return 0
 

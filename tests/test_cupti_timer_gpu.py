@@ -206,3 +206,48 @@ def test_garbage_collector_is_off_only_inside_the_timed_iterations():
     # untimed call and warm-up with the collector on, the 5 timed calls with it off, then on again
     assert seen == [True] * 3 + [False] * 5
     assert gc.isenabled()
+
+
+# ------------------------------------------------------------------------------------------
+# Graph replays (hopperbench.timing.graph)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_captured_call_replays_and_its_replays_are_timed() -> None:
+    from hopperbench.timing.graph import capture_call
+
+    x = torch.randn(1 << 20, device="cuda")
+    out = torch.empty_like(x)
+
+    def call(a: torch.Tensor, b: torch.Tensor) -> None:
+        torch.mul(a, 2.0, out=b)
+        b.add_(1.0)
+
+    replay, _ = capture_call(call, [x, out])
+    out.fill_(float("nan"))
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x * 2.0 + 1.0)
+    trace = record_cold_l2(replay, [], warmup=2, iterations=10)
+    spans, busy = trace.spans(), trace.busy()
+    # Both kernels of the graph belong to the replay's launch: the span covers them.
+    assert len(spans) == 10 and all(s > 0 for s in spans)
+    assert all(len(records) == 2 for records in iteration_gpu_records(trace.windows, trace.api_records, trace.gpu_records))
+    assert all(b <= s + 1e-9 for b, s in zip(busy, spans))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_call_that_reads_device_data_on_the_host_is_not_capturable() -> None:
+    from hopperbench.timing.graph import NotCapturable, capture_call
+
+    x = torch.randn(16, device="cuda")
+
+    def syncs(a: torch.Tensor) -> float:
+        return float(a.sum().item())
+
+    with pytest.raises(NotCapturable):
+        capture_call(syncs, [x])
+    # The context stays usable after the failed capture.
+    assert float((x * 0).sum().item()) == 0.0

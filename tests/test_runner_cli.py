@@ -781,3 +781,21 @@ def test_a_failing_warm_call_leaves_the_compile_to_the_jobs(fake: RunnerHooks, t
     assert read_results(out).rows[0].sides["ours"].status == Status.PASSED
     log = (tmp_path / "results.logs" / "fork-server-inherited.log").read_text()
     assert "left warm_record:no_such_function(moe, ours) to the jobs: calling it failed: AttributeError" in log
+
+
+def test_a_job_killed_during_its_graph_replays_keeps_its_checkpointed_eager_result(tmp_path: Path) -> None:
+    from hopperbench.results import SideResult
+    from hopperbench.worker import WorkerJob
+    from hopperbench.worker_pool import JobExit, JobFiles
+
+    files = JobFiles(job=tmp_path / "j.json", result=tmp_path / "r.json", log=tmp_path / "log")
+    eager = SideResult(side="ours", status=Status.PASSED, latency_ms=0.5, min_ms=0.4, max_ms=0.6)
+    files.result.write_text(eager.model_dump_json())
+    side = Side(name="ours", kind=SideKind.OURS, track="moe", available=True)
+    job = WorkerJob(track="moe", side=side, workload={}, seed=0, trials=3, warmup=1, iterations=5, scratch_dir=tmp_path)
+    result = runner._job_result(job, files, JobExit(returncode=None, timed_out=True, wall_s=300.0), 300.0)
+    assert result.status == Status.PASSED and result.latency_ms == 0.5
+    assert result.graph_status == "FAILED" and "did not finish within 300 s" in (result.graph_message or "")
+    # Without a checkpoint the job is a timeout, as before.
+    files.result.unlink()
+    assert runner._job_result(job, files, JobExit(returncode=None, timed_out=True, wall_s=300.0), 300.0).status == Status.TIMEOUT

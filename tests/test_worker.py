@@ -3,6 +3,7 @@ fake inputs and a fake timer."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import textwrap
 from dataclasses import replace
@@ -17,10 +18,12 @@ from hopperbench.floors import FloorInputError
 from hopperbench.results import SideResult, Status, TrialFloor
 from hopperbench.sides import Side, SideKind
 from hopperbench.timing.span import ActivityTrace, ApiRecord, GpuRecord
+from hopperbench.timing.graph import NotCapturable
 from hopperbench.worker import (
     WorkerDeps,
     WorkerJob,
     allocate_poisoned_outputs,
+    load_side_prepare,
     main,
     modified_inputs,
     reference_output_path,
@@ -73,6 +76,7 @@ class Recorder:
         self.floored_x: list[torch.Tensor] = []  # input x of each trial_floor call
         self.timed_x: list[torch.Tensor] = []  # first argument of each time_fn call
         self.budgets: list[float | None] = []  # time_budget_s of each time_fn call
+        self.replays = 0  # time_fn calls on a graph replay
 
     def make_inputs(self, track, workload, seed, trial, device):
         self.inputs_made.append((seed, trial))
@@ -88,7 +92,10 @@ class Recorder:
 
     def time_fn(self, fn, args, warmup, iterations, time_budget_s=None):
         fn(*args)  # the args must make a valid call
-        self.events.append("time")
+        self.events.append("time" if args else "replay")
+        if not args:  # a graph replay: spans of 0.5 ms less than the eager ones
+            self.replays += 1
+            return trace_of_spans([self.replays - 0.5, self.replays - 0.4, self.replays])
         self.timed_x.append(args[0])
         self.timed.append((len(args), warmup, iterations))
         self.budgets.append(time_budget_s)
@@ -131,7 +138,32 @@ def deps(recorder: Recorder) -> WorkerDeps:
         time_fn=recorder.time_fn,
         build=lambda side, definition: side.build(definition),
         trial_floor=recorder.trial_floor,
+        capture=fake_capture,
+        load_prepare=load_side_prepare,
     )
+
+
+@contextlib.contextmanager
+def host_reads_forbidden():
+    """What a capturing CUDA stream does to a host read of device data, on the CPU."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("item", "tolist", "cpu"):
+            patch.setattr(torch.Tensor, name, refuse)
+        yield
+
+
+def fake_capture(fn, args):
+    """CPU stand-in for `capture_call`: a host read during the capture fails as on a GPU; the
+    replay repeats the call on the same arguments."""
+    try:
+        with host_reads_forbidden():
+            result = fn(*args)
+    except RuntimeError as e:
+        raise NotCapturable(str(e)) from e
+    return (lambda: fn(*args)), result
 
 
 def workload(uuid: str = "w0") -> dict:
@@ -193,7 +225,8 @@ def test_a_job_logs_where_its_wall_time_went(tmp_path: Path, recorder: Recorder,
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("job phases (s): ")]
     assert len(lines) == 1
     names = [part.rsplit(" ", 1)[0] for part in lines[0].removeprefix("job phases (s): ").split(", ")]
-    assert names == ["process_start", "setup", "build", "checks", "timing_trial0", "timing_trial1", "timing_trial2"]
+    assert names == ["process_start", "setup", "build", "checks", "timing_trial0", "timing_trial1", "timing_trial2",
+                     "graph_trial0", "graph_trial1", "graph_trial2"]  # fmt: skip
     # A job that ends early still logs what it did.
     run_job(job(tmp_path, kernel_side(tmp_path, "raises")), deps(recorder))
     assert ", setup " in capsys.readouterr().err.splitlines()[-1]
@@ -222,7 +255,8 @@ def test_correct_dps_kernel_passes_and_is_timed_on_fresh_inputs(tmp_path: Path, 
     assert result.status == Status.PASSED, result.message
     assert result.max_abs_err is not None and result.max_abs_err < 1e-6
     assert result.matched_ratio == 1.0
-    assert recorder.inputs_made == [(0, 0), (0, 1), (0, 2)] * 2  # correctness, then fresh for timing
+    # Correctness, then fresh inputs for the eager timing, then again for the graph replays.
+    assert recorder.inputs_made == [(0, 0), (0, 1), (0, 2)] * 3
     assert recorder.timed == [(5, 2, 5)] * 3  # 3 inputs + 2 output buffers
     assert result.latency_ms == 2.0 and result.min_ms == 1.0 and result.max_ms == 3.0
 
@@ -232,8 +266,9 @@ def test_each_timed_trial_records_the_floor_of_exactly_the_inputs_it_timed(tmp_p
     recorder.inputs_made.clear()
     result = run_job(job(tmp_path, kernel_side(tmp_path, "correct")), deps(recorder))
     assert result.status == Status.PASSED, result.message
-    # The correctness pass takes no floor; each timing trial takes one, before it is timed.
-    assert recorder.events == ["floor", "time"] * 3
+    # The correctness pass takes no floor; each eager trial takes one, before it is timed; the
+    # graph replays of the same inputs come after every eager trial.
+    assert recorder.events == ["floor", "time"] * 3 + ["replay"] * 3
     assert all(f is t for f, t in zip(recorder.floored_x, recorder.timed_x, strict=True))
     expected = [
         TrialFloor(bytes_min=100.0 * 0.25 * (trial + 1), core_us=float(x.abs().sum()))
@@ -405,3 +440,77 @@ def test_poisoned_outputs_take_shapes_from_the_workload_axes() -> None:
     output, new_state = allocate_poisoned_outputs(definition, axes, torch.device("cpu"))
     assert output.shape == (6, 8, 128) and output.dtype == torch.bfloat16 and torch.isnan(output).all()
     assert new_state.shape == (2, 8, 128, 128) and torch.isnan(new_state).all()
+
+
+# ------------------------------------------------------------------------------------------
+# Graph replays
+
+SYNCS = DPS + "    output.copy_(x * y + s)\n    lse.copy_(output.sum(dim=1))\n    float(lse[0].item())\n"
+
+
+def source_side(tmp_path: Path, source: str, **fields) -> Side:
+    folder = tmp_path / "side"
+    folder.mkdir(exist_ok=True)
+    (folder / "kernel.py").write_text(source)
+    return Side(name=fields.pop("name", "ours"), kind=fields.pop("kind", SideKind.OURS), track=TRACK, available=True,
+                source_dir=folder, files=("kernel.py",), entry_point="kernel.py::run", **fields)  # fmt: skip
+
+
+def test_a_capturable_side_gets_its_graph_spans_recorded(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    result = run_job(job(tmp_path, kernel_side(tmp_path, "correct")), deps(recorder))
+    assert result.status == Status.PASSED and result.graph_status == "PASSED", result.graph_message
+    # The recorder's replay spans are 0.4 ms below the eager ones (medians 0.6, 1.6, 2.6).
+    assert result.per_trial_graph_ms == pytest.approx([0.6, 1.6, 2.6]) and result.graph_ms == pytest.approx(1.6)
+    assert result.per_trial_graph_busy_ms == pytest.approx([0.45, 1.2, 1.95])
+    assert result.graph_timed and result.latency_ms == 2.0  # the eager columns are untouched
+
+
+def test_a_side_that_syncs_is_not_capturable_and_keeps_only_its_eager_timing(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    result = run_job(job(tmp_path, source_side(tmp_path, SYNCS)), deps(recorder))
+    assert result.status == Status.PASSED and result.latency_ms == 2.0
+    assert result.graph_status == "NOT_CAPTURABLE"
+    assert "not permitted when stream is capturing" in (result.graph_message or "")
+    # Never timed eagerly in the graph's place.
+    assert result.graph_ms is None and result.per_trial_graph_ms == [] and recorder.replays == 0
+
+
+def test_a_replay_that_leaves_its_outputs_unwritten_fails_its_own_gate(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    # A graph that recorded none of the call's work (e.g. work launched on another stream): its
+    # replay leaves the poisoned outputs as they are.
+    empty_graph = replace(deps(recorder), capture=lambda fn, args: ((lambda: None), None))
+    result = run_job(job(tmp_path, kernel_side(tmp_path, "correct")), empty_graph)
+    assert result.status == Status.PASSED and result.latency_ms == 2.0
+    assert result.graph_status == "FAILED" and result.graph_ms is None
+    assert (result.graph_message or "").startswith("replay in trial 0:")
+
+
+def test_the_reference_is_timed_eagerly_only(tmp_path: Path, recorder: Recorder) -> None:
+    result = run_job(job(tmp_path, reference_side()), deps(recorder))
+    assert result.status == Status.PASSED and result.graph_status is None and recorder.replays == 0
+
+
+def test_the_eager_result_is_checkpointed_before_the_replays(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    seen: list[SideResult] = []
+    result = run_job(job(tmp_path, kernel_side(tmp_path, "correct")), deps(recorder), checkpoint=seen.append)
+    assert len(seen) == 1 and seen[0].graph_status is None and seen[0].latency_ms == result.latency_ms
+    assert result.graph_status == "PASSED"
+
+
+PREPARED = (
+    "def prepare(x, y, s):\n    return {'x': x, 'y': (y * 2).contiguous(), 's': s}\n\n"
+    + DPS + "    output.copy_(x * (y / 2) + s)\n    lse.copy_(output.sum(dim=1))\n"
+)
+
+
+def test_a_library_side_takes_its_inputs_through_prepare(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    side = source_side(tmp_path, PREPARED, name="lib", kind=SideKind.LIBRARY, prepare="prepare")
+    result = run_job(job(tmp_path, side), deps(recorder))
+    assert result.status == Status.PASSED and result.graph_status == "PASSED", result.message
+    # Without prepare the same run function is wrong: y arrives unscaled.
+    unprepared = run_job(job(tmp_path, side.model_copy(update={"prepare": None})), deps(recorder))
+    assert unprepared.status == Status.FAILED

@@ -13,25 +13,19 @@ shared between tokens; MoE: uniform routing; GDN: an input state is present). Wi
 `inputs` (the workload's tensors by definition name) they are counted exactly.
 
 Results rows use only exact floors: the worker records `trial_floor` of each timed trial's
-inputs, and `regenerated_trial_floors` recovers them for older journals where the
-synthesizer's draws can be repeated on the CPU.
+inputs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from hopperbench.results import TrialFloor
 from hopperbench.tracks import Track, get_track
-
-if TYPE_CHECKING:
-    from hopperbench.results import WorkloadRow
-    from hopperbench.workloads import WorkloadSpec
 
 # hopper_anchors.md §1: copy bandwidth measured on our H200; bf16 dense rate measured; FP8 rate
 # assumed from DeepGEMM's 1550 TFLOPS on H800 (same SM array).
@@ -253,46 +247,3 @@ def trial_floor(track: Track | str, workload_axes: Mapping[str, int], inputs: Ma
     return TrialFloor(bytes_min=f.bytes_min, core_us=f.core_us)
 
 
-def regenerated_trial_floors(row: WorkloadRow, trials: int) -> list[TrialFloor] | None:
-    """The floors of trials 0..trials-1 of `row`, from its inputs drawn again on the CPU.
-
-    For rows whose worker recorded no floors (journals written before it did). Exact only
-    where the inputs the floor reads do not depend on the device: DSA `sparse_indices` are
-    drawn with a CPU generator, GDN's floor reads only whether `state` is given (a parity of
-    the uuid). MoE's routing tensors come from the GPU's generator, so MoE gives None; so do
-    rows not synthesized (official blobs) and workloads not in the list with the row's axes.
-    """
-    if trials < 1:
-        raise FloorInputError(f"trials must be >= 1, got {trials}")
-    floor_inputs = _CPU_FLOOR_INPUTS.get(row.track)
-    if floor_inputs is None or row.data_source != "synthesized":
-        return None
-    from hopperbench.workloads import synthesized_workload
-
-    spec = synthesized_workload(row.track, row.uuid, row.axes)
-    if spec is None:
-        return None
-    return [trial_floor(row.track, row.axes, floor_inputs(spec, row.seed, trial)) for trial in range(trials)]
-
-
-def _dsa_floor_inputs(spec: WorkloadSpec, seed: int, trial: int) -> dict[str, object]:
-    from hopperbench.synth import make_inputs
-
-    return dict(make_inputs("dsa_attention", spec, seed, trial, "cpu", only=["sparse_indices"]))
-
-
-# Stands in for a present GDN state: the floor reads only whether one is given, and drawing the
-# real one (512 KiB per sequence) would only be thrown away.
-_PRESENT_STATE = torch.empty(0)
-
-
-def _gdn_floor_inputs(spec: WorkloadSpec, seed: int, trial: int) -> dict[str, object]:
-    from hopperbench.synth import gdn_has_initial_state
-
-    return {"state": _PRESENT_STATE if gdn_has_initial_state(spec) else None}
-
-
-_CPU_FLOOR_INPUTS: dict[str, Callable[[WorkloadSpec, int, int], dict[str, object]]] = {
-    "dsa_attention": _dsa_floor_inputs,
-    "gdn_prefill": _gdn_floor_inputs,
-}

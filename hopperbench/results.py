@@ -16,7 +16,7 @@ import math
 import os
 import statistics
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
@@ -197,27 +197,18 @@ class WorkloadRow(BaseModel):
         )
 
 
-# Per-trial floors of a row whose sides recorded none (e.g. `floors.regenerated_trial_floors`).
-TrialFloorFallback = Callable[["WorkloadRow"], Sequence[TrialFloor] | None]
-
-
-def attach_floors(
-    rows: Sequence[WorkloadRow], t_lat_us: float, fallback: TrialFloorFallback | None = None
-) -> list[WorkloadRow]:
+def attach_floors(rows: Sequence[WorkloadRow], t_lat_us: float) -> list[WorkloadRow]:
     """The rows with their floor fields set from per-trial floors (t_lat_us: the measured span of
     an empty kernel, added to every trial's floor).
 
     A row's trial floors are those its sides recorded (every side of a row timed the same
-    inputs, so ours' come first but any side's serve), else `fallback(row)`'s; without
-    either the four fields are None: the axes-only estimate describes the average input,
-    not the instance that was timed."""
+    inputs, so ours' come first but any side's serve); without them the four fields are None:
+    the axes-only estimate describes the average input, not the instance that was timed."""
     if not t_lat_us >= 0:
         raise ValueError(f"t_lat_us must be >= 0, got {t_lat_us}")
     out = []
     for row in rows:
         trial_floors = recorded_trial_floors(row)
-        if trial_floors is None and fallback is not None:
-            trial_floors = fallback(row) or None
         out.append(row.model_copy(update=floor_fields(trial_floors, row.sides.get(OURS), t_lat_us)))
     return out
 
@@ -818,14 +809,13 @@ def write_results(
     completeness: Completeness | None = None,
     environment_source: str | None = None,
     resumed_at: Sequence[str] = (),
-    floor_fallback: TrialFloorFallback | None = None,
 ) -> ResultsFile:
     """Write the JSON and, beside it with the same stem, the CSV. Returns what was written.
 
     Rows get their roofline floors when the environment holds the empty-kernel span
-    (`attach_floors`, with `floor_fallback` for rows whose sides recorded no trial floors)."""
+    (`attach_floors`)."""
     if environment.empty_kernel_span_ms is not None:
-        rows = attach_floors(rows, environment.empty_kernel_span_ms * 1e3, floor_fallback)
+        rows = attach_floors(rows, environment.empty_kernel_span_ms * 1e3)
     results = ResultsFile(
         environment=environment,
         environment_source=environment_source,
@@ -846,57 +836,15 @@ def write_journal_results(
     environment: EnvironmentRecord,
     environment_source: str,
 ) -> ResultsFile:
-    """The JSON and CSV of a journal's records, finished or not, with how complete they are.
-
-    Rows whose records hold no trial floors (journals written before workers recorded them)
-    get floors regenerated on the CPU where the synthesizer allows (`regenerated_trial_floors`)."""
+    """The JSON and CSV of a journal's records, finished or not, with how complete they are."""
     return write_results(
         output_json,
         environment,
-        _with_absent_inputs(build_rows(records)),
+        build_rows(records),
         completeness=assess_completeness(header.plan, records),
         environment_source=environment_source,
         resumed_at=header.resumed_at,
-        floor_fallback=journal_floor_fallback(header, environment),
     )
-
-
-def _with_absent_inputs(rows: Sequence[WorkloadRow]) -> list[WorkloadRow]:
-    """Rows of synthesized data whose records predate `absent_inputs` get it regenerated."""
-    if not any(r.absent_inputs is None and r.data_source == "synthesized" for r in rows):
-        return list(rows)
-    # Imported here: the synthesizer needs torch, reading and writing results does not.
-    from hopperbench.synth import regenerated_absent_inputs
-
-    return [
-        r.model_copy(update={"absent_inputs": regenerated_absent_inputs(r.track, r.uuid, r.axes)})
-        if r.absent_inputs is None and r.data_source == "synthesized"
-        else r
-        for r in rows
-    ]
-
-
-def journal_trials(header: JournalHeader, environment: EnvironmentRecord) -> int | None:
-    """Trials per workload of a journal's run: its own protocol's, else its environment's."""
-    for protocol in (header.protocol, environment.protocol):
-        trials = protocol.get("trials")
-        if isinstance(trials, int) and not isinstance(trials, bool) and trials >= 1:
-            return trials
-    return None
-
-
-def journal_floor_fallback(header: JournalHeader, environment: EnvironmentRecord) -> TrialFloorFallback | None:
-    trials = journal_trials(header, environment)
-    if trials is None:
-        return None
-
-    def regenerate(row: WorkloadRow) -> list[TrialFloor] | None:
-        # Imported here: the floor models need torch, reading and writing results does not.
-        from hopperbench.floors import regenerated_trial_floors
-
-        return regenerated_trial_floors(row, trials)
-
-    return regenerate
 
 
 def read_results(output_json: Path) -> ResultsFile:

@@ -166,10 +166,24 @@ GDN_PREFILL = Track(
     timing=TimingDefaults(reference_time_budget_s=0.5),
     libraries=(
         LibrarySide(
+            name="flashinfer_gdn",
+            entry="flashinfer_gdn.py::run",
+            description="FlashInfer SM90 chunk_gated_delta_rule, CuTe-DSL fused / context-parallel kernels (flashinfer-python 0.7.2.post1)",
+            package="flashinfer-python==0.7.2.post1",
+            timed_call=(
+                "the gates g and beta computed from A_log, a, dt_bias and b (torch, fp32), then FlashInfer's "
+                "SM90 kernels (use_cp='auto'), writing output and new_state"
+            ),
+        ),
+        LibrarySide(
             name="fla_chunk",
             entry="fla_gdn.py::run",
             description="flash-linear-attention chunk_gated_delta_rule, Triton chunk pipeline (fla-core 0.6.0)",
             package="fla-core==0.6.0",
+            timed_call=(
+                "fla's Triton pipeline (gate, chunk-local WY, state recurrence, output kernels) with its chunk "
+                "indices memoised per cu_seqlens tensor, then output and new_state copied into the destinations"
+            ),
         ),
     ),
     candidates=(
@@ -203,6 +217,10 @@ MOE = Track(
             ),
             submodule="third_party/DeepGEMM",
             package="deep_gemm==2.6.1+54e2261",
+            timed_call=(
+                "routing and permutation in torch, DeepGEMM's two grouped FP8 GEMMs, SwiGLU with FP8 "
+                "requantisation and the weighted combine in torch"
+            ),
         ),
     ),
     candidates=(
@@ -229,11 +247,17 @@ DSA_ATTENTION = Track(
             name="flashmla_sparse",
             entry="flashmla_dsa.py::run",
             description=(
-                "FlashMLA flash_mla_sparse_fwd, SM90 sparse prefill on a bf16 cache "
-                "(16 heads padded to 64, ckv|kpe packed per call), deepseek-ai/FlashMLA@9241ae3"
+                "FlashMLA flash_mla_sparse_fwd, SM90 sparse prefill on a bf16 cache stored in its "
+                "packed 576-wide layout (16 heads padded to 64), deepseek-ai/FlashMLA@9241ae3"
             ),
             submodule="third_party/FlashMLA",
             package="flash_mla==1.0.0+9241ae3",
+            prepare="prepare",
+            timed_call=(
+                "q padded to 64 heads (one torch copy), FlashMLA's sparse prefill kernel on the cache "
+                "stored once, untimed, in its packed ckv|kpe layout, then the 16 heads' output and lse "
+                "(base 2) copied out (3 torch kernels)"
+            ),
         ),
     ),
 )

@@ -121,11 +121,22 @@ def fake_flash_mla(monkeypatch: pytest.MonkeyPatch, fresh_loader: None) -> _Fake
     return fake
 
 
+def test_the_timed_call_runs_on_the_cache_prepare_stored_and_copies_no_cache(fake_flash_mla: _FakeFlashMla) -> None:
+    inputs = _dsa_inputs(2, 40)
+    prepared = flashmla_dsa.prepare(*inputs.values())
+    assert list(prepared) == list(inputs)  # the same inputs by name, in definition order
+    flashmla_dsa.run(*prepared.values(), *_destinations(inputs).values())
+    (call,) = fake_flash_mla.calls
+    assert call["kv"].data_ptr() == prepared["ckv_cache"].data_ptr()  # the stored cache itself
+    with pytest.raises(flashmla_dsa.AdapterInputError, match="packed cache"):
+        flashmla_dsa.run(*inputs.values(), *_destinations(inputs).values())  # the split caches: refused
+
+
 def test_the_call_gets_padded_heads_a_packed_cache_and_the_indices_as_a_view(fake_flash_mla: _FakeFlashMla) -> None:
     inputs = _dsa_inputs(3, 40)
     dest = _destinations(inputs)
 
-    flashmla_dsa.run(*inputs.values(), *dest.values())
+    flashmla_dsa.run(*flashmla_dsa.prepare(*inputs.values()).values(), *dest.values())
 
     (call,) = fake_flash_mla.calls
     q, kv, indices = call["q"], call["kv"], call["indices"]
@@ -145,7 +156,7 @@ def test_results_match_the_reference_under_the_track_rule_with_lse_in_base_2(fak
     inputs = _dsa_inputs(4, 40, empty_tokens=(2,))
     dest = _destinations(inputs)
 
-    flashmla_dsa.run(*inputs.values(), *dest.values())
+    flashmla_dsa.run(*flashmla_dsa.prepare(*inputs.values()).values(), *dest.values())
 
     ref_output, ref_lse = _load_reference()(*inputs.values())
     verdict = check_outputs(DSA_ATTENTION.acceptance, dest, {"output": ref_output, "lse": ref_lse})
@@ -188,7 +199,7 @@ def test_a_missing_or_unpinned_build_is_one_clear_error(
     monkeypatch.setattr(flashmla_dsa, "installed_flash_mla_version", lambda: installed)
     inputs = _dsa_inputs(1, 32)
     with pytest.raises(flashmla_dsa.LibraryUnavailableError, match=re.escape(message)) as e:
-        flashmla_dsa.run(*inputs.values(), *_destinations(inputs).values())
+        flashmla_dsa.run(*flashmla_dsa.prepare(*inputs.values()).values(), *_destinations(inputs).values())
     assert "\n" not in str(e.value)
 
 
@@ -227,7 +238,7 @@ def test_bad_arguments_are_rejected_before_the_library_is_touched(
     for name, edit in change.items():
         inputs[name] = edit(inputs[name])
     with pytest.raises(flashmla_dsa.AdapterInputError, match=message):
-        flashmla_dsa.run(*inputs.values(), *_destinations(_dsa_inputs(2, 32)).values())
+        flashmla_dsa.run(*flashmla_dsa.prepare(*inputs.values()).values(), *_destinations(_dsa_inputs(2, 32)).values())
 
 
 def test_the_adapter_file_imports_only_stdlib_torch_and_flash_mla() -> None:
@@ -260,7 +271,7 @@ def test_flashmla_on_the_gpu_passes_the_track_rule(fresh_loader: None, num_token
     inputs = _dsa_inputs(num_tokens, num_pages, empty_tokens=empty, device="cuda")
     dest = _destinations(inputs)
 
-    flashmla_dsa.run(*inputs.values(), *dest.values())
+    flashmla_dsa.run(*flashmla_dsa.prepare(*inputs.values()).values(), *dest.values())
     torch.cuda.synchronize()
 
     ref_output, ref_lse = _load_reference()(*inputs.values())

@@ -10,13 +10,10 @@ from hopperbench.floors import (
     expected_active_local_experts,
     floor,
     moe_local_expert_counts,
-    regenerated_trial_floors,
     trial_floor,
 )
-from hopperbench.results import TrialFloor, WorkloadKey, WorkloadRow
-from hopperbench.synth import gdn_has_initial_state, make_inputs
+from hopperbench.results import TrialFloor
 from hopperbench.tracks import DSA_ATTENTION
-from hopperbench.workloads import WorkloadSpec, load_workloads
 
 T_LAT_US = 1.15
 
@@ -145,62 +142,3 @@ def test_trial_floor_is_the_exact_floor_without_the_empty_kernel_span() -> None:
     )
     with pytest.raises(FloorInputError, match="lack tensor 'sparse_indices'"):
         trial_floor("dsa_attention", axes, {"q_nope": torch.zeros(1)})
-
-
-# --- floors of old journals' rows, regenerated on the CPU ----------------------------------
-
-
-def _row_of(spec: WorkloadSpec, seed: int = 3, **changes: object) -> WorkloadRow:
-    fields = dict(track=spec.track, definition="d", uuid=spec.uuid, index=spec.index, axes=spec.axes,
-                  data_source=spec.data_source, seed=seed)  # fmt: skip
-    return WorkloadRow.from_sides(WorkloadKey(**{**fields, **changes}), {})
-
-
-def _workload(track: str, pick) -> WorkloadSpec:
-    spec = next(w for w in load_workloads(track) if pick(w))
-    if spec.data_source != "synthesized":
-        pytest.skip(f"benchmark_data holds the official {track} workloads; these tests need the embedded list")
-    return spec
-
-
-def test_dsa_floors_are_regenerated_from_the_indices_the_run_drew() -> None:
-    spec = _workload("dsa_attention", lambda w: w.axes["num_tokens"] == 8)
-    regenerated = regenerated_trial_floors(_row_of(spec, seed=3), trials=2)
-    assert regenerated is not None and len(regenerated) == 2
-    axes_only = floor("dsa_attention", spec.axes, t_lat_us=0.0)
-    for trial, got in enumerate(regenerated):
-        # What the worker's make_inputs gives (indices are drawn on the CPU, then copied to the device).
-        inputs = make_inputs("dsa_attention", spec, 3, trial, "cpu", only=["sparse_indices"])
-        assert (inputs["sparse_indices"] < 0).any()  # short rows: padding the axes-only floor ignores
-        assert got == trial_floor("dsa_attention", spec.axes, inputs)
-        assert got.bytes_min < axes_only.bytes_min
-    assert regenerated[0] != regenerated[1]  # each trial its own indices
-    assert regenerated_trial_floors(_row_of(spec, seed=4), trials=1) != regenerated[:1]  # and each seed
-
-
-def test_gdn_floors_are_regenerated_from_whether_the_workload_has_a_state() -> None:
-    with_state = _workload("gdn_prefill", gdn_has_initial_state)
-    without_state = _workload("gdn_prefill", lambda w: not gdn_has_initial_state(w))
-    for spec, state in ((with_state, torch.zeros(1)), (without_state, None)):
-        expected = trial_floor("gdn_prefill", spec.axes, {"state": state})
-        assert regenerated_trial_floors(_row_of(spec), trials=3) == [expected] * 3
-    assert (
-        regenerated_trial_floors(_row_of(with_state), trials=1)[0].bytes_min
-        > floor("gdn_prefill", with_state.axes, t_lat_us=0.0, inputs={"state": None}).bytes_min
-    )
-
-
-def test_moe_floors_cannot_be_regenerated_on_the_cpu() -> None:
-    # routing_logits and routing_bias come from the GPU's generator: the CPU draws other values.
-    spec = _workload("moe", lambda w: True)
-    assert regenerated_trial_floors(_row_of(spec), trials=3) is None
-
-
-def test_only_synthesized_rows_of_known_workloads_are_regenerated() -> None:
-    spec = _workload("dsa_attention", lambda w: w.axes["num_tokens"] == 1)
-    assert regenerated_trial_floors(_row_of(spec), trials=1) is not None
-    assert regenerated_trial_floors(_row_of(spec, data_source="official"), trials=1) is None
-    assert regenerated_trial_floors(_row_of(spec, uuid="not-in-the-list"), trials=1) is None
-    assert regenerated_trial_floors(_row_of(spec, axes={**spec.axes, "num_tokens": 2}), trials=1) is None
-    with pytest.raises(FloorInputError, match="trials must be >= 1"):
-        regenerated_trial_floors(_row_of(spec), trials=0)

@@ -473,24 +473,6 @@ def test_another_sides_trial_floors_give_the_floor_when_ours_was_not_timed() -> 
     assert got.ours_over_floor is None and got.ours_tb_per_s is None
 
 
-def test_the_fallback_is_asked_only_for_rows_without_recorded_floors() -> None:
-    recorded = row(0, [passed("ours", 0.01, per_trial_floor=TRIAL_FLOORS)])
-    unrecorded = row(1, [passed("ours", 0.01)])
-    asked: list[str] = []
-
-    def fallback(r: WorkloadRow) -> list[TrialFloor] | None:
-        asked.append(r.uuid)
-        return [TrialFloor(bytes_min=20e6, core_us=9.0)] * 3
-
-    with_floors, regenerated = attach_floors([recorded, unrecorded], t_lat_us=1.0, fallback=fallback)
-    assert asked == [unrecorded.uuid]
-    assert with_floors.floor_ms == pytest.approx(0.005)
-    assert regenerated.floor_ms == pytest.approx(0.010) and regenerated.floor_bytes == pytest.approx(20e6)
-    assert regenerated.ours_over_floor == pytest.approx(1.0)  # median of 0.009, 0.010, 0.011 ms over 0.010
-    (none,) = attach_floors([unrecorded], t_lat_us=1.0, fallback=lambda r: None)
-    assert none.floor_ms is None
-
-
 def test_no_floor_without_the_empty_kernel_span(tmp_path: Path) -> None:
     rows = [row(0, [passed("ours", 1.0, per_trial_floor=TRIAL_FLOORS), passed("reference", 9.0)])]
     unknown = write_results(tmp_path / "a.json", EnvironmentRecord(), rows)
@@ -498,39 +480,6 @@ def test_no_floor_without_the_empty_kernel_span(tmp_path: Path) -> None:
     assert unknown.summary["moe"].ours_over_floor is None
     with pytest.raises(ValueError, match="t_lat_us"):
         attach_floors(rows, t_lat_us=-1.0)
-
-
-def test_finalizing_an_old_journal_regenerates_the_floors_the_synthesizer_allows(tmp_path: Path) -> None:
-    from hopperbench.floors import regenerated_trial_floors
-    from hopperbench.workloads import load_workloads
-
-    dsa_spec = next(w for w in load_workloads("dsa_attention") if w.axes["num_tokens"] == 6)
-    moe_spec = load_workloads("moe")[0]
-    if "synthesized" not in (dsa_spec.data_source, moe_spec.data_source):
-        pytest.skip("benchmark_data holds official workloads; this test needs the embedded lists")
-
-    def workload_key(spec) -> WorkloadKey:
-        return WorkloadKey(track=spec.track, definition="d", uuid=spec.uuid, index=spec.index, axes=spec.axes,
-                           data_source="synthesized", seed=5)  # fmt: skip
-
-    # Records as an older worker wrote them: per-trial latencies, no per-trial floors.
-    ours = passed("ours", 0.02).model_dump(mode="json")
-    del ours["per_trial_floor"]
-    records = [SideRecord.model_validate({"workload": workload_key(spec).model_dump(), "result": ours})
-               for spec in (dsa_spec, moe_spec)]  # fmt: skip
-    header = JournalHeader(seed=5, protocol={"trials": 3})
-    env = EnvironmentRecord(empty_kernel_span_ms=0.001, protocol={"trials": 3})
-    dsa, moe = write_journal_results(tmp_path / "r.json", header, records, env, "journal header").rows
-    expected = regenerated_trial_floors(dsa, trials=3)
-    assert expected is not None and len(expected) == 3
-    (want,) = attach_floors([dsa], t_lat_us=1.0, fallback=lambda r: expected)
-    assert [getattr(dsa, f) for f in FLOOR_FIELDS] == pytest.approx([getattr(want, f) for f in FLOOR_FIELDS])
-    assert dsa.floor_bytes == pytest.approx(sum(f.bytes_min for f in expected) / 3)
-    assert all(getattr(moe, f) is None for f in FLOOR_FIELDS)  # MoE routing was drawn on the GPU
-    # Without the number of trials nothing is regenerated.
-    bare = write_journal_results(tmp_path / "s.json", JournalHeader(seed=5, protocol={}), records,
-                                 EnvironmentRecord(empty_kernel_span_ms=0.001), "journal header")  # fmt: skip
-    assert all(r.floor_ms is None for r in bare.rows)
 
 
 def with_absent(r: WorkloadRow, absent: list[str] | None) -> WorkloadRow:
@@ -587,28 +536,6 @@ def test_render_results_shows_the_split_by_absent_inputs() -> None:
     assert "| gdn_prefill | all inputs | 1 | 2.00× (1) | – | – | – |" in text  # these rows recorded no busy time
     assert "| gdn_prefill | no state | 1 | 8.00× (1) | – | – | – |" in text
     assert "| 1 | gdn_pref | seq_len=2 other=7 | state | synthesized |" in "\n".join(render.workload_table(rows))
-
-
-def test_finalizing_an_old_journal_regenerates_the_absent_inputs_of_synthesized_rows(tmp_path: Path) -> None:
-    from hopperbench.synth import gdn_has_initial_state
-    from hopperbench.workloads import synthesized_workloads
-
-    specs = list(synthesized_workloads("gdn_prefill").values())
-    with_state = next(w for w in specs if gdn_has_initial_state(w))
-    without_state = next(w for w in specs if not gdn_has_initial_state(w))
-
-    def record(spec, uuid: str | None = None) -> SideRecord:
-        # As written before `absent_inputs` existed: the key has no such field.
-        workload = WorkloadKey(track="gdn_prefill", definition="d", uuid=uuid or spec.uuid, index=spec.index,
-                               axes=spec.axes, data_source="synthesized", seed=0).model_dump()  # fmt: skip
-        del workload["absent_inputs"]
-        return SideRecord.model_validate({"workload": workload, "result": passed("ours", 0.02).model_dump()})
-
-    records = [record(with_state), record(without_state), record(with_state, uuid="not-in-the-list")]
-    header = JournalHeader(seed=0, protocol={"trials": 3})
-    rows = write_journal_results(tmp_path / "r.json", header, records, EnvironmentRecord(), "journal header").rows
-    by_uuid = {r.uuid: r.absent_inputs for r in rows}
-    assert by_uuid == {with_state.uuid: [], without_state.uuid: ["state"], "not-in-the-list": None}
 
 
 def test_side_results_written_before_per_trial_floors_still_load() -> None:

@@ -1,0 +1,125 @@
+"""FlashInfer's SM90 GDN prefill (`flashinfer.gdn_prefill.chunk_gated_delta_rule`, flashinfer-python
+0.7.2.post1) as a gdn_prefill side: the FlashInfer baseline of the Hopper edition.
+
+The contest's own FlashInfer baseline for this definition is an SM100 kernel; on SM90 FlashInfer
+runs its CuTe-DSL Hopper kernels: a fused persistent chunked kernel, or, when few (sequence, head)
+pairs would leave SMs idle (`use_cp="auto"`, `should_use_cp_host`), a context-parallel pipeline.
+Read in the 0.7.2.post1 wheel (`flashinfer/gdn_prefill.py`, `chunk_gated_delta_rule`):
+
+- q, k [T, 4, 128], v [T, 8, 128] bf16 as they are: FlashInfer supports GVA (num_v_heads >
+  num_q_heads = num_k_heads; v-head h reads q/k head h // 2, as the definition).
+- The definition's gates are FlashInfer's inputs `g` (the per-token decay alpha, fp32) and `beta`
+  (fp32), both [T, 8]. FlashInfer takes them precomputed, so **each timed call first computes
+  them** from A_log, a, dt_bias and b with torch ops, in fp32 as the definition says:
+  `g = exp(-exp(A_log) * softplus(a + dt_bias))`, `beta = sigmoid(b)` (a few small elementwise
+  kernels before FlashInfer's own).
+- state [N, 8, V, K] fp32 (k-last), None = zeros -> `initial_state`: FlashInfer's state layout is
+  `[N, H, V, K]` too. new_state -> `output_state` with `output_final_state=True`, output ->
+  `output`: FlashInfer writes the destinations itself.
+- cu_seqlens int64 [N + 1] as is; `max_seqlen` is left None (FlashInfer then bounds its CP grids
+  by T): the exact maximum would need a host read of cu_seqlens.
+- scale: None or 0 means 1/sqrt(128) in both.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+FLASHINFER_DISTRIBUTION = "flashinfer-python"
+FLASHINFER_VERSION = "0.7.2.post1"
+NUM_Q_HEADS = 4
+NUM_V_HEADS = 8
+HEAD_SIZE = 128
+DEFAULT_SCALE = 1.0 / math.sqrt(HEAD_SIZE)
+
+
+class LibraryUnavailableError(RuntimeError):
+    """The library this adapter calls is missing or is not the version it was written for."""
+
+
+class AdapterInputError(ValueError):
+    """The arguments do not describe a gdn_prefill call."""
+
+
+@functools.cache
+def load_chunk_gated_delta_rule() -> Callable[..., Any]:
+    """FlashInfer's `chunk_gated_delta_rule` from the pinned release (checked once per process)."""
+    try:
+        installed = importlib.metadata.version(FLASHINFER_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise LibraryUnavailableError(
+            f"{FLASHINFER_DISTRIBUTION} is not installed (uv sync --extra flashinfer)"
+        ) from None
+    if installed != FLASHINFER_VERSION:
+        raise LibraryUnavailableError(
+            f"{FLASHINFER_DISTRIBUTION} {installed} is installed; this adapter needs {FLASHINFER_VERSION}"
+        )
+    try:
+        from flashinfer.gdn_prefill import chunk_gated_delta_rule
+    except ImportError as e:
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise LibraryUnavailableError(f"flashinfer {installed} does not import: {first_line}") from None
+    return chunk_gated_delta_rule
+
+
+def check_arguments(
+    q: torch.Tensor, v: torch.Tensor, state: torch.Tensor | None, cu_seqlens: torch.Tensor,
+    output: torch.Tensor, new_state: torch.Tensor,
+) -> None:  # fmt: skip
+    """Shapes and dtypes of one definition call (host-side metadata only, no device work)."""
+    total, num_seqs = q.shape[0], cu_seqlens.shape[0] - 1
+    if tuple(q.shape) != (total, NUM_Q_HEADS, HEAD_SIZE) or tuple(v.shape) != (total, NUM_V_HEADS, HEAD_SIZE):
+        raise AdapterInputError(f"q/v must be [T, 4, 128] / [T, 8, 128], got {tuple(q.shape)} / {tuple(v.shape)}")
+    state_shape = (num_seqs, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE)
+    if state is not None and (tuple(state.shape) != state_shape or state.dtype != torch.float32):
+        raise AdapterInputError(f"state must be float32 {state_shape}, got {state.dtype} {tuple(state.shape)}")
+    if tuple(new_state.shape) != state_shape or tuple(output.shape) != tuple(v.shape):
+        raise AdapterInputError("output / new_state do not match the inputs' shapes")
+
+
+def gates(
+    A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition's per-token decay and update gates, fp32 [T, 8]: FlashInfer's `g` and `beta`."""
+    g = torch.exp(-torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float()))
+    return g, torch.sigmoid(b.float())
+
+
+def run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: torch.Tensor | None,
+    A_log: torch.Tensor,
+    a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    b: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None,
+    output: torch.Tensor,
+    new_state: torch.Tensor,
+) -> None:
+    """gdn_prefill_qk4_v8_d128_k_last in destination-passing style through FlashInfer's SM90 kernels."""
+    check_arguments(q, v, state, cu_seqlens, output, new_state)
+    chunk_gated_delta_rule = load_chunk_gated_delta_rule()
+    g, beta = gates(A_log, a, dt_bias, b)
+    chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g=g,
+        beta=beta,
+        scale=float(scale) if scale else DEFAULT_SCALE,
+        initial_state=state,
+        output_final_state=True,
+        cu_seqlens=cu_seqlens,
+        output=output,
+        output_state=new_state,
+    )

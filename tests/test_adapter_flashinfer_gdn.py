@@ -1,0 +1,133 @@
+"""flashinfer_gdn adapter: the mapping onto FlashInfer's `chunk_gated_delta_rule` on CPU (FlashInfer
+replaced by a recorder), the real SM90 kernels against our reference on a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hopperbench.acceptance import check_outputs
+from hopperbench.adapters import flashinfer_gdn
+from hopperbench.tracks import GDN_PREFILL, get_track
+
+
+def _gdn_inputs(lengths: list[int], *, with_state: bool = True, device: str = "cpu", seed: int = 0) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    total, n = sum(lengths), len(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    q = F.normalize(torch.randn(total, 4, 128, generator=gen), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(total, 4, 128, generator=gen), dim=-1).bfloat16()
+    inputs = {
+        "q": q,
+        "k": k,
+        "v": torch.randn(total, 8, 128, generator=gen).bfloat16(),
+        "state": 0.2 * torch.randn(n, 8, 128, 128, generator=gen) if with_state else None,
+        "A_log": torch.log(torch.rand(8, generator=gen) * 15 + 1),
+        "a": torch.randn(total, 8, generator=gen).bfloat16(),
+        "dt_bias": torch.rand(8, generator=gen) * -4 - 2.3,
+        "b": torch.randn(total, 8, generator=gen).bfloat16(),
+        "cu_seqlens": cu,
+        "scale": 1 / math.sqrt(128),
+    }
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def _destinations(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    n = inputs["cu_seqlens"].shape[0] - 1
+    return {
+        "output": torch.full_like(inputs["v"], float("nan")),
+        "new_state": torch.full((n, 8, 128, 128), float("nan"), device=inputs["v"].device),
+    }
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    calls: list[dict[str, Any]] = []
+
+    def chunk_gated_delta_rule(q, k, v, **kwargs):
+        calls.append({"q": q, "k": k, "v": v, **kwargs})
+        kwargs["output"].zero_()
+        kwargs["output_state"].zero_()
+
+    monkeypatch.setattr(flashinfer_gdn, "load_chunk_gated_delta_rule", lambda: chunk_gated_delta_rule)
+    return calls
+
+
+def test_the_call_gets_the_definitions_gates_in_fp32_and_writes_the_destinations(recorded) -> None:
+    inputs = _gdn_inputs([5, 9])
+    dest = _destinations(inputs)
+    flashinfer_gdn.run(*inputs.values(), *dest.values())
+    (call,) = recorded
+    assert call["q"] is inputs["q"] and call["k"] is inputs["k"] and call["v"] is inputs["v"]
+    decay = torch.exp(-torch.exp(inputs["A_log"]) * F.softplus(inputs["a"].float() + inputs["dt_bias"]))
+    assert call["g"].dtype == torch.float32 and torch.equal(call["g"], decay)
+    assert torch.equal(call["beta"], torch.sigmoid(inputs["b"].float()))
+    assert call["initial_state"] is inputs["state"] and call["output_final_state"] is True
+    assert call["output"] is dest["output"] and call["output_state"] is dest["new_state"]
+    assert call["cu_seqlens"] is inputs["cu_seqlens"] and call["scale"] == pytest.approx(1 / math.sqrt(128))
+
+
+@pytest.mark.parametrize("scale", [None, 0.0])
+def test_a_missing_scale_means_one_over_sqrt_128(recorded, scale) -> None:
+    inputs = {**_gdn_inputs([4], with_state=False), "scale": scale}
+    flashinfer_gdn.run(*inputs.values(), *_destinations(inputs).values())
+    assert recorded[0]["scale"] == pytest.approx(1 / math.sqrt(128)) and recorded[0]["initial_state"] is None
+
+
+def test_bad_shapes_are_rejected_before_the_library_is_touched(recorded) -> None:
+    inputs = _gdn_inputs([4, 4])
+    inputs["state"] = inputs["state"][:1]
+    with pytest.raises(flashinfer_gdn.AdapterInputError, match="state must be"):
+        flashinfer_gdn.run(*inputs.values(), *_destinations(_gdn_inputs([4, 4])).values())
+    assert recorded == []
+
+
+def test_an_other_release_is_refused_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    flashinfer_gdn.load_chunk_gated_delta_rule.cache_clear()
+    monkeypatch.setattr(flashinfer_gdn.importlib.metadata, "version", lambda name: "0.6.4")
+    try:
+        with pytest.raises(flashinfer_gdn.LibraryUnavailableError, match="needs 0.7.2.post1"):
+            flashinfer_gdn.load_chunk_gated_delta_rule()
+    finally:
+        flashinfer_gdn.load_chunk_gated_delta_rule.cache_clear()
+
+
+def test_the_side_is_registered_as_the_gdn_flashinfer_baseline() -> None:
+    (side,) = [lib for lib in get_track("gdn_prefill").libraries if lib.name == "flashinfer_gdn"]
+    assert side.package == f"flashinfer-python=={flashinfer_gdn.FLASHINFER_VERSION}"
+    assert "gates" in side.timed_call
+
+
+def _reference():
+    spec = importlib.util.spec_from_file_location("gdn_reference", GDN_PREFILL.reference_path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.run
+
+
+def _flashinfer_importable() -> bool:
+    try:
+        return importlib.metadata.version("flashinfer-python") == flashinfer_gdn.FLASHINFER_VERSION
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not _flashinfer_importable(), reason="needs flashinfer-python 0.7.2.post1")
+@pytest.mark.parametrize(("lengths", "with_state"), [([6], True), ([64, 130], True), ([300], False)])
+def test_flashinfer_on_the_gpu_passes_the_track_rule(lengths: list[int], with_state: bool) -> None:
+    flashinfer_gdn.load_chunk_gated_delta_rule.cache_clear()
+    inputs = _gdn_inputs(lengths, with_state=with_state, device="cuda")
+    dest = _destinations(inputs)
+    flashinfer_gdn.run(*inputs.values(), *dest.values())
+    torch.cuda.synchronize()
+    output, new_state = _reference()(*inputs.values())
+    verdict = check_outputs(GDN_PREFILL.acceptance, dest, {"output": output, "new_state": new_state})
+    assert verdict.passed, verdict.reason

@@ -4,7 +4,7 @@ Flash-decoding over the 2048 selected cache rows of each token, in two kernels:
 
 1. `_SplitKernel`, grid (T, num_splits). One CTA of 4 warps takes all 16 heads of one token and
    2048 / num_splits of its rows, in chunks of 64 rows:
-   - where the split has two or more chunks, first copies its row ids into shared memory (v1.8; with
+   - where the split has two or more chunks, first copies its row ids into shared memory (with
      one chunk it reads them from global memory as it copies, which starts the gather sooner);
    - gathers each chunk (ckv 1024 B + kpe 128 B per row) into shared memory with 16-B `cp.async`,
      double-buffered (chunk c+1 is in flight while chunk c is computed); a padding row (-1, or
@@ -16,13 +16,13 @@ Flash-decoding over the 2048 selected cache rows of each token, in two kernels:
      the ckv part of the same shared-memory rows, read transposed by `ldmatrix.trans`);
    - writes its unnormalised O (fp32) and its running max m and sum l per head to a workspace
      [T, num_splits, 16, 516] (O in columns 0..511, m in 512, l in 513): assembled in shared memory
-     and copied out as one 33-KB block by a bulk asynchronous copy (v1.11).
+     and copied out as one 33-KB block by a bulk asynchronous copy.
 2. `_CombineKernel`, grid (T, 16 heads, 4 column groups): loads its partials, merges the splits by
    log-sum-exp and writes the bf16 output and the base-2 lse. A token with no valid row gets output 0 and lse -inf; a split with
    no valid row has m = -inf, l = 0, O = 0 and weighs nothing.
 
-The combine is launched as a programmatic dependent of the split kernel (Hopper's PDL, v1.2: 1.08x
-over v1.1 in the A/B of 2026-11-30, NOTES.md): each split CTA triggers its dependents as it starts,
+The combine is launched as a programmatic dependent of the split kernel (Hopper's PDL; NOTES.md):
+each split CTA triggers its dependents as it starts,
 so the combine grid launches while the split kernel runs and its CTAs wait in `griddepcontrol.wait`,
 which returns once every split CTA has finished and its workspace writes are visible. Correctness
 does not depend on where the trigger is, and the combine can only launch once every split CTA has
@@ -32,9 +32,7 @@ two kernels (~1 us) and the combine's ramp.
 Both kernels are compiled once per form of the split kernel (row ids staged or not; dynamic T, P and
 num_splits) into one TVM-FFI function that takes the torch tensors directly and runs on the current
 torch stream; `run` only picks the split count from T (and with it the form), allocates the
-workspace and calls it. v1.8 (staged row ids, the combine's loads first) took 1.083x off v1.2 in the
-A/B of session 17, and v1.11 (the bulk-copy epilogue) 1.033x off v1.8 in session 18's, each bit for bit
-the same outputs (NOTES.md).
+workspace and calls it. Design, measurements and the ideas tried: NOTES.md.
 """
 
 from __future__ import annotations
@@ -72,8 +70,8 @@ COMBINE_COLUMN_GROUPS = CKV_DIM // NUM_THREADS  # 4 combine CTAs per (token, hea
 VALID_SPLITS = tuple(1 << i for i in range(NUM_CHUNKS.bit_length()) if NUM_CHUNKS % (1 << i) == 0)
 MAX_SPLITS = max(VALID_SPLITS)  # 32: the combine's unrolled loop; its split statistics fit one warp
 # The split kernel's CTAs use ~175 KB of shared memory, so one fits per SM: one wave is the H200's
-# 132 SMs. The split count keeps T * splits within it (v0 aimed at >= 128 CTAs, which made T = 5-7
-# run two waves of 160-224 CTAs: 34-36 us against 23 us at T = 8).
+# 132 SMs. The split count keeps T * splits within it: a second wave (e.g. 160-224 CTAs at
+# T = 5-7) would take longer than T = 8's single wave of 128.
 MAX_CTAS_PER_WAVE = 132
 # Workspace row per (token, split, head), fp32: O[0:512] unnormalised, then m (log2 domain) and l;
 # padded to 516 so that every row starts 16-B aligned.
@@ -113,8 +111,8 @@ class _SplitKernel:
     def __init__(self, staged_indices: bool = False) -> None:
         # Staged: the split's row ids copied once into shared memory ahead of the gathers, instead of
         # read one by one from global memory inside the copy loop and the softmax: 5-8 % off the calls
-        # with two chunks per split; with one chunk, staging delays the gather by its wait and barrier
-        # and lost 4 % (NOTES.md, v1.7).
+        # with two chunks per split; with one chunk, staging delays the gather by its wait and barrier,
+        # a 4 % loss at 1 token (NOTES.md).
         self.staged_indices = staged_indices
 
     def shared_layouts(self):
@@ -253,9 +251,9 @@ class _SplitKernel:
         tidx: cutlass.Int32,
     ):
         """The epilogue: this split's workspace rows (unnormalised O, m, l) assembled in the chunk ring in
-        their global layout, then written by one thread's bulk copy of the contiguous block (v1.11, 1.033x
-        on the call in session 18's A/B: from registers each warp's `st.global.v2` wrote 32-B pieces of 8
-        rows; the whole lines of the bulk copy are what the combine reloads faster, NOTES.md)."""
+        their global layout, then written by one thread's bulk copy of the contiguous block. The bulk
+        copy writes whole 128-B lines, which the combine reloads faster than the 32-B pieces of 8 rows
+        that per-warp `st.global.v2` stores from registers would leave (NOTES.md)."""
         # attend() ended at a barrier after the last P V, so nobody reads the ring any more.
         block = cute.make_tensor(
             cute.recast_ptr(sk.iterator, dtype=cutlass.Float32),
@@ -556,9 +554,9 @@ class _CombineKernel:
     count with branch-free loads, so that all 32 are in flight together: a split index past the
     actual count reads the last split again (an address that is always valid) and weighs 0, since
     its lane's weight is exp2(-inf) = 0. The sum runs over the splits in order, so the extra terms
-    add +0. (v0 walked the splits twice with dependent scalar loads: 29 us at T = 1; v1, one CTA
-    per (token, head) with 4 columns per thread and the loop unrolled by 8 over the dynamic count,
-    6.5 us; this v1.1 form took 1.23x off the whole call in the A/B, NOTES.md.)
+    add +0. (Walking the splits with dependent scalar loads, or one CTA per (token, head) with the
+    loop unrolled by 8 over the dynamic count, leaves several round trips on the call's tail;
+    NOTES.md.)
     """
 
     @cute.jit
@@ -611,8 +609,8 @@ class _CombineKernel:
         lane = cute.arch.lane_idx()
         col = group * NUM_THREADS + tidx
 
-        # All 32 partial values first, so that they share one round trip with the statistics (v1.2
-        # issued them in three waves around the statistics' shuffles: ~0.5 us more, NOTES.md v1.8).
+        # All 32 partial values first, so that they share one round trip with the statistics
+        # (issued in waves around the statistics' shuffles they would cost ~0.5 us more, NOTES.md).
         partials = cute.make_rmem_tensor((MAX_SPLITS,), cutlass.Float32)
         for s in cutlass.range_constexpr(MAX_SPLITS):
             partials[s] = workspace[token, cutlass.min(s, num_splits - 1), head, col]

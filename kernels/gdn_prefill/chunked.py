@@ -1,5 +1,4 @@
-"""GDN prefill for SM90 in CuTe-DSL, chunked on tensor cores (v1.4, grid rows longest first since
-v1.7, 16-row V slices for one or two sequences since v2.2): the path `kernel.py` takes above
+"""GDN prefill for SM90 in CuTe-DSL, chunked on tensor cores: the path `kernel.py` takes above
 TOKEN_SERIAL_MAX_TOKENS tokens, below the WY-prepass path's.
 
 The math is `chunked_model.py` (chunks of C = 64 tokens; A, P, T = (I + A)^-1, Xb, V', O, S as
@@ -8,7 +7,7 @@ m16n8k16, fp32 accumulation), the state, the gates and every element-wise step a
 
 Work split. One CTA = one (sequence, v-head, 32-row V-slice): grid (8 heads x 4 slices, N), row y
 serving the sequence of rank y in decreasing length when 9 to 128 sequences make more than one wave
-(`sequence_of_block`: 1.23x on the 18 workloads of >= 9 sequences in the A/B of 2026-11-30). The V
+(`sequence_of_block`, the LPT rule: a long sequence late in the grid would run alone at the end). The V
 rows of a state evolve independently, so slicing V is exact; the K-side work of a chunk (the
 Gram products K K^T and Q K^T and the inverse T) is recomputed by each of the 4 slice CTAs. 128
 threads = 4 warps; every product is split into per-warp tiles and computed by one warp with a
@@ -17,7 +16,7 @@ accumulators of the state-update product (warp w owns columns [32w, 32w + 32)), 
 whole sequence; each chunk rounds a copy to fp16 in shared memory as the operand of K S0^T, Q S0^T.
 For one or two sequences (`kernel_for`) the slices are 16 rows (`_NarrowChunked`, 8 slice CTAs): the
 state-dependent half of a chunk's work halves, the key side does not, and 64 CTAs per sequence still
-give each CTA an SM of its own (v2.2: 1.09-1.21x on those official rows, session 14).
+give each CTA an SM of its own (NOTES.md).
 
 Per chunk (barriers between the phases):
   P0  wait for the chunk's cp.async loads; q/k rows bf16 -> fp16 (tokens past the end zeroed);
@@ -35,13 +34,13 @@ Tokens past the end of the sequence have k = q = 0 (zeroed in P0), log g = 0 and
 add nothing (T is the identity on them, G_last is the last real token's G); their outputs are not
 stored. A sequence of length 0 runs no chunk and stores a zero state.
 
-Decays (v1.4; ncu showed the chunk step latency-bound, NOTES.md): G is kept in base 2, so that each
-of the ~90 decay factors a lane evaluates per chunk is one `ex2.approx`, and the masked epilogues of
-P1 are branch-free (all of a tile's loads in flight, then its stores): 1.33x over v1.2 in the A/B.
+Decays (the chunk step is latency-bound, NOTES.md): G is kept in base 2, so that each of the ~90
+decay factors a lane evaluates per chunk is one `ex2.approx`, and the masked epilogues of P1 are
+branch-free (all of a tile's loads in flight, then its stores), which shortens the dependent chains.
 The gates' own exponentials (softplus, sigmoid, exp(A_log)) stay accurate.
 
-Shared memory (~107 KB, so that two CTAs fit on an SM: v1 took 140 KB, and ncu showed it
-latency-bound at one warp per scheduler, kernels/gdn_prefill/NOTES.md): the q rows of the next
+Shared memory (~107 KB, so that two CTAs fit on an SM: at one CTA per SM the step is latency-bound
+with one warp per scheduler, NOTES.md): the q rows of the next
 chunk are copied (bf16) straight into the q half of the fp16 operand buffer kq, which is dead after
 P1, and converted there in place at the next P0; only k has a staging buffer. V'^T and V'c^T live
 in A's storage (A is dead after P4), the inverse's per-warp scratch in the fp16 state copy's (dead
@@ -132,7 +131,7 @@ assert 2 * SLICE_ROWS * NARROW_STRIDE == CHUNK * NARROW_STRIDE
 assert NUM_WARPS * BLOCK * SCRATCH_STRIDE <= SLICE_ROWS * WIDE_STRIDE
 
 
-# Longest first (v1.7): the hardware starts CTAs in the order of their block index, and a CTA's time
+# Longest first: the hardware starts CTAs in the order of their block index, and a CTA's time
 # is its sequence's chunk count times the chunk step. When the grid takes more than one wave, a long
 # sequence late in the list would run its chain of chunks alone at the end; serving the sequences in
 # order of decreasing length (the LPT rule) leaves only short CTAs for the tail. Each CTA ranks the
@@ -147,7 +146,7 @@ MIN_RANKED_SEQS = CTAS_PER_WAVE // (NUM_V_HEADS * NUM_SLICES) + 1  # 9
 # The ranking's scratch: the lengths, then the selected sequence, in the fp32 diagonal blocks of A.
 assert MAX_RANKED_SEQS + 1 <= CHUNK * BLOCK
 
-# V rows per CTA for few sequences (v2.2, `kernel_for`): 16, eight CTAs per (sequence, head), up to
+# V rows per CTA for few sequences (`kernel_for`): 16, eight CTAs per (sequence, head), up to
 # NARROW_MAX_SEQS sequences, where that grid still gives every CTA an SM of its own (64 CTAs per sequence).
 NARROW_SLICE_ROWS = 16
 NARROW_MAX_SEQS = NUM_SMS // (NUM_V_HEADS * (HEAD_SIZE // NARROW_SLICE_ROWS))  # 2
@@ -1172,9 +1171,9 @@ def compiled_for(arch: str = GPU_ARCH, kernel: type = _Chunked) -> Callable:
 
 def kernel_for(num_seqs: int) -> type:
     """The kernel class for a batch of `num_seqs` sequences (a shape): 16-row slices up to NARROW_MAX_SEQS
-    (v2.2), 32-row ones above. Session 14's run (NOTES.md): 16 rows won 1.09-1.21x on every official row of
-    41-255 tokens in one or two sequences, where 64 CTAs per sequence leave each CTA an SM of its own, and
-    lost 0.88-0.98x at three and four sequences, where pairs of CTAs share SMs."""
+    and 32-row ones above. With one or two sequences 64 CTAs per sequence leave each CTA an SM of its own
+    and halving a CTA's state-dependent work shortens the chain; at three or more sequences pairs of CTAs
+    would share SMs and their issue slots (NOTES.md)."""
     return _NarrowChunked if num_seqs <= NARROW_MAX_SEQS else _Chunked
 
 

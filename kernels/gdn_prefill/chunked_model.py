@@ -152,7 +152,7 @@ def chunk_step(
 
 
 # ------------------------------------------------------------------------------------------------
-# The two-level form (the contract of a future kernel, kernels/gdn_prefill/NOTES.md): everything that
+# The two-level form (a model only; no kernel of this folder computes it, NOTES.md): everything that
 # does not depend on the incoming state is computed for all chunks at once by a parallel prepass,
 #     U = T diag(beta) V,   W = T diag(beta exp(G)) K      (so that V' = U - W S0^T),
 # stored rounded (fp16) with P; the sequential pass per chunk is then only
@@ -203,7 +203,7 @@ def two_level_step(S0, q, k, v, log_g, beta, scale, precision):
 
 @dataclass(frozen=True)
 class ChunkSlots:
-    """Design v2's map of a varlen batch onto chunk slots (NOTES.md, "Design v2: the kernel plan"),
+    """The two-level form's map of a varlen batch onto chunk slots (the slot numbering `wy_prepass.py` uses),
     as its kernels are to compute it on the device: `first[s]` is sequence s's first slot, `slots`
     the grid bound ceil(T / C) + N that needs no device read, and `owner(c)` the (sequence, chunk of
     it) of slot c, None past the last chunk."""

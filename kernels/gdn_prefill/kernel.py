@@ -1,41 +1,27 @@
 """GDN prefill for SM90 in CuTe-DSL: `gdn_prefill_qk4_v8_d128_k_last`.
 
-v2.2 (v1.9 with design v4, candidates v4.0 and v4.1, promoted in session 13; v2.2 and v4.2 in session 14,
-NOTES.md): three paths of this folder, chosen from the total token count T and the number of sequences N
-(shapes, known on the host; no device reads, no host synchronisation):
+Three paths of this folder, chosen from the total token count T and the number of sequences N (shapes,
+known on the host; no device reads, no host synchronisation):
 
 - T <= TOKEN_SERIAL_MAX_TOKENS: `token_serial.py`, one CTA per (sequence, head, 8-row V slice)
-  stepping token by token (v1.8's rows over 16 lanes: 1.12x over v1.4 at <= 40 tokens);
+  stepping token by token, each state row over 16 lanes;
 - up to WY_PREPASS_MIN_TOKENS: `chunked.py`, 64-token chunks in the WY form on tensor cores, two CTAs
-  per SM, the grid rows serving the sequences longest first (v1.7: 1.23x over v1.4 on the 18 workloads
-  of >= 9 sequences, 1.00x on the others), on 16-row V slices for one or two sequences (v2.2: 1.09-1.21x
-  on those official rows);
-- from WY_PREPASS_MIN_TOKENS, or from a mean sequence length of WY_PREPASS_MIN_MEAN_LENGTH tokens (v2.1):
+  per SM, the grid rows serving the sequences longest first when the grid takes more than one wave,
+  on 16-row V slices for one or two sequences and 32-row slices above;
+- from WY_PREPASS_MIN_TOKENS, or from a mean sequence length T / N of WY_PREPASS_MIN_MEAN_LENGTH tokens:
   `wy_prepass.py`, `chunked.py`'s chunks in two kernels, a parallel prepass of every chunk's state-free
-  half, then a chain with only the state-dependent half, on 16-row V slices up to 4 sequences and 32 above
-  (the A/B of session 13 over the 40 workloads of >= 512 tokens: 1.07-1.95x over v1.9 per row with the
-  width the rule picks); its prepass in ~66 KB of shared memory, three CTAs per SM (v4.2: 1.035x at 8192
-  tokens).
+  half (~66 KB of shared memory, three CTAs per SM), then a chain with only the state-dependent half, on
+  16-row V slices up to 4 sequences and 32 above.
 
-Where the WY-prepass path starts (session 13, NOTES.md): its second launch costs more than a few chunks
-save, so it loses on short sequences (0.59-0.93x on the official rows of 41-132 tokens). It won on every
-measured row of >= 512 tokens, and below that wherever the sequences were long enough: at one sequence
-from ~134 tokens, at two from ~185-256 (official rows 248 / 341 / 461 tokens: 1.16-1.37x), at three from
-~320 in the off-list sweep, while 294 tokens in three and 401 in four still lost (0.95x, 0.90x). T and N are
-shapes, the split is not, so the rule is on the mean length T / N >= 160 (about 2.5 chunks). It moves the
-official rows of 341 and 461 tokens in two sequences.
+Why these thresholds (NOTES.md has the measurements). The token-serial kernel costs a few us plus
+~0.2 us per token of the longest sequence, a chunk step of the chunked kernel ~5.5 us: the token-serial
+kernel wins up to ~40 tokens, and with T <= 40 no sequence can be longer than 40 tokens (any threshold
+from 36 to 46 gives the same geomean). The WY-prepass path's second launch costs more than a few chunk
+steps save, so it loses on short sequences; it wins once the longest sequences have about 2.5 chunks or
+more. T and N are shapes and the split of T into sequences is not, so the rule is on the mean length
+T / N >= 160, and from 512 tokens on it is taken whatever N is.
 
-Why the split (measured with v1, whose chunk step took ~8 us; v1.4's takes ~5.5 us at 2107 tokens in
-one sequence): in the runner run of 2026-11-29 (100 workloads, kernels/gdn_prefill/NOTES.md) the
-token-serial kernel took about 3 us + 0.19 us per token of the longest sequence, and the chunked one
-about 9 us for its first chunk and 8 us per further chunk; the token-serial kernel was faster on
-every workload of up to 42 tokens, the chunked one on all above 42 but ten of 67-132 tokens whose
-longest sequence needs a second chunk (by 4-16 %; T alone cannot tell them apart). Any threshold
-from 36 to 46 gives the same geomean; with T <= 40 no sequence can be longer than 40 tokens. v1.8's
-token-serial kernel moves no threshold: in the A/B it lost to the chunked one at every T of 41-64
-(0.76-0.91x).
-
-Same contract as both: destination passing, definition order, `state` None means zeros, `scale`
+Same contract as every path: destination passing, definition order, `state` None means zeros, `scale`
 None or 0 means 1/sqrt(128), CUDA-graph safe.
 """
 

@@ -1,7 +1,6 @@
-"""GDN prefill for SM90 in CuTe-DSL, token-serial recurrence (v0; rows split over 16 lanes since v1.8):
-the path `kernel.py` takes for short batches (up to TOKEN_SERIAL_MAX_TOKENS tokens), where one launch
-that steps token by token beats a 64-token chunk step. It was the whole of `kernel.py` until the
-chunked kernel was promoted.
+"""GDN prefill for SM90 in CuTe-DSL, token-serial recurrence: the path `kernel.py` takes for short
+batches (up to TOKEN_SERIAL_MAX_TOKENS tokens), where one launch that steps token by token beats a
+64-token chunk step.
 
 The value rows of a head's state evolve independently (state S is [V, K], k-last), so one CTA owns a
 [8, 128] slice of one (sequence, v-head) state and steps through the sequence token by token:
@@ -12,11 +11,10 @@ The value rows of a head's state evolve independently (state S is [V, K], k-last
   the K columns [8p, 8p + 8) (8 fp32 registers), so a 16-B shared-memory load of k or q by 16 lanes
   covers 256 contiguous bytes (no bank conflicts). Reductions over K are four butterfly shuffles
   inside the 16-lane group; no block-wide reduction per token. This split of the rows is the kernel
-  class's `SPLIT` (a `RowSplit`). v0 split them over 8 lanes (16 rows per CTA, 16 columns per lane,
-  three shuffle levels); 16 lanes cut a warp's instructions per token by a third (~115 against ~175
+  class's `SPLIT` (a `RowSplit`). Against 8 lanes per row (16 rows per CTA, 16 columns per lane,
+  three shuffle levels), 16 lanes cut a warp's instructions per token by a third (~115 against ~175
   in SASS), shorten the dependent FMAs of each dot product and give one sequence 128 CTAs instead
-  of 64: 1.12x on the 21 workloads of <= 40 tokens in the A/B of 2026-11-30 (ncu: the loop stays
-  bound by its dependency chain, one warp per scheduler).
+  of 64 (NOTES.md; the loop stays bound by its dependency chain, one warp per scheduler).
 - Tokens are staged through shared memory in chunks of 32 with `cp.async` (double-buffered: chunk
   c + 1 is in flight while chunk c is computed): the q and k rows of the head's q/k head (h // 2),
   the 8 values of v in this slice, and the whole 8-head rows of a and b (16 B each, so that every
@@ -110,8 +108,8 @@ class RowSplit:
         return piece * self.lanes_per_row + lane_in_row
 
 
-# v1.8: 16 lanes per row, 8 rows per CTA, 16 CTAs per (sequence, head); each lane holds [8p, 8p + 8).
-# (v0 had 8 lanes per row, each holding [8p, 8p + 8) and [64 + 8p, 64 + 8p + 8).)
+# 16 lanes per row, 8 rows per CTA, 16 CTAs per (sequence, head); each lane holds [8p, 8p + 8).
+# (With 8 lanes per row a lane would hold [8p, 8p + 8) and [64 + 8p, 64 + 8p + 8).)
 NARROW_SPLIT = RowSplit(lanes_per_row=16)
 
 
@@ -492,7 +490,7 @@ class _Recurrence:
 
 class GdnPrefillSm90:
     """Host entry: one compile serves every T and N. `kernel` is the kernel class it launches with
-    `run`'s arguments: v0's token recurrence, or a candidate of this folder."""
+    `run`'s arguments: this file's token recurrence, chunked.py's kernels, or a candidate of this folder."""
 
     def __init__(self, kernel: type = _Recurrence) -> None:
         self.kernel = kernel

@@ -1,13 +1,11 @@
-"""GDN prefill for SM90 in CuTe-DSL, design v4 ("WY prepass"): the path `kernel.py` takes from
+"""GDN prefill for SM90 in CuTe-DSL, the "WY prepass" form: the path `kernel.py` takes from
 WY_PREPASS_MIN_TOKENS tokens or a mean sequence length of WY_PREPASS_MIN_MEAN_LENGTH. `chunked.py`'s chunked form
-split in two kernels, so that the chain of chunks carries only the state-dependent half of each chunk (candidates
-v4.0 and v4.1, promoted in session 13; v4.2's lean key side in session 14, NOTES.md).
+split in two kernels, so that the chain of chunks carries only the state-dependent half of each chunk (NOTES.md).
 
-Why (session 12's timeline): at 1377 tokens in one sequence Kachua's GPU work was 62 us against `chunked.py`'s
-122, because a parallel prepass does the state-free half of every chunk (the WY factors) before its sequential
-kernel, which then steps a chunk in 2.0 us against `chunked.py`'s 5.55. In `chunked.py` that half (the Gram
-tiles A and P, the gates and the three-level inverse T = (I + A)^-1, phases P1-P4) sits on the chain, and the
-four V-slice CTAs of a (sequence, head) each recompute it.
+Why: in `chunked.py` the state-free half of a chunk (the Gram tiles A and P, the gates and the three-level
+inverse T = (I + A)^-1, phases P1-P4) sits on the sequential chain, and the V-slice CTAs of a (sequence, head)
+each recompute it. A parallel prepass over every (chunk, head) takes it off the chain, which then steps a chunk
+in ~2.5 us instead of ~5.5 (the same split Kachua's Triton kernels use).
 
 1. `_KeySide`, grid (8 heads, chunk slots): per (chunk, head) the gates (G in base 2, beta), P and T exactly as
    `chunked.py` computes them (its methods), stored to a workspace: T and P in fp16 [slots, 8, 2, 64, 64], G and
@@ -18,9 +16,8 @@ four V-slice CTAs of a (sequence, head) each recompute it.
    start. Three CTA barriers per chunk, not six.
 
 The slice width is chosen from N (a shape): 16 rows (eight CTAs per (sequence, head)) up to NARROW_MAX_SEQS
-sequences, where that grid fits in one wave of two CTAs per SM and halving each CTA's work shortens the chain
-(1.16-1.26x over 32 rows at 1-2 sequences in session 13's A/B, 1.02-1.10x at 4-5); 32 rows above, where the
-grid already fills the GPU and twice the CTAs cost more than they save (0.75-0.85x at 15-57 sequences).
+sequences, where that grid fits in one wave of two CTAs per SM and halving each CTA's work shortens the chain;
+32 rows above, where the grid already fills the GPU and twice the CTAs cost more than they save (NOTES.md).
 
 Same values, same roundings, same order of operations as `chunked.py` at either width, so the outputs and
 states are `chunked.py`'s bit for bit (a GPU test checks). Two launches in one TVM-FFI call (the second waits
@@ -110,7 +107,7 @@ def num_chunk_slots(num_tokens: int, num_seqs: int) -> int:
 class _KeySide(_Chunked):
     """Kernel 1: the state-free half of every (chunk, head), from `chunked.py`'s methods, into the workspace.
 
-    Lean since v4.2 (session 14: 1.035x at 8192 tokens, where the prepass takes about five waves): the k rows are
+    Lean, for the many-sequence batches where the prepass takes several waves: the k rows are
     staged as bf16 in kq itself and converted in place (as the q rows always are), P goes from the Gram epilogue
     straight to the workspace, and the inverse's scratch has its own size: ~66 KB of shared memory instead of the
     ~94 that `chunked.py`'s buffers would take, three CTAs per SM instead of two."""
@@ -246,7 +243,7 @@ class _KeySide(_Chunked):
 
 class _ValueSide(_Chunked):
     """Kernel 2: `chunked.py`'s chain with the key side read from the workspace, on V slices of `slice_rows` rows
-    (v4.0: chunked.py's 32, four CTAs per (sequence, head); v4.1: 16, eight)."""
+    (32: four CTAs per (sequence, head), as chunked.py; 16: eight)."""
 
     def __init__(self, slice_rows: int):
         # Whole MMA tiles per slice; one 16-B piece of v per thread and round of load_chunk.

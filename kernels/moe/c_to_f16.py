@@ -1,4 +1,4 @@
-"""The kernel between GEMM1 and a GEMM2 that multiplies f16 (v2.39, NOTES.md; candidate v2.11's in session 16): each
+"""The kernel between GEMM1 and a GEMM2 that multiplies f16 (NOTES.md): each
 packed row of C rewritten in place from bf16 to f16 times a power of two, with the inverse power of two stored per row
 (`c_scale`), so that GEMM2 converts its e4m3 weights once per pair (`cvt.rn.f16x2.e4m3x2`) instead of four times.
 

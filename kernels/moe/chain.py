@@ -2,7 +2,7 @@
 
 The call's kernels run one after the other on one stream, each reading what the one before wrote.
 Launched plainly, each waits for the previous grid to drain and then pays its own launch and ramp
-(~1 us per boundary; DSA v1.2 measured the same gap and removed it this way). In a chain:
+(~1 us per boundary; the DSA kernel removes the same gap this way). In a chain:
 
 - a kernel that `releases` lets the next grid launch as soon as all of its own CTAs have started
   (`griddepcontrol.launch_dependents`, first thing in the kernel);
@@ -50,7 +50,7 @@ def chain_links(num_kernels: int) -> tuple[ChainLink, ...]:
 def enter(link: ChainLink, wait: bool = True) -> None:
     """The kernel's first statements for its place in the chain; nothing for NO_CHAIN. Called
     while a kernel is traced (`link` is a compile-time value). `wait=False`: the kernel calls
-    `griddepcontrol_wait` itself before it reads anything the previous kernels write (v2.20)."""
+    `griddepcontrol_wait` itself before it reads anything the previous kernels write."""
     if link.releases:
         cute.arch.griddepcontrol_launch_dependents()
     if link.waits and wait:

@@ -1,5 +1,5 @@
 """The last kernel of the MoE: the deterministic per-token combine of the weighted expert outputs into bf16, which
-also leaves the kept counters at zero for the next call (v2.22: no release kernel of its own)."""
+also leaves the kept counters at zero for the next call, so that no kernel of its own releases them."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def release_counters(release, cta_index: cutlass.Int32, tidx: cutlass.Int32):
 
 class CombineKernel(Linked):
     def __init__(self, link: ChainLink = NO_CHAIN, loads_first: bool = False):
-        """`loads_first` (v2.25, up to FEW_TOKENS_MAX tokens): every load of a thread is issued before the first one is
+        """`loads_first` (up to FEW_TOKENS_MAX tokens): every load of a thread is issued before the first one is
         used (the token's eight slots beside the counts, then the eight rows), instead of one dependent chain per slot.
         It takes 92 registers per thread against 28 (3x fewer CTAs per SM), which costs where the grid is large."""
         super().__init__(link)
@@ -54,7 +54,7 @@ class CombineKernel(Linked):
         stream,
         release,
     ):
-        """`counts`: the call's final counts per local expert (GEMM1's copy). `release` (v2.22: the combine is the
+        """`counts`: the call's final counts per local expert (GEMM1's copy). `release` (the combine is the
         call's last kernel): (the kept counters, the kept count of routed tokens or None), which CTA (0, 0) zeroes
         for the next call on the stream once GEMM2, their last reader, has completed (its programmatic wait)."""
 

@@ -2,8 +2,8 @@
 (device, stream).
 
 Why: a call that allocates its counters must zero them in its first launch. That launch is tiny
-(0.6 us), so the host is still issuing the routing launch when it ends, and the gap (5-9 us in the
-session-8 runs at 52-80 tokens) lands inside the call's span. A call (`host.MoeHostSm90`) starts
+(0.6 us), so the host is still issuing the routing launch when it ends, and the gap (5-9 us measured
+at 52-80 tokens) lands inside the call's span. A call (`host.MoeHostSm90`) starts
 with the routing on a buffer that the previous call on the same stream left at zero, and its last
 kernel (the combine, once GEMM2 has completed) zeroes it again.
 
@@ -72,15 +72,15 @@ def kept_counts(device: torch.device, arch: str) -> torch.Tensor:
 
 def kept_routed(device: torch.device, arch: str) -> torch.Tensor:
     """The zeroed buffer whose first element counts the routed tokens when the routing runs inside GEMM1
-    (`routing.route_then_meet`, v2.16); kept and zeroed like the counts. Word `streaming_gemm.ITEM_CLAIMS_WORD` is the
-    claim counter of a GEMM2 with dynamic_items (v2.34), which that GEMM2 itself leaves at zero."""
+    (`routing.route_then_meet`); kept and zeroed like the counts. Word `streaming_gemm.ITEM_CLAIMS_WORD` is the
+    claim counter of a GEMM2 with dynamic_items, which that GEMM2 itself leaves at zero."""
     return _kept(device, arch, "routed")
 
 
 def kept_walk_slots(device: torch.device, arch: str, ranked: bool = False) -> torch.Tensor:
-    """The per-SM slot counters of GEMM1's walk by SM id (v2.32, `streaming_gemm.take_walk_slot`): zeroed once when
+    """The per-SM slot counters of GEMM1's walk by SM id (`streaming_gemm.take_walk_slot`): zeroed once when
     created and never again, since a call's draws give every slot once whatever a word holds. `ranked` (MEDIUM_T's
-    partition walk, v2.56): twice as long, word WALK_SLOT_WORDS + s holding SM s's rank in
+    partition walk): twice as long, word WALK_SLOT_WORDS + s holding SM s's rank in
     `l2_partitions.partition_ranks` and the last word RANKS_WRITTEN, both copied from the host once when the buffer is
     created (not inside a capture, whose fresh buffer then walks by `%smid`)."""
     if not ranked:

@@ -1,12 +1,12 @@
-"""Both expert GEMMs of the MoE in one cooperative kernel (v2.18, candidate v2.57; `kernel.py`'s FUSED_T variant from
+"""Both expert GEMMs of the MoE in one cooperative kernel (`kernel.py`'s FUSED_T variant from
 FUSED_MIN_TOKENS to WGMMA_GEMM1_MIN_TOKENS - 1): its CTAs go on from their GEMM1 items to GEMM2 items as soon as the
 items' expert has all its GEMM1 items done, instead of two kernels chained by a programmatic launch.
 
-Why (NOTES, session 32): at few tokens DRAM idles between the GEMMs: GEMM1's last round, the hand-over to GEMM2 (whose
+Why (NOTES.md): at few tokens DRAM idles between the GEMMs: GEMM1's last round, the hand-over to GEMM2 (whose
 CTAs become resident as GEMM1's retire, wait for the whole GEMM1 grid, build their schedule, then issue their first
 stages) and GEMM2's own ramp. Here GEMM1's items are walked round robin in expert order, so the first experts complete
-first, and a CTA that has no GEMM1 item left streams W2 for them while the others finish GEMM1 (v2.57: 7 tokens 1.028x,
-14-32 tokens 1.024-1.068x, every trial of 7 tokens faster).
+first, and a CTA that has no GEMM1 item left streams W2 for them while the others finish GEMM1 (7 tokens 1.028x,
+14-32 tokens 1.024-1.068x over the two chained kernels).
 
 The kernel: routing and meeting as the routing GEMM1's (`routing.route_then_meet`), CTA 0 zeroing the call's readiness
 words before the meeting (so that every later signal follows the zeroing); GEMM1 + SwiGLU exactly as the `mma.sync`

@@ -6,8 +6,8 @@ programmatic dependent of the one before (`chain.py`): route (`routing.RoutingKe
 `routing_in_gemm1`, no such launch and GEMM1's grid routes first) on counters that the previous call on the
 stream left at zero (`counters.py` keeps them), GEMM1 + SwiGLU into `intermediate` (its CTA 0 also copies the
 call's final counts into `counts_out`), GEMM2 into `expert_out`, and the weighted combine into `output`
-(`combine.CombineKernel`), which reads the counts from `counts_out` and zeroes the kept counters again (v2.22: no
-release kernel of its own). A GEMM2 that multiplies f16 (`f16_c`, v2.39: `kernel.py` above 192 tokens) gets one
+(`combine.CombineKernel`), which reads the counts from `counts_out` and zeroes the kept counters again (no
+release kernel of its own). A GEMM2 that multiplies f16 (`f16_c`: `kernel.py` above 192 tokens) gets one
 more kernel before it, `c_to_f16.CToF16Kernel`, which rewrites C in place as f16 times a power of two per packed row
 (`c_scale`). The expert GEMMs differ between the variants; each takes `launch(a, a_scale, w, w_scale, out, counts,
 expert_tokens, grid, stream, routing=None)`, where `grid` is its number of persistent CTAs
@@ -57,14 +57,14 @@ class MoeHostSm90:
     """Host function of the chained kernels with `gemm1` (G1 + SwiGLU) and `gemm2` (G2); one
     compile serves every T (dynamic) and every offset / scaling factor (runtime scalars). The counters
     come zeroed from the previous call and its last kernel (the combine) zeroes them again, so no call starts with
-    a tiny zeroing launch and its host gap (sessions 8 and 9)."""
+    a tiny zeroing launch and its host gap."""
 
     def __init__(
         self, gemm1: ExpertGemm, gemm2: ExpertGemm, routing_in_gemm1: bool = False, combine_loads_first: bool = False
     ):
-        """`routing_in_gemm1` (v2.16, `kernel.py` up to 1024 tokens): no routing kernel; GEMM1's cooperative grid
+        """`routing_in_gemm1` (`kernel.py` up to 1024 tokens): no routing kernel; GEMM1's cooperative grid
         routes the tokens first (`routing.route_then_meet`), so the call is three launches and GEMM1 the first.
-        The combine is always the last (v2.22); `combine_loads_first`: its loads before their first use (v2.25)."""
+        The combine is always the last; `combine_loads_first`: its loads before their first use."""
         if not (hasattr(gemm1, "with_link") and hasattr(gemm2, "with_link")):
             raise TypeError("the MoE host chains its launches: the expert GEMMs need with_link")
         self.routing_in_gemm1 = routing_in_gemm1

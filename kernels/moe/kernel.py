@@ -1,75 +1,27 @@
 """FP8 block-scale MoE for SM90 in CuTe-DSL: `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`.
 
-v2.18 (v1 promoted 2026-11-29; its GEMM2 configurations deepened by candidate v1.1 "deep stream",
-1.15x over v1; every launch after the first a programmatic dependent of the one before (v1.4,
-`chain.py`); the per-expert counters kept zeroed between calls (v1.5 "clean counters",
-`counters.py`) and GEMM1 + SwiGLU on FP8 warpgroup MMA from WGMMA_GEMM1_MIN_TOKENS (v2.0,
-`wgmma_gemm1.py`), both promoted in session 9; GEMM2 at two CTAs per SM above 192 tokens (v1.6,
-1.29x at T = 901); GEMM2 on bf16 warpgroup MMA (v2.1, `wgmma_gemm2.py`, session 10: 1.22x at
-T = 901, 1.02x at 52-62 tokens) and weight streaming at every T (1.51x and 1.65x at 14107 and 11948
-tokens over v0's grouped pipeline, which it replaced); in session 11 the 33-64-token variant up to
-FEW_TOKENS_MAX (v2.3, 1.06x at 80 tokens) and 64-token GEMM1 tiles above MEDIUM_T_MAX_TOKENS (v2.2,
-1.15x / 1.17x at 11948 / 14107 tokens; the threshold from an off-list sweep); in session 15 each
-streaming GEMM locating a work item once instead of twice per K stage (v2.4, candidate v2.7: 1.10x over
-the 19, 1.01-1.19x per workload); in session 19 the `mma.sync` GEMMs below WGMMA_GEMM1_MIN_TOKENS issuing each
-K stage from per-item address bases (v2.5, candidate v2.13: 1.060x on those six workloads, every trial faster),
-and the warpgroup-MMA GEMMs from there doing the same (v2.6, candidate v2.14: 1.020x on those 13 workloads, 1.069x
-at 901 tokens, every trial faster); in session 20 no routing kernel up to MEDIUM_T_MAX_TOKENS, GEMM1's
-cooperative grid routing the tokens itself (v2.7, candidate v2.16: 1.038x on the six workloads below 33 tokens,
-1.022x on the 17 up to 1024); in session 22 GEMM2's first weights issued before its programmatic wait up to
-EARLY_W2_MAX_TOKENS (v2.21: 1.037x at 1 token) and no release kernel, the combine zeroing the kept counters (v2.22:
-1.006x over the 19, 90 of 95 trials faster); in session 23 the combine's loads issued before their first use up to
-FEW_TOKENS_MAX (v2.25: 1.007x on those 16 workloads, 79 of 80 trials faster) and up to 4 tokens every GEMM1 CTA
-routing the tokens itself, no grid meeting (v2.26: 1.040x at 1 token); in session 24 at 7-8 tokens GEMM1 at three CTAs
-per SM walking its items in paired rounds, so that most SMs never end on a lone CTA (v2.29: 1.024x at 7 tokens); in
-session 25 that walk grouped by SM id (v2.32: 1.016x at 7 tokens) and from 7 to 32 tokens GEMM2's items after the
-first claimed from a kept counter (v2.34: 1.011x at 7 tokens, 1.010-1.014x at 14-32); in session 27 above 192 tokens
-C rewritten as f16 times a power of two per row so that GEMM2 multiplies f16, in two stages at three CTAs per SM (v2.39
-and v2.40: 1.047x at 901 tokens, 1.069x / 1.074x at 11948 / 14107); in session 28 from 193 to MEDIUM_T_MAX_TOKENS
-GEMM1 in 3 stages at three CTAs per SM walking its items by SM id (v2.41 and v2.42: 1.043x at 901 tokens, 5 of 5
-trials faster); in session 30 that GEMM1's stages issued by a producer warp on per-slot mbarriers, no CTA-wide barrier
-per K stage (v2.52: 1.011x at 901 tokens by the ratio of medians, paired 1.023x, 5 of 5 trials faster); in session 31
-that GEMM1 walking by the SMs' L2-partition ranks with an expert's items weight tile by weight tile (v2.56: 1.034x at
-901 tokens by the ratio of medians, paired 1.067x, 5 of 5 trials faster); in session 32 from 5 to 32 tokens both
-`mma.sync` GEMMs in one cooperative kernel whose CTAs go on to GEMM2 items as soon as their expert's GEMM1 items are
-done (`fused_gemms.py`; v2.57: 1.028x at 7 tokens by the ratio of medians, paired 1.030x, 5 of 5 trials faster,
-1.024-1.068x at 14-32 tokens; NOTES.md). Destination passing,
-definition order, no host sync (but once per device, at the first call of 193-1024 tokens: the L2 partition probe), no
-data-dependent host logic, graph-safe.
+A call moves ~44 MB of e4m3 weights per active local expert, so up to ~1000 tokens it is bound by DRAM and
+above by the FP8 MMAs. Every call is the kernels of `host.py` (or `fused_gemms.py`) in one TVM-FFI call, chained
+by programmatic dependent launches, on per-expert counters that the previous call's combine left at zero. Both
+expert GEMMs are persistent weight streams over every SM. The variant is chosen from T alone (`variant_for`):
 
-Every call is the kernels of `host.py` in one TVM-FFI call, chained by programmatic dependent launches, on
-counters the previous call on the stream left at zero: up to MEDIUM_T_MAX_TOKENS three (GEMM1 + SwiGLU, which
-first routes the tokens, meets on a kept count and copies the final counts out, GEMM2, and the combine, which also
-zeroes the kept counters for the next call), above it four (the routing grid first); above FEW_TOKENS_MAX one more
-between the GEMMs, the rewrite of C as f16 (`c_to_f16.py`); from EARLY_W2_MAX_TOKENS + 1 to WGMMA_GEMM1_MIN_TOKENS - 1
-two (both GEMMs in one cooperative kernel, `fused_gemms.py`, and the combine). Both GEMMs are persistent
-weight streams; the variant is chosen from T alone (a shape):
+- T <= EARLY_W2_MAX_TOKENS (TINY_T_EARLY_W2, three kernels): every GEMM1 CTA routes the few tokens itself;
+  GEMM1 + SwiGLU and GEMM2 on `mma.sync` (weights on the m16 side), GEMM2 issuing its first weights before its
+  programmatic wait; then the combine.
+- T < WGMMA_GEMM1_MIN_TOKENS (FUSED_T, two kernels): both `mma.sync` GEMMs in one cooperative kernel whose CTAs
+  take GEMM2 items as soon as their expert's GEMM1 items are done, so that W2 streams while GEMM1 ends.
+- T <= FEW_TOKENS_MAX (FEW_TOKENS, three kernels): GEMM1 on FP8 WGMMA and GEMM2 on bf16 WGMMA (e4m3 weights
+  converted in registers); from here the WGMMA's 64-row items no longer leave SMs without weights to stream.
+- T <= MEDIUM_T_MAX_TOKENS (MEDIUM_T, four kernels): 32-token GEMM1 tiles fed by a producer warp, three CTAs per
+  SM, walking the SMs by L2-partition rank (`l2_partitions.py`); C rewritten as f16 times a power of two per row
+  (`c_to_f16.py`) for an f16 WGMMA GEMM2 at three CTAs per SM.
+- above (LARGE_T, five kernels): a routing grid first, then 64-token GEMM1 tiles (each expert has hundreds of
+  tokens; a tile of 64 reads its weights half as often), otherwise as MEDIUM_T.
 
-- GEMM1 on `mma.sync` below WGMMA_GEMM1_MIN_TOKENS (its 32-row items keep twice as many CTAs
-  streaming one or two experts' weights) and on FP8 WGMMA from there (which removes its issue bound).
-  From EARLY_W2_MAX_TOKENS + 1 to WGMMA_GEMM1_MIN_TOKENS - 1 its row tiles are 8 tokens of 4 stages, in the fused
-  kernel, whose GEMM2 phase (the same tiles and stages) starts an expert's items once its GEMM1 items are done.
-  Otherwise row tiles of 16 tokens up to FEW_TOKENS_MAX, 32 up to MEDIUM_T_MAX_TOKENS (at T = 901 the
-  synthesized routing gives 20-27 active experts ~40 tokens each, up to ~180: ~1.8 row tiles per
-  expert; NOTES.md), 64 above, where each expert has hundreds of tokens and a tile of 64 reads its
-  weights half as often (three stages, its epilogue tile in the stage just consumed: two CTAs per SM). The 32-token
-  tiles take 3 stages, the epilogue tile in a stage too, at three CTAs per SM, their round robin over slot x SMs +
-  the SM's rank (the same kept slot draw), so that every SM holds an equal share of the items whatever the placement;
-  the rank puts one L2 partition's SMs first and an expert's row tiles of one weight tile are adjacent items, so that
-  the CTAs reading a weight tile at once share a partition (`l2_partitions.py`: the first call at these sizes on a
-  device measures which SMs share one, tens of ms by estimate, and synchronises; a CUDA-graph capture that makes the
-  buffer walks by SM id).
-- GEMM2 (whose 16-bit activation stages are twice GEMM1's) gets 8-token tiles with 4 stages at two CTAs per SM up
-  to FEW_TOKENS_MAX, 32-token tiles with 2 stages at three CTAs per SM above. It runs on 16-bit WGMMA with the e4m3
-  weights converted in registers wherever GEMM1 is on WGMMA (GEMM1 then stores C in the column order it reads):
-  bf16 up to FEW_TOKENS_MAX, above it f16 on C rewritten as f16 times a power of two per row (one conversion per pair
-  of weights instead of four; the same products up to that power but for elements below 2^-31 of their row's amax,
-  and the same output bit for bit in every case tested). Up to EARLY_W2_MAX_TOKENS it issues its first stages'
-  weights before its programmatic wait (only C waits for GEMM1); from there to WGMMA_GEMM1_MIN_TOKENS its CTAs claim
-  their items after the first from a kept counter (`streaming_gemm.claim_item`).
-
-Each configuration is compiled once (dynamic T) on first use and cached; `compile_only()` compiles
-all of them.
+Up to MEDIUM_T_MAX_TOKENS GEMM1's cooperative grid routes the tokens itself, so that its weight stream starts
+without waiting for a second launch. Destination passing, definition order, no host sync (but once per device,
+at the first call of 193-1024 tokens, the L2 partition probe), no data-dependent host logic, graph-safe. Each
+variant is compiled once (dynamic T) on first use; `compile_only()` compiles all of them. NOTES.md has the design.
 """
 
 from __future__ import annotations
@@ -109,20 +61,18 @@ __all__ = [
 GPU_ARCH = "sm_90a"
 # Row tiles of 16 tokens and 8-token GEMM2 tiles while an active local expert gets few tokens (at T = 80
 # the synthesized routing gives 17-21 active experts 12-20 tokens at most: 20-27 tiles of 8 tokens,
-# `tools/moe_routing_stats.py`): v2.3 measured this variant 1.06x at T = 80 over 16-token GEMM2 tiles on
-# `mma.sync`, whose three stages held fewer weight bytes in flight than these four.
+# `tools/moe_routing_stats.py`); four 8-token GEMM2 stages hold more weight bytes in flight than three of 16.
 FEW_TOKENS_MAX = 192
-# Below this, one or two experts are active and WGMMA's 64-row items halve the CTAs that stream them:
-# in session 9's run the WGMMA GEMM1 was 0.86x at T = 1, 0.90x at 7 and 0.97x at 32 (1.02x at 14-16),
-# and 1.015x (geometric mean) at 52-62, 1.05x at 80 and 1.29x at 901.
+# Below this, few experts are active and WGMMA's 64-row items halve the CTAs that stream them: the WGMMA
+# GEMM1 measured 0.86x at T = 1, 0.90x at 7 and 0.97x at 32, but 1.015x at 52-62, 1.05x at 80 (NOTES.md).
 WGMMA_GEMM1_MIN_TOKENS = 33
-# GEMM1's 64-token tiles measured 0.98x at T = 901 (trials +5.6 %, -5.4 %, -1.2 %: it depends on how
-# many tokens the busiest experts get) and 1.15-1.17x at 11948 and 14107; between them, off the list
-# (`tools/time_axes.py`, session 11), 0.99-1.07x at 1024, 1.05-1.09x at 1536 and 1.02-1.08x at 2048.
+# GEMM1's 64-token tiles measured 0.98x at T = 901 (it depends on how many tokens the busiest experts get)
+# and 1.15-1.17x at 11948 and 14107; between them, off the list (`tools/time_axes.py`), 0.99-1.07x at 1024,
+# 1.05-1.09x at 1536 and 1.02-1.08x at 2048.
 MEDIUM_T_MAX_TOKENS = 1024
-# The early-W2 variant up to here, where every GEMM1 CTA routes the tokens itself (v2.26); from the next count to
-# WGMMA_GEMM1_MIN_TOKENS - 1 the fused GEMMs (v2.18), which measured 1.043x and 1.049x (medians) off the list at 5 and
-# 6 tokens over this variant (`results/checks/2026-12-01_moe_fused_gemms_session32_sweep.txt`).
+# The early-W2 variant up to here (one token per routing warp), where every GEMM1 CTA routes the tokens itself; from
+# the next count to WGMMA_GEMM1_MIN_TOKENS - 1 the fused GEMMs, which measured 1.043x and 1.049x (medians) off the list
+# at 5 and 6 tokens over this variant (NOTES.md).
 EARLY_W2_MAX_TOKENS = 4
 assert EARLY_W2_MAX_TOKENS < WGMMA_GEMM1_MIN_TOKENS  # both variants below are TINY_T with switches
 NUM_STAGES = 4
@@ -140,18 +90,18 @@ class StreamingVariant:
     wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
     wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
     gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
-    routing_in_gemm1: bool = False  # no routing kernel: GEMM1's cooperative grid routes first (v2.16)
-    gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait (v2.21)
-    combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one (v2.25)
-    routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting (v2.26)
-    gemm1_ctas_per_sm: int = 2  # the WGMMA GEMM1's max_ctas_per_sm (v2.41; the `mma.sync` one's v2.29 until v2.18)
-    gemm1_smid_walk: bool = False  # the WGMMA GEMM1's smid_walk (v2.42; the `mma.sync` one's v2.32 until v2.18)
-    gemm1_producer_warp: bool = False  # the WGMMA GEMM1's producer_warp (v2.52)
-    gemm1_partition_walk: bool = False  # the WGMMA GEMM1's partition_walk (v2.56)
-    gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items (v2.34)
-    f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2 (v2.39)
-    gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm (v2.40)
-    fused_gemms: bool = False  # both `mma.sync` GEMMs in one cooperative kernel (`fused_gemms.py`, v2.18)
+    routing_in_gemm1: bool = False  # no routing kernel: GEMM1's cooperative grid routes first
+    gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait
+    combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one
+    routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting
+    gemm1_ctas_per_sm: int = 2  # the WGMMA GEMM1's max_ctas_per_sm (the `mma.sync` GEMM1 keeps two)
+    gemm1_smid_walk: bool = False  # the WGMMA GEMM1's smid_walk
+    gemm1_producer_warp: bool = False  # the WGMMA GEMM1's producer_warp
+    gemm1_partition_walk: bool = False  # the WGMMA GEMM1's partition_walk
+    gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items
+    f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2
+    gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm
+    fused_gemms: bool = False  # both `mma.sync` GEMMs in one cooperative kernel (`fused_gemms.py`)
 
     def __post_init__(self) -> None:
         if self.wgmma_gemm2 and not self.wgmma_gemm1:
@@ -177,7 +127,7 @@ class StreamingVariant:
             # Its GEMM2 phase claims its items and its grid meets after the routing (`fused_gemms.FusedExpertGemms`).
             raise ValueError("fused_gemms needs the mma.sync GEMMs, routing_in_gemm1 and gemm2_dynamic_items")
         if (self.gemm1_ctas_per_sm != 2 or self.gemm1_smid_walk) and not self.wgmma_gemm1:
-            # The `mma.sync` GEMM1 keeps two CTAs per SM over the CTA index since the fused GEMMs (v2.18).
+            # The `mma.sync` GEMM1 keeps two CTAs per SM and walks over the CTA index.
             raise ValueError("gemm1_ctas_per_sm and gemm1_smid_walk are the WGMMA GEMM1's")
         if self.gemm1_smid_walk and not self.routing_in_gemm1:
             # Its slots need every CTA resident at once: GEMM1's cooperative launch, which only a routing GEMM1 has.
@@ -232,15 +182,15 @@ class StreamingVariant:
 # GEMM2's shared memory per CTA fits two CTAs per SM in every variant: on `mma.sync` 103 KB (8 x 4),
 # on WGMMA ~80 KB (8 x 4); three at 32 x 2 (~66 KB). So does GEMM1's: ~98 KB at 64 x 3 with the epilogue
 # tile in a token stage.
-# Up to MEDIUM_T_MAX_TOKENS GEMM1 is the call's first kernel and routes the tokens itself (v2.16: its stream
-# starts ~6 us earlier, where the host's launch of a second kernel would have reached the GPU).
-# Up to FEW_TOKENS_MAX the combine issues all of a thread's loads before using one (v2.25: 1.007x over the 16 workloads
-# up to 192 tokens, 79 of 80 trials faster); above it its 92 registers per thread would cut its CTAs per SM from 16 to 5
-# where a thread has about one row to load anyway (v2.24: 0.97x at 11948 and 14107 tokens).
+# Up to MEDIUM_T_MAX_TOKENS GEMM1 is the call's first kernel and routes the tokens itself: its stream starts ~6 us
+# earlier than after a routing kernel, when the host's launch of a second kernel would only reach the GPU.
+# Up to FEW_TOKENS_MAX the combine issues all of a thread's loads before using one; above it its 92 registers per thread
+# would cut its CTAs per SM from 16 to 5 where a thread has about one row to load anyway (0.97x at 11948-14107 tokens).
 # GEMM2's CTAs claim their items after the first from a kept counter: they become resident as GEMM1's retire, so which
-# of them share an SM is not known, and a fixed walk's extra items ended some SMs microseconds after the rest (v2.34:
-# 1.011x at 7 tokens, 5 of 5 trials faster; 14-32 tokens 1.010-1.014x; 8 tokens 1.016x); since v2.18 the fused GEMMs'
-# GEMM2 phase at 5-32 tokens, whose CTAs come to it as their GEMM1 items end.
+# of them share an SM is not known, and a fixed walk's extra items would end some SMs microseconds after the rest. The
+# fused GEMMs' GEMM2 phase at 5-32 tokens, whose CTAs come to it as their GEMM1 items end, claims its items the same way.
+# TINY_T itself is the base of the variants below 33 tokens and the chained form that the tests compare the fused
+# GEMMs with bit for bit.
 TINY_T = StreamingVariant(
     block_tokens=16,
     gemm2_block_tokens=8,
@@ -250,45 +200,34 @@ TINY_T = StreamingVariant(
     gemm2_dynamic_items=True,
 )
 # Up to EARLY_W2_MAX_TOKENS GEMM2 reads its schedule once the routed count is complete and issues its first stages'
-# weights before its programmatic wait (v2.21: 1.037x at 1 token, all five trials faster; 1.007-1.034x off the list at
-# 2-6 tokens). Above it GEMM1's CTAs retire over many microseconds and the early copies compete with them for DRAM
-# (v2.20: ~1.00x at 7-16 tokens, 0.983x at 32).
+# weights before its programmatic wait, so that W2 is in flight when GEMM1 ends (1.037x at 1 token). With more tokens
+# GEMM1's CTAs retire over many microseconds and the early copies compete with them for DRAM (~1.00x at 7-32 tokens).
 # Up to 4 tokens (one per warp) every GEMM1 CTA routes them all and ranks them in token order instead of meeting the
-# grid on CTA 0's routing (v2.26: 1 token 1.040x, 5 of 5 trials; off the list 2-4 tokens 1.001-1.040x, 5-6 tokens,
-# where the same kernel meets, 0.997-0.998x).
-# Its GEMM2 walks a fixed round robin: claims (v2.38) measured 1.003x at 1 token, where GEMM2 mostly has 1-2 experts and
-# at most two items per CTA (1.010-1.024x off the list at 2-6 tokens).
+# grid on CTA 0's routing (1.040x at 1 token): the routing is cheaper than the grid meeting.
+# Its GEMM2 walks a fixed round robin: with 1-2 experts and at most two items per CTA, claiming items gains nothing
+# (1.003x at 1 token).
 TINY_T_EARLY_W2 = dataclasses.replace(
     TINY_T, gemm2_weights_before_wait=True, routing_per_cta=True, gemm2_dynamic_items=False
 )
 # From EARLY_W2_MAX_TOKENS + 1 to WGMMA_GEMM1_MIN_TOKENS - 1 both GEMMs run in one cooperative kernel whose CTAs go on to
-# GEMM2 items as soon as their expert's GEMM1 items are all done (`fused_gemms.py`; v2.57: 7 tokens 1.028x by the ratio of
-# medians, paired 1.030x, 5 of 5 trials faster; 14 / 15 / 16 / 32 tokens 1.068 / 1.024 / 1.057 / 1.026x; medians
-# 1.043-1.059x off the list at 5, 6, 8 and 24 tokens): GEMM1 on 8-token row tiles as GEMM2, four stages, two CTAs per
-# SM. It replaced v2.29 / v2.32's GEMM1 at three CTAs per SM walking paired rounds by SM id at 7-8 tokens (removed with
-# its walk, NOTES session 32) and TINY_T's two chained kernels at 9-32 tokens (TINY_T stays: the base of the variants
-# here and the chained reference that the tests compare the fused GEMMs with bit for bit).
+# GEMM2 items as soon as their expert's GEMM1 items are all done (`fused_gemms.py`): DRAM streams W2 while the last
+# GEMM1 items finish instead of idling through the hand-over between two kernels (1.024-1.068x at 7-32 tokens over the
+# two chained kernels, NOTES.md). GEMM1 on 8-token row tiles as GEMM2, four stages, two CTAs per SM.
 FUSED_T = dataclasses.replace(TINY_T, block_tokens=8, fused_gemms=True)
-# From 33 tokens both GEMMs are on WGMMA (v2.0, v2.1: 1.02x over the `mma.sync` GEMM2 at 52-62).
+# From 33 tokens both GEMMs are on WGMMA (the bf16 WGMMA GEMM2 1.02x over the `mma.sync` one at 52-62 tokens).
 FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True, gemm2_dynamic_items=False)
-# Above 192 tokens GEMM2 converts each W2 once per 32-token tile into WGMMA's registers (v2.1: 1.22x
-# at 901 over v1.6's `mma.sync` 16 x 3), and every larger T streams too (1.51-1.65x over v0's grouped
-# pipeline at 11948 and 14107 tokens). Its C is f16 times a power of two per row (v2.39: one conversion per pair of
-# weights; 1.019x at 901 tokens, 1.026-1.027x at 11948 / 14107; at 52-80 tokens, 8-token tiles, no gain), in two
-# stages at three CTAs per SM (v2.40: ncu found this GEMM2 bound by each warp's chain of loads, conversions and MMAs at
-# 8 warps per SM; 1.047x at 901, 1.069x / 1.074x at 11948 / 14107 over v2.13, every trial faster).
+# Above 192 tokens GEMM2 converts each W2 once per 32-token tile into WGMMA's registers. Its C is f16 times a power of
+# two per row, so that a pair of e4m3 weights takes one conversion instead of four (no gain at 52-80 tokens, hence only
+# here), in two stages at three CTAs per SM: at 8 warps per SM this GEMM2 is bound by each warp's chain of loads,
+# conversions and MMAs (ncu), and a third CTA hides it.
 # Its GEMM1 runs 3 stages at three CTAs per SM, the epilogue tile in the stage just consumed (~74 KB, 87 registers a
-# thread), and walks round robin over slot x 132 + SM id with v2.32's kept slot draw (v2.41 and v2.42: the third CTA
-# shortened GEMM1 ~5 %, but over the CTA index the H200's placement of CTAs 0-23 three each on 8 SMs left those SMs a
-# round behind on 2 of 5 routings at 901 tokens (0.975x, 0.993x); by SM id 1.043x at 901, 5 of 5 trials faster, and
-# medians 1.02-1.08x off the list at 256-1024 tokens). A fifth warp issues its stages (the weights by TMA, the token
-# rows by coalesced cp.async) on per-slot full and empty mbarriers, so no CTA-wide barrier ends a K stage (v2.52: 901
-# tokens 1.011x by the ratio of medians, paired median 1.023x, 5 of 5 trials faster; medians 1.015-1.022x off the list
-# at 256-1024 tokens; v2.51, one token row per producer lane, lost 0.849x on its uncoalesced copies). Its walk takes the
-# SMs by their rank with one L2 partition's SMs first (measured once per device, `l2_partitions.partition_ranks`) and
-# an expert's items weight tile by weight tile, so that the CTAs reading one weight tile share a partition: the fabric
-# between the two partitions bounded this GEMM1 at 901 tokens (ncu: 86.7 % -> 75.2 %; v2.56: 901 tokens 1.034x by the
-# ratio of medians, paired median 1.067x, 5 of 5 trials faster; medians 0.996 / 1.026 / 1.058x at 256 / 512 / 1024).
+# thread), and walks round robin over slot x 132 + SM rank with a kept slot draw: over the CTA index the H200 places
+# CTAs 0-23 three each on 8 SMs, which then run a round behind. A fifth warp issues its stages (the weights by TMA, the
+# token rows by coalesced cp.async, two rows per copy) on per-slot full and empty mbarriers, so no CTA-wide barrier ends
+# a K stage. Its walk takes the SMs by their rank with one L2 partition's SMs first (measured once per device,
+# `l2_partitions.partition_ranks`) and an expert's items weight tile by weight tile, so that the CTAs reading one weight
+# tile share a partition: the fabric between the two partitions bounds this GEMM1 at 901 tokens (ncu: 86.7 % of its
+# throughput with a walk by SM id, 75.2 % with this one).
 MEDIUM_T = StreamingVariant(
     block_tokens=32,
     num_stages=3,
@@ -305,7 +244,7 @@ MEDIUM_T = StreamingVariant(
     f16_c=True,
     gemm2_ctas_per_sm=3,
 )
-# Above MEDIUM_T_MAX_TOKENS GEMM1 reads each expert's weights once per 64 tokens (v2.2), and the routing is a
+# Above MEDIUM_T_MAX_TOKENS GEMM1 reads each expert's weights once per 64 tokens, and the routing is a
 # grid of its own (T warps over the SMs; GEMM1's grid would route 4 x its CTAs tokens at a time). Its ~98 KB a CTA fit
 # two per SM, and without the routing its launch is not cooperative, so it walks over the CTA index. Its stages end on a
 # CTA-wide barrier: the producer warp locates one token slot per lane, and needs the routing grid's cooperative launch.

@@ -1,10 +1,10 @@
 """Which SMs share an L2 partition, measured on the device: one SM's load latencies to lines another SM brought into L2.
 
-Why (NOTES.md, session 31): the H200's L2 is two partitions that replicate lines; a line that CTAs of both partitions
+Why (NOTES.md): the H200's L2 is two partitions that replicate lines; a line that CTAs of both partitions
 read crosses the fabric between them once more than one read in a single partition, and that fabric bounds GEMM1 at
 901 tokens. No PTX register names an SM's partition, and which SMs share one may differ from chip to chip (which
 TPCs are fused off; one H200 measured, so not known), so a walk that keeps readers of a line in one partition
-(MEDIUM_T's GEMM1, v2.56) measures the map on first use.
+(MEDIUM_T's GEMM1) measures the map on first use.
 
 The measurement (`measure_latencies`): our own fill kernel writes a buffer larger than the L2 (evicting it), thread 0
 of the first CTA that lands on the reference SM loads a set of 128-B lines, then the same on the probed SM, which times

@@ -1,8 +1,8 @@
 """The MoE's counters and routing: zero the per-expert counters of a new kept buffer (`ZeroCountsKernel`; a call's
 last kernel, the combine, zeroes them again, so that no call starts with a zeroing launch); DeepSeek-V3 no-aux
 routing, one warp per token (`route_token`), either as a grid of its own (`RoutingKernel`, above 1024 tokens) or
-inside GEMM1's cooperative grid (`route_then_meet`, v2.16; up to 4 tokens with `kernel.py`'s early-W2 variant every
-CTA routes them all, `route_in_every_cta`, v2.26)."""
+inside GEMM1's cooperative grid (`route_then_meet`; up to 4 tokens with `kernel.py`'s early-W2 variant every
+CTA routes them all, `route_in_every_cta`)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ ROUTING_WARPS = 4  # tokens per CTA
 class ZeroCountsKernel(Linked):
     @cute.jit
     def launch(self, counts: cute.Tensor, stream):
-        # One thread per word (32 counters; 256 walk slots, v2.32): the shape is static where it is compiled.
+        # One thread per word (32 counters; 256 walk slots): the shape is static where it is compiled.
         self.kernel(counts).launch(grid=[1, 1, 1], block=[counts.shape[0], 1, 1], stream=stream, use_pdl=self.link.waits)
 
     @cute.kernel
@@ -78,8 +78,8 @@ def route_token(
     and the packed-list entry. Lane l holds experts 8 l .. 8 l + 7 (group l / 4), so a group's two best come from
     the lane's own eight and two butterfly steps, and each of the eight picks is two `redux.sync` (the largest
     biased score as an ordered key, then the lowest expert holding it): a dependent chain ~170 shuffles shorter
-    than v2.6's, which held one expert of each group per lane (v2.15, promoted with v2.16 as the only routing;
-    the same choices, slots and weights, bit for bit). Ties: the lower group, the lower expert."""
+    than one that holds one expert of each group per lane, with the same choices, slots and weights. Ties: the
+    lower group, the lower expert."""
     my_expert, weight = choose_experts(routing_logits, routing_bias, routed_scaling_factor, token, lane)
     if lane < TOP_K:
         local = my_expert - local_expert_offset
@@ -188,7 +188,7 @@ def route_then_meet(
     choices=None,
     extra_warps: cutlass.Constexpr = False,
 ):
-    """The routing inside GEMM1, the first kernel of a call up to 1024 tokens (v2.16): warp w of CTA c routes
+    """The routing inside GEMM1, the first kernel of a call up to 1024 tokens: warp w of CTA c routes
     tokens 4 c + w, + 4 grid, ... (`route_token`), then the CTAs meet: each adds its number of routed tokens to
     the kept count `routed[0]` and waits until it reaches T, so that every CTA's schedule reads complete counts
     and lists.
@@ -196,8 +196,8 @@ def route_then_meet(
     routing_bias, local_expert_offset, routed_scaling_factor, slot_expert, slot_rank, slot_weight, routed) and the
     call's last kernel zeroes `routed` again (`combine.release_counters`). The barrier is cooperative groups' grid
     sync: a CTA barrier, then thread 0 fences, adds, polls and fences again, then a CTA barrier.
-    `choices` (v2.26; ROUTING_WARPS x TOP_K words of shared memory): up to ROUTING_WARPS tokens every CTA routes
-    them all instead (`route_in_every_cta`) and meets no other. `extra_warps` (v2.52): the CTA has warps beyond the
+    `choices` (ROUTING_WARPS x TOP_K words of shared memory): up to ROUTING_WARPS tokens every CTA routes
+    them all instead (`route_in_every_cta`) and meets no other. `extra_warps` (the producer-warp GEMM1): the CTA has warps beyond the
     first ROUTING_WARPS, which route nothing but take part in the meeting's CTA barriers."""
     if cutlass.const_expr(choices is not None):
         if routing[0].shape[0] <= ROUTING_WARPS:
@@ -250,7 +250,7 @@ def _route_share_and_meet(
 def route_in_every_cta(
     routing, counts: cute.Tensor, expert_tokens: cute.Tensor, choices: cute.Tensor, cta: cutlass.Int32, tidx: cutlass.Int32
 ):
-    """Up to ROUTING_WARPS tokens (v2.26): the CTA routes every token itself, warp w token w
+    """Up to ROUTING_WARPS tokens: the CTA routes every token itself, warp w token w
     (`choose_experts`), keeps the chosen local experts in `choices` (shared memory, token-major) and takes each rank
     as the number of earlier tokens that chose the same expert (a token chooses an expert once). Every CTA computes the
     same counts, lists and slots and writes them (identical values), so none waits for another; its own schedule reads
@@ -300,7 +300,7 @@ def route_in_every_cta(
 def wait_until_routed(routed: cute.Tensor, num_tokens: cutlass.Int32):
     """One thread polls the kept count of routed tokens until it reaches T, then fences (acquire): the counts and
     lists that every routing CTA released before its add are then visible to its CTA after a CTA barrier. Used by
-    `route_then_meet` and by a GEMM2 that reads the schedule before its programmatic wait (v2.21)."""
+    `route_then_meet` and by a GEMM2 that reads the schedule before its programmatic wait."""
     seen = cute.arch.atomic_add(routed.iterator.llvm_ptr, cutlass.Int32(0), scope="gpu")
     while seen < num_tokens:
         seen = cute.arch.atomic_add(routed.iterator.llvm_ptr, cutlass.Int32(0), scope="gpu")

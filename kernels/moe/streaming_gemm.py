@@ -1,6 +1,6 @@
-"""Weight-streaming expert GEMMs of the MoE kernel v1 (GEMM1 + SwiGLU, GEMM2) for few tokens per expert.
+"""Weight-streaming expert GEMMs of the MoE kernel on `mma.sync` (GEMM1 + SwiGLU, GEMM2) for few tokens per expert.
 
-Why: at small T the MoE is bound by the fp8 weights (44 MB per active local expert), and v0's grid
+Why: at small T the MoE is bound by the fp8 weights (44 MB per active local expert), and a grouped GEMM's grid
 (64-token row tiles x 128-row N tiles, 2 stages) keeps only a few hundred KB in flight. Here every
 SM streams weights:
 
@@ -13,7 +13,7 @@ SM streams weights:
   host never reads a count. The cp.async pipeline runs across item boundaries (a flat loop over
   (item, K stage)), so streaming never drains between items.
 - A K stage is 4 quantisation blocks (512 K); warp w owns block w of every stage (split-K inside
-  the CTA). Each warp promotes its own blocks exactly like v0 (fp32 sum over the 128-wide block,
+  the CTA). Each warp promotes its own blocks as DeepGEMM does (fp32 sum over the 128-wide block,
   then acc += block * (activation scale x weight block scale)); the 4 partial sums are added in
   warp order in the epilogue, so results are deterministic.
 - Swapped operands: the weights are the MMA's A operand (16 rows per m16n8k16), the tokens its N
@@ -26,12 +26,12 @@ SM streams weights:
   {2q+8, 2q+9} <- 16q + 4j + {2, 3}, for A and B alike.
 - GEMM1 multiplies f16 (e4m3 -> f16 is exact, `cvt.rn.f16x2.e4m3x2`), GEMM2 bf16 (its activation
   operand, the intermediate C, is bf16; e4m3 -> f16 -> f32 -> bf16 is exact). Products of such values are
-  exact in fp32 and the MMA accumulates in fp32, so the numerics are v0's.
+  exact in fp32 and the MMA accumulates in fp32, so the numerics are those of a per-block promotion.
 - Shared-memory rows are XOR-swizzled by 16-B chunk (`fp8_chunk_slot`, `bf16_chunk_slot`) so that
   the two rows that the 8 threads of one ld.shared.v4 phase read cover all 32 banks.
 
-Layout of the packed workspaces and the row numbering are v0's (routing.py, combine.py), so the
-routing and combine kernels are reused unchanged.
+Layout of the packed workspaces and the row numbering are the routing's (routing.py, combine.py), so
+every GEMM variant shares the routing and combine kernels.
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ BF16_CHUNKS_PER_BLOCK_ROW = 2 * BLOCK // CHUNK  # 16
 SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on SM90
 SMEM_RESERVED_PER_CTA = 1024
 PAIRED_SLOTS = 3  # CTAs per SM of a GEMM1 that walks by SM id (`take_walk_slot`'s slots 0-2; the WGMMA GEMM1's)
-WALK_SLOT_WORDS = 256  # SM ids the walk by SM id (v2.32) keeps a slot counter for
-# The last word of a walk buffer with partition ranks (v2.56: twice WALK_SLOT_WORDS, the ranks after the slot
+WALK_SLOT_WORDS = 256  # SM ids the walk by SM id keeps a slot counter for
+# The last word of a walk buffer with partition ranks (twice WALK_SLOT_WORDS, the ranks after the slot
 # counters) once its ranks are written; a buffer without it (made inside a CUDA-graph capture) walks by `%smid`.
 RANKS_WRITTEN = 0x5A17
-ITEM_CLAIMS_WORD = 1  # the word of the kept routed-count buffer that a GEMM2 with dynamic_items claims from (v2.34)
+ITEM_CLAIMS_WORD = 1  # the word of the kept routed-count buffer that a GEMM2 with dynamic_items claims from
 # Values of an SM's slot counter per round: PAIRED_SLOTS slots and one value that a draw skips (`take_walk_slot`); a
 # power of two, so a divisor of 2**32 and the word's wrap keeps the rounds.
 WALK_SLOT_ROUND = 4
@@ -225,21 +225,21 @@ class PersistentGemmConfig:
 
     _smem_bytes: int | None = None
     # A GEMM2 that issues its first weights before its programmatic wait takes the kept routed count (only the
-    # `mma.sync` one can: `StreamingGemmConfig`'s weights_before_wait, v2.21).
+    # `mma.sync` one can: `StreamingGemmConfig`'s weights_before_wait).
     weights_before_wait: bool = False
-    # A GEMM1 whose every CTA routes up to ROUTING_WARPS tokens itself (v2.26; the `mma.sync` one only).
+    # A GEMM1 whose every CTA routes up to ROUTING_WARPS tokens itself (the `mma.sync` one only).
     routing_per_cta: bool = False
-    # A three-CTA GEMM1 whose walk groups by SM id and takes the kept slot counters (v2.42; the WGMMA one).
+    # A three-CTA GEMM1 whose walk groups by SM id and takes the kept slot counters (the WGMMA one).
     smid_walk: bool = False
-    # A GEMM1 whose SM-id walk takes the SMs' L2-partition ranks after those counters (v2.56; the WGMMA one).
+    # A GEMM1 whose SM-id walk takes the SMs' L2-partition ranks after those counters (the WGMMA one).
     partition_walk: bool = False
-    # A GEMM2 whose CTAs claim their items after the first from a kept counter (v2.34; the `mma.sync` one).
+    # A GEMM2 whose CTAs claim their items after the first from a kept counter (the `mma.sync` one).
     dynamic_items: bool = False
-    # A GEMM2 that multiplies C rewritten as f16 and so needs `c_to_f16.py` before it (v2.39; the WGMMA one).
+    # A GEMM2 that multiplies C rewritten as f16 and so needs `c_to_f16.py` before it (the WGMMA one).
     f16_c: bool = False
     # Registers allow two CTAs of 128 threads per SM at up to 255 registers a thread. A configuration that asks for
     # three states it (`StreamingGemmConfig`'s max_ctas_per_sm; its compiled registers, 72-80 a thread, were read from
-    # the cubin, NOTES v2.28), and a cooperative launch of a grid that cannot all be resident fails rather than hangs.
+    # the cubin), and a cooperative launch of a grid that cannot all be resident fails rather than hangs.
     max_ctas_per_sm: int = 2
 
     def fields(self) -> dict:
@@ -283,13 +283,12 @@ class StreamingGemmConfig(PersistentGemmConfig):
         routing_per_cta: bool = False,
         dynamic_items: bool = False,
     ):
-        """`weights_before_wait` (v2.20, GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
+        """`weights_before_wait` (GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
         schedule once the kept count of routed tokens is complete and issues its first stages' weights before
         `griddepcontrol.wait`; only the activations (GEMM1's output) wait for GEMM1 to complete.
-        `routing_per_cta` (v2.26, GEMM1 that routes): up to ROUTING_WARPS tokens every CTA routes them all
-        (`routing.route_in_every_cta`) in a few words of shared memory of its own. Two CTAs per SM (v2.29's three, 8-token
-        GEMM1 tiles of 3 stages walking paired rounds by SM id, v2.32, ran at 7-8 tokens until the fused GEMMs replaced
-        them, v2.18; their walk is in the history before session 32's cleanup). `dynamic_items` (v2.34, GEMM2): CTA c's
+        `routing_per_cta` (GEMM1 that routes): up to ROUTING_WARPS tokens every CTA routes them all
+        (`routing.route_in_every_cta`) in a few words of shared memory of its own. Two CTAs per SM; a walk of three
+        `mma.sync` GEMM1 CTAs per SM is refused. `dynamic_items` (GEMM2): CTA c's
         first item is c, and each later one the next of a kept counter's claims (`claim_item`), so that the SMs that
         finish first take the tail whatever the placement."""
         if block_tokens not in (8, 16, 32):
@@ -308,7 +307,7 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if dynamic_items and (gemm1 or weights_before_wait):
             # Kept for the plain GEMM2: GEMM1's walks are static, and with an
             # early-weights GEMM2 (whose first claim would come right after its schedule, before its wait) the claims
-            # measured 1.003x at 1 token (candidate v2.38, NOTES session 26).
+            # measured 1.003x at 1 token (NOTES.md).
             raise StreamingConfigError("dynamic_items is GEMM2's, without weights_before_wait")
         self.dynamic_items = dynamic_items
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
@@ -364,7 +363,7 @@ def schedule_tables(
 ):
     """The persistent item walk's start, in every streaming GEMM: warp 0 builds the expert tables in
     shared memory (`build_expert_tables`), the CTA waits for them, and the CTA's stage count follows.
-    `counts_out` (GEMM1, v2.22): CTA 0 copies the call's final counts there, for the combine (which then zeroes the
+    `counts_out` (GEMM1): CTA 0 copies the call's final counts there, for the combine (which then zeroes the
     kept counters) and for inspection. Returns (tile_end, expert_count, expert_offset, total_stages)."""
     tile_end = storage.tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
     expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
@@ -444,7 +443,7 @@ def take_walk_slot(slots: cute.Tensor, walk_groups: Int32, walk_slot: cute.Tenso
 
 @cute.jit
 def claim_item(routed: cute.Tensor) -> Int32:
-    """Thread 0 of a GEMM2 CTA with `dynamic_items` (v2.34): the next claim of the kept counter in word
+    """Thread 0 of a GEMM2 CTA with `dynamic_items`: the next claim of the kept counter in word
     ITEM_CLAIMS_WORD of the kept routed-count buffer (`counters.kept_routed`); claim n is item grid + n. A CTA claims
     until a claim is past the last item, so each launch makes exactly one failing claim per CTA and the counter ends
     at max(items - grid, 0) + grid (`release_claims`)."""
@@ -593,8 +592,8 @@ class LinkedGemm:
     ):
         """(expert, valid rows, GEMM1: this thread's token / GEMM2: the first packed row) of the item of
         flat stage `s`: located when the load of the item's first K stage is issued and kept in registers
-        for its other K stages (v2.4; session 15's ncu found both locations per K stage, binary searches
-        over shared memory, and the token's reload from global memory on the stage's critical path). For
+        for its other K stages (locating it at every K stage puts binary searches over shared memory and the
+        token's reload from global memory on the stage's critical path, ncu). For
         the configurations with `gemm1`, `k_stages`, `items_per_row_tile`, `block_tokens` and
         `threads_per_token` (this file's and `wgmma_gemm1.py`'s)."""
         cfg = self.cfg
@@ -634,9 +633,9 @@ class StreamingGemm(LinkedGemm):
         routed=None,
         counts_out=None,
     ):
-        """`routing`: None, or (GEMM1 up to 1024 tokens, v2.16) `routing.route_then_meet`'s tuple: the grid
+        """`routing`: None, or (GEMM1 up to 1024 tokens) `routing.route_then_meet`'s tuple: the grid
         routes the tokens before its schedule. `routed` (GEMM2 with `weights_before_wait`): the kept count of routed
-        tokens that GEMM1's grid completes (`counters.kept_routed`). `counts_out` (GEMM1, v2.22): where CTA 0 copies
+        tokens that GEMM1's grid completes (`counters.kept_routed`). `counts_out` (GEMM1): where CTA 0 copies
         the call's final counts (`schedule_tables`). GEMM2 with `dynamic_items` takes `routed` too: word
         ITEM_CLAIMS_WORD of that buffer is its claim counter (`claim_item`)."""
         cfg = self.cfg
@@ -717,10 +716,10 @@ class StreamingGemm(LinkedGemm):
 
         g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32 = copy_atoms()
 
-        # Each item is located once per side (v2.4; session 15's ncu found the two locations per K stage,
-        # binary searches over shared memory, and the token's reload from global memory on the stage's
-        # critical path). The next load's item: (expert, valid rows, GEMM1: this thread's token, GEMM2: the
-        # first packed row) and its copies' per-thread offsets (v2.5), located when the load of its first K
+        # Each item is located once per side (located at every K stage, binary searches over shared memory and
+        # the token's reload from global memory would sit on the stage's critical path). The next load's item:
+        # (expert, valid rows, GEMM1: this thread's token, GEMM2: the first packed row) and its copies' per-thread
+        # offsets, located when the load of its first K
         # stage is issued; the prologue's stages all belong to the CTA's first item. The computed item takes
         # its valid rows from there at its first K stage and locates its first packed row in its epilogue.
         located = self.load_location(
@@ -824,8 +823,8 @@ class StreamingGemm(LinkedGemm):
         """The compute side of flat stage `s` of `item`: its MMAs, and at the item's last K stage its epilogue. Returns
         the item's valid rows, which it takes from the load side's `located` at the item's first K stage: the load
         side located this item when it issued its first stage and has not moved on (k_stages >= num_stages);
-        packed_row0 waits for the epilogue, a branch of its own (v2.13: a location here was predicated, not branched
-        around, and issued at every stage)."""
+        packed_row0 waits for the epilogue, a branch of its own (a location here predicated rather than branched
+        around would be issued at every stage)."""
         cfg = self.cfg
         k_stage = s % cfg.k_stages
         if k_stage == 0:
@@ -847,8 +846,8 @@ class StreamingGemm(LinkedGemm):
         """(weights, activations, weight scales): this thread's element offsets of the item's first K stage, at
         its first weight row and 16-B chunk, at its token's row (GEMM1) or packed row (GEMM2), and at its m tile's
         block-scale row. Computed when the item is located and carried with the location, so that a stage's copy
-        is base + the stage's K offset + a constant (v2.13: `kernel.py` v2.4 rebuilt every copy's 64-bit address
-        from expert, row and K at every stage, ~10 instructions per copy)."""
+        is base + the stage's K offset + a constant, instead of ~10 instructions per copy that rebuild its 64-bit
+        address from expert, row and K at every stage."""
         cfg = self.cfg
         expert, _, row_source = located[0], located[1], located[2]
         chunks_per_row = STAGE_K // CHUNK
@@ -1076,7 +1075,7 @@ class StreamingGemm(LinkedGemm):
                             block_acc[base + 2] = d2
                             block_acc[base + 3] = d3
 
-        # ---- promotion (v0's numerics): acc += block_acc * (x scale * w scale) ----
+        # ---- promotion (per 128-wide block): acc += block_acc * (x scale * w scale) ----
         for nt in cutlass.range_constexpr(cfg.n_tiles):
             if nt * 8 < valid_rows:
                 for mt in cutlass.range_constexpr(M_TILES):

@@ -1,6 +1,6 @@
 """GEMM1 + SwiGLU of the MoE weight stream on Hopper's FP8 warpgroup MMA (`wgmma.m64nNk32.e4m3`).
 
-Why (NOTES.md, session 8): `streaming_gemm.py`'s GEMM1 feeds `mma.sync` with e4m3 -> f16 conversions
+Why (NOTES.md): `streaming_gemm.py`'s GEMM1 feeds `mma.sync` with e4m3 -> f16 conversions
 in registers. At T = 901 it issues 153 M warp instructions from one warp per scheduler and is bound by
 instruction issue (553 us, DRAM at 17 %). FP8 `mma.sync` compiles to the same conversions on sm_90a;
 only the warpgroup MMA reads e4m3 operands from shared memory as they are.
@@ -16,8 +16,8 @@ Design (the schedule and the numerics are `streaming_gemm.py`'s):
     x 128 B, `Swizzle<3,4,3>`); `swizzled_offset` is that layout's formula.
   - A `fence.proxy.async` makes them visible to the tensor core before the barrier.
 - Per 128-K block: four k32 WGMMAs into a fresh accumulator, wait, then
-  acc += block x (the row half's weight block scale x the token's scale). This is v0's
-  promotion, as DeepGEMM does it.
+  acc += block x (the row half's weight block scale x the token's scale). This is the
+  streaming GEMMs' promotion, as DeepGEMM does it.
 - Epilogue: the accumulator through shared memory; C = silu(gate) * up, in bf16, for the item's
   valid tokens. Columns of absent tokens hold whatever the stage held and are never written out.
 """
@@ -111,8 +111,8 @@ def copy_weight_tile(atom, source, w_bytes, destination, tidx) -> None:
 
 def weight_source(w, thread_base, k_stage, row_delta, row_elems):
     """`copy_weight_tile`'s source from the thread's per-item base (the element offset of its first copy at K
-    stage 0): copy i adds the stage's K offset and `row_delta(i * ROWS_PER_PASS)` rows of `row_elems` (v2.6:
-    `kernel.py` v2.5 rebuilt every copy's 64-bit address from expert, row and K at every stage)."""
+    stage 0): copy i adds the stage's K offset and `row_delta(i * ROWS_PER_PASS)` rows of `row_elems`, so that no
+    copy rebuilds its 64-bit address from expert, row and K at every stage."""
     stage = w.iterator + cute.assume(thread_base + k_stage * STAGE_K, divby=CHUNK)
     return lambda i, row, chunk: cute.make_tensor(
         stage + row_delta(i * ROWS_PER_PASS) * row_elems, cute.make_layout(CHUNK)
@@ -162,16 +162,16 @@ class WgmmaGemm1Config(PersistentGemmConfig):
     `permuted_c`: C's columns in the stored order `wgmma_gemm2.py` reads (`intermediate_order.py`);
     `scratch_in_stage`: the epilogue's fp32 tile (`block_tokens` x 64, as many bytes as a token stage)
     lives in the token stage the item's last K stage has just consumed instead of a region of its own,
-    which no copy in flight targets (candidate v2.2: 64-token tiles with 3 stages then fit two CTAs
+    which no copy in flight targets (64-token tiles with 3 stages then fit two CTAs
     per SM); `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them
-    (v2.41, `kernel.py`'s MEDIUM_T: 32-token tiles with 3 stages and the tile in a stage, ~74 KB; 79 registers a
-    thread, 87 with v2.42's walk); `smid_walk` (v2.42; three CTAs per SM and a routing, i.e. cooperative, launch
+    (`kernel.py`'s MEDIUM_T: 32-token tiles with 3 stages and the tile in a stage, ~74 KB; 79 registers a
+    thread, 87 with the SM-id walk); `smid_walk` (three CTAs per SM and a routing, i.e. cooperative, launch
     only): the round-robin walk runs over slot x SMs + `%smid` instead of the CTA index, the slot drawn from the kept
     per-SM counters (`streaming_gemm.take_walk_slot`), so that SM s takes the items = s mod SMs whatever the
-    hardware's placement; `producer_warp` (v2.52, MEDIUM_T; 32-token tiles with the tile in a stage and the
+    hardware's placement; `producer_warp` (MEDIUM_T; 32-token tiles with the tile in a stage and the
     routing's cooperative grid): a fifth warp issues every stage (the weights by TMA, `weight_tma`; the token rows by
     coalesced `cp.async`) on the slot's full mbarrier and the warpgroup waits on that alone, releasing the slot on its
-    empty mbarrier, so that no CTA-wide barrier ends a K stage; `partition_walk` (v2.56, MEDIUM_T; with smid_walk and
+    empty mbarrier, so that no CTA-wide barrier ends a K stage; `partition_walk` (MEDIUM_T; with smid_walk and
     producer_warp): the walk's SM index is the SM's rank in `l2_partitions.partition_ranks` (one L2 partition's SMs
     first; kept after the slot counters in the walk's buffer, `counters.kept_walk_slots`) instead of `%smid`, and an
     expert's items run weight tile by weight tile (its row tiles adjacent, `item_row_tile`, `item_n_tile`), so that
@@ -262,7 +262,7 @@ def weight_tma(w: cute.Tensor, stage_layout: cute.ComposedLayout):
     """The TMA atom and coordinate tensor of GEMM1's weight stages (producer_warp): W13 seen as ((32 rows, 2 halves, 64
     items), K, expert), so that one (64, 256) tile is an item's 32 up rows and their 32 gate rows over a 256-wide K
     stage, landing in `stage_layout` (one stage of the MMA's 128-B swizzled K-major A layout): two 8-KB boxes, one per
-    128-B K half, on a 5-dimensional tensor map (candidate v2.50 measured it bit for bit)."""
+    128-B K half, on a 5-dimensional tensor map (bit for bit the `cp.async` stages' bytes)."""
     rows, halves = HALF_ROWS, GEMM1_OUT // INTERMEDIATE
     view = cute.make_tensor(
         w.iterator,
@@ -295,8 +295,7 @@ class WgmmaGemm1(LinkedGemm):
         counts_out=None,
         walk_slots=None,
     ):
-        """`routing`, `counts_out` and `walk_slots` (with smid_walk): as `streaming_gemm.StreamingGemm.launch`'s
-        (v2.16, v2.22, v2.32)."""
+        """`routing`, `counts_out` and `walk_slots` (with smid_walk): as `streaming_gemm.StreamingGemm.launch`'s."""
         cfg = self.cfg
         tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
         SharedStorage = cfg.shared_storage()
@@ -415,7 +414,7 @@ class WgmmaGemm1(LinkedGemm):
                         cute.arch.mbarrier_arrive(empty + slot)  # after this warp's MMAs and epilogue on the slot
         else:
             fragments = self.mma_fragments(tiled_mma, s_w, s_x, tidx)
-            # Where the next load's item lies, located at its first K stage only (v2.4): (expert, valid rows,
+            # Where the next load's item lies, located at its first K stage only: (expert, valid rows,
             # this thread's token). The prologue's stages all belong to the CTA's first item.
             located = self.load_location(
                 walk, grid, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx
@@ -502,7 +501,7 @@ class WgmmaGemm1(LinkedGemm):
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(0)
-            # v0's promotion: the block's exact fp32 sum times (weight block scale x token scale)
+            # The promotion: the block's exact fp32 sum times (weight block scale x token scale)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 row, token_slot = coords[i]
                 scale = w_scales[row // HALF_ROWS, b, slot] * x_scales[token_slot, b, slot]
@@ -606,7 +605,7 @@ class WgmmaGemm1(LinkedGemm):
         )
         expert, valid_rows, token = Int32(0), Int32(0), Int32(0)  # the item's, located at its first K stage
         # With partition_walk the N tile is located at the item's first K stage too; without it item % 64 stays where
-        # it was computed before (each stage), which keeps that walk's instructions as measured.
+        # it is computed (each stage), which keeps that walk's instructions as measured.
         item_n_tile = Int32(0)
         for s in cutlass.range(total_stages, unroll=1):
             slot = s % ns
@@ -630,7 +629,7 @@ class WgmmaGemm1(LinkedGemm):
             cute.copy(
                 tma_atom, tiles_w[(None, n_tile, k_stage, expert)], slots_w[(None, slot)], tma_bar_ptr=full + slot
             )
-            # Coalesced token rows (v2.52): each copy covers ROWS_PER_PRODUCER_COPY rows, a row's lanes along its
+            # Coalesced token rows: each copy covers ROWS_PER_PRODUCER_COPY rows, a row's lanes along its
             # bytes; a row's token comes from the lane that located it (token slot = lane).
             chunk = lane % CHUNKS_PER_ROW
             for i in cutlass.range_constexpr(bt // ROWS_PER_PRODUCER_COPY):
@@ -711,7 +710,7 @@ class WgmmaGemm1(LinkedGemm):
     @cute.jit
     def item_bases(self, located, item: Int32, tidx: Int32):
         """(weights, tokens): this thread's element offsets of the item's first K stage, at its first weight row
-        and 16-B chunk and at its token's row; computed when the item is located and carried with it (v2.6)."""
+        and 16-B chunk and at its token's row; computed when the item is located and carried with it."""
         w_row = item_weight_row(item % ITEMS_PER_ROW_TILE, tidx // CHUNKS_PER_ROW)
         w_base = (located[0] * GEMM1_OUT + w_row) * HIDDEN + (tidx % CHUNKS_PER_ROW) * CHUNK
         x_base = located[2] * HIDDEN + (tidx % self.cfg.threads_per_token) * CHUNK

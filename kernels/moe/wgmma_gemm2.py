@@ -1,8 +1,8 @@
 """GEMM2 of the MoE weight stream on Hopper's warpgroup MMA, with the e4m3 weights converted to bf16 in
-registers (`wgmma.m64nNk16.f32.bf16.bf16`, A from registers, B from shared memory). Design v2.1 A of
-NOTES.md.
+registers (`wgmma.m64nNk16.f32.bf16.bf16`, A from registers, B from shared memory). NOTES.md has the
+design.
 
-Why (NOTES.md, session 9): at T = 901 `streaming_gemm.py`'s GEMM2 takes ~300 us for ~470 MB of W2
+Why (NOTES.md): at T = 901 `streaming_gemm.py`'s GEMM2 takes ~300 us for ~470 MB of W2
 (~1.5 TB/s). Each warp's stage is a dependent chain of e4m3 -> bf16 conversions (80 % of its
 instructions) and `mma.sync`, and each W2 is converted once per 16-token row tile. Here one warpgroup
 converts a 64-row x 128-K block into registers and hands it to the asynchronous tensor core in eight
@@ -24,10 +24,10 @@ Design (the schedule, the promotion and the numerics are `streaming_gemm.py`'s G
 - Per 128-K block: eight k16 MMAs into a fresh accumulator, then acc += block x the weight block
   scale (C is unscaled). Both blocks of a stage are in flight at once: the second block is converted
   while the first one's MMAs run, and the first promoted while the second one's run (two register
-  sets; session 10 measured 1.01x over converting, multiplying and promoting each block in turn).
+  sets; 1.01x over converting, multiplying and promoting each block in turn).
 - Epilogue: the fp32 accumulator straight to `expert_out` for the item's valid tokens (columns of
   absent tokens hold whatever the stage held and are never stored).
-- `f16_c` (v2.39, `kernel.py` above 192 tokens): C holds f16 times a power of two per packed row (`c_to_f16.py`),
+- `f16_c` (`kernel.py` above 192 tokens): C holds f16 times a power of two per packed row (`c_to_f16.py`),
   the MMA multiplies f16 (`wgmma.m64nNk16.f32.f16.f16`), a pair of weights takes one conversion instead of four,
   and the epilogue multiplies each token's column by its row's inverse power: every product and partial sum is the
   bf16 path's times that power (except for elements of C below 2^-31 of their row's amax, which the f16 rewrite
@@ -95,8 +95,8 @@ def weight_offset(row, k, stage):
 
 class WgmmaGemm2Config(PersistentGemmConfig):
     """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth; `f16_c`: C is
-    f16 times a power of two per packed row (`c_to_f16.py`) and the MMA multiplies f16 (v2.39);
-    `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them (v2.40:
+    f16 times a power of two per packed row (`c_to_f16.py`) and the MMA multiplies f16;
+    `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them (
     32-token tiles with 2 stages, ~66 KB; 160 registers a thread, so three CTAs' 384 threads fit the register file).
     Two stages are enough for correctness: the load into a slot is issued after the barrier that follows every
     warp's wait for the MMAs that read it."""
@@ -241,7 +241,7 @@ class WgmmaGemm2(LinkedGemm):
         coords = thr_mma.partition_C(cute.make_identity_tensor((ITEM_ROWS, bt)))  # (item row, token slot)
         acc.fill(0.0)
         row_g = warp_id * 16 + group
-        # Where the next load's item lies, located at its first K stage only (v2.4, as wgmma_gemm1.py):
+        # Where the next load's item lies, located at its first K stage only (as wgmma_gemm1.py):
         # (expert, valid rows, first packed row). The prologue's stages all belong to the CTA's first item.
         located = self.load_location(cta, grid, Int32(0), tile_end, expert_count, expert_offset, None, tidx)
 
@@ -297,8 +297,7 @@ class WgmmaGemm2(LinkedGemm):
     @cute.jit
     def item_bases(self, located, item: Int32, tidx: Int32):
         """(weights, C): this thread's element offsets of the item's first K stage, at its first weight row and
-        16-B chunk and at its first packed row's chunk; computed when the item is located and carried with it
-        (v2.6)."""
+        16-B chunk and at its first packed row's chunk; computed when the item is located and carried with it."""
         w_row = located[0] * HIDDEN + (item % ITEMS_PER_ROW_TILE) * ITEM_ROWS + tidx // CHUNKS_PER_ROW
         w_base = w_row * INTERMEDIATE + (tidx % CHUNKS_PER_ROW) * CHUNK
         c_row = located[2] + tidx // C_CHUNKS_PER_ROW
@@ -346,7 +345,7 @@ class WgmmaGemm2(LinkedGemm):
 
     @cute.jit
     def promote(self, acc: cute.Tensor, block_acc: cute.Tensor, scale: Float32):
-        """v0's promotion: the block's fp32 sum times the weight block scale (C is unscaled)."""
+        """The streaming GEMMs' promotion: the block's fp32 sum times the weight block scale (C is unscaled)."""
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = acc[i] + block_acc[i] * scale
 

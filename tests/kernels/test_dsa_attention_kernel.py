@@ -50,7 +50,7 @@ def test_compiles_both_forms_for_sm90a_without_gpu(name):
 
 @pytest.mark.parametrize("num_tokens, staged", [(1, False), (2, False), (4, False), (5, True), (8, True), (4096, True)])
 def test_row_ids_are_staged_only_where_a_split_has_two_or_more_chunks(num_tokens, staged):
-    # v1.7 staged them at one chunk per split too and lost 4 % at 1 token (NOTES.md).
+    # Staging them at one chunk per split too delays the gather and costs 4 % at 1 token (NOTES.md).
     splits = kernel.num_splits_for(num_tokens)
     assert kernel.stages_indices(splits) == staged
     assert staged == (kernel.NUM_CHUNKS // splits >= 2)
@@ -58,7 +58,7 @@ def test_row_ids_are_staged_only_where_a_split_has_two_or_more_chunks(num_tokens
 
 @pytest.mark.parametrize("name", SOLUTIONS)
 def test_every_solution_offers_the_split_count_entry_the_gpu_tests_call(name):
-    # Session 7: a candidate without it failed every split-count GPU test before its kernel ran.
+    # A candidate without it would fail every split-count GPU test before its kernel ran.
     assert callable(getattr(solution_module(name), "run_with_splits", None))
 
 

@@ -1,7 +1,7 @@
 """Every entry the runner builds from our kernel folders (`kernel.py::run` and each registered candidate) takes
 exactly the definition's inputs then its outputs as positional parameters: flashinfer-bench's builder refuses any
 other count for a destination-passing solution, so a stray optional parameter would fail every workload of a run
-(session 13 lost one side of an A/B that way). Imports the modules on the CPU; no GPU."""
+(and lose that side of an A/B). Imports the modules on the CPU; no GPU."""
 
 from __future__ import annotations
 

@@ -210,7 +210,7 @@ LDMATRIX_OPERANDS = [
     ("A_BA read transposed (P4)", "Bt", chunked.SQUARE_T_VIEW, (32, 32), [(0, 1)]),
     ("T_A read transposed (P4)", "Bt", chunked.SQUARE_T_VIEW, (16, 32), [(0, 0), (1, 0)]),
     ("K read transposed (state update)", "Bt", chunked.KQ_T_VIEW, (32, 64), [(0, 0), (3, 0)]),
-    # The same slice operands at 16 rows (the narrow slices of wy_prepass.py's chain and candidate v2.2).
+    # The same slice operands at 16 rows (the narrow slices of wy_prepass.py's chain and of chunked.py's `_NarrowChunked`).
     ("V'c^T, 16-row slice", "A", ((16, chunked.CHUNK), (chunked.NARROW_STRIDE, 1)), (16, 64), [(0, 0)]),
     ("S0 in fp16, 16-row slice", "B", ((16, chunked.HEAD_SIZE), (chunked.WIDE_STRIDE, 1)), (16, 128), [(0, 0)]),
     ("Xb^T, V'^T, 16-row slice", "B", ((16, chunked.CHUNK), (chunked.NARROW_STRIDE, 1)), (16, 64), [(0, 0)]),

@@ -1,4 +1,4 @@
-"""GDN's chunked path on 16-row V slices (kernels/gdn_prefill/chunked.py, `_NarrowChunked`, v2.2): the same kernel
+"""GDN's chunked path on 16-row V slices (kernels/gdn_prefill/chunked.py, `_NarrowChunked`): the same kernel
 with eight slice CTAs per (sequence, head) instead of four, for one or two sequences.
 
 CPU: the width rule (which sequence counts get the narrow kernel, and that kernel.py reaches it only through
@@ -29,7 +29,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize(("num_seqs", "narrow"), [(1, True), (2, True), (3, False), (4, False), (57, False)])
 def test_narrow_kernel_for_one_or_two_sequences(num_seqs, narrow, monkeypatch):
-    # 64 CTAs per sequence leave each CTA an SM of its own up to two sequences (132 SMs); session 14's run.
+    # 64 CTAs per sequence leave each CTA an SM of its own up to two sequences (132 SMs).
     assert chunked.NARROW_MAX_SEQS == 2
     calls = []
     monkeypatch.setattr(chunked, "run_kernel", lambda kernel, *args: calls.append(kernel))

@@ -90,7 +90,7 @@ def test_run_calls_exactly_the_chosen_path(lengths, path, monkeypatch):
 @pytest.mark.parametrize("lanes_per_row", [8, 16])
 def test_tiling_covers_every_state_element_once(lanes_per_row):
     # Token-serial path: the slices' rows cover V; the lanes of a row cover K, each with its 8-wide
-    # pieces (v0: 8 lanes x two pieces 64 apart; v1.8: 16 lanes x one piece).
+    # pieces (8 lanes: two pieces 64 apart; 16 lanes: one piece).
     serial = solution_module("token_serial")
     split = serial.RowSplit(lanes_per_row=lanes_per_row)
     assert split.num_slices * split.rows_per_cta == serial.HEAD_SIZE
@@ -106,7 +106,7 @@ def test_tiling_covers_every_state_element_once(lanes_per_row):
 
 
 def test_token_serial_path_splits_each_row_over_16_lanes():
-    # v1.8 (promoted 2026-11-30): 8-row slices, 16 per head, 8 columns per lane.
+    # 8-row slices, 16 per head, 8 columns per lane.
     split = solution_module("token_serial")._Recurrence.SPLIT
     assert (split.rows_per_cta, split.num_slices, split.cols_per_lane) == (8, 16, 8)
 

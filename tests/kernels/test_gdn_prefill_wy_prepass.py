@@ -1,5 +1,5 @@
-"""GDN's WY-prepass path (kernels/gdn_prefill/wy_prepass.py, kernel.py's from 512 tokens or a mean length of 160;
-candidates v4.0, v4.1 and v4.2's lean key side): a prepass kernel computes each chunk's state-free half (gates, P, T) into a workspace,
+"""GDN's WY-prepass path (kernels/gdn_prefill/wy_prepass.py, kernel.py's from 512 tokens or a mean length of 160,
+with the lean key side): a prepass kernel computes each chunk's state-free half (gates, P, T) into a workspace,
 and the chain of chunks, on 16- or 32-row V slices, reads it.
 
 CPU: the workspace slots of every chunk of every sequence are distinct and within the allocation, and the
@@ -65,7 +65,7 @@ def test_chunk_slots_are_distinct_in_bounds_and_found_again(seed):
 
 @pytest.mark.parametrize(("num_seqs", "rows"), [(1, 16), (4, 16), (5, 32), (57, 32)])
 def test_chain_width_is_chosen_from_the_sequence_count(num_seqs, rows, monkeypatch):
-    # Narrow up to four sequences, where its 64 CTAs per sequence fit one wave of two per SM (session 13's A/B).
+    # Narrow up to four sequences, where its 64 CTAs per sequence fit one wave of two per SM (NOTES.md).
     assert wy_prepass.NARROW_MAX_SEQS == 4
     configs = []
     monkeypatch.setattr(wy_prepass, "run_with_config", lambda config, *args: configs.append(config))

@@ -1,10 +1,10 @@
-"""kernel.py's f16 GEMM2 above FEW_TOKENS_MAX (v2.39, v2.40: kernels/moe/c_to_f16.py rewrites C in place as f16 times
+"""kernel.py's f16 GEMM2 above FEW_TOKENS_MAX (kernels/moe/c_to_f16.py rewrites C in place as f16 times
 a power of two per packed row; kernels/moe/wgmma_gemm2.py multiplies f16 in 2 stages at three CTAs per SM).
 
 CPU: which variants take it, the chain with the rewrite between the GEMMs, the configurations' guards. GPU (marked
 `gpu`): the rewritten C is the bf16 C times a power of two per row (the row's amax put in [2^14, 2^15), every element
 above 2^-31 of it kept exactly, smaller ones within 2^-39 of it), and kernel.py's output equals, bit for bit, that of
-the same variant on the bf16 GEMM2 of v2.13 (3 stages, two CTAs per SM) at 193-3000 tokens for every routing pattern
+the same variant on the bf16 GEMM2 (3 stages, two CTAs per SM) at 193-3000 tokens for every routing pattern
 (measured: exact only where no element below 2^-31 of its row's amax reaches a product that fp32 would keep).
 """
 
@@ -31,7 +31,7 @@ BITWISE_CASES = (
 
 
 def on_bf16_gemm2(variant):
-    """`variant` with v2.13's GEMM2: bf16 C, 3 stages, two CTAs per SM."""
+    """`variant` with the bf16 WGMMA GEMM2: bf16 C, 3 stages, two CTAs per SM."""
     return dataclasses.replace(variant, f16_c=False, gemm2_num_stages=3, gemm2_ctas_per_sm=2)
 
 
@@ -116,8 +116,8 @@ def test_the_rewritten_c_is_the_bf16_c_times_a_power_of_two_per_row(num_tokens):
     assert bool(((scaled_amax >= 2**14) & (scaled_amax < 2**15)).all())
     # Every element at least 2^-31 of its row's amax keeps its bf16 value exactly (8 significant bits fit f16's
     # normals and, down to 2^-17 after the scale, its subnormals); a smaller one (silu of a very negative gate) is an
-    # f16 subnormal, within half of its 2^-24 step: at most 2^-39 of the amax. (Session 27's first version asked for
-    # every element exactly and failed at 2049 tokens on such elements.)
+    # f16 subnormal, within half of its 2^-24 step: at most 2^-39 of the amax. (Asking for every element exactly
+    # fails at 2049 tokens on such elements.)
     amax = c.abs().amax(dim=1, keepdim=True)
     kept = c.abs() >= amax * 2.0**-31
     rewritten = stored * scale[:, None]

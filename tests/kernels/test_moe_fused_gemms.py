@@ -1,4 +1,4 @@
-"""kernel.py's fused GEMMs (kernels/moe/fused_gemms.py, v2.18): both expert GEMMs in one cooperative kernel from 5 to
+"""kernel.py's fused GEMMs (kernels/moe/fused_gemms.py): both expert GEMMs in one cooperative kernel from 5 to
 32 tokens. CPU: the kernel's guards, its shared memory (two CTAs per SM, every CTA resident), the compile. GPU (marked
 `gpu`): the output bit for bit the two chained streaming GEMMs' (TINY_T, forced) at 5-32 tokens in every routing
 pattern, call after call (so the kept counters and the claim word come back to zero), beyond 8 tokens per expert

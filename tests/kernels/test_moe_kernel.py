@@ -67,15 +67,15 @@ def test_variants_are_on_wgmma_from_33_tokens():
         assert type(variant.make_gemm1()) is gemm1_class and type(variant.make_gemm2()) is gemm2_class
         # GEMM1 stores C in the column order the WGMMA GEMM2 reads exactly when that one runs.
         assert getattr(variant.gemm1(), "permuted_c", False) == variant.wgmma_gemm2
-        # Every GEMM of every variant keeps two CTAs per SM, but GEMM1 from 193 to MEDIUM_T_MAX_TOKENS (v2.41) three,
-        # walking by SM id (v2.42), and the f16 GEMM2 above FEW_TOKENS_MAX three (v2.40).
+        # Every GEMM of every variant keeps two CTAs per SM, but GEMM1 from 193 to MEDIUM_T_MAX_TOKENS three,
+        # walking by SM id, and the f16 GEMM2 above FEW_TOKENS_MAX three.
         three_ctas = kernel.FEW_TOKENS_MAX < num_tokens <= kernel.MEDIUM_T_MAX_TOKENS
         f16_gemm2 = num_tokens > kernel.FEW_TOKENS_MAX
         assert variant.gemm1().ctas_per_sm() == (3 if three_ctas else 2)
         assert variant.gemm1_smid_walk == variant.gemm1().smid_walk == three_ctas
         assert variant.gemm2().ctas_per_sm() == (3 if f16_gemm2 else 2)
         assert variant.f16_c == variant.gemm2().f16_c == f16_gemm2
-        # Up to MEDIUM_T_MAX_TOKENS GEMM1 routes the tokens itself (v2.16); above, the routing is a grid of its own.
+        # Up to MEDIUM_T_MAX_TOKENS GEMM1 routes the tokens itself; above, the routing is a grid of its own.
         assert variant.routing_in_gemm1 == (num_tokens <= kernel.MEDIUM_T_MAX_TOKENS)
     assert kernel.WGMMA_GEMM1_MIN_TOKENS == 33
     # Up to FEW_TOKENS_MAX the WGMMA variant differs from TINY_T only in the GEMMs' instructions (and the `mma.sync`
@@ -104,7 +104,7 @@ def test_gemm2_weights_before_its_wait_up_to_the_threshold_only():
         chosen = kernel.variant_for(num_tokens)
         assert chosen is kernel.TINY_T_EARLY_W2 and chosen.gemm2().weights_before_wait
         assert not chosen.gemm1().weights_before_wait
-        # Its GEMM2's round robin is known before the wait, where TINY_T's claims come after it (v2.34).
+        # Its GEMM2's round robin is known before the wait, where TINY_T's claims come after it.
         switches = dict(gemm2_weights_before_wait=False, routing_per_cta=False, gemm2_dynamic_items=True)
         assert dataclasses.replace(chosen, **switches) == kernel.TINY_T
     for num_tokens in (kernel.EARLY_W2_MAX_TOKENS + 1, 16, kernel.WGMMA_GEMM1_MIN_TOKENS - 1):
@@ -114,8 +114,8 @@ def test_gemm2_weights_before_its_wait_up_to_the_threshold_only():
 
 
 def test_the_fused_gemms_from_5_to_32_tokens_only():
-    # v2.18: the fused GEMMs replaced the three-CTA GEMM1 at 7-8 tokens and TINY_T at 9-32; the early-W2 variant keeps
-    # the tokens that every GEMM1 CTA routes itself.
+    # The fused GEMMs run from 5 to 32 tokens; the early-W2 variant keeps the tokens that every GEMM1 CTA routes
+    # itself.
     for num_tokens in range(1, 34):
         assert (kernel.variant_for(num_tokens) is kernel.FUSED_T) == (5 <= num_tokens <= 32)
         assert (num_tokens <= kernel.EARLY_W2_MAX_TOKENS) == (num_tokens <= 4)
@@ -130,14 +130,14 @@ def test_the_fused_gemms_from_5_to_32_tokens_only():
 
 
 def test_three_gemm1_ctas_per_sm_where_the_wgmma_gemm1s_shared_memory_allows_them_only():
-    # v2.41; the `mma.sync` GEMM1's three (v2.29) went with the fused GEMMs (v2.18).
+    # Only the WGMMA GEMM1 runs three CTAs per SM; the `mma.sync` GEMM1 keeps two.
     assert kernel.StreamingVariant(block_tokens=32, wgmma_gemm1=True, gemm1_ctas_per_sm=3).gemm1().ctas_per_sm() == 2
     with pytest.raises(ValueError, match="WGMMA GEMM1"):
         kernel.StreamingVariant(block_tokens=8, num_stages=3, gemm1_ctas_per_sm=3)
 
 
 def test_every_gemm1_cta_routes_up_to_four_tokens_itself_in_the_early_w2_variant_only():
-    # One token per warp of GEMM1's CTA (v2.26), the early-W2 variant's whole range since v2.18.
+    # One token per warp of GEMM1's CTA: the early-W2 variant's whole range.
     routing = solution_module("routing")
     assert routing.ROUTING_WARPS == 4 == kernel.EARLY_W2_MAX_TOKENS
     assert kernel.TINY_T_EARLY_W2.routing_per_cta and kernel.TINY_T_EARLY_W2.gemm1().routing_per_cta
@@ -156,7 +156,7 @@ def test_the_routing_in_every_cta_needs_a_routing_mma_sync_gemm1():
 
 
 def test_the_combine_loads_first_up_to_few_tokens_max_only():
-    # Above FEW_TOKENS_MAX its registers cost occupancy where the combine's grid is large (v2.24, v2.25).
+    # Above FEW_TOKENS_MAX its registers cost occupancy where the combine's grid is large.
     for num_tokens in (1, kernel.EARLY_W2_MAX_TOKENS + 1, 33, kernel.FEW_TOKENS_MAX):
         assert kernel.variant_for(num_tokens).combine_loads_first
     for num_tokens in (kernel.FEW_TOKENS_MAX + 1, kernel.MEDIUM_T_MAX_TOKENS + 1, kernel.MAX_TOKENS):
@@ -185,7 +185,7 @@ def test_the_host_routes_first_and_the_combine_releases_the_counters_last_in_one
     gemm = solution_module("streaming_gemm").StreamingGemm(kernel.TINY_T.gemm1())
     moe_host = host.MoeHostSm90(gemm, gemm)
     assert not hasattr(moe_host, "zero_counts")  # the counters come zeroed: no zeroing launch first
-    assert not hasattr(moe_host, "release_counts")  # v2.22: the combine zeroes them, no release kernel
+    assert not hasattr(moe_host, "release_counts")  # the combine zeroes them, no release kernel
     assert (moe_host.routing.link.waits, moe_host.routing.link.releases) == (False, True)  # first: never waits
     for middle in (moe_host.gemm1, moe_host.gemm2):
         assert (middle.link.waits, middle.link.releases) == (True, True)
@@ -378,7 +378,7 @@ def test_repeated_calls_are_bitwise_identical(solution, case):
 
 @pytest.mark.gpu
 @needs_cuda
-# 512 tokens: MEDIUM_T, whose walk buffer made inside the capture has no L2-partition ranks and walks by SM id (v2.56)
+# 512 tokens: MEDIUM_T, whose walk buffer made inside the capture has no L2-partition ranks and walks by SM id
 @pytest.mark.parametrize("num_tokens", [80, 512])
 def test_cuda_graph_replay_follows_new_inputs(solution, num_tokens):
     case = cases.CheckCase("graph", num_tokens, 96)
@@ -429,9 +429,9 @@ def _tied(inputs: dict, case, seed: int) -> dict:
 def routing_grid_counterpart(num_tokens: int):
     """`kernel.py`'s variant for T with the routing as a grid of its own. GEMM2's early weights wait on the routed count
     that only a routing GEMM1 completes, only a routing GEMM1 routes in every CTA, GEMM1's slots by SM id need its
-    cooperative grid (v2.32), GEMM2's claims sit in the routed count's buffer (v2.34) and the producer warp is built
-    only beside the routing's guard (v2.52), the partition walk (v2.56) only with both, and the fused GEMMs meet after
-    the routing (v2.18): all off with the grid."""
+    cooperative grid, GEMM2's claims sit in the routed count's buffer and the producer warp is built
+    only beside the routing's guard, the partition walk only with both, and the fused GEMMs meet after
+    the routing: all off with the grid."""
     return dataclasses.replace(
         kernel.variant_for(num_tokens),
         routing_in_gemm1=False,
@@ -446,7 +446,7 @@ def routing_grid_counterpart(num_tokens: int):
 
 
 def test_every_routing_grid_counterpart_is_a_valid_variant():
-    # On the CPU what the GPU test below builds for each T (session 25's full run found one that raised there).
+    # On the CPU what the GPU test below builds for each T (a variant that raises there would fail a full run).
     for num_tokens in range(1, kernel.MEDIUM_T_MAX_TOKENS + 2):
         counterpart = routing_grid_counterpart(num_tokens)
         assert not counterpart.routing_in_gemm1 and not counterpart.gemm2_dynamic_items
@@ -458,7 +458,7 @@ def test_every_routing_grid_counterpart_is_a_valid_variant():
 @pytest.mark.parametrize(
     "case",
     [
-        cases.CheckCase("in_gemm1_t1", 1, 0),  # routed in every CTA (v2.26)
+        cases.CheckCase("in_gemm1_t1", 1, 0),  # routed in every CTA
         cases.CheckCase("in_gemm1_t4_all_local", 4, 224, "all_local"),  # likewise, one token per warp
         cases.CheckCase("in_gemm1_t16_one_expert", 16, 96, "one_expert"),
         cases.CheckCase("in_gemm1_t61_no_local", 61, 32, "no_local"),
@@ -490,7 +490,7 @@ def test_routing_in_gemm1_equals_the_routing_grid_bit_for_bit(case, tied):
         for expert, count in enumerate(ours.counts.tolist()):  # ranks come from atomics: compare the sets
             listed = ours.expert_tokens[expert, :count]
             assert torch.equal(listed.sort().values, grid.expert_tokens[expert, :count].sort().values)
-            if case.num_tokens <= routing.ROUTING_WARPS:  # routed in every CTA: ranked in token order (v2.26)
+            if case.num_tokens <= routing.ROUTING_WARPS:  # routed in every CTA: ranked in token order
                 assert listed.tolist() == sorted(listed.tolist())
         tokens = torch.arange(case.num_tokens, device="cuda")[:, None].expand_as(ours.slot_expert)
         local = ours.slot_expert >= 0

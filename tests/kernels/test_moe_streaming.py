@@ -68,14 +68,14 @@ def test_every_configuration_fits_shared_memory_and_fills_every_sm(variant):
      (14107, (32, 2, 3))],
 )  # fmt: skip
 def test_gemm2_keeps_at_least_two_ctas_per_sm_at_every_size(num_tokens, gemm2_shape):
-    """v1.1: with few tokens per expert GEMM2's weight stream is bound by the stages in flight, so its
+    """With few tokens per expert GEMM2's weight stream is bound by the stages in flight, so its
     bf16 activation stages are cut until two CTAs fit an SM: 8 (or 6) weight stages in flight per SM
-    where 16-token tiles with 4 stages allow one CTA, 4. v1.6: at ~28 tokens per expert (T ~ 900) the
+    where 16-token tiles with 4 stages allow one CTA, 4. At ~28 tokens per expert (T ~ 900) the
     second CTA hides the latency of each warp's conversions and MMAs (32-token tiles with 4 stages fit
-    one CTA and were 1.29x slower at T = 901). v2.1: the WGMMA GEMM2's 32-token tiles with 3 stages
-    (~97 KB) keep two CTAs. v2.3: its 8-token tiles with 4 stages up to 192 tokens (1.06x at 80 over
-    the `mma.sync` GEMM2's 16 x 3). v2.40: above 192 tokens the f16 GEMM2's 32-token tiles with 2 stages (~66 KB)
-    at three CTAs per SM (1.047x at 901 over two CTAs of 3 stages)."""
+    one CTA and were 1.29x slower at T = 901). The WGMMA GEMM2's 8-token tiles with 4 stages up to
+    192 tokens keep two CTAs (1.06x at 80 over the `mma.sync` GEMM2's 16 x 3); above 192 tokens the f16
+    GEMM2's 32-token tiles with 2 stages (~66 KB) run at three CTAs per SM (1.047x at 901 over two CTAs
+    of 3 stages)."""
     variant = kernel.variant_for(num_tokens)
     gemm2 = variant.gemm2()
     assert (gemm2.block_tokens, gemm2.num_stages, gemm2.ctas_per_sm()) == gemm2_shape
@@ -103,7 +103,7 @@ def test_config_rejects_unsupported_shapes(kwargs, message):
 
 
 def test_the_mma_sync_gemms_keep_two_ctas_per_sm():
-    # v2.29's three-CTA `mma.sync` GEMM1 went with the fused GEMMs (v2.18); a variant cannot ask for it any more.
+    # A variant cannot ask for a three-CTA `mma.sync` GEMM1 (its guard refuses it).
     for config in (kernel.FUSED_T.gemm1(), kernel.FUSED_T.gemm2(), kernel.TINY_T.gemm1()):
         assert config.max_ctas_per_sm == 2 and config.ctas_per_sm() == 2 and not config.smid_walk
     for switches in (dict(gemm1_ctas_per_sm=3), dict(gemm1_smid_walk=True)):
@@ -287,7 +287,7 @@ def test_mma_pairs_weight_k_with_activation_k_exactly_once(gemm1, block_tokens):
 
 @pytest.mark.parametrize("gemm1", [True, False])
 def test_item_bases_and_copy_offsets_address_the_transcribed_weight_rows(gemm1):
-    # load_stage (v2.13) adds item_weight_row(.., 0, 4 i) rows to the row item_bases took for the thread's first
+    # load_stage adds item_weight_row(.., 0, 4 i) rows to the row item_bases took for the thread's first
     # copy; _weight_smem transcribes the rows each copy must read.
     config = streaming.StreamingGemmConfig(gemm1=gemm1, block_tokens=16, num_stages=4)
     chunks_per_row = streaming.STAGE_K // streaming.CHUNK
@@ -432,7 +432,7 @@ def test_the_slot_draw_gives_each_sms_ctas_every_slot_once_from_any_word_in_any_
 def test_the_walk_by_sm_id_needs_a_cooperative_three_cta_gemm1():
     with pytest.raises(ValueError, match="routing_in_gemm1"):
         dataclasses.replace(kernel.MEDIUM_T, routing_in_gemm1=False, gemm1_producer_warp=False, gemm1_partition_walk=False)
-    # The WGMMA GEMM1's (v2.42): its draw gives the slots 0-2, so it needs exactly three CTAs on every SM.
+    # The WGMMA GEMM1's: its draw gives the slots 0-2, so it needs exactly three CTAs on every SM.
     wgmma_gemm1 = solution_module("wgmma_gemm1")
     with pytest.raises(streaming.StreamingConfigError, match="smid_walk"):
         wgmma_gemm1.WgmmaGemm1Config(block_tokens=32, num_stages=3, scratch_in_stage=True, smid_walk=True)
@@ -443,8 +443,8 @@ def test_the_walk_by_sm_id_needs_a_cooperative_three_cta_gemm1():
 
 
 def test_gemm2_claims_its_items_from_5_to_32_tokens_only():
-    # v2.34: the `mma.sync` GEMM2 after the early-W2 variant (whose round robin is known before its wait); since v2.18
-    # the fused GEMMs' GEMM2 phase.
+    # The `mma.sync` GEMM2 after the early-W2 variant (whose round robin is known before its wait): the fused GEMMs'
+    # GEMM2 phase.
     for num_tokens in range(1, 200):
         variant = kernel.variant_for(num_tokens)
         assert variant.gemm2_dynamic_items == (5 <= num_tokens < kernel.WGMMA_GEMM1_MIN_TOKENS)
@@ -578,7 +578,7 @@ def test_each_gemm_matches_torch_on_its_packed_rows(case):
 
 
 def always_early_w2(num_tokens: int):
-    """TINY_T_EARLY_W2 at any T below 33, so that the GPU tests exercise it beyond its dispatch range (v2.21)."""
+    """TINY_T_EARLY_W2 at any T below 33, so that the GPU tests exercise it beyond its dispatch range."""
     assert num_tokens < kernel.WGMMA_GEMM1_MIN_TOKENS
     return kernel.TINY_T_EARLY_W2
 
@@ -597,7 +597,7 @@ EARLY_W2_CASES = [
 
 
 def always_fused(num_tokens: int):
-    """FUSED_T at any T below 33, so that the GPU tests run the fused GEMMs beyond their dispatch range (v2.18: its grid
+    """FUSED_T at any T below 33, so that the GPU tests run the fused GEMMs beyond their dispatch range (its grid
     meets after the routing at 1-4 tokens too, where `kernel.py` routes in every CTA)."""
     assert num_tokens < kernel.WGMMA_GEMM1_MIN_TOKENS
     return kernel.FUSED_T
@@ -635,7 +635,7 @@ def test_each_gemm_of_a_forced_variant_matches_torch(choose, case):
 @needs_cuda
 @pytest.mark.parametrize(("choose", "case"), FORCED_VARIANTS, ids=forced_id)
 def test_a_forced_variant_is_tiny_t_bit_for_bit_call_after_call(choose, case):
-    # The early-W2 GEMM2's weights issued before its wait (v2.21) and the fused GEMMs (v2.18: 8-token GEMM1 tiles, GEMM2
+    # The early-W2 GEMM2's weights issued before its wait and the fused GEMMs (8-token GEMM1 tiles, GEMM2
     # items started per expert) change no output bit, and each call leaves the kept count of routed tokens (which the
     # early-W2 GEMM2 polls before its wait, and whose second word holds the fused GEMM2's claims) at zero for the next.
     inputs = cases.make_inputs(case, "cuda", seed=43)
@@ -654,7 +654,7 @@ def test_a_forced_variant_is_tiny_t_bit_for_bit_call_after_call(choose, case):
         assert torch.equal(output, theirs)
 
 
-# The GEMM1s that walk by SM id: the `mma.sync` one at 7-8 tokens (v2.32) and the WGMMA one at 193-1024 (v2.42).
+# The GEMM1 that walks by SM id: the WGMMA one at 193-1024 tokens.
 SMID_WALK_CASES = [
     cases.CheckCase("smid_walk_t193", 193, 224),
     cases.CheckCase("smid_walk_t500_one_expert", 500, 32, "one_expert"),
@@ -666,7 +666,7 @@ SMID_WALK_CASES = [
 
 def walk_by_cta_index(num_tokens: int) -> kernel.StreamingVariant:
     """`kernel.py`'s variant with GEMM1 walking over its CTA index instead of by SM id (and so without the partition
-    walk, v2.56, which ranks the SM ids; the same items elsewhere)."""
+    walk, which ranks the SM ids; the same items elsewhere)."""
     return dataclasses.replace(kernel.variant_for(num_tokens), gemm1_smid_walk=False, gemm1_partition_walk=False)
 
 
@@ -674,11 +674,11 @@ def walk_by_cta_index(num_tokens: int) -> kernel.StreamingVariant:
 @needs_cuda
 @pytest.mark.parametrize("case", SMID_WALK_CASES, ids=lambda c: c.name)
 def test_the_walk_by_sm_id_is_the_walk_by_cta_bit_for_bit_from_any_slot_words(case):
-    # The three-CTA GEMM1 draws its slots from kept per-SM words (v2.42) that no call zeroes: from words of every
+    # The three-CTA GEMM1 draws its slots from kept per-SM words that no call zeroes: from words of every
     # residue (the int32 wrap included) each call gives every SM's CTAs every slot once, so the outputs stay those of a
     # walk over the CTA index bit for bit, and each word advances by 3 from 0 mod 4 and by 4
     # otherwise. The H200's SM ids are dense (`tools/cta_placement.py`), so no SM takes the fallback walk. MEDIUM_T's
-    # partition walk (v2.56) keeps its counters in the ranked buffer, before the ranks.
+    # partition walk keeps its counters in the ranked buffer, before the ranks.
     variant = kernel.variant_for(case.num_tokens)
     assert variant.gemm1_smid_walk
     device = torch.device("cuda")
@@ -714,8 +714,8 @@ def test_the_walk_by_sm_id_is_the_walk_by_cta_bit_for_bit_from_any_slot_words(ca
     ids=lambda c: c.name,
 )
 def test_claimed_gemm2_items_are_the_fixed_walks_bit_for_bit_and_the_claims_end_at_zero(case):
-    # v2.34: which CTA computes an item changes no output bit, and each call leaves the kept buffer (the routed count,
-    # which the combine zeroes, and the claim counter, which GEMM2 brings back itself) at zero; since v2.18 the claims
+    # Which CTA computes an item changes no output bit, and each call leaves the kept buffer (the routed count,
+    # which the combine zeroes, and the claim counter, which GEMM2 brings back itself) at zero; the claims
     # are the fused GEMMs' (whose unfused counterpart walks GEMM2 over the CTA index).
     def fixed_walk(num_tokens: int):
         return dataclasses.replace(kernel.variant_for(num_tokens), gemm2_dynamic_items=False, fused_gemms=False)
@@ -756,7 +756,7 @@ def test_official_large_batch_passes(case=cases.CheckCase("large_t11948", 11948,
 def on_mma_sync_gemm1(variant):
     """`variant` with `streaming_gemm.py`'s GEMM1 (itself where it has that one; its GEMM2 must not be on WGMMA). The
     WGMMA GEMM1's own switches (its epilogue tile in a stage; at 32-token tiles three CTAs per SM walking by SM id,
-    v2.41 and v2.42, the producer warp, v2.52, and the partition walk, v2.56) have no `mma.sync` counterpart that fits,
+    the producer warp, and the partition walk) have no `mma.sync` counterpart that fits,
     so they go back to their defaults."""
     if not variant.wgmma_gemm1:
         return variant
@@ -771,7 +771,7 @@ def on_mma_sync_gemm1(variant):
 
 
 def on_mma_sync_gemm2(variant):
-    """`variant` with `streaming_gemm.py`'s GEMM2, at most 16-token tiles (v1.6's at 193-2048 tokens,
+    """`variant` with `streaming_gemm.py`'s GEMM2, at most 16-token tiles (at 193-2048 tokens,
     where the WGMMA GEMM2 has 32) of at least 3 stages at two CTAs per SM, reading bf16 C in natural column order."""
     block_tokens = min(variant.gemm2_block_tokens or variant.block_tokens, 16)
     num_stages = max(variant.gemm2_num_stages or variant.num_stages, 3)
@@ -808,7 +808,7 @@ def outputs_of(runs, case, seed: int) -> list[torch.Tensor]:
 
 
 # MEDIUM_T's tokens (193-1024) in every routing pattern: the cases where a change to MEDIUM_T's kernels must keep every
-# bit (v2.52's producer warp, candidates of MEDIUM_T's GEMM1).
+# bit (the producer warp, candidates of MEDIUM_T's GEMM1).
 MEDIUM_T_BITWISE_CASES = (
     cases.CheckCase("t193", 193, 224),
     cases.CheckCase("t512", 512, 0),

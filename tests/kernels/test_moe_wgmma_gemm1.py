@@ -1,10 +1,10 @@
-"""MoE GEMM1 + SwiGLU on FP8 warpgroup MMA (kernels/moe/wgmma_gemm1.py; candidate v2.0, in kernel.py
-from 33 tokens since v1.5).
+"""MoE GEMM1 + SwiGLU on FP8 warpgroup MMA (kernels/moe/wgmma_gemm1.py; in kernel.py
+from 33 tokens).
 
 CPU: the byte offsets the cp.async copies write equal the offsets of the swizzled K_SW128 layouts
 the WGMMA reads (traced from CuTe's own layouts, for every token-tile width and three stages); item
 rows, SwiGLU pairing and block-scale rows; the shared-memory budget.
-CPU also: the producer warp's configuration (v2.52) and its guards; the partition walk's (v2.56) and its item order.
+CPU also: the producer warp's configuration and its guards; the partition walk's and its item order.
 GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py with GEMM1 on WGMMA in every
 variant, also those kernel.py keeps on mma.sync (7-1024 tokens); its accuracy against the mma.sync
 GEMM1's. Both with the `mma.sync` GEMM2, so that only GEMM1 differs. MEDIUM_T's output with the producer warp bit
@@ -47,7 +47,7 @@ def with_gemm1_on(use_wgmma: bool):
             return on_mma_sync_gemm1(variant)
         if variant.wgmma_gemm1:
             return variant
-        # Only the mma.sync GEMM1 routes in every CTA (v2.26), and the fused GEMMs (v2.18) are the mma.sync ones.
+        # Only the mma.sync GEMM1 routes in every CTA, and the fused GEMMs are the mma.sync ones.
         return dataclasses.replace(variant, wgmma_gemm1=True, fused_gemms=False, routing_per_cta=False)
 
     return choose
@@ -115,7 +115,7 @@ def test_items_cover_every_w13_row_once_and_pair_up_with_gate_rows():
 
 
 def test_item_bases_and_copy_offsets_address_the_item_rows():
-    # WgmmaGemm1.item_bases takes the thread's first row; copy i adds item_weight_row(0, 8 i) rows (v2.6). GEMM2's
+    # WgmmaGemm1.item_bases takes the thread's first row; copy i adds item_weight_row(0, 8 i) rows. GEMM2's
     # item rows are consecutive, so its copy i simply adds 8 i rows.
     for n_tile in range(wgmma.ITEMS_PER_ROW_TILE):
         for tidx in range(wgmma.NUM_THREADS):
@@ -130,7 +130,7 @@ def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
     for block_tokens in (8, 16, 32):
         config = wgmma.WgmmaGemm1Config(block_tokens, 4)
         assert config.ctas_per_sm() == 2, config.smem_bytes()
-    # 64-token tiles (candidate v2.2): 146 KB with 4 stages, and 3 stages miss two CTAs by ~3 KB unless
+    # 64-token tiles: 146 KB with 4 stages, and 3 stages miss two CTAs by ~3 KB unless
     # the epilogue tile lives in a token stage
     assert wgmma.WgmmaGemm1Config(64, 4).ctas_per_sm() == wgmma.WgmmaGemm1Config(64, 3).ctas_per_sm() == 1
     in_stage = wgmma.WgmmaGemm1Config(64, 3, scratch_in_stage=True)
@@ -163,7 +163,7 @@ def test_a_wgmma_variant_keeps_its_token_tile():
 
 
 def test_producer_warp_configuration_and_its_guards():
-    # v2.52: MEDIUM_T's GEMM1 has a fifth (producer) warp and a full and an empty mbarrier per slot, at three CTAs
+    # MEDIUM_T's GEMM1 has a fifth (producer) warp and a full and an empty mbarrier per slot, at three CTAs
     # per SM.
     gemm1 = kernel.MEDIUM_T.gemm1()
     without = dataclasses.replace(kernel.MEDIUM_T, gemm1_producer_warp=False, gemm1_partition_walk=False).gemm1()
@@ -188,7 +188,7 @@ def without_producer_warp(num_tokens: int):
 
 
 def test_partition_walk_configuration_and_its_guards():
-    # v2.56: MEDIUM_T's GEMM1 walks by the SMs' L2-partition ranks, kept after the walk's slot counters.
+    # MEDIUM_T's GEMM1 walks by the SMs' L2-partition ranks, kept after the walk's slot counters.
     assert kernel.MEDIUM_T.gemm1().partition_walk and not kernel.LARGE_T.gemm1().partition_walk
     with pytest.raises(wgmma.StreamingConfigError, match="partition_walk"):
         wgmma.WgmmaGemm1Config(32, 3, scratch_in_stage=True, producer_warp=True, partition_walk=True)  # no smid walk
@@ -277,7 +277,7 @@ def test_each_gemm_with_gemm1_on_wgmma_matches_torch(case):
 @needs_cuda
 def test_wgmma_gemm1_is_as_accurate_as_mma_sync(case=cases.CheckCase("wgmma_vs_mma_sync", 901, 96)):
     # The tensor core's FP8 accumulation inside a 128-K block flips bf16 roundings of the intermediate
-    # and the output (session 9: 1.8e-3 relative L2 between the two outputs), so the WGMMA path is held
+    # and the output (1.8e-3 relative L2 between the two outputs at 901 tokens), so the WGMMA path is held
     # to the mma.sync path's distance from the reference, not to its bits.
     inputs = cases.make_inputs(case, "cuda", seed=11)
     expected = cases.reference_run(cases.load_reference())(*inputs.values()).float()

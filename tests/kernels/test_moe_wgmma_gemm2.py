@@ -1,4 +1,4 @@
-"""MoE GEMM2 on bf16 warpgroup MMA with the e4m3 weights converted in registers (v2.1,
+"""MoE GEMM2 on bf16 warpgroup MMA with the e4m3 weights converted in registers (
 kernels/moe/wgmma_gemm2.py and kernels/moe/intermediate_order.py; kernel.py's variants from 33 tokens
 but 65-192).
 
@@ -11,7 +11,7 @@ CPU:
 - the byte offsets of C's copies equal CuTe's B layout under its swizzle (8-32 tokens); the weight tile's
   swizzle keeps every chunk aligned and spreads a load phase's 8 rows over distinct banks;
 - the configurations' shared memory;
-each layout check for both 16-bit types of C, bf16 (`kernel.py`) and f16 (`f16_c`, candidate v2.39).
+each layout check for both 16-bit types of C, bf16 (`kernel.py`) and f16 (`f16_c`).
 GPU (marked `gpu`): kernel.py's distance from the reference with the WGMMA GEMM2 against the same
 variant with the `mma.sync` GEMM2. The per-GEMM checks (C un-permuted) are test_moe_streaming.py's,
 the end-to-end checks test_moe_kernel.py's.
@@ -146,12 +146,12 @@ def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
         assert gemm2.WgmmaGemm2Config(block_tokens, 3).ctas_per_sm() == 2
         f16_c = gemm2.WgmmaGemm2Config(block_tokens, 3, f16_c=True)
         assert f16_c.smem_bytes() == gemm2.WgmmaGemm2Config(block_tokens, 3).smem_bytes()
-    assert gemm2.WgmmaGemm2Config(64, 3).ctas_per_sm() == 1  # 144 KB (candidate v2.2)
+    assert gemm2.WgmmaGemm2Config(64, 3).ctas_per_sm() == 1  # 144 KB
     with pytest.raises(gemm2.StreamingConfigError):
         gemm2.WgmmaGemm2Config(24, 3)
     with pytest.raises(gemm2.StreamingConfigError):
         gemm2.WgmmaGemm2Config(32, 1)
-    # candidate v2.40: two stages of 32 tokens fit three CTAs per SM where the configuration allows them
+    # two stages of 32 tokens fit three CTAs per SM where the configuration allows them
     assert gemm2.WgmmaGemm2Config(32, 2).ctas_per_sm() == 2
     assert gemm2.WgmmaGemm2Config(32, 2, f16_c=True, max_ctas_per_sm=3).ctas_per_sm() == 3
     assert gemm2.WgmmaGemm2Config(32, 3, max_ctas_per_sm=3).ctas_per_sm() == 2

@@ -5,12 +5,13 @@ pipeline around its two grouped GEMMs in the **masked** layout, the one DeepGEMM
 CUDA graphs, "when the CPU is unaware of the number of tokens each expert receives" (README.md:84-88).
 Paths below are deepseek-ai/DeepGEMM@54e22612409371d6364144b69086735beb54e98b:<path>:<line>.
 
-One call is a fixed sequence of about 55 kernel launches on the current stream, **no host sync**
-and no data-dependent shape: every shape derives from T (the token count) and the weights' shapes,
-so the call can be captured in a CUDA graph. Torch ops except the two GEMMs:
+One call is a fixed sequence of 54 kernel launches on the current stream (52 torch kernels and the
+two GEMMs; a new workspace adds one memset), **no host sync** and no data-dependent shape: every
+shape derives from T (the token count) and the weights' shapes, so the call can be captured in a
+CUDA graph. Torch ops except the two GEMMs:
 
 1. Routing (DeepSeek-V3 no-aux, 8 groups, top-4 groups, top-8 experts), the same torch ops in the
-   same order as our reference, so the same experts and fp32 weights come out (~17 kernels).
+   same order as our reference, so the same experts and fp32 weights come out (17 kernels).
 2. Row budget: each of the G = 32 local experts owns `M_max = align(T, 128)` rows. T is the exact
    worst case (a token picks an expert at most once: `topk` indices are distinct); 128 is the
    largest block M the SM90 heuristic tries for this layout (csrc/jit_kernels/heuristics/sm90.hpp:34-35),
@@ -24,7 +25,7 @@ so the call can be captured in a CUDA graph. Torch ops except the two GEMMs:
    heuristic (its wave estimate, heuristics/sm90.hpp:201-208; must be > 0, csrc/apis/gemm.hpp:274),
    is 1.2 x the uniform share T * 8 / 256 as DeepGEMM's test passes `int(expected_m_per_group * 1.2)`
    (tests/test_fp8_fp4.py:162), from T alone: no device read.
-3. Permutation, ~20 small kernels: for each (token, slot) pair with a local expert e, its row in e's
+3. Permutation, 15 small kernels: for each (token, slot) pair with a local expert e, its row in e's
    segment is the number of earlier tokens that chose e (a [T, 33] hit matrix, `cumsum` over tokens,
    `gather`); `masked_m` (int32 [32]) is the last prefix row. x's rows (moved as int64 words) and
    their 1x128 scales are scattered with `index_put_` into `[G + 1, M_max, H]` fp8 and
@@ -52,17 +53,17 @@ so the call can be captured in a CUDA graph. Torch ops except the two GEMMs:
    **requantisation** to e4m3 with 1x128 per-row block scales amax/448 (the recipe of
    `deep_gemm.utils.per_token_cast_to_fp8`, deep_gemm/utils/math.py:26-38), on the 8T pair rows
    gathered from d1 (not on the whole [G, M_max] buffer, which is >= 4x more rows), scattered like
-   x into `[G + 1, M_max, I]` fp8 and `[G + 1, I/128, M_max]` fp32 (~11 kernels).
+   x into `[G + 1, M_max, I]` fp8 and `[G + 1, I/128, M_max]` fp32 (15 kernels with the row indices).
 6. GEMM2 the same call with (W2, sW2): bf16 [G, M_max, 7168].
 7. Combine: each pair gathers its row of GEMM2's output (pairs of other experts gather a row kept at
    zero, after the G * M_max rows DeepGEMM writes), times its routing weight in fp32, summed per
    token in fp32, cast to bf16 into `output`; a token with no local expert gets a zero row. Only
-   rows < masked_m are ever gathered.
+   rows < masked_m are ever gathered (5 kernels).
 
 What the static shapes cost: the torch stages between the GEMMs run over all 8T (token, slot) pairs,
 about 8x the local ones at uniform routing (T of them), i.e. ~12 GB of elementwise traffic for the
 SwiGLU/requantisation and ~7 GB for the combine at T = 14107, against one pair row each in a fused
-serving kernel. At T <= ~100 the call is launch-bound (about 55 launches).
+serving kernel. At T <= ~100 the call is launch-bound.
 
 Buffers (`Workspace`, the preallocated workspace a serving engine keeps): x rows
 [G + 1, M_max, H] fp8 and scales [G + 1, H/128, M_max] fp32, d1 [G, M_max, 2I] bf16, activated rows
@@ -388,7 +389,8 @@ def moe_pipeline(
 
     # The pairs' rows of GEMM1's output: local pairs read theirs, the others row 0 of group 0 (any
     # row; their results go to the unread extra group).
-    pair_rows = torch.where(layout.is_local, layout.group * rows + layout.row, 0).flatten()
+    flat_rows = layout.group * rows + layout.row
+    pair_rows = torch.where(layout.is_local, flat_rows, 0).flatten()
     activated, activated_scales = swiglu_requantize(ws.gemm1_out.view(-1, gemm1_size).index_select(0, pair_rows))
     scatter_rows(
         ws.act_rows,
@@ -408,7 +410,7 @@ def moe_pipeline(
     )
 
     # Combine: other ranks' pairs read the zero row after the G * M_max rows of GEMM2's output.
-    combine_rows = torch.where(layout.is_local, layout.group * rows + layout.row, num_local * rows).flatten()
+    combine_rows = torch.where(layout.is_local, flat_rows, num_local * rows).flatten()
     gathered = ws.gemm2_out.index_select(0, combine_rows).view(num_tokens, TOP_K, hidden)
     weighted = torch.mul(gathered, weights.float()[:, :, None])  # bf16 x fp32 -> fp32
     output.copy_(weighted.sum(dim=1))

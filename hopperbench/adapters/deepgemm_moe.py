@@ -62,7 +62,7 @@ CUDA graph. Torch ops except the two GEMMs:
 
 What the static shapes cost: the torch stages between the GEMMs run over all 8T (token, slot) pairs,
 about 8x the local ones at uniform routing (T of them), i.e. ~12 GB of elementwise traffic for the
-SwiGLU/requantisation and ~7 GB for the combine at T = 14107, against one pair row each in a fused
+SwiGLU/requantisation and ~12 GB for the combine at T = 14107, against one pair row each in a fused
 serving kernel. At T <= ~100 the call is launch-bound.
 
 Buffers (`Workspace`, the preallocated workspace a serving engine keeps): x rows

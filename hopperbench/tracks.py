@@ -212,14 +212,15 @@ MOE = Track(
             name="deepgemm_grouped",
             entry="deepgemm_moe.py::run",
             description=(
-                "DeepGEMM SM90 FP8 grouped GEMM (contiguous layout), torch routing/permutation/"
-                "SwiGLU-requant/combine (deep_gemm 2.6.1@54e2261)"
+                "DeepGEMM SM90 FP8 grouped GEMM (masked layout, a row budget of T per expert, no host "
+                "sync), torch routing/permutation/SwiGLU-requant/combine (deep_gemm 2.6.1@54e2261)"
             ),
             submodule="third_party/DeepGEMM",
             package="deep_gemm==2.6.1+54e2261",
             timed_call=(
-                "routing and permutation in torch, DeepGEMM's two grouped FP8 GEMMs, SwiGLU with FP8 "
-                "requantisation and the weighted combine in torch"
+                "routing and the permutation into the masked layout in torch (~32 kernels), DeepGEMM's two "
+                "masked grouped FP8 GEMMs, SwiGLU with FP8 requantisation and the weighted combine in torch "
+                "(~20 kernels); no host sync"
             ),
         ),
     ),

@@ -21,7 +21,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hopperbench.environment import EnvironmentRecord
 from hopperbench.sides import HUMAN, OURS, REFERENCE, canonical_side_order
@@ -554,10 +554,20 @@ class Journal:
 
     def _parse(self) -> tuple[JournalHeader, list[SideRecord], list[str]]:
         """Header, records, and the records' lines as written."""
-        lines = self.path.read_text(encoding="utf-8").splitlines()
+        try:
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise JournalMismatchError(f"{self.path} is not UTF-8 text (byte {e.start})") from None
         if not lines:
             raise JournalMismatchError(f"{self.path} is empty")
-        header = JournalHeader.model_validate_json(lines[0])
+        try:
+            header = JournalHeader.model_validate_json(lines[0])
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(map(str, first["loc"]))
+            raise JournalMismatchError(
+                f"{self.path}:1 is not a journal header ({where + ': ' if where else ''}{first['msg']})"
+            ) from None
         records: list[SideRecord] = []
         kept: list[str] = []
         for number, line in enumerate(lines[1:], start=2):

@@ -1,10 +1,15 @@
 """The paired runner: `uv run benchmarks/compare_human_best.py`.
 
 It checks every input before it writes anything (a bad flag, an unknown uuid, a
-missing data folder, no CUDA device, no CUPTI or a tampered human_best pin is one
-line on stderr and exit code 2), then runs every (side, workload) of the selected
+missing data folder, an unwritable --output, a journal that cannot be resumed, a
+tampered human_best pin, no CUDA device or no CUPTI is one line on stderr and exit
+code 2; the CUDA and CUPTI checks come last, so that a machine without a GPU
+validates everything else), then runs every (side, workload) of the selected
 tracks in its own worker process (`hopperbench.worker`), the reference side of a
 workload first because the others are checked against its stored outputs.
+`--dry-run` stops after the checks but the CUDA and CUPTI ones and prints the plan;
+`--list` prints the selected workloads. Neither needs a GPU or writes anything.
+`--workloads` takes full uuids or unique prefixes of at least 6 characters.
 
 Worker processes are forked from a warm server per device that has already imported
 torch, triton, flashinfer_bench, ... (`hopperbench.worker_pool`, whose docstring states
@@ -88,6 +93,7 @@ from hopperbench.worker_pool import (
     physical_cores,
     split_cpus,
 )
+from hopperbench.workloads import MIN_UUID_PREFIX
 
 PROG = "compare_human_best"
 LOG_TAIL_CHARS = 2000
@@ -160,7 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=_count(1), default=3, help="input sets per workload (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthesized inputs (default 0)")
     p.add_argument("--max-workloads", type=_count(1), default=None, help="at most N workloads per track")
-    p.add_argument("--workloads", type=_comma_list, default=None, metavar="UUID,...", help="only these workloads")
+    p.add_argument(
+        "--workloads",
+        type=_comma_list,
+        default=None,
+        metavar="UUID,...",
+        help=f"only these workloads (full uuids, or unique prefixes of >= {MIN_UUID_PREFIX} characters)",
+    )
     p.add_argument("--output", type=Path, default=None, help="results JSON (default runs/<timestamp>/results.json)")
     p.add_argument("--resume", action="store_true", help="continue the run whose journal is beside --output")
     p.add_argument("--timeout", type=_positive_seconds, default=300.0, help="seconds per worker process (default 300)")
@@ -183,10 +195,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="override the tracks' reference iterations (0 = untimed)",
     )
     p.add_argument("--keep-scratch", action="store_true", help="keep the stored reference outputs after the run")
-    p.add_argument(
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
         "--finalize",
         action="store_true",
         help="write the JSON and CSV of the journal beside --output without running anything (no GPU needed)",
+    )
+    mode.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the command line and print the plan without running or writing anything (no GPU needed)",
+    )
+    mode.add_argument(
+        "--list",
+        action="store_true",
+        help="print the selected workloads (track, index, uuid, axes, data source) and exit (no GPU needed)",
     )
     p.add_argument(
         "--environment-from",
@@ -371,16 +394,22 @@ def _default_output() -> Path:
 def _select_workloads(
     tracks: list[Track], args: argparse.Namespace, data_dir: Path | None, hooks: RunnerHooks
 ) -> dict[str, list[Any]]:
+    """Per track with something selected, its workloads; --workloads' prefixes resolved to full uuids."""
+    from hopperbench.workloads import WorkloadSelectionError, resolve_uuids
+
     everything = {t.name: hooks.load_workloads(t.name, data_dir) for t in tracks}
     if args.workloads is None:
         return {name: hooks.select_workloads(ws, None, args.max_workloads) for name, ws in everything.items()}
     owner = {w.uuid: name for name, ws in everything.items() for w in ws}
-    unknown = [u for u in dict.fromkeys(args.workloads) if u not in owner]
+    try:
+        uuids, unknown = resolve_uuids(args.workloads, list(owner))
+    except WorkloadSelectionError as e:
+        raise CliError(str(e)) from None
     if unknown:
         raise CliError(f"unknown workload uuid(s) {', '.join(unknown)} (not in the lists of {', '.join(everything)})")
     selected = {}
     for name, ws in everything.items():
-        mine = [u for u in args.workloads if owner[u] == name]
+        mine = [u for u in uuids if owner[u] == name]
         if mine:
             selected[name] = hooks.select_workloads(ws, mine, args.max_workloads)
     return selected
@@ -406,27 +435,83 @@ def _side_wanted(side: Side, wanted: set[str] | None) -> bool:
     return side.name in wanted
 
 
-def _cpu_shares(slots: list[str | None], args: argparse.Namespace, hooks: RunnerHooks) -> list[list[int]] | None:
+def _cpu_shares(slot_count: int, args: argparse.Namespace, hooks: RunnerHooks) -> list[list[int]] | None:
     if args.no_pin_cpus:
         return None
     try:
         cpus = hooks.available_cpus()
-        return split_cpus(cpus, len(slots), hooks.physical_cores(cpus))
+        return split_cpus(cpus, slot_count, hooks.physical_cores(cpus))
     except CpuSplitError as e:
         raise CliError(f"{e}; pass --no-pin-cpus to run unpinned") from None
 
 
-def plan_run(args: argparse.Namespace, hooks: RunnerHooks) -> RunPlan:
+def _selected_tracks(args: argparse.Namespace) -> list[Track]:
+    try:
+        return parse_track_list(args.track)
+    except UnknownTrackError as e:
+        raise CliError(str(e)) from None
+
+
+def _data_dir(args: argparse.Namespace) -> Path:
+    if args.data_dir is not None and not args.data_dir.is_dir():
+        raise CliError(f"--data-dir {args.data_dir} is not a folder")
+    return args.data_dir if args.data_dir is not None else BENCHMARK_DATA_DIR
+
+
+def check_output_writable(output: Path) -> None:
+    """Refuse an --output whose files could not be created, before anything is: the nearest
+    existing folder above it must be writable (the missing ones are created there), and no
+    component of its folder may be a file."""
+    if output.is_dir():
+        raise CliError(f"--output {output} is a folder; name a .json file")
+    existing = output.parent
+    while not os.path.lexists(existing) and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CliError(f"--output {output}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == output.parent else f" (where {output.parent} would be created)"
+        raise CliError(f"--output {output}: cannot write in {existing}{where}")
+
+
+def _journal_error(journal: Journal, error: Exception) -> CliError:
+    """One line that names the journal (results.py's messages already do; others get it prepended)."""
+    if isinstance(error, OSError):
+        return CliError(f"cannot read {journal.path}: {error.strerror or error}")
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return CliError(message if str(journal.path) in message else f"{journal.path}: {message}")
+
+
+def _check_resumable(journal: Journal, header: JournalHeader, timer_checked: bool) -> list[SideRecord]:
+    """The journal's records if `header` may continue it. Before the timer is known (`timer_checked`
+    False) its protocol entry is taken as the journal's own, so that every other difference is
+    reported without the CUPTI check."""
+    try:
+        if not timer_checked:
+            recorded, _ = journal.read()
+            protocol = {**header.protocol, "timer": recorded.protocol.get("timer")}
+            header = header.model_copy(update={"protocol": protocol})
+        return journal.check_resumable(header)
+    except (JournalMismatchError, ValueError, OSError) as e:
+        raise _journal_error(journal, e) from None
+
+
+def plan_run(args: argparse.Namespace, hooks: RunnerHooks, check_machine: bool = True) -> RunPlan:
+    """Check every input and build the plan; nothing is written.
+
+    The checks that need no GPU come first (flags, tracks, sides, data folder, output, workloads,
+    the human_best guard, the journal to resume), so that any machine can validate a command line;
+    the CUDA device and CUPTI checks come last, and only with `check_machine` (not for --dry-run,
+    whose plan then has the requested devices as its slots and no timer in its protocol).
+    """
     if args.environment_from is not None:
         raise CliError("--environment-from only applies with --finalize")
+    tracks = _selected_tracks(args)
     try:
-        tracks = parse_track_list(args.track)
         allow_unpinned = {get_track(t).name for group in args.allow_unpinned for t in group}
     except UnknownTrackError as e:
         raise CliError(str(e)) from None
-    if args.data_dir is not None and not args.data_dir.is_dir():
-        raise CliError(f"--data-dir {args.data_dir} is not a folder")
-    data_dir = args.data_dir if args.data_dir is not None else BENCHMARK_DATA_DIR
+    data_dir = _data_dir(args)
     wanted_sides = _requested_sides(args, tracks)
 
     if args.resume and args.output is None:
@@ -434,9 +519,12 @@ def plan_run(args: argparse.Namespace, hooks: RunnerHooks) -> RunPlan:
     output = (args.output if args.output is not None else _default_output()).absolute()
     if output.suffix != ".json":
         raise CliError(f"--output must name a .json file, got {output.name}")
+    check_output_writable(output)
     journal = Journal(Journal.path_for(output))
     if args.resume and not journal.exists():
         raise CliError(f"nothing to resume: {journal.path} does not exist")
+    if args.resume and not os.access(journal.path, os.W_OK):
+        raise CliError(f"cannot resume {journal.path}: it is not writable")
     if not args.resume:
         existing = [p for p in (output, csv_path_for(output), journal.path) if p.exists()]
         if existing:
@@ -444,10 +532,10 @@ def plan_run(args: argparse.Namespace, hooks: RunnerHooks) -> RunPlan:
 
     workloads = _select_workloads(tracks, args, data_dir, hooks)
     tracks = [t for t in tracks if t.name in workloads]
-    slots = hooks.check_devices(args.devices)
-    cpu_sets = _cpu_shares(slots, args, hooks)
+    requested_slots: list[str | None] = [None] if args.devices is None else [str(d) for d in args.devices]
+    cpu_sets = _cpu_shares(len(requested_slots), args, hooks)
     protocol: dict[str, Any] = {
-        "timer": hooks.timer_protocol(),
+        "timer": None,  # hooks.timer_protocol(), below
         "warmup": args.warmup,
         "iterations": args.iterations,
         "trials": args.trials,
@@ -470,14 +558,19 @@ def plan_run(args: argparse.Namespace, hooks: RunnerHooks) -> RunPlan:
         for tp in plans
     }
     header = JournalHeader(seed=args.seed, protocol=protocol, plan=planned)
-    finished: dict[tuple[str, str, str], SideRecord] = {}
-    if args.resume:
-        try:
-            records = journal.check_resumable(header)
-        except (JournalMismatchError, ValueError) as e:
-            raise CliError(str(e).splitlines()[0]) from None
-        # An unavailable side is looked at again: its kernel or checkout may exist now.
-        finished = {r.key: r for r in records if r.result.status != Status.UNAVAILABLE}
+    records = _check_resumable(journal, header, timer_checked=False) if args.resume else []
+
+    # Last, the machine: CUDA devices, then CUPTI.
+    slots = requested_slots
+    if check_machine:
+        slots = hooks.check_devices(args.devices)
+        if len(slots) != len(requested_slots):
+            cpu_sets = _cpu_shares(len(slots), args, hooks)
+        header.protocol["timer"] = hooks.timer_protocol()
+        if args.resume:
+            records = _check_resumable(journal, header, timer_checked=True)
+    # An unavailable side is looked at again: its kernel or checkout may exist now.
+    finished = {r.key: r for r in records if r.result.status != Status.UNAVAILABLE}
     return RunPlan(
         tracks=plans,
         output=output,
@@ -796,8 +889,8 @@ def _print_results(results: ResultsFile, output: Path) -> None:
 def _read_journal(journal: Journal) -> tuple[JournalHeader, list[SideRecord]]:
     try:
         return journal.read()
-    except (JournalMismatchError, ValueError) as e:
-        raise CliError(f"{journal.path}: {str(e).splitlines()[0]}") from None
+    except (JournalMismatchError, ValueError, OSError) as e:
+        raise _journal_error(journal, e) from None
 
 
 def _environment_of(results_json: Path) -> EnvironmentRecord:
@@ -844,6 +937,40 @@ def finalize(args: argparse.Namespace) -> int:
         environment, source = header.environment, "journal header"
     _print_results(write_journal_results(output, header, records, environment, source), output)
     return 0
+
+
+# ------------------------------------------------------------------------------------------
+# --list and --dry-run: no GPU, nothing written
+
+
+def list_workloads(args: argparse.Namespace, hooks: RunnerHooks) -> int:
+    """--list: one tab-separated line per selected workload: track, index, uuid, axes, data source."""
+    from hopperbench.workloads import data_source_label
+
+    tracks = _selected_tracks(args)
+    workloads = _select_workloads(tracks, args, _data_dir(args), hooks)
+    for track in tracks:
+        for w in workloads.get(track.name, []):
+            axes = " ".join(f"{name}={value}" for name, value in w.axes.items())
+            print(f"{track.name}\t{w.index}\t{w.uuid}\t{axes}\t{data_source_label(w)}")
+    return 0
+
+
+def format_plan(plan: RunPlan, devices: list[int] | None) -> str:
+    """--dry-run's report: per track its workloads, the sides that would run and the unavailable ones."""
+    jobs = sum(len(tp.workloads) * len(tp.sides) for tp in plan.tracks)
+    pending = sum(len(_pending_sides(plan, tp, w)) for tp in plan.tracks for w in tp.workloads)
+    mode = f"resume {plan.journal.path}, {pending} of {jobs} jobs to run" if plan.resume else f"{jobs} jobs"
+    lines = [f"dry run: nothing run or written; output {plan.output} ({mode})"]
+    for tp in plan.tracks:
+        lines.append(f"{tp.track.name}: {len(tp.workloads)} workload(s)")
+        lines.append(f"  runs: {', '.join(s.name for s in tp.sides if s.available) or '-'}")
+        for side in tp.sides:
+            if not side.available:
+                lines.append(f"  unavailable: {side.name}: {side.reason or 'no reason given'}")
+    where = f" (--devices {','.join(map(str, devices))})" if devices is not None else ""
+    lines.append(f"not checked: the CUDA device(s){where} and CUPTI; a run checks them before it writes anything")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------
@@ -934,8 +1061,12 @@ def _stop_early(plan: RunPlan, why: str, exit_code: int) -> int:
 
 
 def execute_run(plan: RunPlan, hooks: RunnerHooks) -> int:
-    plan.output.parent.mkdir(parents=True, exist_ok=True)
-    plan.logs_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        plan.output.parent.mkdir(parents=True, exist_ok=True)
+        plan.logs_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # checked by plan_run; a folder that changed since
+        print(f"{PROG}: error: cannot create {e.filename or plan.logs_dir}: {e.strerror or e}", file=sys.stderr)
+        return 2
     with _signals_interrupt():
         try:
             open_journal(plan, hooks)
@@ -963,6 +1094,11 @@ def main(argv: Sequence[str] | None = None, hooks: RunnerHooks | None = None) ->
         args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
         if args.finalize:
             return finalize(args)
+        if args.list:
+            return list_workloads(args, hooks)
+        if args.dry_run:
+            print(format_plan(plan_run(args, hooks, check_machine=False), args.devices))
+            return 0
         plan = plan_run(args, hooks)
     except CliError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

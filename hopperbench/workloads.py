@@ -146,6 +146,42 @@ def select_workloads(
     return selected if max_count is None else selected[:max_count]
 
 
+# The shortest uuid prefix `resolve_uuids` accepts, and how many candidates an ambiguous one names.
+MIN_UUID_PREFIX = 6
+MAX_NAMED_CANDIDATES = 5
+
+
+def resolve_uuids(requested: list[str], known: list[str]) -> tuple[list[str], list[str]]:
+    """Each requested uuid, or unique prefix of at least MIN_UUID_PREFIX characters of one in
+    `known`, as the full uuid (in request order, once each); and the requests that match none.
+
+    Raises WorkloadSelectionError for a prefix that is too short or matches several uuids.
+    """
+    full = set(known)
+    resolved: dict[str, None] = {}
+    unknown: dict[str, None] = {}
+    for text in requested:
+        if text in full:
+            resolved[text] = None
+            continue
+        if len(text) < MIN_UUID_PREFIX:
+            raise WorkloadSelectionError(
+                f"workload {text!r} is not a full uuid, and a uuid prefix needs at least {MIN_UUID_PREFIX} characters"
+            )
+        matches = list(dict.fromkeys(u for u in known if u.startswith(text)))
+        if len(matches) > 1:
+            named = ", ".join(matches[:MAX_NAMED_CANDIDATES])
+            more = f" and {len(matches) - MAX_NAMED_CANDIDATES} more" if len(matches) > MAX_NAMED_CANDIDATES else ""
+            raise WorkloadSelectionError(
+                f"workload uuid prefix {text!r} is ambiguous: it matches {len(matches)} uuids ({named}{more})"
+            )
+        if matches:
+            resolved[matches[0]] = None
+        else:
+            unknown[text] = None
+    return list(resolved), list(unknown)
+
+
 @cache
 def track_definition(track: str) -> Definition:
     """Our definition of `track` (by track name), loaded once per process."""

@@ -709,7 +709,7 @@ def parse_axes(text: str) -> dict[str, int]:
     return {k: int(v) for k, v in pairs}
 
 
-def _cell(value: Any) -> str:
+def csv_cell(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -909,7 +909,7 @@ def rows_to_csv(rows: Sequence[WorkloadRow], environment: EnvironmentRecord | No
     writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     for record in tidy_records(rows, environment):
-        writer.writerow({k: _cell(record.get(k)) for k in columns})
+        writer.writerow({k: csv_cell(record.get(k)) for k in columns})
     return out.getvalue()
 
 

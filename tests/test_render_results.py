@@ -36,7 +36,9 @@ def _load_renderer():
     return module
 
 
-def side(name: str, ms: float | None, graph: float | GraphStatus | None = None, status: Status = Status.PASSED) -> SideResult:
+def side(
+    name: str, ms: float | None, graph: float | GraphStatus | None = None, status: Status = Status.PASSED
+) -> SideResult:
     """A side's result: `graph` a graph time (PASSED), a GraphStatus without time, or None."""
     if status != Status.PASSED or ms is None:
         return SideResult(side=name, status=status)
@@ -44,7 +46,8 @@ def side(name: str, ms: float | None, graph: float | GraphStatus | None = None, 
     if isinstance(graph, float):
         fields = {"graph_status": GraphStatus.PASSED, "graph_ms": graph}
     elif isinstance(graph, GraphStatus):
-        fields = {"graph_status": graph, "graph_message": "capture failed" if graph == GraphStatus.NOT_CAPTURABLE else None}
+        message = "capture failed" if graph == GraphStatus.NOT_CAPTURABLE else None
+        fields = {"graph_status": graph, "graph_message": message}
     return SideResult(side=name, status=status, latency_ms=ms, per_trial_ms=[ms] * 3, **fields)
 
 
@@ -115,7 +118,8 @@ def test_moe_and_dsa_baselines_are_their_fastest_library_and_the_reference_is_ne
     dsa = [workload("dsa_attention", 0, [side("ours", 1.0), side("reference", 2.0)])]
     h_moe, h_dsa = report.headline(results_of(moe + dsa))
     assert h_moe.baseline == report.Baseline("deepgemm_grouped", "fastest library")
-    assert h_moe.other_library.side == "slow_lib" and h_moe.other_library.eager.geomean == pytest.approx((0.25 * 0.5) ** 0.5)
+    assert h_moe.other_library.side == "slow_lib"
+    assert h_moe.other_library.eager.geomean == pytest.approx((0.25 * 0.5) ** 0.5)
     assert h_moe.human.eager == report.Ratio(None, 0, "UNAVAILABLE")
     assert h_moe.ours_vs_human.eager.note == "human UNAVAILABLE"
     assert h_dsa.baseline.side is None and h_dsa.ours.eager.note == "no baseline"
@@ -125,7 +129,8 @@ def test_moe_and_dsa_baselines_are_their_fastest_library_and_the_reference_is_ne
 def test_pass_lines_count_each_status_per_side() -> None:
     lines = report.pass_lines(gdn_rows())
     assert lines == [
-        "`gdn_prefill` (3 workloads): ours 2 passed, 1 FAILED; human 3 passed; fla_chunk 3 passed; flashinfer_gdn 3 passed."
+        "`gdn_prefill` (3 workloads): ours 2 passed, 1 FAILED; human 3 passed; fla_chunk 3 passed;"
+        " flashinfer_gdn 3 passed."
     ]
 
 

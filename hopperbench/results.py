@@ -611,19 +611,6 @@ class Journal:
 # ------------------------------------------------------------------------------------------
 # JSON and CSV files
 
-SIDE_FIELDS = ("status", "latency_ms", "min_ms", "max_ms", "busy_ms", "max_abs_err", "max_rel_err", "relative_l2")
-WORKLOAD_FIELDS = ("track", "definition", "uuid", "index", "axes", "data_source", "seed", "absent_inputs")
-DERIVED_FIELDS = (
-    "speedup_vs_human",
-    "speedup_vs_reference",
-    "speedup_vs_best_reference",
-    "best_reference",
-    "human_pinned",
-    "floor_ms",
-    "floor_bytes",
-    "ours_over_floor",
-    "ours_tb_per_s",
-)
 FLOOR_FIELDS = ("floor_ms", "floor_bytes", "ours_over_floor", "ours_tb_per_s")
 
 
@@ -696,19 +683,11 @@ class ResultsFile(BaseModel):
     summary: dict[str, TrackSummary]
 
 
-def csv_columns(side_names: Iterable[str]) -> list[str]:
-    columns = list(WORKLOAD_FIELDS)
-    for side in canonical_side_order(side_names):
-        columns += [f"{side}_{field}" for field in SIDE_FIELDS]
-    return columns + list(DERIVED_FIELDS)
-
-
 def format_axes(axes: Mapping[str, int]) -> str:
     return ";".join(f"{k}={v}" for k, v in axes.items())
 
 
-# CSV cell of `absent_inputs`: "-" when every input was given, so that an empty cell keeps
-# meaning "not recorded" (an older run).
+# CSV cell of `absent_inputs` in the old wide CSV: "-" when every input was given.
 ALL_INPUTS_GIVEN = "-"
 
 
@@ -731,27 +710,207 @@ def parse_axes(text: str) -> dict[str, int]:
     return {k: int(v) for k, v in pairs}
 
 
-def _cell(value: Any) -> str:
+def csv_cell(value: Any) -> str:
     if value is None:
         return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, float):
         return repr(value)
     return str(value)
 
 
-def rows_to_csv(rows: Sequence[WorkloadRow]) -> str:
-    columns = csv_columns({s for r in rows for s in r.sides})
+# ------------------------------------------------------------------------------------------
+# The tidy CSV: one row per (track, workload, side), the same columns for every track and run
+# (results/SCHEMA.md describes each column).
+
+# The optional input whose presence the `state_given` column records.
+STATE_INPUT = "state"
+
+TIDY_LEAD_COLUMNS = ("track", "definition", "workload_index", "uuid", "data_source", "state_given")
+TIDY_SIDE_COLUMNS = (
+    "side", "side_kind", "side_version", "status", "message",
+    "eager_ms", "eager_min_ms", "eager_max_ms", "eager_busy_ms",
+    "graph_status", "graph_ms", "graph_busy_ms", "graph_message",
+    "max_abs_err", "max_rel_err", "relative_l2", "matched_ratio",
+    "floor_ms", "floor_bytes", "over_floor",
+    "trials", "iterations", "seed", "gpu", "commit",
+)  # fmt: skip
+# Tidy column -> SideResult field, for the columns that are one field of the side's result.
+_TIDY_RESULT_FIELDS = {
+    "message": "message",
+    "eager_ms": "latency_ms",
+    "eager_min_ms": "min_ms",
+    "eager_max_ms": "max_ms",
+    "eager_busy_ms": "busy_ms",
+    "graph_ms": "graph_ms",
+    "graph_busy_ms": "graph_busy_ms",
+    "graph_message": "graph_message",
+    "max_abs_err": "max_abs_err",
+    "max_rel_err": "max_rel_err",
+    "relative_l2": "relative_l2",
+    "matched_ratio": "matched_ratio",
+}
+_TIDY_FLOAT_FIELDS = frozenset(_TIDY_RESULT_FIELDS) - {"message", "graph_message"}
+
+
+def _definition_json(track_name: str) -> dict[str, Any]:
+    """A registry track's definition JSON as authored (read directly: no flashinfer-bench import)."""
+    import json
+
+    from hopperbench.tracks import TRACKS
+
+    return json.loads(TRACKS[track_name].definition_path.read_text(encoding="utf-8"))
+
+
+def definition_var_axes() -> list[str]:
+    """Every `var` axis of every registry track's definition, tracks in registry order and each
+    definition's axes in its own order, each name once: the tidy CSV's axis columns."""
+    from hopperbench.tracks import TRACKS
+
+    names: list[str] = []
+    for track in TRACKS:
+        axes = _definition_json(track).get("axes", {})
+        names += [n for n, a in axes.items() if a.get("type") == "var" and n not in names]
+    return names
+
+
+def track_has_state_input(track: str) -> bool:
+    """Whether the track's definition has an optional `state` input (GDN); False for a track not in
+    the registry."""
+    from hopperbench.tracks import TRACKS
+
+    if track not in TRACKS:
+        return False
+    inputs = _definition_json(track).get("inputs", {})
+    return bool(inputs.get(STATE_INPUT, {}).get("optional"))
+
+
+def state_given(track: str, absent_inputs: Sequence[str] | None) -> bool | None:
+    """Whether the workload passed `state` (tidy column `state_given`); None where the track has no
+    optional state or the record does not say."""
+    if absent_inputs is None or not track_has_state_input(track):
+        return None
+    return STATE_INPUT not in absent_inputs
+
+
+def side_kind(name: str) -> str:
+    """ours / candidate / human / reference / library."""
+    if name == OURS:
+        return "ours"
+    if name == HUMAN:
+        return "human"
+    if name == REFERENCE:
+        return "reference"
+    if is_candidate_side(name):
+        return "candidate"
+    return "library"
+
+
+def library_pin(track: str, name: str) -> str | None:
+    """A library side's pin from the registry: its `package` requirement, else its `submodule`."""
+    from hopperbench.tracks import TRACKS
+
+    entry = TRACKS.get(track)
+    for lib in entry.libraries if entry is not None else ():
+        if lib.name == name:
+            return lib.package or lib.submodule
+    return None
+
+
+def human_pinned_commit(track: str) -> str | None:
+    """The commit human_best/manifest.toml pins for the track's winner (None if unreadable)."""
+    from hopperbench.human_best import ManifestError, load_manifest
+    from hopperbench.tracks import TRACKS
+
+    entry = TRACKS.get(track)
+    if entry is None:
+        return None
+    try:
+        manifest = load_manifest()
+    except (ManifestError, OSError):
+        return None
+    human = manifest.get(entry.human_key)
+    return human.commit if human is not None else None
+
+
+def side_version(track: str, name: str, result: SideResult, repo_commit: str | None) -> str | None:
+    """ours/candidate: the run's commit; human: the pinned commit if it ran; library: its pin;
+    reference: "definition"."""
+    kind = side_kind(name)
+    if kind in ("ours", "candidate"):
+        return repo_commit
+    if kind == "reference":
+        return "definition"
+    if kind == "human":
+        return human_pinned_commit(track) if result.status != Status.UNAVAILABLE else None
+    return library_pin(track, name)
+
+
+def tidy_columns(rows: Sequence[WorkloadRow] = ()) -> list[str]:
+    """The tidy CSV's header: lead columns, one per definition var axis (then any axis of `rows`
+    that no registry definition has, sorted: never in a run of the registry's tracks), side columns."""
+    axes = definition_var_axes()
+    extra = sorted({a for r in rows for a in r.axes} - set(axes))
+    return [*TIDY_LEAD_COLUMNS, *axes, *extra, *TIDY_SIDE_COLUMNS]
+
+
+def _iterations(result: SideResult, environment: EnvironmentRecord | None) -> int | None:
+    if result.per_trial_iterations:
+        return min(result.per_trial_iterations)
+    if result.timed and environment is not None:
+        iterations = environment.protocol.get("iterations")
+        return iterations if isinstance(iterations, int) else None
+    return None
+
+
+def tidy_records(rows: Sequence[WorkloadRow], environment: EnvironmentRecord | None = None) -> list[dict[str, Any]]:
+    """The tidy CSV's rows as dicts of typed values (None = empty cell), one per (workload, side)."""
+    env = environment or EnvironmentRecord()
+    out = []
+    for row in rows:
+        given = state_given(row.track, row.absent_inputs)
+        for name, result in row.sides.items():
+            record: dict[str, Any] = {
+                "track": row.track,
+                "definition": row.definition,
+                "workload_index": row.index,
+                "uuid": row.uuid,
+                "data_source": row.data_source,
+                "state_given": given,
+                **row.axes,
+                "side": name,
+                "side_kind": side_kind(name),
+                "side_version": side_version(row.track, name, result, env.repo_commit),
+                "status": result.status.value,
+                "graph_status": result.graph_status.value if result.graph_status is not None else None,
+                "floor_ms": row.floor_ms,
+                "floor_bytes": row.floor_bytes,
+                "over_floor": (
+                    result.latency_ms / row.floor_ms
+                    if result.timed and result.latency_ms and row.floor_ms
+                    else None
+                ),
+                "trials": len(result.per_trial_ms) if result.per_trial_ms else None,
+                "iterations": _iterations(result, env),
+                "seed": row.seed,
+                "gpu": env.gpu_name,
+                "commit": env.repo_commit,
+            }
+            for column, field in _TIDY_RESULT_FIELDS.items():
+                record[column] = getattr(result, field)
+            out.append(record)
+    return out
+
+
+def rows_to_csv(rows: Sequence[WorkloadRow], environment: EnvironmentRecord | None = None) -> str:
+    """The tidy CSV of `rows` (see results/SCHEMA.md)."""
+    columns = tidy_columns(rows)
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
-    for row in rows:
-        flat: dict[str, Any] = {f: getattr(row, f) for f in WORKLOAD_FIELDS + DERIVED_FIELDS}
-        flat["axes"] = format_axes(row.axes)
-        flat["absent_inputs"] = format_absent_inputs(row.absent_inputs)
-        for side, result in row.sides.items():
-            for field in SIDE_FIELDS:
-                flat[f"{side}_{field}"] = getattr(result, field)
-        writer.writerow({k: _cell(flat.get(k)) for k in columns})
+    for record in tidy_records(rows, environment):
+        writer.writerow({k: csv_cell(record.get(k)) for k in columns})
     return out.getvalue()
 
 
@@ -759,37 +918,78 @@ def _float_or_none(text: str) -> float | None:
     return float(text) if text != "" else None
 
 
-def read_csv_rows(path: Path) -> list[WorkloadRow]:
-    """Rows back from a results CSV (the CSV keeps the fields the README needs, not messages)."""
+class TidyFormatError(ValueError):
+    """A CSV that is not in the tidy format (e.g. the wide CSV of runs before it)."""
+
+
+def read_tidy_csv(path: Path) -> list[dict[str, str]]:
+    """The tidy CSV's lines as {column: cell text}; refuses a CSV of another format."""
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
-        columns = reader.fieldnames or []
-        side_names = [c.removesuffix("_status") for c in columns if c.endswith("_status")]
-        rows = []
-        for line in reader:
-            workload = WorkloadKey(
-                track=line["track"],
-                definition=line["definition"],
-                uuid=line["uuid"],
-                index=int(line["index"]),
-                axes=parse_axes(line["axes"]),
-                data_source=line["data_source"],
-                seed=int(line["seed"]),
-                absent_inputs=parse_absent_inputs(line.get("absent_inputs")),
+        missing = [c for c in (*TIDY_LEAD_COLUMNS, *TIDY_SIDE_COLUMNS) if c not in (reader.fieldnames or [])]
+        if missing:
+            raise TidyFormatError(f"{path} is not a tidy results CSV (no column {missing[0]!r})")
+        return list(reader)
+
+
+def read_csv_rows(path: Path) -> list[WorkloadRow]:
+    """WorkloadRows back from a tidy results CSV. The CSV keeps no per-trial lists, so a row's
+    ours_over_floor is ours' over_floor cell (latency / floor) and ours_tb_per_s is not restored.
+
+    A CSV in the wide format of earlier runs is read through the JSON beside it, if any."""
+    try:
+        lines = read_tidy_csv(path)
+    except TidyFormatError:
+        json_path = path.with_suffix(".json")
+        if json_path.is_file():
+            return read_results(json_path).rows
+        raise
+    lead = set(TIDY_LEAD_COLUMNS) | set(TIDY_SIDE_COLUMNS)
+    workloads: dict[tuple[str, str], tuple[WorkloadKey, dict[str, str]]] = {}
+    sides: dict[tuple[str, str], dict[str, SideResult]] = {}
+    ours_over_floor: dict[tuple[str, str], float | None] = {}
+    for line in lines:
+        wkey = (line["track"], line["uuid"])
+        if line["side"] == OURS:
+            ours_over_floor[wkey] = _float_or_none(line["over_floor"])
+        if wkey not in workloads:
+            given = line["state_given"]
+            workloads[wkey] = (
+                WorkloadKey(
+                    track=line["track"],
+                    definition=line["definition"],
+                    uuid=line["uuid"],
+                    index=int(line["workload_index"]),
+                    axes={k: int(v) for k, v in line.items() if k not in lead and v not in ("", None)},
+                    data_source=line["data_source"],
+                    seed=int(line["seed"]),
+                    absent_inputs=None if given == "" else ([] if given == "true" else [STATE_INPUT]),
+                ),
+                line,
             )
-            sides = {}
-            for side in side_names:
-                if not line[f"{side}_status"]:
-                    continue
-                # .get: CSVs written before a field existed lack its column.
-                values = {f: _float_or_none(line.get(f"{side}_{f}") or "") for f in SIDE_FIELDS if f != "status"}
-                sides[side] = SideResult(side=side, status=Status(line[f"{side}_status"]), **values)
-            if HUMAN in sides and line.get("human_pinned"):
-                sides[HUMAN].pinned = line["human_pinned"] == "True"
-            row = WorkloadRow.from_sides(workload, sides)
-            floors = {f: _float_or_none(line.get(f) or "") for f in FLOOR_FIELDS}
-            rows.append(row.model_copy(update=floors))
-        return rows
+        values: dict[str, Any] = {}
+        for column, field in _TIDY_RESULT_FIELDS.items():
+            text = line[column]
+            values[field] = _float_or_none(text) if column in _TIDY_FLOAT_FIELDS else (text or None)
+        sides.setdefault(wkey, {})[line["side"]] = SideResult(
+            side=line["side"],
+            status=Status(line["status"]),
+            graph_status=GraphStatus(line["graph_status"]) if line["graph_status"] else None,
+            **values,
+        )
+    rows = []
+    for wkey, (workload, first) in workloads.items():
+        row = WorkloadRow.from_sides(workload, sides[wkey])
+        rows.append(
+            row.model_copy(
+                update={
+                    "floor_ms": _float_or_none(first["floor_ms"]),
+                    "floor_bytes": _float_or_none(first["floor_bytes"]),
+                    "ours_over_floor": ours_over_floor.get(wkey),
+                }
+            )
+        )
+    return sorted(rows, key=lambda r: (r.track, r.index, r.uuid))
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -800,6 +1000,8 @@ def atomic_write_text(path: Path, text: str) -> None:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
             f.flush()
+            # mkstemp creates the file 0600; results are for everyone to read.
+            os.fchmod(f.fileno(), 0o644)
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -835,7 +1037,7 @@ def write_results(
         summary=summarize(rows),
     )
     atomic_write_text(output_json, results.model_dump_json(indent=2) + "\n")
-    atomic_write_text(csv_path_for(output_json), rows_to_csv(rows))
+    atomic_write_text(csv_path_for(output_json), rows_to_csv(rows, environment))
     return results
 
 

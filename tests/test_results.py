@@ -20,6 +20,7 @@ from hopperbench.results import (
     SideResult,
     Status,
     TrackSummary,
+    TidyFormatError,
     TrialFloor,
     WorkloadKey,
     WorkloadRow,
@@ -27,14 +28,16 @@ from hopperbench.results import (
     attach_floors,
     build_rows,
     busy_speedup,
-    csv_columns,
     csv_path_for,
     format_completeness,
+    format_summary_table,
     merge_plans,
     parse_axes,
     read_csv_rows,
     read_results,
     summarize,
+    tidy_columns,
+    tidy_records,
     write_journal_results,
     write_results,
 )
@@ -160,39 +163,52 @@ def test_json_round_trip_and_csv_beside_it(tmp_path: Path) -> None:
     assert not list(output.parent.glob("*.tmp"))
 
 
-def test_csv_columns_and_values(tmp_path: Path) -> None:
+def test_csv_is_tidy_one_line_per_workload_and_side(tmp_path: Path) -> None:
     rows = [
         row(0, [passed("ours", 1.5), passed("human", 3.0, pinned=True), passed("reference", 9.0), passed("fla", 6.0)])
     ]
     output = tmp_path / "results.json"
-    write_results(output, EnvironmentRecord(), rows)
+    env = EnvironmentRecord(gpu_name="NVIDIA H200", repo_commit="c0ffee" * 6 + "abcd", protocol={"iterations": 50})
+    write_results(output, env, rows)
+    assert output.stat().st_mode & 0o777 == 0o644
+    assert csv_path_for(output).stat().st_mode & 0o777 == 0o644
     with open(csv_path_for(output), newline="") as f:
         reader = csv.DictReader(f)
         lines = list(reader)
         columns = reader.fieldnames
-    assert columns == csv_columns(["fla", "ours", "reference", "human"])
-    assert columns[:7] == ["track", "definition", "uuid", "index", "axes", "data_source", "seed"]
-    for side in ("ours", "human", "reference", "fla"):
-        for field in ("status", "latency_ms", "min_ms", "max_ms", "max_abs_err", "max_rel_err", "relative_l2"):
-            assert f"{side}_{field}" in columns
-    assert columns[-9:] == [
-        "speedup_vs_human",
-        "speedup_vs_reference",
-        "speedup_vs_best_reference",
-        "best_reference",
-        "human_pinned",
-        "floor_ms",
-        "floor_bytes",
-        "ours_over_floor",
-        "ours_tb_per_s",
+    assert columns == tidy_columns(rows)
+    assert columns[:6] == ["track", "definition", "workload_index", "uuid", "data_source", "state_given"]
+    # Every var axis of every definition, then the test's own axis that no definition has.
+    assert columns[6:13] == ["total_seq_len", "num_seqs", "len_cu_seqlens", "seq_len", "num_tokens", "num_pages", "other"]
+    assert columns[13:17] == ["side", "side_kind", "side_version", "status"]
+    assert columns[-5:] == ["trials", "iterations", "seed", "gpu", "commit"]
+    assert [line["side"] for line in lines] == ["ours", "human", "reference", "fla"]
+    assert [line["side_kind"] for line in lines] == ["ours", "human", "reference", "library"]
+    ours, human, reference, fla = lines
+    assert ours["side_version"] == env.repo_commit and reference["side_version"] == "definition"
+    assert fla["side_version"] == ""  # not a registry library
+    assert ours["seq_len"] == "1" and ours["other"] == "7" and ours["num_tokens"] == ""
+    assert ours["state_given"] == ""  # moe has no optional input
+    assert float(ours["eager_ms"]) == 1.5 and float(human["eager_ms"]) == 3.0
+    assert ours["eager_min_ms"] == repr(1.5 * 0.9)
+    assert ours["trials"] == "3" and ours["iterations"] == "50" and ours["gpu"] == "NVIDIA H200"
+    assert ours["graph_status"] == "" and ours["status"] == "PASSED"
+
+
+def test_csv_side_versions_come_from_the_registry_and_the_manifest(tmp_path: Path) -> None:
+    from hopperbench.human_best import load_manifest
+    from hopperbench.tracks import TRACKS
+
+    library = TRACKS["moe"].libraries[0]
+    rows = [
+        row(0, [passed("ours", 1.0), SideResult(side="human", status=Status.UNAVAILABLE), passed(library.name, 2.0)]),
+        row(1, [passed("ours", 1.0), passed("human", 2.0)], track="gdn_prefill"),
     ]
-    (line,) = lines
-    assert line["axes"] == "seq_len=1;other=7"
-    assert parse_axes(line["axes"]) == {"seq_len": 1, "other": 7}
-    assert float(line["speedup_vs_human"]) == pytest.approx(2.0)
-    assert line["best_reference"] == "fla"
-    assert line["human_pinned"] == "True"
-    assert line["ours_status"] == "PASSED"
+    lines = tidy_records(rows, EnvironmentRecord(repo_commit="abc"))
+    assert [(r["side"], r["side_version"]) for r in lines[:3]] == [
+        ("ours", "abc"), ("human", None), (library.name, library.package or library.submodule),
+    ]  # fmt: skip
+    assert lines[4]["side_version"] == load_manifest()["gdn_prefill"].commit
 
 
 def test_csv_reads_back_to_the_same_speedups(tmp_path: Path) -> None:
@@ -212,7 +228,6 @@ def test_csv_reads_back_to_the_same_speedups(tmp_path: Path) -> None:
     back = read_csv_rows(csv_path_for(output))
     assert [r.speedup_vs_human for r in back] == [r.speedup_vs_human for r in rows]
     assert [r.sides["ours"].status for r in back] == [Status.PASSED, Status.TIMEOUT]
-    assert back[0].human_pinned is False
     assert back[0].axes == rows[0].axes
 
 
@@ -357,73 +372,6 @@ def test_results_written_before_completeness_still_read(tmp_path: Path) -> None:
     assert back.completeness is None and back.rows[0].speedup_vs_reference == pytest.approx(2.0)
 
 
-# ------------------------------------------------------------------------------------------
-# tools/render_results.py
-
-
-def _load_renderer():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "render_results.py"
-    spec = importlib.util.spec_from_file_location("render_results", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_render_results_writes_tables_and_plots(tmp_path: Path, capsys) -> None:
-    render = _load_renderer()
-    results_dir = tmp_path / "results"
-    rows = [
-        row(0, [passed("ours", 1.0), passed("human", 2.0, pinned=True), passed("reference", 8.0)]),
-        row(1, [passed("ours", 2.0), SideResult(side="human", status=Status.FAILED), passed("reference", 8.0)]),
-    ]
-    env = EnvironmentRecord(gpu_name="NVIDIA H200", sm_count=132, l2_cache_bytes=60 * 2**20, seed=0,
-                            protocol={"warmup": 3, "iterations": 50, "trials": 3})  # fmt: skip
-    write_results(results_dir / "h200" / "results.json", env, rows)
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# title\n\nbefore\n\n{render.BEGIN}\nold table\n{render.END}\n\nafter\n")
-
-    assert render.main(["--results-dir", str(results_dir), "--readme", str(readme), "--check"]) == 1
-    assert "stale" in capsys.readouterr().err
-    assert render.main(["--results-dir", str(results_dir), "--readme", str(readme)]) == 0
-    text = readme.read_text()
-    assert text.startswith("# title\n\nbefore\n") and text.endswith("\nafter\n")
-    assert "old table" not in text
-    assert "NVIDIA H200 (132 SMs, L2 60 MiB)" in text
-    assert "| track | workloads | ours passed | human passed | reference passed |" in text
-    # Geometric means: vs human only workload 0 (2x); vs reference sqrt(8 * 4).
-    assert "| moe | 2 | 2/2 | 1/2 | 2/2 | 2.00× (1) | 5.66× (2) | 5.66× (2) |" in text
-    assert "| 1 | moe-uuid | seq_len=2 other=7 | ? | synthesized | 2 | FAILED | 8 | reference | – | 4.00× | 4.00× |" in text
-    assert "By the optional inputs" not in text  # every row alike: no split
-    png = results_dir / "h200" / "results_moe_speedup.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "](results/h200/results_moe_speedup.png)" in text
-    assert render.main(["--results-dir", str(results_dir), "--readme", str(readme), "--check"]) == 0
-
-
-def test_render_results_needs_the_markers(tmp_path: Path, capsys) -> None:
-    render = _load_renderer()
-    readme = tmp_path / "README.md"
-    readme.write_text("# no markers\n")
-    assert render.main(["--results-dir", str(tmp_path / "results"), "--readme", str(readme)]) == 2
-    err = capsys.readouterr().err
-    assert "results:begin" in err and err.count("\n") == 1
-    assert readme.read_text() == "# no markers\n"
-
-
-def test_render_results_flags_a_partial_run(tmp_path: Path) -> None:
-    render_results = _load_renderer()
-    csv_path = tmp_path / "run.csv"
-    csv_path.write_text("")
-    (tmp_path / "run.json").write_text(json.dumps({"completeness": {"partial": True, "planned": 45, "complete": 43}}))
-    line = render_results.completeness_line(csv_path)
-    assert line is not None and "43 of 45" in line
-    (tmp_path / "run.json").write_text(json.dumps({"completeness": {"partial": False, "planned": 2, "complete": 2}}))
-    assert render_results.completeness_line(csv_path) is None
-
-
 TRIAL_FLOORS = [
     TrialFloor(bytes_min=30e6, core_us=7.0),
     TrialFloor(bytes_min=10e6, core_us=3.0),
@@ -448,8 +396,9 @@ def test_rows_get_the_floor_of_the_inputs_each_trial_timed(tmp_path: Path) -> No
     assert written.summary["moe"].ours_over_floor.geomean == pytest.approx(1.5)
     # The JSON keeps the per-trial floors; the CSV carries the row's, and the README renderer reads them back.
     assert read_results(output).rows[0].sides["ours"].per_trial_floor == TRIAL_FLOORS
+    # The CSV has no per-trial values: its over_floor is the side's latency / the row's floor.
     (back,) = read_csv_rows(csv_path_for(output))
-    assert back.ours_over_floor == pytest.approx(got.ours_over_floor)
+    assert back.ours_over_floor == pytest.approx(0.010 / 0.005)
     assert back.floor_ms == pytest.approx(got.floor_ms)
 
 
@@ -486,7 +435,7 @@ def with_absent(r: WorkloadRow, absent: list[str] | None) -> WorkloadRow:
     return r.model_copy(update={"absent_inputs": absent})
 
 
-def test_absent_inputs_survive_json_and_csv_and_old_csvs_read_as_not_recorded(tmp_path: Path) -> None:
+def test_absent_state_survives_json_and_csv_as_state_given(tmp_path: Path) -> None:
     rows = [
         with_absent(row(0, [passed("ours", 1.0), passed("human", 2.0)], track="gdn_prefill"), ["state"]),
         with_absent(row(1, [passed("ours", 1.0), passed("human", 2.0)], track="gdn_prefill"), []),
@@ -496,17 +445,19 @@ def test_absent_inputs_survive_json_and_csv_and_old_csvs_read_as_not_recorded(tm
     write_results(output, EnvironmentRecord(), rows)
     assert [r.absent_inputs for r in read_results(output).rows] == [["state"], [], None]
     with open(csv_path_for(output), newline="") as f:
-        assert [line["absent_inputs"] for line in csv.DictReader(f)] == ["state", "-", ""]
+        assert [line["state_given"] for line in csv.DictReader(f)] == ["false", "false", "true", "true", "", ""]
     assert [r.absent_inputs for r in read_csv_rows(csv_path_for(output))] == [["state"], [], None]
-    # A CSV written before the column existed.
-    old = tmp_path / "old.csv"
-    with open(csv_path_for(output), newline="") as f:
-        lines = list(csv.DictReader(f))
-    with open(old, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[c for c in lines[0] if c != "absent_inputs"], extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(lines)
-    assert [r.absent_inputs for r in read_csv_rows(old)] == [None, None, None]
+
+
+def test_a_csv_in_the_old_wide_format_is_read_through_the_json_beside_it(tmp_path: Path) -> None:
+    output = tmp_path / "old.json"
+    write_results(output, EnvironmentRecord(), [row(0, [passed("ours", 1.0), passed("reference", 2.0)])])
+    csv_path_for(output).write_text("track,definition,uuid,index,axes\nmoe,d,u,0,seq_len=1\n")
+    (back,) = read_csv_rows(csv_path_for(output))
+    assert back.speedup_vs_reference == pytest.approx(2.0)
+    output.unlink()
+    with pytest.raises(TidyFormatError):
+        read_csv_rows(csv_path_for(output))
 
 
 def test_the_summary_splits_speedups_by_absent_inputs_only_when_workloads_differ() -> None:
@@ -525,19 +476,6 @@ def test_the_summary_splits_speedups_by_absent_inputs_only_when_workloads_differ
     assert summarize([gdn(0, 1.0, None), gdn(1, 4.0, None)])["gdn_prefill"].by_absent_inputs == {}
 
 
-def test_render_results_shows_the_split_by_absent_inputs() -> None:
-    render = _load_renderer()
-    rows = [
-        with_absent(row(0, [passed("ours", 1.0), passed("human", 2.0)], track="gdn_prefill"), []),
-        with_absent(row(1, [passed("ours", 1.0), passed("human", 8.0)], track="gdn_prefill"), ["state"]),
-    ]
-    text = "\n".join(render.summary_table(summarize(rows)))
-    assert "| track | inputs | workloads | ours vs human | ours vs best reference | GPU busy: vs human |" in text
-    assert "| gdn_prefill | all inputs | 1 | 2.00× (1) | – | – | – |" in text  # these rows recorded no busy time
-    assert "| gdn_prefill | no state | 1 | 8.00× (1) | – | – | – |" in text
-    assert "| 1 | gdn_pref | seq_len=2 other=7 | state | synthesized |" in "\n".join(render.workload_table(rows))
-
-
 def test_side_results_written_before_per_trial_floors_still_load() -> None:
     line = passed("ours", 1.0).model_dump(mode="json")
     del line["per_trial_floor"]
@@ -547,44 +485,13 @@ def test_side_results_written_before_per_trial_floors_still_load() -> None:
         SideResult.model_validate({**line, "per_trial_floor": [{"bytes_min": 1.0}]})  # core_us missing
 
 
-def test_the_summary_table_shows_candidates_only_when_a_run_timed_some() -> None:
-    render = _load_renderer()
+def test_the_summary_has_candidates_only_when_a_run_timed_some() -> None:
     plain = summarize([row(0, [passed("ours", 2.0), passed("reference", 9.0)])])
-    assert "candidates vs ours" not in "\n".join(render.summary_table(plain))
+    assert plain["moe"].candidates_vs_ours == {}
     with_candidate = summarize([row(0, [passed("ours", 2.0), passed("cand_next", 1.0), passed("reference", 9.0)])])
     assert with_candidate["moe"].candidates_vs_ours["cand_next"].geomean == pytest.approx(2.0)
     # A candidate is never the best reference, however fast.
     assert row(0, [passed("ours", 2.0), passed("cand_next", 1.0), passed("reference", 9.0)]).best_reference == "reference"
-    table = "\n".join(render.summary_table(with_candidate))
-    assert "candidates vs ours" in table and "cand_next 2.00× (1)" in table
+    assert "cand_next 2x (1)" in format_summary_table(with_candidate)
 
 
-def test_render_results_puts_the_newest_run_first_and_each_tracks_latest_complete_run_on_top(tmp_path: Path) -> None:
-    render = _load_renderer()
-    results_dir = tmp_path / "results"
-
-    def run(name: str, timestamp: str | None, track: str, ours_ms: float, partial: bool = False) -> Path:
-        env = EnvironmentRecord(timestamp=timestamp, repo_commit="abcdef1234567")
-        rows = [row(0, [passed("ours", ours_ms), passed("reference", 8.0)], track=track)]
-        path = results_dir / "h200" / f"{name}.json"
-        write_results(path, env, rows)
-        if partial:  # as a run stopped early records it
-            data = json.loads(path.read_text())
-            data["completeness"] = {"partial": True, "planned": 2, "complete": 1, "tracks": {}}
-            path.write_text(json.dumps(data))
-        return path.with_suffix(".csv")
-
-    old_moe = run("a_old_moe", "2026-11-29T10:00:00+00:00", "moe", 4.0)
-    new_moe = run("b_new_moe", "2026-11-30T10:00:00+00:00", "moe", 2.0)
-    newest_partial = run("c_partial_moe", "2026-11-30T12:00:00+00:00", "moe", 1.0, partial=True)
-    gdn = run("d_gdn", "2026-11-29T12:00:00+00:00", "gdn_prefill", 1.0)
-    unstamped = run("e_unstamped", None, "moe", 1.0)
-
-    ordered = render.newest_first([render.load_run(p) for p in (old_moe, new_moe, newest_partial, gdn, unstamped)])
-    assert [run.path for run in ordered] == [newest_partial, new_moe, gdn, old_moe, unstamped]
-    table = render.latest_table(ordered, results_dir)
-    assert table[2] == "| gdn_prefill | `h200/d_gdn.csv` | 2026-11-29 | abcdef1234 | 1/1 | – | 8.00× (1) | – |"
-    # the newest complete MoE run, not the newer partial one
-    assert table[3] == "| moe | `h200/b_new_moe.csv` | 2026-11-30 | abcdef1234 | 1/1 | – | 4.00× (1) | – |"
-    text = render.render(results_dir, tmp_path, write_plots=False)
-    assert text.index("### h200/c_partial_moe.csv") < text.index("### h200/b_new_moe.csv") < text.index("### h200/a_old_moe.csv")

@@ -17,7 +17,7 @@ import pytest
 
 from hopperbench import runner
 from hopperbench.environment import EnvironmentRecord
-from hopperbench.results import Journal, Status, read_results, write_results
+from hopperbench.results import Journal, Status, read_results, read_tidy_csv, write_results
 from hopperbench.runner import RunnerHooks, main
 from hopperbench.sides import Side, SideKind
 from hopperbench.tracks import TRACKS, CandidateSide
@@ -720,7 +720,9 @@ def test_candidates_run_only_when_named_and_never_count_as_a_reference(
     assert list(row.sides) == ["ours", name, "reference"]
     assert row.best_reference == "reference"  # the candidate (5 ms) is faster than it but not a reference
     assert results.summary["moe"].candidates_vs_ours[name].geomean == pytest.approx(2.0 / 5.0)
-    assert f"{name}_latency_ms" in named.with_suffix(".csv").read_text().splitlines()[0]
+    csv_lines = read_tidy_csv(named.with_suffix(".csv"))
+    kinds = {line["side_kind"] for line in csv_lines if line["side"] == name}
+    assert kinds == {"candidate"}
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,0 +1,463 @@
+"""The published report of a run: pure functions over the rows of a results JSON.
+
+- `headline`: per track, the baseline (GDN: FlashInfer's SM90 prefill, `flashinfer_gdn`,
+  wherever it passed; otherwise, and for MoE and DSA, the library side with the best geometric
+  mean latency, named) and the speedup over it of the strongest other library, the human winner
+  and ours, and ours over the human winner. Each speedup is the geometric mean of per-workload
+  ratios baseline latency / side latency over the workloads where both passed (graph: where both
+  were graph-timed), eager and CUDA-graph replay side by side, with how many workloads entered it.
+- `human_best_view` / `libraries_view`: the two published per-workload CSVs.
+- `pass_counts`: per track, how many workloads each side passed, failed, or could not run.
+
+Nothing here reads a file except `sides_table`, which reads the track registry.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hopperbench.environment import EnvironmentRecord
+from hopperbench.results import (
+    ResultsFile,
+    SideResult,
+    Status,
+    WorkloadRow,
+    csv_cell,
+    definition_var_axes,
+    geometric_mean,
+    side_kind,
+    side_version,
+    state_given,
+)
+from hopperbench.sides import HUMAN, OURS, canonical_side_order
+
+# The track's FlashInfer baseline of the Hopper edition, where FlashInfer has an SM90 kernel.
+FLASHINFER_BASELINE = {"gdn_prefill": "flashinfer_gdn"}
+
+# Graph status of a passed side that was not replayed from a graph (None in the record).
+NOT_ATTEMPTED = "not attempted"
+
+
+# ------------------------------------------------------------------------------------------
+# Ratios
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A geometric mean of per-workload ratios, or why there is none (`note`)."""
+
+    geomean: float | None
+    workloads: int
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """`side` against `base`: base latency / side latency, eager and graph."""
+
+    side: str | None
+    base: str | None
+    eager: Ratio
+    graph: Ratio
+
+
+@dataclass(frozen=True)
+class Baseline:
+    side: str | None
+    # "FlashInfer" (the track's FlashInfer baseline), "fastest library" or "none".
+    kind: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class TrackHeadline:
+    track: str
+    workloads: int
+    baseline: Baseline
+    other_library: Comparison
+    human: Comparison
+    ours: Comparison
+    ours_vs_human: Comparison
+
+
+def _eager_ms(result: SideResult | None) -> float | None:
+    return result.latency_ms if result is not None and result.timed else None
+
+
+def _graph_ms(result: SideResult | None) -> float | None:
+    return result.graph_ms if result is not None and result.timed and result.graph_timed else None
+
+
+def _most_common(values: Iterable[str]) -> str | None:
+    counts = Counter(values)
+    if not counts:
+        return None
+    # Most frequent; ties broken by name so that the text never depends on row order.
+    return min(counts, key=lambda v: (-counts[v], v))
+
+
+def why_no_time(rows: Sequence[WorkloadRow], side: str, graph: bool) -> str:
+    """Why `side` has no (graph) time on `rows`: not run, its commonest failing status, or, for a
+    side that passed, its commonest graph status other than PASSED."""
+    results = [r.sides[side] for r in rows if side in r.sides]
+    if not results:
+        return "not run"
+    if not any(r.timed for r in results):
+        return _most_common(r.status.value for r in results) or "not run"
+    if graph:
+        statuses = (
+            r.graph_status.value if r.graph_status is not None else NOT_ATTEMPTED
+            for r in results
+            if r.timed and not r.graph_timed
+        )
+        return _most_common(statuses) or "no graph time"
+    return "no time"
+
+
+def ratio(rows: Sequence[WorkloadRow], base: str | None, side: str | None, graph: bool = False) -> Ratio:
+    """Geometric mean over `rows` of base latency / side latency where both were timed (graph:
+    where both were graph-timed); with a note saying why when no workload entered it."""
+    if base is None or side is None:
+        return Ratio(None, 0, "no baseline" if base is None else "no such side")
+    pick = _graph_ms if graph else _eager_ms
+    values = []
+    for row in rows:
+        b, s = pick(row.sides.get(base)), pick(row.sides.get(side))
+        if b is not None and s is not None and b > 0 and s > 0:
+            values.append(b / s)
+    if values:
+        return Ratio(geometric_mean(values), len(values))
+    side_has = any(pick(r.sides.get(side)) is not None for r in rows)
+    base_has = any(pick(r.sides.get(base)) is not None for r in rows)
+    if not side_has:
+        return Ratio(None, 0, why_no_time(rows, side, graph))
+    if not base_has:
+        return Ratio(None, 0, f"{base} {why_no_time(rows, base, graph)}")
+    return Ratio(None, 0, "no common workload")
+
+
+def compare(rows: Sequence[WorkloadRow], base: str | None, side: str | None) -> Comparison:
+    return Comparison(side, base, ratio(rows, base, side), ratio(rows, base, side, graph=True))
+
+
+# ------------------------------------------------------------------------------------------
+# Baseline
+
+
+def library_sides(rows: Sequence[WorkloadRow]) -> list[str]:
+    return [n for n in canonical_side_order({s for r in rows for s in r.sides}) if side_kind(n) == "library"]
+
+
+def passed_count(rows: Sequence[WorkloadRow], side: str) -> int:
+    return sum(1 for r in rows if side in r.sides and r.sides[side].timed)
+
+
+def rank_libraries(rows: Sequence[WorkloadRow], names: Sequence[str]) -> list[tuple[str, float]]:
+    """The libraries of `names` that passed somewhere, fastest first by the geometric mean of their
+    eager latency over the workloads where all of them passed (over each one's own passed workloads
+    when there is none in common); ties by name."""
+    timed = [n for n in names if passed_count(rows, n) > 0]
+    common = [r for r in rows if all(_eager_ms(r.sides.get(n)) is not None for n in timed)]
+
+    def mean(name: str) -> float:
+        over = common or rows
+        values = [v for v in (_eager_ms(r.sides.get(name)) for r in over) if v is not None and v > 0]
+        return geometric_mean(values) or math.inf
+
+    return sorted(((n, mean(n)) for n in timed), key=lambda item: (item[1], item[0]))
+
+
+def choose_baseline(track: str, rows: Sequence[WorkloadRow]) -> Baseline:
+    """The track's FlashInfer baseline where it passed on any workload (the workload counts say on
+    how many each mean is), else the fastest library side, else none."""
+    designated = FLASHINFER_BASELINE.get(track)
+    if designated is not None and passed_count(rows, designated) > 0:
+        return Baseline(designated, "FlashInfer")
+    ranked = rank_libraries(rows, library_sides(rows))
+    note = ""
+    if designated is not None:
+        note = f"{designated} {why_no_time(rows, designated, graph=False)}"
+    if ranked:
+        return Baseline(ranked[0][0], "fastest library", note)
+    return Baseline(None, "none", note or "no library side passed")
+
+
+def track_headline(track: str, rows: Sequence[WorkloadRow]) -> TrackHeadline:
+    baseline = choose_baseline(track, rows)
+    others = [n for n, _ in rank_libraries(rows, library_sides(rows)) if n != baseline.side]
+    other = others[0] if others else None
+    return TrackHeadline(
+        track=track,
+        workloads=len(rows),
+        baseline=baseline,
+        other_library=(
+            compare(rows, baseline.side, other)
+            if other is not None
+            else Comparison(None, baseline.side, Ratio(None, 0, "none"), Ratio(None, 0, "none"))
+        ),
+        human=compare(rows, baseline.side, HUMAN),
+        ours=compare(rows, baseline.side, OURS),
+        ours_vs_human=compare(rows, HUMAN, OURS),
+    )
+
+
+def rows_by_track(rows: Iterable[WorkloadRow]) -> dict[str, list[WorkloadRow]]:
+    """Rows grouped by track: registry order first, then any other track by name."""
+    from hopperbench.tracks import TRACKS
+
+    groups: dict[str, list[WorkloadRow]] = {}
+    for row in rows:
+        groups.setdefault(row.track, []).append(row)
+    order = [t for t in TRACKS if t in groups] + sorted(t for t in groups if t not in TRACKS)
+    return {t: groups[t] for t in order}
+
+
+def headline(results: ResultsFile) -> list[TrackHeadline]:
+    return [track_headline(track, rows) for track, rows in rows_by_track(results.rows).items()]
+
+
+def format_ratio(r: Ratio) -> str:
+    if r.geomean is None:
+        return f"n/a ({r.note})" if r.note else "n/a"
+    return f"{r.geomean:.2f}× ({r.workloads})"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+HEADLINE_HEADER = (
+    "track", "baseline", "other library", "library eager", "library graph", "human eager", "human graph",
+    "ours eager", "ours graph", "ours / human eager", "ours / human graph",
+)  # fmt: skip
+
+
+def headline_markdown(headlines: Sequence[TrackHeadline]) -> list[str]:
+    body = []
+    for h in headlines:
+        base = h.baseline
+        base_cell = "none passed" if base.side is None else f"`{base.side}` ({base.kind})"
+        if base.note and base.side is not None:
+            base_cell += f"; {base.note}"
+        other = h.other_library
+        body.append(
+            [
+                f"`{h.track}` ({h.workloads})",
+                base_cell,
+                f"`{other.side}`" if other.side else "–",
+                *(("–", "–") if other.side is None else (format_ratio(other.eager), format_ratio(other.graph))),
+                format_ratio(h.human.eager),
+                format_ratio(h.human.graph),
+                format_ratio(h.ours.eager),
+                format_ratio(h.ours.graph),
+                format_ratio(h.ours_vs_human.eager),
+                format_ratio(h.ours_vs_human.graph),
+            ]
+        )
+    return _table(HEADLINE_HEADER, body)
+
+
+# ------------------------------------------------------------------------------------------
+# Pass counts
+
+
+def pass_counts(rows: Sequence[WorkloadRow]) -> dict[str, dict[str, Counter[str]]]:
+    """Per track, per side (canonical order): how many of its records have each status."""
+    out: dict[str, dict[str, Counter[str]]] = {}
+    for track, track_rows in rows_by_track(rows).items():
+        names = canonical_side_order({s for r in track_rows for s in r.sides})
+        counts: dict[str, Counter[str]] = {n: Counter() for n in names}
+        for row in track_rows:
+            for name, result in row.sides.items():
+                counts[name][result.status.value] += 1
+        out[track] = counts
+    return out
+
+
+def pass_line(track: str, workloads: int, counts: Mapping[str, Counter[str]]) -> str:
+    """`gdn_prefill` (100 workloads): ours 100 passed; human 94 passed, 6 FAILED; ..."""
+    parts = []
+    for side, statuses in counts.items():
+        passed = statuses.get(Status.PASSED.value, 0)
+        others = ", ".join(f"{n} {s}" for s, n in sorted(statuses.items()) if s != Status.PASSED.value)
+        parts.append(f"{side} {passed} passed" + (f", {others}" if others else ""))
+    return f"`{track}` ({workloads} workloads): " + "; ".join(parts) + "."
+
+
+def pass_lines(rows: Sequence[WorkloadRow]) -> list[str]:
+    grouped = rows_by_track(rows)
+    return [pass_line(t, len(grouped[t]), c) for t, c in pass_counts(rows).items()]
+
+
+# ------------------------------------------------------------------------------------------
+# The published views
+
+
+def _axis_columns(rows: Sequence[WorkloadRow]) -> list[str]:
+    axes = definition_var_axes()
+    return axes + sorted({a for r in rows for a in r.axes} - set(axes))
+
+
+def _workload_cells(row: WorkloadRow) -> dict[str, Any]:
+    return {
+        "track": row.track,
+        "workload_index": row.index,
+        "uuid": row.uuid,
+        "data_source": row.data_source,
+        "state_given": state_given(row.track, row.absent_inputs),
+        **row.axes,
+    }
+
+
+def _graph_status(result: SideResult | None) -> str | None:
+    if result is None:
+        return None
+    return result.graph_status.value if result.graph_status is not None else None
+
+
+def _ratio_cell(base: float | None, side: float | None) -> float | None:
+    return base / side if base is not None and side is not None and base > 0 and side > 0 else None
+
+
+def _csv(columns: Sequence[str], records: Iterable[Mapping[str, Any]]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(columns), lineterminator="\n")
+    writer.writeheader()
+    for record in records:
+        writer.writerow({k: csv_cell(record.get(k)) for k in columns})
+    return out.getvalue()
+
+
+WORKLOAD_VIEW_LEAD = ("track", "workload_index", "uuid", "data_source", "state_given")
+HUMAN_VIEW_TAIL = (
+    "ours_eager_ms", "ours_graph_ms", "human_eager_ms", "human_graph_ms", "eager_speedup", "graph_speedup",
+    "ours_status", "ours_graph_status", "human_status", "human_graph_status",
+)  # fmt: skip
+LIBRARY_VIEW_TAIL = (
+    "library", "library_version", "baseline",
+    "ours_eager_ms", "ours_graph_ms", "library_eager_ms", "library_graph_ms", "eager_speedup", "graph_speedup",
+    "ours_status", "ours_graph_status", "library_status", "library_graph_status",
+)  # fmt: skip
+
+
+def human_best_view_columns(rows: Sequence[WorkloadRow] = ()) -> list[str]:
+    return [*WORKLOAD_VIEW_LEAD, *_axis_columns(rows), *HUMAN_VIEW_TAIL]
+
+
+def library_view_columns(rows: Sequence[WorkloadRow] = ()) -> list[str]:
+    return [*WORKLOAD_VIEW_LEAD, *_axis_columns(rows), *LIBRARY_VIEW_TAIL]
+
+
+def _sorted_rows(rows: Sequence[WorkloadRow]) -> list[WorkloadRow]:
+    return [r for track_rows in rows_by_track(rows).values() for r in sorted(track_rows, key=lambda r: r.index)]
+
+
+def human_best_view(rows: Sequence[WorkloadRow]) -> str:
+    """`results/h200_vs_human_best.csv`: one line per workload, ours against the human winner
+    (speedup = human / ours, where both were timed)."""
+    records = []
+    for row in _sorted_rows(rows):
+        ours, human = row.sides.get(OURS), row.sides.get(HUMAN)
+        records.append(
+            {
+                **_workload_cells(row),
+                "ours_eager_ms": _eager_ms(ours),
+                "ours_graph_ms": _graph_ms(ours),
+                "human_eager_ms": _eager_ms(human),
+                "human_graph_ms": _graph_ms(human),
+                "eager_speedup": _ratio_cell(_eager_ms(human), _eager_ms(ours)),
+                "graph_speedup": _ratio_cell(_graph_ms(human), _graph_ms(ours)),
+                "ours_status": ours.status.value if ours else None,
+                "ours_graph_status": _graph_status(ours),
+                "human_status": human.status.value if human else None,
+                "human_graph_status": _graph_status(human),
+            }
+        )
+    return _csv(human_best_view_columns(rows), records)
+
+
+def libraries_view(rows: Sequence[WorkloadRow], repo_commit: str | None = None) -> str:
+    """`results/h200_vs_libraries.csv`: one line per (workload, library side), ours against it
+    (speedup = library / ours); `baseline` true for the track's headline baseline."""
+    baselines = {t: choose_baseline(t, r).side for t, r in rows_by_track(rows).items()}
+    records = []
+    for row in _sorted_rows(rows):
+        ours = row.sides.get(OURS)
+        for name, result in row.sides.items():
+            if side_kind(name) != "library":
+                continue
+            records.append(
+                {
+                    **_workload_cells(row),
+                    "library": name,
+                    "library_version": side_version(row.track, name, result, repo_commit),
+                    "baseline": name == baselines.get(row.track),
+                    "ours_eager_ms": _eager_ms(ours),
+                    "ours_graph_ms": _graph_ms(ours),
+                    "library_eager_ms": _eager_ms(result),
+                    "library_graph_ms": _graph_ms(result),
+                    "eager_speedup": _ratio_cell(_eager_ms(result), _eager_ms(ours)),
+                    "graph_speedup": _ratio_cell(_graph_ms(result), _graph_ms(ours)),
+                    "ours_status": ours.status.value if ours else None,
+                    "ours_graph_status": _graph_status(ours),
+                    "library_status": result.status.value,
+                    "library_graph_status": _graph_status(result),
+                }
+            )
+    return _csv(library_view_columns(rows), records)
+
+
+# ------------------------------------------------------------------------------------------
+# Environment and registry text
+
+
+def environment_line(env: EnvironmentRecord) -> str:
+    """GPU, commit, date and protocol of a run, in one line."""
+    parts = []
+    if env.gpu_name:
+        parts.append(env.gpu_name + (f" ({env.sm_count} SMs)" if env.sm_count else ""))
+    if env.repo_commit:
+        parts.append(f"commit `{env.repo_commit[:10]}`" + (" (dirty)" if env.repo_dirty else ""))
+    if env.timestamp:
+        parts.append(env.timestamp[:10])
+    protocol = env.protocol or {}
+    counts = [f"{k} {protocol[k]}" for k in ("warmup", "iterations", "trials") if protocol.get(k) is not None]
+    if counts:
+        parts.append("protocol " + " / ".join(counts))
+    timer = protocol.get("timer")
+    if isinstance(timer, Mapping) and timer.get("name"):
+        parts.append(f"timer `{timer['name']}`")
+    if env.seed is not None:
+        parts.append(f"seed {env.seed}")
+    sources = sorted({s for v in env.data_sources.values() for s in v})
+    if sources:
+        parts.append("data " + ", ".join(sources))
+    return ("; ".join(parts) or "no environment recorded") + "."
+
+
+def sides_table() -> list[str]:
+    """Per track, each library side of the registry: name, pin and what one timed call contains."""
+    from hopperbench.tracks import TRACKS
+
+    body = []
+    for track in TRACKS.values():
+        for lib in track.libraries:
+            pin = lib.package or lib.submodule or "–"
+            baseline = " (baseline)" if FLASHINFER_BASELINE.get(track.name) == lib.name else ""
+            body.append(
+                [
+                    f"`{track.name}`",
+                    f"`{lib.name}`{baseline}",
+                    f"`{pin}`",
+                    (lib.timed_call or lib.description).replace("|", "\\|"),
+                ]
+            )
+    return _table(("track", "side", "pin", "one timed call"), body)
+

@@ -32,7 +32,6 @@ from hopperbench.results import (
     format_completeness,
     format_summary_table,
     merge_plans,
-    parse_axes,
     read_csv_rows,
     read_results,
     summarize,

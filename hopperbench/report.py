@@ -359,27 +359,29 @@ def _sorted_rows(rows: Sequence[WorkloadRow]) -> list[WorkloadRow]:
     return [r for track_rows in rows_by_track(rows).values() for r in sorted(track_rows, key=lambda r: r.index)]
 
 
+def _versus_cells(ours: SideResult | None, other: SideResult | None, other_label: str) -> dict[str, Any]:
+    """The cells of one view line that compare ours with `other` (columns named `<other_label>_...`):
+    both sides' eager and graph times, speedups other / ours, and their statuses."""
+    return {
+        "ours_eager_ms": _eager_ms(ours),
+        "ours_graph_ms": _graph_ms(ours),
+        f"{other_label}_eager_ms": _eager_ms(other),
+        f"{other_label}_graph_ms": _graph_ms(other),
+        "eager_speedup": _ratio_cell(_eager_ms(other), _eager_ms(ours)),
+        "graph_speedup": _ratio_cell(_graph_ms(other), _graph_ms(ours)),
+        "ours_status": ours.status.value if ours else None,
+        "ours_graph_status": _graph_status(ours),
+        f"{other_label}_status": other.status.value if other else None,
+        f"{other_label}_graph_status": _graph_status(other),
+    }
+
+
 def human_best_view(rows: Sequence[WorkloadRow]) -> str:
     """`results/h200_vs_human_best.csv`: one line per workload, ours against the human winner
     (speedup = human / ours, where both were timed)."""
     records = []
     for row in _sorted_rows(rows):
-        ours, human = row.sides.get(OURS), row.sides.get(HUMAN)
-        records.append(
-            {
-                **_workload_cells(row),
-                "ours_eager_ms": _eager_ms(ours),
-                "ours_graph_ms": _graph_ms(ours),
-                "human_eager_ms": _eager_ms(human),
-                "human_graph_ms": _graph_ms(human),
-                "eager_speedup": _ratio_cell(_eager_ms(human), _eager_ms(ours)),
-                "graph_speedup": _ratio_cell(_graph_ms(human), _graph_ms(ours)),
-                "ours_status": ours.status.value if ours else None,
-                "ours_graph_status": _graph_status(ours),
-                "human_status": human.status.value if human else None,
-                "human_graph_status": _graph_status(human),
-            }
-        )
+        records.append({**_workload_cells(row), **_versus_cells(row.sides.get(OURS), row.sides.get(HUMAN), "human")})
     return _csv(human_best_view_columns(rows), records)
 
 
@@ -399,16 +401,7 @@ def libraries_view(rows: Sequence[WorkloadRow], repo_commit: str | None = None) 
                     "library": name,
                     "library_version": side_version(row.track, name, result, repo_commit),
                     "baseline": name == baselines.get(row.track),
-                    "ours_eager_ms": _eager_ms(ours),
-                    "ours_graph_ms": _graph_ms(ours),
-                    "library_eager_ms": _eager_ms(result),
-                    "library_graph_ms": _graph_ms(result),
-                    "eager_speedup": _ratio_cell(_eager_ms(result), _eager_ms(ours)),
-                    "graph_speedup": _ratio_cell(_graph_ms(result), _graph_ms(ours)),
-                    "ours_status": ours.status.value if ours else None,
-                    "ours_graph_status": _graph_status(ours),
-                    "library_status": result.status.value,
-                    "library_graph_status": _graph_status(result),
+                    **_versus_cells(ours, result, "library"),
                 }
             )
     return _csv(library_view_columns(rows), records)

@@ -1,4 +1,4 @@
-"""Shared plumbing of the device checks (tools/device_check_<track>.py) and the kernel tests.
+"""Shared plumbing of the device checks (kernels/<track>/probes/device_check_<track>.py) and the kernel tests.
 
 A device check compiles one of our kernels, runs it on every case of its folder's
 `check_cases.py`, compares with our reference under the track's acceptance rule, times it

@@ -1,4 +1,4 @@
-"""tools/cta_placement.py: the placement check on made-up SM ids (CPU), the probe's compile (CPU), and on a GPU
+"""kernels/moe/probes/cta_placement.py: the placement check on made-up SM ids (CPU), the probe's compile (CPU), and on a GPU
 (marked `gpu`) one launch whose every CTA reports a valid SM id."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from hopperbench.devcheck import load_module_by_path
 from hopperbench.paths import REPO_ROOT
 
-cta_placement = load_module_by_path(REPO_ROOT / "tools/cta_placement.py", "cta_placement")
+cta_placement = load_module_by_path(REPO_ROOT / "kernels/moe/probes/cta_placement.py", "cta_placement")
 
 
 def test_counts_groups_whose_ctas_share_one_sm():

@@ -1,4 +1,4 @@
-"""hopperbench/devcheck.py: the plumbing shared by tools/device_check_*.py and the kernel tests.
+"""hopperbench/devcheck.py: the plumbing shared by kernels/<track>/probes/device_check_*.py and the kernel tests.
 
 CPU: loading by path, case selection, the common flags, the no-device exit, the table format,
 error isolation between checks, exit codes, in-place input refill, NaN totals of a verdict; the
@@ -24,7 +24,8 @@ from hopperbench.paths import REPO_ROOT
 from hopperbench.tracks import get_track
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-TOOLS = ("dsa", "gdn", "moe")
+# The device check of each kernel folder: (folder, the check's short name).
+TOOLS = [("dsa_attention", "dsa"), ("gdn_prefill", "gdn"), ("moe", "moe")]
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,11 @@ def test_require_cuda_says_why_in_one_line(monkeypatch, capsys):
     assert captured.err == "probe_tool: no CUDA device\n" and captured.out == ""
 
 
-@pytest.mark.parametrize("track", TOOLS)
-def test_device_check_tools_exit_2_with_one_line_without_cuda(track, monkeypatch, capsys):
+@pytest.mark.parametrize(("folder", "track"), TOOLS)
+def test_device_check_tools_exit_2_with_one_line_without_cuda(folder, track, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    tool = devcheck.load_module_by_path(REPO_ROOT / f"tools/device_check_{track}.py", f"device_check_{track}_probe")
+    path = REPO_ROOT / "kernels" / folder / "probes" / f"device_check_{track}.py"
+    tool = devcheck.load_module_by_path(path, f"device_check_{track}_probe")
     assert tool.main([]) == devcheck.EXIT_NO_DEVICE
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and f"device_check_{track}" in captured.err

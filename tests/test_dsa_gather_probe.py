@@ -1,4 +1,4 @@
-"""tools/dsa_gather_probe.py: the chunk map of a cache row and the runs (CPU), the argument checks (CPU), the compile of
+"""kernels/dsa_attention/probes/dsa_gather_probe.py: the chunk map of a cache row and the runs (CPU), the argument checks (CPU), the compile of
 its kernel (CPU), and on a GPU (marked `gpu`) one short probe that prints its table."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from hopperbench.devcheck import load_module_by_path
 from hopperbench.paths import REPO_ROOT
 
-probe = load_module_by_path(REPO_ROOT / "tools/dsa_gather_probe.py", "dsa_gather_probe")
+probe = load_module_by_path(REPO_ROOT / "kernels/dsa_attention/probes/dsa_gather_probe.py", "dsa_gather_probe")
 
 
 @pytest.mark.parametrize("row_id", [0, 1, 541_567])

@@ -1,4 +1,4 @@
-"""tools/gdn_grid_order_model.py: the CTA dispatch model behind GDN candidate v1.7 (CPU only)."""
+"""kernels/gdn_prefill/probes/gdn_grid_order_model.py: the CTA dispatch model behind GDN candidate v1.7 (CPU only)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hopperbench.devcheck import load_module_by_path
 from hopperbench.paths import REPO_ROOT
 
-model = load_module_by_path(REPO_ROOT / "tools/gdn_grid_order_model.py", "gdn_grid_order_model")
+model = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/probes/gdn_grid_order_model.py", "gdn_grid_order_model")
 
 
 def test_makespan_fills_sms_breadth_first_and_pairs_run_slower() -> None:

@@ -1,4 +1,4 @@
-"""tools/l2_partition_probe.py and kernels/moe/l2_partitions.py: the line offsets, the fast/slow threshold, the split
+"""kernels/moe/probes/l2_partition_probe.py and kernels/moe/l2_partitions.py: the line offsets, the fast/slow threshold, the split
 by a reference SM, the ranks from a split and the SM ranges (CPU, on made-up latencies of both L2 models), the argument
 checks, the compile of the kernels (CPU), and on a GPU (marked `gpu`) one short probe whose two references agree and
 the ranks of the device."""
@@ -13,7 +13,7 @@ import torch
 from hopperbench.devcheck import load_module_by_path
 from hopperbench.paths import REPO_ROOT
 
-probe = load_module_by_path(REPO_ROOT / "tools/l2_partition_probe.py", "l2_partition_probe")
+probe = load_module_by_path(REPO_ROOT / "kernels/moe/probes/l2_partition_probe.py", "l2_partition_probe")
 partitions = probe.partitions
 
 FAST, SLOW = 300, 520

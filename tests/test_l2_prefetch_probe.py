@@ -1,4 +1,4 @@
-"""tools/l2_prefetch_probe.py: the chunk split and the argument checks (CPU), the compile of its three kernels (CPU), and on
+"""kernels/moe/probes/l2_prefetch_probe.py: the chunk split and the argument checks (CPU), the compile of its three kernels (CPU), and on
 a GPU (marked `gpu`) one short probe that prints its table."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from hopperbench.devcheck import load_module_by_path
 from hopperbench.paths import REPO_ROOT
 
-probe = load_module_by_path(REPO_ROOT / "tools/l2_prefetch_probe.py", "l2_prefetch_probe")
+probe = load_module_by_path(REPO_ROOT / "kernels/moe/probes/l2_prefetch_probe.py", "l2_prefetch_probe")
 
 
 @pytest.mark.parametrize("ctas, chunks", [(1, 14), (2, 14), (8, 14), (132, 14), (3, 1)])

@@ -1,4 +1,4 @@
-"""tools/moe_activation_numerics.py: the precision of GEMM2's output per storage format of C."""
+"""kernels/moe/probes/moe_activation_numerics.py: the precision of GEMM2's output per storage format of C."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hopperbench.devcheck import load_module_by_path
 from hopperbench.paths import REPO_ROOT
 
-numerics = load_module_by_path(REPO_ROOT / "tools/moe_activation_numerics.py", "moe_activation_numerics")
+numerics = load_module_by_path(REPO_ROOT / "kernels/moe/probes/moe_activation_numerics.py", "moe_activation_numerics")
 
 
 def test_two_terms_capture_what_one_misses_and_zero_groups_stay_zero():

@@ -1,11 +1,11 @@
-"""tools/moe_routing_stats.py: row tiles and L2 bytes of the MoE streaming GEMMs from a routing."""
+"""kernels/moe/probes/moe_routing_stats.py: row tiles and L2 bytes of the MoE streaming GEMMs from a routing."""
 
 from __future__ import annotations
 
 from hopperbench.devcheck import load_module_by_path
 from hopperbench.paths import REPO_ROOT
 
-stats = load_module_by_path(REPO_ROOT / "tools/moe_routing_stats.py", "moe_routing_stats")
+stats = load_module_by_path(REPO_ROOT / "kernels/moe/probes/moe_routing_stats.py", "moe_routing_stats")
 
 
 def test_tile_traffic_counts_row_tiles_and_bytes_per_item_map():

@@ -1,4 +1,4 @@
-"""tools/weight_stream_probe.py: each form's stages cover an item once (CPU), the configuration checks (CPU), the
+"""kernels/moe/probes/weight_stream_probe.py: each form's stages cover an item once (CPU), the configuration checks (CPU), the
 compile of every probed form (CPU), and on a GPU (marked `gpu`) one short probe that prints its table."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from hopperbench.devcheck import load_module_by_path
 from hopperbench.paths import REPO_ROOT
 
-probe = load_module_by_path(REPO_ROOT / "tools/weight_stream_probe.py", "weight_stream_probe")
+probe = load_module_by_path(REPO_ROOT / "kernels/moe/probes/weight_stream_probe.py", "weight_stream_probe")
 CHUNKS_PER_STAGE = probe.STAGE_BYTES // probe.CHUNK
 
 

@@ -1,4 +1,4 @@
-"""Correctness cases for the MoE kernel, shared by the GPU tests and tools/device_check_moe.py.
+"""Correctness cases for the MoE kernel, shared by the GPU tests and kernels/moe/probes/device_check_moe.py.
 
 Each case names a batch size, a local expert offset and a routing pattern. `make_inputs` draws the
 inputs with `hopperbench.synth` (the distributions of our benchmark, for a synthesized workload of

@@ -61,7 +61,7 @@ __all__ = [
 GPU_ARCH = "sm_90a"
 # Row tiles of 16 tokens and 8-token GEMM2 tiles while an active local expert gets few tokens (at T = 80
 # the synthesized routing gives 17-21 active experts 12-20 tokens at most: 20-27 tiles of 8 tokens,
-# `tools/moe_routing_stats.py`); four 8-token GEMM2 stages hold more weight bytes in flight than three of 16.
+# `kernels/moe/probes/moe_routing_stats.py`); four 8-token GEMM2 stages hold more weight bytes in flight than three of 16.
 FEW_TOKENS_MAX = 192
 # Below this, few experts are active and WGMMA's 64-row items halve the CTAs that stream them: the WGMMA
 # GEMM1 measured 0.86x at T = 1, 0.90x at 7 and 0.97x at 32, but 1.015x at 52-62, 1.05x at 80 (NOTES.md).

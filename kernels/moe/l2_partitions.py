@@ -10,7 +10,7 @@ The measurement (`measure_latencies`): our own fill kernel writes a buffer large
 of the first CTA that lands on the reference SM loads a set of 128-B lines, then the same on the probed SM, which times
 each load with `%clock64`; a line it finds in its own partition returns in L2-hit time (~300 cycles on an H200), one it
 fetches across the fabric ~180 cycles later. `split_by_reference` groups the SMs whose slow lines agree with the
-reference's. `tools/l2_partition_probe.py` prints the map; `partition_ranks` orders the SMs partition by partition.
+reference's. `kernels/moe/probes/l2_partition_probe.py` prints the map; `partition_ranks` orders the SMs partition by partition.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from hopperbench.devcheck import load_module_by_path
 from hopperbench.paths import REPO_ROOT
 
 cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
-device_check = load_module_by_path(REPO_ROOT / "tools/device_check_gdn.py", "device_check_gdn")
+device_check = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/probes/device_check_gdn.py", "device_check_gdn")
 chunked = device_check.load_kernel_module("chunked")  # imports its sibling token_serial.py as a package would
 model = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/chunked_model.py", "gdn_chunked_model")
 reference_run = cases.load_reference_run()

@@ -28,7 +28,7 @@ from tests.kernels.compile_checks import assert_compiles_and_caches
 cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 kernel = cases.load_kernel()
 reference_run = cases.load_reference_run()
-device_check = load_module_by_path(REPO_ROOT / "tools/device_check_gdn.py", "device_check_gdn")
+device_check = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/probes/device_check_gdn.py", "device_check_gdn")
 # kernel.py and each of its three paths alone (and any candidate of the folder): every GPU test below
 # runs each of them, so every path is checked at every shape, not only where kernel.py picks it.
 SOLUTIONS = device_check.KERNEL_CHOICES

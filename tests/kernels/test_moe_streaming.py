@@ -677,7 +677,7 @@ def test_the_walk_by_sm_id_is_the_walk_by_cta_bit_for_bit_from_any_slot_words(ca
     # The three-CTA GEMM1 draws its slots from kept per-SM words that no call zeroes: from words of every
     # residue (the int32 wrap included) each call gives every SM's CTAs every slot once, so the outputs stay those of a
     # walk over the CTA index bit for bit, and each word advances by 3 from 0 mod 4 and by 4
-    # otherwise. The H200's SM ids are dense (`tools/cta_placement.py`), so no SM takes the fallback walk. MEDIUM_T's
+    # otherwise. The H200's SM ids are dense (`kernels/moe/probes/cta_placement.py`), so no SM takes the fallback walk. MEDIUM_T's
     # partition walk keeps its counters in the ranked buffer, before the ranks.
     variant = kernel.variant_for(case.num_tokens)
     assert variant.gemm1_smid_walk

@@ -5,7 +5,7 @@ again), the numerics question of NOTES' design v2.1 B (an FP8 warpgroup-MMA GEMM
 as f16 with one power-of-two scale per token (what candidate v2.11's `mma.sync` GEMM2 read, its e4m3 weights
 converted once per pair instead of four times; measured and dropped in session 16).
 
-    uv run tools/moe_activation_numerics.py [--tokens 64] [--seeds 0,1,2] [--groups 32,128]
+    uv run kernels/moe/probes/moe_activation_numerics.py [--tokens 64] [--seeds 0,1,2] [--groups 32,128]
 
 On the CPU, in fp32: random hidden states and block-scaled e4m3 weights (W13, W2 of one expert, 128 x 128
 scale blocks as the definition's), C in fp32, and per format the relative L2 error of O = C W2^T against

@@ -1,6 +1,6 @@
 """The least time any DSA kernel can take on this GPU: a bare gather of a workload's selected cache rows, against its floor.
 
-    uv run tools/dsa_gather_probe.py [--workloads 0,1,13,11,9] [--ctas 132] [--repeats 30]
+    uv run kernels/dsa_attention/probes/dsa_gather_probe.py [--workloads 0,1,13,11,9] [--ctas 132] [--repeats 30]
 
 Why: issue #6 asks latency / floor <= 2.0 (geometric mean over the 23 workloads), floor = the workload's minimal bytes at
 4.3 TB/s plus the CUPTI span of an empty kernel; `kernel.py` v1.11 is at 3.44 after eleven candidates

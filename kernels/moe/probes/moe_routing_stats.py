@@ -1,7 +1,7 @@
 """How the MoE workloads' routing spreads tokens over the local experts, and what that means for the
 weight-streaming GEMMs' row tiles and their traffic through L2.
 
-    uv run tools/moe_routing_stats.py [--workloads 4,3,12] [--trials 3] [--seed 0] [--device cpu] [--tiles 16,32,64]
+    uv run kernels/moe/probes/moe_routing_stats.py [--workloads 4,3,12] [--trials 3] [--seed 0] [--device cpu] [--tiles 16,32,64]
 
 For each workload (indices of the MoE workload list) and trial: the routing inputs the runner
 synthesizes (`hopperbench.synth`, those inputs only), routed as the definition routes

@@ -1,6 +1,6 @@
 """Which SMs share an L2 partition: the latency of one SM's loads from lines another SM brought into L2.
 
-    uv run tools/l2_partition_probe.py [--lines 256] [--references 2] [--output map.json]
+    uv run kernels/moe/probes/l2_partition_probe.py [--lines 256] [--references 2] [--output map.json]
 
 Why: ncu's breakdown of MoE GEMM1's L2 throughput at 901 tokens (kernels/moe/NOTES.md, session 31) tops out on
 `lts__ltcfabric2ltc_cycles_active`, the fabric between the H200's two L2 partitions, not on the L2's tags or sectors.

@@ -1,6 +1,6 @@
 """Which SM each CTA of a persistent grid lands on: why the MoE's three-CTA GEMM1 walks by SM id, not by CTA index.
 
-    uv run tools/cta_placement.py [--ctas-per-sm 3] [--smem-bytes N] [--repeats 10]
+    uv run kernels/moe/probes/cta_placement.py [--ctas-per-sm 3] [--smem-bytes N] [--repeats 10]
 
 A walk over the CTA index that splits the items of each group of CTAs {g, g + S, g + 2S} (S = grid / ctas-per-sm)
 between them (MoE v2.29's paired rounds, replaced in v2.18) assumes the block scheduler puts a group on one SM. This

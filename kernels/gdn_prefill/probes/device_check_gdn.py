@@ -10,7 +10,7 @@ and new_state, no NaN), a check that the input state is unchanged, and a median 
 CUDA events (warm L2; the benchmark runner does the real timing). Then a CUDA-graph capture/replay
 check with new sequence bounds. Exits 1 if anything failed, 2 without a CUDA device.
 
-    uv run python tools/device_check_gdn.py [--kernel {kernel,token_serial,chunked}] [--iters 20] [--warmup 3]
+    uv run python kernels/gdn_prefill/probes/device_check_gdn.py [--kernel {kernel,token_serial,chunked}] [--iters 20] [--warmup 3]
                                             [--cases len1_state,len6_nostate] [--skip-long]
 """
 

@@ -1,7 +1,7 @@
 """The dispatch model behind GDN candidate v1.7: how long the chunked kernel's grid takes when its
 rows serve the sequences in list order, and when they serve the longest first.
 
-    uv run tools/gdn_grid_order_model.py [--results results/h200/2026-11-30_gdn_prefill.csv] [--min-seqs 9]
+    uv run kernels/gdn_prefill/probes/gdn_grid_order_model.py [--results results/h200/2026-11-30_gdn_prefill.csv] [--min-seqs 9]
 
 Model: 132 SMs with two CTA slots each; CTAs start in grid order (row by row, the 32 CTAs of one
 sequence together) as slots free up; a CTA's work is its sequence's chunk count plus a fixed 0.3

@@ -1,7 +1,7 @@
 """Whether the lines that `cp.async.bulk.prefetch.L2` brings in serve later loads from L2, and what the prefetches cost
 when few or many SMs issue them.
 
-    uv run tools/l2_prefetch_probe.py [--megabytes 6] [--chunk-kb 448] [--sms 1,2,8,132] [--repeats 30]
+    uv run kernels/moe/probes/l2_prefetch_probe.py [--megabytes 6] [--chunk-kb 448] [--sms 1,2,8,132] [--repeats 30]
 
 Why: MoE candidates v2.35 and v2.37 (kernels/moe/NOTES.md, session 26) prefetched expert weights into L2 with a few
 large bulk prefetches and lost (0.962x and 0.977x at 7 tokens), v2.37 in a window where DRAM idles, as if the later

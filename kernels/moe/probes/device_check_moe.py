@@ -9,7 +9,7 @@ cold-L2 CUPTI timing). Weight TB/s = active local experts x 44,040,192 B / media
 repeat check and a CUDA-graph capture/replay check. Exits 1 if anything failed, 2 without a CUDA
 device.
 
-    uv run python tools/device_check_moe.py [--iters 20] [--warmup 3] [--cases t1_off0,t80_off96] [--skip-slow]
+    uv run python kernels/moe/probes/device_check_moe.py [--iters 20] [--warmup 3] [--cases t1_off0,t80_off96] [--skip-slow]
         [--kernel kernel]
 
 --kernel names the module of kernels/moe/ whose `run` is checked: kernel.py (default) or a candidate.

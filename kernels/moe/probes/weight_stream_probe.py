@@ -1,6 +1,6 @@
 """How fast one grid of CTAs can stream fp8 expert weights from DRAM on this GPU, by copy form, with nothing else to do.
 
-    uv run tools/weight_stream_probe.py [--items 264,384,528] [--repeats 30]
+    uv run kernels/moe/probes/weight_stream_probe.py [--items 264,384,528] [--repeats 30]
 
 Why: MoE issue #8's one short row is 1 token (kernels/moe/NOTES.md, session 33): ~88 MB of two experts' weights in
 38.3 us (2.28 TB/s) where the bar asks 29.4 us, and GEMM1 alone streams its 58.7 MB at ~2.6 TB/s after the routing.

@@ -11,7 +11,7 @@ outputs (state carried between calls shows there). Then a CUDA-graph capture/rep
 of every split count at the contest's cache size (correctness and time, for tuning the split
 heuristic). Exits 1 if anything failed, 2 without a CUDA device.
 
-    uv run python tools/device_check_dsa.py [--kernel kernel] [--iters 50] [--warmup 10]
+    uv run python kernels/dsa_attention/probes/device_check_dsa.py [--kernel kernel] [--iters 50] [--warmup 10]
                                             [--cases t1_random,t8_one_valid] [--sweep-tokens 1,2,8]
 """
 

@@ -686,13 +686,15 @@ def kernel_warm_calls(plan: RunPlan, target: str) -> list[WarmCall]:
 
 
 def execute_job(job: WorkerJob, launcher: Launcher, timeout: float, logs_dir: Path) -> SideResult:
-    """Run one job in its own process and turn whatever happened into a SideResult."""
+    """Run one job (in its side's session of the fork server, or a process of its own) and turn
+    whatever happened into a SideResult."""
     folder = logs_dir / job.track / job.workload["uuid"]
     folder.mkdir(parents=True, exist_ok=True)
     files = JobFiles(
         job=folder / f"{job.side.name}.job.json",
         result=folder / f"{job.side.name}.result.json",
         log=folder / f"{job.side.name}.log",
+        session=f"{job.track}/{job.side.name}",
     )
     files.job.write_text(job.model_dump_json(indent=2), encoding="utf-8")
     files.result.unlink(missing_ok=True)

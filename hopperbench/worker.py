@@ -1,4 +1,5 @@
-"""One (side, workload) in its own process: `python -m hopperbench.worker JOB.json RESULT.json`.
+"""One (side, workload): `python -m hopperbench.worker JOB.json RESULT.json`, in a process of its
+own or in its side's session of the fork server (`hopperbench.worker_pool`).
 
 The reference side computes the reference outputs of every trial and stores them in
 the run's scratch folder (`<scratch>/<track>/<uuid>/trial<t>.safetensors`, reused when
@@ -267,14 +268,15 @@ def process_age_s() -> float | None:
 
 class PhaseLog:
     """Wall time of a job's phases, printed as one line to the job's log (stderr) when it ends, so
-    that a run's logs show where its wall time goes (process start to the first phase included)."""
+    that a run's logs show where its wall time goes (`process_age`: the process's age when the job
+    began, its start-up for a job of its own, the session's age for a later job of a session)."""
 
     def __init__(self) -> None:
         self.last = time.perf_counter()
         self.phases: list[tuple[str, float]] = []
         age = process_age_s()
         if age is not None:
-            self.phases.append(("process_start", age))
+            self.phases.append(("process_age", age))
 
     def mark(self, name: str) -> None:
         now = time.perf_counter()
@@ -556,7 +558,15 @@ def write_result(path: Path, result: SideResult) -> None:
     os.replace(tmp, path)
 
 
+def process_still_sound(result: SideResult) -> bool:
+    """Whether this process may run another job after `result`: not after an exception inside a
+    side's call or replay, which may have left a sticky CUDA error behind."""
+    return result.status != Status.RUNTIME_ERROR and result.graph_status != GraphStatus.FAILED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one job; exit code 0 when the process may run another (a fork server's session), else 1.
+    The result file is written either way."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2:
         print("usage: python -m hopperbench.worker JOB.json RESULT.json", file=sys.stderr)
@@ -564,7 +574,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     job = WorkerJob.model_validate_json(Path(args[0]).read_text(encoding="utf-8"))
     result = run_job(job, checkpoint=partial(write_result, Path(args[1])))
     write_result(Path(args[1]), result)
-    return 0
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # an idle session keeps no memory pool the next side could want
+    return 0 if process_still_sound(result) else 1
 
 
 if __name__ == "__main__":

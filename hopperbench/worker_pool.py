@@ -1,28 +1,33 @@
-"""Launching worker processes: one process per job, either spawned fresh or forked from a warm server.
+"""Launching worker processes: a fresh process per job, or a fork server's children.
 
 Two launchers run a worker command (`python -m hopperbench.worker JOB.json RESULT.json`,
 or a test's `python script.py JOB.json RESULT.json`) for one job at a time and report
 how it ended as a `JobExit`:
 
 - `SubprocessLauncher` spawns the command as a new process for every job. Every job pays
-  the interpreter start and the imports of torch, triton, flashinfer_bench, ...
+  the interpreter start, the imports of torch, triton, flashinfer_bench, ..., and its side's
+  compiles and autotuning.
 - `ForkServerLauncher` keeps one long-lived server process per device (this module run as
   `python -m hopperbench.worker_pool CONFIG_JSON`), started with that device's environment
   (CUDA_VISIBLE_DEVICES) and CPU cores. The server imports the heavy modules once, checks
   that doing so did not initialise CUDA, runs its warm calls (deterministic steps that every
   job would otherwise repeat, such as building and compiling our kernels: `hopperbench.prebuild`),
-  and then `os.fork()`s one child per job; the child runs the worker command's module
-  `main(argv)` (or script) and exits.
+  and then `os.fork()`s its children: one per job, or, for jobs that name a `session` (the
+  runner names one per track and side), one per session that runs the session's jobs one after
+  another, as a serving process calls a library again and again.
 
 Isolation guarantees of the fork server, and where they differ from a fresh process:
 
-- One job, one process. Every job runs in its own child, forked from a server that never
-  runs job code: it only imports modules and runs its warm calls, which are fixed by its
-  configuration when it starts and do the same for every job (build a side with flashinfer-bench
-  and compile its kernels; no inputs, no timing). So every child starts from the same state
-  (the imported modules and what the warm calls left, untouched by any job), and nothing a job
-  does (its CUDA context, memory, module globals, caches, environment or working-directory
-  changes, a corrupted heap) can reach the next job or the server.
+- One side, one process. The server never runs job code: it only imports modules and runs its
+  warm calls, which are fixed by its configuration when it starts and do the same for every job
+  (build a side with flashinfer-bench and compile its kernels; no inputs, no timing). Every child
+  starts from that state. A session child keeps what its jobs leave (compiled kernels, autotuning
+  choices, module caches, its CUDA context): the same side's next workload finds its library warm,
+  as in a serving engine, while nothing of one side reaches another side's process. A job whose
+  worker exits non-zero (ours does after an exception in the side's call or replay, which may
+  leave a sticky CUDA error) ends its session; the next job of that side gets a fresh child. At
+  most MAX_SESSIONS sessions live at once (the one used longest ago ends first); each job's
+  worker empties its CUDA memory pool when it ends, so an idle session holds little memory.
 - No CUDA in the server. CUDA cannot survive a fork; the server refuses to start (and to
   fork) if `torch.cuda.is_initialized()` is true, or if the CUDA driver library is loaded
   and a canary child cannot initialise it (a bare cuInit, as `torch.cuda.is_available()`
@@ -31,14 +36,14 @@ Isolation guarantees of the fork server, and where they differ from a fresh proc
   state (and not fail, crash, or run past PROBE_TIMEOUT_S); only then does the server run them
   itself, and it checks CUDA again after the warm calls. A warm call that fails its probe is
   skipped (Ready.skipped and the server's log line say why) and its jobs do the work themselves.
-- A crash, an illegal address or a hang stays the job's. The child leads its own process
-  group (set by both the server and the child, so there is no window in which it is not);
-  a timeout kills that whole group, compilers it spawned included. The server reports the
-  child's exit status; its stdout and stderr go to the job's log file; its result is the
+- A crash, an illegal address or a hang stays the job's (and its session's). The child leads
+  its own process group (set by both the server and the child, so there is no window in which
+  it is not); a timeout kills that whole group, compilers it spawned included. The server reports
+  the job's exit status; its stdout and stderr go to the job's log file; its result is the
   result file it writes, as with a fresh process.
 - Cleanup without the runner. If the runner dies, the server sees its request pipe close,
   kills the running child's group and exits. If the server dies (or is killed to stop or
-  replace it), the running child gets SIGKILL (parent-death signal); the job is reported as
+  replace it), its children get SIGKILL (parent-death signal); a running job is reported as
   a crash and the next job starts a new server.
 - What is shared: the environment, the working directory, the CPU affinity and the imported
   modules as they were when the server started (a module file edited during a run is not
@@ -47,6 +52,7 @@ Isolation guarantees of the fork server, and where they differ from a fresh proc
   its jobs build and compile it themselves), and atexit handlers registered while importing
   or warming (each child runs them at exit, as a fresh process would). Python's `random` is
   reseeded in each child by Python itself; the job's inputs are seeded explicitly anyway.
+  What the server holds is frozen for Python's cyclic collector (gc.freeze) before it forks.
 
 Both launchers start their processes pinned to a set of CPU cores (`split_cpus` gives
 each device a disjoint share of whole physical cores, SMT siblings together) so that the
@@ -59,6 +65,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -104,6 +111,9 @@ DEFAULT_PRELOAD = (
 # cannot be preloaded): its jobs took ~10 s each in the third session's GDN run.
 DEFAULT_PRELOAD_IF_FORK_SAFE = ("cutlass.cute", "torch._dynamo")
 
+# Session children kept alive at once per server (each holds a CUDA context and its memory pool);
+# a new session beyond this ends the one used longest ago. A track has at most six sides.
+MAX_SESSIONS = 6
 # How long a live server may take to acknowledge a fork or report a killed child.
 CONTROL_TIMEOUT_S = 30.0
 # How long a probe child may take (an import, or a warm call such as a kernel compile) before it
@@ -234,13 +244,18 @@ def kill_group(pgid: int) -> None:
 
 
 class JobFiles(BaseModel):
-    """One job: the worker reads `job`, writes `result`; its stdout and stderr go to `log`."""
+    """One job: the worker reads `job`, writes `result`; its stdout and stderr go to `log`.
+
+    Jobs with the same `session` run one after another in one long-lived child of the fork server
+    (see the module docstring); without one, or with `SubprocessLauncher`, every job gets a
+    process of its own."""
 
     model_config = ConfigDict(extra="forbid")
 
     job: Path
     result: Path
     log: Path
+    session: str | None = None
 
 
 @dataclass(frozen=True)
@@ -844,46 +859,94 @@ def _die_with_parent(server_pid: int) -> None:
         os._exit(1)
 
 
-def _child(config: ServerConfig, files: JobFiles, server_pid: int, server_fds: Sequence[int]) -> NoReturn:
-    """The forked child: become its own group, talk only to the log, run the job, never return."""
-    code = 1
+def _become_child(server_pid: int, server_fds: Sequence[int]) -> None:
+    """A forked child's first steps: its own process group, dies with the server, none of its pipes."""
+    os.setpgid(0, 0)
+    _die_with_parent(server_pid)
+    for fd in server_fds:
+        os.close(fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+
+def _run_job(config: ServerConfig, files: JobFiles) -> int:
+    """One job in this process, its stdout and stderr in its log; the worker's exit code."""
+    with contextlib.suppress(BaseException):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    log = os.open(files.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
     try:
-        os.setpgid(0, 0)
-        _die_with_parent(server_pid)
-        for fd in server_fds:
-            os.close(fd)
-        log = os.open(files.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        os.close(devnull)
-        try:
-            code = _run_worker(config.worker_argv, [str(files.job), str(files.result)])
-        except SystemExit as e:
-            code = _exit_code(e.code)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        with contextlib.suppress(BaseException):
-            atexit._run_exitfuncs()  # as a fresh interpreter would at exit
+        return _run_worker(config.worker_argv, [str(files.job), str(files.result)])
+    except SystemExit as e:
+        return _exit_code(e.code)
+    except BaseException:
+        traceback.print_exc()
+        return 1
     finally:
         with contextlib.suppress(BaseException):
             sys.stdout.flush()
             sys.stderr.flush()
+
+
+def _child(config: ServerConfig, files: JobFiles, server_pid: int, server_fds: Sequence[int]) -> NoReturn:
+    """The forked child of one job: run it, never return."""
+    code = 1
+    try:
+        _become_child(server_pid, server_fds)
+        code = _run_job(config, files)
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()  # as a fresh interpreter would at exit
+    finally:
         os._exit(code)
 
 
-def _wait_for_child(pid: int, requests: _LineReader) -> int:
-    """The child's exit code (negative: its signal); kills it and raises _RunnerGone if the runner goes."""
+def _session_child(
+    config: ServerConfig, files: JobFiles, server_pid: int, server_fds: Sequence[int], jobs_fd: int, done_fd: int
+) -> NoReturn:
+    """The forked child of a session: run its first job, then each job the server passes on
+    `jobs_fd`, answering each with its exit code on `done_fd`. A job whose worker exits non-zero
+    ends the session (its process may hold a broken CUDA context): the child exits with that code
+    instead of answering. End of `jobs_fd`: the session is closed."""
+    code = 1
+    try:
+        _become_child(server_pid, server_fds)
+        jobs = _LineReader(jobs_fd)
+        while True:
+            code = _run_job(config, files)
+            if code != 0:
+                break
+            os.write(done_fd, b"0\n")
+            try:
+                line = jobs.line(None)
+            except EOFError:
+                break
+            assert line is not None
+            files = JobFiles.model_validate_json(line)
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+    finally:
+        os._exit(code)
+
+
+def _wait_for_child(pid: int, requests: _LineReader, done: _LineReader | None = None) -> tuple[int, bool]:
+    """(exit code, whether the child exited) of the child's job: a session child answers on `done`
+    and lives on; any child may exit (negative code: its signal). Kills it and raises _RunnerGone if
+    the runner goes."""
     try:
         pidfd: int | None = os.pidfd_open(pid)
     except (AttributeError, OSError):
         pidfd = None  # no pidfd (old kernel): poll
     try:
         while True:
-            watched = [requests.fd] if pidfd is None else [requests.fd, pidfd]
+            if done is not None and b"\n" in done.buffer:
+                answer = done.line(0)
+                assert answer is not None
+                return int(answer), False
+            watched = [requests.fd] + ([] if pidfd is None else [pidfd]) + ([] if done is None or done.eof else [done.fd])
             ready, _, _ = select.select(watched, [], [], 0.05 if pidfd is None else None)
             if requests.fd in ready:
                 requests.fill(0)
@@ -891,12 +954,57 @@ def _wait_for_child(pid: int, requests: _LineReader) -> int:
                     kill_group(pid)
                     os.waitpid(pid, 0)
                     raise _RunnerGone
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                return os.waitstatus_to_exitcode(status)
+            if done is not None and done.fd in ready:
+                done.fill(0)
+                continue  # an answer comes before the exit check: a finished job is not a dead child
+            exited, status = os.waitpid(pid, os.WNOHANG)
+            if exited:
+                return os.waitstatus_to_exitcode(status), True
     finally:
         if pidfd is not None:
             os.close(pidfd)
+
+
+@dataclass
+class _Session:
+    """A session child as the server sees it: where to send its next job, where it answers."""
+
+    pid: int
+    jobs: IO[bytes]
+    done: _LineReader
+    last_used: float
+
+    def fds(self) -> list[int]:
+        return [self.jobs.fileno(), self.done.fd]
+
+    def close(self) -> None:
+        """Kill the child and forget it."""
+        kill_group(self.pid)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+        with contextlib.suppress(OSError):
+            self.jobs.close()
+        with contextlib.suppress(OSError):
+            os.close(self.done.fd)
+
+
+def _fork_session(
+    config: ServerConfig, files: JobFiles, server_fds: Sequence[int], sessions: Mapping[str, _Session]
+) -> _Session:
+    """A new session child, already running `files`."""
+    jobs_read, jobs_write = os.pipe()
+    done_read, done_write = os.pipe()
+    server_pid = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        others = [fd for session in sessions.values() for fd in session.fds()]
+        _session_child(config, files, server_pid, [*server_fds, *others, jobs_write, done_read], jobs_read, done_write)
+    os.close(jobs_read)
+    os.close(done_write)
+    with contextlib.suppress(OSError):
+        os.setpgid(pid, pid)
+    return _Session(pid=pid, jobs=os.fdopen(jobs_write, "wb", buffering=0), done=_LineReader(done_read),
+                    last_used=time.monotonic())  # fmt: skip
 
 
 def serve(config: ServerConfig) -> int:
@@ -948,6 +1056,25 @@ def serve(config: ServerConfig) -> int:
     )
     _send(replies, ready)
 
+    # What the imports and warm calls left is never garbage: later collections (the timer runs one
+    # before each trial) skip it, and forked children do not copy its pages by touching them.
+    gc.collect()
+    gc.freeze()
+    sessions: dict[str, _Session] = {}
+    try:
+        return _serve_jobs(config, requests, replies, sessions, (requests_fd, replies_fd))
+    finally:
+        for session in sessions.values():
+            session.close()
+
+
+def _serve_jobs(
+    config: ServerConfig,
+    requests: _LineReader,
+    replies: IO[bytes],
+    sessions: dict[str, _Session],
+    server_fds: Sequence[int],
+) -> int:
     while True:
         try:
             line = requests.line(None)
@@ -960,18 +1087,39 @@ def serve(config: ServerConfig) -> int:
             return 3
         sys.stdout.flush()
         sys.stderr.flush()
-        server_pid = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            _child(config, files, server_pid, (requests_fd, replies_fd))
-        with contextlib.suppress(OSError):
-            os.setpgid(pid, pid)  # also done by the child: whichever runs first, no window
+        session = sessions.get(files.session) if files.session is not None else None
+        if session is not None:
+            try:
+                session.jobs.write(files.model_dump_json().encode() + b"\n")
+            except OSError:  # it died while idle: a fresh one takes the job
+                del sessions[files.session]
+                session.close()
+                session = None
+        if session is None and files.session is not None:
+            while len(sessions) >= MAX_SESSIONS:
+                oldest = min(sessions, key=lambda key: sessions[key].last_used)
+                sessions.pop(oldest).close()
+            session = sessions[files.session] = _fork_session(config, files, server_fds, sessions)
+        if session is not None:
+            pid = session.pid
+            session.last_used = time.monotonic()
+        else:
+            server_pid = os.getpid()
+            pid = os.fork()
+            if pid == 0:
+                _child(config, files, server_pid, [*server_fds, *(fd for s in sessions.values() for fd in s.fds())])
+            with contextlib.suppress(OSError):
+                os.setpgid(pid, pid)  # also done by the child: whichever runs first, no window
         _send(replies, Started(pid=pid))
         try:
-            returncode = _wait_for_child(pid, requests)
+            returncode, exited = _wait_for_child(pid, requests, session.done if session is not None else None)
         except _RunnerGone:
             return 0
-        kill_group(pid)  # stragglers the job left behind
+        if exited:
+            kill_group(pid)  # stragglers the job left behind
+            if session is not None:
+                assert files.session is not None
+                sessions.pop(files.session).close()
         _send(replies, Exited(pid=pid, returncode=returncode))
 
 

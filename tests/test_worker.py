@@ -15,7 +15,7 @@ from flashinfer_bench import Definition
 
 from hopperbench.acceptance import check_outputs, merge_verdicts
 from hopperbench.floors import FloorInputError
-from hopperbench.results import SideResult, Status, TrialFloor
+from hopperbench.results import GraphStatus, SideResult, Status, TrialFloor
 from hopperbench.sides import Side, SideKind
 from hopperbench.timing.span import ActivityTrace, ApiRecord, GpuRecord
 from hopperbench.timing.graph import NotCapturable
@@ -225,7 +225,7 @@ def test_a_job_logs_where_its_wall_time_went(tmp_path: Path, recorder: Recorder,
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("job phases (s): ")]
     assert len(lines) == 1
     names = [part.rsplit(" ", 1)[0] for part in lines[0].removeprefix("job phases (s): ").split(", ")]
-    assert names == ["process_start", "setup", "build", "checks", "timing_trial0", "timing_trial1", "timing_trial2",
+    assert names == ["process_age", "setup", "build", "checks", "timing_trial0", "timing_trial1", "timing_trial2",
                      "graph_trial0", "graph_trial1", "graph_trial2"]  # fmt: skip
     # A job that ends early still logs what it did.
     run_job(job(tmp_path, kernel_side(tmp_path, "raises")), deps(recorder))
@@ -514,3 +514,16 @@ def test_a_library_side_takes_its_inputs_through_prepare(tmp_path: Path, recorde
     # Without prepare the same run function is wrong: y arrives unscaled.
     unprepared = run_job(job(tmp_path, side.model_copy(update={"prepare": None})), deps(recorder))
     assert unprepared.status == Status.FAILED
+
+
+def test_a_session_ends_after_an_exception_in_the_side_not_after_a_wrong_answer() -> None:
+    from hopperbench.worker import process_still_sound
+
+    def result(status: Status, graph: GraphStatus | None = None) -> SideResult:
+        return SideResult(side="ours", status=status, graph_status=graph)
+
+    assert process_still_sound(result(Status.PASSED, GraphStatus.PASSED))
+    assert process_still_sound(result(Status.PASSED, GraphStatus.NOT_CAPTURABLE))
+    assert process_still_sound(result(Status.FAILED))
+    assert not process_still_sound(result(Status.RUNTIME_ERROR))
+    assert not process_still_sound(result(Status.PASSED, GraphStatus.FAILED))

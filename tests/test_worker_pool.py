@@ -20,6 +20,7 @@ from hopperbench.worker_pool import (
     PROBE_TIMEOUT_S,
     CpuSplitError,
     ForkServerLauncher,
+    MAX_SESSIONS,
     JobFiles,
     LaunchStopped,
     ServerConfig,
@@ -254,6 +255,69 @@ def test_fork_server_timeout_kills_the_jobs_whole_group(workdir: Path) -> None:
         job_pid, grandchild = map(int, (workdir / "sleep.pids").read_text().split())
         assert wait_dead(job_pid) and wait_dead(grandchild)
         assert server.run(job_files(workdir, "ok"), timeout=30).returncode == 0  # still serving
+    finally:
+        server.close()
+
+
+def session_files(workdir: Path, mode: str, name: str, session: str = "track/side") -> JobFiles:
+    return job_files(workdir, mode, name).model_copy(update={"session": session})
+
+
+def test_a_session_runs_its_jobs_one_after_another_in_one_child(workdir: Path) -> None:
+    server = fork_server(workdir)
+    try:
+        first, second = session_files(workdir, "probe", "first"), session_files(workdir, "probe", "second")
+        other = session_files(workdir, "probe", "other", session="track/other")
+        for files in (first, other, second):
+            outcome = server.run(files, timeout=30)
+            assert (outcome.returncode, outcome.timed_out, outcome.launcher_failure) == (0, False, None)
+        a, b, c = seen(first), seen(second), seen(other)
+        assert server.ready is not None
+        assert a["pid"] == b["pid"] != c["pid"]
+        assert a["ppid"] == c["ppid"] == server.ready.pid and a["pgid"] == a["pid"] and c["pgid"] == c["pid"]
+        # What a job leaves in its process reaches the session's next job, never another session.
+        assert b["probe_state"] == [a["pid"], a["pid"]] and c["probe_state"] == [c["pid"]]
+        # Each job's output goes to its own log.
+        assert first.log.read_text().count("job probe") == second.log.read_text().count("job probe") == 1
+    finally:
+        server.close()
+    assert wait_dead(a["pid"]) and wait_dead(c["pid"])  # closing the server ends its sessions
+
+
+def test_a_failed_crashed_or_killed_job_ends_its_session(workdir: Path) -> None:
+    server = fork_server(workdir)
+    try:
+        first = session_files(workdir, "probe", "first")
+        assert server.run(first, timeout=30).returncode == 0
+        assert server.run(session_files(workdir, "exit3", "failing"), timeout=30).returncode == 3
+        assert wait_dead(seen(first)["pid"])  # a non-zero exit ends the session with the job
+        after = session_files(workdir, "probe", "after")
+        assert server.run(after, timeout=30).returncode == 0
+        assert seen(after)["pid"] != seen(first)["pid"] and seen(after)["probe_state"] == [seen(after)["pid"]]
+
+        assert server.run(session_files(workdir, "segv", "segv"), timeout=30).returncode == -signal.SIGSEGV
+        hang = session_files(workdir, "sleep", "sleep")
+        outcome = server.run(hang, timeout=1.0)
+        assert outcome.timed_out and outcome.returncode is None
+        job_pid, grandchild = map(int, (workdir / "sleep.pids").read_text().split())
+        assert wait_dead(job_pid) and wait_dead(grandchild)
+        last = session_files(workdir, "probe", "last")
+        assert server.run(last, timeout=30).returncode == 0
+        assert seen(last)["pid"] not in (seen(after)["pid"], job_pid)
+    finally:
+        server.close()
+
+
+def test_the_session_used_longest_ago_ends_when_too_many_are_open(workdir: Path) -> None:
+    server = fork_server(workdir)
+    try:
+        pids = []
+        for i in range(MAX_SESSIONS + 1):
+            files = session_files(workdir, "probe", f"job{i}", session=f"track/side{i}")
+            assert server.run(files, timeout=30).returncode == 0
+            pids.append(seen(files)["pid"])
+        assert len(set(pids)) == MAX_SESSIONS + 1
+        assert wait_dead(pids[0]) and all(alive(pid) for pid in pids[1:])
     finally:
         server.close()
 

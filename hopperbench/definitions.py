@@ -1,8 +1,8 @@
-"""Our definitions: the JSONs under `definitions/` and the reference modules they embed.
+"""Our definitions: each track folder's `definition.json` and the `reference.py` it embeds.
 
 A definition JSON is authored once (axes, inputs, outputs, constraints as the
-official file) and its `reference` field is regenerated from
-`references/<track>.py` by `tools/sync_definitions.py`. Loading refuses a JSON
+official file) and its `reference` field is regenerated from the track's
+`reference.py` by `tools/sync_definitions.py`. Loading refuses a JSON
 whose embedded reference no longer matches the module, so a result is never
 recorded against a definition whose reference differs from the code that ran.
 """

@@ -1,15 +1,15 @@
 """The published report of a run: pure functions over the rows of a results JSON.
 
-- `headline`: per track, the baseline (GDN: FlashInfer's SM90 prefill, `flashinfer_gdn`,
-  wherever it passed; otherwise, and for MoE and DSA, the library side with the best geometric
-  mean latency, named) and the speedup over it of the strongest other library, the human winner
+- `headline`: per track, the baseline (the track's FlashInfer baseline, `Track.flashinfer_baseline`,
+  where it has one and it passed: GDN's `flashinfer_gdn`; otherwise the library side with the
+  best geometric mean latency, named) and the speedup over it of the strongest other library, the human winner
   and ours, and ours over the human winner. Each speedup is the geometric mean of per-workload
   ratios baseline latency / side latency over the workloads where both passed (graph: where both
   were graph-timed), eager and CUDA-graph replay side by side, with how many workloads entered it.
 - `human_best_view` / `libraries_view`: the two published per-workload CSVs.
 - `pass_counts`: per track, how many workloads each side passed, failed, or could not run.
 
-Nothing here reads a file except `sides_table`, which reads the track registry.
+Nothing here reads a file; `sides_table` and the baselines read the track registry.
 """
 
 from __future__ import annotations
@@ -36,9 +36,6 @@ from hopperbench.results import (
     state_given,
 )
 from hopperbench.sides import HUMAN, OURS, canonical_side_order
-
-# The track's FlashInfer baseline of the Hopper edition, where FlashInfer has an SM90 kernel.
-FLASHINFER_BASELINE = {"gdn_prefill": "flashinfer_gdn"}
 
 # Graph status of a passed side that was not replayed from a graph (None in the record).
 NOT_ATTEMPTED = "not attempted"
@@ -173,10 +170,19 @@ def rank_libraries(rows: Sequence[WorkloadRow], names: Sequence[str]) -> list[tu
     return sorted(((n, mean(n)) for n in timed), key=lambda item: (item[1], item[0]))
 
 
+def flashinfer_baseline(track: str) -> str | None:
+    """The track's FlashInfer baseline of the Hopper edition (a library side), where FlashInfer has
+    an SM90 kernel; None for a track without one or not in the registry."""
+    from hopperbench.tracks import TRACKS
+
+    entry = TRACKS.get(track)
+    return entry.flashinfer_baseline if entry is not None else None
+
+
 def choose_baseline(track: str, rows: Sequence[WorkloadRow]) -> Baseline:
     """The track's FlashInfer baseline where it passed on any workload (the workload counts say on
     how many each mean is), else the fastest library side, else none."""
-    designated = FLASHINFER_BASELINE.get(track)
+    designated = flashinfer_baseline(track)
     if designated is not None and passed_count(rows, designated) > 0:
         return Baseline(designated, "FlashInfer")
     ranked = rank_libraries(rows, library_sides(rows))
@@ -443,7 +449,7 @@ def sides_table() -> list[str]:
     for track in TRACKS.values():
         for lib in track.libraries:
             pin = lib.package or lib.submodule or "–"
-            baseline = " (baseline)" if FLASHINFER_BASELINE.get(track.name) == lib.name else ""
+            baseline = " (baseline)" if track.flashinfer_baseline == lib.name else ""
             body.append(
                 [
                     f"`{track.name}`",

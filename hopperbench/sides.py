@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
-from hopperbench.paths import PACKAGE_DIR, REPO_ROOT
+from hopperbench.paths import REPO_ROOT
 from hopperbench.tracks import Track, is_candidate_side
 
 if TYPE_CHECKING:
@@ -35,7 +35,6 @@ HUMAN = "human"
 REFERENCE = "reference"
 FIXED_SIDES = (OURS, HUMAN, REFERENCE)
 
-ADAPTERS_DIR = PACKAGE_DIR / "adapters"
 AUTHOR = {OURS: "hopperbench", REFERENCE: "definition"}
 
 
@@ -147,7 +146,8 @@ class SideContext(BaseModel):
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
     repo_root: Path = REPO_ROOT
-    adapters_dir: Path = ADAPTERS_DIR
+    # Where library adapters are found; None = each track's own `adapters/` folder.
+    adapters_dir: Path | None = None
     # Per track, hopperbench.integrity.GuardResult for the human side (None = guard not run).
     guard_results: Mapping[str, Any] | None = None
     # human_best manifest entries by track (None = load human_best/manifest.toml).
@@ -254,7 +254,7 @@ def resolve_reference(track: Track, ctx: SideContext) -> list[Side]:
             available=True,
             language="python",
             destination_passing_style=False,  # references return their outputs
-            description=f"the definition's reference (hopperbench/references/{track.reference_module})",
+            description=f"the definition's reference ({_shown(track.reference_path, REPO_ROOT)})",
         )
     ]
 
@@ -265,10 +265,10 @@ def resolve_libraries(track: Track, ctx: SideContext) -> list[Side]:
         if library.name in FIXED_SIDES:
             raise SideError(f"library side of {track.name} may not be called {library.name!r}")
         file, _, function = library.entry.partition("::")
-        adapter = ctx.adapters_dir / file
+        adapter = (ctx.adapters_dir or track.adapters_dir) / file
         reason = None
         if not adapter.is_file():
-            reason = f"hopperbench/adapters/{file} does not exist yet"
+            reason = f"{_shown(adapter, ctx.repo_root)} does not exist yet"
         elif library.package and (missing := _unmet_requirement(library.package)):
             reason = missing
         elif library.submodule and not library.package and not _populated(ctx.repo_root / library.submodule):
@@ -294,6 +294,14 @@ def resolve_libraries(track: Track, ctx: SideContext) -> list[Side]:
             )
         )
     return sides
+
+
+def _shown(path: Path, root: Path) -> str:
+    """`path` relative to `root` where it lies below it, else as it is."""
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
 
 
 def _unmet_requirement(requirement: str) -> str | None:

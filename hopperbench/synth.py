@@ -15,53 +15,12 @@ Large tensors are drawn in chunks of a fixed element count, never a memory-depen
 Official blob inputs (`WorkloadSpec.blob_inputs`) are loaded from safetensors instead of
 drawn; their dtype and shape are checked against the definition.
 
-Distributions, per track (the contest's actual random inputs were plain randn, which makes
-the references numerically meaningless for MoE, see below):
-
-GDN prefill (`gdn_prefill_qk4_v8_d128_k_last`):
-- `cu_seqlens`: a uniform random composition of `total_seq_len` into `num_seqs` segments of
-  at least one token (distinct cut points drawn without replacement). The real split is unknown.
-- `q`, `k`: randn, L2-normalised per head in fp32 (the models normalise q and k), then bf16.
-- `v`, `a`, `b`: randn bf16.
-- Gates, regime "mamba2" (default, how GDN layers initialise): `A_log = log(U[1, 16])`,
-  `dt_bias = softplus^-1(dt)` with `dt` log-uniform in [1e-3, 1e-1]. Long memory: the
-  per-token decay has a median near 0.93, so the initial state matters.
-  Regime "fast_decay" (stress test): same `A_log`, `dt_bias ~ U[-0.1, 0.1]`; the state is
-  forgotten within a few tokens and chunked kernels that divide by cumulative decays lose
-  accuracy (harness_facts.md §13).
-- `state`: given on every synthesized workload: the case in which no side pays for a missing
-  one (a kernel that zero-fills an absent state launches work a given state does not need).
-  Official workloads give it when their blob holds it. Values N(0, 0.2^2) fp32: the magnitude the reference itself builds from a zero state
-  (entry std ~0.18 after 300 tokens with these distributions, measured on CPU). Ignoring or
-  transposing it then fails the 1e-2 tolerances (measured, mamba2 gates: 6-token sequence,
-  32 % of `output` and 64 % of `new_state` elements off; 300 tokens, 2.5 % of `output` off,
-  the first tokens, while `new_state` has forgotten it: even the slowest heads decay ~e^-4).
-- `scale`: 1/sqrt(128). The contest's value is unknown; the reference substitutes this for 0/None.
-
-MoE (`moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048`):
-- `routing_logits` randn fp32; `routing_bias` N(0, 0.1^2) bf16 (small, like a trained
-  load-balancing bias: it shifts selection without dominating it).
-- fp8 tensors (`hidden_states`, `gemm1_weights`, `gemm2_weights`): randn clamped to [-2, 2]
-  then cast to e4m3, as flashinfer-bench does for random fp8.
-- Block scales: U[0.5, 1.5] times a per-tensor base, not randn (randn scales are half
-  negative and made the contest's reference outputs ~1e4 with ~1e4 errors still passing).
-  The bases make each GEMM map unit-variance inputs to std ~ its gain: gemm1
-  `MOE_GEMM1_GAIN / sqrt(7168)`, gemm2 `MOE_GEMM2_GAIN / sqrt(2048)`, hidden 1. Measured on
-  CPU (seq_len 80): outputs of tokens with a local expert have std ~11 and 92 % of them
-  exceed 1 in magnitude, so the MoE rule (|err| <= 1 or rel <= 0.3 on 90 %) rejects an
-  all-zero output (62 % of elements off) or swapped hidden-scale blocks (44 % off).
-- `local_expert_offset`, `routed_scaling_factor`: from the workload.
-
-DSA sparse attention (`dsa_sparse_attention_h16_ckv512_kpe64_topk2048_ps64`):
-- `q_nope`, `q_pe` randn bf16; `ckv_cache`, `kpe_cache` N(0, c^2) bf16 with
-  c = DSA_LOGIT_STD / (sm_scale * sqrt(512 + 64)), so scaled logits have std ~2: softmax is
-  neither uniform nor one-hot.
-- `sparse_indices`: like real decode. Each token has its own context of L tokens held in
-  ceil(L/64) distinct random pages (the last one partial). Full rows (L in [2048, 64 * num_pages])
-  select 2048 distinct context slots; short rows (L in [1, 2047]) hold their whole context in
-  the first L entries and -1 after. ceil(T/4) rows are short when T >= 2 (none when T = 1),
-  so every multi-token workload exercises both kinds of row.
-- `sm_scale`: from the workload.
+The distributions are the track's: each track folder's `synth.py` gives one recipe per input
+(`RECIPE`: input name -> function of (SynthContext, name)) and says which optional inputs a
+workload passes as None (`absent_optional_inputs`); a track with several gate regimes lists them
+(`GATE_REGIMES`, `DEFAULT_GATE_REGIME` among them; a track without the list takes the default only). This module is the machinery the recipes share (the
+context with its per-input generators, chunked draws) and the entry points, which reach a track's
+recipe through its registry entry (`Track.synth`).
 """
 
 from __future__ import annotations
@@ -70,26 +29,22 @@ import hashlib
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Literal
+from types import ModuleType
 
 import torch
 from flashinfer_bench.data import Definition
 from safetensors import safe_open
 
+from hopperbench.tracks import TRACKS, get_track
 from hopperbench.workloads import WorkloadSpec, track_definition
 
 InputValue = torch.Tensor | int | float | None
-GateRegime = Literal["mamba2", "fast_decay"]
-GATE_REGIMES: tuple[str, ...] = ("mamba2", "fast_decay")
+# A track's gate regime (GATE_REGIMES of its synth module); every track accepts the default.
+GateRegime = str
+DEFAULT_GATE_REGIME = "mamba2"
 
 # Upper bound on the elements of one fp32 temporary when drawing big tensors (128 MiB).
 CHUNK_ELEMENTS = 1 << 25
-
-GDN_STATE_STD = 0.2
-MOE_ROUTING_BIAS_STD = 0.1
-MOE_GEMM1_GAIN = 4.0
-MOE_GEMM2_GAIN = 2.0
-DSA_LOGIT_STD = 2.0
 
 
 class SynthesisError(ValueError):
@@ -109,7 +64,7 @@ def make_inputs(
     trial: int,
     device: str | torch.device,
     *,
-    gate_regime: GateRegime = "mamba2",
+    gate_regime: GateRegime = DEFAULT_GATE_REGIME,
     only: Collection[str] | None = None,
 ) -> dict[str, InputValue]:
     """All inputs of `workload`, in definition order: official blobs, workload scalars, synthesis.
@@ -119,15 +74,16 @@ def make_inputs(
     """
     if workload.track != track:
         raise SynthesisError(f"workload {workload.uuid} belongs to track {workload.track}, not {track}")
-    if gate_regime not in GATE_REGIMES:
-        raise SynthesisError(f"unknown gate regime {gate_regime!r}; choose from {', '.join(GATE_REGIMES)}")
-    if gate_regime != "mamba2" and track != "gdn_prefill":
-        raise SynthesisError("gate_regime applies to the gdn_prefill track only")
-    recipe = _RECIPES.get(track)
-    if recipe is None:
-        raise SynthesisError(f"no input recipe for track {track!r}")
+    recipes = _track_synth(track)
+    regimes = gate_regimes(track)
+    if gate_regime not in regimes:
+        with_regimes = [t for t in TRACKS if len(gate_regimes(t)) > 1]
+        if gate_regime in {r for t in with_regimes for r in gate_regimes(t)}:
+            raise SynthesisError(f"gate_regime applies to the {', '.join(with_regimes)} track only")
+        raise SynthesisError(f"unknown gate regime {gate_regime!r}; choose from {', '.join(regimes)}")
+    recipe: Recipe = recipes.RECIPE
     definition = track_definition(track)
-    ctx = _Context(
+    ctx = SynthContext(
         track=track,
         workload=workload,
         seed=seed,
@@ -173,10 +129,21 @@ def input_bytes(track: str, workload: WorkloadSpec) -> int:
     )
 
 
-def gdn_has_initial_state(workload: WorkloadSpec) -> bool:
-    """Whether a GDN workload gets an initial `state`: always when synthesized; an official one
-    when its blob holds it."""
-    return workload.data_source == "synthesized" or "state" in workload.blob_inputs
+def absent_optional_inputs(track: str, workload: WorkloadSpec) -> set[str]:
+    """The optional inputs `make_inputs` passes as None for `workload` (the track's synth says)."""
+    return set(_track_synth(track).absent_optional_inputs(workload))
+
+
+def gate_regimes(track: str) -> tuple[str, ...]:
+    """The gate regimes `make_inputs` accepts for `track`: its synth's GATE_REGIMES, else the default."""
+    return tuple(getattr(_track_synth(track), "GATE_REGIMES", (DEFAULT_GATE_REGIME,)))
+
+
+def _track_synth(track: str) -> ModuleType:
+    try:
+        return get_track(track).synth
+    except ValueError:
+        raise SynthesisError(f"no input recipe for track {track!r}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,7 +151,9 @@ def gdn_has_initial_state(workload: WorkloadSpec) -> bool:
 
 
 @dataclass
-class _Context:
+class SynthContext:
+    """What a recipe may consult: the workload, the definition's shapes and dtypes, the generators."""
+
     track: str
     workload: WorkloadSpec
     seed: int
@@ -218,10 +187,11 @@ class _Context:
         return value
 
 
-Recipe = dict[str, Callable[[_Context, str], InputValue]]
+# One track's recipe: input name -> the function that makes it.
+Recipe = dict[str, Callable[[SynthContext, str], InputValue]]
 
 
-def _randn(ctx: _Context, name: str, std: float = 1.0) -> torch.Tensor:
+def randn(ctx: SynthContext, name: str, std: float = 1.0) -> torch.Tensor:
     """N(0, std^2) in the input's dtype (bf16/fp32), drawn directly in that dtype in fixed chunks."""
     shape, dtype = ctx.shapes[name], ctx.dtypes[name]
     out = torch.empty(shape, dtype=dtype, device=ctx.device)
@@ -231,7 +201,7 @@ def _randn(ctx: _Context, name: str, std: float = 1.0) -> torch.Tensor:
     return out
 
 
-def _random_fp8(ctx: _Context, name: str) -> torch.Tensor:
+def random_fp8(ctx: SynthContext, name: str) -> torch.Tensor:
     """flashinfer-bench's random fp8: randn in fp32, clamped to [-2, 2], cast; fp32 only per chunk."""
     shape, dtype = ctx.shapes[name], ctx.dtypes[name]
     out = torch.empty(shape, dtype=dtype, device=ctx.device)
@@ -242,7 +212,7 @@ def _random_fp8(ctx: _Context, name: str) -> torch.Tensor:
     return out
 
 
-def _uniform(ctx: _Context, name: str, low: float, high: float) -> torch.Tensor:
+def uniform(ctx: SynthContext, name: str, low: float, high: float) -> torch.Tensor:
     out = torch.empty(ctx.shapes[name], dtype=ctx.dtypes[name], device=ctx.device)
     return out.uniform_(low, high, generator=ctx.generator(name))
 
@@ -255,7 +225,7 @@ def _row_chunks(t: torch.Tensor) -> list[torch.Tensor]:
     return list(t.split(rows_per_chunk, dim=0))
 
 
-def _check_tensor(name: str, value: InputValue, ctx: _Context) -> None:
+def _check_tensor(name: str, value: InputValue, ctx: SynthContext) -> None:
     if not isinstance(value, torch.Tensor):
         raise SynthesisError(f"input {name!r} must be a tensor, got {type(value).__name__}")
     if tuple(value.shape) != ctx.shapes[name] or value.dtype != ctx.dtypes[name]:
@@ -279,143 +249,3 @@ class _BlobReader:
             return self._handles[path].get_tensor(key)
         except Exception as e:  # safetensors raises several unrelated types for missing files/keys
             raise SynthesisError(f"cannot load tensor {key!r} from blob {path}: {e}") from None
-
-
-def absent_optional_inputs(track: str, workload: WorkloadSpec) -> set[str]:
-    """The optional inputs `make_inputs` passes as None for `workload`."""
-    if track == "gdn_prefill" and not gdn_has_initial_state(workload):
-        return {"state"}
-    return set()
-
-
-# ---------------------------------------------------------------------------------------------
-# GDN prefill
-
-
-def _gdn_cu_seqlens(ctx: _Context, name: str) -> torch.Tensor:
-    total, num_seqs = ctx.workload.axes["total_seq_len"], ctx.workload.axes["num_seqs"]
-    if total < num_seqs:
-        raise SynthesisError(f"workload {ctx.workload.uuid}: {total} tokens cannot fill {num_seqs} sequences")
-    gen = ctx.generator(name, torch.device("cpu"))
-    # num_seqs - 1 distinct cut points in 1..total-1: a uniform composition with parts >= 1.
-    cuts = (torch.randperm(total - 1, generator=gen)[: num_seqs - 1] + 1).sort().values
-    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([total])])
-    return bounds.to(dtype=ctx.dtypes[name], device=ctx.device)
-
-
-def _gdn_unit_rows(ctx: _Context, name: str) -> torch.Tensor:
-    values = torch.randn(ctx.shapes[name], generator=ctx.generator(name), device=ctx.device, dtype=torch.float32)
-    return torch.nn.functional.normalize(values, dim=-1).to(ctx.dtypes[name])
-
-
-def _gdn_state(ctx: _Context, name: str) -> torch.Tensor | None:
-    return _randn(ctx, name, GDN_STATE_STD) if gdn_has_initial_state(ctx.workload) else None
-
-
-def _gdn_a_log(ctx: _Context, name: str) -> torch.Tensor:
-    return _uniform(ctx, name, 1.0, 16.0).log_()
-
-
-def _gdn_dt_bias(ctx: _Context, name: str) -> torch.Tensor:
-    if ctx.gate_regime == "fast_decay":
-        return _uniform(ctx, name, -0.1, 0.1)
-    dt = _uniform(ctx, name, math.log(1e-3), math.log(1e-1)).exp_()
-    return dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt) = log(exp(dt) - 1), stable form
-
-
-def _gdn_scale(ctx: _Context, name: str) -> float:
-    return 1.0 / math.sqrt(ctx.definition.const_axes["head_size"])
-
-
-_GDN: Recipe = {
-    "q": _gdn_unit_rows,
-    "k": _gdn_unit_rows,
-    "v": _randn,
-    "state": _gdn_state,
-    "A_log": _gdn_a_log,
-    "a": _randn,
-    "dt_bias": _gdn_dt_bias,
-    "b": _randn,
-    "cu_seqlens": _gdn_cu_seqlens,
-    "scale": _gdn_scale,
-}
-
-
-# ---------------------------------------------------------------------------------------------
-# MoE
-
-
-def _moe_scale(base: Callable[[_Context], float]) -> Callable[[_Context, str], torch.Tensor]:
-    def make(ctx: _Context, name: str) -> torch.Tensor:
-        return _uniform(ctx, name, 0.5, 1.5).mul_(base(ctx))
-
-    return make
-
-
-_MOE: Recipe = {
-    "routing_logits": _randn,
-    "routing_bias": lambda ctx, name: _randn(ctx, name, MOE_ROUTING_BIAS_STD),
-    "hidden_states": _random_fp8,
-    "hidden_states_scale": _moe_scale(lambda ctx: 1.0),
-    "gemm1_weights": _random_fp8,
-    "gemm1_weights_scale": _moe_scale(lambda ctx: MOE_GEMM1_GAIN / math.sqrt(ctx.definition.const_axes["hidden_size"])),
-    "gemm2_weights": _random_fp8,
-    "gemm2_weights_scale": _moe_scale(
-        lambda ctx: MOE_GEMM2_GAIN / math.sqrt(ctx.definition.const_axes["intermediate_size"])
-    ),
-}
-
-
-# ---------------------------------------------------------------------------------------------
-# DSA sparse attention
-
-
-def _dsa_cache(ctx: _Context, name: str) -> torch.Tensor:
-    const = ctx.definition.const_axes
-    head_dim = const["head_dim_ckv"] + const["head_dim_kpe"]
-    std = DSA_LOGIT_STD / (float(ctx.scalar("sm_scale")) * math.sqrt(head_dim))
-    return _randn(ctx, name, std)
-
-
-def _dsa_sparse_indices(ctx: _Context, name: str) -> torch.Tensor:
-    const = ctx.definition.const_axes
-    page_size, topk = const["page_size"], const["topk"]
-    num_tokens, num_pages = ctx.workload.axes["num_tokens"], ctx.workload.axes["num_pages"]
-    capacity = num_pages * page_size
-    if capacity < topk:
-        raise SynthesisError(
-            f"workload {ctx.workload.uuid}: {num_pages} pages hold {capacity} slots, fewer than topk={topk}"
-        )
-    gen = ctx.generator(name, torch.device("cpu"))
-    num_short = 0 if num_tokens < 2 else math.ceil(num_tokens / 4)
-    short_rows = set(torch.randperm(num_tokens, generator=gen)[:num_short].tolist())
-    indices = torch.full((num_tokens, topk), -1, dtype=torch.int64)
-    for row in range(num_tokens):
-        if row in short_rows:
-            context = int(torch.randint(1, topk, (1,), generator=gen))
-        else:
-            context = int(torch.randint(topk, capacity + 1, (1,), generator=gen))
-        slots = _context_slots(context, num_pages, page_size, gen)
-        chosen = slots[torch.randperm(context, generator=gen)[: min(context, topk)]]
-        indices[row, : chosen.numel()] = chosen
-    return indices.to(dtype=ctx.dtypes[name], device=ctx.device)
-
-
-def _context_slots(context: int, num_pages: int, page_size: int, gen: torch.Generator) -> torch.Tensor:
-    """Cache slots (page * page_size + offset) of a `context`-token sequence in random distinct pages."""
-    pages_needed = math.ceil(context / page_size)
-    pages = torch.randperm(num_pages, generator=gen)[:pages_needed]
-    slots = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()
-    return slots[:context]  # the last page is filled only up to the context length
-
-
-_DSA: Recipe = {
-    "q_nope": _randn,
-    "q_pe": _randn,
-    "ckv_cache": _dsa_cache,
-    "kpe_cache": _dsa_cache,
-    "sparse_indices": _dsa_sparse_indices,
-}
-
-
-_RECIPES: dict[str, Recipe] = {"gdn_prefill": _GDN, "moe": _MOE, "dsa_attention": _DSA}

@@ -9,7 +9,7 @@ or tensor key is absent (a partial download, or the MoE JSONL 3dbeca5a that name
 tensors the blobs never held) is synthesized instead; `missing_blob_inputs` records it,
 and the workload stays `official` because its uuid, axes and scalars still are.
 
-Without official data the embedded `workload_lists/<track>.tsv` is used and every tensor
+Without official data the track's embedded `workloads.tsv` is used and every tensor
 is synthesized (`hopperbench.synth`), marked `synthesized`. Its header comments give the
 provenance: MoE is byte-exact from the official JSONL, GDN prefill and DSA are
 reconstructed tables.

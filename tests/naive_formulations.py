@@ -1,6 +1,6 @@
 """Obviously-correct float64 formulations of the three definitions, for testing our references.
 
-Written independently of `hopperbench/references/`: plain loops, one token (and one
+Written independently of the tracks' `reference.py` files: plain loops, one token (and one
 head or expert) at a time, no vectorisation tricks. Slow; use small shapes.
 """
 

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from hopperbench.acceptance import compare_output
-from hopperbench.adapters import deepgemm_moe
-from hopperbench.references import moe as reference
+from hopperbench.tracks.moe import reference
+from hopperbench.tracks.moe.adapters import deepgemm_moe
 from hopperbench.tracks import MOE
 
 FP8 = torch.float8_e4m3fn

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hopperbench.acceptance import check_outputs
-from hopperbench.adapters import flashinfer_gdn
+from hopperbench.tracks.gdn_prefill.adapters import flashinfer_gdn
 from hopperbench.tracks import GDN_PREFILL, get_track
 
 

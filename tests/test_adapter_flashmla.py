@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hopperbench.acceptance import check_outputs
-from hopperbench.adapters import flashmla_dsa
+from hopperbench.tracks.dsa_attention.adapters import flashmla_dsa
 from hopperbench.tracks import DSA_ATTENTION
 
 HEADS, CKV, KPE, PAGE, TOPK = 16, 512, 64, 64, 2048

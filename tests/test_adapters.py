@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hopperbench.adapters import fla_gdn
+from hopperbench.tracks.gdn_prefill.adapters import fla_gdn
 from hopperbench.tracks import GDN_PREFILL
 
 HEAD = 128

@@ -5,15 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hopperbench.floors import (
-    FloorInputError,
-    expected_active_local_experts,
-    floor,
-    moe_local_expert_counts,
-    trial_floor,
-)
+from hopperbench.floors import FloorInputError, floor, trial_floor
 from hopperbench.results import TrialFloor
 from hopperbench.tracks import DSA_ATTENTION
+from hopperbench.tracks.moe.floor import expected_active_local_experts
+from hopperbench.tracks.moe.floor import local_expert_counts as moe_local_expert_counts
 
 T_LAT_US = 1.15
 

@@ -18,7 +18,9 @@ import torch
 
 import naive_formulations as naive
 from hopperbench.paths import shared_contest_data_dir
-from hopperbench.references import dsa_attention, gdn_prefill, moe
+from hopperbench.tracks.dsa_attention import reference as dsa_attention
+from hopperbench.tracks.gdn_prefill import reference as gdn_prefill
+from hopperbench.tracks.moe import reference as moe
 from hopperbench.tracks import DSA_ATTENTION, GDN_PREFILL, MOE, Track
 
 BF16_UNIT_ROUNDOFF = 2.0**-8

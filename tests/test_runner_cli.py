@@ -395,7 +395,7 @@ def test_workloads_filter_spans_tracks(fake: RunnerHooks, tmp_path: Path) -> Non
         ("moe", "moe-2", 2),
     ]
     # Each row records which optional inputs its calls got as None (GDN's state by uuid parity).
-    from hopperbench.synth import gdn_has_initial_state
+    from hopperbench.tracks.gdn_prefill.synth import has_initial_state as gdn_has_initial_state
 
     absent = {r.track: r.absent_inputs for r in rows}
     gdn_spec = fake_lists("gdn_prefill", None)[0]

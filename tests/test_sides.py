@@ -188,7 +188,7 @@ def test_library_sides(tmp_path: Path) -> None:
     sides = by_name(SIDE_RESOLVERS[SideKind.LIBRARY](track, ctx(tmp_path)))
     assert sides["libok"].available and sides["libok"].files == ("lib_ok.py",)
     assert sides["libok"].destination_passing_style and sides["libok"].kind == SideKind.LIBRARY
-    assert sides["libmissing"].reason == "hopperbench/adapters/lib_missing.py does not exist yet"
+    assert sides["libmissing"].reason == "adapters/lib_missing.py does not exist yet"
     assert sides["libpkg"].reason == "package surely-not-installed is not installed (needs surely-not-installed==1.0)"
     assert "the adapter needs pydantic<1" in (sides["libold"].reason or "")
     assert sides["libsrc"].reason == "third_party/lib is not checked out"

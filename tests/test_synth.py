@@ -17,13 +17,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hopperbench.synth import (
-    SynthesisError,
-    derive_seed,
-    gdn_has_initial_state,
-    input_bytes,
-    make_inputs,
-)
+from hopperbench.synth import SynthesisError, derive_seed, input_bytes, make_inputs
+from hopperbench.tracks.gdn_prefill.synth import has_initial_state as gdn_has_initial_state
 from hopperbench.workloads import BlobRef, WorkloadSpec, load_workloads, track_definition
 
 # Everything but the 1.4 GB of fp8 weights.

@@ -386,7 +386,7 @@ def test_main_needs_two_paths(capsys) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_real_reference_and_a_copy_of_it_on_the_gpu(tmp_path: Path) -> None:
     """The real collaborators: definitions, synth, acceptance and the CUPTI timer, on a small DSA workload."""
-    from hopperbench.paths import PACKAGE_DIR
+    from hopperbench.tracks import get_track
     from hopperbench.workloads import load_workloads
 
     spec = min(load_workloads(TRACK), key=lambda w: w.axes["num_tokens"])
@@ -395,9 +395,9 @@ def test_real_reference_and_a_copy_of_it_on_the_gpu(tmp_path: Path) -> None:
         kind=SideKind.OURS,
         track=TRACK,
         available=True,
-        source_dir=PACKAGE_DIR / "references",
-        files=("dsa_attention.py",),
-        entry_point="dsa_attention.py::run",
+        source_dir=get_track(TRACK).folder,
+        files=("reference.py",),
+        entry_point="reference.py::run",
         destination_passing_style=False,
     )
     results = {}

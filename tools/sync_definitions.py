@@ -1,4 +1,4 @@
-"""Regenerate the `reference` field of every definition JSON from its reference module.
+"""Regenerate the `reference` field of every track's definition.json from its reference.py.
 
     uv run python tools/sync_definitions.py           # rewrite stale JSONs
     uv run python tools/sync_definitions.py --check   # exit 1 if any JSON is stale
@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from hopperbench.definitions import is_definition_current, render_definition_text
+from hopperbench.paths import REPO_ROOT
 from hopperbench.tracks import TRACKS
 
 
@@ -21,13 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     stale = [track for track in TRACKS.values() if not is_definition_current(track)]
     if args.check:
         if stale:
-            names = ", ".join(t.definition_path.name for t in stale)
+            names = ", ".join(str(t.definition_path.relative_to(REPO_ROOT)) for t in stale)
             print(f"stale definitions (run tools/sync_definitions.py): {names}", file=sys.stderr)
             return 1
         return 0
     for track in stale:
         track.definition_path.write_text(render_definition_text(track), encoding="utf-8")
-        print(f"updated {track.definition_path.name}")
+        print(f"updated {track.definition_path.relative_to(REPO_ROOT)}")
     return 0
 
 

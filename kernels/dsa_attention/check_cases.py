@@ -1,7 +1,7 @@
 """Correctness cases for the DSA sparse-attention kernel, shared by the GPU tests and the device check.
 
 Each case names a batch size, a cache size and an index pattern; `make_inputs` builds fresh random
-inputs for it, `load_reference_run` loads our PyTorch reference (hopperbench/references/dsa_attention.py)
+inputs for it, `load_reference_run` loads our PyTorch reference (hopperbench/tracks/dsa_attention/reference.py)
 and `compare` applies the track's acceptance rule through hopperbench.acceptance (atol = rtol = 1e-2
 on every element; an element fails only when both its absolute and its relative error exceed the
 tolerance; NaN anywhere fails; an inf matches only the same inf, as the empty rows' lse = -inf).
@@ -31,7 +31,7 @@ SM_SCALE = 0.1352337788608801  # the contest workloads' value
 CONTEST_NUM_PAGES = 8462
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-REFERENCE_PATH = REPO_ROOT / "hopperbench" / "references" / "dsa_attention.py"
+REFERENCE_PATH = REPO_ROOT / "hopperbench" / "tracks" / "dsa_attention" / "reference.py"
 KERNEL_PATH = REPO_ROOT / "kernels" / "dsa_attention" / "kernel.py"
 
 # Index patterns (see `_make_indices`).

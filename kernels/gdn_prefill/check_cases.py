@@ -6,7 +6,7 @@ acceptance rule through hopperbench.acceptance (atol = rtol = 1e-2 on every elem
 only when both its absolute and its relative error exceed the tolerance; NaN anywhere fails) on
 `output` and `new_state`.
 
-Input distributions follow hopperbench/synth.py (GDN prefill): q and k randn, L2-normalised per head
+Input distributions follow hopperbench/tracks/gdn_prefill/synth.py: q and k randn, L2-normalised per head
 in fp32, then bf16 (unnormalised keys make the recurrence blow up); v, a, b randn bf16;
 A_log = log(U[1, 16]); state N(0, 0.2^2). Gate regimes:
 - "mamba2": dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (dt_bias in about [-6.9, -2.3]):
@@ -36,7 +36,7 @@ HEAD_SIZE = 128
 STATE_STD = 0.2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-REFERENCE_PATH = REPO_ROOT / "hopperbench" / "references" / "gdn_prefill.py"
+REFERENCE_PATH = REPO_ROOT / "hopperbench" / "tracks" / "gdn_prefill" / "reference.py"
 # The package name kernel.py and its siblings are loaded under (tests and device checks).
 SOLUTION_PACKAGE = "gdn_solution"
 KERNEL_PATH = REPO_ROOT / "kernels" / "gdn_prefill" / "kernel.py"

@@ -27,7 +27,7 @@ ROUTED_SCALING_FACTOR = 2.5  # the contest workloads' value
 WEIGHT_BYTES_PER_EXPERT = 44_040_192  # e4m3 W13 + W2 of one expert
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-REFERENCE_PATH = REPO_ROOT / "hopperbench" / "references" / "moe.py"
+REFERENCE_PATH = REPO_ROOT / "hopperbench" / "tracks" / "moe" / "reference.py"
 KERNEL_PATH = REPO_ROOT / "kernels" / "moe" / "kernel.py"
 
 # Routing patterns (see `apply_routing_pattern`).

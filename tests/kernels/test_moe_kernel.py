@@ -3,7 +3,7 @@
 CPU: every configuration compiles for sm_90a without a GPU; the variants' dispatch; the host's chain;
 input validation; the routing patterns of the check cases (verified with our reference's routing).
 GPU (marked `gpu`, skipped without CUDA), for kernel.py and any candidate of the folder
-(SOLUTIONS): `run` against hopperbench/references/moe.py on fresh inputs for every case in
+(SOLUTIONS): `run` against hopperbench/tracks/moe/reference.py on fresh inputs for every case in
 kernels/moe/check_cases.py (contest rule and relative L2 <= 1e-2, NaN-
 poisoned output), zero rows for tokens without a local expert, bitwise-repeatable calls, and
 CUDA-graph capture and replay.

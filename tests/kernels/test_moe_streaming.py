@@ -324,7 +324,7 @@ def test_items_cover_every_weight_row_once_with_its_block_scale(gemm1):
             assert all(row // streaming.BLOCK == scale_row for row in rows[mt * 16 : mt * 16 + 16])
         if gemm1:
             # SwiGLU pairs C column 16 n_tile + c: up row c (first half of W13), gate row 16 + c
-            # (second half), as in hopperbench/references/moe.py
+            # (second half), as in hopperbench/tracks/moe/reference.py
             columns = range(n_tile * streaming.GEMM1_ITEM_COLUMNS, (n_tile + 1) * streaming.GEMM1_ITEM_COLUMNS)
             assert rows[: streaming.GEMM1_ITEM_COLUMNS] == list(columns)
             assert rows[streaming.GEMM1_ITEM_COLUMNS :] == [streaming.INTERMEDIATE + c for c in columns]

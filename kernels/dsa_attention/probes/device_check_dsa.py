@@ -4,7 +4,7 @@
 none at present: they share `run`; the split sweep runs when the module has `run_with_splits`).
 Compiles the kernel, then for every case in kernels/dsa_attention/check_cases.py: fresh random
 inputs, NaN-poisoned outputs, one call, comparison with our reference
-(hopperbench/references/dsa_attention.py) under the DSA track rule of hopperbench.acceptance
+(hopperbench/tracks/dsa_attention/reference.py) under the DSA track rule of hopperbench.acceptance
 (atol = rtol = 1e-2 on every element, no NaN), a median time per call from CUDA events (warm
 L2; the benchmark runner does the real timing), and the comparison again on the last timed call's
 outputs (state carried between calls shows there). Then a CUDA-graph capture/replay check, and a sweep

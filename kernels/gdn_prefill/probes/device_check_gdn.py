@@ -4,7 +4,7 @@
 (kernel.py picks one from T): kernels/gdn_prefill/<name>.py, loaded as a module of a package made
 of that folder (as the harness packs it), so that it may import its siblings.
 Compiles the kernel, then for every case in kernels/gdn_prefill/check_cases.py: fresh inputs,
-NaN-poisoned outputs, one call, comparison with our reference (hopperbench/references/gdn_prefill.py)
+NaN-poisoned outputs, one call, comparison with our reference (hopperbench/tracks/gdn_prefill/reference.py)
 under the GDN track rule of hopperbench.acceptance (atol = rtol = 1e-2 on every element of output
 and new_state, no NaN), a check that the input state is unchanged, and a median time per call from
 CUDA events (warm L2; the benchmark runner does the real timing). Then a CUDA-graph capture/replay

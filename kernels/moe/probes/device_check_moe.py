@@ -2,7 +2,7 @@
 
 Compiles the kernel, then for every case in kernels/moe/check_cases.py: fresh inputs (hopperbench.synth
 distributions, routing reshaped per case), a NaN-poisoned output, one call, comparison with our
-reference (hopperbench/references/moe.py) under the MoE track rule of hopperbench.acceptance
+reference (hopperbench/tracks/moe/reference.py) under the MoE track rule of hopperbench.acceptance
 (contest rule atol 1, rtol 0.3 on >= 90 % of elements, plus relative L2 <= 1e-2, no NaN), and a
 median time per call from CUDA events (warm L2: indicative only; the benchmark runner does the real
 cold-L2 CUPTI timing). Weight TB/s = active local experts x 44,040,192 B / median. Then a bitwise

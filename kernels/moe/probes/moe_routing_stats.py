@@ -5,7 +5,7 @@ weight-streaming GEMMs' row tiles and their traffic through L2.
 
 For each workload (indices of the MoE workload list) and trial: the routing inputs the runner
 synthesizes (`hopperbench.synth`, those inputs only), routed as the definition routes
-(`hopperbench.floors.moe_local_expert_counts`), and one row: active local experts, assignments, the
+(`hopperbench.tracks.moe.floor.local_expert_counts`), and one row: active local experts, assignments, the
 largest expert's tokens and, per row-tile width, the row tiles of all experts and the bytes both GEMMs
 move through L2 under the streaming kernels' item map (a row tile reads its expert's weights once;
 an assignment's activations are read once per item column: 64 for GEMM1, 112 for GEMM2).
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hopperbench.floors import moe_local_expert_counts
+from hopperbench.tracks.moe.floor import local_expert_counts
 from hopperbench.synth import make_inputs
 from hopperbench.workloads import WorkloadSpec, load_workloads
 
@@ -64,7 +64,7 @@ def routing_counts(workload: WorkloadSpec, seed: int, trial: int, device: str) -
     """(T, local_expert_offset, tokens per local expert) of one synthesized input set."""
     inputs = make_inputs("moe", workload, seed, trial, device, only=ROUTING_INPUTS)
     offset = int(inputs["local_expert_offset"])
-    counts = moe_local_expert_counts(inputs["routing_logits"], inputs["routing_bias"], offset)
+    counts = local_expert_counts(inputs["routing_logits"], inputs["routing_bias"], offset)
     return workload.axes["seq_len"], offset, [int(c) for c in counts.tolist()]
 
 

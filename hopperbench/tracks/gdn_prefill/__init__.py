@@ -1,0 +1,57 @@
+"""The gdn_prefill track: GDN prefill (gated delta net, chunked prefill over packed sequences).
+
+This folder is the whole track: the spec below, `definition.json` (with `reference.py` embedded),
+`reference.py`, `workloads.tsv`, `synth.py` (inputs), `floor.py` (roofline model) and
+`adapters/` (library sides).
+"""
+
+from __future__ import annotations
+
+from hopperbench.tracks.model import AcceptanceRule, CandidateSide, LibrarySide, TimingDefaults, Track
+
+GDN_PREFILL = Track(
+    name="gdn_prefill",
+    package=__name__,
+    definition_name="gdn_prefill_qk4_v8_d128_k_last",
+    op_type="gdn",
+    acceptance=AcceptanceRule(atol=1e-2, rtol=1e-2, required_matched_ratio=1.0, outputs=("output", "new_state")),
+    kernel_entry="kernels/gdn_prefill/kernel.py::run",
+    human_key="gdn_prefill",
+    flashinfer_baseline="flashinfer_gdn",
+    # The reference steps through every token in Python: 0.2-1.1 s per call on the 8192-token
+    # workloads, 2-35 ms on the short ones. Its latency is a side column, in no headline ratio: a
+    # budget of 0.2 s per trial gives the short workloads 5-50 timed calls and the long ones one,
+    # where a fixed single call left their medians +-34 % apart between two runs.
+    timing=TimingDefaults(reference_time_budget_s=0.2),
+    libraries=(
+        LibrarySide(
+            name="flashinfer_gdn",
+            entry="flashinfer_gdn.py::run",
+            description="FlashInfer SM90 chunk_gated_delta_rule, CuTe-DSL fused / context-parallel kernels (flashinfer-python 0.7.2.post1)",
+            package="flashinfer-python==0.7.2.post1",
+            timed_call=(
+                "the gates g and beta computed from A_log, a, dt_bias and b (torch, fp32), then FlashInfer's "
+                "SM90 kernels (use_cp='auto'), writing output and new_state"
+            ),
+        ),
+        LibrarySide(
+            name="fla_chunk",
+            entry="fla_gdn.py::run",
+            description="flash-linear-attention chunk_gated_delta_rule, Triton chunk pipeline (fla-core 0.6.0)",
+            package="fla-core==0.6.0",
+            timed_call=(
+                "fla's Triton pipeline (gate, chunk-local WY, state recurrence, output kernels) with its chunk "
+                "indices memoised per cu_seqlens tensor, then output and new_state copied into the destinations"
+            ),
+        ),
+    ),
+    candidates=(
+        CandidateSide(
+            name="cand_wy_prepass_everywhere",
+            entry="wy_prepass.py::run",
+            description="kernel.py's WY-prepass path at every T (no 512-token threshold): the other side of the A/B and sweep that place the threshold for few sequences",
+        ),
+    ),
+)
+
+TRACK = GDN_PREFILL

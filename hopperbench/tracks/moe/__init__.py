@@ -1,0 +1,49 @@
+"""The moe track: MoE (DeepSeek-V3 FP8 block-scale experts with no-aux routing, 32 local experts).
+
+This folder is the whole track: the spec below, `definition.json` (with `reference.py` embedded),
+`reference.py`, `workloads.tsv`, `synth.py` (inputs), `floor.py` (roofline model) and
+`adapters/` (library sides).
+"""
+
+from __future__ import annotations
+
+from hopperbench.tracks.model import AcceptanceRule, CandidateSide, LibrarySide, TimingDefaults, Track
+
+MOE = Track(
+    name="moe",
+    package=__name__,
+    definition_name="moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048",
+    op_type="moe",
+    acceptance=AcceptanceRule(atol=1.0, rtol=0.3, required_matched_ratio=0.9, outputs=("output",)),
+    ours_max_relative_l2=1e-2,
+    kernel_entry="kernels/moe/kernel.py::run",
+    human_key="moe",
+    # The reference takes 1.7-44 ms per call (Python loops over the local experts).
+    timing=TimingDefaults(reference_time_budget_s=0.2),
+    libraries=(
+        LibrarySide(
+            name="deepgemm_grouped",
+            entry="deepgemm_moe.py::run",
+            description=(
+                "DeepGEMM SM90 FP8 grouped GEMM (masked layout, a row budget of T per expert, no host "
+                "sync), torch routing/permutation/SwiGLU-requant/combine (deep_gemm 2.6.1@54e2261)"
+            ),
+            submodule="third_party/DeepGEMM",
+            package="deep_gemm==2.6.1+54e2261",
+            timed_call=(
+                "routing and the permutation into the masked layout in torch (~32 kernels), DeepGEMM's two "
+                "masked grouped FP8 GEMMs, SwiGLU with FP8 requantisation and the weighted combine in torch "
+                "(~20 kernels); no host sync"
+            ),
+        ),
+    ),
+    candidates=(
+        CandidateSide(
+            name="cand_wide_from_193",
+            entry="candidate_wide_from_193.py::run",
+            description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
+        ),
+    ),
+)
+
+TRACK = MOE

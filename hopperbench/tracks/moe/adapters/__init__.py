@@ -1,0 +1,1 @@
+"""Library sides of the moe track, one file per side (rules: hopperbench.tracks)."""

@@ -72,19 +72,17 @@ def kept_counts(device: torch.device, arch: str) -> torch.Tensor:
 
 def kept_routed(device: torch.device, arch: str) -> torch.Tensor:
     """The zeroed buffer whose first element counts the routed tokens when the routing runs inside GEMM1
-    (`routing.route_then_meet`); kept and zeroed like the counts. Word `streaming_gemm.ITEM_CLAIMS_WORD` is the
-    claim counter of a GEMM2 with dynamic_items, which that GEMM2 itself leaves at zero."""
+    (`routing.route_then_meet`); kept and zeroed like the counts. Word `fused_gemms.ITEM_CLAIMS_WORD` is the
+    claim counter of the fused GEMMs' GEMM2 phase, which that kernel itself leaves at zero."""
     return _kept(device, arch, "routed")
 
 
-def kept_walk_slots(device: torch.device, arch: str, ranked: bool = False) -> torch.Tensor:
-    """The per-SM slot counters of GEMM1's walk by SM id (`streaming_gemm.take_walk_slot`): zeroed once when
-    created and never again, since a call's draws give every slot once whatever a word holds. `ranked` (MEDIUM_T's
-    partition walk): twice as long, word WALK_SLOT_WORDS + s holding SM s's rank in
+def kept_walk_slots(device: torch.device, arch: str) -> torch.Tensor:
+    """The walk buffer of GEMM1's walk by partition rank (`wgmma_gemm1.Gemm1Feed.PRODUCER_WARP`): WALK_SLOT_WORDS
+    per-SM slot counters (`streaming_gemm.take_walk_slot`), zeroed once when created and never again, since a call's
+    draws give every slot once whatever a word holds; then word WALK_SLOT_WORDS + s holding SM s's rank in
     `l2_partitions.partition_ranks` and the last word RANKS_WRITTEN, both copied from the host once when the buffer is
     created (not inside a capture, whose fresh buffer then walks by `%smid`)."""
-    if not ranked:
-        return _kept(device, arch, "walk_slots", WALK_SLOT_WORDS)
     return _kept(device, arch, "walk_slots_ranked", 2 * WALK_SLOT_WORDS, _write_ranks)
 
 

@@ -1,5 +1,5 @@
-"""Both expert GEMMs of the MoE in one cooperative kernel (`kernel.py`'s FUSED_T variant from
-FUSED_MIN_TOKENS to WGMMA_GEMM1_MIN_TOKENS - 1): its CTAs go on from their GEMM1 items to GEMM2 items as soon as the
+"""Both expert GEMMs of the MoE in one cooperative kernel (`kernel.py`'s FUSED_T variant, `Handover.FUSED`, from
+EARLY_W2_MAX_TOKENS + 1 to WGMMA_GEMM1_MIN_TOKENS - 1): its CTAs go on from their GEMM1 items to GEMM2 items as soon as the
 items' expert has all its GEMM1 items done, instead of two kernels chained by a programmatic launch.
 
 Why (NOTES.md): at few tokens DRAM idles between the GEMMs: GEMM1's last round, the hand-over to GEMM2 (whose
@@ -12,9 +12,10 @@ The kernel: routing and meeting as the routing GEMM1's (`routing.route_then_meet
 words before the meeting (so that every later signal follows the zeroing); GEMM1 + SwiGLU exactly as the `mma.sync`
 streaming GEMM (items cta, cta + grid, ...), each item then signalled by thread 0 after the CTA barrier that follows its
 epilogue (a gpu-scope fence and an add to its expert's counter and to the total, as a cooperative grid barrier
-releases); GEMM2 exactly as the claiming `mma.sync` GEMM2 (`dynamic_items`), thread 0 making sure of an item's expert
-before the barrier after which its activations (C) are loaded: once the total shows every GEMM1 item done it checks no
-more, else it polls the expert's counter (acquire) until all of that expert's GEMM1 items are in. No CTA waits for a
+releases); GEMM2 as the `mma.sync` streaming GEMM computes it, CTA c's first item c and each later one the next
+claim of a kept counter (`claim_item`), so that the SMs that finish first take the tail, thread 0 making sure of an
+item's expert before the barrier after which its activations (C) are loaded: once the total shows every GEMM1 item
+done it checks no more, else it polls the expert's counter (acquire) until all of that expert's GEMM1 items are in. No CTA waits for a
 GEMM1 item that is not already its own or another resident CTA's, so the polls end (cooperative launch). The combine
 stays the next kernel (programmatic dependent). The same items, products and promotions as the two streaming GEMMs:
 outputs bit for bit.
@@ -22,39 +23,46 @@ outputs bit for bit.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .chain import ChainLink, chain_links, enter
 from .combine import CombineKernel
-from .host import fake_tensor_arguments
 from .routing import route_then_meet
 from .shapes import NUM_LOCAL_EXPERTS
 from .streaming_gemm import (
     GEMM1_ITEMS_PER_ROW_TILE,
     GEMM2_ITEMS_PER_ROW_TILE,
     M_TILES,
-    NUM_THREADS,
     StreamingConfigError,
     StreamingGemm,
-    claim_item,
+    StreamingGemmConfig,
     copy_atoms,
+    launch_persistent,
     locate_row_tile,
-    publish_claim,
-    release_claims,
     schedule_tables,
+    smem_region,
     stage_layouts,
 )
 
-__all__ = ["READY_WORDS", "FusedExpertGemms", "FusedMoeHost", "compile_fused"]
+__all__ = ["ITEM_CLAIMS_WORD", "READY_WORDS", "FusedExpertGemms", "FusedGemmsConfig", "FusedMoeHost"]
 
 # Readiness words: GEMM1 items done per local expert, then their total.
 TOTAL_WORD = NUM_LOCAL_EXPERTS
 READY_WORDS = NUM_LOCAL_EXPERTS + 1
+ITEM_CLAIMS_WORD = 1  # the word of the kept routed-count buffer that the GEMM2 phase claims its items from
+
+
+class FusedGemmsConfig(StreamingGemmConfig):
+    """The fused kernel's shared memory: the `mma.sync` GEMM2's (which holds GEMM1's: the same rings, GEMM1 viewing
+    the activation ring, bf16 for C, as fp8) and the word in which thread 0 publishes its claims to the CTA."""
+
+    def __init__(self, block_tokens: int, num_stages: int):
+        super().__init__(gemm1=False, block_tokens=block_tokens, num_stages=num_stages)
+
+    def fields(self) -> dict:
+        return {**super().fields(), "claimed_item": smem_region(Int32, 4, 16)}
 
 
 @cute.jit
@@ -95,6 +103,35 @@ def wait_for_expert(
     return verified
 
 
+@cute.jit
+def claim_item(routed: cute.Tensor) -> Int32:
+    """Thread 0 of a CTA in the GEMM2 phase: the next claim of the kept counter in word
+    ITEM_CLAIMS_WORD of the kept routed-count buffer (`counters.kept_routed`); claim n is item grid + n. A CTA claims
+    until a claim is past the last item, so each launch makes exactly one failing claim per CTA and the counter ends
+    at max(items - grid, 0) + grid (`release_claims`)."""
+    return cute.arch.atomic_add((routed.iterator + ITEM_CLAIMS_WORD).llvm_ptr, Int32(1), scope="gpu")
+
+
+@cute.jit
+def publish_claim(claimed_word: cute.Tensor, pending: Int32, routed: cute.Tensor, total_items: Int32, grid: Int32):
+    """Thread 0 of a CTA in the GEMM2 phase, at the stage before its load side needs a new item: publish the
+    pending claim in shared memory (its threads read it after the next barrier) and, if that claim is an item, claim
+    the one after. Returns the claim now pending."""
+    claimed_word[0] = pending
+    if grid + pending < total_items:
+        pending = claim_item(routed)
+    return pending
+
+
+@cute.jit
+def release_claims(routed: cute.Tensor, last_claim: Int32, total_items: Int32, grid: Int32):
+    """The CTA whose failing claim was the launch's last (every CTA has made its one failing claim, so no claim
+    follows it) brings the counter back to zero for the next launch, which stream order places after this one."""
+    final_claim = cutlass.max(total_items - grid, 0) + grid - 1
+    if last_claim == final_claim:
+        cute.arch.atomic_add((routed.iterator + ITEM_CLAIMS_WORD).llvm_ptr, -(final_claim + 1), scope="gpu")
+
+
 class FusedExpertGemms:
     """GEMM1 + SwiGLU and GEMM2 in one cooperative persistent grid (the module's docstring), the call's first kernel:
     `gemm1` and `gemm2` are the two `mma.sync` streaming GEMMs whose loops it runs, on one row tile (one table serves
@@ -102,15 +139,14 @@ class FusedExpertGemms:
 
     def __init__(self, gemm1: StreamingGemm, gemm2: StreamingGemm, link: ChainLink):
         cfg1, cfg2 = gemm1.cfg, gemm2.cfg
-        if not (cfg1.gemm1 and not cfg2.gemm1 and cfg2.dynamic_items):
-            raise StreamingConfigError("the fused GEMMs are a GEMM1 and a claiming GEMM2")
+        if not (cfg1.gemm1 and not cfg2.gemm1) or cfg1.routing_per_cta or cfg2.weights_before_wait:
+            raise StreamingConfigError("the fused GEMMs are a GEMM1 that routes and meets, and a GEMM2")
         if (cfg1.block_tokens, cfg1.num_stages) != (cfg2.block_tokens, cfg2.num_stages):
             raise StreamingConfigError("the fused GEMMs share their row tiles and stages")
         self.link = link
         self.gemm1 = gemm1
         self.gemm2 = gemm2
-        # GEMM2's shared memory holds GEMM1's: the same rings, GEMM1 viewing the activation ring (bf16 for C) as fp8.
-        self.cfg = cfg2
+        self.cfg = FusedGemmsConfig(cfg2.block_tokens, cfg2.num_stages)
 
     @cute.jit
     def launch(
@@ -122,17 +158,11 @@ class FusedExpertGemms:
         SharedStorage = self.cfg.shared_storage()
         # The streaming GEMMs' layouts, in elements: fp8 x and bf16 C take the same count
         w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout = stage_layouts(self.cfg)
-        self.kernel(
+        kernel = self.kernel(
             x, x_scale, w13, w13_scale, c, w2, w2_scale, expert_out, counts, expert_tokens, w_layout, x_layout,
             x_scale_layout, w_scale_layout, scratch_layout, SharedStorage, routing, routed, counts_out, ready,
-        ).launch(
-            grid=[num_ctas, 1, 1],
-            block=[NUM_THREADS, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            use_pdl=self.link.waits,
-            cooperative=True,
         )  # fmt: skip
+        launch_persistent(kernel, self.link, num_ctas, SharedStorage, stream, cooperative=True)
 
     @cute.kernel
     def kernel(
@@ -298,6 +328,11 @@ class FusedMoeHost:
         self.gemms = FusedExpertGemms(gemm1, gemm2, gemms_link)
         self.combine = CombineKernel(combine_link, loads_first=True)
 
+    def kept_words(self) -> tuple[int, ...]:
+        """The lengths of the int32 buffers after the stream argument (`host.compile_host`): the kept routed count,
+        then the call's readiness words."""
+        return NUM_LOCAL_EXPERTS, READY_WORDS
+
     @cute.jit
     def __call__(
         self, routing_logits: cute.Tensor, routing_bias: cute.Tensor, hidden_states: cute.Tensor,
@@ -319,17 +354,3 @@ class FusedMoeHost:
         self.combine.launch(
             counts_out, slot_expert, slot_rank, slot_weight, expert_out, output, stream, (counts, routed)
         )
-
-
-def compile_fused(host: FusedMoeHost, arch: str) -> Callable:
-    """`cute.compile` of `host` for `arch` as a TVM-FFI function on the current torch stream, with `host.py`'s
-    arguments (`compile_host`'s, the kept routed count included) and the readiness words last; needs no GPU."""
-    words = (NUM_LOCAL_EXPERTS, READY_WORDS)
-    args = (
-        *fake_tensor_arguments(),
-        0,
-        0,
-        make_fake_stream(use_tvm_ffi_env_stream=True),
-        *(make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=16) for n in words),
-    )
-    return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")

@@ -78,6 +78,12 @@ class MoeHostSm90:
         self.gemm2 = gemm2.with_link(gemm2_link)
         self.combine = CombineKernel(combine_link, loads_first=combine_loads_first)
 
+    def kept_words(self) -> tuple[int, ...]:
+        """The lengths of the int32 buffers after the stream argument: the kept routed count (routing in GEMM1), then
+        the kept walk buffer, slot counters and partition ranks (a GEMM1 that walks by partition rank)."""
+        routed = (NUM_LOCAL_EXPERTS,) if self.routing_in_gemm1 else ()
+        return routed + ((2 * WALK_SLOT_WORDS,) if self.gemm1.cfg.partition_walk else ())
+
     @cute.jit
     def __call__(
         self,
@@ -105,7 +111,7 @@ class MoeHostSm90:
         gemm2_grid: cutlass.Int32,
         stream,
         routed=None,  # with routing_in_gemm1: the kept count of routed tokens (`counters.kept_routed`)
-        walk_slots=None,  # with a GEMM1 that walks by SM id: its kept slot counters (`counters.kept_walk_slots`)
+        walk_slots=None,  # with a GEMM1 that walks by partition rank: its kept walk buffer (`counters.kept_walk_slots`)
     ):
         # What either routing reads and writes besides the counters: `RoutingKernel`'s grid, or GEMM1's
         # (`routing.route_then_meet`, with the kept count of routed tokens appended).
@@ -130,7 +136,7 @@ class MoeHostSm90:
             stream,
             routing,
             counts_out=counts_out,
-            **({"walk_slots": walk_slots} if self.gemm1.cfg.smid_walk else {}),
+            **({"walk_slots": walk_slots} if self.gemm1.cfg.partition_walk else {}),
         )
         gemm2_scale = hidden_states_scale  # not read by a GEMM2 on bf16 C (it keeps its kernels' parameters)
         if cutlass.const_expr(self.c_to_f16 is not None):
@@ -146,7 +152,7 @@ class MoeHostSm90:
             expert_tokens,
             gemm2_grid,
             stream,
-            **({"routed": routed} if self.gemm2.cfg.weights_before_wait or self.gemm2.cfg.dynamic_items else {}),
+            **({"routed": routed} if self.gemm2.cfg.weights_before_wait else {}),
         )
         self.combine.launch(
             counts_out, slot_expert, slot_rank, slot_weight, expert_out, output, stream, (counts, routed)
@@ -215,16 +221,17 @@ def fake_tensor_arguments() -> tuple:
     )
 
 
-def compile_host(host: MoeHostSm90, arch: str) -> Callable:
-    """`cute.compile` of `host` for `arch` as a TVM-FFI function on the current torch stream (the
-    two grid parameters are runtime scalars; needs no GPU)."""
-    args = (*fake_tensor_arguments(), 0, 0, make_fake_stream(use_tvm_ffi_env_stream=True))
-    if host.routing_in_gemm1:
-        args = (*args, make_fake_compact_tensor(cutlass.Int32, (NUM_LOCAL_EXPERTS,), assumed_align=16))
-    if host.gemm1.cfg.smid_walk:  # only with routing_in_gemm1 (its cooperative grid)
-        # with partition ranks after the slot counters for a partition walk (`counters.kept_walk_slots`)
-        words = WALK_SLOT_WORDS * (2 if host.gemm1.cfg.partition_walk else 1)
-        args = (*args, make_fake_compact_tensor(cutlass.Int32, (words,), assumed_align=16))
+def compile_host(host, arch: str) -> Callable:
+    """`cute.compile` of a host function (`MoeHostSm90`, `fused_gemms.FusedMoeHost`) for `arch` as a TVM-FFI function
+    on the current torch stream: the arguments from `routing_logits` through the workspaces, the two grid parameters
+    (runtime scalars), the stream and the host's kept int32 buffers (`kept_words`). Needs no GPU."""
+    args = (
+        *fake_tensor_arguments(),
+        0,
+        0,
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+        *(make_fake_compact_tensor(cutlass.Int32, (words,), assumed_align=16) for words in host.kept_words()),
+    )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
@@ -244,7 +251,7 @@ def launch(
     the workspaces and the two grid parameters. It counts in `kept_counts` (zero on entry, left at
     zero; `counters.kept_counts`) and copies the call's counts into `workspaces.counts`; a host that routes
     in GEMM1 also counts the routed tokens in `kept_routed` (`counters.kept_routed`, likewise), and one whose GEMM1
-    walks by SM id draws its CTAs' slots from `kept_walk_slots` (`counters.kept_walk_slots`); the fused GEMMs
+    walks by partition rank draws its CTAs' slots from `kept_walk_slots` (`counters.kept_walk_slots`); the fused GEMMs
     (`fused_gemms.py`) count their done items in the call's `readiness` words."""
     *tensors, local_expert_offset, routed_scaling_factor = inputs
     compiled(

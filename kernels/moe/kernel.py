@@ -19,9 +19,11 @@ expert GEMMs are persistent weight streams over every SM. The variant is chosen 
   tokens; a tile of 64 reads its weights half as often), otherwise as MEDIUM_T.
 
 Up to MEDIUM_T_MAX_TOKENS GEMM1's cooperative grid routes the tokens itself, so that its weight stream starts
-without waiting for a second launch. Destination passing, definition order, no host sync (but once per device,
-at the first call of 193-1024 tokens, the L2 partition probe), no data-dependent host logic, graph-safe. Each
-variant is compiled once (dynamic T) on first use; `compile_only()` compiles all of them. NOTES.md has the design.
+without waiting for a second launch. A variant (`StreamingVariant`) is a few named choices: the GEMMs' `Engine`, the
+`Routing`'s place, the `mma.sync` GEMM2's `Handover`, the WGMMA GEMM1's `Gemm1Feed`, and plain tile sizes and
+stages. Destination passing, definition order, no host sync (but once per device, at the first call of 193-1024
+tokens, the L2 partition probe), no data-dependent host logic, graph-safe. Each variant is compiled once (dynamic
+T) on first use; `compile_only()` compiles all of them. NOTES.md has the design.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable
 
 import torch
@@ -36,17 +39,22 @@ import torch
 from . import counters, fused_gemms, host, l2_partitions
 from .host import Workspaces
 from .inputs import MAX_TOKENS, MoeShapeError, check_inputs
+from .routing import ROUTING_WARPS
 from .streaming_gemm import WALK_SLOT_WORDS, StreamingGemm, StreamingGemmConfig
-from .wgmma_gemm1 import WgmmaGemm1, WgmmaGemm1Config
+from .wgmma_gemm1 import Gemm1Feed, WgmmaGemm1, WgmmaGemm1Config
 from .wgmma_gemm2 import WgmmaGemm2, WgmmaGemm2Config
 
 __all__ = [
     "EARLY_W2_MAX_TOKENS",
     "FEW_TOKENS_MAX",
     "GPU_ARCH",
+    "Engine",
+    "Gemm1Feed",
+    "Handover",
     "MAX_TOKENS",
     "MEDIUM_T_MAX_TOKENS",
     "MoeShapeError",
+    "Routing",
     "StreamingVariant",
     "WGMMA_GEMM1_MIN_TOKENS",
     "Workspaces",
@@ -74,82 +82,85 @@ MEDIUM_T_MAX_TOKENS = 1024
 # the next count to WGMMA_GEMM1_MIN_TOKENS - 1 the fused GEMMs, which measured 1.043x and 1.049x (medians) off the list
 # at 5 and 6 tokens over this variant (NOTES.md).
 EARLY_W2_MAX_TOKENS = 4
-assert EARLY_W2_MAX_TOKENS < WGMMA_GEMM1_MIN_TOKENS  # both variants below are TINY_T with switches
+assert EARLY_W2_MAX_TOKENS < WGMMA_GEMM1_MIN_TOKENS  # both variants below are on `mma.sync`
+assert EARLY_W2_MAX_TOKENS <= ROUTING_WARPS  # every GEMM1 CTA routes one token per warp
 NUM_STAGES = 4
+
+
+class Engine(Enum):
+    """The MMA of both expert GEMMs (one choice: the WGMMA GEMM2 reads C in the column order only the WGMMA GEMM1
+    writes, `intermediate_order.py`)."""
+
+    MMA_SYNC = "mma.sync"  # `streaming_gemm.py`: weights on the m16 side, e4m3 converted in registers
+    WGMMA = "wgmma"  # `wgmma_gemm1.py` (FP8) and `wgmma_gemm2.py` (bf16 or f16, weights converted in registers)
+
+
+class Routing(Enum):
+    """Where the tokens are routed."""
+
+    # Every GEMM1 CTA routes all the tokens itself (up to ROUTING_WARPS, one per warp) and ranks them in token order;
+    # no CTA waits for another (`routing.route_in_every_cta`). The `mma.sync` GEMM1's.
+    EVERY_CTA = "every GEMM1 CTA"
+    # GEMM1's cooperative grid routes the tokens, then its CTAs meet on the kept routed count (`route_then_meet`).
+    GEMM1_GRID = "GEMM1's grid"
+    # A routing grid of its own (`routing.RoutingKernel`) before GEMM1, whose launch is then not cooperative.
+    ROUTING_GRID = "routing grid"
+
+
+class Handover(Enum):
+    """How the `mma.sync` GEMM2 takes over from GEMM1 (the WGMMA GEMM2 is always CHAINED)."""
+
+    # The next kernel of the chain (a programmatic dependent), walking its items round robin over its CTA index.
+    CHAINED = "chained"
+    # As CHAINED, but it reads its schedule once the kept routed count is complete and issues its first stages' weights
+    # before its programmatic wait (only C waits for GEMM1). Needs GEMM1 to route (EVERY_CTA or GEMM1_GRID).
+    EARLY_WEIGHTS = "early weights"
+    # Both GEMMs in one cooperative kernel (`fused_gemms.py`): a CTA with no GEMM1 item left claims GEMM2 items from a
+    # kept counter and loads an item's C once its expert's GEMM1 items are all done. Needs GEMM1_GRID, and GEMM1's row
+    # tiles and stages equal to GEMM2's (one table and one pipeline serve both phases).
+    FUSED = "fused"
 
 
 @dataclass(frozen=True)
 class StreamingVariant:
-    """One compiled streaming configuration: tokens per row tile and pipeline depth of GEMM1, and of
-    GEMM2 where they differ (the packed rows do not depend on the tiles, so each GEMM may have its own)."""
+    """One compiled configuration of a call: the GEMMs' engine, the routing's place, tokens per row tile and pipeline
+    depth of each GEMM, and the options of each engine (the defaults are the plain forms)."""
 
-    block_tokens: int
-    num_stages: int = NUM_STAGES
-    gemm2_block_tokens: int | None = None  # None: block_tokens
-    gemm2_num_stages: int | None = None  # None: num_stages
-    wgmma_gemm1: bool = False  # GEMM1 on FP8 warpgroup MMA (wgmma_gemm1.py) instead of mma.sync
-    wgmma_gemm2: bool = False  # GEMM2 on bf16 warpgroup MMA (wgmma_gemm2.py); needs wgmma_gemm1
-    gemm1_scratch_in_stage: bool = False  # wgmma_gemm1.WgmmaGemm1Config's scratch_in_stage
-    routing_in_gemm1: bool = False  # no routing kernel: GEMM1's cooperative grid routes first
-    gemm2_weights_before_wait: bool = False  # the `mma.sync` GEMM2 issues its first weights before its wait
+    engine: Engine
+    routing: Routing
+    block_tokens: int  # GEMM1's row tile
+    num_stages: int  # GEMM1's pipeline depth
+    gemm2_block_tokens: int
+    gemm2_num_stages: int
+    handover: Handover = Handover.CHAINED  # `mma.sync` only
+    gemm1_feed: Gemm1Feed = Gemm1Feed.WARPGROUP  # WGMMA only: how GEMM1's stages are issued and its items walked
+    gemm1_scratch_in_stage: bool = False  # WGMMA only: `WgmmaGemm1Config`'s scratch_in_stage
+    f16_c: bool = False  # WGMMA only: C rewritten as f16 times a power of two per row for an f16 GEMM2 (`c_to_f16.py`)
     combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one
-    routing_per_cta: bool = False  # up to 4 tokens every GEMM1 CTA routes them all, no meeting
-    gemm1_ctas_per_sm: int = 2  # the WGMMA GEMM1's max_ctas_per_sm (the `mma.sync` GEMM1 keeps two)
-    gemm1_smid_walk: bool = False  # the WGMMA GEMM1's smid_walk
-    gemm1_producer_warp: bool = False  # the WGMMA GEMM1's producer_warp
-    gemm1_partition_walk: bool = False  # the WGMMA GEMM1's partition_walk
-    gemm2_dynamic_items: bool = False  # the `mma.sync` GEMM2's StreamingGemmConfig dynamic_items
-    f16_c: bool = False  # C rewritten as f16 times a power of two per row for an f16 WGMMA GEMM2
-    gemm2_ctas_per_sm: int = 2  # the WGMMA GEMM2's WgmmaGemm2Config max_ctas_per_sm
-    fused_gemms: bool = False  # both `mma.sync` GEMMs in one cooperative kernel (`fused_gemms.py`)
 
     def __post_init__(self) -> None:
-        if self.wgmma_gemm2 and not self.wgmma_gemm1:
-            # The WGMMA GEMM2 reads C in the column order only the WGMMA GEMM1 writes.
-            raise ValueError("wgmma_gemm2 needs wgmma_gemm1")
-        if (self.gemm1_scratch_in_stage or self.gemm1_producer_warp) and not self.wgmma_gemm1:
-            raise ValueError("gemm1_scratch_in_stage and gemm1_producer_warp need wgmma_gemm1")
-        if self.gemm1_partition_walk and not (self.gemm1_producer_warp and self.gemm1_smid_walk):
-            raise ValueError("gemm1_partition_walk needs gemm1_producer_warp and gemm1_smid_walk")
-        if self.gemm1_producer_warp and not self.routing_in_gemm1:
-            raise ValueError("gemm1_producer_warp needs routing_in_gemm1")  # the only GEMM1 built with its guard
-        if self.gemm2_weights_before_wait and (self.wgmma_gemm2 or not self.routing_in_gemm1):
-            # It waits on the kept count of routed tokens that only a routing GEMM1 completes.
-            raise ValueError("gemm2_weights_before_wait needs the mma.sync GEMM2 and routing_in_gemm1")
-        if self.routing_per_cta and (self.wgmma_gemm1 or not self.routing_in_gemm1):
-            raise ValueError("routing_per_cta needs the mma.sync GEMM1 and routing_in_gemm1")
-        if self.gemm2_dynamic_items and (self.wgmma_gemm2 or not self.routing_in_gemm1):
-            # Its claim counter is a word of the kept routed-count buffer (`streaming_gemm.claim_item`).
-            raise ValueError("gemm2_dynamic_items needs the mma.sync GEMM2 and routing_in_gemm1")
-        if (self.f16_c or self.gemm2_ctas_per_sm != 2) and not self.wgmma_gemm2:
-            raise ValueError("f16_c and gemm2_ctas_per_sm are the WGMMA GEMM2's")
-        if self.fused_gemms and not (self.routing_in_gemm1 and self.gemm2_dynamic_items and not self.wgmma_gemm1):
-            # Its GEMM2 phase claims its items and its grid meets after the routing (`fused_gemms.FusedExpertGemms`).
-            raise ValueError("fused_gemms needs the mma.sync GEMMs, routing_in_gemm1 and gemm2_dynamic_items")
-        if (self.gemm1_ctas_per_sm != 2 or self.gemm1_smid_walk) and not self.wgmma_gemm1:
-            # The `mma.sync` GEMM1 keeps two CTAs per SM and walks over the CTA index.
-            raise ValueError("gemm1_ctas_per_sm and gemm1_smid_walk are the WGMMA GEMM1's")
-        if self.gemm1_smid_walk and not self.routing_in_gemm1:
-            # Its slots need every CTA resident at once: GEMM1's cooperative launch, which only a routing GEMM1 has.
-            raise ValueError("gemm1_smid_walk needs routing_in_gemm1")
+        if self.engine is Engine.MMA_SYNC:
+            if self.gemm1_feed is not Gemm1Feed.WARPGROUP or self.gemm1_scratch_in_stage or self.f16_c:
+                raise ValueError("gemm1_feed, gemm1_scratch_in_stage and f16_c are the WGMMA engine's")
+        elif self.handover is not Handover.CHAINED or self.routing is Routing.EVERY_CTA:
+            raise ValueError("the WGMMA engine's GEMM2 is chained and its GEMM1 does not route in every CTA")
+        if self.handover is Handover.EARLY_WEIGHTS and self.routing is Routing.ROUTING_GRID:
+            # It waits on the kept routed count that only a GEMM1 that routes completes.
+            raise ValueError("early weights need a GEMM1 that routes")
+        if self.handover is Handover.FUSED and self.routing is not Routing.GEMM1_GRID:
+            raise ValueError("the fused GEMMs route in their grid and meet")
+        if self.gemm1_feed is Gemm1Feed.PRODUCER_WARP and self.routing is not Routing.GEMM1_GRID:
+            # Its slot draw needs every CTA resident at once: the cooperative launch that only a routing GEMM1 has.
+            raise ValueError("the producer warp's walk needs GEMM1's cooperative grid")
 
     def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
-        if self.wgmma_gemm1:
-            return WgmmaGemm1Config(
-                block_tokens=self.block_tokens,
-                num_stages=self.num_stages,
-                permuted_c=self.wgmma_gemm2,
-                scratch_in_stage=self.gemm1_scratch_in_stage,
-                max_ctas_per_sm=self.gemm1_ctas_per_sm,
-                smid_walk=self.gemm1_smid_walk,
-                producer_warp=self.gemm1_producer_warp,
-                partition_walk=self.gemm1_partition_walk,
-            )
+        if self.engine is Engine.WGMMA:
+            return WgmmaGemm1Config(self.block_tokens, self.num_stages, self.gemm1_scratch_in_stage, self.gemm1_feed)
         return StreamingGemmConfig(
             gemm1=True,
             block_tokens=self.block_tokens,
             num_stages=self.num_stages,
-            routing_per_cta=self.routing_per_cta,
+            routing_per_cta=self.routing is Routing.EVERY_CTA,
         )
 
     def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:
@@ -157,26 +168,36 @@ class StreamingVariant:
         return WgmmaGemm1(config) if isinstance(config, WgmmaGemm1Config) else StreamingGemm(config)
 
     def gemm2(self) -> StreamingGemmConfig | WgmmaGemm2Config:
-        block_tokens = self.gemm2_block_tokens or self.block_tokens
-        num_stages = self.gemm2_num_stages or self.num_stages
-        if self.wgmma_gemm2:
-            return WgmmaGemm2Config(
-                block_tokens=block_tokens,
-                num_stages=num_stages,
-                f16_c=self.f16_c,
-                max_ctas_per_sm=self.gemm2_ctas_per_sm,
-            )
+        if self.engine is Engine.WGMMA:
+            return WgmmaGemm2Config(self.gemm2_block_tokens, self.gemm2_num_stages, f16_c=self.f16_c)
         return StreamingGemmConfig(
             gemm1=False,
-            block_tokens=block_tokens,
-            num_stages=num_stages,
-            weights_before_wait=self.gemm2_weights_before_wait,
-            dynamic_items=self.gemm2_dynamic_items,
+            block_tokens=self.gemm2_block_tokens,
+            num_stages=self.gemm2_num_stages,
+            weights_before_wait=self.handover is Handover.EARLY_WEIGHTS,
         )
 
     def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:
         config = self.gemm2()
         return WgmmaGemm2(config) if isinstance(config, WgmmaGemm2Config) else StreamingGemm(config)
+
+    def make_host(self) -> host.MoeHostSm90 | fused_gemms.FusedMoeHost:
+        """The host function of the call's launches (`host.py`, or the fused GEMMs' two)."""
+        if self.handover is Handover.FUSED:
+            return fused_gemms.FusedMoeHost(self.make_gemm1(), self.make_gemm2())
+        return host.MoeHostSm90(
+            self.make_gemm1(),
+            self.make_gemm2(),
+            routing_in_gemm1=self.routing is not Routing.ROUTING_GRID,
+            combine_loads_first=self.combine_loads_first,
+        )
+
+    def grids(self, num_sms: int) -> tuple[int, int]:
+        """(GEMM1, GEMM2) persistent grids. The fused GEMMs run on one grid in their kernel's shared memory (GEMM2's,
+        which holds GEMM1's)."""
+        if self.handover is Handover.FUSED:
+            return (fused_gemms.FusedGemmsConfig(self.gemm2_block_tokens, self.gemm2_num_stages).grid(num_sms),) * 2
+        return self.gemm1().grid(num_sms), self.gemm2().grid(num_sms)
 
 
 # GEMM2's shared memory per CTA fits two CTAs per SM in every variant: on `mma.sync` 103 KB (8 x 4),
@@ -186,76 +207,77 @@ class StreamingVariant:
 # earlier than after a routing kernel, when the host's launch of a second kernel would only reach the GPU.
 # Up to FEW_TOKENS_MAX the combine issues all of a thread's loads before using one; above it its 92 registers per thread
 # would cut its CTAs per SM from 16 to 5 where a thread has about one row to load anyway (0.97x at 11948-14107 tokens).
-# GEMM2's CTAs claim their items after the first from a kept counter: they become resident as GEMM1's retire, so which
-# of them share an SM is not known, and a fixed walk's extra items would end some SMs microseconds after the rest. The
-# fused GEMMs' GEMM2 phase at 5-32 tokens, whose CTAs come to it as their GEMM1 items end, claims its items the same way.
-# TINY_T itself is the base of the variants below 33 tokens and the chained form that the tests compare the fused
-# GEMMs with bit for bit.
-TINY_T = StreamingVariant(
-    block_tokens=16,
-    gemm2_block_tokens=8,
-    gemm2_num_stages=4,
-    routing_in_gemm1=True,
-    combine_loads_first=True,
-    gemm2_dynamic_items=True,
-)
+#
 # Up to EARLY_W2_MAX_TOKENS GEMM2 reads its schedule once the routed count is complete and issues its first stages'
 # weights before its programmatic wait, so that W2 is in flight when GEMM1 ends (1.037x at 1 token). With more tokens
 # GEMM1's CTAs retire over many microseconds and the early copies compete with them for DRAM (~1.00x at 7-32 tokens).
 # Up to 4 tokens (one per warp) every GEMM1 CTA routes them all and ranks them in token order instead of meeting the
 # grid on CTA 0's routing (1.040x at 1 token): the routing is cheaper than the grid meeting.
 # Its GEMM2 walks a fixed round robin: with 1-2 experts and at most two items per CTA, claiming items gains nothing
-# (1.003x at 1 token).
-TINY_T_EARLY_W2 = dataclasses.replace(
-    TINY_T, gemm2_weights_before_wait=True, routing_per_cta=True, gemm2_dynamic_items=False
+# (1.003x at 1 token). Row tiles of 16 tokens in GEMM1, of 8 in GEMM2, four stages each, two CTAs per SM.
+TINY_T_EARLY_W2 = StreamingVariant(
+    Engine.MMA_SYNC,
+    Routing.EVERY_CTA,
+    block_tokens=16,
+    num_stages=NUM_STAGES,
+    gemm2_block_tokens=8,
+    gemm2_num_stages=NUM_STAGES,
+    handover=Handover.EARLY_WEIGHTS,
+    combine_loads_first=True,
 )
-# From EARLY_W2_MAX_TOKENS + 1 to WGMMA_GEMM1_MIN_TOKENS - 1 both GEMMs run in one cooperative kernel whose CTAs go on to
-# GEMM2 items as soon as their expert's GEMM1 items are all done (`fused_gemms.py`): DRAM streams W2 while the last
+# From EARLY_W2_MAX_TOKENS + 1 to WGMMA_GEMM1_MIN_TOKENS - 1 both GEMMs run in one cooperative kernel whose CTAs go on
+# to GEMM2 items as soon as their expert's GEMM1 items are all done (`fused_gemms.py`): DRAM streams W2 while the last
 # GEMM1 items finish instead of idling through the hand-over between two kernels (1.024-1.068x at 7-32 tokens over the
-# two chained kernels, NOTES.md). GEMM1 on 8-token row tiles as GEMM2, four stages, two CTAs per SM.
-FUSED_T = dataclasses.replace(TINY_T, block_tokens=8, fused_gemms=True)
-# From 33 tokens both GEMMs are on WGMMA (the bf16 WGMMA GEMM2 1.02x over the `mma.sync` one at 52-62 tokens).
-FEW_TOKENS = dataclasses.replace(TINY_T, wgmma_gemm1=True, wgmma_gemm2=True, gemm2_dynamic_items=False)
+# two chained kernels, NOTES.md). GEMM2's CTAs claim their items after the first from a kept counter: they come to it as
+# their GEMM1 items end, so a fixed walk's extra items would end some SMs microseconds after the rest. Both GEMMs on
+# 8-token row tiles, four stages, two CTAs per SM.
+FUSED_T = StreamingVariant(
+    Engine.MMA_SYNC,
+    Routing.GEMM1_GRID,
+    block_tokens=8,
+    num_stages=NUM_STAGES,
+    gemm2_block_tokens=8,
+    gemm2_num_stages=NUM_STAGES,
+    handover=Handover.FUSED,
+    combine_loads_first=True,
+)
+# From 33 tokens both GEMMs are on WGMMA (the bf16 WGMMA GEMM2 1.02x over the `mma.sync` one at 52-62 tokens): GEMM1 on
+# 16-token tiles, GEMM2 on 8-token tiles (four 8-token GEMM2 stages hold more weight bytes in flight than three of 16).
+FEW_TOKENS = StreamingVariant(
+    Engine.WGMMA,
+    Routing.GEMM1_GRID,
+    block_tokens=16,
+    num_stages=NUM_STAGES,
+    gemm2_block_tokens=8,
+    gemm2_num_stages=NUM_STAGES,
+    combine_loads_first=True,
+)
 # Above 192 tokens GEMM2 converts each W2 once per 32-token tile into WGMMA's registers. Its C is f16 times a power of
 # two per row, so that a pair of e4m3 weights takes one conversion instead of four (no gain at 52-80 tokens, hence only
 # here), in two stages at three CTAs per SM: at 8 warps per SM this GEMM2 is bound by each warp's chain of loads,
 # conversions and MMAs (ncu), and a third CTA hides it.
 # Its GEMM1 runs 3 stages at three CTAs per SM, the epilogue tile in the stage just consumed (~74 KB, 87 registers a
-# thread), and walks round robin over slot x 132 + SM rank with a kept slot draw: over the CTA index the H200 places
-# CTAs 0-23 three each on 8 SMs, which then run a round behind. A fifth warp issues its stages (the weights by TMA, the
-# token rows by coalesced cp.async, two rows per copy) on per-slot full and empty mbarriers, so no CTA-wide barrier ends
-# a K stage. Its walk takes the SMs by their rank with one L2 partition's SMs first (measured once per device,
-# `l2_partitions.partition_ranks`) and an expert's items weight tile by weight tile, so that the CTAs reading one weight
-# tile share a partition: the fabric between the two partitions bounds this GEMM1 at 901 tokens (ncu: 86.7 % of its
-# throughput with a walk by SM id, 75.2 % with this one).
+# thread), fed by a producer warp and walking by partition rank (`Gemm1Feed.PRODUCER_WARP`): over the CTA index the
+# H200 places CTAs 0-23 three each on 8 SMs, which then run a round behind; the producer warp's mbarriers let no
+# CTA-wide barrier end a K stage; and the fabric between the two L2 partitions bounds this GEMM1 at 901 tokens (ncu:
+# 86.7 % of its throughput with a walk by SM id, 75.2 % with the walk by partition rank).
 MEDIUM_T = StreamingVariant(
+    Engine.WGMMA,
+    Routing.GEMM1_GRID,
     block_tokens=32,
     num_stages=3,
     gemm2_block_tokens=32,
     gemm2_num_stages=2,
-    wgmma_gemm1=True,
-    wgmma_gemm2=True,
-    routing_in_gemm1=True,
+    gemm1_feed=Gemm1Feed.PRODUCER_WARP,
     gemm1_scratch_in_stage=True,
-    gemm1_ctas_per_sm=3,
-    gemm1_smid_walk=True,
-    gemm1_producer_warp=True,
-    gemm1_partition_walk=True,
     f16_c=True,
-    gemm2_ctas_per_sm=3,
 )
 # Above MEDIUM_T_MAX_TOKENS GEMM1 reads each expert's weights once per 64 tokens, and the routing is a
 # grid of its own (T warps over the SMs; GEMM1's grid would route 4 x its CTAs tokens at a time). Its ~98 KB a CTA fit
-# two per SM, and without the routing its launch is not cooperative, so it walks over the CTA index. Its stages end on a
-# CTA-wide barrier: the producer warp locates one token slot per lane, and needs the routing grid's cooperative launch.
+# two per SM, and without the routing its launch is not cooperative, so it walks over the CTA index and the warpgroup
+# issues its own stages (the producer warp locates one token slot per lane).
 LARGE_T = dataclasses.replace(
-    MEDIUM_T,
-    block_tokens=64,
-    routing_in_gemm1=False,
-    gemm1_ctas_per_sm=2,
-    gemm1_smid_walk=False,
-    gemm1_producer_warp=False,
-    gemm1_partition_walk=False,
+    MEDIUM_T, routing=Routing.ROUTING_GRID, block_tokens=64, gemm1_feed=Gemm1Feed.WARPGROUP
 )
 VARIANTS = (TINY_T_EARLY_W2, FUSED_T, FEW_TOKENS, MEDIUM_T, LARGE_T)
 
@@ -279,18 +301,7 @@ _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
 
 
 def _compile(arch: str, variant: StreamingVariant) -> Callable:
-    # The launches of host.py with the variant's two streaming GEMMs (grids: persistent CTAs), or of the fused GEMMs.
-    if variant.fused_gemms:
-        return fused_gemms.compile_fused(fused_gemms.FusedMoeHost(variant.make_gemm1(), variant.make_gemm2()), arch)
-    return host.compile_host(
-        host.MoeHostSm90(
-            variant.make_gemm1(),
-            variant.make_gemm2(),
-            routing_in_gemm1=variant.routing_in_gemm1,
-            combine_loads_first=variant.combine_loads_first,
-        ),
-        arch,
-    )
+    return host.compile_host(variant.make_host(), arch)
 
 
 def compiled_for(variant: StreamingVariant, arch: str = GPU_ARCH) -> Callable:
@@ -303,13 +314,11 @@ def compiled_for(variant: StreamingVariant, arch: str = GPU_ARCH) -> Callable:
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
-    """Compile the variants, the zeroing of new counter and slot buffers (the ranked walk buffer twice as long) and
-    the L2 partition probe's kernels for `arch` without touching a GPU (for CI and warm-up: no call compiles lazily
-    afterwards)."""
+    """Compile the variants, the zeroing of new counter and walk buffers and the L2 partition probe's kernels for
+    `arch` without touching a GPU (for CI and warm-up: no call compiles lazily afterwards)."""
     return (
         *(compiled_for(variant, arch) for variant in VARIANTS),
         counters.compiled_zero(arch),
-        counters.compiled_zero(arch, WALK_SLOT_WORDS),
         counters.compiled_zero(arch, 2 * WALK_SLOT_WORDS),
         *l2_partitions.compiled_kernels(arch),
     )
@@ -326,18 +335,10 @@ def _num_sms(device: torch.device) -> int:
     return count
 
 
-def persistent_ctas(config: StreamingGemmConfig | WgmmaGemm1Config | WgmmaGemm2Config, num_sms: int) -> int:
-    """Grid of a persistent streaming GEMM: every SM holds as many CTAs as shared memory allows."""
-    return num_sms * config.ctas_per_sm()
-
-
 @functools.cache
 def _grids(variant: StreamingVariant, num_sms: int) -> tuple[int, int]:
-    """(GEMM1, GEMM2) persistent grids; cached, since building the configurations costs ~0.5 ms. The fused GEMMs run on
-    one grid in GEMM2's shared memory, which holds GEMM1's."""
-    if variant.fused_gemms:
-        return (persistent_ctas(variant.gemm2(), num_sms),) * 2
-    return persistent_ctas(variant.gemm1(), num_sms), persistent_ctas(variant.gemm2(), num_sms)
+    """`variant.grids`, cached: building the configurations costs ~0.5 ms."""
+    return variant.grids(num_sms)
 
 
 def make_run(choose: Callable[[int], StreamingVariant]) -> Callable[..., None]:
@@ -413,12 +414,13 @@ def run_keeping_workspaces(
     workspaces = Workspaces.allocate(num_tokens, device)
     gemm1_ctas, gemm2_ctas = _grids(variant, _num_sms(device))
     kept = counters.kept_counts(device, GPU_ARCH)
-    kept_routed = counters.kept_routed(device, GPU_ARCH) if variant.routing_in_gemm1 else None
-    kept_slots = None
-    if variant.gemm1_smid_walk:
-        kept_slots = counters.kept_walk_slots(device, GPU_ARCH, ranked=variant.gemm1_partition_walk)
+    routes = variant.routing is not Routing.ROUTING_GRID
+    kept_routed = counters.kept_routed(device, GPU_ARCH) if routes else None
+    walks = variant.gemm1_feed is Gemm1Feed.PRODUCER_WARP
+    kept_slots = counters.kept_walk_slots(device, GPU_ARCH) if walks else None
     # The fused GEMMs' readiness words, zeroed by the kernel itself (`fused_gemms.py`).
-    ready = torch.empty(fused_gemms.READY_WORDS, dtype=torch.int32, device=device) if variant.fused_gemms else None
+    fused = variant.handover is Handover.FUSED
+    ready = torch.empty(fused_gemms.READY_WORDS, dtype=torch.int32, device=device) if fused else None
     host.launch(
         compiled_for(variant), inputs, output, workspaces, gemm1_ctas, gemm2_ctas, kept, kept_routed, kept_slots, ready
     )

@@ -67,7 +67,6 @@ WALK_SLOT_WORDS = 256  # SM ids the walk by SM id keeps a slot counter for
 # The last word of a walk buffer with partition ranks (twice WALK_SLOT_WORDS, the ranks after the slot
 # counters) once its ranks are written; a buffer without it (made inside a CUDA-graph capture) walks by `%smid`.
 RANKS_WRITTEN = 0x5A17
-ITEM_CLAIMS_WORD = 1  # the word of the kept routed-count buffer that a GEMM2 with dynamic_items claims from
 # Values of an SM's slot counter per round: PAIRED_SLOTS slots and one value that a draw skips (`take_walk_slot`); a
 # power of two, so a divisor of 2**32 and the word's wrap keeps the rounds.
 WALK_SLOT_ROUND = 4
@@ -219,9 +218,10 @@ def smem_region(dtype, count: int, alignment: int):
 
 
 class PersistentGemmConfig:
-    """What the persistent weight-streaming GEMMs' configurations (this file's, `wgmma_gemm1.py`'s and
-    `wgmma_gemm2.py`'s) share: a shared-memory struct made of the subclass's `fields()` followed by the
-    item walk's tables (`schedule_tables`), the bytes it takes and the CTAs per SM it allows."""
+    """What the persistent weight-streaming GEMMs' configurations (this file's, `wgmma_gemm1.py`'s,
+    `wgmma_gemm2.py`'s and `fused_gemms.py`'s) share: a shared-memory struct made of the subclass's `fields()`
+    followed by the item walk's tables (`schedule_tables`), the bytes it takes, the CTAs per SM it allows and the
+    persistent grid (`grid`) that `launch_persistent` launches."""
 
     _smem_bytes: int | None = None
     # A GEMM2 that issues its first weights before its programmatic wait takes the kept routed count (only the
@@ -229,17 +229,13 @@ class PersistentGemmConfig:
     weights_before_wait: bool = False
     # A GEMM1 whose every CTA routes up to ROUTING_WARPS tokens itself (the `mma.sync` one only).
     routing_per_cta: bool = False
-    # A three-CTA GEMM1 whose walk groups by SM id and takes the kept slot counters (the WGMMA one).
-    smid_walk: bool = False
-    # A GEMM1 whose SM-id walk takes the SMs' L2-partition ranks after those counters (the WGMMA one).
+    # A three-CTA GEMM1 that walks by the SMs' L2-partition ranks and takes the kept walk buffer (the WGMMA one).
     partition_walk: bool = False
-    # A GEMM2 whose CTAs claim their items after the first from a kept counter (the `mma.sync` one).
-    dynamic_items: bool = False
     # A GEMM2 that multiplies C rewritten as f16 and so needs `c_to_f16.py` before it (the WGMMA one).
     f16_c: bool = False
-    # Registers allow two CTAs of 128 threads per SM at up to 255 registers a thread. A configuration that asks for
-    # three states it (`StreamingGemmConfig`'s max_ctas_per_sm; its compiled registers, 72-80 a thread, were read from
-    # the cubin), and a cooperative launch of a grid that cannot all be resident fails rather than hangs.
+    # Registers allow two CTAs of 128 threads per SM at up to 255 registers a thread. A configuration that allows
+    # three states it (the WGMMA GEMM1 with its producer warp, the f16 WGMMA GEMM2; their compiled registers were read
+    # from the cubin), and a cooperative launch of a grid that cannot all be resident fails rather than hangs.
     max_ctas_per_sm: int = 2
 
     def fields(self) -> dict:
@@ -270,6 +266,10 @@ class PersistentGemmConfig:
         """Resident CTAs per SM the shared memory allows, at most max_ctas_per_sm."""
         return max(1, min(self.max_ctas_per_sm, SMEM_PER_SM // (self.smem_bytes() + SMEM_RESERVED_PER_CTA)))
 
+    def grid(self, num_sms: int) -> int:
+        """The persistent grid: every SM holds as many CTAs as the configuration allows."""
+        return num_sms * self.ctas_per_sm()
+
 
 class StreamingGemmConfig(PersistentGemmConfig):
     """Compile-time shape of one streaming GEMM: which GEMM, tokens per row tile, pipeline depth."""
@@ -281,16 +281,12 @@ class StreamingGemmConfig(PersistentGemmConfig):
         num_stages: int,
         weights_before_wait: bool = False,
         routing_per_cta: bool = False,
-        dynamic_items: bool = False,
     ):
         """`weights_before_wait` (GEMM2 as a programmatic dependent of a GEMM1 that routes): the CTA reads the
         schedule once the kept count of routed tokens is complete and issues its first stages' weights before
         `griddepcontrol.wait`; only the activations (GEMM1's output) wait for GEMM1 to complete.
         `routing_per_cta` (GEMM1 that routes): up to ROUTING_WARPS tokens every CTA routes them all
-        (`routing.route_in_every_cta`) in a few words of shared memory of its own. Two CTAs per SM; a walk of three
-        `mma.sync` GEMM1 CTAs per SM is refused. `dynamic_items` (GEMM2): CTA c's
-        first item is c, and each later one the next of a kept counter's claims (`claim_item`), so that the SMs that
-        finish first take the tail whatever the placement."""
+        (`routing.route_in_every_cta`) in a few words of shared memory of its own. Two CTAs per SM."""
         if block_tokens not in (8, 16, 32):
             raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 2:
@@ -304,12 +300,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
         if routing_per_cta and not gemm1:
             raise StreamingConfigError("routing_per_cta is GEMM1's (the call's first kernel routes)")
         self.routing_per_cta = routing_per_cta
-        if dynamic_items and (gemm1 or weights_before_wait):
-            # Kept for the plain GEMM2: GEMM1's walks are static, and with an
-            # early-weights GEMM2 (whose first claim would come right after its schedule, before its wait) the claims
-            # measured 1.003x at 1 token (NOTES.md).
-            raise StreamingConfigError("dynamic_items is GEMM2's, without weights_before_wait")
-        self.dynamic_items = dynamic_items
         self.n_tiles = block_tokens // 8  # n8 MMA tiles per row tile
         self.k = HIDDEN if gemm1 else INTERMEDIATE
         self.k_stages = self.k // STAGE_K  # 14 or 4 per item
@@ -337,7 +327,6 @@ class StreamingGemmConfig(PersistentGemmConfig):
             "w_scales": smem_region(Float32, ns * M_TILES * BLOCKS_PER_STAGE, 128),
             "scratch": smem_region(Float32, NUM_WARPS * ITEM_ROWS * bt, 128),
             **({"routing_choices": smem_region(Int32, ROUTING_WARPS * TOP_K, 16)} if self.routing_per_cta else {}),
-            **({"claimed_item": smem_region(Int32, 4, 16)} if self.dynamic_items else {}),
         }
 
 
@@ -442,35 +431,6 @@ def take_walk_slot(slots: cute.Tensor, walk_groups: Int32, walk_slot: cute.Tenso
 
 
 @cute.jit
-def claim_item(routed: cute.Tensor) -> Int32:
-    """Thread 0 of a GEMM2 CTA with `dynamic_items`: the next claim of the kept counter in word
-    ITEM_CLAIMS_WORD of the kept routed-count buffer (`counters.kept_routed`); claim n is item grid + n. A CTA claims
-    until a claim is past the last item, so each launch makes exactly one failing claim per CTA and the counter ends
-    at max(items - grid, 0) + grid (`release_claims`)."""
-    return cute.arch.atomic_add((routed.iterator + ITEM_CLAIMS_WORD).llvm_ptr, Int32(1), scope="gpu")
-
-
-@cute.jit
-def publish_claim(claimed_word: cute.Tensor, pending: Int32, routed: cute.Tensor, total_items: Int32, grid: Int32):
-    """Thread 0 of a GEMM2 CTA with `dynamic_items`, at the stage before its load side needs a new item: publish the
-    pending claim in shared memory (its threads read it after the next barrier) and, if that claim is an item, claim
-    the one after. Returns the claim now pending."""
-    claimed_word[0] = pending
-    if grid + pending < total_items:
-        pending = claim_item(routed)
-    return pending
-
-
-@cute.jit
-def release_claims(routed: cute.Tensor, last_claim: Int32, total_items: Int32, grid: Int32):
-    """The CTA whose failing claim was the launch's last (every CTA has made its one failing claim, so no claim
-    follows it) brings the counter back to zero for the next launch, which stream order places after this one."""
-    final_claim = cutlass.max(total_items - grid, 0) + grid - 1
-    if last_claim == final_claim:
-        cute.arch.atomic_add((routed.iterator + ITEM_CLAIMS_WORD).llvm_ptr, -(final_claim + 1), scope="gpu")
-
-
-@cute.jit
 def locate_row_tile(
     row_tile: Int32,
     block_tokens: cutlass.Constexpr,
@@ -543,6 +503,23 @@ def copy_atoms() -> tuple:
     )
 
 
+def launch_persistent(
+    kernel, link: ChainLink, num_ctas: Int32, shared_storage, stream, cooperative: bool, threads: int = NUM_THREADS
+) -> None:
+    """Launch `kernel` (the kernel applied to its arguments) as a persistent grid of `num_ctas` CTAs (the host's,
+    `PersistentGemmConfig.grid`) of `threads` threads (128, or 160 with the WGMMA GEMM1's producer warp) at `link` of
+    the call's chain; `cooperative` where its CTAs meet (`routing.route_then_meet`: a GEMM1 that routes, the fused
+    GEMMs). Every persistent GEMM launches through here, while its `launch` is traced."""
+    kernel.launch(
+        grid=[num_ctas, 1, 1],
+        block=[threads, 1, 1],
+        smem=shared_storage.size_in_bytes(),
+        stream=stream,
+        use_pdl=link.waits,
+        cooperative=cooperative,
+    )
+
+
 class LinkedGemm:
     """An expert GEMM of a configuration at its place in the call's chain of launches (chain.py)."""
 
@@ -553,21 +530,6 @@ class LinkedGemm:
     def with_link(self, link: ChainLink):
         """The same GEMM at `link` of a chain of programmatic dependent launches."""
         return type(self)(self.cfg, link)
-
-    def launch_persistent(
-        self, kernel, num_ctas: Int32, shared_storage, stream, cooperative: bool = False, threads: int = NUM_THREADS
-    ) -> None:
-        """Launch `kernel` (the kernel applied to its arguments) as the GEMM's persistent grid of
-        `num_ctas` CTAs of `threads` threads (128, or 160 with the WGMMA GEMM1's producer warp), at its place in the
-        chain; `cooperative` where its CTAs meet (`routing.route_then_meet`). Called while `launch` is traced."""
-        kernel.launch(
-            grid=[num_ctas, 1, 1],
-            block=[threads, 1, 1],
-            smem=shared_storage.size_in_bytes(),
-            stream=stream,
-            use_pdl=self.link.waits,
-            cooperative=cooperative,
-        )
 
     def load_location(self, base, stride, s, tile_end, expert_count, expert_offset, expert_tokens, tidx, bases_args=()):
         """What the load side carries for the item of flat stage `s` of the CTA's walk base, base + stride, ...
@@ -636,8 +598,7 @@ class StreamingGemm(LinkedGemm):
         """`routing`: None, or (GEMM1 up to 1024 tokens) `routing.route_then_meet`'s tuple: the grid
         routes the tokens before its schedule. `routed` (GEMM2 with `weights_before_wait`): the kept count of routed
         tokens that GEMM1's grid completes (`counters.kept_routed`). `counts_out` (GEMM1): where CTA 0 copies
-        the call's final counts (`schedule_tables`). GEMM2 with `dynamic_items` takes `routed` too: word
-        ITEM_CLAIMS_WORD of that buffer is its claim counter (`claim_item`)."""
+        the call's final counts (`schedule_tables`)."""
         cfg = self.cfg
         SharedStorage = cfg.shared_storage()
         w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout = stage_layouts(cfg)
@@ -647,7 +608,7 @@ class StreamingGemm(LinkedGemm):
             w_layout, x_layout, x_scale_layout, w_scale_layout, scratch_layout, SharedStorage, routing, routed,
             counts_out,
         )  # fmt: skip
-        self.launch_persistent(kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None)
+        launch_persistent(kernel, self.link, num_ctas, SharedStorage, stream, cooperative=routing is not None)
 
     @cute.kernel
     def kernel(
@@ -704,15 +665,6 @@ class StreamingGemm(LinkedGemm):
         )
         # The CTA's items: base, base + stride, ...
         base, stride = cta, grid
-        if cutlass.const_expr(cfg.dynamic_items):
-            # CTA c's first item is c (if there is one); thread 0 claims each later one an item ahead (`claim_item`).
-            total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * cfg.items_per_row_tile
-            total_stages = cutlass.min(cutlass.max(total_items - cta, 0), 1) * cfg.k_stages
-            stride = Int32(0)  # the load side's item is then `base`, which the loop moves to each claimed item
-            claimed_word = storage.claimed_item.get_tensor(cute.make_layout(4))
-            pending = Int32(0)
-            if tidx == 0:
-                pending = claim_item(routed)
 
         g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32 = copy_atoms()
 
@@ -752,65 +704,27 @@ class StreamingGemm(LinkedGemm):
         block_acc = cute.make_rmem_tensor((M_TILES * cfg.n_tiles * 4,), Float32)
         acc.fill(0.0)
 
-        if cutlass.const_expr(cfg.dynamic_items):
-            # The static loop's stages, for as long as claims succeed: at the stage before the load side needs a
-            # new item thread 0 publishes its pending claim in shared memory (read after the next barrier) and, if
-            # that item exists, claims the one after; the load side then extends total_stages by the item's K
-            # stages. k_stages >= num_stages keeps each publication inside the CTA's last item.
-            s = Int32(0)
-            computed_item = base
-            while s < total_stages:
-                cute.arch.cp_async_wait_group(ns - 2)
-                cute.arch.sync_threads()
+        for s in cutlass.range(total_stages, unroll=1):
+            # Stage s has landed once at most ns - 2 younger groups are pending; the barrier also
+            # tells every thread that all warps are done with the slot the next load overwrites.
+            cute.arch.cp_async_wait_group(ns - 2)
+            cute.arch.sync_threads()
+            if s + ns - 1 < total_stages:
                 if (s + ns - 1) % cfg.k_stages == 0:
-                    claimed = grid + claimed_word[0]
-                    if claimed < total_items:
-                        base = claimed
-                        total_stages = total_stages + cfg.k_stages
-                        located = self.load_location(
-                            base, stride, Int32(0), tile_end, expert_count, expert_offset, expert_tokens, tidx,
-                            (w_scale.layout,),
-                        )  # fmt: skip
-                if s + ns - 1 < total_stages:
-                    self.load_stage(
-                        s + ns - 1, (s + ns - 1) % ns, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales,
-                        w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
-                    )
-                cute.arch.cp_async_commit_group()
-                if tidx == 0 and (s + ns) % cfg.k_stages == 0:
-                    pending = publish_claim(claimed_word, pending, routed, total_items, grid)
+                    located = self.load_location(
+                        base, stride, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx,
+                        (w_scale.layout,),
+                    )  # fmt: skip
+                self.load_stage(
+                    s + ns - 1, (s + ns - 1) % ns, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales,
+                    w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
+                )
+            cute.arch.cp_async_commit_group()
 
-                if s % cfg.k_stages == 0:
-                    computed_item = base  # the load side's item, as for valid_rows (see `compute_stage`)
-                valid_rows = self.compute_stage(
-                    s, computed_item, located, valid_rows, acc, block_acc, w_stages, x_stages, x_scales, w_scales,
-                    scratch, out, tile_end, expert_count, expert_offset, warp_id, group, quad, tidx,
-                )  # fmt: skip
-                s = s + 1
-            if tidx == 0:
-                release_claims(routed, pending, total_items, grid)
-        else:
-            for s in cutlass.range(total_stages, unroll=1):
-                # Stage s has landed once at most ns - 2 younger groups are pending; the barrier also
-                # tells every thread that all warps are done with the slot the next load overwrites.
-                cute.arch.cp_async_wait_group(ns - 2)
-                cute.arch.sync_threads()
-                if s + ns - 1 < total_stages:
-                    if (s + ns - 1) % cfg.k_stages == 0:
-                        located = self.load_location(
-                            base, stride, s + ns - 1, tile_end, expert_count, expert_offset, expert_tokens, tidx,
-                            (w_scale.layout,),
-                        )  # fmt: skip
-                    self.load_stage(
-                        s + ns - 1, (s + ns - 1) % ns, located, x, x_scale, w, w_scale, w_stages, x_stages, x_scales,
-                        w_scales, g2s_16, g2s_16_x, g2s_16_f32, g2s_4_f32, tidx,
-                    )
-                cute.arch.cp_async_commit_group()
-
-                valid_rows = self.compute_stage(
-                    s, base + (s // cfg.k_stages) * stride, located, valid_rows, acc, block_acc, w_stages, x_stages,
-                    x_scales, w_scales, scratch, out, tile_end, expert_count, expert_offset, warp_id, group, quad, tidx,
-                )  # fmt: skip
+            valid_rows = self.compute_stage(
+                s, base + (s // cfg.k_stages) * stride, located, valid_rows, acc, block_acc, w_stages, x_stages,
+                x_scales, w_scales, scratch, out, tile_end, expert_count, expert_offset, warp_id, group, quad, tidx,
+            )  # fmt: skip
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit

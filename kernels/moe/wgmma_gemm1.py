@@ -19,10 +19,13 @@ Design (the schedule and the numerics are `streaming_gemm.py`'s):
   acc += block x (the row half's weight block scale x the token's scale). This is the
   streaming GEMMs' promotion, as DeepGEMM does it.
 - Epilogue: the accumulator through shared memory; C = silu(gate) * up, in bf16, for the item's
-  valid tokens. Columns of absent tokens hold whatever the stage held and are never written out.
+  valid tokens, each 32-column group in the order `wgmma_gemm2.py` reads (`intermediate_order.py`). Columns of
+  absent tokens hold whatever the stage held and are never written out.
 """
 
 from __future__ import annotations
+
+from enum import Enum
 
 import cutlass
 import cutlass.cute as cute
@@ -44,6 +47,7 @@ from .streaming_gemm import (
     PersistentGemmConfig,
     StreamingConfigError,
     cta_stage_count,
+    launch_persistent,
     locate_row_tile,
     schedule_tables,
     slot_token,
@@ -52,9 +56,9 @@ from .streaming_gemm import (
 )
 from .swiglu import swiglu_bf16
 
-__all__ = ["WgmmaGemm1", "WgmmaGemm1Config", "swizzled_offset"]
+__all__ = ["Gemm1Feed", "WgmmaGemm1", "WgmmaGemm1Config", "swizzled_offset"]
 
-NUM_THREADS = streaming_gemm.NUM_THREADS  # 128: one warpgroup (LinkedGemm.launch_persistent's block)
+NUM_THREADS = streaming_gemm.NUM_THREADS  # 128: one warpgroup (`streaming_gemm.launch_persistent`'s block)
 ITEM_ROWS = 64  # WGMMA's M: 32 up rows and their 32 gate rows
 HALF_ROWS = ITEM_ROWS // 2
 ITEMS_PER_ROW_TILE = INTERMEDIATE // HALF_ROWS  # 64
@@ -157,61 +161,55 @@ def copy_weight_block_scale(atom, w_scale, w_scales, expert, n_tile, k_stage, sl
     )
 
 
+class Gemm1Feed(Enum):
+    """How the WGMMA GEMM1's stages are issued and its items walked (one choice: the parts travel together)."""
+
+    # The warpgroup issues its own stages by `cp.async` and a CTA-wide barrier ends each K stage; two CTAs per SM walk
+    # the items over the CTA index.
+    WARPGROUP = "warpgroup"
+    # A fifth warp issues every stage (the weights by TMA, `weight_tma`; the token rows by coalesced `cp.async`) on the
+    # slot's full mbarrier, and the warpgroup waits on that alone and releases the slot on its empty mbarrier, so that
+    # no CTA-wide barrier ends a K stage. Three CTAs per SM walk the items over slot x SMs + the SM's rank in
+    # `l2_partitions.partition_ranks` (one L2 partition's SMs first), the slot drawn from kept per-SM counters
+    # (`streaming_gemm.take_walk_slot`) and the ranks kept after them (`counters.kept_walk_slots`; a buffer made inside
+    # a CUDA-graph capture has none and walks by `%smid`), and an expert's items weight tile by weight tile (its row
+    # tiles adjacent, `item_row_tile`, `item_n_tile`): the CTAs reading one weight tile at once sit on one partition's
+    # SMs, and the tile crosses the fabric between the partitions at most once. Needs a cooperative launch (every CTA
+    # resident for the draw: a GEMM1 that routes), 32-token tiles (a lane per token slot) and the epilogue tile in a
+    # stage (released after the epilogue).
+    PRODUCER_WARP = "producer warp"
+
+
 class WgmmaGemm1Config(PersistentGemmConfig):
-    """Compile-time shape of the WGMMA GEMM1: tokens per row tile (WGMMA's N) and pipeline depth;
-    `permuted_c`: C's columns in the stored order `wgmma_gemm2.py` reads (`intermediate_order.py`);
-    `scratch_in_stage`: the epilogue's fp32 tile (`block_tokens` x 64, as many bytes as a token stage)
-    lives in the token stage the item's last K stage has just consumed instead of a region of its own,
-    which no copy in flight targets (64-token tiles with 3 stages then fit two CTAs
-    per SM); `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them
-    (`kernel.py`'s MEDIUM_T: 32-token tiles with 3 stages and the tile in a stage, ~74 KB; 79 registers a
-    thread, 87 with the SM-id walk); `smid_walk` (three CTAs per SM and a routing, i.e. cooperative, launch
-    only): the round-robin walk runs over slot x SMs + `%smid` instead of the CTA index, the slot drawn from the kept
-    per-SM counters (`streaming_gemm.take_walk_slot`), so that SM s takes the items = s mod SMs whatever the
-    hardware's placement; `producer_warp` (MEDIUM_T; 32-token tiles with the tile in a stage and the
-    routing's cooperative grid): a fifth warp issues every stage (the weights by TMA, `weight_tma`; the token rows by
-    coalesced `cp.async`) on the slot's full mbarrier and the warpgroup waits on that alone, releasing the slot on its
-    empty mbarrier, so that no CTA-wide barrier ends a K stage; `partition_walk` (MEDIUM_T; with smid_walk and
-    producer_warp): the walk's SM index is the SM's rank in `l2_partitions.partition_ranks` (one L2 partition's SMs
-    first; kept after the slot counters in the walk's buffer, `counters.kept_walk_slots`) instead of `%smid`, and an
-    expert's items run weight tile by weight tile (its row tiles adjacent, `item_row_tile`, `item_n_tile`), so that
-    the CTAs reading one weight tile at once sit on one partition's SMs and the tile crosses the fabric between the
-    partitions at most once."""
+    """Compile-time shape of the WGMMA GEMM1: tokens per row tile (WGMMA's N), pipeline depth and `feed`; C's columns
+    are stored in the order `wgmma_gemm2.py` reads (`intermediate_order.py`). `scratch_in_stage`: the epilogue's fp32
+    tile (`block_tokens` x 64, as many bytes as a token stage) lives in the token stage the item's last K stage has
+    just consumed instead of a region of its own, which no copy in flight targets (64-token tiles with 3 stages then fit
+    two CTAs per SM; 32-token tiles with 3 stages ~74 KB, three CTAs per SM at 87 registers a thread)."""
 
     def __init__(
-        self,
-        block_tokens: int,
-        num_stages: int,
-        permuted_c: bool = False,
-        scratch_in_stage: bool = False,
-        max_ctas_per_sm: int = 2,
-        smid_walk: bool = False,
-        producer_warp: bool = False,
-        partition_walk: bool = False,
+        self, block_tokens: int, num_stages: int, scratch_in_stage: bool = False, feed: Gemm1Feed = Gemm1Feed.WARPGROUP
     ):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
-        self.set_max_ctas_per_sm(max_ctas_per_sm)
         self.block_tokens = block_tokens
         self.num_stages = num_stages
-        self.permuted_c = permuted_c
         self.scratch_in_stage = scratch_in_stage
-        self.smid_walk = smid_walk
-        if producer_warp and (block_tokens != 32 or not scratch_in_stage):
+        self.feed = feed
+        # The producer warp's parts: the warp itself, and the walk by partition rank at three CTAs per SM.
+        self.producer_warp = self.partition_walk = feed is Gemm1Feed.PRODUCER_WARP
+        if self.producer_warp and (block_tokens != 32 or not scratch_in_stage):
             # A lane per token slot; the epilogue's tile in the slot it releases afterwards.
-            raise StreamingConfigError("producer_warp needs block_tokens=32 and scratch_in_stage")
-        self.producer_warp = producer_warp
-        if partition_walk and not (smid_walk and producer_warp):
-            raise StreamingConfigError("partition_walk needs smid_walk and producer_warp")
-        self.partition_walk = partition_walk
-        self.num_threads = NUM_THREADS + 32 if producer_warp else NUM_THREADS
+            raise StreamingConfigError("the producer warp needs block_tokens=32 and scratch_in_stage")
+        self.set_max_ctas_per_sm(PAIRED_SLOTS if self.partition_walk else 2)
+        self.num_threads = NUM_THREADS + 32 if self.producer_warp else NUM_THREADS
         self.threads_per_token = NUM_THREADS // block_tokens
         self.check_fits()
-        if smid_walk and self.ctas_per_sm() != PAIRED_SLOTS:
+        if self.partition_walk and self.ctas_per_sm() != PAIRED_SLOTS:
             # The draw gives an SM's CTAs the slots 0, 1 and 2: it needs exactly three of them on every SM.
-            raise StreamingConfigError("smid_walk needs three CTAs per SM (max_ctas_per_sm=3, and their shared memory)")
+            raise StreamingConfigError("the partition walk needs three CTAs per SM (their shared memory)")
 
     # What `LinkedGemm.locate_load` reads besides block_tokens and threads_per_token.
     gemm1 = True
@@ -229,7 +227,7 @@ class WgmmaGemm1Config(PersistentGemmConfig):
         }
         if not self.scratch_in_stage:
             fields["scratch"] = smem_region(Float32, ITEM_ROWS * bt, 128)
-        if self.smid_walk:
+        if self.partition_walk:
             fields["walk_slot"] = smem_region(Int32, 4, 16)
         if self.producer_warp:
             fields["stage_full"] = smem_region(cutlass.Int64, ns, 8)  # mbarriers: a slot's copies have landed
@@ -295,7 +293,7 @@ class WgmmaGemm1(LinkedGemm):
         counts_out=None,
         walk_slots=None,
     ):
-        """`routing`, `counts_out` and `walk_slots` (with smid_walk): as `streaming_gemm.StreamingGemm.launch`'s."""
+        """`routing`, `counts_out` and `walk_slots` (with the partition walk): as `streaming_gemm.StreamingGemm.launch`'s."""
         cfg = self.cfg
         tiled_mma, a_layout, b_layout = wgmma_operands(cfg.block_tokens, cfg.num_stages)
         SharedStorage = cfg.shared_storage()
@@ -306,8 +304,8 @@ class WgmmaGemm1(LinkedGemm):
             x, x_scale, w, w_scale, out, counts, expert_tokens, tiled_mma, a_layout, b_layout, SharedStorage, routing,
             counts_out, walk_slots, tma,
         )
-        self.launch_persistent(
-            kernel, num_ctas, SharedStorage, stream, cooperative=routing is not None, threads=cfg.num_threads
+        launch_persistent(
+            kernel, self.link, num_ctas, SharedStorage, stream, cooperative=routing is not None, threads=cfg.num_threads
         )
 
     @cute.kernel
@@ -341,7 +339,7 @@ class WgmmaGemm1(LinkedGemm):
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        if cutlass.const_expr(cfg.smid_walk):
+        if cutlass.const_expr(cfg.partition_walk):
             # Drawn first, so that the atomic's round trip overlaps the routing (read after the schedule's barrier).
             walk_slot_word = storage.walk_slot.get_tensor(cute.make_layout(4))
             if tidx == 0:
@@ -372,17 +370,16 @@ class WgmmaGemm1(LinkedGemm):
         tile_end, expert_count, expert_offset, total_stages = schedule_tables(
             storage, counts, bt, ITEMS_PER_ROW_TILE, K_STAGES, cta, grid, warp_id, lane, counts_out
         )
-        # The walk's index: items walk, walk + grid, ... (the CTA index, or by SM id with smid_walk). The routing
-        # above and the schedule's counts_out copy stay the CTA's.
+        # The walk's index: items walk, walk + grid, ... (the CTA index, or slot x SMs + the SM's partition rank with
+        # the partition walk). The routing above and the schedule's counts_out copy stay the CTA's.
         walk = cta
-        if cutlass.const_expr(cfg.smid_walk):
+        if cutlass.const_expr(cfg.partition_walk):
             drawn = walk_slot_word[0]
             if drawn >= 0:
                 round_base = drawn * (grid // PAIRED_SLOTS)
                 sm_position = cute.arch.smid()
-                if cutlass.const_expr(cfg.partition_walk):
-                    if walk_slots[2 * WALK_SLOT_WORDS - 1] == RANKS_WRITTEN:
-                        sm_position = walk_slots[WALK_SLOT_WORDS + sm_position]  # the SM's partition rank
+                if walk_slots[2 * WALK_SLOT_WORDS - 1] == RANKS_WRITTEN:
+                    sm_position = walk_slots[WALK_SLOT_WORDS + sm_position]  # the SM's partition rank
                 walk = round_base + sm_position
                 total_stages = cta_stage_count(tile_end, ITEMS_PER_ROW_TILE, K_STAGES, walk, grid)
 
@@ -742,6 +739,5 @@ class WgmmaGemm1(LinkedGemm):
             if token_slot < valid_rows:
                 up = scratch[token_slot, column]
                 gate = scratch[token_slot, HALF_ROWS + column]
-                if cutlass.const_expr(self.cfg.permuted_c):
-                    column = stored_position(column)
+                column = stored_position(column)
                 out[packed_row0 + token_slot, n_tile * HALF_ROWS + column] = swiglu_bf16(gate, up)

@@ -52,6 +52,7 @@ from .streaming_gemm import (
     StreamingConfigError,
     e4m3x2_to_bf16x2,
     e4m3x2_to_f16x2,
+    launch_persistent,
     lds_shared,
     locate_row_tile,
     schedule_tables,
@@ -95,18 +96,17 @@ def weight_offset(row, k, stage):
 
 class WgmmaGemm2Config(PersistentGemmConfig):
     """Compile-time shape of the WGMMA GEMM2: tokens per row tile (WGMMA's N) and pipeline depth; `f16_c`: C is
-    f16 times a power of two per packed row (`c_to_f16.py`) and the MMA multiplies f16;
-    `max_ctas_per_sm`: 3 lets a configuration whose shared memory fits three CTAs per SM have them (
-    32-token tiles with 2 stages, ~66 KB; 160 registers a thread, so three CTAs' 384 threads fit the register file).
-    Two stages are enough for correctness: the load into a slot is issued after the barrier that follows every
-    warp's wait for the MMAs that read it."""
+    f16 times a power of two per packed row (`c_to_f16.py`), the MMA multiplies f16, and three CTAs per SM run where
+    their shared memory fits (32-token tiles with 2 stages, ~66 KB; 160 registers a thread, so three CTAs' 384 threads
+    fit the register file); bf16 C keeps two. Two stages are enough for correctness: the load into a slot is issued
+    after the barrier that follows every warp's wait for the MMAs that read it."""
 
-    def __init__(self, block_tokens: int, num_stages: int, f16_c: bool = False, max_ctas_per_sm: int = 2):
+    def __init__(self, block_tokens: int, num_stages: int, f16_c: bool = False):
         if block_tokens not in (8, 16, 32, 64):
             raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
         if num_stages < 2:
             raise StreamingConfigError(f"num_stages must be >= 2, got {num_stages}")
-        self.set_max_ctas_per_sm(max_ctas_per_sm)
+        self.set_max_ctas_per_sm(3 if f16_c else 2)
         self.block_tokens = block_tokens
         self.num_stages = num_stages
         self.f16_c = f16_c
@@ -180,7 +180,7 @@ class WgmmaGemm2(LinkedGemm):
         else:
             c_scale = None  # not a parameter of the bf16 kernel
         kernel = self.kernel(c, c_scale, w, w_scale, out, counts, tiled_mma, b_layout, SharedStorage)
-        self.launch_persistent(kernel, num_ctas, SharedStorage, stream)
+        launch_persistent(kernel, self.link, num_ctas, SharedStorage, stream, cooperative=False)
 
     @cute.kernel
     def kernel(

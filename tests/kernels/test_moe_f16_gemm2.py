@@ -32,7 +32,7 @@ BITWISE_CASES = (
 
 def on_bf16_gemm2(variant):
     """`variant` with the bf16 WGMMA GEMM2: bf16 C, 3 stages, two CTAs per SM."""
-    return dataclasses.replace(variant, f16_c=False, gemm2_num_stages=3, gemm2_ctas_per_sm=2)
+    return dataclasses.replace(variant, f16_c=False, gemm2_num_stages=3)
 
 
 def test_the_f16_gemm2_runs_above_few_tokens_max_only():
@@ -40,25 +40,22 @@ def test_the_f16_gemm2_runs_above_few_tokens_max_only():
         gemm2 = variant.gemm2()
         assert variant.f16_c and gemm2.f16_c and gemm2.num_stages == 2 and gemm2.ctas_per_sm() == 3
     for variant in kernel.VARIANTS[:3]:
-        assert not variant.f16_c and variant.gemm2_ctas_per_sm == 2
-    with pytest.raises(ValueError, match="WGMMA GEMM2"):
-        dataclasses.replace(kernel.TINY_T, f16_c=True)
-    with pytest.raises(ValueError, match="WGMMA GEMM2"):
-        dataclasses.replace(kernel.TINY_T, gemm2_ctas_per_sm=3)
+        assert not variant.f16_c and variant.gemm2().ctas_per_sm() == 2
+    assert on_bf16_gemm2(kernel.MEDIUM_T).gemm2().ctas_per_sm() == 2
+    with pytest.raises(ValueError, match="WGMMA"):
+        dataclasses.replace(kernel.FUSED_T, f16_c=True)
 
 
 @pytest.mark.parametrize("variant", [kernel.MEDIUM_T, kernel.LARGE_T], ids=["MEDIUM_T", "LARGE_T"])
 def test_the_rewrite_of_c_is_a_kernel_between_the_gemms(variant):
-    moe_host = host.MoeHostSm90(
-        variant.make_gemm1(), variant.make_gemm2(), routing_in_gemm1=variant.routing_in_gemm1
-    )
+    moe_host = variant.make_host()
     assert moe_host.c_to_f16 is not None
     assert moe_host.c_to_f16.link.waits and moe_host.c_to_f16.link.releases
     assert moe_host.gemm1.link.releases and moe_host.gemm2.link.waits and moe_host.gemm2.link.releases
     assert moe_host.combine.link.waits and not moe_host.combine.link.releases
-    assert moe_host.gemm1.link.waits != variant.routing_in_gemm1  # the first kernel of a call must not wait
+    assert moe_host.gemm1.link.waits != moe_host.routing_in_gemm1  # the first kernel of a call must not wait
     bf16 = on_bf16_gemm2(variant)
-    assert host.MoeHostSm90(bf16.make_gemm1(), bf16.make_gemm2(), routing_in_gemm1=True).c_to_f16 is None
+    assert bf16.make_host().c_to_f16 is None
 
 
 def test_the_rewrites_arithmetic_keeps_every_element_above_2_to_the_minus_31_of_the_amax():

@@ -46,13 +46,17 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_compiles_for_sm90a_without_gpu():
-    # Every variant, the zeroing of new counter and slot buffers and the L2 partition probe, so that no call compiles
+    # Every variant, the zeroing of new counter and walk buffers and the L2 partition probe, so that no call compiles
     # lazily.
-    compiled = assert_compiles_and_caches(kernel.compile_only, len(kernel.VARIANTS) + 5)
+    compiled = assert_compiles_and_caches(kernel.compile_only, len(kernel.VARIANTS) + 4)
     counters = solution_module("counters")
-    zeroing = tuple(counters.compiled_zero("sm_90a", words) for words in (32, 256, 512))
-    assert compiled[len(kernel.VARIANTS) : len(kernel.VARIANTS) + 3] == zeroing
+    zeroing = tuple(counters.compiled_zero("sm_90a", words) for words in (32, 512))
+    assert compiled[len(kernel.VARIANTS) : len(kernel.VARIANTS) + 2] == zeroing
     assert compiled[-2:] == solution_module("l2_partitions").compiled_kernels("sm_90a")
+
+
+# The two `mma.sync` GEMMs as separate kernels, GEMM1's grid routing: the forced variants' bit-for-bit reference.
+CHAINED_MMA_SYNC = dataclasses.replace(kernel.FUSED_T, handover=kernel.Handover.CHAINED)
 
 
 def test_variants_are_on_wgmma_from_33_tokens():
@@ -61,28 +65,27 @@ def test_variants_are_on_wgmma_from_33_tokens():
     )
     for num_tokens in (1, 7, 8, 9, 32, 33, 64, 65, 192, 193, 2048, 2049, 14107, kernel.MAX_TOKENS):
         variant = kernel.variant_for(num_tokens)
-        assert variant.wgmma_gemm1 == variant.wgmma_gemm2 == (num_tokens >= kernel.WGMMA_GEMM1_MIN_TOKENS)
-        gemm1_class = wgmma_gemm1.WgmmaGemm1 if variant.wgmma_gemm1 else streaming.StreamingGemm
-        gemm2_class = wgmma_gemm2.WgmmaGemm2 if variant.wgmma_gemm2 else streaming.StreamingGemm
+        on_wgmma = num_tokens >= kernel.WGMMA_GEMM1_MIN_TOKENS
+        assert (variant.engine is kernel.Engine.WGMMA) == on_wgmma
+        gemm1_class = wgmma_gemm1.WgmmaGemm1 if on_wgmma else streaming.StreamingGemm
+        gemm2_class = wgmma_gemm2.WgmmaGemm2 if on_wgmma else streaming.StreamingGemm
         assert type(variant.make_gemm1()) is gemm1_class and type(variant.make_gemm2()) is gemm2_class
-        # GEMM1 stores C in the column order the WGMMA GEMM2 reads exactly when that one runs.
-        assert getattr(variant.gemm1(), "permuted_c", False) == variant.wgmma_gemm2
         # Every GEMM of every variant keeps two CTAs per SM, but GEMM1 from 193 to MEDIUM_T_MAX_TOKENS three,
-        # walking by SM id, and the f16 GEMM2 above FEW_TOKENS_MAX three.
+        # fed by its producer warp and walking by partition rank, and the f16 GEMM2 above FEW_TOKENS_MAX three.
         three_ctas = kernel.FEW_TOKENS_MAX < num_tokens <= kernel.MEDIUM_T_MAX_TOKENS
         f16_gemm2 = num_tokens > kernel.FEW_TOKENS_MAX
         assert variant.gemm1().ctas_per_sm() == (3 if three_ctas else 2)
-        assert variant.gemm1_smid_walk == variant.gemm1().smid_walk == three_ctas
+        assert (variant.gemm1_feed is kernel.Gemm1Feed.PRODUCER_WARP) == variant.gemm1().partition_walk == three_ctas
         assert variant.gemm2().ctas_per_sm() == (3 if f16_gemm2 else 2)
         assert variant.f16_c == variant.gemm2().f16_c == f16_gemm2
         # Up to MEDIUM_T_MAX_TOKENS GEMM1 routes the tokens itself; above, the routing is a grid of its own.
-        assert variant.routing_in_gemm1 == (num_tokens <= kernel.MEDIUM_T_MAX_TOKENS)
+        assert (variant.routing is not kernel.Routing.ROUTING_GRID) == (num_tokens <= kernel.MEDIUM_T_MAX_TOKENS)
     assert kernel.WGMMA_GEMM1_MIN_TOKENS == 33
-    # Up to FEW_TOKENS_MAX the WGMMA variant differs from TINY_T only in the GEMMs' instructions (and the `mma.sync`
-    # GEMM2's claims), and the fused GEMMs below it from TINY_T in GEMM1's row tiles and the fusion.
-    on_mma_sync = dict(wgmma_gemm1=False, wgmma_gemm2=False, gemm2_dynamic_items=True)
-    assert dataclasses.replace(kernel.variant_for(33), **on_mma_sync) == kernel.TINY_T
-    assert dataclasses.replace(kernel.variant_for(32), block_tokens=16, fused_gemms=False) == kernel.TINY_T
+    # Up to FEW_TOKENS_MAX the WGMMA variant differs from the fused GEMMs' only in the engine, GEMM1's row tiles and the
+    # hand-over.
+    assert kernel.FEW_TOKENS == dataclasses.replace(
+        kernel.FUSED_T, engine=kernel.Engine.WGMMA, block_tokens=16, handover=kernel.Handover.CHAINED
+    )
     assert kernel.variant_for(kernel.FEW_TOKENS_MAX) is kernel.FEW_TOKENS
     assert kernel.variant_for(kernel.FEW_TOKENS_MAX + 1) is kernel.variant_for(kernel.MEDIUM_T_MAX_TOKENS) is kernel.MEDIUM_T
     large = kernel.variant_for(kernel.MEDIUM_T_MAX_TOKENS + 1)
@@ -93,7 +96,7 @@ def test_variants_are_on_wgmma_from_33_tokens():
     medium_gemm1 = kernel.MEDIUM_T.gemm1()
     assert (medium_gemm1.block_tokens, medium_gemm1.num_stages, medium_gemm1.scratch_in_stage) == (32, 3, True)
     assert medium_gemm1.producer_warp and not large.gemm1().producer_warp
-    assert kernel.persistent_ctas(medium_gemm1, 132) == 396 and kernel.MEDIUM_T.routing_in_gemm1  # all resident
+    assert medium_gemm1.grid(132) == 396 and kernel.MEDIUM_T.routing is kernel.Routing.GEMM1_GRID  # all resident
     medium_gemm2 = kernel.MEDIUM_T.gemm2()
     assert (large.gemm2().block_tokens, large.gemm2().num_stages) == (medium_gemm2.block_tokens, medium_gemm2.num_stages)
     assert len(set(kernel.VARIANTS)) == len(kernel.VARIANTS)  # each compiled configuration once
@@ -104,13 +107,10 @@ def test_gemm2_weights_before_its_wait_up_to_the_threshold_only():
         chosen = kernel.variant_for(num_tokens)
         assert chosen is kernel.TINY_T_EARLY_W2 and chosen.gemm2().weights_before_wait
         assert not chosen.gemm1().weights_before_wait
-        # Its GEMM2's round robin is known before the wait, where TINY_T's claims come after it.
-        switches = dict(gemm2_weights_before_wait=False, routing_per_cta=False, gemm2_dynamic_items=True)
-        assert dataclasses.replace(chosen, **switches) == kernel.TINY_T
     for num_tokens in (kernel.EARLY_W2_MAX_TOKENS + 1, 16, kernel.WGMMA_GEMM1_MIN_TOKENS - 1):
         assert kernel.variant_for(num_tokens) is kernel.FUSED_T
     for variant in kernel.VARIANTS[1:]:
-        assert not variant.gemm2_weights_before_wait
+        assert variant.handover is not kernel.Handover.EARLY_WEIGHTS and not variant.gemm2().weights_before_wait
 
 
 def test_the_fused_gemms_from_5_to_32_tokens_only():
@@ -120,37 +120,38 @@ def test_the_fused_gemms_from_5_to_32_tokens_only():
         assert (kernel.variant_for(num_tokens) is kernel.FUSED_T) == (5 <= num_tokens <= 32)
         assert (num_tokens <= kernel.EARLY_W2_MAX_TOKENS) == (num_tokens <= 4)
     fused = kernel.FUSED_T
-    assert fused.fused_gemms and fused in kernel.VARIANTS and kernel.TINY_T not in kernel.VARIANTS
+    assert fused.handover is kernel.Handover.FUSED and fused in kernel.VARIANTS
     assert (fused.gemm1().block_tokens, fused.gemm1().num_stages) == (fused.gemm2().block_tokens, 4) == (8, 4)
-    assert fused.gemm2().dynamic_items and kernel._grids(fused, 132) == (264, 264)
-    with pytest.raises(ValueError, match="fused_gemms"):
-        dataclasses.replace(kernel.FEW_TOKENS, fused_gemms=True)
-    with pytest.raises(ValueError, match="fused_gemms"):
-        dataclasses.replace(kernel.TINY_T_EARLY_W2, fused_gemms=True)  # its GEMM2 does not claim
+    assert kernel._grids(fused, 132) == (264, 264)
+    with pytest.raises(ValueError, match="WGMMA"):
+        dataclasses.replace(kernel.FEW_TOKENS, handover=kernel.Handover.FUSED)
+    with pytest.raises(ValueError, match="fused"):
+        dataclasses.replace(kernel.FUSED_T, routing=kernel.Routing.EVERY_CTA)  # they meet after the routing
 
 
-def test_three_gemm1_ctas_per_sm_where_the_wgmma_gemm1s_shared_memory_allows_them_only():
-    # Only the WGMMA GEMM1 runs three CTAs per SM; the `mma.sync` GEMM1 keeps two.
-    assert kernel.StreamingVariant(block_tokens=32, wgmma_gemm1=True, gemm1_ctas_per_sm=3).gemm1().ctas_per_sm() == 2
-    with pytest.raises(ValueError, match="WGMMA GEMM1"):
-        kernel.StreamingVariant(block_tokens=8, num_stages=3, gemm1_ctas_per_sm=3)
+def test_three_gemm1_ctas_per_sm_with_the_producer_warp_only():
+    # Only the WGMMA GEMM1 fed by its producer warp runs three CTAs per SM; its other feed keeps two even where three
+    # would fit, and the `mma.sync` GEMM1 keeps two.
+    wgmma_gemm1 = solution_module("wgmma_gemm1")
+    assert wgmma_gemm1.WgmmaGemm1Config(32, 3, scratch_in_stage=True).ctas_per_sm() == 2
+    assert kernel.MEDIUM_T.gemm1().ctas_per_sm() == 3
+    with pytest.raises(ValueError, match="WGMMA"):
+        dataclasses.replace(kernel.FUSED_T, gemm1_feed=kernel.Gemm1Feed.PRODUCER_WARP)
 
 
 def test_every_gemm1_cta_routes_up_to_four_tokens_itself_in_the_early_w2_variant_only():
     # One token per warp of GEMM1's CTA: the early-W2 variant's whole range.
     routing = solution_module("routing")
     assert routing.ROUTING_WARPS == 4 == kernel.EARLY_W2_MAX_TOKENS
-    assert kernel.TINY_T_EARLY_W2.routing_per_cta and kernel.TINY_T_EARLY_W2.gemm1().routing_per_cta
+    assert kernel.TINY_T_EARLY_W2.routing is kernel.Routing.EVERY_CTA and kernel.TINY_T_EARLY_W2.gemm1().routing_per_cta
     for variant in kernel.VARIANTS[1:]:
-        assert not variant.routing_per_cta
+        assert variant.routing is not kernel.Routing.EVERY_CTA and not variant.gemm1().routing_per_cta
 
 
-def test_the_routing_in_every_cta_needs_a_routing_mma_sync_gemm1():
+def test_the_routing_in_every_cta_needs_the_mma_sync_gemm1():
     streaming = solution_module("streaming_gemm")
-    with pytest.raises(ValueError, match="routing_per_cta"):
-        dataclasses.replace(kernel.TINY_T, routing_in_gemm1=False, routing_per_cta=True)
-    with pytest.raises(ValueError, match="routing_per_cta"):
-        dataclasses.replace(kernel.FEW_TOKENS, routing_per_cta=True)
+    with pytest.raises(ValueError, match="every CTA"):
+        dataclasses.replace(kernel.FEW_TOKENS, routing=kernel.Routing.EVERY_CTA)
     with pytest.raises(streaming.StreamingConfigError, match="routing_per_cta"):
         streaming.StreamingGemmConfig(gemm1=False, block_tokens=8, num_stages=4, routing_per_cta=True)
 
@@ -165,24 +166,26 @@ def test_the_combine_loads_first_up_to_few_tokens_max_only():
 
 def test_gemm2_weights_before_its_wait_are_refused_where_nothing_completes_the_routed_count():
     streaming = solution_module("streaming_gemm")
-    with pytest.raises(ValueError, match="routing_in_gemm1"):
-        dataclasses.replace(kernel.TINY_T, routing_in_gemm1=False, gemm2_weights_before_wait=True)
-    with pytest.raises(ValueError, match="mma.sync"):
-        dataclasses.replace(kernel.FEW_TOKENS, gemm2_weights_before_wait=True)
+    with pytest.raises(ValueError, match="route"):
+        dataclasses.replace(kernel.TINY_T_EARLY_W2, routing=kernel.Routing.ROUTING_GRID)
+    with pytest.raises(ValueError, match="chained"):
+        dataclasses.replace(kernel.FEW_TOKENS, handover=kernel.Handover.EARLY_WEIGHTS)
     with pytest.raises(streaming.StreamingConfigError, match="GEMM2"):
         streaming.StreamingGemmConfig(True, 16, 4, weights_before_wait=True)
 
 
-def test_the_wgmma_flags_need_the_wgmma_gemm1():
-    with pytest.raises(ValueError, match="wgmma_gemm1"):
-        dataclasses.replace(kernel.TINY_T, wgmma_gemm2=True)  # C in the order only that GEMM1 writes
-    with pytest.raises(ValueError, match="wgmma_gemm1"):
-        dataclasses.replace(kernel.TINY_T, gemm1_scratch_in_stage=True)
+def test_the_wgmma_options_need_the_wgmma_engine():
+    producer = kernel.Gemm1Feed.PRODUCER_WARP
+    for option in (dict(f16_c=True), dict(gemm1_scratch_in_stage=True), dict(gemm1_feed=producer)):
+        with pytest.raises(ValueError, match="WGMMA"):
+            dataclasses.replace(CHAINED_MMA_SYNC, **option)
+    with pytest.raises(ValueError, match="cooperative"):  # the producer warp's slot draw needs every CTA resident
+        dataclasses.replace(kernel.MEDIUM_T, routing=kernel.Routing.ROUTING_GRID)
 
 
 def test_the_host_routes_first_and_the_combine_releases_the_counters_last_in_one_chain():
     host = solution_module("host")
-    gemm = solution_module("streaming_gemm").StreamingGemm(kernel.TINY_T.gemm1())
+    gemm = solution_module("streaming_gemm").StreamingGemm(CHAINED_MMA_SYNC.gemm1())
     moe_host = host.MoeHostSm90(gemm, gemm)
     assert not hasattr(moe_host, "zero_counts")  # the counters come zeroed: no zeroing launch first
     assert not hasattr(moe_host, "release_counts")  # the combine zeroes them, no release kernel
@@ -193,8 +196,8 @@ def test_the_host_routes_first_and_the_combine_releases_the_counters_last_in_one
 
 
 def test_a_host_that_routes_in_gemm1_has_no_routing_kernel_and_gemm1_leads_the_chain():
-    host = solution_module("host")
-    moe_host = host.MoeHostSm90(kernel.TINY_T.make_gemm1(), kernel.TINY_T.make_gemm2(), routing_in_gemm1=True)
+    moe_host = CHAINED_MMA_SYNC.make_host()
+    assert isinstance(moe_host, solution_module("host").MoeHostSm90) and moe_host.routing_in_gemm1
     assert not hasattr(moe_host, "routing") and not hasattr(moe_host, "release_counts")
     assert (moe_host.gemm1.link.waits, moe_host.gemm1.link.releases) == (False, True)  # first: never waits
     assert (moe_host.gemm2.link.waits, moe_host.gemm2.link.releases) == (True, True)
@@ -427,21 +430,14 @@ def _tied(inputs: dict, case, seed: int) -> dict:
 
 
 def routing_grid_counterpart(num_tokens: int):
-    """`kernel.py`'s variant for T with the routing as a grid of its own. GEMM2's early weights wait on the routed count
-    that only a routing GEMM1 completes, only a routing GEMM1 routes in every CTA, GEMM1's slots by SM id need its
-    cooperative grid, GEMM2's claims sit in the routed count's buffer and the producer warp is built
-    only beside the routing's guard, the partition walk only with both, and the fused GEMMs meet after
-    the routing: all off with the grid."""
+    """`kernel.py`'s variant for T with the routing as a grid of its own: GEMM2 chained (its early weights wait on the
+    routed count that only a GEMM1 that routes completes, and the fused GEMMs meet after the routing) and the WGMMA
+    GEMM1 fed by its warpgroup (the producer warp's walk needs GEMM1's cooperative grid)."""
     return dataclasses.replace(
         kernel.variant_for(num_tokens),
-        routing_in_gemm1=False,
-        gemm2_weights_before_wait=False,
-        routing_per_cta=False,
-        gemm1_smid_walk=False,
-        gemm2_dynamic_items=False,
-        gemm1_producer_warp=False,
-        gemm1_partition_walk=False,
-        fused_gemms=False,
+        routing=kernel.Routing.ROUTING_GRID,
+        handover=kernel.Handover.CHAINED,
+        gemm1_feed=kernel.Gemm1Feed.WARPGROUP,
     )
 
 
@@ -449,7 +445,7 @@ def test_every_routing_grid_counterpart_is_a_valid_variant():
     # On the CPU what the GPU test below builds for each T (a variant that raises there would fail a full run).
     for num_tokens in range(1, kernel.MEDIUM_T_MAX_TOKENS + 2):
         counterpart = routing_grid_counterpart(num_tokens)
-        assert not counterpart.routing_in_gemm1 and not counterpart.gemm2_dynamic_items
+        assert not counterpart.make_host().routing_in_gemm1 and counterpart.handover is kernel.Handover.CHAINED
 
 
 @pytest.mark.gpu

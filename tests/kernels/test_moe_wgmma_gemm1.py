@@ -4,12 +4,11 @@ from 33 tokens).
 CPU: the byte offsets the cp.async copies write equal the offsets of the swizzled K_SW128 layouts
 the WGMMA reads (traced from CuTe's own layouts, for every token-tile width and three stages); item
 rows, SwiGLU pairing and block-scale rows; the shared-memory budget.
-CPU also: the producer warp's configuration and its guards; the partition walk's and its item order.
-GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py with GEMM1 on WGMMA in every
-variant, also those kernel.py keeps on mma.sync (7-1024 tokens); its accuracy against the mma.sync
-GEMM1's. Both with the `mma.sync` GEMM2, so that only GEMM1 differs. MEDIUM_T's output with the producer warp bit
-for bit the same variant's without it, and with the partition walk bit for bit without it; after a call the kept walk
-buffer holds a permutation of the SMs. The end-to-end checks are test_moe_kernel.py's (its graph replay at 512 tokens
+CPU also: the producer warp's configuration and its guards; the partition walk's item order.
+GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py on the WGMMA GEMMs at 7-1024 tokens (FEW_TOKENS
+where kernel.py runs `mma.sync`); their accuracy against the `mma.sync` GEMMs'. MEDIUM_T's output with the producer
+warp and its walk by partition rank bit for bit the same variant's with the warpgroup's feed and walk over the CTA
+index; after a call the kept walk buffer holds a permutation of the SMs. The end-to-end checks are test_moe_kernel.py's (its graph replay at 512 tokens
 covers a walk buffer made inside a capture, which has no ranks).
 """
 
@@ -25,35 +24,21 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor
 
 from tests.kernels.test_moe_kernel import cases, kernel, needs_cuda, reference, solution_module
-from tests.kernels.test_moe_streaming import (
-    MEDIUM_T_BITWISE_CASES,
-    assert_bit_for_bit,
-    check_each_gemm,
-    on_mma_sync_gemm1,
-    on_mma_sync_gemm2,
-)
+from tests.kernels.test_moe_streaming import MEDIUM_T_BITWISE_CASES, assert_bit_for_bit, check_each_gemm, on_mma_sync
 
 wgmma = solution_module("wgmma_gemm1")
 STAGES = 3
 
 
-def with_gemm1_on(use_wgmma: bool):
-    """A variant chooser: kernel.py's variant for T with GEMM1 on WGMMA or on mma.sync, and GEMM2 on
-    mma.sync."""
-
-    def choose(num_tokens: int):
-        variant = on_mma_sync_gemm2(kernel.variant_for(num_tokens))
-        if not use_wgmma:
-            return on_mma_sync_gemm1(variant)
-        if variant.wgmma_gemm1:
-            return variant
-        # Only the mma.sync GEMM1 routes in every CTA, and the fused GEMMs are the mma.sync ones.
-        return dataclasses.replace(variant, wgmma_gemm1=True, fused_gemms=False, routing_per_cta=False)
-
-    return choose
+def on_wgmma(num_tokens: int):
+    """kernel.py's variant for T on WGMMA: FEW_TOKENS where kernel.py runs `mma.sync` (below 33 tokens)."""
+    variant = kernel.variant_for(num_tokens)
+    return variant if variant.engine is kernel.Engine.WGMMA else kernel.FEW_TOKENS
 
 
-on_wgmma, on_mma_sync = with_gemm1_on(True), with_gemm1_on(False)
+def on_mma_sync_for(num_tokens: int):
+    """kernel.py's variant for T with both GEMMs on `mma.sync` (`on_mma_sync`)."""
+    return on_mma_sync(kernel.variant_for(num_tokens))
 
 
 def _traced_offsets(block_tokens: int) -> list[tuple[int, int, int, int, int]]:
@@ -154,46 +139,29 @@ def test_the_epilogue_tile_takes_a_token_stage_no_copy_in_flight_targets(num_sta
         assert s % num_stages not in in_flight
 
 
-def test_a_wgmma_variant_keeps_its_token_tile():
-    # Up to MEDIUM_T_MAX_TOKENS: above, LARGE_T's 64-token GEMM1 tiles have no mma.sync counterpart.
-    for num_tokens in (1, 7, 8, 32, 33, 64, 65, 192, 193, 901, kernel.MEDIUM_T_MAX_TOKENS):
-        chosen, plain = on_wgmma(num_tokens), on_mma_sync(num_tokens)
-        assert isinstance(chosen.gemm1(), wgmma.WgmmaGemm1Config) and chosen.gemm1().block_tokens == plain.block_tokens
-        assert isinstance(chosen.make_gemm1(), wgmma.WgmmaGemm1)
-
-
 def test_producer_warp_configuration_and_its_guards():
     # MEDIUM_T's GEMM1 has a fifth (producer) warp and a full and an empty mbarrier per slot, at three CTAs
-    # per SM.
+    # per SM walking by partition rank; LARGE_T's warpgroup issues its own stages.
     gemm1 = kernel.MEDIUM_T.gemm1()
-    without = dataclasses.replace(kernel.MEDIUM_T, gemm1_producer_warp=False, gemm1_partition_walk=False).gemm1()
+    without = on_warpgroup_feed(kernel.MEDIUM_T_MAX_TOKENS).gemm1()
     assert gemm1.producer_warp and gemm1.num_threads == 160 and without.num_threads == 128
-    assert {"stage_full", "stage_empty"} <= set(gemm1.fields()) and gemm1.ctas_per_sm() == 3 and gemm1.smid_walk
-    assert "stage_full" not in without.fields() and not kernel.LARGE_T.gemm1().producer_warp
-    with pytest.raises(wgmma.StreamingConfigError, match="producer_warp"):
-        wgmma.WgmmaGemm1Config(64, 3, scratch_in_stage=True, producer_warp=True)  # a lane per token slot
-    with pytest.raises(wgmma.StreamingConfigError, match="producer_warp"):
-        wgmma.WgmmaGemm1Config(32, 3, producer_warp=True)  # the tile's slot is released after the epilogue
-    with pytest.raises(ValueError, match="gemm1_producer_warp"):
-        kernel.StreamingVariant(block_tokens=16, gemm1_producer_warp=True)  # the `mma.sync` GEMM1 has no such switch
-    with pytest.raises(ValueError, match="gemm1_producer_warp"):
-        dataclasses.replace(kernel.LARGE_T, block_tokens=32, gemm1_producer_warp=True)  # no routing grid
+    assert {"stage_full", "stage_empty"} <= set(gemm1.fields()) and gemm1.ctas_per_sm() == 3 and gemm1.partition_walk
+    assert "stage_full" not in without.fields() and not without.partition_walk and without.ctas_per_sm() == 2
+    assert not kernel.LARGE_T.gemm1().producer_warp and not kernel.LARGE_T.gemm1().partition_walk
+    producer = wgmma.Gemm1Feed.PRODUCER_WARP
+    with pytest.raises(wgmma.StreamingConfigError, match="producer warp"):
+        wgmma.WgmmaGemm1Config(64, 3, scratch_in_stage=True, feed=producer)  # a lane per token slot
+    with pytest.raises(wgmma.StreamingConfigError, match="producer warp"):
+        wgmma.WgmmaGemm1Config(32, 3, feed=producer)  # the tile's slot is released after the epilogue
+    with pytest.raises(ValueError, match="cooperative"):
+        dataclasses.replace(kernel.LARGE_T, block_tokens=32, gemm1_feed=producer)  # no routing grid
     assert wgmma.ROWS_PER_PRODUCER_COPY * wgmma.CHUNKS_PER_ROW == 32  # a producer copy spans whole token rows
 
 
-def without_producer_warp(num_tokens: int):
-    """kernel.py's variant for T with GEMM1's stages ending on the CTA-wide barrier instead of a producer warp (and
-    so without the partition walk, which needs it)."""
-    return dataclasses.replace(kernel.variant_for(num_tokens), gemm1_producer_warp=False, gemm1_partition_walk=False)
-
-
-def test_partition_walk_configuration_and_its_guards():
-    # MEDIUM_T's GEMM1 walks by the SMs' L2-partition ranks, kept after the walk's slot counters.
-    assert kernel.MEDIUM_T.gemm1().partition_walk and not kernel.LARGE_T.gemm1().partition_walk
-    with pytest.raises(wgmma.StreamingConfigError, match="partition_walk"):
-        wgmma.WgmmaGemm1Config(32, 3, scratch_in_stage=True, producer_warp=True, partition_walk=True)  # no smid walk
-    with pytest.raises(ValueError, match="gemm1_partition_walk"):
-        dataclasses.replace(kernel.LARGE_T, gemm1_partition_walk=True)
+def on_warpgroup_feed(num_tokens: int):
+    """kernel.py's variant for T with GEMM1's stages issued by its warpgroup and ending on the CTA-wide barrier,
+    two CTAs per SM walking over the CTA index, instead of the producer warp and its walk by partition rank."""
+    return dataclasses.replace(kernel.variant_for(num_tokens), gemm1_feed=wgmma.Gemm1Feed.WARPGROUP)
 
 
 def _partition_walk_item(item: int, first_tile: int, tiles: int) -> tuple[int, int]:
@@ -217,26 +185,13 @@ def test_the_partition_walks_item_order_is_a_bijection(tiles_per_expert):
     assert sorted(seen) == [(row, n) for row in range(first_tile) for n in range(per_tile)]
 
 
-def without_partition_walk(num_tokens: int):
-    """kernel.py's variant for T with GEMM1 walking by `%smid` and row tile by row tile."""
-    return dataclasses.replace(kernel.variant_for(num_tokens), gemm1_partition_walk=False)
-
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("case", MEDIUM_T_BITWISE_CASES, ids=lambda case: case.name)
-def test_the_producer_warp_changes_no_bit(case):
-    # The same bytes into the same swizzled slots and the same MMAs: only who issues the copies and how the stages
-    # synchronise differ. kernel.run twice: call after call.
-    assert_bit_for_bit((kernel.make_run(without_producer_warp), kernel.run, kernel.run), case, seed=113)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("case", MEDIUM_T_BITWISE_CASES, ids=lambda case: case.name)
-def test_the_partition_walk_changes_no_bit(case):
-    # The same items with the same bytes and MMAs: only which CTA takes an item, and when, differ.
-    assert_bit_for_bit((kernel.make_run(without_partition_walk), kernel.run, kernel.run), case, seed=113)
+def test_the_producer_warp_and_its_walk_change_no_bit(case):
+    # The same bytes into the same swizzled slots and the same MMAs: only who issues the copies, how the stages
+    # synchronise, and which CTA takes an item, and when, differ. kernel.run twice: call after call.
+    assert_bit_for_bit((kernel.make_run(on_warpgroup_feed), kernel.run, kernel.run), case, seed=113)
 
 
 @pytest.mark.gpu
@@ -248,7 +203,7 @@ def test_the_kept_walk_buffer_holds_the_partition_ranks():
     kernel.run(*inputs.values(), output)
     torch.cuda.synchronize()
     counters, streaming_gemm = solution_module("counters"), solution_module("streaming_gemm")
-    words = counters.kept_walk_slots(torch.device("cuda"), kernel.GPU_ARCH, ranked=True).cpu()
+    words = counters.kept_walk_slots(torch.device("cuda"), kernel.GPU_ARCH).cpu()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     slots = streaming_gemm.WALK_SLOT_WORDS
     assert sorted(words[slots : slots + sms].tolist()) == list(range(sms))
@@ -269,7 +224,7 @@ def test_the_kept_walk_buffer_holds_the_partition_ranks():
     ],
     ids=lambda c: c.name,
 )
-def test_each_gemm_with_gemm1_on_wgmma_matches_torch(case):
+def test_each_wgmma_gemm_matches_torch(case):
     check_each_gemm(case, on_wgmma)
 
 
@@ -282,7 +237,7 @@ def test_wgmma_gemm1_is_as_accurate_as_mma_sync(case=cases.CheckCase("wgmma_vs_m
     inputs = cases.make_inputs(case, "cuda", seed=11)
     expected = cases.reference_run(cases.load_reference())(*inputs.values()).float()
     errors = {}
-    for name, choose in (("mma.sync", on_mma_sync), ("wgmma", on_wgmma)):
+    for name, choose in (("mma.sync", on_mma_sync_for), ("wgmma", on_wgmma)):
         output = cases.poisoned_output(case.num_tokens, "cuda")
         kernel.run_keeping_workspaces(*inputs.values(), output, choose=choose)
         torch.cuda.synchronize()

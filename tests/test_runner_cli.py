@@ -297,17 +297,21 @@ def test_reference_timing_defaults_and_overrides(fake: RunnerHooks, tmp_path: Pa
     out = tmp_path / "a.json"
     assert main(run_args(out, "--max-workloads", "1"), fake) == 0
     moe_defaults = TRACKS["moe"].timing
-    # The MoE reference keeps the kernels' counts (run_args: --iterations 2), capped by its budget.
-    assert moe_defaults.reference_iterations is None and moe_defaults.reference_time_budget_s is not None
+    # The MoE reference gets the track's own count (not the kernels' --iterations 2), capped by its budget.
+    assert moe_defaults.reference_iterations is not None and moe_defaults.reference_time_budget_s is not None
     assert calls(tmp_path)[0] == {
         **calls(tmp_path)[0],
         "side": "reference",
-        "iterations": 2,
+        "iterations": moe_defaults.reference_iterations,
         "time_budget_s": moe_defaults.reference_time_budget_s,
     }
-    assert all(c["time_budget_s"] is None for c in calls(tmp_path)[1:])  # only the reference is capped
+    assert all(c["time_budget_s"] is None and c["iterations"] == 2 for c in calls(tmp_path)[1:])
     protocol = read_results(out).environment.protocol["reference"]["moe"]
-    assert protocol == {"warmup": 3, "iterations": 2, "time_budget_s": moe_defaults.reference_time_budget_s}
+    assert protocol == {
+        "warmup": 3,
+        "iterations": moe_defaults.reference_iterations,
+        "time_budget_s": moe_defaults.reference_time_budget_s,
+    }
     (tmp_path / "calls.jsonl").unlink()
     assert main(run_args(tmp_path / "b.json", "--max-workloads", "1", "--reference-iterations", "0"), fake) == 0
     assert calls(tmp_path)[0]["iterations"] == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,18 @@ def test_no_module_imports_in_a_cycle() -> None:
 def test_the_registry_imports_no_torch() -> None:
     code = "import sys, hopperbench.tracks as t; t.TRACKS['moe'].definition_path; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
+
+
+# A kernel file describes the code as it is: its history (work-period numbers, version names of
+# earlier kernels, dated result files) lives in git and in the ideas table of the kernel's NOTES.md.
+HISTORY = re.compile(r"\bv\d+\.\d+\b|\bsessions? \d+\b|\bissue #?\d+\b|\b20\d\d-\d\d-\d\d\b", re.IGNORECASE)
+
+
+def test_kernel_code_carries_no_history() -> None:
+    found = [
+        f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}"
+        for path in sorted((REPO_ROOT / "kernels").rglob("*.py"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if HISTORY.search(line)
+    ]
+    assert not found, "\n".join(found)

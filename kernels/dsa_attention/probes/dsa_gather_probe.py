@@ -2,9 +2,9 @@
 
     uv run kernels/dsa_attention/probes/dsa_gather_probe.py [--workloads 0,1,13,11,9] [--ctas 132] [--repeats 30]
 
-Why: issue #6 asks latency / floor <= 2.0 (geometric mean over the 23 workloads), floor = the workload's minimal bytes at
-4.3 TB/s plus the CUPTI span of an empty kernel; `kernel.py` v1.11 is at 3.44 after eleven candidates
-(kernels/dsa_attention/NOTES.md). Any kernel must read each token's 2048 row ids and then the rows they name; this
+Why: the DSA bar is latency / floor <= 2.0 (geometric mean over the 23 workloads), floor = the workload's minimal
+bytes at 4.3 TB/s plus the CUPTI span of an empty kernel; `kernel.py` is at about 3.4 (kernels/dsa_attention/NOTES.md).
+Any kernel must read each token's 2048 row ids and then the rows they name; this
 times only that chain, with nothing else (no Q, no compute, no partials, no merge, no output), so its span / floor is
 a lower bound of what a real kernel's can be, per workload.
 

@@ -38,7 +38,7 @@ KERNEL_CHOICES = (
     "wy_prepass",
 )
 
-# Ten sequences, so that the chunked kernel, which orders its grid rows by length (v1.7), re-ranks at replay:
+# Ten sequences, so that the chunked kernel, which orders its grid rows by length, re-ranks at replay:
 # the longest is sequence 7 at capture and sequence 1 in the fresh split.
 GRAPH_CASE = cases.CheckCase("graph_replay_new_bounds", (40, 30, 58, 1, 64, 3, 20, 90, 7, 15), True, 0.0, "mamba2")
 GRAPH_FRESH = cases.CheckCase("graph_replay_new_bounds", (1, 100, 27, 60, 5, 44, 30, 9, 40, 12), True, 0.0, "mamba2")

@@ -1,12 +1,12 @@
-"""The dispatch model behind GDN candidate v1.7: how long the chunked kernel's grid takes when its
-rows serve the sequences in list order, and when they serve the longest first.
+"""The dispatch model behind the chunked GDN kernel's longest-first grid order: how long its grid
+takes when its rows serve the sequences in list order, and when they serve the longest first.
 
-    uv run kernels/gdn_prefill/probes/gdn_grid_order_model.py [--results results/h200/2026-11-30_gdn_prefill.csv] [--min-seqs 9]
+    uv run kernels/gdn_prefill/probes/gdn_grid_order_model.py [--results results/h200/latest.csv] [--min-seqs 9]
 
 Model: 132 SMs with two CTA slots each; CTAs start in grid order (row by row, the 32 CTAs of one
 sequence together) as slots free up; a CTA's work is its sequence's chunk count plus a fixed 0.3
 chunk (state in and out); it runs at rate 1 alone on its SM and at PAIR_RATE with a partner (two
-CTAs per SM gave 1.1-1.4x the throughput of one in session 4). Each workload's inputs are the
+CTAs per SM give 1.1-1.4x the throughput of one, measured on the H200). Each workload's inputs are the
 synthesized ones of trials 0-2 (seed 0); a workload's model time is the median over its trials.
 With --results, the model's time unit is fitted to ours' measured latencies (median ratio) and the
 correlation between model and measurement is printed, so that the prediction states how well the
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, help="a results CSV with ours' GDN latencies, to fit the time unit")
     parser.add_argument("--min-seqs", type=int, default=9,
-                        help="model workloads with at least this many sequences (default 9: those v1.7 re-orders)")  # fmt: skip
+                        help="model workloads with at least this many sequences (default 9: those the longest-first order changes)")  # fmt: skip
     args = parser.parse_args(argv)
 
     from hopperbench.results import read_csv_rows

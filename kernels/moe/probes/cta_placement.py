@@ -3,11 +3,11 @@
     uv run kernels/moe/probes/cta_placement.py [--ctas-per-sm 3] [--smem-bytes N] [--repeats 10]
 
 A walk over the CTA index that splits the items of each group of CTAs {g, g + S, g + 2S} (S = grid / ctas-per-sm)
-between them (MoE v2.29's paired rounds, replaced in v2.18) assumes the block scheduler puts a group on one SM. This
+between them assumes the block scheduler puts a group on one SM. This
 launches, cooperatively as GEMM1 is, grids of SMs x ctas-per-sm CTAs of 128 threads holding the given dynamic shared
-memory (default: the three-CTA GEMM1's, MEDIUM_T's since v2.18), records `%smid` of every CTA, and prints per launch how
-many groups {g + k S} share one SM (on an H200 in session 24: none, `results/checks/2026-12-01_cta_placement_session24.txt`;
-hence the walks by SM id, v2.32 and v2.42). Exits 2 without CUDA, with one line on stderr.
+memory (default: the three-CTA GEMM1's, MEDIUM_T's), records `%smid` of every CTA, and prints per launch how
+many groups {g + k S} share one SM (on an H200: none; hence the walks by SM id). Exits 2 without CUDA, with one line
+on stderr.
 """
 
 from __future__ import annotations

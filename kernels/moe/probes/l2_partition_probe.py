@@ -2,7 +2,7 @@
 
     uv run kernels/moe/probes/l2_partition_probe.py [--lines 256] [--references 2] [--output map.json]
 
-Why: ncu's breakdown of MoE GEMM1's L2 throughput at 901 tokens (kernels/moe/NOTES.md, session 31) tops out on
+Why: ncu's breakdown of MoE GEMM1's L2 throughput at 901 tokens (kernels/moe/NOTES.md) tops out on
 `lts__ltcfabric2ltc_cycles_active`, the fabric between the H200's two L2 partitions, not on the L2's tags or sectors.
 A walk that keeps the CTAs reading the same lines on one partition's SMs would cross it less; no PTX register names
 an SM's partition, so this measures it.

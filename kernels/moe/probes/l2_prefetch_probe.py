@@ -3,22 +3,22 @@ when few or many SMs issue them.
 
     uv run kernels/moe/probes/l2_prefetch_probe.py [--megabytes 6] [--chunk-kb 448] [--sms 1,2,8,132] [--repeats 30]
 
-Why: MoE candidates v2.35 and v2.37 (kernels/moe/NOTES.md, session 26) prefetched expert weights into L2 with a few
-large bulk prefetches and lost (0.962x and 0.977x at 7 tokens), v2.37 in a window where DRAM idles, as if the later
-loads read none of the prefetched lines from L2. This separates the two questions on a plain buffer.
+Why: two MoE candidates (kernels/moe/NOTES.md, ideas tried) prefetched expert weights into L2 with a few large bulk
+prefetches and lost (0.962x and 0.977x at 7 tokens), the second in a window where DRAM idles, as if the later loads
+read none of the prefetched lines from L2. This separates the two questions on a plain buffer.
 
 Each measurement first writes a 256-MB buffer (which evicts the H200's 60-MB L2), then times the reader with CUDA
 events. The reader reads the probed buffer as the MoE GEMMs read their weights: 16-byte `cp.async.cg` copies into
 shared memory (L2 only), READER_COPIES per thread in flight, two CTAs per SM (`_Reader`). All steps run in stream order
-without host waits, so the GPU never idles down its clocks between them (a first version slept on the host and timed
-its reader at idle clocks):
+without host waits, so the GPU never idles down its clocks between them (a host sleep between them would time the
+reader at idle clocks):
 
 - cold: a SPIN_US spin (one CTA reading `%globaltimer`), then the reader;
 - warm: the reader, the spin, the reader again (the buffer in L2: the most a prefetch can give);
 - settled: the prefetch from P CTAs (one per SM at most), the spin (time for every prefetch to land), the reader: equal
   to warm if prefetched lines serve later loads, equal to cold if they do not;
 - in stream: the prefetch from P CTAs, then at once the reader (the timed span starts once the prefetch kernel has
-  ended), against cold: what the prefetches add or save when loads follow them at once, as in v2.37;
+  ended), against cold: what the prefetches add or save when loads follow them at once, as in the second candidate;
 - issue: the prefetch kernel itself, after the spin: if it lasts about as long as its bytes take from DRAM, its threads
   (or its end) wait for the prefetches, which a GEMM CTA that prefetches and then loads would feel.
 
@@ -178,8 +178,8 @@ def _sm_counts(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--megabytes", type=int, default=6, help="the probed buffer (v2.37 prefetched ~6.3 MB)")
-    parser.add_argument("--chunk-kb", type=int, default=448, help="bytes per bulk prefetch (v2.37: 448 KB at 7 tokens)")
+    parser.add_argument("--megabytes", type=int, default=6, help="the probed buffer (the candidate prefetched ~6.3 MB)")
+    parser.add_argument("--chunk-kb", type=int, default=448, help="bytes per bulk prefetch (the candidate: 448 KB at 7 tokens)")
     parser.add_argument("--sms", type=_sm_counts, default=[1, 2, 8, 132], help="prefetching CTAs, one per SM at most")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)

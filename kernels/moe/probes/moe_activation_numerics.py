@@ -1,9 +1,9 @@
 """How precise GEMM2's output stays when the MoE's intermediate activation C (silu(gate) * up, one expert) is
 stored as bf16 (`kernel.py`), as one e4m3 term per (token, group of columns) with its own scale (what a
 tensor-core FP8 GEMM2 reads, DeepGEMM's choice), as two such terms (hi + lo: the residual quantised
-again), the numerics question of NOTES' design v2.1 B (an FP8 warpgroup-MMA GEMM2 without conversions), or
-as f16 with one power-of-two scale per token (what candidate v2.11's `mma.sync` GEMM2 read, its e4m3 weights
-converted once per pair instead of four times; measured and dropped in session 16).
+again: what an FP8 warpgroup-MMA GEMM2 without conversions would read), or as f16 with one power-of-two scale
+per token (what an `mma.sync` GEMM2 reads whose e4m3 weights are converted once per pair instead of four times;
+NOTES.md's ideas table has its measured outcome).
 
     uv run kernels/moe/probes/moe_activation_numerics.py [--tokens 64] [--seeds 0,1,2] [--groups 32,128]
 

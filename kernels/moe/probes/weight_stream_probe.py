@@ -2,7 +2,7 @@
 
     uv run kernels/moe/probes/weight_stream_probe.py [--items 264,384,528] [--repeats 30]
 
-Why: MoE issue #8's one short row is 1 token (kernels/moe/NOTES.md, session 33): ~88 MB of two experts' weights in
+Why: the MoE's one row below 3.0 TB/s is 1 token (kernels/moe/NOTES.md, Open directions): ~88 MB of two experts' weights in
 38.3 us (2.28 TB/s) where the bar asks 29.4 us, and GEMM1 alone streams its 58.7 MB at ~2.6 TB/s after the routing.
 Whether the `mma.sync` GEMMs' copy form (16-B `cp.async` of 32 weight rows x 512 B per K stage, four stages, two CTAs
 per SM) or the work around it sets that rate decides what a 1-token design can reach. This times copy forms alone,

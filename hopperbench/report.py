@@ -7,6 +7,8 @@
   ratios baseline latency / side latency over the workloads where both passed (graph: where both
   were graph-timed), eager and CUDA-graph replay side by side, with how many workloads entered it.
 - `human_best_view` / `libraries_view`: the two published per-workload CSVs.
+- `size_rows`: per track and size class (`Track.size_classes`), ours over the baseline and over the
+  human winner, with the smallest per-workload ratio beside each geometric mean.
 - `pass_counts`: per track, how many workloads each side passed, failed, or could not run.
 
 Nothing here reads a file; `sides_table` and the baselines read the track registry.
@@ -47,11 +49,12 @@ NOT_ATTEMPTED = "not attempted"
 
 @dataclass(frozen=True)
 class Ratio:
-    """A geometric mean of per-workload ratios, or why there is none (`note`)."""
+    """A geometric mean of per-workload ratios (and the smallest of them), or why there is none (`note`)."""
 
     geomean: float | None
     workloads: int
     note: str | None = None
+    minimum: float | None = None
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,7 @@ def ratio(rows: Sequence[WorkloadRow], base: str | None, side: str | None, graph
         if b is not None and s is not None and b > 0 and s > 0:
             values.append(b / s)
     if values:
-        return Ratio(geometric_mean(values), len(values))
+        return Ratio(geometric_mean(values), len(values), minimum=min(values))
     side_has = any(pick(r.sides.get(side)) is not None for r in rows)
     base_has = any(pick(r.sides.get(base)) is not None for r in rows)
     if not side_has:
@@ -268,6 +271,77 @@ def headline_markdown(headlines: Sequence[TrackHeadline]) -> list[str]:
             ]
         )
     return _table(HEADLINE_HEADER, body)
+
+
+# ------------------------------------------------------------------------------------------
+# By size
+
+
+@dataclass(frozen=True)
+class SizeRow:
+    """Ours against the track's baseline and against the human winner on one size class."""
+
+    track: str
+    size: str  # the class's label, e.g. "41-200"
+    workloads: int
+    baseline: str | None
+    versus_baseline: Comparison
+    versus_human: Comparison
+
+
+def size_rows(track: str, rows: Sequence[WorkloadRow]) -> list[SizeRow]:
+    """One SizeRow per size class of the track (none for a track without classes); the baseline is
+    the headline's, chosen over all of the track's rows."""
+    from hopperbench.tracks import TRACKS
+
+    entry = TRACKS.get(track)
+    classes = entry.size_classes if entry is not None else None
+    if classes is None:
+        return []
+    baseline = choose_baseline(track, rows).side
+    groups: list[list[WorkloadRow]] = [[] for _ in classes.labels()]
+    for row in rows:
+        groups[classes.index(int(row.axes[classes.axis]))].append(row)
+    return [
+        SizeRow(track, label, len(group), baseline, compare(group, baseline, OURS), compare(group, HUMAN, OURS))
+        for label, group in zip(classes.labels(), groups)
+        if group
+    ]
+
+
+def format_ratio_with_minimum(r: Ratio) -> str:
+    if r.geomean is None or r.minimum is None:
+        return format_ratio(r)
+    return f"{r.geomean:.2f}× ({r.workloads}; min {r.minimum:.2f}×)"
+
+
+SIZE_HEADER = (
+    "track", "size", "workloads", "ours / baseline eager", "ours / baseline graph", "ours / human eager",
+    "ours / human graph",
+)  # fmt: skip
+
+
+def size_markdown(results: ResultsFile) -> list[str]:
+    """The by-size table: per size class, geometric mean (workloads; smallest per-workload ratio)."""
+    from hopperbench.tracks import TRACKS
+
+    body = []
+    for track, rows in rows_by_track(results.rows).items():
+        entry = TRACKS.get(track)
+        for size in size_rows(track, rows):
+            axis = entry.size_classes.axis if entry is not None and entry.size_classes is not None else ""
+            body.append(
+                [
+                    f"`{track}`",
+                    f"{size.size} (`{axis}`)",
+                    str(size.workloads),
+                    format_ratio_with_minimum(size.versus_baseline.eager),
+                    format_ratio_with_minimum(size.versus_baseline.graph),
+                    format_ratio_with_minimum(size.versus_human.eager),
+                    format_ratio_with_minimum(size.versus_human.graph),
+                ]
+            )
+    return _table(SIZE_HEADER, body) if body else ["No track of the run has size classes."]
 
 
 # ------------------------------------------------------------------------------------------

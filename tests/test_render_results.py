@@ -22,7 +22,7 @@ from hopperbench.results import (
     summarize,
     write_results,
 )
-from hopperbench.tracks import TRACKS
+from hopperbench.tracks import TRACKS, SizeClasses
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,6 +99,33 @@ def test_gdn_headline_uses_flashinfer_and_geometric_means_of_per_workload_ratios
     table = "\n".join(report.headline_markdown([h]))
     assert "| `gdn_prefill` (3) | `flashinfer_gdn` (FlashInfer) | `fla_chunk` | 0.50× (3) | 0.50× (2) |" in table
     assert "| 4.00× (2) | 4.00× (2) | 2.83× (2) | n/a (human NOT_CAPTURABLE) |" in table
+
+
+def test_size_classes_label_and_place_workloads_at_their_bounds() -> None:
+    classes = SizeClasses("total_seq_len", (40, 200))
+    assert classes.labels() == ["<= 40", "41-200", "> 200"]
+    assert [classes.index(v) for v in (1, 40, 41, 200, 201, 10**6)] == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="ascending"):
+        SizeClasses("total_seq_len", (200, 40))
+
+
+def test_by_size_rows_split_the_headline_and_show_the_smallest_ratio() -> None:
+    # total_seq_len = 64 (index + 1): indices 0 and 1 are 41-200 tokens, index 70 is above 4000.
+    rows = [
+        workload("gdn_prefill", 0, [side("ours", 1.0, 0.5), side("flashinfer_gdn", 2.0, 1.0), side("human", 1.0, 1.0)]),
+        workload("gdn_prefill", 1, [side("ours", 1.0, 0.5), side("flashinfer_gdn", 8.0, 2.0), side("human", 2.0, 1.0)]),
+        workload("gdn_prefill", 70, [side("ours", 2.0, 2.0), side("flashinfer_gdn", 1.0, 1.0), side("human", 4.0, 4.0)]),
+    ]
+    small, large = report.size_rows("gdn_prefill", rows)
+    assert (small.size, small.workloads, large.size, large.workloads) == ("41-200", 2, "> 4000", 1)
+    assert small.baseline == large.baseline == "flashinfer_gdn"
+    # eager 2/1 and 8/1: geomean 4, smallest 2; the large class is slower than the baseline.
+    assert small.versus_baseline.eager == report.Ratio(pytest.approx(4.0), 2, minimum=pytest.approx(2.0))
+    assert large.versus_baseline.graph.geomean == pytest.approx(0.5)
+    assert report.format_ratio_with_minimum(small.versus_human.graph) == "2.00× (2; min 2.00×)"
+    table = "\n".join(report.size_markdown(results_of(rows)))
+    assert "| `gdn_prefill` | > 4000 (`total_seq_len`) | 1 | 0.50× (1; min 0.50×) | 0.50× (1; min 0.50×) |" in table
+    assert report.size_rows("gdn_prefill", []) == []
 
 
 def test_without_a_passing_flashinfer_the_fastest_library_is_the_baseline_named() -> None:

@@ -7,7 +7,8 @@ Reads the canonical run `results/h200/latest.json` (and checks that the tidy `la
 it holds the same workloads and sides), and writes:
 
 - README.md between `<!-- generated:<name>:begin -->` and `<!-- generated:<name>:end -->` for
-  each name in SECTIONS: `headline` (the headline table, `hopperbench.report`), `passes` (a
+  each name in SECTIONS: `headline` (the headline table, `hopperbench.report`), `sizes` (ours over
+  the baseline and the human winner per size class), `passes` (a
   pass/fail line per track), `environment` (GPU, commit, date, protocol) and `sides` (each library
   side of the registry with its pin and what one timed call contains);
 - `results/h200_vs_human_best.csv` and `results/h200_vs_libraries.csv` (results/SCHEMA.md).
@@ -30,7 +31,7 @@ from hopperbench.results import ResultsFile, TidyFormatError, read_results, read
 CANONICAL = Path("h200") / "latest.json"
 HUMAN_VIEW = "h200_vs_human_best.csv"
 LIBRARY_VIEW = "h200_vs_libraries.csv"
-SECTIONS = ("headline", "passes", "environment", "sides")
+SECTIONS = ("headline", "sizes", "passes", "environment", "sides")
 NO_RUN = "No canonical run yet (`results/h200/latest.json` does not exist)."
 
 
@@ -66,14 +67,15 @@ def sections(results: ResultsFile | None) -> dict[str, str]:
     """The text between each pair of markers."""
     sides = "\n".join(report.sides_table())
     if results is None:
-        return {"headline": NO_RUN, "passes": "No pass counts without a canonical run.", "environment": "none yet.",
-                "sides": sides}  # fmt: skip
+        return {"headline": NO_RUN, "sizes": "No sizes without a canonical run.",
+                "passes": "No pass counts without a canonical run.", "environment": "none yet.", "sides": sides}  # fmt: skip
     partial = ""
     if results.completeness is not None and results.completeness.partial:
         c = results.completeness
         partial = f"\n\n**Partial run:** {c.complete} of {c.planned} planned workloads have every side."
     return {
         "headline": "\n".join(report.headline_markdown(report.headline(results))) + partial,
+        "sizes": "\n".join(report.size_markdown(results)),
         "passes": "\n".join(f"- {line}" for line in report.pass_lines(results.rows)),
         "environment": report.environment_line(results.environment),
         "sides": sides,

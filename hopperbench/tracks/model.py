@@ -57,6 +57,30 @@ class TimingDefaults:
 
 
 @dataclass(frozen=True)
+class SizeClasses:
+    """How the report splits a track's workloads by size: the workload axis, and the upper bound
+    (inclusive) of every class but the last, ascending."""
+
+    axis: str
+    bounds: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.bounds or list(self.bounds) != sorted(set(self.bounds)):
+            raise ValueError(f"size class bounds must be ascending and distinct, got {self.bounds}")
+
+    def labels(self) -> list[str]:
+        """"<= 40", "41-200", ..., "> 4000"."""
+        lows = [None, *self.bounds]
+        labels = [f"<= {self.bounds[0]}"]
+        labels += [f"{low + 1}-{high}" for low, high in zip(lows[1:], self.bounds[1:])]
+        return [*labels, f"> {self.bounds[-1]}"]
+
+    def index(self, value: int) -> int:
+        """The class of a workload whose axis is `value`."""
+        return next((i for i, bound in enumerate(self.bounds) if value <= bound), len(self.bounds))
+
+
+@dataclass(frozen=True)
 class LibrarySide:
     """A public Hopper library timed as an extra reference side.
 
@@ -138,6 +162,8 @@ class Track:
     # FlashInfer has an SM90 kernel (the report's headline measures against it); None: the fastest
     # library side is the baseline.
     flashinfer_baseline: str | None = None
+    # The report's split of the workloads by size (README's by-size table); None: no split.
+    size_classes: SizeClasses | None = None
 
     def acceptance_for(self, side_kind: str) -> AcceptanceRule:
         """The rule a side is judged by: the contest's, plus our own stricter bound for `ours` and

@@ -7,7 +7,7 @@ This folder is the whole track: the spec below, `definition.json` (with `referen
 
 from __future__ import annotations
 
-from hopperbench.tracks.model import AcceptanceRule, LibrarySide, Track
+from hopperbench.tracks.model import AcceptanceRule, LibrarySide, SizeClasses, Track
 
 DSA_ATTENTION = Track(
     name="dsa_attention",
@@ -17,6 +17,8 @@ DSA_ATTENTION = Track(
     acceptance=AcceptanceRule(atol=1e-2, rtol=1e-2, required_matched_ratio=1.0, outputs=("output", "lse")),
     kernel_entry="kernels/dsa_attention/kernel.py::run",
     human_key="dsa_attention",
+    # One or two query tokens, and the rest (at most 8).
+    size_classes=SizeClasses("num_tokens", (2,)),
     libraries=(
         LibrarySide(
             name="flashmla_sparse",

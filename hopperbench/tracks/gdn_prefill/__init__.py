@@ -7,7 +7,7 @@ This folder is the whole track: the spec below, `definition.json` (with `referen
 
 from __future__ import annotations
 
-from hopperbench.tracks.model import AcceptanceRule, CandidateSide, LibrarySide, TimingDefaults, Track
+from hopperbench.tracks.model import AcceptanceRule, CandidateSide, LibrarySide, SizeClasses, TimingDefaults, Track
 
 GDN_PREFILL = Track(
     name="gdn_prefill",
@@ -17,6 +17,8 @@ GDN_PREFILL = Track(
     acceptance=AcceptanceRule(atol=1e-2, rtol=1e-2, required_matched_ratio=1.0, outputs=("output", "new_state")),
     kernel_entry="kernels/gdn_prefill/kernel.py::run",
     human_key="gdn_prefill",
+    # The size classes of the GDN issue (total tokens): launch-bound, short, medium, long, 8192-token batches.
+    size_classes=SizeClasses("total_seq_len", (40, 200, 1000, 4000)),
     flashinfer_baseline="flashinfer_gdn",
     # The reference steps through every token in Python: 0.2-1.1 s per call on the 8192-token
     # workloads, 2-35 ms on the short ones, each call hundreds to thousands of launches whose CUPTI

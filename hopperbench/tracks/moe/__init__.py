@@ -7,7 +7,7 @@ This folder is the whole track: the spec below, `definition.json` (with `referen
 
 from __future__ import annotations
 
-from hopperbench.tracks.model import AcceptanceRule, CandidateSide, LibrarySide, TimingDefaults, Track
+from hopperbench.tracks.model import AcceptanceRule, CandidateSide, LibrarySide, SizeClasses, TimingDefaults, Track
 
 MOE = Track(
     name="moe",
@@ -18,6 +18,8 @@ MOE = Track(
     ours_max_relative_l2=1e-2,
     kernel_entry="kernels/moe/kernel.py::run",
     human_key="moe",
+    # Decode-like rows (weight streaming), small batches, prefill sizes (compute-bound).
+    size_classes=SizeClasses("seq_len", (100, 1000)),
     # The reference takes 1.7-44 ms per call (Python loops over the local experts): timed like
     # the GDN reference.
     timing=TimingDefaults(reference_iterations=10, reference_time_budget_s=0.2),

@@ -93,8 +93,8 @@ class EnvironmentRecord(BaseModel):
     # How worker processes were started: "fork-server" (forked from a warm per-device server)
     # or "subprocess" (a fresh interpreter per job); None in records that predate the choice.
     worker_launch: str | None = None
-    # The environment variables the runner set for its workers (e.g. CUTE_DSL_ARCH,
-    # TRITON_CACHE_AUTOTUNING), as the workers saw them; empty in records that predate it.
+    # The environment variables the runner set for its workers (e.g. CUTE_DSL_ARCH), as the workers
+    # saw them; empty in records that predate it.
     worker_env: dict[str, str] = Field(default_factory=dict)
     hostname: str | None = None
     # The host's CPU as the run saw it (`host_cpu`): model, the CPUs the runner could use grouped by

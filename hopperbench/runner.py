@@ -539,6 +539,7 @@ def plan_run(args: argparse.Namespace, hooks: RunnerHooks, check_machine: bool =
         "warmup": args.warmup,
         "iterations": args.iterations,
         "trials": args.trials,
+        "side_warmup": SIDE_WARMUP,
     }
     run_human = wanted_sides is None or HUMAN in wanted_sides
     guard_results = hooks.guard(tracks, allow_unpinned) if run_human else {}
@@ -590,6 +591,25 @@ def plan_run(args: argparse.Namespace, hooks: RunnerHooks, check_machine: bool =
     )
 
 
+# What every process of a side does before its first job (worker.JobRunner.warm_up).
+SIDE_WARMUP = (
+    "one untimed call on trial 0 of the run's largest workload of the track (by its size axis), once "
+    "per side process, before its first job: autotuners choose there, as in a serving engine's warm-up"
+)
+
+
+def largest_workload(track: Track, workloads: Sequence[Any]) -> Any | None:
+    """The workload a side's process warms up on: the largest of the run's workloads by the track's
+    size axis (the first of equals), or None for a track without size classes (or workloads
+    without that axis)."""
+    if track.size_classes is None or not workloads:
+        return None
+    axis = track.size_classes.axis
+    if any(axis not in w.axes for w in workloads):
+        return None
+    return max(workloads, key=lambda w: int(w.axes[axis]))
+
+
 def _first(*values: int | None) -> int:
     return next(v for v in values if v is not None)
 
@@ -620,11 +640,11 @@ def _reference_timing(track: Track, args: argparse.Namespace, wanted_sides: set[
 
 
 # Set for every worker unless the caller's environment sets them (and recorded in the results):
-# Triton sides (the human GDN kernel, fla) autotune in every fresh process, and keeping the chosen
-# configurations on disk saves that wall time and changes no timed call (autotuning happens in the
-# untimed warm-up either way); the CuTe-DSL architecture, so that compiling (in the fork server's
-# warm calls, or in a job) never probes the driver for it, the value an H200 reports.
-WORKER_DEFAULTS = {"TRITON_CACHE_AUTOTUNING": "1", **WORKER_ENV}
+# the CuTe-DSL architecture, so that compiling (in the fork server's warm calls, or in a job) never
+# probes the driver for it, the value an H200 reports. Triton's on-disk autotuning cache is left
+# off: its key omits the token count for some libraries (fla), so it would carry one shape's choice
+# into every later process; each side's process autotunes in its warm-up call instead.
+WORKER_DEFAULTS = {**WORKER_ENV}
 
 
 def worker_settings() -> dict[str, str]:
@@ -788,11 +808,16 @@ def run_workload(plan: RunPlan, tp: TrackPlan, workload: Any, launcher: Launcher
     if not pending:
         return
 
+    largest = largest_workload(tp.track, tp.workloads)
+
     def job(side: Side, warmup: int, iterations: int, time_budget_s: float | None = None) -> WorkerJob:
         return WorkerJob(
             track=tp.track.name,
             side=side,
             workload=workload.model_dump(mode="json"),
+            warmup_workload=(
+                largest.model_dump(mode="json") if largest is not None and side.name != REFERENCE else None
+            ),
             seed=plan.seed,
             trials=plan.trials,
             warmup=warmup,

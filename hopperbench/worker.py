@@ -8,11 +8,12 @@ same inputs from (uuid, seed, trial), fills its output buffers with NaN, runs on
 and is checked against the stored outputs with the track's acceptance rule; it must
 also leave its inputs bit-for-bit unchanged. Only a side that passes every trial is
 timed: on each trial's fresh inputs, with the CUPTI cold-L2 timer; latency is the
-median over trials of the per-trial medians. Before each trial is timed, the roofline
-floor of exactly its inputs is recorded beside its latency (`per_trial_floor`). After the
-eager trials, every side but the reference is captured in a CUDA graph per trial, its replay
-gated like the eager call, and the replays timed under the same protocol (`graph_*` fields;
-a side that cannot be captured is NOT_CAPTURABLE). A library side with a `prepare` step gets
+median over trials of the per-trial medians. Before its first job, each process of a side other
+than the reference makes one untimed call on the run's largest workload of the track (`warm_up`).
+Before each trial is timed, the roofline floor of exactly its inputs is recorded beside its latency
+(`per_trial_floor`). After the eager trials, every side but the reference is captured in a CUDA
+graph per trial, its replay gated like the eager call, and the replays timed under the same
+protocol (`graph_*` fields; a side that cannot be captured is NOT_CAPTURABLE). A library side with a `prepare` step gets
 its inputs through it, untimed, once per trial (e.g. a cache stored in the library's layout).
 
 Whatever happens inside the side is reported as a result (RUNTIME_ERROR, FAILED,
@@ -56,6 +57,9 @@ class WorkerJob(BaseModel):
     side: Side
     # A hopperbench.workloads.WorkloadSpec, as its JSON dump (validated again in the worker).
     workload: dict[str, Any]
+    # The workload this side's process makes one untimed call on before its first job (the run's
+    # largest of the track; `JobRunner.warm_up`); None: no warm-up (the reference side).
+    warmup_workload: dict[str, Any] | None = None
     seed: int
     trials: int
     warmup: int
@@ -287,6 +291,11 @@ class PhaseLog:
         return "job phases (s): " + ", ".join(f"{name} {seconds:.3f}" for name, seconds in self.phases)
 
 
+# The (track, side) pairs this process has warmed up: a fork server's session runs many jobs of
+# one side, and only its first warms up.
+_WARMED_UP: set[tuple[str, str]] = set()
+
+
 class _Outcome(Exception):
     """Ends the job early with a finished result."""
 
@@ -344,12 +353,33 @@ class JobRunner:
             traceback.print_exc()
             return self.result(Status.RUNTIME_ERROR, message=f"build failed: {one_line(e)}")
         self.phases.mark("build")
+        if self.job.warmup_workload is not None and (self.job.track, side.name) not in _WARMED_UP:
+            _WARMED_UP.add((self.job.track, side.name))
+            self.warm_up(fn, self.deps.parse_workload(self.job.warmup_workload))
+            self.phases.mark("warmup")
         try:
             if side.kind == SideKind.REFERENCE:
                 return self.run_reference(fn)
             return self.run_candidate(fn)
         except _Outcome as outcome:
             return outcome.result
+
+    def warm_up(self, fn: Callable[..., Any], workload: Any) -> None:
+        """One untimed call on trial 0 of `workload` (the run's largest of the track), whose outputs
+        are dropped: what a side's process chooses on its first call (a Triton autotuner's
+        configuration, kept per key that may omit the token count) is chosen on the largest shape,
+        as a serving engine's warm-up does, whichever workload the process serves first. A warm-up
+        that raises is only logged: the job's own calls report the side's errors."""
+        try:
+            inputs = self.deps.make_inputs(self.job.track, workload, self.job.seed, 0, self.device)
+            args = list(inputs.values())
+            if self.prepare is not None:
+                args = list(self.prepare(*args).values())
+            if self.job.side.destination_passing_style:
+                args += allocate_poisoned_outputs(self.definition, workload.axes, self.device)
+            self._call_synchronized(fn, args)
+        except Exception as e:
+            print(f"warm-up on workload {workload.uuid} raised {one_line(e)}", file=sys.stderr)
 
     # -- reference -------------------------------------------------------------------------
 

@@ -38,7 +38,8 @@ FAKE_WORKER = textwrap.dedent(
                               "time_budget_s": job.get("time_budget_s"),
                               "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
                               "cute_arch": os.environ.get("CUTE_DSL_ARCH"), "ppid": os.getppid(),
-                              "cpus": sorted(os.sched_getaffinity(0))}) + "\\n")
+                              "cpus": sorted(os.sched_getaffinity(0)),
+                              "warmup": (job.get("warmup_workload") or {}).get("uuid")}) + "\\n")
     mode = os.environ.get("FAKE_WORKER_MODE", "")
     if side == "ours" and mode == "segv":
         print("about to touch an illegal address", file=sys.stderr, flush=True)
@@ -158,7 +159,7 @@ def test_full_run_writes_json_csv_and_journal(fake: RunnerHooks, tmp_path: Path,
     assert results.environment_source == "journal header"
     assert results.environment.worker_launch == ("subprocess" if launch else "fork-server")
     assert results.environment.worker_env["CUTE_DSL_ARCH"] == os.environ.get("CUTE_DSL_ARCH", "sm_90a")
-    assert results.environment.worker_env["TRITON_CACHE_AUTOTUNING"] == os.environ.get("TRITON_CACHE_AUTOTUNING", "1")
+    assert "TRITON_CACHE_AUTOTUNING" not in results.environment.worker_env
     assert header.plan is not None and header.plan["moe"].workloads == moe_uuids(2)
     assert header.plan["moe"].sides == ["reference", "ours", "human"]
     assert results.completeness is not None and not results.completeness.partial
@@ -805,3 +806,16 @@ def test_a_job_killed_during_its_graph_replays_keeps_its_checkpointed_eager_resu
     # Without a checkpoint the job is a timeout, as before.
     files.result.unlink()
     assert runner._job_result(job, files, JobExit(returncode=None, timed_out=True, wall_s=300.0), 300.0).status == Status.TIMEOUT
+
+
+def test_every_side_but_the_reference_warms_up_on_the_runs_largest_workload(fake: RunnerHooks, tmp_path: Path) -> None:
+    from hopperbench.workloads import load_workloads
+
+    out = tmp_path / "results.json"
+    assert main(run_args(out, "--max-workloads", "3"), fake) == 0
+    planned = load_workloads("moe")[:3]
+    largest = max(planned, key=lambda w: w.axes["seq_len"])
+    for call in calls(tmp_path):
+        assert call["warmup"] == (None if call["side"] == "reference" else largest.uuid)
+    protocol = read_results(out).environment.protocol
+    assert "largest workload" in protocol["side_warmup"]

@@ -527,3 +527,36 @@ def test_a_session_ends_after_an_exception_in_the_side_not_after_a_wrong_answer(
     assert process_still_sound(result(Status.FAILED))
     assert not process_still_sound(result(Status.RUNTIME_ERROR))
     assert not process_still_sound(result(Status.PASSED, GraphStatus.FAILED))
+
+
+def test_a_process_warms_each_side_up_once_on_the_largest_workload(
+    tmp_path: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hopperbench import worker
+
+    monkeypatch.setattr(worker, "_WARMED_UP", set())
+    run_reference(tmp_path, recorder, iterations=0)
+    largest = WorkloadSpec(track=TRACK, index=1, uuid="big", axes={"n": 7}, scalars={}, data_source="synthesized")
+    side = kernel_side(tmp_path, "correct")
+    first = job(tmp_path, side).model_copy(update={"warmup_workload": largest.model_dump(mode="json")})
+    recorder.inputs_made.clear()
+    assert run_job(first, deps(recorder)).status == Status.PASSED
+    # One call on trial 0 of the largest workload (seed 0), before the job's own inputs.
+    assert recorder.inputs_made[0] == (0, 0) and len(recorder.inputs_made) == 1 + 3 * 3
+    recorder.inputs_made.clear()
+    assert run_job(first, deps(recorder)).status == Status.PASSED
+    assert len(recorder.inputs_made) == 3 * 3  # the same process does not warm this side up again
+
+
+def test_a_warm_up_that_raises_leaves_the_job_to_report_the_side(
+    tmp_path: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from hopperbench import worker
+
+    monkeypatch.setattr(worker, "_WARMED_UP", set())
+    run_reference(tmp_path, recorder, iterations=0)
+    broken = WorkloadSpec(track=TRACK, index=1, uuid="big", axes={"n": -1}, scalars={}, data_source="synthesized")
+    side = kernel_side(tmp_path, "correct")
+    warmed = job(tmp_path, side).model_copy(update={"warmup_workload": broken.model_dump(mode="json")})
+    assert run_job(warmed, deps(recorder)).status == Status.PASSED
+    assert "warm-up on workload big raised" in capsys.readouterr().err

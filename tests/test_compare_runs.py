@@ -1,4 +1,4 @@
-"""tools/compare_runs.py: the runner's repeatability check between two results files."""
+"""tools/compare_runs.py: the repeatability check between a canonical run and its repeat."""
 
 from __future__ import annotations
 
@@ -9,14 +9,18 @@ import pytest
 from hopperbench.devcheck import load_module_by_path
 from hopperbench.environment import EnvironmentRecord
 from hopperbench.paths import REPO_ROOT
-from hopperbench.results import SideResult, Status, WorkloadKey, WorkloadRow, write_results
+from hopperbench.results import GraphStatus, SideResult, Status, WorkloadKey, WorkloadRow, write_results
 
 compare_runs = load_module_by_path(REPO_ROOT / "tools/compare_runs.py", "compare_runs")
 
 
-def timed(side: str, ms: float, spread: float = 0.0) -> SideResult:
+def timed(side: str, ms: float, graph: float | None = None, busy: float | None = None, spread: float = 0.0) -> SideResult:
+    """A passed side: eager span `ms`; with `graph`, replayed from a graph at that span (busy: `busy` or the span)."""
+    fields: dict[str, object] = {}
+    if graph is not None:
+        fields = {"graph_status": GraphStatus.PASSED, "graph_ms": graph, "graph_busy_ms": graph if busy is None else busy}
     return SideResult(side=side, status=Status.PASSED, latency_ms=ms, min_ms=ms * (1 - spread / 2),
-                      max_ms=ms * (1 + spread / 2))  # fmt: skip
+                      max_ms=ms * (1 + spread / 2), **fields)  # fmt: skip
 
 
 def write_run(path: Path, sides_by_index: dict[int, list[SideResult]]) -> Path:
@@ -32,31 +36,47 @@ def write_run(path: Path, sides_by_index: dict[int, list[SideResult]]) -> Path:
     return path
 
 
-def test_rows_within_tolerance_pass_and_fast_rows_are_not_judged(tmp_path: Path, capsys) -> None:
-    a = write_run(tmp_path / "a.json", {0: [timed("ours", 0.3, 0.1), timed("reference", 0.01)]})
-    b = write_run(tmp_path / "b.json", {0: [timed("ours", 0.309), timed("reference", 0.02)]})
+def test_graph_spans_within_tolerance_pass_and_eager_spans_are_only_shown(tmp_path: Path, capsys) -> None:
+    a = write_run(tmp_path / "a.json", {0: [timed("ours", 0.3, 0.2, spread=0.1), timed("reference", 5.0)],
+                                        1: [timed("ours", 0.012, 0.010)]})  # fmt: skip
+    b = write_run(tmp_path / "b.json", {0: [timed("ours", 0.45, 0.201), timed("reference", 9.0)],
+                                        1: [timed("ours", 0.013, 0.011)]})  # fmt: skip
     assert compare_runs.main([str(a), str(b)]) == 0
     out = capsys.readouterr().out
-    assert "+3.0%" in out and "10.0%" in out  # the change, and run 1's spread over trials
-    assert "not judged (fast)" in out and "1 of 1 judged rows within 5 %" in out
+    # The eager span moved 50 % and is shown with run 1's spread; the graph span moved 0.5 %.
+    assert "+50.0%" in out and "10.0%" in out and "+0.5%" in out
+    assert "eager only (not judged)" in out  # the reference
+    assert "not judged (fast)" in out  # a graph span below 20 us
+    assert "1 of 1 judged rows: graph span and busy time within 3 %" in out
+    assert "moe ours: graph span geomean change +0.50% over 1 rows (ok)" in out
 
 
-def test_a_row_over_tolerance_fails_and_names_its_side(tmp_path: Path, capsys) -> None:
-    a = write_run(tmp_path / "a.json", {0: [timed("ours", 0.3), timed("fla", 1.0)], 1: [timed("ours", 0.2)]})
-    b = write_run(tmp_path / "b.json", {0: [timed("ours", 0.3), timed("fla", 0.9)], 1: [timed("ours", 0.2)]})
+def test_a_graph_span_or_busy_time_over_tolerance_fails_and_names_its_side(tmp_path: Path, capsys) -> None:
+    a = write_run(tmp_path / "a.json", {0: [timed("ours", 0.3, 0.2), timed("fla", 1.0, 0.5, busy=0.4)]})
+    b = write_run(tmp_path / "b.json", {0: [timed("ours", 0.3, 0.2), timed("fla", 1.0, 0.5, busy=0.44)]})
+    assert compare_runs.main([str(a), str(b)]) == 1  # fla's busy time moved 10 %
+    out = capsys.readouterr().out
+    assert "OVER" in out and "over: fla" in out and "1 of 2 judged rows" in out
+    assert compare_runs.main([str(a), str(b), "--tolerance", "15"]) == 0
+
+
+def test_a_side_whose_rows_pass_can_still_fail_on_its_mean(tmp_path: Path, capsys) -> None:
+    # Every row 2 % slower: each within 3 %, the side's geometric mean not within 1 %.
+    a = write_run(tmp_path / "a.json", {i: [timed("ours", 0.1, 0.1)] for i in range(4)})
+    b = write_run(tmp_path / "b.json", {i: [timed("ours", 0.1, 0.102)] for i in range(4)})
     assert compare_runs.main([str(a), str(b)]) == 1
     out = capsys.readouterr().out
-    assert "OVER" in out and "over: fla" in out and "2 of 3 judged rows" in out
-    assert compare_runs.main([str(a), str(b), "--tolerance", "15"]) == 0
+    assert "4 of 4 judged rows" in out and "geomean change +2.00% over 4 rows (OVER)" in out
 
 
 def test_only_rows_timed_in_both_runs_are_compared(tmp_path: Path) -> None:
     failed = SideResult(side="fla", status=Status.FAILED, message="mismatch")
-    a = write_run(tmp_path / "a.json", {0: [timed("ours", 0.3), timed("fla", 1.0)], 1: [timed("ours", 0.2)]})
+    a = write_run(tmp_path / "a.json", {0: [timed("ours", 0.3, 0.3), timed("fla", 1.0)], 1: [timed("ours", 0.2)]})
     b = write_run(tmp_path / "b.json", {0: [timed("ours", 0.3), failed]})
-    rows = compare_runs.compare(compare_runs.read_results(a), compare_runs.read_results(b), min_ms=0.05)
+    rows = compare_runs.compare(compare_runs.read_results(a), compare_runs.read_results(b), min_ms=0.02)
     assert [(c.index, c.side) for c in rows] == [(0, "ours")]
-    assert rows[0].change == pytest.approx(0.0)
+    # Run 2 did not replay it: the graph columns are empty and the row is not judged.
+    assert rows[0].change == pytest.approx(0.0) and rows[0].graph_change is None and not rows[0].judged
 
 
 def test_unreadable_or_disjoint_runs_exit_2(tmp_path: Path, capsys) -> None:
@@ -68,32 +88,3 @@ def test_unreadable_or_disjoint_runs_exit_2(tmp_path: Path, capsys) -> None:
     assert compare_runs.main([str(a), str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
     assert all(len(line) < 300 for line in err.splitlines()) and "share no timed" in err
-
-
-def test_each_runs_gpu_busy_share_is_shown_where_recorded(tmp_path: Path, capsys) -> None:
-    host_bound = timed("fla", 1.0).model_copy(update={"busy_ms": 0.25})
-    a = write_run(tmp_path / "a.json", {0: [host_bound, timed("ours", 0.3)]})
-    b = write_run(tmp_path / "b.json", {0: [timed("fla", 1.0).model_copy(update={"busy_ms": 0.2}), timed("ours", 0.3)]})
-    rows = compare_runs.compare(compare_runs.read_results(a), compare_runs.read_results(b), min_ms=0.05)
-    by_side = {c.side: c for c in rows}
-    fla, ours = by_side["fla"], by_side["ours"]
-    assert (fla.first_busy, fla.second_busy) == (pytest.approx(0.25), pytest.approx(0.2))
-    assert ours.first_busy is None  # a run that predates the busy time
-    compare_runs.main([str(a), str(b)])
-    fla_line = next(line for line in capsys.readouterr().out.splitlines() if " fla " in line)
-    assert "25%" in fla_line and "20%" in fla_line
-
-
-def test_the_busy_time_change_separates_host_time_from_gpu_time(tmp_path: Path, capsys) -> None:
-    # A host-bound side whose span moves 50 % while its GPU work stays put: the table and the last
-    # line say the GPU time repeated.
-    a = write_run(tmp_path / "a.json", {0: [timed("fla", 1.0).model_copy(update={"busy_ms": 0.1})]})
-    b = write_run(tmp_path / "b.json", {0: [timed("fla", 1.5).model_copy(update={"busy_ms": 0.101})]})
-    rows = compare_runs.compare(compare_runs.read_results(a), compare_runs.read_results(b), min_ms=0.05)
-    assert rows[0].busy_change == pytest.approx(0.01) and rows[0].change == pytest.approx(0.5)
-    assert compare_runs.main([str(a), str(b)]) == 1
-    out = capsys.readouterr().out
-    assert "+1.0%" in out and "OVER" in out
-    assert "GPU-busy time of 1 rows within 1.0% between the runs" in out
-    no_busy = write_run(tmp_path / "c.json", {0: [timed("fla", 1.0)]})
-    assert compare_runs.compare(compare_runs.read_results(no_busy), compare_runs.read_results(b), 0.05)[0].busy_change is None

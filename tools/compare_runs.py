@@ -1,20 +1,21 @@
-"""Compare two runs of the same workloads: the runner's repeatability check.
+"""Compare two runs of the same workloads: the repeatability check of a canonical run and its repeat.
 
-    uv run tools/compare_runs.py results/checks/RUN1.json results/checks/RUN2.json [--tolerance 5] [--min-ms 0.05]
+    uv run tools/compare_runs.py results/h200/latest.json results/h200/repeat.json [--tolerance 3] [--geomean 1] [--min-ms 0.02]
 
-For every (track, workload, side) timed in both runs it prints both median latencies, their
-relative difference, each run's spread over trials ((max - min) / median), the share of the span
-in which the GPU was busy and the change of that busy time between the runs (runs that recorded
-it: a low share means host time, and a span that moves while its busy time stays put moved on the
-host). The last line also gives the largest busy-time change of all rows. Rows whose
-latency is below --min-ms in both runs are shown but not judged (the issue's bar applies to
-workloads above 50 us). Exit 1 if any judged row differs by more than --tolerance percent, 2 if
-the files cannot be read or share no timed row, 0 otherwise.
+For every (track, workload, side) timed in both runs it prints the eager span of each run with its
+spread over trials ((max - min) / median), and, where both runs replayed the side from a CUDA graph,
+the graph span and the graph GPU-busy time of each and their changes. Judged: the graph span and the
+graph busy time of each row whose graph span is at least --min-ms (20 us) in either run must change
+by at most --tolerance percent (3), and per side the geometric mean of the graph spans' ratios by at
+most --geomean percent (1). Eager spans, which carry the host's launch gaps, are shown with their
+spread and not judged; neither is the reference, which is timed eagerly only. Exit 1 if a judged
+row or a side's mean is over, 2 if the files cannot be read or share no timed row, 0 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from hopperbench.results import ResultsFile, SideResult, read_results
 
 @dataclass(frozen=True)
 class Comparison:
+    """One (track, workload, side) timed in both runs."""
+
     track: str
     index: int
     uuid: str
@@ -35,17 +38,37 @@ class Comparison:
     second_ms: float
     first_spread: float
     second_spread: float
-    judged: bool
-    # busy_ms / latency_ms of each run; None where the run predates the busy time.
-    first_busy: float | None = None
-    second_busy: float | None = None
-    # (second busy_ms - first busy_ms) / first busy_ms; None unless both runs recorded it.
-    busy_change: float | None = None
+    # Graph span and graph busy time of each run; None unless both runs replayed the side.
+    first_graph_ms: float | None = None
+    second_graph_ms: float | None = None
+    first_graph_busy_ms: float | None = None
+    second_graph_busy_ms: float | None = None
+    # Whether the row's graph numbers are judged (both replayed, span >= --min-ms in either run).
+    judged: bool = False
 
     @property
     def change(self) -> float:
-        """(second - first) / first."""
+        """Eager span: (second - first) / first."""
         return (self.second_ms - self.first_ms) / self.first_ms
+
+    @property
+    def graph_change(self) -> float | None:
+        return _relative(self.first_graph_ms, self.second_graph_ms)
+
+    @property
+    def graph_busy_change(self) -> float | None:
+        return _relative(self.first_graph_busy_ms, self.second_graph_busy_ms)
+
+    def over(self, tolerance: float) -> bool:
+        """A judged row whose graph span or graph busy time moved by more than `tolerance` (a fraction)."""
+        changes = (self.graph_change, self.graph_busy_change)
+        return self.judged and any(c is not None and abs(c) > tolerance for c in changes)
+
+
+def _relative(first: float | None, second: float | None) -> float | None:
+    if first is None or second is None or first <= 0:
+        return None
+    return (second - first) / first
 
 
 def _spread(result: SideResult) -> float:
@@ -53,18 +76,6 @@ def _spread(result: SideResult) -> float:
     if result.min_ms is None or result.max_ms is None:
         return 0.0
     return (result.max_ms - result.min_ms) / result.latency_ms
-
-
-def _busy_share(result: SideResult) -> float | None:
-    if result.busy_ms is None or not result.latency_ms:
-        return None
-    return result.busy_ms / result.latency_ms
-
-
-def _busy_change(a: SideResult, b: SideResult) -> float | None:
-    if not a.busy_ms or b.busy_ms is None:
-        return None
-    return (b.busy_ms - a.busy_ms) / a.busy_ms
 
 
 def compare(first: ResultsFile, second: ResultsFile, min_ms: float) -> list[Comparison]:
@@ -80,6 +91,7 @@ def compare(first: ResultsFile, second: ResultsFile, min_ms: float) -> list[Comp
             if b is None or not (a.timed and b.timed):
                 continue
             assert a.latency_ms is not None and b.latency_ms is not None
+            graph = a.graph_timed and b.graph_timed
             out.append(
                 Comparison(
                     track=row.track,
@@ -90,17 +102,39 @@ def compare(first: ResultsFile, second: ResultsFile, min_ms: float) -> list[Comp
                     second_ms=b.latency_ms,
                     first_spread=_spread(a),
                     second_spread=_spread(b),
-                    judged=max(a.latency_ms, b.latency_ms) >= min_ms,
-                    first_busy=_busy_share(a),
-                    second_busy=_busy_share(b),
-                    busy_change=_busy_change(a, b),
+                    first_graph_ms=a.graph_ms if graph else None,
+                    second_graph_ms=b.graph_ms if graph else None,
+                    first_graph_busy_ms=a.graph_busy_ms if graph else None,
+                    second_graph_busy_ms=b.graph_busy_ms if graph else None,
+                    judged=graph and max(a.graph_ms or 0.0, b.graph_ms or 0.0) >= min_ms,
                 )
             )
     return out
 
 
-def _share(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
+@dataclass(frozen=True)
+class SideMean:
+    """A side's geometric mean of second / first graph span over its judged rows, minus one."""
+
+    track: str
+    side: str
+    rows: int
+    change: float
+
+
+def side_means(rows: Sequence[Comparison]) -> list[SideMean]:
+    groups: dict[tuple[str, str], list[float]] = {}
+    for c in rows:
+        if c.judged and c.first_graph_ms and c.second_graph_ms:
+            groups.setdefault((c.track, c.side), []).append(c.second_graph_ms / c.first_graph_ms)
+    return [
+        SideMean(track, side, len(ratios), math.exp(sum(map(math.log, ratios)) / len(ratios)) - 1)
+        for (track, side), ratios in groups.items()
+    ]
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
 
 
 def _signed(value: float | None) -> str:
@@ -108,24 +142,30 @@ def _signed(value: float | None) -> str:
 
 
 def format_table(rows: Sequence[Comparison], tolerance: float) -> str:
-    lines = [f"{'track':14} {'#':>3} {'side':18} {'run 1 ms':>10} {'run 2 ms':>10} {'change':>8} "
-             f"{'spread 1':>8} {'spread 2':>8} {'busy 1':>6} {'busy 2':>6} {'busy chg':>8}  verdict"]  # fmt: skip
+    lines = [f"{'track':14} {'#':>3} {'side':18} {'eager 1':>9} {'eager 2':>9} {'change':>7} {'spread 1':>8} "
+             f"{'spread 2':>8} {'graph 1':>9} {'graph 2':>9} {'change':>7} {'busy chg':>8}  verdict"]  # fmt: skip
     for c in rows:
-        verdict = "not judged (fast)" if not c.judged else ("ok" if abs(c.change) * 100 <= tolerance else "OVER")
+        if c.first_graph_ms is None:
+            verdict = "eager only (not judged)"
+        elif not c.judged:
+            verdict = "not judged (fast)"
+        else:
+            verdict = "OVER" if c.over(tolerance) else "ok"
         lines.append(
-            f"{c.track:14} {c.index:>3} {c.side:18} {c.first_ms:>10.4g} {c.second_ms:>10.4g} {c.change:>+8.1%} "
-            f"{c.first_spread:>8.1%} {c.second_spread:>8.1%} {_share(c.first_busy):>6} {_share(c.second_busy):>6}"
-            f" {_signed(c.busy_change):>8}  {verdict}"
+            f"{c.track:14} {c.index:>3} {c.side:18} {c.first_ms:>9.4g} {c.second_ms:>9.4g} {c.change:>+7.1%} "
+            f"{c.first_spread:>8.1%} {c.second_spread:>8.1%} {_ms(c.first_graph_ms):>9} {_ms(c.second_graph_ms):>9} "
+            f"{_signed(c.graph_change):>7} {_signed(c.graph_busy_change):>8}  {verdict}"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("first", type=Path)
     parser.add_argument("second", type=Path)
-    parser.add_argument("--tolerance", type=float, default=5.0, help="allowed change in percent (default 5)")
-    parser.add_argument("--min-ms", type=float, default=0.05, help="judge only rows at least this slow (default 0.05)")
+    parser.add_argument("--tolerance", type=float, default=3.0, help="per-row change allowed, percent (default 3)")
+    parser.add_argument("--geomean", type=float, default=1.0, help="per-side mean change allowed, percent (default 1)")
+    parser.add_argument("--min-ms", type=float, default=0.02, help="judge rows whose graph span reaches this (0.02)")
     args = parser.parse_args(argv)
     try:
         first, second = read_results(args.first), read_results(args.second)
@@ -136,15 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print("compare_runs: the two runs share no timed (workload, side)", file=sys.stderr)
         return 2
-    print(format_table(rows, args.tolerance))
-    over = [c for c in rows if c.judged and abs(c.change) * 100 > args.tolerance]
-    judged = sum(c.judged for c in rows)
-    print(f"{judged - len(over)} of {judged} judged rows within {args.tolerance:g} %"
+    tolerance = args.tolerance / 100
+    print(format_table(rows, tolerance))
+    judged = [c for c in rows if c.judged]
+    over = [c for c in judged if c.over(tolerance)]
+    print(f"{len(judged) - len(over)} of {len(judged)} judged rows: graph span and busy time within {args.tolerance:g} %"
           + (f"; over: {', '.join(sorted({c.side for c in over}))}" if over else ""))  # fmt: skip
-    busy_changes = [abs(c.busy_change) for c in rows if c.busy_change is not None]
-    if busy_changes:
-        print(f"GPU-busy time of {len(busy_changes)} rows within {max(busy_changes):.1%} between the runs")
-    return 1 if over else 0
+    means = side_means(rows)
+    over_means = [m for m in means if abs(m.change) * 100 > args.geomean]
+    for m in means:
+        verdict = "OVER" if m in over_means else "ok"
+        print(f"{m.track} {m.side}: graph span geomean change {m.change:+.2%} over {m.rows} rows ({verdict})")
+    return 1 if over or over_means else 0
 
 
 if __name__ == "__main__":

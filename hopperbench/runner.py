@@ -13,11 +13,10 @@ workload first because the others are checked against its stored outputs.
 
 Worker processes are forked from a warm server per device that has already imported
 torch, triton, flashinfer_bench, ... (`hopperbench.worker_pool`, whose docstring states
-the isolation guarantees) and has built and compiled our kernel and the named candidates
-of every planned track that still has jobs (`hopperbench.prebuild`, one warm call per side;
-one that cannot run safely in the server is skipped, and its jobs compile for themselves);
+the isolation guarantees), one long-lived process per track and side (a session) that
+builds and compiles its side on its first job and runs all of that side's jobs;
 `--no-preload` starts a fresh interpreter per job instead, which builds and compiles itself.
-Either way workers get CUTE_DSL_ARCH=sm_90a unless it is set (`hopperbench.prebuild.WORKER_ENV`),
+Either way workers get CUTE_DSL_ARCH=sm_90a unless it is set (`WORKER_DEFAULTS`),
 so that no CuTe-DSL compile asks the CUDA driver for the architecture.
 Each device's workers are pinned to their own share of the CPU cores (`--no-pin-cpus`
 turns that off); the shares are recorded in the environment record.
@@ -54,7 +53,6 @@ from typing import Any
 
 from hopperbench.environment import EnvironmentRecord, EnvironmentRequest, collect_environment, guard_summary
 from hopperbench.paths import BENCHMARK_DATA_DIR, REPO_ROOT
-from hopperbench.prebuild import PREBUILD_TARGET, PREBUILT_KINDS, WORKER_ENV
 from hopperbench.results import (
     GraphStatus,
     Journal,
@@ -86,7 +84,6 @@ from hopperbench.worker_pool import (
     Launcher,
     LaunchStopped,
     SubprocessLauncher,
-    WarmCall,
     WorkerPoolError,
     available_cpus,
     describe_exit,
@@ -337,8 +334,6 @@ class RunnerHooks:
     # What each device's fork server imports before it forks jobs.
     preload_modules: tuple[str, ...] = DEFAULT_PRELOAD
     preload_if_fork_safe: tuple[str, ...] = DEFAULT_PRELOAD_IF_FORK_SAFE
-    # The fork server's warm call for each kernel side of ours (called with [track, side]).
-    prebuild_target: str = PREBUILD_TARGET
     available_cpus: Callable[[], set[int]] = available_cpus
     physical_cores: Callable[[set[int]], list[list[int]]] = physical_cores
 
@@ -640,11 +635,14 @@ def _reference_timing(track: Track, args: argparse.Namespace, wanted_sides: set[
 
 
 # Set for every worker unless the caller's environment sets them (and recorded in the results):
-# the CuTe-DSL architecture, so that compiling (in the fork server's warm calls, or in a job) never
-# probes the driver for it, the value an H200 reports. Triton's on-disk autotuning cache is left
-# off: its key omits the token count for some libraries (fla), so it would carry one shape's choice
-# into every later process; each side's process autotunes in its warm-up call instead.
-WORKER_DEFAULTS = {**WORKER_ENV}
+# the CuTe-DSL architecture all our kernels compile for (each kernel's GPU_ARCH), the value an H200
+# reports. Without CUTE_DSL_ARCH in the environment when cutlass is imported, CuTe-DSL detects the
+# architecture on its first compile by calling cuInit; with it, a compile never touches the CUDA
+# driver (a process that called cuInit cannot fork CUDA-capable children, see worker_pool).
+# Triton's on-disk autotuning cache is left off: its key omits the token count for some libraries
+# (fla), so it would carry one shape's choice into every later process; each side's process
+# autotunes in its warm-up call instead.
+WORKER_DEFAULTS = {"CUTE_DSL_ARCH": "sm_90a"}
 
 
 def worker_settings() -> dict[str, str]:
@@ -685,24 +683,10 @@ def make_launcher(plan: RunPlan, slot: int, hooks: RunnerHooks) -> Launcher:
         hooks.worker_cwd,
         cpus,
         log_path=plan.logs_dir / f"fork-server-{_slot_label(cuda_visible)}.log",
-        # The imports a fresh worker would do inside its own timeout (the launcher adds room per warm call).
+        # The imports a fresh worker would do inside its own timeout.
         startup_timeout=max(plan.timeout, 60.0),
         preload_if_fork_safe=hooks.preload_if_fork_safe,
-        warm_calls=kernel_warm_calls(plan, hooks.prebuild_target),
     )
-
-
-def kernel_warm_calls(plan: RunPlan, target: str) -> list[WarmCall]:
-    """One warm call per planned kernel side of ours (ours, or a candidate the run names) that is
-    available and still has a job to run; a resumed run does not compile what it will not time."""
-    return [
-        WarmCall(target=target, args=[tp.track.name, side.name])
-        for tp in plan.tracks
-        for side in tp.sides
-        if side.kind in PREBUILT_KINDS
-        and side.available
-        and any((tp.track.name, w.uuid, side.name) not in plan.finished for w in tp.workloads)
-    ]
 
 
 def execute_job(job: WorkerJob, launcher: Launcher, timeout: float, logs_dir: Path) -> SideResult:

@@ -10,32 +10,32 @@ how it ended as a `JobExit`:
 - `ForkServerLauncher` keeps one long-lived server process per device (this module run as
   `python -m hopperbench.worker_pool CONFIG_JSON`), started with that device's environment
   (CUDA_VISIBLE_DEVICES) and CPU cores. The server imports the heavy modules once, checks
-  that doing so did not initialise CUDA, runs its warm calls (deterministic steps that every
-  job would otherwise repeat, such as building and compiling our kernels: `hopperbench.prebuild`),
-  and then `os.fork()`s its children: one per job, or, for jobs that name a `session` (the
-  runner names one per track and side), one per session that runs the session's jobs one after
-  another, as a serving process calls a library again and again.
+  that doing so did not initialise CUDA, and then `os.fork()`s its children: one per job, or,
+  for jobs that name a `session` (the runner names one per track and side), one per session
+  that runs the session's jobs one after another, as a serving process calls a library again
+  and again. A session builds and compiles its side on its first job and keeps the result for
+  the rest, so the server itself never builds or compiles anything.
 
 Isolation guarantees of the fork server, and where they differ from a fresh process:
 
-- One side, one process. The server never runs job code: it only imports modules and runs its
-  warm calls, which are fixed by its configuration when it starts and do the same for every job
-  (build a side with flashinfer-bench and compile its kernels; no inputs, no timing). Every child
-  starts from that state. A session child keeps what its jobs leave (compiled kernels, autotuning
-  choices, module caches, its CUDA context): the same side's next workload finds its library warm,
-  as in a serving engine, while nothing of one side reaches another side's process. A job whose
-  worker exits non-zero (ours does after an exception in the side's call or replay, which may
-  leave a sticky CUDA error) ends its session; the next job of that side gets a fresh child. At
-  most MAX_SESSIONS sessions live at once (the one used longest ago ends first); each job's
-  worker empties its CUDA memory pool when it ends, so an idle session holds little memory.
+- One side, one process. The server never runs job code: it only imports the modules named by
+  its configuration when it starts, the same for every job (no side is built, no kernel
+  compiled, no input made). Every child starts from that state. A session child keeps what its
+  jobs leave (built sides, compiled kernels, autotuning choices, module caches, its CUDA
+  context): the same side's next workload finds its library warm, as in a serving engine, while
+  nothing of one side reaches another side's process. A job whose worker exits non-zero (ours
+  does after an exception in the side's call or replay, which may leave a sticky CUDA error)
+  ends its session; the next job of that side gets a fresh child. At most MAX_SESSIONS sessions
+  live at once (the one used longest ago ends first); each job's worker empties its CUDA memory
+  pool when it ends, so an idle session holds little memory.
 - No CUDA in the server. CUDA cannot survive a fork; the server refuses to start (and to
   fork) if `torch.cuda.is_initialized()` is true, or if the CUDA driver library is loaded
   and a canary child cannot initialise it (a bare cuInit, as `torch.cuda.is_available()`
   does, also breaks forked children), so each child creates its own context. An optional
-  import and every warm call run first in a forked probe child, which must leave CUDA in that
-  state (and not fail, crash, or run past PROBE_TIMEOUT_S); only then does the server run them
-  itself, and it checks CUDA again after the warm calls. A warm call that fails its probe is
-  skipped (Ready.skipped and the server's log line say why) and its jobs do the work themselves.
+  import (`preload_if_fork_safe`) runs first in a forked probe child, which must leave CUDA in
+  that state (and not fail, crash, or run past PROBE_TIMEOUT_S); only then does the server import
+  it itself. One that fails its probe is skipped (Ready.skipped and the server's log line say
+  why) and the jobs that need it import it themselves.
 - A crash, an illegal address or a hang stays the job's (and its session's). The child leads
   its own process group (set by both the server and the child, so there is no window in which
   it is not); a timeout kills that whole group, compilers it spawned included. The server reports
@@ -45,13 +45,12 @@ Isolation guarantees of the fork server, and where they differ from a fresh proc
   kills the running child's group and exits. If the server dies (or is killed to stop or
   replace it), its children get SIGKILL (parent-death signal); a running job is reported as
   a crash and the next job starts a new server.
-- What is shared: the environment, the working directory, the CPU affinity and the imported
-  modules as they were when the server started (a module file edited during a run is not
-  re-read until the next run), what the warm calls left in memory (built modules, compiled
-  kernels, in-process caches; a kernel file edited during a run changes its solution hash, so
-  its jobs build and compile it themselves), and atexit handlers registered while importing
-  or warming (each child runs them at exit, as a fresh process would). Python's `random` is
-  reseeded in each child by Python itself; the job's inputs are seeded explicitly anyway.
+- What is shared: the environment, the working directory, the CPU affinity, the imported
+  modules as they were when the server started (a preloaded module file edited during a run is
+  not re-read until the next run; kernel files are not preloaded, each session builds its own
+  side), and atexit handlers registered while importing (each child runs them at exit, as a
+  fresh process would). Python's `random` is reseeded in each child by Python itself; the job's
+  inputs are seeded explicitly anyway.
   What the server holds is frozen for Python's cyclic collector (gc.freeze) before it forks.
 
 Both launchers start their processes pinned to a set of CPU cores (`split_cpus` gives
@@ -116,9 +115,8 @@ DEFAULT_PRELOAD_IF_FORK_SAFE = ("cutlass.cute", "torch._dynamo")
 MAX_SESSIONS = 6
 # How long a live server may take to acknowledge a fork or report a killed child.
 CONTROL_TIMEOUT_S = 30.0
-# How long a probe child may take (an import, or a warm call such as a kernel compile) before it
-# is killed and what it probed is left to the jobs. Our slowest compile_only() takes ~9 s on a
-# 2-core CPU machine; the bound only caps what a hang could cost a session's device time.
+# How long a probe child may take (an optional import, ~3 s each) before it is killed and the
+# import is left to the jobs; the bound only caps what a hang could cost a session's device time.
 PROBE_TIMEOUT_S = 120.0
 
 
@@ -342,21 +340,6 @@ class SubprocessLauncher:
 # The fork server's protocol: JSON lines, requests on its stdin, replies on its stdout
 
 
-class WarmCall(BaseModel):
-    """A deterministic step (a build, a compile) that the server runs once so that every job it
-    forks inherits the result: `target` is `package.module:function`, called with `args`."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    target: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-    args: list[str] = Field(default_factory=list)
-
-    @property
-    def label(self) -> str:
-        """How Ready and the server's log name this call."""
-        return f"{self.target}({', '.join(self.args)})"
-
-
 class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -364,8 +347,6 @@ class ServerConfig(BaseModel):
     worker_argv: list[str] = Field(min_length=1)
     preload: list[str] = Field(default_factory=list)
     preload_if_fork_safe: list[str] = Field(default_factory=list)
-    # Run after the preloads, each only if a probe child shows that it leaves CUDA usable in a fork.
-    warm_calls: list[WarmCall] = Field(default_factory=list)
 
 
 class Ready(BaseModel):
@@ -373,9 +354,8 @@ class Ready(BaseModel):
     pid: int
     preloaded: list[str]
     failed: dict[str, str]  # module -> one-line error
-    # Optional module or warm call (its label) -> why the server left it to the jobs.
+    # Optional module (preload_if_fork_safe) -> why the server left it to the jobs.
     skipped: dict[str, str] = Field(default_factory=dict)
-    warmed: list[str] = Field(default_factory=list)  # labels of the warm calls the server ran
     threads: int  # OS threads of the server when it starts forking
     seconds: float
 
@@ -456,9 +436,8 @@ class ForkServerLauncher:
         log_path: Path,
         startup_timeout: float,
         preload_if_fork_safe: Sequence[str] = (),
-        warm_calls: Sequence[WarmCall] = (),
     ) -> None:
-        """`startup_timeout` covers the imports; each warm call adds room for its probe and its run."""
+        """`startup_timeout` covers the imports."""
         if len(worker_command) < 2:
             raise WorkerPoolError(f"worker command {list(worker_command)} has no module or script to fork")
         self.interpreter = worker_command[0]
@@ -466,13 +445,12 @@ class ForkServerLauncher:
             worker_argv=list(worker_command[1:]),
             preload=list(preload),
             preload_if_fork_safe=list(preload_if_fork_safe),
-            warm_calls=list(warm_calls),
         )
         self.env = dict(env)
         self.cwd = cwd
         self.cpus = cpus
         self.log_path = log_path
-        self.startup_timeout = startup_timeout + 2 * PROBE_TIMEOUT_S * len(self.config.warm_calls)
+        self.startup_timeout = startup_timeout
         self.ready: Ready | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._replies: _LineReader | None = None
@@ -792,35 +770,6 @@ def _preload_if_fork_safe(modules: Sequence[str]) -> tuple[list[str], dict[str, 
     return loaded, skipped
 
 
-def _resolve_target(target: str) -> Callable[..., object]:
-    module_name, _, function = target.partition(":")
-    return getattr(importlib.import_module(module_name), function)
-
-
-def _warm_call_probe(call: WarmCall) -> str | None:
-    """Why running `call` here would break CUDA in forked children, or None if it would not."""
-    return _probe_in_child(lambda: _resolve_target(call.target)(*call.args), "calling it", "calling it failed")
-
-
-def _run_warm_calls(calls: Sequence[WarmCall]) -> tuple[list[str], dict[str, str]]:
-    """Each call that its probe child ran cleanly, run again in the server; the labels of those
-    that ran, and why the others were left to the jobs (which then do the work themselves)."""
-    warmed, skipped = [], {}
-    for call in calls:
-        why = _warm_call_probe(call)
-        if why is None:
-            try:
-                _resolve_target(call.target)(*call.args)
-            except Exception as e:  # it passed its probe; what it left undone, the jobs do themselves
-                traceback.print_exc()
-                why = f"it raised in the server after a clean probe: {_one_line(e)}"
-        if why is None:
-            warmed.append(call.label)
-        else:
-            skipped[call.label] = why
-    return warmed, skipped
-
-
 def _exit_code(code: object) -> int:
     """What the interpreter would exit with for `sys.exit(code)`."""
     if code is None:
@@ -1029,19 +978,8 @@ def serve(config: ServerConfig) -> int:
         return 3
     optional, skipped = _preload_if_fork_safe(config.preload_if_fork_safe)
     loaded += optional
-    imported = time.monotonic()
-    warmed, cold = _run_warm_calls(config.warm_calls)
-    skipped.update(cold)
-    if config.warm_calls:
-        # Each call passed its probe, but the server ran it again: check what the probes checked.
-        poisoned = "a warm call initialised CUDA in the server" if _cuda_initialized() else _fork_poisoned()
-        if poisoned is not None:
-            _send(replies, Refused(reason=f"after the warm calls, {poisoned}"))
-            return 3
     seconds = time.monotonic() - began
-    report = f"preloaded {len(loaded)} modules in {imported - began:.1f} s"
-    if warmed:
-        report += f"; warmed {', '.join(warmed)} in {seconds - (imported - began):.1f} s"
+    report = f"preloaded {len(loaded)} modules in {seconds:.1f} s"
     report += f"; could not import {', '.join(failed)}" if failed else ""
     report += "".join(f"; left {name} to the jobs: {why}" for name, why in skipped.items())
     print(f"worker fork server {os.getpid()}: {report}", file=sys.stderr, flush=True)
@@ -1050,13 +988,12 @@ def serve(config: ServerConfig) -> int:
         preloaded=loaded,
         failed=failed,
         skipped=skipped,
-        warmed=warmed,
         threads=_os_threads(),
         seconds=seconds,
     )
     _send(replies, ready)
 
-    # What the imports and warm calls left is never garbage: later collections (the timer runs one
+    # What the imports left is never garbage: later collections (the timer runs one
     # before each trial) skip it, and forked children do not copy its pages by touching them.
     gc.collect()
     gc.freeze()

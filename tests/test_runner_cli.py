@@ -37,7 +37,8 @@ FAKE_WORKER = textwrap.dedent(
         log.write(json.dumps({"side": side, "uuid": uuid, "iterations": job["iterations"],
                               "time_budget_s": job.get("time_budget_s"),
                               "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                              "cute_arch": os.environ.get("CUTE_DSL_ARCH"), "ppid": os.getppid(),
+                              "cute_arch": os.environ.get("CUTE_DSL_ARCH"), "pid": os.getpid(),
+                              "ppid": os.getppid(),
                               "cpus": sorted(os.sched_getaffinity(0)),
                               "warmup": (job.get("warmup_workload") or {}).get("uuid")}) + "\\n")
     mode = os.environ.get("FAKE_WORKER_MODE", "")
@@ -70,28 +71,13 @@ def fake_sides(track, ctx) -> list[Side]:
     ]
 
 
-# A stand-in for hopperbench.prebuild's warm call: records where it ran (the fork server, or its
-# probe child) instead of compiling a real kernel.
-WARM_RECORD = textwrap.dedent(
-    """
-    import json, os
-
-    def record(track, side):
-        with open(os.environ["WARM_RECORD_LOG"], "a") as log:
-            log.write(json.dumps({"track": track, "side": side, "pid": os.getpid()}) + "\\n")
-    """
-)
-
-
 @pytest.fixture
 def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RunnerHooks:
     script = tmp_path / "fake_worker.py"
     script.write_text(FAKE_WORKER)
-    (tmp_path / "warm_record.py").write_text(WARM_RECORD)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("FAKE_WORKER_LOG", str(tmp_path / "calls.jsonl"))
     monkeypatch.setenv("FAKE_WORKER_CHILD", str(tmp_path / "child.pid"))
-    monkeypatch.setenv("WARM_RECORD_LOG", str(tmp_path / "warm.jsonl"))
     monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
     return RunnerHooks(
         worker_command=(sys.executable, str(script)),
@@ -103,7 +89,6 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RunnerHooks:
         show_progress=False,
         preload_modules=(),  # the fork server's imports are tested in test_worker_pool.py
         preload_if_fork_safe=(),
-        prebuild_target="warm_record:record",
     )
 
 
@@ -731,63 +716,35 @@ def test_candidates_run_only_when_named_and_never_count_as_a_reference(
 
 
 # ------------------------------------------------------------------------------------------
-# Warm calls: our kernels are built and compiled once per fork server
+# Worker processes: one session per side in the fork server, CUTE_DSL_ARCH for every worker
 
 
-def warm_calls_seen(tmp_path: Path) -> list[dict]:
-    log = tmp_path / "warm.jsonl"
-    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-
-
-def test_fork_server_prebuilds_ours_and_named_candidates_once_per_server(
-    fake: RunnerHooks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_each_side_runs_its_jobs_in_one_process_of_its_own(
+    fake: RunnerHooks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launch
 ) -> None:
     name = "cand_next"
     hooks = with_moe_candidate(fake, monkeypatch, name)
-    assert main(run_args(tmp_path / "default.json"), hooks) == 0
-    # A default run: only ours (not the unnamed candidate, nor human or reference), in a probe
-    # child and then in the server that forked every job.
-    warm, jobs = warm_calls_seen(tmp_path), calls(tmp_path)
-    assert {(w["track"], w["side"]) for w in warm} == {("moe", "ours")} and len(warm) == 2
-    server = {j["ppid"] for j in jobs}
-    assert len(server) == 1 and server <= {w["pid"] for w in warm}
-    assert {j["cute_arch"] for j in jobs} == {"sm_90a"}  # compiles never ask the driver for it
-
-    (tmp_path / "warm.jsonl").unlink()
-    out = tmp_path / "named.json"
-    assert main(run_args(out, "--sides", f"ours,reference,{name}"), hooks) == 0
-    warmed = sorted((w["track"], w["side"]) for w in warm_calls_seen(tmp_path))
-    assert warmed == [("moe", name), ("moe", name), ("moe", "ours"), ("moe", "ours")]  # probe child, then server
-
-    # Resumed with only the candidate's jobs left: ours is not compiled again.
-    journal = Journal(Journal.path_for(out))
-    lines = journal.path.read_text().splitlines()
-    journal.path.write_text("\n".join(line for line in lines if f'"side":"{name}"' not in line) + "\n")
-    out.unlink()
-    (tmp_path / "warm.jsonl").unlink()
-    assert main(run_args(out, "--sides", f"ours,reference,{name}", "--resume"), hooks) == 0
-    assert {(w["track"], w["side"]) for w in warm_calls_seen(tmp_path)} == {("moe", name)}
+    sides = f"ours,reference,{name}"
+    assert main(run_args(tmp_path / "results.json", "--max-workloads", "3", "--sides", sides, *launch), hooks) == 0
+    jobs = calls(tmp_path)
+    assert len(jobs) == 9 and {j["cute_arch"] for j in jobs} == {"sm_90a"}  # compiles never ask the driver for it
+    pids = {side: {j["pid"] for j in jobs if j["side"] == side} for side in ("reference", "ours", name)}
+    if launch:  # --no-preload: a fresh process per job
+        assert all(len(p) == 3 for p in pids.values()) and len(set.union(*pids.values())) == 9
+    else:  # a session per (track, side), all forked by the device's one fork server
+        assert all(len(p) == 1 for p in pids.values()) and len(set.union(*pids.values())) == 3
+        assert len({j["ppid"] for j in jobs}) == 1
 
 
-def test_no_preload_and_unavailable_sides_get_no_warm_calls(fake: RunnerHooks, tmp_path: Path) -> None:
-    assert main(run_args(tmp_path / "fresh.json", "--no-preload"), fake) == 0
-    assert warm_calls_seen(tmp_path) == [] and calls(tmp_path)
-
-    def ours_missing(track, ctx) -> list[Side]:
-        ours = Side(name="ours", kind=SideKind.OURS, track=track.name, available=False, reason="no kernel")
-        return [ours, *fake_sides(track, ctx)[1:]]
-
-    assert main(run_args(tmp_path / "missing.json"), replace(fake, sides_for=ours_missing)) == 0
-    assert warm_calls_seen(tmp_path) == []
-
-
-def test_a_failing_warm_call_leaves_the_compile_to_the_jobs(fake: RunnerHooks, tmp_path: Path) -> None:
+def test_a_caller_set_cute_dsl_arch_reaches_the_workers(
+    fake: RunnerHooks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90")
     out = tmp_path / "results.json"
-    hooks = replace(fake, prebuild_target="warm_record:no_such_function")
-    assert main(run_args(out, "--max-workloads", "1"), hooks) == 0
-    assert read_results(out).rows[0].sides["ours"].status == Status.PASSED
-    log = (tmp_path / "results.logs" / "fork-server-inherited.log").read_text()
-    assert "left warm_record:no_such_function(moe, ours) to the jobs: calling it failed: AttributeError" in log
+    assert main(run_args(out), fake) == 0
+    assert {j["cute_arch"] for j in calls(tmp_path)} == {"sm_90"}
+    assert read_results(out).environment.worker_env == {"CUTE_DSL_ARCH": "sm_90"}
 
 
 def test_a_job_killed_during_its_graph_replays_keeps_its_checkpointed_eager_result(tmp_path: Path) -> None:

@@ -263,3 +263,16 @@ def test_side_round_trips_through_a_job_file(tmp_path: Path) -> None:
     side = Side(name="ours", kind=SideKind.OURS, track="moe", available=True, source_dir=tmp_path, files=("kernel.py",),
                 entry_point="kernel.py::run")  # fmt: skip
     assert Side.model_validate_json(side.model_dump_json()) == side
+
+
+def test_our_kernels_compile_for_the_architecture_the_runner_gives_cute_dsl() -> None:
+    """Each track's kernel module compiles for the CUTE_DSL_ARCH that workers get (WORKER_DEFAULTS)."""
+    import sys
+
+    from hopperbench.definitions import load_definition
+    from hopperbench.runner import WORKER_DEFAULTS
+
+    for track in TRACKS.values():
+        (ours,) = [side for side in sides_for(track) if side.name == "ours"]
+        module = sys.modules[ours.build(load_definition(track)).metadata.misc["module_name"]]
+        assert module.GPU_ARCH == WORKER_DEFAULTS["CUTE_DSL_ARCH"], track.name

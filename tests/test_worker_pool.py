@@ -17,7 +17,6 @@ import pytest
 
 from hopperbench.worker_pool import (
     DEFAULT_PRELOAD,
-    PROBE_TIMEOUT_S,
     CpuSplitError,
     ForkServerLauncher,
     MAX_SESSIONS,
@@ -25,7 +24,6 @@ from hopperbench.worker_pool import (
     LaunchStopped,
     ServerConfig,
     SubprocessLauncher,
-    WarmCall,
     WorkerPoolError,
     cuda_driver_mapped,
     parse_cpu_list,
@@ -58,9 +56,6 @@ FAKE_JOB = textwrap.dedent(
         import pool_probe
         pool_probe.STATE.append(os.getpid())
         seen["probe_state"] = list(pool_probe.STATE)
-    if job["mode"] == "warm":
-        import warm_target
-        seen["warm_state"] = warm_target.STATE
     if job["mode"] == "torch":
         import torch
         seen["torch_preloaded"] = True
@@ -82,7 +77,6 @@ def fork_server(
     workdir: Path,
     preload: tuple[str, ...] = ("pool_probe",),
     cpus: list[int] | None = None,
-    warm_calls: tuple[WarmCall, ...] = (),
 ) -> ForkServerLauncher:
     return ForkServerLauncher(
         [sys.executable, str(workdir / "job.py")],
@@ -92,7 +86,6 @@ def fork_server(
         cpus=cpus,
         log_path=workdir / "server.log",
         startup_timeout=60,
-        warm_calls=warm_calls,
     )
 
 
@@ -487,70 +480,6 @@ def test_optional_preload_takes_a_fork_safe_module_and_skips_a_cuda_touching_one
         server.close()
 
 
-# ------------------------------------------------------------------------------------------
-# Warm calls
-
-WARM_TARGET = textwrap.dedent(
-    """
-    import os
-    STATE = []
-
-    def warm(*args):
-        STATE.append([os.getpid(), *args])
-
-    def explode():
-        raise RuntimeError("no compiler here\\nsecond line")
-
-    def claim_cuda():
-        # What a compile that initialises CUDA looks like to the probe: torch says CUDA is up.
-        import torch
-        torch.cuda.is_initialized = lambda: True
-    """
-)
-
-
-def warm_call(function: str, *args: str) -> WarmCall:
-    return WarmCall(target=f"warm_target:{function}", args=list(args))
-
-
-def test_a_warm_call_runs_in_the_server_and_every_job_inherits_its_result(workdir: Path) -> None:
-    (workdir / "warm_target.py").write_text(WARM_TARGET)
-    server = fork_server(workdir, warm_calls=(warm_call("warm", "gdn_prefill", "ours"),))
-    try:
-        first, second = job_files(workdir, "warm", "first"), job_files(workdir, "warm", "second")
-        for files in (first, second):
-            assert server.run(files, timeout=30).returncode == 0
-        assert server.ready is not None
-        assert server.ready.warmed == ["warm_target:warm(gdn_prefill, ours)"] and server.ready.skipped == {}
-        # Called once in the server itself (its probe child's call stays in the probe), seen by both jobs.
-        expected = [[server.ready.pid, "gdn_prefill", "ours"]]
-        assert seen(first)["warm_state"] == seen(second)["warm_state"] == expected
-        assert "warmed warm_target:warm(gdn_prefill, ours) in" in (workdir / "server.log").read_text()
-    finally:
-        server.close()
-
-
-def test_a_failing_or_cuda_touching_warm_call_is_skipped_and_the_server_still_serves(workdir: Path) -> None:
-    (workdir / "warm_target.py").write_text(WARM_TARGET)
-    calls = (warm_call("explode"), warm_call("claim_cuda"), warm_call("warm", "after"))
-    server = fork_server(workdir, warm_calls=calls)
-    try:
-        files = job_files(workdir, "warm")
-        assert server.run(files, timeout=30).returncode == 0
-        assert server.ready is not None
-        assert server.ready.skipped == {
-            "warm_target:explode()": "calling it failed: RuntimeError: no compiler here",
-            "warm_target:claim_cuda()": "calling it initialised CUDA",
-        }
-        assert server.ready.warmed == ["warm_target:warm(after)"]  # a skip does not stop the others
-        assert seen(files)["warm_state"] == [[server.ready.pid, "after"]]
-        log = (workdir / "server.log").read_text()
-        assert "left warm_target:claim_cuda() to the jobs: calling it initialised CUDA" in log
-        assert "RuntimeError: no compiler here" in log  # the probe's traceback, for whoever reads why
-    finally:
-        server.close()
-
-
 # Probes fork: run them in a fresh single-threaded interpreter, as in the server, not in pytest's.
 PROBES = textwrap.dedent(
     """
@@ -577,10 +506,3 @@ def test_probe_kills_a_hanging_step_and_reports_a_crashing_one() -> None:
     assert probes["crashing"] == "the probe child died (killed by SIGKILL)"
     assert probes["exiting"] == "calling it failed: SystemExit: 4"
     assert probes["clean"] is None
-
-
-def test_warm_calls_are_validated_and_widen_the_startup_timeout(workdir: Path) -> None:
-    with pytest.raises(ValueError, match="target"):
-        WarmCall(target="hopperbench.prebuild.prebuild_kernel_side")  # no ":function"
-    server = fork_server(workdir, warm_calls=(warm_call("warm"), warm_call("warm", "x")))
-    assert server.startup_timeout == 60 + 4 * PROBE_TIMEOUT_S

@@ -13,8 +13,9 @@ than the reference makes one untimed call on the run's largest workload of the t
 Before each trial is timed, the roofline floor of exactly its inputs is recorded beside its latency
 (`per_trial_floor`). After the eager trials, every side but the reference is captured in a CUDA
 graph per trial, its replay gated like the eager call, and the replays timed under the same
-protocol (`graph_*` fields; a side that cannot be captured is NOT_CAPTURABLE). A library side with a `prepare` step gets
-its inputs through it, untimed, once per trial (e.g. a cache stored in the library's layout).
+protocol (`graph_*` fields; a side that cannot be captured is NOT_CAPTURABLE). A library side with
+a `prepare` step gets its inputs through it, untimed, once per trial (e.g. a cache stored in the
+library's layout).
 
 Whatever happens inside the side is reported as a result (RUNTIME_ERROR, FAILED,
 NO_REFERENCE); a crash of the process itself is the runner's to report.

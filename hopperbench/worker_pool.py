@@ -895,7 +895,9 @@ def _wait_for_child(pid: int, requests: _LineReader, done: _LineReader | None = 
                 answer = done.line(0)
                 assert answer is not None
                 return int(answer), False
-            watched = [requests.fd] + ([] if pidfd is None else [pidfd]) + ([] if done is None or done.eof else [done.fd])
+            watched = [requests.fd, *([] if pidfd is None else [pidfd])]
+            if done is not None and not done.eof:
+                watched.append(done.fd)
             ready, _, _ = select.select(watched, [], [], 0.05 if pidfd is None else None)
             if requests.fd in ready:
                 requests.fill(0)

@@ -1,5 +1,6 @@
-"""DeepGEMM moe adapter (masked layout): the whole pipeline on CPU with a torch stand-in for deep_gemm, its
-freedom from host syncs and data-dependent shapes, and on GPU the results and a CUDA-graph replay."""
+"""DeepGEMM moe adapter: the whole pipeline on CPU with a torch stand-in for deep_gemm, in both layouts; the
+masked layout's freedom from host syncs and data-dependent shapes, the contiguous layout's one host read and the
+split between them; on GPU the results, a CUDA-graph replay (masked) and a refused capture (contiguous)."""
 
 from __future__ import annotations
 
@@ -63,18 +64,71 @@ def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
 
 
 class FakeDeepGemm(types.ModuleType):
-    """deep_gemm's SM90 masked grouped GEMM in torch, checking the layout contract it documents.
+    """deep_gemm's SM90 masked and contiguous grouped GEMMs in torch, checking the layout contracts they document.
 
-    Rows of a group at or beyond `masked_m` are poisoned with NaN (the real kernel leaves them
-    unwritten or writes garbage there), so an adapter reading them gives NaN outputs. While it runs,
-    the `HostSyncGuard` of a test is paused: the stand-in reads `masked_m` on the host, the kernel
-    does not.
+    Rows a GEMM does not own (a group's rows at or beyond `masked_m`; rows of `m_indices == -1`) are poisoned
+    with NaN (the real kernel leaves them unwritten or writes garbage there), so an adapter reading them gives
+    NaN outputs. While it runs, the `HostSyncGuard` of a test is paused: the stand-in reads `masked_m` and
+    `m_indices` on the host, the kernel does not.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, alignment: int = 128) -> None:
         super().__init__("deep_gemm")
+        self.alignment = alignment
         self.calls: list[dict[str, Any]] = []
         self.guard: HostSyncGuard | None = None
+
+    def get_mk_alignment_for_contiguous_layout(self) -> int:
+        return self.alignment
+
+    def m_grouped_fp8_gemm_nt_contiguous(
+        self,
+        a: tuple[torch.Tensor, torch.Tensor],
+        b: tuple[torch.Tensor, torch.Tensor],
+        d: torch.Tensor,
+        m_indices: torch.Tensor,
+        **options: Any,
+    ) -> None:
+        if self.guard is not None:
+            self.guard.paused += 1
+        try:
+            self._contiguous_gemm(a, b, d, m_indices, options)
+        finally:
+            if self.guard is not None:
+                self.guard.paused -= 1
+
+    def _contiguous_gemm(self, a, b, d, m_indices, options) -> None:  # noqa: ANN001
+        (x, x_scales), (w, w_scales) = a, b
+        m, k = x.shape
+        groups, n, _ = w.shape
+        assert not options, "the adapter relies on the default recipe"
+        # gemm.hpp:166-232: A [M, K] K-major, B [G, N, K], D [M, N] bf16 N-major, m_indices int32 [M] contiguous.
+        assert x.dtype == FP8 and x.stride() == (k, 1)
+        assert w.dtype == FP8 and w.is_contiguous()
+        assert d.dtype == torch.bfloat16 and d.shape == (m, n) and d.stride() == (n, 1)
+        assert m_indices.dtype == torch.int32 and m_indices.shape == (m,) and m_indices.is_contiguous()
+        # SM90 activation scales: fp32, MN-major, TMA-aligned K-block stride (utils/layout.hpp:100-107).
+        assert x_scales.dtype == torch.float32 and x_scales.shape == (m, k // 128)
+        assert x_scales.stride() == (1, (m + 3) // 4 * 4)
+        assert w_scales.dtype == torch.float32 and w_scales.shape == (groups, n // 128, k // 128)
+        assert w_scales.is_contiguous()
+        # Segments aligned to the block M: a block's first row names its expert (scheduler/gemm.cuh:160-162).
+        assert m % self.alignment == 0
+        for block in m_indices.view(-1, self.alignment):
+            assert 0 <= block[0] < groups, "a block's first row names its expert"
+            valid = block >= 0
+            assert torch.all(block[valid] == block[0]), "one expert per block"
+            assert torch.all(valid[: int(valid.sum())]), "padding only at a segment's end"
+        self.calls.append({"layout": "contiguous", "m": m, "n": n, "k": k, "m_indices": m_indices.clone()})
+
+        d.fill_(float("nan"))
+        for expert in m_indices.unique().tolist():
+            if expert < 0:
+                continue
+            rows = (m_indices == expert).nonzero().flatten()
+            # float64 as in the masked stand-in below.
+            x_rows = dequantize_rows(x[rows], x_scales[rows]).double()
+            d[rows] = (x_rows @ dequantize_blocks(w[expert], w_scales[expert]).double().T).to(torch.bfloat16)
 
     def m_grouped_fp8_gemm_nt_masked(
         self,
@@ -115,7 +169,7 @@ class FakeDeepGemm(types.ModuleType):
         assert m % 128 == 0
         counts = masked_m.tolist()
         assert all(0 <= c <= m for c in counts)
-        self.calls.append({"m": m, "n": n, "k": k, "expected_m": expected_m, "masked_m": counts})
+        self.calls.append({"layout": "masked", "m": m, "n": n, "k": k, "expected_m": expected_m, "masked_m": counts})
 
         d.fill_(float("nan"))
         for g, count in enumerate(counts):
@@ -434,6 +488,214 @@ def test_library_absent_other_build_or_incomplete_is_one_clear_error(monkeypatch
     monkeypatch.setitem(sys.modules, "deep_gemm", types.ModuleType("deep_gemm"))
     with pytest.raises(deepgemm_moe.LibraryUnavailableError, match="lacks m_grouped_fp8_gemm_nt_masked"):
         load_uncached()
+    partial = types.ModuleType("deep_gemm")
+    partial.m_grouped_fp8_gemm_nt_masked = fake.m_grouped_fp8_gemm_nt_masked  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "deep_gemm", partial)
+    with pytest.raises(deepgemm_moe.LibraryUnavailableError, match="lacks m_grouped_fp8_gemm_nt_contiguous"):
+        load_uncached()
+
+
+# Contiguous layout (T > PREFILL_TOKENS). Small T on CPU: the split is moved below them.
+
+
+@pytest.fixture
+def contiguous_at_every_t(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(deepgemm_moe, "PREFILL_TOKENS", 0)
+
+
+@pytest.mark.parametrize(("num_tokens", "offset", "alignment"), [(24, 0, 32), (130, 96, 128), (40, 224, 64)])
+def test_contiguous_pipeline_matches_a_formulation_with_the_same_roundings(
+    contiguous_at_every_t: None, num_tokens: int, offset: int, alignment: int
+) -> None:
+    inputs = moe_inputs(num_tokens=num_tokens, offset=offset, seed=offset + 2)
+    fake = FakeDeepGemm(alignment)
+    output = run_pipeline(inputs, fake)
+    assert [c["layout"] for c in fake.calls] == ["contiguous"] * 2
+    assert (fake.calls[0]["n"], fake.calls[0]["k"]) == (512, 256)  # GEMM1: [M, H] x [2I, H]^T
+    assert (fake.calls[1]["n"], fake.calls[1]["k"]) == (256, 256)  # GEMM2: [M, I] x [H, I]^T
+    assert torch.equal(fake.calls[0]["m_indices"], fake.calls[1]["m_indices"])
+    experts, _ = reference._route(inputs["routing_logits"], inputs["routing_bias"], 2.5)
+    local = experts - offset
+    counts = [int((local == e).sum()) for e in range(NUM_LOCAL)]
+    assert fake.calls[0]["m"] == sum(-(-c // alignment) * alignment for c in counts)
+    assert torch.bincount(fake.calls[0]["m_indices"] + 1, minlength=NUM_LOCAL + 1)[1:].tolist() == counts
+    torch.testing.assert_close(output, requantising_formulation(inputs), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("prefill_tokens", [1024, 0], ids=["masked", "contiguous"])
+def test_uneven_routing_in_both_layouts(monkeypatch: pytest.MonkeyPatch, prefill_tokens: int) -> None:
+    """Every token on one expert (several 32-row blocks), a third on another, the rest spread thin."""
+    monkeypatch.setattr(deepgemm_moe, "PREFILL_TOKENS", prefill_tokens)
+    inputs = moe_inputs(num_tokens=45, offset=160, seed=31)
+    inputs["routing_bias"][160 + 3] = 1.0  # selection is by biased score: expert 3 always wins
+    inputs["routing_bias"][160 + 17] = 0.5  # expert 17 wins where its logit is high
+    inputs["routing_logits"][:, 160 + 17] = -50.0
+    inputs["routing_logits"][::3, 160 + 17] = 50.0
+    fake = FakeDeepGemm(alignment=32)
+    output = run_pipeline(inputs, fake)
+    layout = "masked" if prefill_tokens else "contiguous"
+    assert [c["layout"] for c in fake.calls] == [layout] * 2
+    if layout == "contiguous":
+        m_indices = fake.calls[0]["m_indices"]
+        assert int((m_indices == 3).sum()) == 45 and int((m_indices == 17).sum()) == 15
+    torch.testing.assert_close(output, requantising_formulation(inputs), rtol=1e-2, atol=1e-2)
+
+
+def test_pipeline_against_our_reference_in_the_contiguous_layout(contiguous_at_every_t: None) -> None:
+    inputs = moe_inputs(num_tokens=64, offset=32, seed=5, intermediate=512)
+    fake = FakeDeepGemm()
+    output = run_pipeline(inputs, fake)
+    assert [c["layout"] for c in fake.calls] == ["contiguous"] * 2
+    stats = compare_output(CONTEST_RULE, output, reference._moe_forward(*inputs.values()))
+    assert stats.passed, stats.reason
+    assert stats.nan_count == 0
+    assert stats.relative_l2 is not None and 5e-3 < stats.relative_l2 < 5e-2
+
+
+def test_contiguous_tokens_without_a_local_expert_get_zero_rows_and_no_rank_work_means_no_gemm(
+    contiguous_at_every_t: None,
+) -> None:
+    inputs = moe_inputs(num_tokens=12, offset=0, seed=3)
+    inputs["routing_logits"][:4, :32] -= 50.0  # tokens 0..3 route away from experts 0..31
+    output = run_pipeline(inputs, FakeDeepGemm())
+    assert torch.all(output[:4] == 0) and torch.all(output[4:].abs().sum(dim=1) > 0)
+    torch.testing.assert_close(output, requantising_formulation(inputs), rtol=1e-2, atol=1e-2)
+
+    inputs["routing_logits"][:, :32] -= 50.0
+    fake = FakeDeepGemm()
+    output = run_pipeline(inputs, fake)
+    assert fake.calls == [] and torch.all(output == 0)
+
+
+@pytest.mark.parametrize(("num_tokens", "layout"), [(1024, "masked"), (1025, "contiguous")])
+def test_the_layout_follows_the_phase(monkeypatch: pytest.MonkeyPatch, num_tokens: int, layout: str) -> None:
+    """Masked up to PREFILL_TOKENS = 1024, contiguous above; both layouts give the same result."""
+    assert deepgemm_moe.PREFILL_TOKENS == 1024
+    inputs = moe_inputs(num_tokens=num_tokens, offset=64, seed=2)
+    fake = FakeDeepGemm()
+    output = run_pipeline(inputs, fake)
+    assert [c["layout"] for c in fake.calls] == [layout] * 2
+    monkeypatch.setattr(deepgemm_moe, "PREFILL_TOKENS", 2048 if layout == "contiguous" else 0)
+    other = FakeDeepGemm()
+    torch.testing.assert_close(run_pipeline(inputs, other), output, rtol=1e-2, atol=1e-2)
+    assert [c["layout"] for c in other.calls] != [c["layout"] for c in fake.calls]
+
+
+def test_the_contiguous_path_reads_the_host_exactly_once(
+    contiguous_at_every_t: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One `.tolist()` and nothing else that reads device data (the guard refuses `.item()`, `int(t)`,
+    `nonzero`, boolean masks), whatever the routing."""
+    reads: list[str] = []
+    guard = HostSyncGuard()
+
+    def counted(name: str, original: Any) -> Any:
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            if not guard.paused:
+                reads.append(name)
+            return original(*args, **kwargs)
+
+        return patched
+
+    for name in ("item", "tolist", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    for shift in (0.0, 50.0, -50.0):  # mixed routing; every pair local; no pair local
+        inputs = moe_inputs(num_tokens=19, offset=128, seed=21)
+        inputs["routing_logits"][:, 128:160] += shift
+        fake = FakeDeepGemm()
+        fake.guard = guard
+        reads.clear()
+        with guard:
+            run_pipeline(inputs, fake)
+        assert reads == ["tolist"]
+        assert len(fake.calls) == (0 if shift < 0 else 2)
+
+
+def test_the_contiguous_path_under_a_host_read_ban_raises(contiguous_at_every_t: None, syncs_forbidden: list) -> None:
+    guard = HostSyncGuard()
+    syncs_forbidden[:] = [guard]
+    with guard, pytest.raises(AssertionError, match="Tensor.tolist called in the pipeline"):
+        run_pipeline(moe_inputs(num_tokens=19, offset=128, seed=21), FakeDeepGemm())
+    syncs_forbidden[:] = []
+
+
+def test_the_contiguous_path_refuses_a_cuda_graph_capture(
+    contiguous_at_every_t: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside a capture it raises before its host read, with the reason, so the harness records NOT_CAPTURABLE."""
+    monkeypatch.setattr(deepgemm_moe, "capturing", lambda device: True)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("read the host while capturing"))
+    fake = FakeDeepGemm()
+    with pytest.raises(deepgemm_moe.HostSyncInCapture, match="host sync.*not capturable in a CUDA graph"):
+        run_pipeline(moe_inputs(num_tokens=19, offset=128, seed=21), fake)
+    assert fake.calls == []
+    assert issubclass(deepgemm_moe.HostSyncInCapture, RuntimeError)
+
+
+def test_contiguous_layout_places_every_local_pair_once() -> None:
+    experts = torch.tensor([[3, 40, 5, 70, 90, 100, 110, 120], [5, 6, 200, 201, 202, 203, 204, 205], [1] * 8])
+    experts[2] = torch.tensor([250, 251, 252, 253, 254, 255, 249, 248])  # no local expert
+    weights = torch.arange(24, dtype=torch.float32).view(3, 8)
+    layout = deepgemm_moe.contiguous_layout(experts, weights, local_expert_offset=0, num_local=32, alignment=4)
+    assert layout is not None
+    # Experts 3, 5, 6 hold 1, 2, 1 pairs -> segments of 4 rows each.
+    assert layout.num_rows == 12
+    assert layout.m_indices.dtype == torch.int32
+    assert layout.m_indices.tolist() == [3, -1, -1, -1, 5, 5, -1, -1, 6, -1, -1, -1]
+    assert layout.pair_rows.tolist() == [0, 4, 5, 8]
+    assert layout.pair_tokens.tolist() == [0, 0, 1, 1]
+    assert layout.pair_weights.tolist() == [0.0, 2.0, 8.0, 9.0]
+    assert layout.row_token.tolist() == [0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0]
+    assert deepgemm_moe.contiguous_layout(experts[2:], weights[2:], 0, 32, 4) is None
+
+
+def test_contiguous_layout_with_an_offset_and_random_routing() -> None:
+    gen = torch.Generator().manual_seed(4)
+    experts = torch.stack([torch.randperm(256, generator=gen)[:8] for _ in range(300)])
+    weights = torch.rand(300, 8, generator=gen)
+    layout = deepgemm_moe.contiguous_layout(experts, weights, local_expert_offset=64, num_local=32, alignment=128)
+    assert layout is not None
+    local = experts - 64
+    start = 0
+    for e in range(32):
+        tokens, slots = ((local == e)).nonzero(as_tuple=True)  # token order
+        rows = torch.arange(start, start + len(tokens))
+        assert torch.all(layout.m_indices[rows] == e)
+        assert torch.all(layout.m_indices[start + len(tokens) : start + -(-len(tokens) // 128) * 128] == -1)
+        assert torch.equal(layout.row_token[rows], tokens)
+        chosen = (layout.pair_rows >= start) & (layout.pair_rows < start + len(tokens))
+        assert torch.equal(layout.pair_rows[chosen], rows) and torch.equal(layout.pair_tokens[chosen], tokens)
+        assert torch.equal(layout.pair_weights[chosen], weights[tokens, slots])
+        start += -(-len(tokens) // 128) * 128
+    assert layout.num_rows == start and len(layout.pair_rows) == int(((local >= 0) & (local < 32)).sum())
+
+
+def test_activation_rows_and_scales_are_built_in_deepgemms_contiguous_layout() -> None:
+    hidden_states = (torch.randn(5, 256) * 4).to(FP8)
+    scales = torch.rand(2, 5)
+    row_token = torch.tensor([4, 0, 0, 2, 1, 3, 3, 3])
+    rows, row_scales = deepgemm_moe.gather_activations(hidden_states, scales, row_token)
+    assert rows.dtype == FP8 and torch.equal(rows.view(torch.uint8), hidden_states[row_token].view(torch.uint8))
+    assert row_scales.stride() == (1, 8) and torch.equal(row_scales, scales.T[row_token])
+    activation_scales = torch.rand(8, 2)
+    assert deepgemm_moe.mn_major(activation_scales).stride() == (1, 8)
+    assert torch.equal(deepgemm_moe.mn_major(activation_scales), activation_scales)
+
+
+def test_the_two_combines_agree() -> None:
+    """combine_slots (every slot, zero row for other ranks') and combine_pairs (local pairs only)."""
+    rows = torch.randn(10, 256).bfloat16()
+    rows[-1] = 0
+    index = torch.tensor([[0, 9, 3], [9, 9, 9], [4, 5, 9]])
+    weights = torch.rand(3, 3)
+    by_slots = torch.empty(3, 256, dtype=torch.bfloat16)
+    deepgemm_moe.combine_slots(rows, index, weights, by_slots)
+    local = index != 9
+    tokens = torch.arange(3)[:, None].expand(3, 3)[local]
+    by_pairs = torch.full((3, 256), 7.0, dtype=torch.bfloat16)
+    deepgemm_moe.combine_pairs(rows, index[local], tokens, weights[local], by_pairs)
+    assert torch.all(by_pairs[1] == 0)
+    torch.testing.assert_close(by_pairs, by_slots, rtol=0, atol=0)
 
 
 def _deep_gemm_or_skip() -> None:
@@ -494,4 +756,39 @@ def test_deepgemm_call_replays_from_a_cuda_graph(num_tokens: int) -> None:
     torch.cuda.synchronize()
     assert torch.equal(replayed, eager)
     stats = compare_output(CONTEST_RULE, replayed, reference.run(*inputs.values()))
+    assert stats.passed, stats.reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("num_tokens", "offset"), [(1025, 0), (14107, 96)])
+def test_deepgemm_contiguous_against_our_reference_on_gpu(num_tokens: int, offset: int) -> None:
+    _deep_gemm_or_skip()
+    assert num_tokens > deepgemm_moe.PREFILL_TOKENS
+    inputs = moe_inputs(num_tokens, offset, seed=num_tokens, hidden=7168, intermediate=2048, device="cuda")
+    expected = reference.run(*inputs.values())
+    output = torch.full_like(expected, float("nan"))
+    deepgemm_moe.run(*inputs.values(), output)
+    torch.cuda.synchronize()
+    stats = compare_output(CONTEST_RULE, output, expected)
+    assert stats.passed, stats.reason
+    assert stats.nan_count == 0
+    assert stats.relative_l2 is not None and stats.relative_l2 < 5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_deepgemm_contiguous_call_is_not_capturable_and_leaves_the_device_usable() -> None:
+    """The harness's capture reports the host sync (NOT_CAPTURABLE); eager calls go on working."""
+    from hopperbench.timing.graph import NotCapturable, capture_call
+
+    _deep_gemm_or_skip()
+    inputs = moe_inputs(1025, 32, seed=6, hidden=7168, intermediate=2048, device="cuda")
+    output = torch.empty(1025, 7168, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(NotCapturable, match=r"^HostSyncInCapture: .*host sync"):
+        capture_call(deepgemm_moe.run, (*inputs.values(), output))
+    output.fill_(float("nan"))
+    deepgemm_moe.run(*inputs.values(), output)
+    torch.cuda.synchronize()
+    stats = compare_output(CONTEST_RULE, output, reference.run(*inputs.values()))
     assert stats.passed, stats.reason

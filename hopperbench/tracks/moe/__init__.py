@@ -28,15 +28,20 @@ MOE = Track(
             name="deepgemm_grouped",
             entry="deepgemm_moe.py::run",
             description=(
-                "DeepGEMM SM90 FP8 grouped GEMM (masked layout, a row budget of T per expert, no host "
-                "sync), torch routing/permutation/SwiGLU-requant/combine (deep_gemm 2.6.1@54e2261)"
+                "DeepGEMM SM90 FP8 grouped GEMMs, by phase as serving engines run them: masked layout up to "
+                "1024 tokens (no host sync), contiguous layout above (one host sync, not capturable); torch "
+                "routing/permutation/SwiGLU-requant/combine (deep_gemm 2.6.1@54e2261)"
             ),
             submodule="third_party/DeepGEMM",
             package="deep_gemm==2.6.1+54e2261",
             timed_call=(
-                "routing and the permutation into the masked layout in torch (~32 kernels), DeepGEMM's two "
-                "masked grouped FP8 GEMMs, SwiGLU with FP8 requantisation and the weighted combine in torch "
-                "(~20 kernels); no host sync"
+                "up to 1024 tokens: routing and the permutation into the masked layout in torch (~32 kernels), "
+                "DeepGEMM's two masked grouped FP8 GEMMs, SwiGLU with FP8 requantisation and the weighted combine "
+                "in torch (~20 kernels), no host sync; above 1024 tokens: routing and the per-expert counts in "
+                "torch (~39 kernels), one host sync reading the row count, the permutation into the contiguous "
+                "layout (~14 kernels), DeepGEMM's two contiguous grouped FP8 GEMMs, SwiGLU with FP8 "
+                "requantisation and the combine over the local pairs in torch (~14 kernels); not capturable "
+                "in a CUDA graph there"
             ),
         ),
     ),

@@ -1,14 +1,25 @@
-"""DeepGEMM's SM90 FP8 masked grouped GEMM (deepseek-ai/DeepGEMM 2.6.1 @ 54e2261) as a moe side.
+"""DeepGEMM's SM90 FP8 grouped GEMMs (deepseek-ai/DeepGEMM 2.6.1 @ 54e2261) as a moe side.
 
 Definition `moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048` -> a DeepGEMM MoE
-pipeline around its two grouped GEMMs in the **masked** layout, the one DeepGEMM provides for
-CUDA graphs, "when the CPU is unaware of the number of tokens each expert receives" (README.md:84-88).
-Paths below are deepseek-ai/DeepGEMM@54e22612409371d6364144b69086735beb54e98b:<path>:<line>.
+pipeline around its two grouped GEMMs, in the layout a serving engine feeds them by phase (DeepEP's
+low-latency decode mode the masked layout, its normal prefill mode the contiguous one):
 
-One call is a fixed sequence of 54 kernel launches on the current stream (52 torch kernels and the
-two GEMMs; a new workspace adds one memset), **no host sync** and no data-dependent shape: every
-shape derives from T (the token count) and the weights' shapes, so the call can be captured in a
-CUDA graph. Torch ops except the two GEMMs:
+- **T <= PREFILL_TOKENS (1024): the masked layout**, the one DeepGEMM provides for CUDA graphs,
+  "when the CPU is unaware of the number of tokens each expert receives" (README.md:84-88). No host
+  sync; the call can be captured in a CUDA graph.
+- **T > PREFILL_TOKENS: the contiguous layout**, DeepGEMM's for "inference prefilling, where each
+  expert may process a varying number of tokens" (README.md:80). One host read per call sizes its
+  buffers, so the call cannot be captured: inside a capture it raises `HostSyncInCapture` before
+  the read (the harness records NOT_CAPTURABLE), and its eager span is the one to compare.
+
+Both paths share the routing (step 1), the pairs' slots within their experts (step 3), the SwiGLU
+with requantisation (step 5) and the combine's gather and weighting (step 7); they differ in where
+the pairs' rows sit, and so in the GEMM calls and the combine's sum. Paths below are
+deepseek-ai/DeepGEMM@54e22612409371d6364144b69086735beb54e98b:<path>:<line>.
+
+Masked layout (T <= 1024). One call is a fixed sequence of 54 kernel launches on the current stream
+(52 torch kernels and the two GEMMs; a new workspace adds one memset), no data-dependent shape:
+every shape derives from T (the token count) and the weights' shapes. Torch ops except the two GEMMs:
 
 1. Routing (DeepSeek-V3 no-aux, 8 groups, top-4 groups, top-8 experts), the same torch ops in the
    same order as our reference, so the same experts and fp32 weights come out (17 kernels).
@@ -56,25 +67,57 @@ CUDA graph. Torch ops except the two GEMMs:
    x into `[G + 1, M_max, I]` fp8 and `[G + 1, I/128, M_max]` fp32 (15 kernels with the row indices).
 6. GEMM2 the same call with (W2, sW2): bf16 [G, M_max, 7168].
 7. Combine: each pair gathers its row of GEMM2's output (pairs of other experts gather a row kept at
-   zero, after the G * M_max rows DeepGEMM writes), times its routing weight in fp32, summed per
-   token in fp32, cast to bf16 into `output`; a token with no local expert gets a zero row. Only
-   rows < masked_m are ever gathered (5 kernels).
+   zero, after the G * M_max rows DeepGEMM writes), times its routing weight in fp32, summed over
+   the token's 8 slots in fp32, cast to bf16 into `output`; a token with no local expert gets a zero
+   row. Only rows < masked_m are ever gathered (5 kernels).
 
 What the static shapes cost: the torch stages between the GEMMs run over all 8T (token, slot) pairs,
-about 8x the local ones at uniform routing (T of them), i.e. ~12 GB of elementwise traffic for the
-SwiGLU/requantisation and ~12 GB for the combine at T = 14107, against one pair row each in a fused
-serving kernel. At T <= ~100 the call is launch-bound.
+about 8x the local ones at uniform routing (T of them), against one pair row each in a fused serving
+kernel: ~0.9 GB of elementwise traffic for the SwiGLU/requantisation and as much for the combine at
+T = 1024 (~12 GB each at T = 14107, which this path no longer serves). At T <= ~100 the call is
+launch-bound.
 
 Buffers (`Workspace`, the preallocated workspace a serving engine keeps): x rows
 [G + 1, M_max, H] fp8 and scales [G + 1, H/128, M_max] fp32, d1 [G, M_max, 2I] bf16, activated rows
 [G + 1, M_max, I] fp8 and scales [G + 1, I/128, M_max] fp32, d2 [G * M_max + 1, H] bf16 (last row
-zero): at T = 14107 (M_max = 14208) 3.4 + 3.7 + 1.0 + 6.5 GB plus 0.2 GB of scales; the per-call
-temporaries (pair rows, SwiGLU, combine) add ~6 GB at that T. Outside a capture it is kept per
-(device, stream) for the last sizes and reused: calls on one stream are ordered, so reuse is safe.
-Inside a CUDA-graph capture the call allocates a fresh one through the caching allocator, which
-serves it from the capture's private pool; the graph then owns it and no module state refers to it
-(so no later call can free or reuse memory that a replay writes). Nothing reads a buffer's
-uninitialised part (step 4), so a fresh buffer needs no clearing except the zero row of d2.
+zero): at T = 1024 0.24 + 0.27 + 0.07 + 0.47 GB plus 10 MB of scales; the per-call temporaries
+(pair rows, SwiGLU, combine) add ~0.4 GB. Outside a capture it is kept per (device, stream) for the
+last sizes and reused: calls on one stream are ordered, so reuse is safe. Inside a CUDA-graph
+capture the call allocates a fresh one through the caching allocator, which serves it from the
+capture's private pool; the graph then owns it and no module state refers to it (so no later call
+can free or reuse memory that a replay writes). Nothing reads a buffer's uninitialised part
+(step 4), so a fresh buffer needs no clearing except the zero row of d2.
+
+Contiguous layout (T > 1024). Step 1 and the slots of step 3 as above, then:
+
+- Permutation: the local pairs' slots within their experts come from the masked layout's
+  computation (step 3, a [T, 33] int32 matrix); expert e owns rows
+  [start_e, start_e + align(n_e, A)) of one [M, K] buffer, in expert order,
+  A = `get_mk_alignment_for_contiguous_layout()` (128 on SM90:
+  csrc/jit_kernels/heuristics/runtime.hpp:10,15, the only block M the SM90 heuristic tries for this
+  layout: heuristics/sm90.hpp:31-33). `m_indices` (int32 [M]) holds each row's local expert, -1 on
+  padding rows; the kernel takes a block's expert from its first row and skips 64-row halves that
+  start with -1 (scheduler/gemm.cuh:160-162,314-315). **The one host sync:** M = sum_e align(n_e, 128)
+  and the local pair count are read to the host in one transfer (`read_sizes`); the eager span holds
+  the wait for it and the launch gap after it. A token's x row and its scales are gathered into the
+  buffer (padding rows read token 0's, never read back); scales as `[K/128, M]` contiguous viewed
+  transposed, MN-major and TMA-aligned (M is a multiple of 128), which DeepGEMM takes untouched as
+  in step 4.
+- GEMM1 `m_grouped_fp8_gemm_nt_contiguous((x, sfx), (W13, sW13), d1, m_indices)`
+  (csrc/apis/gemm.hpp:166-232, alias at 715; Python export deep_gemm/__init__.py:47): A [M, K] fp8
+  K-major, D [M, N] bf16 N-major (gemm.hpp:193,207), `m_indices` int32 contiguous with M elements
+  (gemm.hpp:184,194,201-202).
+- SwiGLU and requantisation (step 5) on all M rows of d1 (at most 32 x 127 more than the local
+  pairs), the scales made MN-major (one transpose copy); GEMM2 the same call with (W2, sW2).
+- Combine: the local pairs' rows of d2 times their routing weights in fp32, added into a per-token
+  fp32 sum (`index_add_`: local pairs only, about T rows at uniform routing rather than 8T slots;
+  fp32 atomics on the GPU, so the order of a token's additions may vary), cast to bf16 into
+  `output`; tokens with no local expert get zero rows. No local pair at all: zeros, no GEMM.
+  Buffers are per-call allocations from torch's caching allocator (M rows each; about 1 GB in all
+  at T = 14107 with uniform routing).
+
+PREFILL_TOKENS is not tuned: it separates the official workloads' decode rows (<= 901 tokens) from
+their prefill rows (11948, 14107) as an engine's phase would; where between them is immaterial.
 
 Accuracy against our fp32 reference. DeepGEMM itself accumulates in fp32, but the pipeline
 rounds twice where the reference does not: GEMM1's output to bf16 (relative 2^-9, negligible)
@@ -111,7 +154,11 @@ DEEP_GEMM_DISTRIBUTION = "deep_gemm"
 # setup.py:54-73: public version from deep_gemm/__init__.py:127, plus the short commit of the
 # clean git checkout it was built from.
 DEEP_GEMM_VERSION = "2.6.1+54e2261"
-REQUIRED_FUNCTIONS = ("m_grouped_fp8_gemm_nt_masked",)
+REQUIRED_FUNCTIONS = (
+    "m_grouped_fp8_gemm_nt_masked",
+    "m_grouped_fp8_gemm_nt_contiguous",
+    "get_mk_alignment_for_contiguous_layout",
+)
 
 NUM_EXPERTS = 256
 NUM_LOCAL_EXPERTS = 32
@@ -123,6 +170,12 @@ NUM_GROUPS = 8
 TOP_K_GROUPS = 4
 TOP_IN_GROUP = 2
 NORMALISATION_EPS = 1e-20
+
+# Serving engines pick the layout by phase: prefill batches go through DeepEP's normal mode into the
+# contiguous layout (one host sync), decode batches through its low-latency mode into the masked
+# layout (CUDA graphs). Every official workload has either <= 901 tokens or >= 11948, so this split
+# decides only the two prefill rows (contiguous) against the rest (masked); the value is not tuned.
+PREFILL_TOKENS = 1024
 
 # The largest block M of the SM90 masked heuristic (heuristics/sm90.hpp:34-35): a group's row budget
 # is a multiple of it, so no tile of one group reaches into the next.
@@ -141,6 +194,10 @@ class LibraryUnavailableError(RuntimeError):
 
 class AdapterInputError(ValueError):
     """The arguments do not describe a moe call."""
+
+
+class HostSyncInCapture(RuntimeError):
+    """The contiguous layout's host read was reached inside a CUDA-graph capture, which cannot record it."""
 
 
 @functools.cache
@@ -223,12 +280,17 @@ class MaskedLayout:
     is_local: torch.Tensor  # [T, 8] bool
 
 
+def local_groups(experts: torch.Tensor, local_expert_offset: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(group, is_local) of each (token, slot) pair: its local expert, or `num_local` for other ranks' experts."""
+    local = experts - local_expert_offset
+    is_local = (local >= 0) & (local < num_local)
+    return torch.where(is_local, local, num_local), is_local
+
+
 def masked_layout(experts: torch.Tensor, local_expert_offset: int, num_local: int) -> MaskedLayout:
     """The masked layout of the routing's pairs, on the device, without a host read."""
     num_tokens = experts.shape[0]
-    local = experts - local_expert_offset
-    is_local = (local >= 0) & (local < num_local)
-    group = torch.where(is_local, local, num_local)
+    group, is_local = local_groups(experts, local_expert_offset, num_local)
     # hits[t, e] = 1 if token t chose local expert e (column num_local collects the other pairs).
     hits = torch.zeros(num_tokens, num_local + 1, dtype=torch.int32, device=experts.device)
     hits.scatter_(1, group, 1)
@@ -237,6 +299,75 @@ def masked_layout(experts: torch.Tensor, local_expert_offset: int, num_local: in
     token = torch.arange(num_tokens, device=experts.device)[:, None]
     row = torch.where(is_local, slot, token)
     return MaskedLayout(masked_m=taken[-1, :num_local], group=group, row=row, is_local=is_local)
+
+
+@dataclass(frozen=True)
+class ContiguousLayout:
+    """Where each local (token, slot) pair sits in DeepGEMM's M-grouped contiguous layout.
+
+    Rows [0, num_rows) hold the local experts' segments in expert order, each padded to the
+    alignment; pairs are listed by expert, then token.
+    """
+
+    num_rows: int
+    m_indices: torch.Tensor  # [num_rows] int32: the row's local expert, -1 on padding rows
+    row_token: torch.Tensor  # [num_rows] int64: the token whose x a row holds (padding rows: token 0)
+    pair_rows: torch.Tensor  # [pairs] int64
+    pair_tokens: torch.Tensor  # [pairs] int64
+    pair_weights: torch.Tensor  # [pairs] fp32
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of `device` is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def read_sizes(sizes: torch.Tensor) -> list[int]:
+    """The contiguous path's one host read (one transfer); refused inside a CUDA-graph capture."""
+    if capturing(sizes.device):
+        raise HostSyncInCapture(
+            f"deepgemm_grouped above {PREFILL_TOKENS} tokens runs DeepGEMM's contiguous layout, which reads "
+            "its row count to the host once per call (a host sync): not capturable in a CUDA graph"
+        )
+    return sizes.tolist()
+
+
+def contiguous_layout(
+    experts: torch.Tensor, weights: torch.Tensor, local_expert_offset: int, num_local: int, alignment: int
+) -> ContiguousLayout | None:
+    """The contiguous layout of this rank's pairs, or None when no pair has a local expert.
+
+    A pair's row within its expert is its masked-layout slot (token order); segments start at the
+    aligned prefix sums of the experts' counts. Reads the row and pair counts to the host: the call's
+    one synchronisation.
+    """
+    device = experts.device
+    slots = masked_layout(experts, local_expert_offset, num_local)
+    counts = slots.masked_m.long()
+    padded = (counts + alignment - 1) // alignment * alignment
+    segment_start = torch.cumsum(padded, 0) - padded
+    num_rows, num_pairs = read_sizes(torch.stack([padded.sum(), counts.sum()]))
+    if num_pairs == 0:
+        return None
+
+    # Other ranks' pairs are in group `num_local`, which sorts last.
+    group = slots.group.flatten()
+    pairs = torch.argsort(group, stable=True)[:num_pairs]
+    pair_expert = group[pairs]
+    pair_rows = segment_start[pair_expert] + slots.row.flatten()[pairs]
+    pair_tokens = pairs // TOP_K
+    m_indices = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
+    m_indices[pair_rows] = pair_expert.to(torch.int32)
+    row_token = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    row_token[pair_rows] = pair_tokens
+    return ContiguousLayout(
+        num_rows=num_rows,
+        m_indices=m_indices,
+        row_token=row_token,
+        pair_rows=pair_rows,
+        pair_tokens=pair_tokens,
+        pair_weights=weights.flatten()[pairs].float(),
+    )
 
 
 @dataclass(frozen=True)
@@ -323,6 +454,43 @@ def swiglu_requantize(gemm1_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return quantized, scales
 
 
+def mn_major(scales: torch.Tensor) -> torch.Tensor:
+    """[M, K/128] scales as DeepGEMM's SM90 activation scales: MN-major (TMA-aligned when 4 divides M)."""
+    return scales.T.contiguous().T
+
+
+def gather_activations(
+    hidden_states: torch.Tensor, hidden_states_scale: torch.Tensor, row_token: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contiguous layout's rows of x (fp8 [M, H], moved as int64 words) and their scales ([M, H/128], MN-major)."""
+    words = hidden_states.contiguous().view(torch.int64)
+    rows = words.index_select(0, row_token).view(FP8)
+    scales = hidden_states_scale.float().index_select(1, row_token)  # [H/128, M], contiguous
+    return rows, scales.T
+
+
+def weighted_rows(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`rows[index]` times `weights` in fp32: [*index.shape, H] (bf16 x fp32 promotes in one kernel)."""
+    gathered = rows.index_select(0, index.flatten()).view(*index.shape, rows.shape[1])
+    return torch.mul(gathered, weights.float()[..., None])
+
+
+def combine_slots(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, output: torch.Tensor) -> None:
+    """output[t] = sum_k weights[t, k] * rows[index[t, k]] over all 8 slots, in fp32 (masked layout: a
+    fixed shape; other ranks' slots index a zero row)."""
+    output.copy_(weighted_rows(rows, index, weights).sum(dim=1))
+
+
+def combine_pairs(
+    rows: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor, output: torch.Tensor
+) -> None:
+    """output[t] = sum of weights[p] * rows[index[p]] over the listed pairs p of token t, in fp32 (contiguous
+    layout: the local pairs only); a token with no pair gets zeros."""
+    combined = torch.zeros(output.shape, dtype=torch.float32, device=output.device)
+    combined.index_add_(0, tokens, weighted_rows(rows, index, weights))
+    output.copy_(combined)
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise AdapterInputError(message)
@@ -348,7 +516,8 @@ def moe_pipeline(
 ) -> None:
     """The DeepGEMM MoE for any hidden/intermediate sizes (multiples of 128) and local expert count.
 
-    `run` pins the definition's sizes; the routing constants hold here too. No host sync.
+    `run` pins the definition's sizes; the routing constants hold here too. Up to PREFILL_TOKENS tokens the
+    masked layout (no host sync), above it the contiguous layout (one host read).
     """
     num_tokens, hidden = hidden_states.shape
     num_local, gemm1_size, _ = gemm1_weights.shape
@@ -370,7 +539,40 @@ def moe_pipeline(
     # Scalars arrive as Python numbers from the harness; a tensor here costs a host read (not in a
     # capture: the harness passes numbers).
     experts, weights = route(routing_logits, routing_bias, float(routed_scaling_factor))
-    layout = masked_layout(experts, int(local_expert_offset), num_local)
+    layout_moe = masked_moe if num_tokens <= PREFILL_TOKENS else contiguous_moe
+    layout_moe(
+        deep_gemm,
+        experts,
+        weights,
+        int(local_expert_offset),
+        hidden_states,
+        hidden_states_scale,
+        gemm1_weights,
+        gemm1_weights_scale,
+        gemm2_weights,
+        gemm2_weights_scale,
+        output,
+    )
+
+
+def masked_moe(
+    deep_gemm: ModuleType,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    local_expert_offset: int,
+    hidden_states: torch.Tensor,
+    hidden_states_scale: torch.Tensor,
+    gemm1_weights: torch.Tensor,
+    gemm1_weights_scale: torch.Tensor,
+    gemm2_weights: torch.Tensor,
+    gemm2_weights_scale: torch.Tensor,
+    output: torch.Tensor,
+) -> None:
+    """Steps 2-7 in the masked layout, from the routing: static shapes, no host sync."""
+    num_tokens, hidden = hidden_states.shape
+    num_local, gemm1_size, _ = gemm1_weights.shape
+    intermediate = gemm1_size // 2
+    layout = masked_layout(experts, local_expert_offset, num_local)
     rows = row_budget(num_tokens)
     expected_m = expected_rows(num_tokens)
     ws = workspace(num_local, rows, hidden, intermediate, hidden_states.device)
@@ -409,11 +611,53 @@ def moe_pipeline(
         expected_m,
     )
 
-    # Combine: other ranks' pairs read the zero row after the G * M_max rows of GEMM2's output.
-    combine_rows = torch.where(layout.is_local, flat_rows, num_local * rows).flatten()
-    gathered = ws.gemm2_out.index_select(0, combine_rows).view(num_tokens, TOP_K, hidden)
-    weighted = torch.mul(gathered, weights.float()[:, :, None])  # bf16 x fp32 -> fp32
-    output.copy_(weighted.sum(dim=1))
+    # Other ranks' pairs read the zero row after the G * M_max rows of GEMM2's output.
+    combine_slots(ws.gemm2_out, torch.where(layout.is_local, flat_rows, num_local * rows), weights, output)
+
+
+def contiguous_moe(
+    deep_gemm: ModuleType,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    local_expert_offset: int,
+    hidden_states: torch.Tensor,
+    hidden_states_scale: torch.Tensor,
+    gemm1_weights: torch.Tensor,
+    gemm1_weights_scale: torch.Tensor,
+    gemm2_weights: torch.Tensor,
+    gemm2_weights_scale: torch.Tensor,
+    output: torch.Tensor,
+) -> None:
+    """The contiguous layout's pipeline, from the routing: one host read sizes its buffers."""
+    hidden = hidden_states.shape[1]
+    num_local, gemm1_size, _ = gemm1_weights.shape
+    alignment = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
+    layout = contiguous_layout(experts, weights, local_expert_offset, num_local, alignment)
+    if layout is None:
+        output.zero_()
+        return
+
+    device = hidden_states.device
+    x, x_scales = gather_activations(hidden_states, hidden_states_scale, layout.row_token)
+    gemm1_out = torch.empty(layout.num_rows, gemm1_size, dtype=torch.bfloat16, device=device)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous(
+        (x, x_scales),
+        (gemm1_weights, gemm1_weights_scale.float()),
+        gemm1_out,
+        layout.m_indices,
+    )
+    del x, x_scales
+    activated, activated_scales = swiglu_requantize(gemm1_out)
+    del gemm1_out
+    gemm2_out = torch.empty(layout.num_rows, hidden, dtype=torch.bfloat16, device=device)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous(
+        (activated, mn_major(activated_scales)),
+        (gemm2_weights, gemm2_weights_scale.float()),
+        gemm2_out,
+        layout.m_indices,
+    )
+    del activated, activated_scales
+    combine_pairs(gemm2_out, layout.pair_rows, layout.pair_tokens, layout.pair_weights, output)
 
 
 @torch.no_grad()

@@ -282,6 +282,7 @@ class SizeRow:
     """Ours against the track's baseline and against the human winner on one size class."""
 
     track: str
+    axis: str  # the workload axis the classes split
     size: str  # the class's label, e.g. "41-200"
     workloads: int
     baseline: str | None
@@ -303,7 +304,8 @@ def size_rows(track: str, rows: Sequence[WorkloadRow]) -> list[SizeRow]:
     for row in rows:
         groups[classes.index(int(row.axes[classes.axis]))].append(row)
     return [
-        SizeRow(track, label, len(group), baseline, compare(group, baseline, OURS), compare(group, HUMAN, OURS))
+        SizeRow(track, classes.axis, label, len(group), baseline, compare(group, baseline, OURS),
+                compare(group, HUMAN, OURS))  # fmt: skip
         for label, group in zip(classes.labels(), groups)
         if group
     ]
@@ -323,17 +325,13 @@ SIZE_HEADER = (
 
 def size_markdown(results: ResultsFile) -> list[str]:
     """The by-size table: per size class, geometric mean (workloads; smallest per-workload ratio)."""
-    from hopperbench.tracks import TRACKS
-
     body = []
     for track, rows in rows_by_track(results.rows).items():
-        entry = TRACKS.get(track)
         for size in size_rows(track, rows):
-            axis = entry.size_classes.axis if entry is not None and entry.size_classes is not None else ""
             body.append(
                 [
                     f"`{track}`",
-                    f"{size.size} (`{axis}`)",
+                    f"{size.size} (`{size.axis}`)",
                     str(size.workloads),
                     format_ratio_with_minimum(size.versus_baseline.eager),
                     format_ratio_with_minimum(size.versus_baseline.graph),

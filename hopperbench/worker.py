@@ -373,12 +373,12 @@ class JobRunner:
         that raises is only logged: the job's own calls report the side's errors."""
         try:
             inputs = self.deps.make_inputs(self.job.track, workload, self.job.seed, 0, self.device)
-            args = list(inputs.values())
-            if self.prepare is not None:
-                args = list(self.prepare(*args).values())
+            args = self.arguments(inputs)
             if self.job.side.destination_passing_style:
                 args += allocate_poisoned_outputs(self.definition, workload.axes, self.device)
             self._call_synchronized(fn, args)
+        except _Outcome as outcome:  # `arguments` ends a job this way; here it only ends the warm-up
+            print(f"warm-up on workload {workload.uuid} raised {outcome.result.message}", file=sys.stderr)
         except Exception as e:
             print(f"warm-up on workload {workload.uuid} raised {one_line(e)}", file=sys.stderr)
 

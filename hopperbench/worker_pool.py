@@ -939,6 +939,11 @@ class _Session:
             os.close(self.done.fd)
 
 
+def _server_fds(server_fds: Sequence[int], sessions: Mapping[str, _Session]) -> list[int]:
+    """Every descriptor of the server's that a new child must close: its own pipes and its sessions'."""
+    return [*server_fds, *(fd for session in sessions.values() for fd in session.fds())]
+
+
 def _fork_session(
     config: ServerConfig, files: JobFiles, server_fds: Sequence[int], sessions: Mapping[str, _Session]
 ) -> _Session:
@@ -948,8 +953,9 @@ def _fork_session(
     server_pid = os.getpid()
     pid = os.fork()
     if pid == 0:
-        others = [fd for session in sessions.values() for fd in session.fds()]
-        _session_child(config, files, server_pid, [*server_fds, *others, jobs_write, done_read], jobs_read, done_write)
+        _session_child(
+            config, files, server_pid, [*_server_fds(server_fds, sessions), jobs_write, done_read], jobs_read, done_write
+        )
     os.close(jobs_read)
     os.close(done_write)
     with contextlib.suppress(OSError):
@@ -1046,7 +1052,7 @@ def _serve_jobs(
             server_pid = os.getpid()
             pid = os.fork()
             if pid == 0:
-                _child(config, files, server_pid, [*server_fds, *(fd for s in sessions.values() for fd in s.fds())])
+                _child(config, files, server_pid, _server_fds(server_fds, sessions))
             with contextlib.suppress(OSError):
                 os.setpgid(pid, pid)  # also done by the child: whichever runs first, no window
         _send(replies, Started(pid=pid))

@@ -11,6 +11,11 @@
   human winner, with the smallest per-workload ratio beside each geometric mean.
 - `pass_counts`: per track, how many workloads each side passed, failed, or could not run.
 
+The headline, the by-size table and the pass counts are over the rows that gave the optional input
+a track samples the absence of (`Track.absent_input_sample`, GDN's `state`): `headline_rows`. The
+rows without it (the sample's twins, and official workloads whose files give none) are a table of
+their own, `absent_input_rows`, in the by-size table's columns. The views hold every row.
+
 Nothing here reads a file; `sides_table` and the baselines read the track registry.
 """
 
@@ -32,7 +37,10 @@ from hopperbench.results import (
     WorkloadRow,
     csv_cell,
     definition_var_axes,
+    absent_input_rows,
     geometric_mean,
+    headline_rows,
+    row_order,
     side_kind,
     side_version,
     state_given,
@@ -228,7 +236,7 @@ def rows_by_track(rows: Iterable[WorkloadRow]) -> dict[str, list[WorkloadRow]]:
 
 
 def headline(results: ResultsFile) -> list[TrackHeadline]:
-    return [track_headline(track, rows) for track, rows in rows_by_track(results.rows).items()]
+    return [track_headline(track, rows) for track, rows in rows_by_track(headline_rows(results.rows)).items()]
 
 
 def format_ratio(r: Ratio) -> str:
@@ -324,10 +332,26 @@ SIZE_HEADER = (
 
 
 def size_markdown(results: ResultsFile) -> list[str]:
-    """The by-size table: per size class, geometric mean (workloads; smallest per-workload ratio)."""
+    """The by-size table of the headline's rows: per size class, geometric mean (workloads;
+    smallest per-workload ratio)."""
+    return size_table(headline_rows(results.rows)) or ["No track of the run has size classes."]
+
+
+def absent_input_markdown(results: ResultsFile) -> list[str]:
+    """The by-size table of the rows without their track's sampled input, then their pass counts;
+    empty when the run has none."""
+    rows = absent_input_rows(results.rows)
+    if not rows:
+        return []
+    return [*size_table(rows), "", *(f"- {line}" for line in pass_lines(rows))]
+
+
+def size_table(rows: Sequence[WorkloadRow]) -> list[str]:
+    """Per track and size class, ours over the baseline and the human winner; empty when no track of
+    `rows` has size classes."""
     body = []
-    for track, rows in rows_by_track(results.rows).items():
-        for size in size_rows(track, rows):
+    for track, track_rows in rows_by_track(rows).items():
+        for size in size_rows(track, track_rows):
             body.append(
                 [
                     f"`{track}`",
@@ -339,7 +363,7 @@ def size_markdown(results: ResultsFile) -> list[str]:
                     format_ratio_with_minimum(size.versus_human.graph),
                 ]
             )
-    return _table(SIZE_HEADER, body) if body else ["No track of the run has size classes."]
+    return _table(SIZE_HEADER, body) if body else []
 
 
 # ------------------------------------------------------------------------------------------
@@ -434,7 +458,8 @@ def library_view_columns(rows: Sequence[WorkloadRow] = ()) -> list[str]:
 
 
 def _sorted_rows(rows: Sequence[WorkloadRow]) -> list[WorkloadRow]:
-    return [r for track_rows in rows_by_track(rows).values() for r in sorted(track_rows, key=lambda r: r.index)]
+    """Track by track, in index order, a workload's own row before its twin."""
+    return [r for track_rows in rows_by_track(rows).values() for r in sorted(track_rows, key=row_order)]
 
 
 def _versus_cells(ours: SideResult | None, other: SideResult | None, other_label: str) -> dict[str, Any]:
@@ -455,8 +480,8 @@ def _versus_cells(ours: SideResult | None, other: SideResult | None, other_label
 
 
 def human_best_view(rows: Sequence[WorkloadRow]) -> str:
-    """`results/h200_vs_human_best.csv`: one line per workload, ours against the human winner
-    (speedup = human / ours, where both were timed)."""
+    """`results/h200_vs_human_best.csv`: one line per row (a twin's is its own, `state_given`
+    false), ours against the human winner (speedup = human / ours, where both were timed)."""
     records = []
     for row in _sorted_rows(rows):
         records.append({**_workload_cells(row), **_versus_cells(row.sides.get(OURS), row.sides.get(HUMAN), "human")})
@@ -464,9 +489,9 @@ def human_best_view(rows: Sequence[WorkloadRow]) -> str:
 
 
 def libraries_view(rows: Sequence[WorkloadRow], repo_commit: str | None = None) -> str:
-    """`results/h200_vs_libraries.csv`: one line per (workload, library side), ours against it
+    """`results/h200_vs_libraries.csv`: one line per (row, library side), ours against it
     (speedup = library / ours); `baseline` true for the track's headline baseline."""
-    baselines = {t: choose_baseline(t, r).side for t, r in rows_by_track(rows).items()}
+    baselines = {t: choose_baseline(t, r).side for t, r in rows_by_track(headline_rows(rows)).items()}
     records = []
     for row in _sorted_rows(rows):
         ours = row.sides.get(OURS)

@@ -1,9 +1,12 @@
 """The result schema of a run, its journal, and its JSON and CSV files.
 
-A run produces one `SideRecord` per (track, workload, side). Records are appended
+A run produces one `SideRecord` per (track, row, side). Records are appended
 to a journal as they finish, so a killed run loses at most the job in flight; the
 final JSON and CSV are rebuilt from the journal. A `WorkloadRow` gathers the sides
-of one workload and derives the speedups; `summarize` reduces rows per track.
+of one row and derives the speedups; `summarize` reduces rows per track.
+
+A row is a workload with the optional inputs its calls passed as None (`row_id`): a workload of
+a track's `absent_input_sample` has two rows in a run, its own and its twin's without that input.
 
 Speedup = other side's latency / our latency, computed only where both sides passed.
 """
@@ -21,7 +24,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from hopperbench.environment import EnvironmentRecord
 from hopperbench.sides import HUMAN, OURS, REFERENCE, canonical_side_order
@@ -134,9 +145,23 @@ class WorkloadKey(BaseModel):
     # summary splits speedups by it. None: not recorded (journals written before the field existed).
     absent_inputs: list[str] | None = None
 
+    @property
+    def row_id(self) -> RowId:
+        return row_id(self.track, self.uuid, self.absent_inputs)
+
+
+# A row's identity: track, workload uuid, and the optional inputs its calls passed as None.
+RowId = tuple[str, str, tuple[str, ...]]
+
+
+def row_id(track: str, uuid: str, absent_inputs: Sequence[str] | None) -> RowId:
+    """The identity of a row. Absent inputs that were not recorded (None) read as none: the
+    journals and files that do not record them hold no twins."""
+    return (track, uuid, tuple(absent_inputs or ()))
+
 
 class SideRecord(BaseModel):
-    """One journal line: a finished (track, workload, side)."""
+    """One journal line: a finished (track, row, side)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -144,12 +169,14 @@ class SideRecord(BaseModel):
     result: SideResult
 
     @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.workload.track, self.workload.uuid, self.result.side)
+    def key(self) -> tuple[RowId, str]:
+        """(row, side): what one record finishes."""
+        return (self.workload.row_id, self.result.side)
 
 
 class WorkloadRow(BaseModel):
-    """All sides of one workload, with the speedups derived from them."""
+    """All sides of one row (a workload, or its twin without an optional input), with the speedups
+    derived from them."""
 
     model_config = _MODEL_CONFIG
 
@@ -180,6 +207,10 @@ class WorkloadRow(BaseModel):
     # Median over trials of the trial's bytes / ours' latency on it: the bandwidth our kernel
     # achieves on the bytes it must move.
     ours_tb_per_s: float | None = None
+
+    @property
+    def row_id(self) -> RowId:
+        return row_id(self.track, self.uuid, self.absent_inputs)
 
     @classmethod
     def from_sides(cls, workload: WorkloadKey, sides: Mapping[str, SideResult]) -> WorkloadRow:
@@ -269,16 +300,22 @@ def _fastest(results: Iterable[SideResult]) -> SideResult | None:
     return min(timed, key=lambda r: r.latency_ms or math.inf) if timed else None
 
 
+def row_order(row: WorkloadRow) -> tuple[str, int, str, tuple[str, ...]]:
+    """Rows in track then index order, a workload's own row before its twin."""
+    track, uuid, absent = row.row_id
+    return (track, row.index, uuid, absent)
+
+
 def build_rows(records: Iterable[SideRecord]) -> list[WorkloadRow]:
-    """Group records by workload (the last record of a key wins), in track then index order."""
-    workloads: dict[tuple[str, str], WorkloadKey] = {}
-    sides: dict[tuple[str, str], dict[str, SideResult]] = {}
+    """Group records by row (the last record of a key wins), in `row_order`."""
+    workloads: dict[RowId, WorkloadKey] = {}
+    sides: dict[RowId, dict[str, SideResult]] = {}
     for record in records:
-        wkey = (record.workload.track, record.workload.uuid)
-        workloads[wkey] = record.workload
-        sides.setdefault(wkey, {})[record.result.side] = record.result
+        rid = record.workload.row_id
+        workloads[rid] = record.workload
+        sides.setdefault(rid, {})[record.result.side] = record.result
     rows = [WorkloadRow.from_sides(workloads[k], sides[k]) for k in workloads]
-    return sorted(rows, key=lambda r: (r.track, r.index, r.uuid))
+    return sorted(rows, key=row_order)
 
 
 # ------------------------------------------------------------------------------------------
@@ -385,12 +422,40 @@ def _by_absent_inputs(rows: Sequence[WorkloadRow]) -> dict[str, InputGroupSummar
     }
 
 
+def sampled_input(track: str) -> str | None:
+    """The optional input whose absence the track samples (`Track.absent_input_sample`), or None."""
+    from hopperbench.tracks import TRACKS
+
+    entry = TRACKS.get(track)
+    sample = entry.absent_input_sample if entry is not None else None
+    return sample.input if sample is not None else None
+
+
+def _lacks_sampled_input(row: WorkloadRow) -> bool:
+    name = sampled_input(row.track)
+    return name is not None and name in (row.absent_inputs or ())
+
+
+def headline_rows(rows: Iterable[WorkloadRow]) -> list[WorkloadRow]:
+    """The rows of the headline, by-size table and pass counts: every row that gave its track's
+    sampled optional input (every row of a track without a sample)."""
+    return [r for r in rows if not _lacks_sampled_input(r)]
+
+
+def absent_input_rows(rows: Iterable[WorkloadRow]) -> list[WorkloadRow]:
+    """The rows without their track's sampled optional input (GDN: the no-state table)."""
+    return [r for r in rows if _lacks_sampled_input(r)]
+
+
 def summarize(rows: Sequence[WorkloadRow]) -> dict[str, TrackSummary]:
     by_track: dict[str, list[WorkloadRow]] = {}
     for row in rows:
         by_track.setdefault(row.track, []).append(row)
     summary: dict[str, TrackSummary] = {}
-    for track, track_rows in by_track.items():
+    for track, all_rows in by_track.items():
+        # The track's means and counts are the headline's; the rows without the sampled input
+        # (GDN's no-state twins) are summarised apart, in `by_absent_inputs`.
+        track_rows = headline_rows(all_rows)
         side_names = canonical_side_order({s for r in track_rows for s in r.sides})
         passed = {s: 0 for s in side_names}
         failed = {s: 0 for s in side_names}
@@ -421,7 +486,7 @@ def summarize(rows: Sequence[WorkloadRow]) -> dict[str, TrackSummary]:
                 for name in side_names
                 if is_candidate_side(name)
             },
-            by_absent_inputs=_by_absent_inputs(track_rows),
+            by_absent_inputs=_by_absent_inputs(all_rows),
             passed=passed,
             failed=failed,
             unavailable=unavailable,
@@ -472,12 +537,33 @@ def format_summary_table(summary: Mapping[str, TrackSummary]) -> str:
 # Journal
 
 
+class PlannedRow(BaseModel):
+    """One row a run set out to record: a workload and the optional inputs its calls pass as None.
+
+    In a journal a row without absent inputs is its bare uuid, so that a plan without twins reads
+    the same to every reader of journals."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uuid: str
+    absent_inputs: tuple[str, ...] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_uuid(cls, data: Any) -> Any:
+        return {"uuid": data} if isinstance(data, str) else data
+
+    @model_serializer(mode="wrap")
+    def _as_uuid(self, handler: SerializerFunctionWrapHandler) -> Any:
+        return handler(self) if self.absent_inputs else self.uuid
+
+
 class PlannedTrack(BaseModel):
     """What a run set out to record for one track."""
 
     model_config = ConfigDict(extra="forbid")
 
-    workloads: list[str]  # uuids
+    workloads: list[PlannedRow]  # every row: the workloads, then their twins
     sides: list[str]
 
 
@@ -495,14 +581,14 @@ class JournalHeader(BaseModel):
     protocol: dict[str, Any]
     # Collected once, when the run started; a resume keeps it.
     environment: EnvironmentRecord | None = None
-    # Per track, the workloads and sides planned (a resume adds what it plans).
+    # Per track, the rows (workloads and their twins) and sides planned (a resume adds what it plans).
     plan: dict[str, PlannedTrack] | None = None
     resumed_at: list[str] = Field(default_factory=list)  # ISO times, one per resume
 
 
 def merge_plans(*plans: Mapping[str, PlannedTrack] | None) -> dict[str, PlannedTrack]:
     """The union of plans, per track, in first-seen order."""
-    merged: dict[str, tuple[dict[str, None], dict[str, None]]] = {}
+    merged: dict[str, tuple[dict[PlannedRow, None], dict[str, None]]] = {}
     for plan in plans:
         for track, planned in (plan or {}).items():
             workloads, sides = merged.setdefault(track, ({}, {}))
@@ -514,7 +600,15 @@ def merge_plans(*plans: Mapping[str, PlannedTrack] | None) -> dict[str, PlannedT
 def plan_from_records(records: Iterable[SideRecord]) -> dict[str, PlannedTrack]:
     """A plan for a journal that did not store one: what it recorded, every side seen in a track."""
     return merge_plans(
-        *({r.workload.track: PlannedTrack(workloads=[r.workload.uuid], sides=[r.result.side])} for r in records)
+        *(
+            {
+                r.workload.track: PlannedTrack(
+                    workloads=[PlannedRow(uuid=r.workload.uuid, absent_inputs=r.workload.row_id[2])],
+                    sides=[r.result.side],
+                )
+            }
+            for r in records
+        )
     )
 
 
@@ -617,8 +711,8 @@ FLOOR_FIELDS = ("floor_ms", "floor_bytes", "ours_over_floor", "ours_tb_per_s")
 class TrackCompleteness(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    planned: int  # workloads
-    complete: int  # workloads with a record of every planned side
+    planned: int  # rows: workloads and twins
+    complete: int  # rows with a record of every planned side
     sides: list[str]
 
 
@@ -637,14 +731,16 @@ class Completeness(BaseModel):
 
 def assess_completeness(plan: Mapping[str, PlannedTrack] | None, records: Iterable[SideRecord]) -> Completeness:
     records = list(records)
-    recorded: dict[tuple[str, str], set[str]] = {}
+    recorded: dict[RowId, set[str]] = {}
     for record in records:
-        recorded.setdefault((record.workload.track, record.workload.uuid), set()).add(record.result.side)
+        recorded.setdefault(record.workload.row_id, set()).add(record.result.side)
     source = "journal header" if plan is not None else "journal records"
     tracks = {}
     for track, planned in (plan if plan is not None else plan_from_records(records)).items():
         wanted = set(planned.sides)
-        complete = sum(wanted <= recorded.get((track, uuid), set()) for uuid in planned.workloads)
+        complete = sum(
+            wanted <= recorded.get(row_id(track, row.uuid, row.absent_inputs), set()) for row in planned.workloads
+        )
         tracks[track] = TrackCompleteness(planned=len(planned.workloads), complete=complete, sides=planned.sides)
     planned_total = sum(t.planned for t in tracks.values())
     complete_total = sum(t.complete for t in tracks.values())
@@ -945,15 +1041,15 @@ def read_csv_rows(path: Path) -> list[WorkloadRow]:
             return read_results(json_path).rows
         raise
     lead = set(TIDY_LEAD_COLUMNS) | set(TIDY_SIDE_COLUMNS)
-    workloads: dict[tuple[str, str], tuple[WorkloadKey, dict[str, str]]] = {}
-    sides: dict[tuple[str, str], dict[str, SideResult]] = {}
-    ours_over_floor: dict[tuple[str, str], float | None] = {}
+    workloads: dict[tuple[str, str, str], tuple[WorkloadKey, dict[str, str]]] = {}
+    sides: dict[tuple[str, str, str], dict[str, SideResult]] = {}
+    ours_over_floor: dict[tuple[str, str, str], float | None] = {}
     for line in lines:
-        wkey = (line["track"], line["uuid"])
+        given = line["state_given"]
+        wkey = (line["track"], line["uuid"], given)  # a workload and its no-state twin differ in state_given
         if line["side"] == OURS:
             ours_over_floor[wkey] = _float_or_none(line["over_floor"])
         if wkey not in workloads:
-            given = line["state_given"]
             workloads[wkey] = (
                 WorkloadKey(
                     track=line["track"],
@@ -989,7 +1085,7 @@ def read_csv_rows(path: Path) -> list[WorkloadRow]:
                 }
             )
         )
-    return sorted(rows, key=lambda r: (r.track, r.index, r.uuid))
+    return sorted(rows, key=row_order)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

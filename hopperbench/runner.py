@@ -9,7 +9,10 @@ tracks in its own worker process (`hopperbench.worker`), the reference side of a
 workload first because the others are checked against its stored outputs.
 `--dry-run` stops after the checks but the CUDA and CUPTI ones and prints the plan;
 `--list` prints the selected workloads. Neither needs a GPU or writes anything.
-`--workloads` takes full uuids or unique prefixes of at least 6 characters.
+`--workloads` takes full uuids or unique prefixes of at least 6 characters. A selected workload
+in its track's `absent_input_sample` also runs as its twin without that input, a row of its own
+(planned after the track's workloads; the sample is drawn from the track's whole list, so a
+workload's twin does not depend on what else is selected).
 
 Worker processes are forked from a warm server per device that has already imported
 torch, triton, flashinfer_bench, ... (`hopperbench.worker_pool`, whose docstring states
@@ -58,8 +61,10 @@ from hopperbench.results import (
     Journal,
     JournalHeader,
     JournalMismatchError,
+    PlannedRow,
     PlannedTrack,
     ResultsFile,
+    RowId,
     SideRecord,
     SideResult,
     Status,
@@ -69,6 +74,7 @@ from hopperbench.results import (
     format_summary_table,
     merge_plans,
     plan_from_records,
+    row_id,
     write_journal_results,
 )
 from hopperbench.sides import HUMAN, REFERENCE, Side, SideContext, SideKind, known_side_names, sides_for
@@ -90,7 +96,7 @@ from hopperbench.worker_pool import (
     physical_cores,
     split_cpus,
 )
-from hopperbench.workloads import MIN_UUID_PREFIX
+from hopperbench.workloads import MIN_UUID_PREFIX, row_name
 
 PROG = "compare_human_best"
 LOG_TAIL_CHARS = 2000
@@ -345,7 +351,7 @@ class RunnerHooks:
 @dataclass(frozen=True)
 class TrackPlan:
     track: Track
-    workloads: list[Any]
+    workloads: list[Any]  # rows: the selected workloads, then their twins
     sides: list[Side]  # the reference first
     reference: ReferenceTiming
 
@@ -362,7 +368,7 @@ class RunPlan:
     timeout: float
     slots: list[str | None]
     header: JournalHeader
-    finished: dict[tuple[str, str, str], SideRecord] = field(default_factory=dict)
+    finished: dict[tuple[RowId, str], SideRecord] = field(default_factory=dict)
     guard_results: dict[str, Any] = field(default_factory=dict)
     keep_scratch: bool = False
     # Per slot, the CPU cores its workers are pinned to; None = not pinned.
@@ -389,12 +395,17 @@ def _default_output() -> Path:
 def _select_workloads(
     tracks: list[Track], args: argparse.Namespace, data_dir: Path | None, hooks: RunnerHooks
 ) -> dict[str, list[Any]]:
-    """Per track with something selected, its workloads; --workloads' prefixes resolved to full uuids."""
+    """Per track with something selected, its rows: the selected workloads, then their twins;
+    --workloads' prefixes resolved to full uuids."""
     from hopperbench.workloads import WorkloadSelectionError, resolve_uuids
 
     everything = {t.name: hooks.load_workloads(t.name, data_dir) for t in tracks}
+    by_name = {t.name: t for t in tracks}
     if args.workloads is None:
-        return {name: hooks.select_workloads(ws, None, args.max_workloads) for name, ws in everything.items()}
+        return {
+            name: with_twins(by_name[name], ws, hooks.select_workloads(ws, None, args.max_workloads))
+            for name, ws in everything.items()
+        }
     owner = {w.uuid: name for name, ws in everything.items() for w in ws}
     try:
         uuids, unknown = resolve_uuids(args.workloads, list(owner))
@@ -406,8 +417,21 @@ def _select_workloads(
     for name, ws in everything.items():
         mine = [u for u in uuids if owner[u] == name]
         if mine:
-            selected[name] = hooks.select_workloads(ws, mine, args.max_workloads)
+            selected[name] = with_twins(by_name[name], ws, hooks.select_workloads(ws, mine, args.max_workloads))
     return selected
+
+
+def with_twins(track: Track, everything: Sequence[Any], selected: list[Any]) -> list[Any]:
+    """`selected`, then the twin of each selected workload in the track's `absent_input_sample`,
+    drawn from the whole list `everything` among the workloads whose inputs give the sampled input."""
+    sample = track.absent_input_sample
+    if sample is None:
+        return selected
+    from hopperbench.synth import absent_optional_inputs
+
+    gives = [w for w in everything if sample.input not in absent_optional_inputs(track.name, w)]
+    sampled = {w.uuid for w in sample.select(gives, track.size_classes)}
+    return [*selected, *(w.without(sample.input) for w in selected if w.uuid in sampled)]
 
 
 def _requested_sides(args: argparse.Namespace, tracks: list[Track]) -> set[str] | None:
@@ -550,7 +574,10 @@ def plan_run(args: argparse.Namespace, hooks: RunnerHooks, check_machine: bool =
         plans.append(TrackPlan(track, workloads[track.name], sides, reference_timing[track.name]))
 
     planned = {
-        tp.track.name: PlannedTrack(workloads=[w.uuid for w in tp.workloads], sides=[s.name for s in tp.sides])
+        tp.track.name: PlannedTrack(
+            workloads=[PlannedRow(uuid=w.uuid, absent_inputs=_row_id(tp, w)[2]) for w in tp.workloads],
+            sides=[s.name for s in tp.sides],
+        )
         for tp in plans
     }
     header = JournalHeader(seed=args.seed, protocol=protocol, plan=planned)
@@ -595,8 +622,9 @@ SIDE_WARMUP = (
 
 def largest_workload(track: Track, workloads: Sequence[Any]) -> Any | None:
     """The workload a side's process warms up on: the largest of the run's workloads by the track's
-    size axis (the first of equals), or None for a track without size classes (or workloads
-    without that axis)."""
+    size axis (the first of equals; never a twin, so that the warm-up call gets every input), or
+    None for a track without size classes (or workloads without that axis)."""
+    workloads = [w for w in workloads if not w.withheld_inputs]
     if track.size_classes is None or not workloads:
         return None
     axis = track.size_classes.axis
@@ -692,7 +720,7 @@ def make_launcher(plan: RunPlan, slot: int, hooks: RunnerHooks) -> Launcher:
 def execute_job(job: WorkerJob, launcher: Launcher, timeout: float, logs_dir: Path) -> SideResult:
     """Run one job (in its side's session of the fork server, or a process of its own) and turn
     whatever happened into a SideResult."""
-    folder = logs_dir / job.track / job.workload["uuid"]
+    folder = logs_dir / job.track / row_name(job.workload["uuid"], job.workload.get("withheld_inputs", ()))
     folder.mkdir(parents=True, exist_ok=True)
     files = JobFiles(
         job=folder / f"{job.side.name}.job.json",
@@ -777,12 +805,21 @@ def _workload_key(plan: RunPlan, tp: TrackPlan, workload: Any) -> WorkloadKey:
     )
 
 
+def _row_id(tp: TrackPlan, workload: Any) -> RowId:
+    from hopperbench.synth import absent_optional_inputs
+
+    return row_id(tp.track.name, workload.uuid, sorted(absent_optional_inputs(tp.track.name, workload)))
+
+
 def _pending_sides(plan: RunPlan, tp: TrackPlan, workload: Any) -> list[Side]:
-    return [s for s in tp.sides if (tp.track.name, workload.uuid, s.name) not in plan.finished]
+    row = _row_id(tp, workload)
+    return [s for s in tp.sides if (row, s.name) not in plan.finished]
 
 
-def _reference_outputs_stored(plan: RunPlan, track: str, uuid: str) -> bool:
-    return all(reference_output_path(plan.scratch_dir, track, uuid, t).is_file() for t in range(plan.trials))
+def _reference_outputs_stored(plan: RunPlan, track: str, workload: Any) -> bool:
+    return all(
+        reference_output_path(plan.scratch_dir, track, workload.row_name, t).is_file() for t in range(plan.trials)
+    )
 
 
 def run_workload(plan: RunPlan, tp: TrackPlan, workload: Any, launcher: Launcher, state: RunState) -> None:
@@ -815,19 +852,19 @@ def run_workload(plan: RunPlan, tp: TrackPlan, workload: Any, launcher: Launcher
 
     reference_side = tp.sides[0]
     others = [s for s in pending if s.name != REFERENCE]
-    finished_reference = plan.finished.get((tp.track.name, workload.uuid, REFERENCE))
+    finished_reference = plan.finished.get((_row_id(tp, workload), REFERENCE))
     if finished_reference is None:
         timing = tp.reference
         reference = execute(reference_side, timing.warmup, timing.iterations, timing.time_budget_s)
         state.record(key, reference)
     else:
         reference = finished_reference.result
-        if any(s.available for s in others) and not _reference_outputs_stored(plan, tp.track.name, workload.uuid):
+        if any(s.available for s in others) and not _reference_outputs_stored(plan, tp.track.name, workload):
             # Resumed after the scratch folder went away: recompute the outputs, keep the journaled timing.
             reference = execute(reference_side, 0, 0)
     # The others need the stored outputs, not a timed reference: a reference whose timing
     # failed after storing them still lets them be checked.
-    outputs_stored = _reference_outputs_stored(plan, tp.track.name, workload.uuid)
+    outputs_stored = _reference_outputs_stored(plan, tp.track.name, workload)
 
     for side in others:
         if not side.available:
@@ -955,7 +992,8 @@ def finalize(args: argparse.Namespace) -> int:
 
 
 def list_workloads(args: argparse.Namespace, hooks: RunnerHooks) -> int:
-    """--list: one tab-separated line per selected workload: track, index, uuid, axes, data source."""
+    """--list: one tab-separated line per selected row: track, index, uuid, axes, data source (a
+    twin's with `; without <input>`)."""
     from hopperbench.workloads import data_source_label
 
     tracks = _selected_tracks(args)
@@ -963,7 +1001,8 @@ def list_workloads(args: argparse.Namespace, hooks: RunnerHooks) -> int:
     for track in tracks:
         for w in workloads.get(track.name, []):
             axes = " ".join(f"{name}={value}" for name, value in w.axes.items())
-            print(f"{track.name}\t{w.index}\t{w.uuid}\t{axes}\t{data_source_label(w)}")
+            without = f"; without {', '.join(w.withheld_inputs)}" if w.withheld_inputs else ""
+            print(f"{track.name}\t{w.index}\t{w.uuid}\t{axes}\t{data_source_label(w)}{without}")
     return 0
 
 
@@ -974,7 +1013,10 @@ def format_plan(plan: RunPlan, devices: list[int] | None) -> str:
     mode = f"resume {plan.journal.path}, {pending} of {jobs} jobs to run" if plan.resume else f"{jobs} jobs"
     lines = [f"dry run: nothing run or written; output {plan.output} ({mode})"]
     for tp in plan.tracks:
-        lines.append(f"{tp.track.name}: {len(tp.workloads)} workload(s)")
+        twins = [w for w in tp.workloads if w.withheld_inputs]
+        without = sorted({name for w in twins for name in w.withheld_inputs})
+        also = f", {len(twins)} of them also without {', '.join(without)}" if twins else ""
+        lines.append(f"{tp.track.name}: {len(tp.workloads) - len(twins)} workload(s){also}")
         lines.append(f"  runs: {', '.join(s.name for s in tp.sides if s.available) or '-'}")
         for side in tp.sides:
             if not side.available:

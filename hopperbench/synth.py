@@ -13,7 +13,8 @@ so on the GPU model: identical on the same model, different (but equally valid) 
 Large tensors are drawn in chunks of a fixed element count, never a memory-dependent one.
 
 Official blob inputs (`WorkloadSpec.blob_inputs`) are loaded from safetensors instead of
-drawn; their dtype and shape are checked against the definition.
+drawn; their dtype and shape are checked against the definition. A twin's withheld inputs
+(`WorkloadSpec.withheld_inputs`) are None; every other input is what its workload gets.
 
 The distributions are the track's: each track folder's `synth.py` gives one recipe per input
 (`RECIPE`: input name -> function of (SynthContext, name)) and says which optional inputs a
@@ -101,8 +102,10 @@ def make_inputs(
     for name, spec in definition.inputs.items():
         if only is not None and name not in only:
             continue
-        if name in workload.blob_inputs:
-            value: InputValue = blobs.load(workload.blob_inputs[name].path, workload.blob_inputs[name].tensor_key)
+        if name in workload.withheld_inputs:
+            value: InputValue = None
+        elif name in workload.blob_inputs:
+            value = blobs.load(workload.blob_inputs[name].path, workload.blob_inputs[name].tensor_key)
             value = value.to(ctx.device)
         elif name in workload.scalars:
             value = workload.scalars[name]
@@ -130,8 +133,9 @@ def input_bytes(track: str, workload: WorkloadSpec) -> int:
 
 
 def absent_optional_inputs(track: str, workload: WorkloadSpec) -> set[str]:
-    """The optional inputs `make_inputs` passes as None for `workload` (the track's synth says)."""
-    return set(_track_synth(track).absent_optional_inputs(workload))
+    """The optional inputs `make_inputs` passes as None for `workload`: those the track's synth
+    says the workload lacks, and those its twin withholds."""
+    return set(_track_synth(track).absent_optional_inputs(workload)) | set(workload.withheld_inputs)
 
 
 def gate_regimes(track: str) -> tuple[str, ...]:

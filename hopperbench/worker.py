@@ -2,9 +2,10 @@
 own or in its side's session of the fork server (`hopperbench.worker_pool`).
 
 The reference side computes the reference outputs of every trial and stores them in
-the run's scratch folder (`<scratch>/<track>/<uuid>/trial<t>.safetensors`, reused when
-written under the same seed), then times itself. Every other side regenerates the
-same inputs from (uuid, seed, trial), fills its output buffers with NaN, runs once,
+the run's scratch folder (`<scratch>/<track>/<row>/trial<t>.safetensors`, the row named by
+`WorkloadSpec.row_name`; reused when written under the same seed), then times itself. Every
+other side regenerates the same inputs from (uuid, seed, trial) (a twin's withheld inputs None),
+fills its output buffers with NaN, runs once,
 and is checked against the stored outputs with the track's acceptance rule; it must
 also leave its inputs bit-for-bit unchanged. Only a side that passes every trial is
 timed: on each trial's fresh inputs, with the CUPTI cold-L2 timer; latency is the
@@ -142,8 +143,9 @@ def load_side_prepare(side: Side) -> Callable[..., Mapping[str, InputValue]] | N
 # Stored reference outputs
 
 
-def reference_output_path(scratch_dir: Path, track: str, uuid: str, trial: int) -> Path:
-    return scratch_dir / track / uuid / f"trial{trial}.safetensors"
+def reference_output_path(scratch_dir: Path, track: str, row: str, trial: int) -> Path:
+    """Where a row's reference outputs of `trial` are stored (`row`: `WorkloadSpec.row_name`)."""
+    return scratch_dir / track / row / f"trial{trial}.safetensors"
 
 
 def _stored_seed(path: Path) -> str | None:
@@ -387,7 +389,7 @@ class JobRunner:
     def run_reference(self, fn: Callable[..., Any]) -> SideResult:
         job = self.job
         for trial in range(job.trials):
-            path = reference_output_path(job.scratch_dir, job.track, self.workload.uuid, trial)
+            path = reference_output_path(job.scratch_dir, job.track, self.workload.row_name, trial)
             if path.is_file() and _stored_seed(path) == str(job.seed):
                 continue
             inputs = self.inputs(trial)
@@ -404,7 +406,7 @@ class JobRunner:
         dps = job.side.destination_passing_style
         verdicts = []
         for trial in range(job.trials):
-            path = reference_output_path(job.scratch_dir, job.track, self.workload.uuid, trial)
+            path = reference_output_path(job.scratch_dir, job.track, self.workload.row_name, trial)
             try:
                 reference = load_reference_outputs(path, job.seed, self.device)
             except ReferenceMissing as e:
@@ -519,7 +521,7 @@ class JobRunner:
                     _poison(tensor)
                 replay()
                 _synchronize(self.device)
-                path = reference_output_path(job.scratch_dir, job.track, self.workload.uuid, trial)
+                path = reference_output_path(job.scratch_dir, job.track, self.workload.row_name, trial)
                 reference = load_reference_outputs(path, job.seed, self.device)
                 verdict = self.deps.check_outputs(self.track.acceptance_for(job.side.kind), outputs, reference)
                 if not verdict.passed:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ast
 import csv
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Literal
@@ -75,6 +75,9 @@ class WorkloadSpec(BaseModel):
     blob_inputs: dict[str, BlobRef] = Field(default_factory=dict)
     # Inputs the official workload declares as safetensors but whose blob is absent; synthesized.
     missing_blob_inputs: tuple[str, ...] = ()
+    # Optional inputs passed as None although the workload gives them (sorted): the twin of a
+    # workload in its track's `absent_input_sample`, a row of its own beside the workload's.
+    withheld_inputs: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _blobs_only_when_official(self) -> WorkloadSpec:
@@ -83,7 +86,24 @@ class WorkloadSpec(BaseModel):
         overlap = set(self.blob_inputs) & set(self.missing_blob_inputs)
         if overlap:
             raise ValueError(f"inputs both present and missing as blobs: {sorted(overlap)}")
+        if list(self.withheld_inputs) != sorted(set(self.withheld_inputs)):
+            raise ValueError(f"withheld inputs must be sorted and distinct, got {list(self.withheld_inputs)}")
         return self
+
+    @property
+    def row_name(self) -> str:
+        """The name of this row's files (stored reference outputs, logs): see `row_name`."""
+        return row_name(self.uuid, self.withheld_inputs)
+
+    def without(self, name: str) -> WorkloadSpec:
+        """The twin of this workload that passes optional input `name` as None."""
+        return self.model_copy(update={"withheld_inputs": tuple(sorted({*self.withheld_inputs, name}))})
+
+
+def row_name(uuid: str, withheld_inputs: Sequence[str] = ()) -> str:
+    """A workload's row in file names: its uuid, with `.without-<input>` per withheld input, so
+    that a twin's files never overwrite its workload's."""
+    return uuid + "".join(f".without-{name}" for name in withheld_inputs)
 
 
 def official_workload_file(track: Track, data_dir: Path) -> Path:

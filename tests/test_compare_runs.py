@@ -88,3 +88,21 @@ def test_unreadable_or_disjoint_runs_exit_2(tmp_path: Path, capsys) -> None:
     assert compare_runs.main([str(a), str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
     assert all(len(line) < 300 for line in err.splitlines()) and "share no timed" in err
+
+
+def test_a_workload_and_its_no_state_twin_are_paired_with_their_own_rows(tmp_path: Path, capsys) -> None:
+    def run(path: Path, own_ms: float, twin_ms: float) -> Path:
+        def gdn(absent: list[str], ms: float) -> WorkloadRow:
+            key = WorkloadKey(track="gdn_prefill", definition="d", uuid="u0", index=0, axes={"total_seq_len": 6},
+                              data_source="synthesized", seed=0, absent_inputs=absent)  # fmt: skip
+            return WorkloadRow.from_sides(key, {"ours": timed("ours", ms, ms)})
+
+        write_results(path, EnvironmentRecord(), [gdn([], own_ms), gdn(["state"], twin_ms)])
+        return path
+
+    a, b = run(tmp_path / "a.json", 0.1, 0.2), run(tmp_path / "b.json", 0.1, 0.2)
+    rows = compare_runs.compare(compare_runs.read_results(a), compare_runs.read_results(b), min_ms=0.02)
+    assert [(c.absent_inputs, c.first_ms, c.second_ms) for c in rows] == [((), 0.1, 0.1), (("state",), 0.2, 0.2)]
+    assert compare_runs.main([str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "all inputs" in out and "no state" in out and "2 of 2 judged rows" in out

@@ -48,6 +48,13 @@ def test_a_track_folder_holds_the_whole_track(track: Track) -> None:
     assert tensors <= set(track.synth.RECIPE) <= set(inputs)
 
 
+@pytest.mark.parametrize("track", [t for t in TRACKS.values() if t.absent_input_sample], ids=lambda t: t.name)
+def test_an_absent_input_sample_withholds_an_optional_input(track: Track) -> None:
+    assert track.absent_input_sample is not None
+    inputs = json.loads(track.definition_path.read_text())["inputs"]
+    assert inputs[track.absent_input_sample.input].get("optional") is True
+
+
 def test_no_core_module_names_a_track() -> None:
     """Dispatch goes through the Track: no string in the core equals a track's name."""
     found = [

@@ -161,6 +161,48 @@ def test_pass_lines_count_each_status_per_side() -> None:
     ]
 
 
+def test_the_headline_takes_the_rows_with_a_state_and_the_no_state_rows_are_a_table_of_their_own() -> None:
+    with_state = gdn_rows()
+    twins = [
+        workload("gdn_prefill", 0, [side("ours", 2.0, 1.0), side("human", 4.0, 2.0), side("flashinfer_gdn", 8.0, 1.0),
+                                    side("fla_chunk", 8.0, 4.0)], absent=["state"]),  # fmt: skip
+        workload("gdn_prefill", 1, [side("ours", 1.0, 1.0), side("human", None, status=Status.RUNTIME_ERROR),
+                                    side("flashinfer_gdn", 4.0, 1.0), side("fla_chunk", 8.0, 4.0)],
+                 absent=["state"]),  # fmt: skip
+    ]
+    moe = [workload("moe", 0, [side("ours", 1.0), side("deepgemm_grouped", 2.0)], absent=[])]
+    results = results_of([*with_state, *twins, *moe])
+    assert report.headline_rows(results.rows) == [*with_state, *moe]
+    assert report.absent_input_rows(results.rows) == twins
+    # The headline is what it is without the twins.
+    assert report.headline(results) == report.headline(results_of([*with_state, *moe]))
+    assert report.size_markdown(results) == report.size_markdown(results_of([*with_state, *moe]))
+    no_state = report.absent_input_markdown(results)
+    # The by-size table's columns over the twins (41-200 tokens): ours over flashinfer_gdn 8/2 and
+    # 4/1 eager, 1/1 graph; over human (which failed on one) 4/2 eager and 2/1 graph.
+    assert no_state[:3] == [
+        "| " + " | ".join(report.SIZE_HEADER) + " |",
+        "|---|---|---|---|---|---|---|",
+        "| `gdn_prefill` | 41-200 (`total_seq_len`) | 2 | 4.00× (2; min 4.00×) | 1.00× (2; min 1.00×)"
+        " | 2.00× (1; min 2.00×) | 2.00× (1; min 2.00×) |",
+    ]
+    assert no_state[-2:] == ["", "- `gdn_prefill` (2 workloads): ours 2 passed; human 1 passed, 1 RUNTIME_ERROR;"
+                             " fla_chunk 2 passed; flashinfer_gdn 2 passed."]  # fmt: skip
+    assert report.absent_input_markdown(results_of([*with_state, *moe])) == []
+    # A row that does not record its absent inputs, and a track without a sample, are headline rows.
+    unrecorded = workload("gdn_prefill", 5, [side("ours", 1.0)], absent=None)
+    moe_without = workload("moe", 1, [side("ours", 1.0)], absent=["state"])
+    assert report.headline_rows([unrecorded, moe_without]) == [unrecorded, moe_without]
+    # The views hold every row, a workload's own line before its twin's.
+    human = _csv_lines(report.human_best_view([*twins, *with_state]))
+    assert [(line["workload_index"], line["state_given"]) for line in human] == [
+        ("0", "true"), ("0", "false"), ("1", "true"), ("1", "false"), ("2", "true")
+    ]
+    libraries = _csv_lines(report.libraries_view([*twins, *with_state]))
+    assert len(libraries) == 10
+    assert {line["baseline"] for line in libraries if line["library"] == "flashinfer_gdn"} == {"true"}
+
+
 def _csv_lines(text: str) -> list[dict[str, str]]:
     return list(csv.DictReader(io.StringIO(text)))
 
@@ -240,11 +282,36 @@ def test_render_writes_sections_and_views_and_check_catches_staleness(tmp_path: 
     text = readme.read_text()
     assert text.startswith("# title\n") and text.endswith("\nafter\n")
     assert "`flashinfer_gdn` (FlashInfer)" in text and "commit `abcdef1234`" in text
+    assert render.NO_STATE_ROWS in text  # a run without twins says so in one line
     assert (results_dir / render.LIBRARY_VIEW).stat().st_mode & 0o777 == 0o644
     # A hand edit of a view is caught.
     view = results_dir / render.HUMAN_VIEW
     view.write_text(view.read_text().replace("PASSED", "FAILED", 1))
     assert render.main([*args, "--check"]) == 1
+
+
+def test_render_writes_the_no_state_table_of_a_run_with_twins(tmp_path: Path) -> None:
+    render = _load_renderer()
+    results_dir, readme = tmp_path / "results", _readme(render, tmp_path / "README.md")
+    args = ["--results-dir", str(results_dir), "--readme", str(readme)]
+    twin = gdn_rows()[0].model_copy(update={"absent_inputs": ["state"]})
+    write_results(results_dir / "h200" / "latest.json", EnvironmentRecord(), [*gdn_rows(), twin])
+    assert render.main(args) == 0 and render.main([*args, "--check"]) == 0
+    text = readme.read_text()
+    begin, end = render.markers("no-state")
+    section = text[text.index(begin) : text.index(end)]
+    assert "| `gdn_prefill` | 41-200 (`total_seq_len`) | 1 |" in section and "(1 workloads)" in section
+    begin, end = render.markers("passes")
+    assert "(3 workloads)" in text[text.index(begin) : text.index(end)]
+    assert [line.split(",")[4] for line in (results_dir / render.HUMAN_VIEW).read_text().splitlines()[1:]] == [
+        "true", "false", "true", "true"
+    ]
+    # The CSV beside the JSON must hold the twin's lines too.
+    csv_path = results_dir / "h200" / "latest.csv"
+    lines = csv_path.read_text().splitlines()
+    csv_path.write_text("\n".join(line for line in lines if ",false," not in line) + "\n")
+    messages: list[str] = []
+    assert render.main(args, out=messages.append) == 2 and "differ" in messages[-1]
 
 
 def test_render_refuses_a_canonical_run_without_its_tidy_csv_and_a_readme_without_markers(tmp_path: Path) -> None:

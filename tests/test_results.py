@@ -15,6 +15,7 @@ from hopperbench.results import (
     Journal,
     JournalHeader,
     JournalMismatchError,
+    PlannedRow,
     PlannedTrack,
     SideRecord,
     SideResult,
@@ -242,7 +243,8 @@ def test_journal_append_read_and_resume_checks(tmp_path: Path) -> None:
     read_header, records = journal.read()
     assert read_header == header
     assert records == [first, second]
-    assert [r.key for r in records] == [("moe", "moe-uuid-0", "reference"), ("moe", "moe-uuid-0", "ours")]
+    row_0 = ("moe", "moe-uuid-0", ())
+    assert [r.key for r in records] == [(row_0, "reference"), (row_0, "ours")]
     assert journal.check_resumable(header) == records
 
     with pytest.raises(JournalMismatchError, match="seed"):
@@ -322,6 +324,85 @@ def test_merge_plans_is_an_ordered_union() -> None:
     merged = merge_plans(first, None, second)
     assert merged["moe"] == PlannedTrack(workloads=["a", "b", "c"], sides=["reference", "ours", "human"])
     assert merged["gdn_prefill"] == second["gdn_prefill"]
+    # A twin is a row of its own: a plan that adds twins to one without them keeps both rows.
+    twin = PlannedRow(uuid="g", absent_inputs=("state",))
+    with_twin = merge_plans(second, {"gdn_prefill": PlannedTrack(workloads=["g", twin], sides=["reference"])})
+    assert with_twin["gdn_prefill"].workloads == [PlannedRow(uuid="g"), twin]
+
+
+def twin_key(index: int) -> WorkloadKey:
+    """A GDN workload's key with the state given, and its twin's without it."""
+    return key(index, "gdn_prefill").model_copy(update={"absent_inputs": []})
+
+
+def no_state_key(index: int) -> WorkloadKey:
+    return twin_key(index).model_copy(update={"absent_inputs": ["state"]})
+
+
+def test_a_planned_row_without_absent_inputs_is_written_as_its_uuid() -> None:
+    plan = PlannedTrack(workloads=["u", PlannedRow(uuid="u", absent_inputs=("state",))], sides=["ours"])
+    text = plan.model_dump_json()
+    assert json.loads(text)["workloads"] == ["u", {"uuid": "u", "absent_inputs": ["state"]}]
+    assert PlannedTrack.model_validate_json(text) == plan
+    # A header written before twins existed (uuids only) reads as rows with every input.
+    old_plan = '{"seed": 0, "protocol": {}, "plan": {"moe": {"workloads": ["a"], "sides": []}}}'
+    old = JournalHeader.model_validate_json(old_plan)
+    assert old.plan is not None and old.plan["moe"].workloads == [PlannedRow(uuid="a")]
+
+
+def test_a_workload_and_its_no_state_twin_are_two_rows_in_the_journal_and_the_files(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.journal.jsonl")
+    plan = {"gdn_prefill": PlannedTrack(workloads=[twin_key(0).uuid, twin_key(1).uuid,
+                                                   PlannedRow(uuid=twin_key(0).uuid, absent_inputs=("state",))],
+                                        sides=["reference", "ours"])}  # fmt: skip
+    header = JournalHeader(seed=0, protocol={}, plan=plan)
+    journal.create(header)
+    records = [
+        SideRecord(workload=twin_key(0), result=passed("reference", 4.0)),
+        SideRecord(workload=no_state_key(0), result=passed("reference", 3.0)),
+        SideRecord(workload=twin_key(0), result=passed("ours", 1.0)),
+        SideRecord(workload=no_state_key(0), result=passed("ours", 0.5)),
+        SideRecord(workload=twin_key(1), result=passed("reference", 4.0)),
+    ]
+    for record in records:
+        journal.append(record)
+    read_header, back = journal.read()
+    assert read_header == header and back == records
+    # Neither overwrites the other: one row each, the workload's own first.
+    rows = build_rows(back)
+    assert [(r.index, r.absent_inputs) for r in rows] == [(0, []), (0, ["state"]), (1, [])]
+    assert [r.speedup_vs_reference for r in rows[:2]] == [pytest.approx(4.0), pytest.approx(6.0)]
+    assert len({r.key for r in back}) == len(back)
+    # Completeness counts the twin as a planned row of its own: 2 of 3 have every side.
+    completeness = assess_completeness(plan, back)
+    assert (completeness.planned, completeness.complete) == (3, 2)
+    assert assess_completeness(plan, back[:3]).complete == 1  # the twin lacks ours
+    # The summary splits the two kinds of call; the JSON and the tidy CSV keep both rows.
+    output = tmp_path / "results.json"
+    write_journal_results(output, read_header, back, EnvironmentRecord(), "journal header")
+    summary = read_results(output).summary["gdn_prefill"]
+    assert {label: g.workloads for label, g in summary.by_absent_inputs.items()} == {"all inputs": 2, "no state": 1}
+    # The track's own means and counts are the headline's: the twin is not among them.
+    assert summary.workloads == 2 and summary.passed["ours"] == 1
+    assert summary.vs_reference.geomean == pytest.approx(4.0) and summary.vs_reference.workloads == 1
+    assert [(r.index, r.absent_inputs) for r in read_results(output).rows] == [(0, []), (0, ["state"]), (1, [])]
+    lines = list(csv.DictReader(open(csv_path_for(output))))
+    assert [(line["workload_index"], line["state_given"], line["side"]) for line in lines] == [
+        ("0", "true", "ours"), ("0", "true", "reference"), ("0", "false", "ours"), ("0", "false", "reference"),
+        ("1", "true", "reference"),
+    ]  # fmt: skip
+    from_csv = read_csv_rows(csv_path_for(output))
+    assert [(r.index, r.absent_inputs, r.speedup_vs_reference) for r in from_csv] == [
+        (0, [], pytest.approx(4.0)), (0, ["state"], pytest.approx(6.0)), (1, [], None),
+    ]  # fmt: skip
+
+
+def test_records_that_do_not_say_which_inputs_were_absent_are_their_workloads_own_rows() -> None:
+    old = key(0, "gdn_prefill")  # absent_inputs None: a journal from before the field
+    assert old.row_id == twin_key(0).row_id != no_state_key(0).row_id
+    rows = build_rows([SideRecord(workload=old, result=passed("reference", 2.0)),
+                       SideRecord(workload=twin_key(0), result=passed("ours", 1.0))])  # fmt: skip
+    assert len(rows) == 1 and set(rows[0].sides) == {"ours", "reference"}
 
 
 def test_completeness_counts_workloads_with_every_planned_side() -> None:
@@ -459,7 +540,7 @@ def test_a_csv_in_the_old_wide_format_is_read_through_the_json_beside_it(tmp_pat
         read_csv_rows(csv_path_for(output))
 
 
-def test_the_summary_splits_speedups_by_absent_inputs_only_when_workloads_differ() -> None:
+def test_the_summary_is_the_headlines_and_splits_by_absent_inputs_only_when_workloads_differ() -> None:
     def gdn(index: int, human_ms: float, absent: list[str] | None) -> WorkloadRow:
         sides = [passed("ours", 1.0), passed("human", human_ms), passed("fla", 4.0 * human_ms)]
         return with_absent(row(index, sides, track="gdn_prefill"), absent)
@@ -470,7 +551,8 @@ def test_the_summary_splits_speedups_by_absent_inputs_only_when_workloads_differ
     assert (given.workloads, given.vs_human.geomean, given.vs_human.workloads) == (2, pytest.approx(2.0), 2)
     assert given.vs_best_reference.geomean == pytest.approx(8.0)
     assert (missing.workloads, missing.vs_human.geomean) == (1, pytest.approx(9.0))
-    assert split.vs_human.geomean == pytest.approx(36 ** (1 / 3))  # the overall mean is unchanged
+    # The track's own mean is the headline's: the rows that gave GDN's sampled input (the state).
+    assert (split.workloads, split.vs_human.geomean) == (2, pytest.approx(2.0))
     assert summarize([gdn(0, 1.0, []), gdn(1, 4.0, [])])["gdn_prefill"].by_absent_inputs == {}
     assert summarize([gdn(0, 1.0, None), gdn(1, 4.0, None)])["gdn_prefill"].by_absent_inputs == {}
 

@@ -35,6 +35,7 @@ FAKE_WORKER = textwrap.dedent(
     side, uuid = job["side"]["name"], job["workload"]["uuid"]
     with open(os.environ["FAKE_WORKER_LOG"], "a") as log:
         log.write(json.dumps({"side": side, "uuid": uuid, "iterations": job["iterations"],
+                              "withheld": job["workload"].get("withheld_inputs", []),
                               "time_budget_s": job.get("time_budget_s"),
                               "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
                               "cute_arch": os.environ.get("CUTE_DSL_ARCH"), "pid": os.getpid(),
@@ -50,8 +51,9 @@ FAKE_WORKER = textwrap.dedent(
         Path(os.environ["FAKE_WORKER_CHILD"]).write_text(str(child.pid))
         time.sleep(60)
     if side == "reference":
+        row = uuid + "".join(".without-" + name for name in job["workload"].get("withheld_inputs", []))
         for t in range(job["trials"]):
-            path = Path(job["scratch_dir"]) / job["track"] / uuid / f"trial{t}.safetensors"
+            path = Path(job["scratch_dir"]) / job["track"] / row / f"trial{t}.safetensors"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(b"fake")
     latency = {"reference": 10.0, "ours": 2.0}.get(side, 5.0) if job["iterations"] else None
@@ -145,7 +147,7 @@ def test_full_run_writes_json_csv_and_journal(fake: RunnerHooks, tmp_path: Path,
     assert results.environment.worker_launch == ("subprocess" if launch else "fork-server")
     assert results.environment.worker_env["CUTE_DSL_ARCH"] == os.environ.get("CUTE_DSL_ARCH", "sm_90a")
     assert "TRITON_CACHE_AUTOTUNING" not in results.environment.worker_env
-    assert header.plan is not None and header.plan["moe"].workloads == moe_uuids(2)
+    assert header.plan is not None and [w.uuid for w in header.plan["moe"].workloads] == moe_uuids(2)
     assert header.plan["moe"].sides == ["reference", "ours", "human"]
     assert results.completeness is not None and not results.completeness.partial
     assert (results.completeness.planned, results.completeness.complete) == (2, 2)
@@ -380,16 +382,14 @@ def test_workloads_filter_spans_tracks(fake: RunnerHooks, tmp_path: Path) -> Non
     argv = ["--track", "all", "--workloads", "moe-2,gdn_prefill-0", "--iterations", "1", "--output", str(out)]
     assert main(argv, hooks) == 0
     rows = read_results(out).rows
-    assert sorted((r.track, r.uuid, r.index) for r in rows) == [
-        ("gdn_prefill", "gdn_prefill-0", 0),
-        ("moe", "moe-2", 2),
+    # Each row records which optional inputs its calls got as None: GDN's workload 0 gives its
+    # state and, in the track's no-state sample, runs again as its twin without it.
+    assert sorted((r.track, r.uuid, r.index, r.absent_inputs) for r in rows) == [
+        ("gdn_prefill", "gdn_prefill-0", 0, []),
+        ("gdn_prefill", "gdn_prefill-0", 0, ["state"]),
+        ("moe", "moe-2", 2, []),
     ]
-    # Each row records which optional inputs its calls got as None (GDN's state by uuid parity).
-    from hopperbench.tracks.gdn_prefill.synth import has_initial_state as gdn_has_initial_state
-
-    absent = {r.track: r.absent_inputs for r in rows}
-    gdn_spec = fake_lists("gdn_prefill", None)[0]
-    assert absent == {"moe": [], "gdn_prefill": [] if gdn_has_initial_state(gdn_spec) else ["state"]}
+    assert all(result.status == Status.PASSED for r in rows for name, result in r.sides.items() if name != "human")
 
 
 def test_integrity_refusal_is_one_line(fake: RunnerHooks, tmp_path: Path, capsys) -> None:
@@ -507,8 +507,48 @@ def test_resuming_a_journal_without_environment_records_one(fake: RunnerHooks, t
     assert main(run_args(out, "--sides", "ours,reference", "--resume"), fake) == 0
     header, _ = journal.read()
     assert header.environment is not None and header.environment.protocol == header.protocol
-    assert header.plan is not None and header.plan["moe"].workloads == moe_uuids(2)
+    assert header.plan is not None and [w.uuid for w in header.plan["moe"].workloads] == moe_uuids(2)
     assert sorted(header.plan["moe"].sides) == ["ours", "reference"]
+
+
+def test_a_resume_adds_the_no_state_twins_to_a_journal_without_them(
+    fake: RunnerHooks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hopperbench.workloads import load_workloads
+
+    out = tmp_path / "results.json"
+    gdn_args = ["--track", "gdn_prefill", "--max-workloads", "2", "--iterations", "1", "--output", str(out)]
+    without_sample = replace(TRACKS["gdn_prefill"], absent_input_sample=None)
+    with monkeypatch.context() as m:  # a run planned before the track sampled the no-state case
+        m.setitem(TRACKS, "gdn_prefill", without_sample)
+        assert main(gdn_args, fake) == 0
+    journal = Journal(Journal.path_for(out))
+    before_header, before = journal.read()
+    assert len(read_results(out).rows) == 2
+    (tmp_path / "calls.jsonl").unlink()
+
+    assert main([*gdn_args, "--resume"], fake) == 0
+    uuids = [w.uuid for w in load_workloads("gdn_prefill")[:2]]
+    # Only the twins ran (workloads 0 and 1 lead their size classes), each reference first.
+    assert [(c["uuid"], c["side"], c["withheld"]) for c in calls(tmp_path)] == [
+        (u, side, ["state"]) for u in uuids for side in ("reference", "ours")
+    ]
+    header, records = journal.read()
+    assert header.protocol == before_header.protocol and records[: len(before)] == before
+    assert header.plan is not None
+    assert [(w.uuid, w.absent_inputs) for w in header.plan["gdn_prefill"].workloads] == [
+        *((u, ()) for u in uuids), *((u, ("state",)) for u in uuids)
+    ]
+    results = read_results(out)
+    assert [(r.uuid, r.absent_inputs) for r in results.rows] == [
+        (uuids[0], []), (uuids[0], ["state"]), (uuids[1], []), (uuids[1], ["state"])
+    ]
+    assert results.completeness is not None and not results.completeness.partial
+    assert (results.completeness.planned, results.completeness.complete) == (4, 4)
+    # A twin's records and its workload's are separate: a second resume has nothing left to run.
+    (tmp_path / "calls.jsonl").unlink()
+    assert main([*gdn_args, "--resume"], fake) == 0
+    assert calls(tmp_path) == []
 
 
 # ------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import pytest
 from hopperbench import runner
 from hopperbench.results import Journal, read_results
 from hopperbench.runner import RunnerHooks, main
-from hopperbench.workloads import WorkloadSelectionError, WorkloadSpec, load_workloads, resolve_uuids
+from hopperbench.tracks import TRACKS
+from hopperbench.workloads import BlobRef, WorkloadSelectionError, WorkloadSpec, load_workloads, resolve_uuids
 from tests.test_runner_cli import calls, fake, run_args  # noqa: F401  (fake is a fixture)
 
 
@@ -159,7 +160,7 @@ def test_a_unique_prefix_selects_the_workload_and_the_records_hold_full_uuids(
     assert main(["--track", "moe", "--workloads", prefix, "--iterations", "1", "--output", str(out)], fake) == 0
     assert [r.uuid for r in read_results(out).rows] == [wanted]
     header, records = Journal(Journal.path_for(out)).read()
-    assert header.plan is not None and header.plan["moe"].workloads == [wanted]
+    assert header.plan is not None and [w.uuid for w in header.plan["moe"].workloads] == [wanted]
     assert {r.workload.uuid for r in records} == {wanted}
 
 
@@ -175,9 +176,13 @@ def test_prefix_refusals_are_one_line(fake: RunnerHooks, tmp_path: Path, capsys)
     for text, fragment in cases:
         assert main(["--workloads", text, "--output", str(out)], hooks) == 2
         assert fragment in one_line_error(capsys)
-    # The prefix of one track's workload picks that track alone.
+    # The prefix of one track's workload picks that track alone (and its no-state twin: GDN samples
+    # the first 4 workloads of a list without the size axis).
     assert main(["--list", "--workloads", "123456"], hooks) == 0
-    assert capsys.readouterr().out.splitlines() == ["gdn_prefill\t1\t123456-1\tn=2\tsynthesized"]
+    assert capsys.readouterr().out.splitlines() == [
+        "gdn_prefill\t1\t123456-1\tn=2\tsynthesized",
+        "gdn_prefill\t1\t123456-1\tn=2\tsynthesized; without state",
+    ]
     assert not (tmp_path / "out").exists()
 
 
@@ -217,6 +222,51 @@ def test_list_refusals_are_one_line(fake: RunnerHooks, capsys) -> None:
         assert fragment in one_line_error(capsys)
 
 
+def test_list_shows_the_no_state_twins_of_the_first_4_workloads_of_each_size_class(
+    fake: RunnerHooks, capsys
+) -> None:
+    gdn = TRACKS["gdn_prefill"]
+    assert gdn.size_classes is not None
+    by_class: dict[int, list[int]] = {}
+    for w in load_workloads("gdn_prefill"):
+        by_class.setdefault(gdn.size_classes.index(w.axes["total_seq_len"]), []).append(w.index)
+    expected = sorted(i for indices in by_class.values() for i in indices[:4])
+    assert len(expected) == 20
+    assert main(["--list", "--track", "gdn_prefill"], machine_untouched(fake)) == 0
+    lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    own = [line for line in lines if line[4] == "synthesized"]
+    twins = [line for line in lines if line[4] == "synthesized; without state"]
+    assert len(own) == 100 and len(lines) == 120
+    assert lines[100:] == twins  # after the track's workloads, in index order
+    assert [int(line[1]) for line in twins] == expected
+    assert {tuple(line[:4]) for line in twins} <= {tuple(line[:4]) for line in own}
+    # --max-workloads and --workloads count workloads; a selected workload in the sample brings its twin.
+    assert main(["--list", "--track", "gdn_prefill", "--max-workloads", "4"], machine_untouched(fake)) == 0
+    listed = [line.split("\t")[1] for line in capsys.readouterr().out.splitlines()]
+    assert listed == ["0", "1", "2", "3"] * 2
+    outside = load_workloads("gdn_prefill")[next(i for i in range(100) if i not in expected)].uuid
+    assert main(["--list", "--workloads", outside], machine_untouched(fake)) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+
+
+def test_on_official_data_only_workloads_whose_files_hold_a_state_get_a_twin() -> None:
+    gdn = TRACKS["gdn_prefill"]
+    state = {"state": BlobRef(path=Path("/data/blob.safetensors"), tensor_key="state")}
+    workloads = [
+        WorkloadSpec(track="gdn_prefill", index=i, uuid=f"w{i}", scalars={}, data_source="official",
+                     axes={"total_seq_len": 10 + i, "num_seqs": 1, "len_cu_seqlens": 2},
+                     blob_inputs=state if i % 3 else {})  # fmt: skip
+        for i in range(12)
+    ]
+    rows = runner.with_twins(gdn, workloads, workloads)
+    assert rows[:12] == workloads
+    # All 12 are in the first size class; the first 4 that hold a state are sampled.
+    assert [(w.index, w.withheld_inputs) for w in rows[12:]] == [(i, ("state",)) for i in (1, 2, 4, 5)]
+    assert runner.with_twins(gdn, workloads, workloads[:3]) == [*workloads[:3], workloads[1].without("state"),
+                                                                workloads[2].without("state")]  # fmt: skip
+    assert runner.with_twins(TRACKS["moe"], workloads, workloads[:3]) == workloads[:3]  # no sample
+
+
 # ------------------------------------------------------------------------------------------
 # --dry-run
 
@@ -226,9 +276,10 @@ def test_dry_run_prints_the_plan_and_writes_nothing(fake: RunnerHooks, tmp_path:
     argv = ["--dry-run", "--track", "moe,gdn_prefill", "--max-workloads", "2", "--output", str(out)]
     assert main([*argv, "--devices", "0,1", "--no-pin-cpus"], machine_untouched(fake)) == 0
     lines = capsys.readouterr().out.splitlines()
+    # GDN's workloads 0 and 1 are in its no-state sample (first of their size classes): 2 more rows.
     assert lines == [
-        f"dry run: nothing run or written; output {out} (12 jobs)",
-        "gdn_prefill: 2 workload(s)",
+        f"dry run: nothing run or written; output {out} (18 jobs)",
+        "gdn_prefill: 2 workload(s), 2 of them also without state",
         "  runs: reference, ours",
         "  unavailable: human: not checked out here",
         "moe: 2 workload(s)",

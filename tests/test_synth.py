@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hopperbench.synth import SynthesisError, derive_seed, input_bytes, make_inputs
+from hopperbench.synth import SynthesisError, absent_optional_inputs, derive_seed, input_bytes, make_inputs
 from hopperbench.tracks.gdn_prefill.synth import has_initial_state as gdn_has_initial_state
 from hopperbench.workloads import BlobRef, WorkloadSpec, load_workloads, track_definition
 
@@ -188,6 +188,32 @@ def test_gdn_state_is_given_unless_an_official_blob_lacks_it(tmp_path: Path) -> 
     assert with_state["state"].dtype == torch.float32
     assert 0.15 < float(with_state["state"].std()) < 0.25
     assert all(gdn_has_initial_state(w) for w in _embedded("gdn_prefill", tmp_path))
+
+
+def test_a_no_state_twin_gets_its_workloads_inputs_with_the_state_none(tmp_path: Path) -> None:
+    workload = _gdn(40, 3)
+    twin = workload.without("state")
+    assert (twin.uuid, twin.axes, twin.withheld_inputs) == (workload.uuid, workload.axes, ("state",))
+    assert twin.row_name != workload.row_name == workload.uuid
+    assert absent_optional_inputs("gdn_prefill", twin) == {"state"}
+    assert absent_optional_inputs("gdn_prefill", workload) == set()
+    state_bytes = math.prod(make_inputs("gdn_prefill", workload, 0, 0, "cpu", only=["state"])["state"].shape) * 4
+    assert input_bytes("gdn_prefill", workload) - input_bytes("gdn_prefill", twin) == state_bytes
+    for seed, trial in ((0, 0), (0, 1), (3, 2)):
+        given = make_inputs("gdn_prefill", workload, seed, trial, "cpu")
+        without = make_inputs("gdn_prefill", twin, seed, trial, "cpu")
+        assert list(without) == list(given) and without["state"] is None and given["state"] is not None
+        others = [n for n in given if n != "state"]
+        assert _digest({n: without[n] for n in others}) == _digest({n: given[n] for n in others})
+    # An official state is withheld too; the other blobs and inputs stay.
+    blob = tmp_path / "w.safetensors"
+    state = torch.full((3, 8, 128, 128), 0.5)
+    save_file({"state": state}, str(blob))
+    official = workload.model_copy(
+        update={"data_source": "official", "blob_inputs": {"state": BlobRef(path=blob, tensor_key="state")}}
+    )
+    assert torch.equal(make_inputs("gdn_prefill", official, 0, 0, "cpu")["state"], state)
+    assert make_inputs("gdn_prefill", official.without("state"), 0, 0, "cpu")["state"] is None
 
 
 def test_gdn_too_few_tokens_for_the_sequences_is_an_error() -> None:

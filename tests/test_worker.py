@@ -349,6 +349,21 @@ def test_missing_reference_outputs_give_no_reference(tmp_path: Path, recorder: R
     assert run_job(job(tmp_path, kernel_side(tmp_path, "correct")), deps(recorder)).status == Status.NO_REFERENCE
 
 
+def test_a_twins_reference_outputs_are_stored_apart_from_its_workloads(tmp_path: Path, recorder: Recorder) -> None:
+    twin = WorkloadSpec.model_validate(workload()).without("lse_scale").model_dump(mode="json")
+
+    def twin_job(side: Side) -> WorkerJob:
+        return job(tmp_path, side, iterations=0).model_copy(update={"workload": twin})
+
+    assert run_job(twin_job(reference_side()), deps(recorder)).status == Status.PASSED
+    scratch = tmp_path / "scratch"
+    assert all(reference_output_path(scratch, TRACK, "w0.without-lse_scale", t).is_file() for t in range(3))
+    assert not (scratch / TRACK / "w0").exists()
+    # The twin's sides are checked against its outputs; the workload's own row has none yet.
+    assert run_job(twin_job(kernel_side(tmp_path, "correct")), deps(recorder)).status == Status.PASSED
+    assert run_job(job(tmp_path, kernel_side(tmp_path, "correct")), deps(recorder)).status == Status.NO_REFERENCE
+
+
 def test_unavailable_side_is_reported_without_building(tmp_path: Path, recorder: Recorder) -> None:
     side = Side(
         name="ours", kind=SideKind.OURS, track=TRACK, available=False, reason="kernels/x/kernel.py does not exist yet"

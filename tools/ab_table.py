@@ -74,7 +74,9 @@ def ab_rows(results: ResultsFile, base: str, sides: Sequence[str] | None) -> lis
                 AbRow(
                     track=row.track,
                     index=row.index,
-                    axes=",".join(f"{k}={v}" for k, v in row.axes.items()),
+                    # A twin shares its workload's axes: its absent inputs tell the two lines apart.
+                    axes=",".join(f"{k}={v}" for k, v in row.axes.items())
+                    + "".join(f" without {name}" for name in row.absent_inputs or ()),
                     side=name,
                     base_ms=a.latency_ms,
                     side_ms=b.latency_ms,

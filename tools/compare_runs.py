@@ -2,10 +2,11 @@
 
     uv run tools/compare_runs.py results/h200/latest.json results/h200/repeat.json [--tolerance 3] [--geomean 1] [--min-ms 0.02]
 
-For every (track, workload, side) timed in both runs it prints the eager span of each run with its
-spread over trials ((max - min) / median), and, where both runs replayed the side from a CUDA graph,
-the graph span and the graph GPU-busy time of each and their changes. Judged: the graph span and the
-graph busy time of each row whose graph span is at least --min-ms (20 us) in either run must change
+For every (track, row, side) timed in both runs (a row: a workload, or its twin without an optional
+input; rows are paired by `row_id`) it prints the eager span of each run with its spread over
+trials ((max - min) / median), and, where both runs replayed the side from a CUDA graph, the graph
+span and the graph GPU-busy time of each and their changes. Judged: the graph span and the graph
+busy time of each row whose graph span is at least --min-ms (20 us) in either run must change
 by at most --tolerance percent (3), and per side the geometric mean of the graph spans' ratios by at
 most --geomean percent (1). Eager spans, which carry the host's launch gaps, are shown with their
 spread and not judged; neither is the reference, which is timed eagerly only. Exit 1 if a judged
@@ -23,12 +24,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from hopperbench.results import ResultsFile, SideResult, read_results
+from hopperbench.results import ResultsFile, SideResult, absent_inputs_label, read_results
 
 
 @dataclass(frozen=True)
 class Comparison:
-    """One (track, workload, side) timed in both runs."""
+    """One (track, row, side) timed in both runs."""
 
     track: str
     index: int
@@ -45,6 +46,8 @@ class Comparison:
     second_graph_busy_ms: float | None = None
     # Whether the row's graph numbers are judged (both replayed, span >= --min-ms in either run).
     judged: bool = False
+    # The optional inputs the row's calls passed as None (a twin's withheld input among them).
+    absent_inputs: tuple[str, ...] = ()
 
     @property
     def change(self) -> float:
@@ -80,10 +83,10 @@ def _spread(result: SideResult) -> float:
 
 def compare(first: ResultsFile, second: ResultsFile, min_ms: float) -> list[Comparison]:
     """Rows timed in both runs, in the first run's order."""
-    others = {(r.track, r.uuid): r for r in second.rows}
+    others = {r.row_id: r for r in second.rows}
     out = []
     for row in first.rows:
-        other = others.get((row.track, row.uuid))
+        other = others.get(row.row_id)
         if other is None:
             continue
         for side, a in row.sides.items():
@@ -107,6 +110,7 @@ def compare(first: ResultsFile, second: ResultsFile, min_ms: float) -> list[Comp
                     first_graph_busy_ms=a.graph_busy_ms if graph else None,
                     second_graph_busy_ms=b.graph_busy_ms if graph else None,
                     judged=graph and max(a.graph_ms or 0.0, b.graph_ms or 0.0) >= min_ms,
+                    absent_inputs=row.row_id[2],
                 )
             )
     return out
@@ -142,8 +146,9 @@ def _signed(value: float | None) -> str:
 
 
 def format_table(rows: Sequence[Comparison], tolerance: float) -> str:
-    lines = [f"{'track':14} {'#':>3} {'side':18} {'eager 1':>9} {'eager 2':>9} {'change':>7} {'spread 1':>8} "
-             f"{'spread 2':>8} {'graph 1':>9} {'graph 2':>9} {'change':>7} {'busy chg':>8}  verdict"]  # fmt: skip
+    lines = [f"{'track':14} {'#':>3} {'inputs':10} {'side':18} {'eager 1':>9} {'eager 2':>9} {'change':>7} "
+             f"{'spread 1':>8} {'spread 2':>8} {'graph 1':>9} {'graph 2':>9} {'change':>7} "
+             f"{'busy chg':>8}  verdict"]  # fmt: skip
     for c in rows:
         if c.first_graph_ms is None:
             verdict = "eager only (not judged)"
@@ -152,8 +157,9 @@ def format_table(rows: Sequence[Comparison], tolerance: float) -> str:
         else:
             verdict = "OVER" if c.over(tolerance) else "ok"
         lines.append(
-            f"{c.track:14} {c.index:>3} {c.side:18} {c.first_ms:>9.4g} {c.second_ms:>9.4g} {c.change:>+7.1%} "
-            f"{c.first_spread:>8.1%} {c.second_spread:>8.1%} {_ms(c.first_graph_ms):>9} {_ms(c.second_graph_ms):>9} "
+            f"{c.track:14} {c.index:>3} {absent_inputs_label(c.absent_inputs):10} {c.side:18} {c.first_ms:>9.4g} "
+            f"{c.second_ms:>9.4g} {c.change:>+7.1%} {c.first_spread:>8.1%} {c.second_spread:>8.1%} "
+            f"{_ms(c.first_graph_ms):>9} {_ms(c.second_graph_ms):>9} "
             f"{_signed(c.graph_change):>7} {_signed(c.graph_busy_change):>8}  {verdict}"
         )
     return "\n".join(lines)

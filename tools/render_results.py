@@ -8,9 +8,10 @@ it holds the same workloads and sides), and writes:
 
 - README.md between `<!-- generated:<name>:begin -->` and `<!-- generated:<name>:end -->` for
   each name in SECTIONS: `headline` (the headline table, `hopperbench.report`), `sizes` (ours over
-  the baseline and the human winner per size class), `passes` (a
-  pass/fail line per track), `environment` (GPU, commit, date, protocol) and `sides` (each library
-  side of the registry with its pin and what one timed call contains);
+  the baseline and the human winner per size class), `no-state` (the same table over the run's
+  rows without GDN's initial state, and their pass counts), `passes` (a pass/fail line per track),
+  `environment` (GPU, commit, date, protocol) and `sides` (each library side of the registry with
+  its pin and what one timed call contains);
 - `results/h200_vs_human_best.csv` and `results/h200_vs_libraries.csv` (results/SCHEMA.md).
 
 Without a canonical run the sections say so and the views hold their header only; they are still
@@ -26,13 +27,14 @@ from pathlib import Path
 
 from hopperbench import report
 from hopperbench.paths import REPO_ROOT, RESULTS_DIR
-from hopperbench.results import ResultsFile, TidyFormatError, read_results, read_tidy_csv
+from hopperbench.results import ResultsFile, TidyFormatError, csv_cell, read_results, read_tidy_csv, state_given
 
 CANONICAL = Path("h200") / "latest.json"
 HUMAN_VIEW = "h200_vs_human_best.csv"
 LIBRARY_VIEW = "h200_vs_libraries.csv"
-SECTIONS = ("headline", "sizes", "passes", "environment", "sides")
+SECTIONS = ("headline", "sizes", "no-state", "passes", "environment", "sides")
 NO_RUN = "No canonical run yet (`results/h200/latest.json` does not exist)."
+NO_STATE_ROWS = "The canonical run has no no-state rows."
 
 
 class RenderError(Exception):
@@ -56,10 +58,12 @@ def load_canonical(results_dir: Path) -> ResultsFile | None:
         lines = read_tidy_csv(csv_path)
     except TidyFormatError as e:
         raise RenderError(str(e)) from None
-    in_csv = {(line["track"], line["uuid"], line["side"]) for line in lines}
-    in_json = {(r.track, r.uuid, s) for r in results.rows for s in r.sides}
+    in_csv = {(line["track"], line["uuid"], line["state_given"], line["side"]) for line in lines}
+    in_json = {
+        (r.track, r.uuid, csv_cell(state_given(r.track, r.absent_inputs)), s) for r in results.rows for s in r.sides
+    }
     if in_csv != in_json:
-        raise RenderError(f"{csv_path} and {path.name} differ in their (track, workload, side) lines")
+        raise RenderError(f"{csv_path} and {path.name} differ in their (track, workload, state given, side) lines")
     return results
 
 
@@ -68,6 +72,7 @@ def sections(results: ResultsFile | None) -> dict[str, str]:
     sides = "\n".join(report.sides_table())
     if results is None:
         return {"headline": NO_RUN, "sizes": "No sizes without a canonical run.",
+                "no-state": "No no-state rows without a canonical run.",
                 "passes": "No pass counts without a canonical run.", "environment": "none yet.", "sides": sides}  # fmt: skip
     partial = ""
     if results.completeness is not None and results.completeness.partial:
@@ -76,7 +81,8 @@ def sections(results: ResultsFile | None) -> dict[str, str]:
     return {
         "headline": "\n".join(report.headline_markdown(report.headline(results))) + partial,
         "sizes": "\n".join(report.size_markdown(results)),
-        "passes": "\n".join(f"- {line}" for line in report.pass_lines(results.rows)),
+        "no-state": "\n".join(report.absent_input_markdown(results)) or NO_STATE_ROWS,
+        "passes": "\n".join(f"- {line}" for line in report.pass_lines(report.headline_rows(results.rows))),
         "environment": report.environment_line(results.environment),
         "sides": sides,
     }

@@ -39,6 +39,7 @@ import importlib
 
 from hopperbench.tracks.model import (
     CANDIDATE_PREFIX,
+    AbsentInputSample,
     AcceptanceRule,
     CandidateSide,
     LibrarySide,
@@ -97,6 +98,7 @@ __all__ = [
     "MOE",
     "TRACKS",
     "TRACK_PACKAGES",
+    "AbsentInputSample",
     "AcceptanceRule",
     "CandidateSide",
     "LibrarySide",

@@ -14,9 +14,11 @@ This module imports nothing heavy (no torch): reading the registry stays cheap. 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
+from typing import Protocol, TypeVar
 
 from hopperbench.paths import REPO_ROOT
 
@@ -78,6 +80,50 @@ class SizeClasses:
     def index(self, value: int) -> int:
         """The class of a workload whose axis is `value`."""
         return next((i for i, bound in enumerate(self.bounds) if value <= bound), len(self.bounds))
+
+
+class _SizedWorkload(Protocol):
+    """What a sample reads of a workload (hopperbench.workloads.WorkloadSpec, which this module
+    does not import)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def axes(self) -> Mapping[str, int]: ...
+
+
+_W = TypeVar("_W", bound=_SizedWorkload)
+
+
+@dataclass(frozen=True)
+class AbsentInputSample:
+    """Workloads that run a second time in the same run with an optional input passed as None (a
+    twin: same uuid, axes and inputs but that one), for the report's table of that case beside the
+    headline. Device time is scarce, so the sample is small and fixed: the first `per_size_class`
+    workloads by index in each size class (`Track.size_classes`; the whole list is one class for a
+    track without them, or a list without their axis), among the workloads whose own inputs give
+    `input`."""
+
+    input: str
+    per_size_class: int
+
+    def __post_init__(self) -> None:
+        if self.per_size_class < 1:
+            raise ValueError(f"a sample needs at least one workload per size class, got {self.per_size_class}")
+
+    def select(self, workloads: Sequence[_W], size_classes: SizeClasses | None) -> list[_W]:
+        """The sampled workloads of `workloads` (those that give the input), in index order."""
+        if size_classes is not None and any(size_classes.axis not in w.axes for w in workloads):
+            size_classes = None
+        taken: dict[int, int] = {}
+        chosen = []
+        for workload in sorted(workloads, key=lambda w: w.index):
+            group = 0 if size_classes is None else size_classes.index(int(workload.axes[size_classes.axis]))
+            if taken.get(group, 0) < self.per_size_class:
+                taken[group] = taken.get(group, 0) + 1
+                chosen.append(workload)
+        return chosen
 
 
 @dataclass(frozen=True)
@@ -164,6 +210,8 @@ class Track:
     flashinfer_baseline: str | None = None
     # The report's split of the workloads by size (README's by-size table); None: no split.
     size_classes: SizeClasses | None = None
+    # The workloads that also run without one optional input (README's second table); None: none do.
+    absent_input_sample: AbsentInputSample | None = None
 
     def acceptance_for(self, side_kind: str) -> AcceptanceRule:
         """The rule a side is judged by: the contest's, plus our own stricter bound for `ours` and

@@ -12,8 +12,10 @@
   accuracy (harness_facts.md §13).
 - `state`: given on every synthesized workload: the case in which no side pays for a missing
   one (a kernel that zero-fills an absent state launches work a given state does not need).
-  Official workloads give it when their blob holds it. Values N(0, 0.2^2) fp32: the magnitude the reference itself builds from a zero state
-  (entry std ~0.18 after 300 tokens with these distributions, measured on CPU). Ignoring or
+  Official workloads give it when their blob holds it. The twins of the track's no-state sample
+  (`absent_input_sample` in the spec) pass None instead, everything else the same.
+  Values N(0, 0.2^2) fp32: the magnitude the reference itself builds from a zero state (entry
+  std ~0.18 after 300 tokens with these distributions, measured on CPU). Ignoring or
   transposing it then fails the 1e-2 tolerances (measured, mamba2 gates: 6-token sequence,
   32 % of `output` and 64 % of `new_state` elements off; 300 tokens, 2.5 % of `output` off,
   the first tokens, while `new_state` has forgotten it: even the slowest heads decay ~e^-4).

@@ -75,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, KeyError) as e:
             print(f"gdn_grid_order_model: cannot read {args.results}: {e}", file=sys.stderr)
             return 2
+        # The workloads' own rows: a no-state twin shares its workload's uuid.
         measured = {r.uuid: r.sides["ours"].latency_ms * 1e3 for r in rows
-                    if r.track == "gdn_prefill" and "ours" in r.sides and r.sides["ours"].latency_ms}  # fmt: skip
+                    if r.track == "gdn_prefill" and "state" not in (r.absent_inputs or ())
+                    and "ours" in r.sides and r.sides["ours"].latency_ms}  # fmt: skip
 
     models = []
     for spec in synthesized_workloads("gdn_prefill").values():

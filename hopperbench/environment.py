@@ -286,6 +286,12 @@ def _repo_state(repo_root: Path) -> dict[str, Any]:
     return {}
 
 
+def source_commit(repo_root: Path = REPO_ROOT) -> str | None:
+    """The commit this checkout's results are recorded under: the declared one
+    (`HOPPERBENCH_SOURCE_COMMIT`, for a copy without git), else git's HEAD; None if neither."""
+    return _repo_state(repo_root).get("repo_commit")
+
+
 def collect_environment(request: EnvironmentRequest, repo_root: Path = REPO_ROOT) -> EnvironmentRecord:
     record = EnvironmentRecord(
         python_version=platform.python_version(),

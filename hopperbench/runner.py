@@ -26,7 +26,8 @@ turns that off); the shares are recorded in the environment record.
 
 The environment record is collected once, when the run starts (in a child process,
 so that the runner holds no CUDA context), and kept in the journal's header with the
-plan (the workloads and sides to record); a resume keeps both and notes its time.
+plan (the workloads and sides to record); a resume keeps both and notes its time, and runs
+only at the commit the run started at (every row is recorded under that one commit).
 Each finished result is appended to `<output stem>.journal.jsonl` at once (fsync), so
 a killed run resumes with `--resume` where it stopped; the JSON and CSV are written
 from the journal at the end, or, for an interrupted run (Ctrl-C, SIGTERM), at once
@@ -54,7 +55,13 @@ from pathlib import Path
 from queue import Queue
 from typing import Any
 
-from hopperbench.environment import EnvironmentRecord, EnvironmentRequest, collect_environment, guard_summary
+from hopperbench.environment import (
+    EnvironmentRecord,
+    EnvironmentRequest,
+    collect_environment,
+    guard_summary,
+    source_commit,
+)
 from hopperbench.paths import BENCHMARK_DATA_DIR, REPO_ROOT
 from hopperbench.results import (
     GraphStatus,
@@ -342,6 +349,8 @@ class RunnerHooks:
     preload_if_fork_safe: tuple[str, ...] = DEFAULT_PRELOAD_IF_FORK_SAFE
     available_cpus: Callable[[], set[int]] = available_cpus
     physical_cores: Callable[[set[int]], list[list[int]]] = physical_cores
+    # The commit this checkout records results under (a resume must be at the journal's).
+    source_commit: Callable[[], str | None] = source_commit
 
 
 # ------------------------------------------------------------------------------------------
@@ -501,6 +510,18 @@ def _journal_error(journal: Journal, error: Exception) -> CliError:
     return CliError(message if str(journal.path) in message else f"{journal.path}: {message}")
 
 
+def _check_same_commit(journal: Journal, commit: str | None) -> None:
+    """A resume runs at the commit the journal was started at: the results record one commit for
+    every row (ours' version, the CSV's `commit`), so rows from another would be mislabelled."""
+    recorded, _ = journal.read()
+    started = recorded.environment.repo_commit if recorded.environment is not None else None
+    if started is not None and commit is not None and started != commit:
+        raise CliError(
+            f"cannot resume {journal.path}: it was started at commit {started[:10]} and this checkout is "
+            f"{commit[:10]}; resume it at {started[:10]} or start a new run"
+        )
+
+
 def _check_resumable(journal: Journal, header: JournalHeader, timer_checked: bool) -> list[SideRecord]:
     """The journal's records if `header` may continue it. Before the timer is known (`timer_checked`
     False) its protocol entry is taken as the journal's own, so that every other difference is
@@ -581,7 +602,10 @@ def plan_run(args: argparse.Namespace, hooks: RunnerHooks, check_machine: bool =
         for tp in plans
     }
     header = JournalHeader(seed=args.seed, protocol=protocol, plan=planned)
-    records = _check_resumable(journal, header, timer_checked=False) if args.resume else []
+    records = []
+    if args.resume:
+        records = _check_resumable(journal, header, timer_checked=False)
+        _check_same_commit(journal, hooks.source_commit())
 
     # Last, the machine: CUDA devices, then CUPTI.
     slots = requested_slots

@@ -115,6 +115,24 @@ def test_a_resume_under_another_timer_is_refused_after_the_cupti_check(
     assert "timing protocol differs in timer" in err and str(Journal.path_for(out)) in err
 
 
+def test_a_resume_at_another_commit_is_refused(fake: RunnerHooks, tmp_path: Path, capsys) -> None:
+    started, other = "a" * 40, "b" * 40
+
+    def environment_at_started(request, slot, folder):
+        return fake.collect_environment(request, slot, folder).model_copy(update={"repo_commit": started})
+
+    out = tmp_path / "results.json"
+    assert main(run_args(out), replace(fake, collect_environment=environment_at_started)) == 0
+    capsys.readouterr()
+    assert main(run_args(out, "--resume"), machine_refused(replace(fake, source_commit=lambda: other))) == 2
+    err = one_line_error(capsys)
+    assert f"started at commit {started[:10]}" in err and f"this checkout is {other[:10]}" in err
+    # At the journal's commit, or where the commit cannot be told, the resume goes on to the GPU check.
+    for commit in (started, None):
+        assert main(run_args(out, "--resume"), machine_refused(replace(fake, source_commit=lambda: commit))) == 2
+        assert "no CUDA device" in one_line_error(capsys)
+
+
 def test_cuda_is_checked_before_cupti(fake: RunnerHooks, tmp_path: Path, capsys) -> None:
     assert main(run_args(tmp_path / "out" / "results.json"), machine_refused(fake)) == 2
     assert "no CUDA device" in one_line_error(capsys)

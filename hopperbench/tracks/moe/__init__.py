@@ -44,6 +44,23 @@ MOE = Track(
                 "in a CUDA graph there"
             ),
         ),
+        LibrarySide(
+            name="flashinfer_moe",
+            entry="flashinfer_moe.py::run",
+            description=(
+                "FlashInfer SM90 cutlass_fused_moe with DeepSeek FP8 block scales (TRT-LLM's CUTLASS MoE runner, "
+                "DeepGEMM-derived grouped FP8 GEMMs) after its fused_topk_deepseek routing, from prebuilt "
+                "modules (flashinfer-python 0.7.2.post1)"
+            ),
+            package="flashinfer-python==0.7.2.post1",
+            timed_call=(
+                "the fp8 activations dequantised to bf16 in torch (3 kernels: FlashInfer's block-scale path "
+                "takes bf16 and quantises it itself), FlashInfer's fused DeepSeek-V3 routing kernel, then "
+                "cutlass_fused_moe: permutation, the two grouped FP8 GEMMs with their activation quantisation, "
+                "SwiGLU, and the weighted un-permuting combine into the output; no host sync in our code, a kept "
+                "workspace; weights and scales used as the definition stores them (no prepare step)"
+            ),
+        ),
     ),
     candidates=(
         CandidateSide(

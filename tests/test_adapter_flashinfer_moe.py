@@ -171,7 +171,7 @@ def fresh_workspaces() -> Any:
 
 def run_pipeline(inputs: dict[str, Any], fake: FakeFlashInfer) -> torch.Tensor:
     output = torch.full(inputs["hidden_states"].shape, 7.0, dtype=torch.bfloat16)  # stale values must go
-    flashinfer_moe.moe_pipeline(fake, *inputs.values(), output)  # type: ignore[arg-type]
+    flashinfer_moe.moe_pipeline(fake, *flashinfer_moe.prepare(*inputs.values()).values(), output)  # type: ignore[arg-type]
     return output
 
 
@@ -250,11 +250,16 @@ def test_bad_shapes_and_no_tokens_never_reach_the_library() -> None:
     inputs["hidden_states_scale"] = inputs["hidden_states_scale"].T.contiguous()
     with pytest.raises(flashinfer_moe.AdapterInputError, match="hidden_states_scale"):
         run_pipeline(inputs, fake)
+    unprepared = moe_inputs(num_tokens=4, offset=0, seed=1)  # fp8 activations straight into the call
+    with pytest.raises(flashinfer_moe.AdapterInputError, match="bf16 activations prepare"):
+        flashinfer_moe.moe_pipeline(fake, *unprepared.values(), torch.empty(4, 256, dtype=torch.bfloat16))  # type: ignore[arg-type]
     empty = moe_inputs(num_tokens=0, offset=0, seed=1)
     run_pipeline(empty, fake)
     assert fake.calls == []
     with pytest.raises(flashinfer_moe.AdapterInputError, match="hidden_states must have shape"):
-        flashinfer_moe.run(*moe_inputs(num_tokens=2, offset=0, seed=1).values(), torch.empty(2, 256))
+        flashinfer_moe.run(
+            *flashinfer_moe.prepare(*moe_inputs(num_tokens=2, offset=0, seed=1).values()).values(), torch.empty(2, 256)
+        )
 
 
 @pytest.fixture
@@ -337,9 +342,9 @@ def test_an_other_release_is_refused_with_one_line(monkeypatch: pytest.MonkeyPat
         flashinfer_moe.load_flashinfer.cache_clear()
 
 
-def test_the_side_is_registered_with_its_pin_and_no_prepare_step() -> None:
+def test_the_side_is_registered_with_its_pin_and_its_prepare_step() -> None:
     side = next(lib for lib in MOE.libraries if lib.name == "flashinfer_moe")
-    assert side.entry == "flashinfer_moe.py::run" and side.prepare is None
+    assert side.entry == "flashinfer_moe.py::run" and side.prepare == "prepare"
     assert side.package == f"{flashinfer_moe.FLASHINFER_DISTRIBUTION}=={flashinfer_moe.FLASHINFER_VERSION}"
     assert (MOE.adapters_dir / "flashinfer_moe.py").is_file()
     assert side.timed_call
@@ -360,7 +365,7 @@ def test_flashinfer_against_our_reference_on_gpu(num_tokens: int, offset: int) -
     inputs = moe_inputs(num_tokens, offset, seed=num_tokens, hidden=7168, intermediate=2048, device="cuda")
     expected = reference.run(*inputs.values())
     output = torch.full_like(expected, float("nan"))
-    flashinfer_moe.run(*inputs.values(), output)
+    flashinfer_moe.run(*flashinfer_moe.prepare(*inputs.values()).values(), output)
     torch.cuda.synchronize()
     stats = compare_output(CONTEST_RULE, output, expected)
     assert stats.passed, stats.reason
@@ -390,7 +395,8 @@ def test_flashinfer_call_replays_from_a_cuda_graph(num_tokens: int) -> None:
     """One call captured after an eager warm-up (which NVRTC-compiles the GEMMs); the replay equals the eager
     output bit for bit, and follows new inputs written in place."""
     _flashinfer_or_skip()
-    inputs = moe_inputs(num_tokens, 96, seed=3, hidden=7168, intermediate=2048, device="cuda")
+    raw = moe_inputs(num_tokens, 96, seed=3, hidden=7168, intermediate=2048, device="cuda")
+    inputs = flashinfer_moe.prepare(*raw.values())
     eager = torch.empty(num_tokens, 7168, dtype=torch.bfloat16, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -408,13 +414,13 @@ def test_flashinfer_call_replays_from_a_cuda_graph(num_tokens: int) -> None:
     torch.cuda.synchronize()
     assert torch.equal(replayed, eager)
 
-    fresh = moe_inputs(num_tokens, 96, seed=4, hidden=7168, intermediate=2048, device="cuda")
-    for name, value in fresh.items():
+    raw = moe_inputs(num_tokens, 96, seed=4, hidden=7168, intermediate=2048, device="cuda")
+    for name, value in flashinfer_moe.prepare(*raw.values()).items():
         if isinstance(value, torch.Tensor):
             inputs[name].copy_(value)
     graph.replay()
     flashinfer_moe.run(*inputs.values(), eager)
     torch.cuda.synchronize()
     assert torch.equal(replayed, eager)
-    stats = compare_output(CONTEST_RULE, replayed, reference.run(*inputs.values()))
+    stats = compare_output(CONTEST_RULE, replayed, reference.run(*raw.values()))
     assert stats.passed, stats.reason

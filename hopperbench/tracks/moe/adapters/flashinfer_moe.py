@@ -13,15 +13,16 @@ fp8_blockscale_gemm/ and deep_gemm/ have no such copy, and its `sync_check_cuda_
 under CUDA_LAUNCH_BLOCKING=1 in an -DNDEBUG build like ours, csrc/nv_internal/include/tensorrt_llm/common/
 cudaUtils.h:159-181; the GPU tests capture the call in a CUDA graph to confirm it):
 
-1. **Activations to bf16** (3 torch kernels): the SM90 block-scale path takes bf16 activations and
-   quantises them itself to e4m3 with 1x128 scales inside its grouped GEMM
+1. **Activations to bf16, untimed** (`prepare`, once per input set): the SM90 block-scale path takes
+   bf16 activations and quantises them itself to e4m3 with 1x128 scales inside its grouped GEMM
    (csrc/nv_internal/tensorrt_llm/kernels/cutlass_kernels/fp8_blockscale_gemm/fp8_blockscale_gemm.cu:
    100-121, `internal_quantize_a` for a bf16 A): the runner for DeepSeek block scales is
    `CutlassMoeFCRunner<__nv_bfloat16, __nv_fp8_e4m3>`, chosen for bf16 activations with fp8 weights
    (csrc/fused_moe/cutlass_backend/flashinfer_cutlass_fused_moe_binding.cu:191-194), and `run_moe`
-   requires the input dtype to be the activation dtype (binding.cu:358). Our fp8 hidden states and their
-   [H/128, T] scales are therefore dequantised, `fp8 * scale` in fp32, then cast to bf16. An engine whose
-   previous layer emits bf16 would not have this step; it is per-call work here, so it is timed.
+   requires the input dtype to be the activation dtype (binding.cu:358). An engine running FlashInfer's
+   MoE feeds it the previous layer's bf16 hidden states, so `prepare` hands the timed call our fp8
+   hidden states dequantised to bf16 (`fp8 * scale` in fp32, then rounded) under the same name; the
+   quantisation FlashInfer then does is in the timed call, as it is in an engine's.
 2. **Routing** (1 FlashInfer kernel): `flashinfer.fused_moe.fused_topk_deepseek(logits, bias, n_group=8,
    topk_group=4, topk=8, routed_scaling_factor, topk_values, topk_indices)`
    (flashinfer/fused_moe/fused_routing_dsv3.py:251-363; SM90 listed at :101). Its default backend on
@@ -49,7 +50,7 @@ cudaUtils.h:159-181; the GPU tests capture the call in a CUDA graph to confirm i
      `problem * ceil(N/128) * ceil(K/128) + n_block * ceil(K/128) + k_block`
      (fp8_blockscale_gemm/fp8_blockscale_gemm_kernel.cuh:287-292), passed as the two raw pointers of
      `QuantParams::FP8BlockScaling` (binding.cu:1543-1548). So **no weight transformation is needed
-     and the side has no `prepare` step**.
+     and `prepare` leaves the weights as they are**.
    - Expert parallelism: experts [ep_rank * 32, ep_rank * 32 + 32) are this rank's
      (`start_expert = num_experts_per_node * ep_rank`, cutlass_fused_moe_kernels.cuh:4260); slots of other
      experts are dropped and a token with none gets a zero row. Every official workload's offset is a
@@ -242,6 +243,36 @@ def dequantize_activations(hidden_states: torch.Tensor, hidden_states_scale: tor
     return blocks.view(num_tokens, hidden).to(torch.bfloat16)
 
 
+def prepare(
+    routing_logits: torch.Tensor,
+    routing_bias: torch.Tensor,
+    hidden_states: torch.Tensor,
+    hidden_states_scale: torch.Tensor,
+    gemm1_weights: torch.Tensor,
+    gemm1_weights_scale: torch.Tensor,
+    gemm2_weights: torch.Tensor,
+    gemm2_weights_scale: torch.Tensor,
+    local_expert_offset: int | torch.Tensor,
+    routed_scaling_factor: float | torch.Tensor,
+) -> dict[str, torch.Tensor | int | float]:
+    """The definition's inputs with `hidden_states` as the bf16 activations FlashInfer takes (untimed, once
+    per input set: what an engine's previous layer hands it); the rest pass through."""
+    _check(hidden_states.dtype == FP8, f"hidden_states must be float8_e4m3fn, got {hidden_states.dtype}")
+    _check_shape("hidden_states_scale", hidden_states_scale, (hidden_states.shape[1] // BLOCK, hidden_states.shape[0]))
+    return {
+        "routing_logits": routing_logits,
+        "routing_bias": routing_bias,
+        "hidden_states": dequantize_activations(hidden_states, hidden_states_scale),
+        "hidden_states_scale": hidden_states_scale,
+        "gemm1_weights": gemm1_weights,
+        "gemm1_weights_scale": gemm1_weights_scale,
+        "gemm2_weights": gemm2_weights,
+        "gemm2_weights_scale": gemm2_weights_scale,
+        "local_expert_offset": local_expert_offset,
+        "routed_scaling_factor": routed_scaling_factor,
+    }
+
+
 def route(
     fi: FlashInferMoE, routing_logits: torch.Tensor, routing_bias: torch.Tensor, routed_scaling_factor: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,14 +340,17 @@ def moe_pipeline(
     routed_scaling_factor: float | torch.Tensor,
     output: torch.Tensor,
 ) -> None:
-    """Steps 1-3 of the module docstring for any hidden/intermediate sizes (multiples of 128) and local expert
+    """Steps 2-3 of the module docstring (on `prepare`'s bf16 activations) for any hidden/intermediate sizes (multiples of 128) and local expert
     count dividing 256; `run` pins the definition's sizes."""
     num_tokens, hidden = hidden_states.shape
     num_local, gemm1_size, _ = gemm1_weights.shape
     intermediate = gemm1_size // 2
     _check(hidden % BLOCK == 0 and intermediate % BLOCK == 0, "hidden and intermediate sizes must be multiples of 128")
     _check(NUM_EXPERTS % num_local == 0, f"the local expert count must divide {NUM_EXPERTS}, got {num_local}")
-    _check(hidden_states.dtype == FP8, f"hidden_states must be float8_e4m3fn, got {hidden_states.dtype}")
+    _check(
+        hidden_states.dtype == torch.bfloat16,
+        f"hidden_states must be the bf16 activations prepare() returns, got {hidden_states.dtype}",
+    )
     _check_shape("routing_logits", routing_logits, (num_tokens, NUM_EXPERTS))
     _check_shape("routing_bias", routing_bias, (NUM_EXPERTS,))
     _check_shape("hidden_states_scale", hidden_states_scale, (hidden // BLOCK, num_tokens))
@@ -339,10 +373,9 @@ def moe_pipeline(
 
     ep_size, ep_rank = NUM_EXPERTS // num_local, offset // num_local
     num_bytes = fi.workspace_size(num_tokens, hidden, intermediate, ep_size, ep_rank, output.device)
-    x = dequantize_activations(hidden_states, hidden_states_scale)
     experts, weights = route(fi, routing_logits, routing_bias, float(routed_scaling_factor))
     fi.cutlass_fused_moe(
-        x,
+        hidden_states,
         experts,
         weights,
         gemm1_weights,
@@ -372,7 +405,8 @@ def run(
     routed_scaling_factor: float | torch.Tensor,
     output: torch.Tensor,
 ) -> None:
-    """moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048 in destination-passing style through FlashInfer."""
+    """moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048 in destination-passing style through FlashInfer,
+    on the inputs `prepare` returned (bf16 `hidden_states`)."""
     num_tokens = hidden_states.shape[0]
     _check_shape("hidden_states", hidden_states, (num_tokens, HIDDEN_SIZE))
     _check_shape("gemm1_weights", gemm1_weights, (NUM_LOCAL_EXPERTS, 2 * INTERMEDIATE_SIZE, HIDDEN_SIZE))

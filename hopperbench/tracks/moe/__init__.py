@@ -44,6 +44,24 @@ MOE = Track(
                 "in a CUDA graph there"
             ),
         ),
+        LibrarySide(
+            name="flashinfer_moe",
+            entry="flashinfer_moe.py::run",
+            description=(
+                "FlashInfer SM90 cutlass_fused_moe with DeepSeek FP8 block scales (TRT-LLM's CUTLASS MoE runner, "
+                "DeepGEMM-derived grouped FP8 GEMMs) after its fused_topk_deepseek routing, from prebuilt "
+                "modules (flashinfer-python 0.7.2.post1)"
+            ),
+            package="flashinfer-python==0.7.2.post1",
+            prepare="prepare",
+            timed_call=(
+                "FlashInfer's fused DeepSeek-V3 routing kernel, then cutlass_fused_moe on bf16 activations "
+                "(dequantised from the definition's fp8 once, untimed, as an engine's previous layer hands "
+                "them over): their FP8 quantisation, permutation, the two grouped FP8 GEMMs, SwiGLU, and the "
+                "weighted un-permuting combine into the output; no host sync in our code, a kept workspace; "
+                "weights and scales as the definition stores them"
+            ),
+        ),
     ),
     candidates=(
         CandidateSide(

@@ -510,10 +510,9 @@ def _journal_error(journal: Journal, error: Exception) -> CliError:
     return CliError(message if str(journal.path) in message else f"{journal.path}: {message}")
 
 
-def _check_same_commit(journal: Journal, commit: str | None) -> None:
+def _check_same_commit(journal: Journal, recorded: JournalHeader, commit: str | None) -> None:
     """A resume runs at the commit the journal was started at: the results record one commit for
     every row (ours' version, the CSV's `commit`), so rows from another would be mislabelled."""
-    recorded, _ = journal.read()
     started = recorded.environment.repo_commit if recorded.environment is not None else None
     if started is not None and commit is not None and started != commit:
         raise CliError(
@@ -522,18 +521,22 @@ def _check_same_commit(journal: Journal, commit: str | None) -> None:
         )
 
 
-def _check_resumable(journal: Journal, header: JournalHeader, timer_checked: bool) -> list[SideRecord]:
+def _check_resumable(
+    journal: Journal, header: JournalHeader, timer_checked: bool, commit: str | None = None
+) -> list[SideRecord]:
     """The journal's records if `header` may continue it. Before the timer is known (`timer_checked`
     False) its protocol entry is taken as the journal's own, so that every other difference is
-    reported without the CUPTI check."""
+    reported without the CUPTI check; that first pass also checks the checkout's `commit`."""
     try:
-        if not timer_checked:
-            recorded, _ = journal.read()
-            protocol = {**header.protocol, "timer": recorded.protocol.get("timer")}
-            header = header.model_copy(update={"protocol": protocol})
-        return journal.check_resumable(header)
+        if timer_checked:
+            return journal.check_resumable(header)
+        recorded, _ = journal.read()
+        protocol = {**header.protocol, "timer": recorded.protocol.get("timer")}
+        records = journal.check_resumable(header.model_copy(update={"protocol": protocol}))
     except (JournalMismatchError, ValueError, OSError) as e:
         raise _journal_error(journal, e) from None
+    _check_same_commit(journal, recorded, commit)
+    return records
 
 
 def plan_run(args: argparse.Namespace, hooks: RunnerHooks, check_machine: bool = True) -> RunPlan:
@@ -602,10 +605,9 @@ def plan_run(args: argparse.Namespace, hooks: RunnerHooks, check_machine: bool =
         for tp in plans
     }
     header = JournalHeader(seed=args.seed, protocol=protocol, plan=planned)
-    records = []
-    if args.resume:
-        records = _check_resumable(journal, header, timer_checked=False)
-        _check_same_commit(journal, hooks.source_commit())
+    records = (
+        _check_resumable(journal, header, timer_checked=False, commit=hooks.source_commit()) if args.resume else []
+    )
 
     # Last, the machine: CUDA devices, then CUPTI.
     slots = requested_slots

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hopperbench.paths import PACKAGE_DIR, REPO_ROOT
-from hopperbench.tracks import TRACK_PACKAGES, TRACKS, Track
+from hopperbench.tracks import TRACK_PACKAGES, TRACKS, LibrarySide, Track
 
 TRACKS_DIR = PACKAGE_DIR / "tracks"
 # The harness core: every module of the package outside hopperbench/tracks/.
@@ -53,6 +53,26 @@ def test_an_absent_input_sample_withholds_an_optional_input(track: Track) -> Non
     assert track.absent_input_sample is not None
     inputs = json.loads(track.definition_path.read_text())["inputs"]
     assert inputs[track.absent_input_sample.input].get("optional") is True
+
+
+# What a library adapter may import besides the standard library and torch: its own library, where it
+# imports it by name (the others load theirs through importlib, after checking the pinned version).
+ADAPTER_LIBRARY_IMPORTS = {"flashinfer_gdn": {"flashinfer"}, "fla_chunk": {"fla"}, "flashinfer_moe": {"flashinfer"}}
+LIBRARY_SIDES = [pytest.param(t, lib, id=lib.name) for t in TRACKS.values() for lib in t.libraries]
+
+
+@pytest.mark.parametrize(("track", "library"), LIBRARY_SIDES)
+def test_a_library_adapter_imports_only_stdlib_torch_and_its_library(track: Track, library: LibrarySide) -> None:
+    """An adapter is one self-contained file (its side's Solution carries only it)."""
+    tree = ast.parse((track.adapters_dir / library.entry.split("::")[0]).read_text(encoding="utf-8"))
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    allowed = set(sys.stdlib_module_names) | {"torch", "__future__"} | ADAPTER_LIBRARY_IMPORTS.get(library.name, set())
+    assert imported <= allowed
 
 
 def test_no_core_module_names_a_track() -> None:

@@ -127,15 +127,11 @@ def load_side_prepare(side: Side) -> Callable[..., Mapping[str, InputValue]] | N
     """The side's `prepare` function from its entry file, imported by path; None without one."""
     if side.prepare is None:
         return None
-    import importlib.util
+    from hopperbench.devcheck import load_module_by_path
 
     assert side.source_dir is not None
     path = side.source_dir / side.entry_point.split("::")[0]
-    spec = importlib.util.spec_from_file_location(f"_hopperbench_prepare_{side.track}_{side.name}", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_module_by_path(path, f"_hopperbench_prepare_{side.track}_{side.name}")
     return getattr(module, side.prepare)
 
 

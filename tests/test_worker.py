@@ -531,6 +531,17 @@ def test_a_library_side_takes_its_inputs_through_prepare(tmp_path: Path, recorde
     assert unprepared.status == Status.FAILED
 
 
+def test_prepare_loads_from_a_side_file_that_defines_a_dataclass(tmp_path: Path) -> None:
+    # A dataclass looks its module up in sys.modules while the class is created (string annotations).
+    source = (
+        "from __future__ import annotations\nfrom dataclasses import dataclass\n\n"
+        "@dataclass(frozen=True)\nclass Entry:\n    scale: float\n\n" + PREPARED
+    )
+    side = source_side(tmp_path, source, name="lib", kind=SideKind.LIBRARY, prepare="prepare")
+    prepare = load_side_prepare(side)
+    assert prepare is not None and callable(prepare)
+
+
 def test_a_session_ends_after_an_exception_in_the_side_not_after_a_wrong_answer() -> None:
     from hopperbench.worker import process_still_sound
 

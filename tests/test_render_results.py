@@ -138,6 +138,17 @@ def test_without_a_passing_flashinfer_the_fastest_library_is_the_baseline_named(
     assert h.ours.graph.note == "not attempted"
 
 
+def test_libraries_rank_by_graph_time_so_host_gaps_do_not_pick_the_baseline() -> None:
+    # host_bound: slow eager spans (launch gaps) around the faster kernels; never_graphed ranks last.
+    dsa = [workload("dsa_attention", i, [side("ours", 0.01, 0.01), side("host_bound", 0.4, 0.03),
+                                         side("tight", 0.2, 0.07), side("never_graphed", 0.1)]) for i in range(2)]  # fmt: skip
+    assert [n for n, _ in report.rank_libraries(dsa, ["host_bound", "never_graphed", "tight"])] == [
+        "host_bound", "tight", "never_graphed"]  # fmt: skip
+    (h,) = report.headline(results_of(dsa))
+    assert h.baseline == report.Baseline("host_bound", "fastest library")
+    assert h.ours.graph.geomean == pytest.approx(3.0)
+
+
 def test_moe_and_dsa_baselines_are_their_fastest_library_and_the_reference_is_never_one() -> None:
     moe = [workload("moe", i, [side("ours", 1.0), side("human", None, status=Status.UNAVAILABLE),
                                side("reference", 0.5), side("deepgemm_grouped", 10.0 * (i + 1)),

@@ -248,6 +248,17 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# The exception a library adapter raises when its library cannot run here (not installed, another
+# build, a prebuilt part missing). Adapters are self-contained files (stdlib, torch and their
+# library only), so each defines the class itself and the worker knows it by name.
+LIBRARY_UNAVAILABLE = "LibraryUnavailableError"
+
+
+def failure_status(exc: BaseException) -> Status:
+    """UNAVAILABLE for an adapter's LibraryUnavailableError, RUNTIME_ERROR for any other exception."""
+    return Status.UNAVAILABLE if type(exc).__name__ == LIBRARY_UNAVAILABLE else Status.RUNTIME_ERROR
+
+
 def one_line(exc: BaseException, limit: int = 500) -> str:
     first = next((line for line in str(exc).splitlines() if line.strip()), "")
     text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
@@ -450,7 +461,7 @@ class JobRunner:
             raise
         except Exception as e:
             traceback.print_exc()
-            raise _Outcome(self.result(Status.RUNTIME_ERROR, message=one_line(e))) from None
+            raise _Outcome(self.result(failure_status(e), message=one_line(e))) from None
 
     def timed(self, fn: Callable[..., Any], dps: bool, **stats: Any) -> SideResult:
         """Eager timing of every trial, then, for any side but the reference, the same calls

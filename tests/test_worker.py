@@ -531,6 +531,24 @@ def test_a_library_side_takes_its_inputs_through_prepare(tmp_path: Path, recorde
     assert unprepared.status == Status.FAILED
 
 
+UNAVAILABLE_LIBRARY = (
+    "class LibraryUnavailableError(RuntimeError):\n    pass\n\n"
+    + DPS + "    raise LibraryUnavailableError('libfoo 1.0 is installed; this adapter needs 2.0')\n"
+)
+
+
+def test_a_library_that_cannot_run_here_is_unavailable_not_a_runtime_error(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    side = source_side(tmp_path, UNAVAILABLE_LIBRARY, name="lib", kind=SideKind.LIBRARY)
+    result = run_job(job(tmp_path, side), deps(recorder))
+    assert result.status == Status.UNAVAILABLE
+    assert result.message == "LibraryUnavailableError: libfoo 1.0 is installed; this adapter needs 2.0"
+    # Any other exception in the call stays a runtime error.
+    failing = source_side(tmp_path, UNAVAILABLE_LIBRARY.replace("raise LibraryUnavailableError", "raise ValueError"),
+                          name="lib", kind=SideKind.LIBRARY)  # fmt: skip
+    assert run_job(job(tmp_path, failing), deps(recorder)).status == Status.RUNTIME_ERROR
+
+
 def test_prepare_loads_from_a_side_file_that_defines_a_dataclass(tmp_path: Path) -> None:
     # A dataclass looks its module up in sys.modules while the class is created (string annotations).
     source = (

@@ -41,9 +41,9 @@ from hopperbench.results import (
     absent_input_rows,
     geometric_mean,
     headline_rows,
+    library_pin,
     row_order,
     side_kind,
-    side_version,
     state_given,
 )
 from hopperbench.sides import HUMAN, OURS, canonical_side_order
@@ -495,7 +495,7 @@ def human_best_view(rows: Sequence[WorkloadRow]) -> str:
     return _csv(human_best_view_columns(rows), records)
 
 
-def libraries_view(rows: Sequence[WorkloadRow], repo_commit: str | None = None) -> str:
+def libraries_view(rows: Sequence[WorkloadRow]) -> str:
     """`results/h200_vs_libraries.csv`: one line per (row, library side), ours against it
     (speedup = library / ours); `baseline` true for the track's headline baseline."""
     baselines = {t: choose_baseline(t, r).side for t, r in rows_by_track(headline_rows(rows)).items()}
@@ -509,7 +509,7 @@ def libraries_view(rows: Sequence[WorkloadRow], repo_commit: str | None = None) 
                 {
                     **_workload_cells(row),
                     "library": name,
-                    "library_version": side_version(row.track, name, result, repo_commit),
+                    "library_version": library_pin(row.track, name),
                     "baseline": name == baselines.get(row.track),
                     **_versus_cells(ours, result, "library"),
                 }
@@ -521,15 +521,26 @@ def libraries_view(rows: Sequence[WorkloadRow], repo_commit: str | None = None) 
 # Environment and registry text
 
 
-def environment_line(env: EnvironmentRecord) -> str:
-    """GPU, commit, date and protocol of a run, in one line."""
+def environment_line(env: EnvironmentRecord, track_environments: Mapping[str, EnvironmentRecord] | None = None) -> str:
+    """GPU, commit, date and protocol of a run, in one line.
+
+    `track_environments`: each track of the run and the environment its rows were measured in
+    (`ResultsFile.track_environments`). Tracks measured at different commits or dates are named
+    beside their commit and date; GPU, protocol and seed are `env`'s, which every track shares
+    (`tools/merge_track_runs.py` refuses a track measured under others)."""
+    tracks = _in_registry_order(track_environments or {})
+    groups = _commit_groups(tracks)
     parts = []
     if env.gpu_name:
         parts.append(env.gpu_name + (f" ({env.sm_count} SMs)" if env.sm_count else ""))
-    if env.repo_commit:
-        parts.append(f"commit `{env.repo_commit[:10]}`" + (" (dirty)" if env.repo_dirty else ""))
-    if env.timestamp:
-        parts.append(env.timestamp[:10])
+    if len(groups) > 1:
+        parts.append("commit " + ", ".join(_commit_group_text(e, names) for e, names in groups))
+    else:
+        when = groups[0][0] if groups else env
+        if when.repo_commit:
+            parts.append(f"commit `{when.repo_commit[:10]}`" + (" (dirty)" if when.repo_dirty else ""))
+        if when.timestamp:
+            parts.append(when.timestamp[:10])
     protocol = env.protocol or {}
     counts = [f"{k} {protocol[k]}" for k in ("warmup", "iterations", "trials") if protocol.get(k) is not None]
     if counts:
@@ -539,10 +550,43 @@ def environment_line(env: EnvironmentRecord) -> str:
         parts.append(f"timer `{timer['name']}`")
     if env.seed is not None:
         parts.append(f"seed {env.seed}")
-    sources = sorted({s for v in env.data_sources.values() for s in v})
+    sources = _data_sources(env, tracks)
     if sources:
         parts.append("data " + ", ".join(sources))
     return ("; ".join(parts) or "no environment recorded") + "."
+
+
+def _in_registry_order(by_track: Mapping[str, EnvironmentRecord]) -> dict[str, EnvironmentRecord]:
+    from hopperbench.tracks import TRACKS
+
+    order = [t for t in TRACKS if t in by_track] + sorted(t for t in by_track if t not in TRACKS)
+    return {t: by_track[t] for t in order}
+
+
+def _commit_key(env: EnvironmentRecord) -> tuple[str | None, bool, str | None]:
+    """What the environment line says of when a track was measured: commit, dirty, date."""
+    return (env.repo_commit[:10] if env.repo_commit else None, bool(env.repo_dirty), (env.timestamp or "")[:10] or None)
+
+
+def _commit_groups(tracks: Mapping[str, EnvironmentRecord]) -> list[tuple[EnvironmentRecord, list[str]]]:
+    """The tracks grouped by commit, dirtiness and date, in order of each group's first track."""
+    groups: dict[tuple[str | None, bool, str | None], tuple[EnvironmentRecord, list[str]]] = {}
+    for track, env in tracks.items():
+        groups.setdefault(_commit_key(env), (env, []))[1].append(track)
+    return list(groups.values())
+
+
+def _commit_group_text(env: EnvironmentRecord, tracks: Sequence[str]) -> str:
+    commit, dirty, date = _commit_key(env)
+    details = [", ".join(tracks), *([date] if date else []), *(["dirty"] if dirty else [])]
+    return f"`{commit or 'unrecorded'}` ({'; '.join(details)})"
+
+
+def _data_sources(env: EnvironmentRecord, tracks: Mapping[str, EnvironmentRecord]) -> list[str]:
+    """Where the workloads came from: each track's own entry in its environment, or every entry of `env`."""
+    if not tracks:
+        return sorted({s for v in env.data_sources.values() for s in v})
+    return sorted({s for track, e in tracks.items() for s in e.data_sources.get(track, [])})
 
 
 def sides_table() -> list[str]:

@@ -8,6 +8,9 @@ of one row and derives the speedups; `summarize` reduces rows per track.
 A row is a workload with the optional inputs its calls passed as None (`row_id`): a workload of
 a track's `absent_input_sample` has two rows in a run, its own and its twin's without that input.
 
+A file's tracks may come from different runs: a track re-run on its own is merged into the
+canonical file with its own environment (`ResultsFile.track_runs`, `tools/merge_track_runs.py`).
+
 Speedup = other side's latency / our latency, computed only where both sides passed.
 """
 
@@ -764,19 +767,43 @@ def format_completeness(completeness: Completeness) -> str | None:
     )
 
 
+class TrackRun(BaseModel):
+    """The run a track's rows were measured in, where that is not the file's own: a track re-run on
+    its own and merged into the file (`tools/merge_track_runs.py`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    environment: EnvironmentRecord
+    environment_source: str | None = None
+    resumed_at: list[str] = Field(default_factory=list)
+
+
 class ResultsFile(BaseModel):
     """The run's JSON: how it was measured, every row, and the per-track summary."""
 
     model_config = ConfigDict(extra="forbid")
 
+    # The environment of every track not in `track_runs`.
     environment: EnvironmentRecord
     # Where `environment` came from: "journal header", or "<path> (attached at finalize)".
     environment_source: str | None = None
     resumed_at: list[str] = Field(default_factory=list)
+    # Per track measured in another run than `environment`'s: that run's environment, its source and
+    # resumes. Empty (and absent in files written before it existed): one run measured every track.
+    track_runs: dict[str, TrackRun] = Field(default_factory=dict)
     # Absent in files written before it existed.
     completeness: Completeness | None = None
     rows: list[WorkloadRow]
     summary: dict[str, TrackSummary]
+
+    def track_environment(self, track: str) -> EnvironmentRecord:
+        """The environment the track's rows were measured in."""
+        run = self.track_runs.get(track)
+        return run.environment if run is not None else self.environment
+
+    def track_environments(self) -> dict[str, EnvironmentRecord]:
+        """Each track of the rows, in row order, and the environment it was measured in."""
+        return {track: self.track_environment(track) for track in dict.fromkeys(r.track for r in self.rows)}
 
 
 def format_axes(axes: Mapping[str, int]) -> str:
@@ -931,8 +958,8 @@ def human_pinned_commit(track: str) -> str | None:
 
 
 def side_version(track: str, name: str, result: SideResult, repo_commit: str | None) -> str | None:
-    """ours/candidate: the run's commit; human: the pinned commit if it ran; library: its pin;
-    reference: "definition"."""
+    """ours/candidate: `repo_commit`, the commit the row's track was measured at; human: the pinned
+    commit if it ran; library: its pin; reference: "definition"."""
     kind = side_kind(name)
     if kind in ("ours", "candidate"):
         return repo_commit
@@ -960,11 +987,20 @@ def _iterations(result: SideResult, environment: EnvironmentRecord | None) -> in
     return None
 
 
-def tidy_records(rows: Sequence[WorkloadRow], environment: EnvironmentRecord | None = None) -> list[dict[str, Any]]:
-    """The tidy CSV's rows as dicts of typed values (None = empty cell), one per (workload, side)."""
-    env = environment or EnvironmentRecord()
+def tidy_records(
+    rows: Sequence[WorkloadRow],
+    environment: EnvironmentRecord | None = None,
+    track_environments: Mapping[str, EnvironmentRecord] | None = None,
+) -> list[dict[str, Any]]:
+    """The tidy CSV's rows as dicts of typed values (None = empty cell), one per (workload, side).
+
+    A row's `gpu`, `commit`, `iterations` and ours' `side_version` come from the environment its
+    track was measured in: `track_environments[track]`, else `environment`."""
+    default = environment or EnvironmentRecord()
+    per_track = track_environments or {}
     out = []
     for row in rows:
+        env = per_track.get(row.track, default)
         given = state_given(row.track, row.absent_inputs)
         for name, result in row.sides.items():
             record: dict[str, Any] = {
@@ -999,13 +1035,17 @@ def tidy_records(rows: Sequence[WorkloadRow], environment: EnvironmentRecord | N
     return out
 
 
-def rows_to_csv(rows: Sequence[WorkloadRow], environment: EnvironmentRecord | None = None) -> str:
-    """The tidy CSV of `rows` (see results/SCHEMA.md)."""
+def rows_to_csv(
+    rows: Sequence[WorkloadRow],
+    environment: EnvironmentRecord | None = None,
+    track_environments: Mapping[str, EnvironmentRecord] | None = None,
+) -> str:
+    """The tidy CSV of `rows` (see results/SCHEMA.md); environments as in `tidy_records`."""
     columns = tidy_columns(rows)
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
-    for record in tidy_records(rows, environment):
+    for record in tidy_records(rows, environment, track_environments):
         writer.writerow({k: csv_cell(record.get(k)) for k in columns})
     return out.getvalue()
 
@@ -1090,6 +1130,26 @@ def read_csv_rows(path: Path) -> list[WorkloadRow]:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write via a temporary file in the same folder and rename, so readers never see half a file."""
+    atomic_write_texts({path: text})
+
+
+def atomic_write_texts(texts: Mapping[Path, str]) -> None:
+    """Write every file to a temporary file beside it first, then rename them all: a failure while
+    writing (a full disk) replaces none of them, so files that belong together stay together."""
+    written: dict[Path, Path] = {}
+    try:
+        for path, text in texts.items():
+            written[path] = _write_temporary(path, text)
+        for path, tmp in written.items():
+            os.replace(tmp, path)
+    except BaseException:
+        for tmp in written.values():
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_temporary(path: Path, text: str) -> Path:
+    """`text` in a new temporary file in `path`'s folder, synced to disk."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
@@ -1099,10 +1159,10 @@ def atomic_write_text(path: Path, text: str) -> None:
             # mkstemp creates the file 0600; results are for everyone to read.
             os.fchmod(f.fileno(), 0o644)
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return Path(tmp)
 
 
 def csv_path_for(output_json: Path) -> Path:
@@ -1132,9 +1192,15 @@ def write_results(
         rows=list(rows),
         summary=summarize(rows),
     )
-    atomic_write_text(output_json, results.model_dump_json(indent=2) + "\n")
-    atomic_write_text(csv_path_for(output_json), rows_to_csv(rows, environment))
+    write_results_file(output_json, results)
     return results
+
+
+def write_results_file(output_json: Path, results: ResultsFile) -> None:
+    """The JSON of `results` and, beside it with the same stem, its tidy CSV; neither file is
+    replaced unless both can be written."""
+    csv_text = rows_to_csv(results.rows, results.environment, results.track_environments())
+    atomic_write_texts({output_json: results.model_dump_json(indent=2) + "\n", csv_path_for(output_json): csv_text})
 
 
 def write_journal_results(

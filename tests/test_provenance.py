@@ -184,3 +184,17 @@ def test_files_the_commit_removed_since_the_copys_older_head_do_not_count_as_lef
     assert verdict is verify.Verdict.VERIFIED_LESS_DELETED and "all of results/" in detail
     without_kernels = record.model_copy(update={"repo_tree": verify.tree_without(repo, declared, ["results", "kernels"])})
     assert verify.verdict_for(without_kernels, repo)[0] is verify.Verdict.MISMATCH
+
+
+def test_each_track_merged_from_another_run_is_checked_under_its_own_commit(tmp_path: Path, capsys) -> None:
+    import json
+
+    results = tmp_path / "latest.json"
+    merged = {"environment": {"repo_commit": "a" * 40},
+              "track_runs": {"moe": {"environment": {"repo_commit": "b" * 40}}}}  # fmt: skip
+    results.write_text(json.dumps(merged))
+    assert verify.main([str(results)]) == 0  # neither records a tree: unverifiable, not failed
+    assert capsys.readouterr().out.splitlines() == [
+        f"{results}: unverifiable: commit {'a' * 40}, no tree recorded",
+        f"{results} (moe): unverifiable: commit {'b' * 40}, no tree recorded",
+    ]

@@ -228,7 +228,7 @@ def test_published_views_one_line_per_workload_and_per_workload_and_library() ->
     assert human[0]["human_graph_status"] == "NOT_CAPTURABLE" and human[0]["ours_graph_ms"] == "0.5"
     assert human[2]["ours_status"] == "FAILED" and human[2]["eager_speedup"] == ""
     assert human[0]["total_seq_len"] == "64" and human[0]["seq_len"] == ""
-    libraries = _csv_lines(report.libraries_view(rows, "abc"))
+    libraries = _csv_lines(report.libraries_view(rows))
     assert [(line["workload_index"], line["library"], line["baseline"]) for line in libraries] == [
         ("0", "fla_chunk", "false"), ("0", "flashinfer_gdn", "true"), ("1", "fla_chunk", "false"),
         ("1", "flashinfer_gdn", "true"), ("2", "fla_chunk", "false"), ("2", "flashinfer_gdn", "true"),
@@ -248,6 +248,22 @@ def test_environment_line_names_gpu_commit_date_and_protocol() -> None:
     assert report.environment_line(env) == (
         "NVIDIA H200 (132 SMs); commit `0123456789`; 2026-12-02; protocol warmup 3 / iterations 50 / trials 3;"
         " timer `cupti`; seed 0; data synthesized."
+    )
+
+
+def test_environment_line_names_each_commit_with_its_tracks_when_they_differ() -> None:
+    env = EnvironmentRecord(gpu_name="NVIDIA H200", repo_commit="0123456789abcdef", timestamp="2026-12-02T10:00:00",
+                            seed=0, data_sources={"moe": ["synthesized"], "gdn_prefill": ["synthesized"]})  # fmt: skip
+    one = report.environment_line(env, {"moe": env, "gdn_prefill": env})
+    assert one == report.environment_line(env) == (
+        "NVIDIA H200; commit `0123456789`; 2026-12-02; seed 0; data synthesized."
+    )
+    moe = env.model_copy(update={"repo_commit": "fedcba9876543210", "timestamp": "2026-12-03T01:00:00",
+                                 "repo_dirty": True, "data_sources": {"moe": ["official"]}})  # fmt: skip
+    two = report.environment_line(env, {"dsa_attention": env, "moe": moe, "gdn_prefill": env})
+    assert two == (
+        "NVIDIA H200; commit `0123456789` (gdn_prefill, dsa_attention; 2026-12-02), `fedcba9876` (moe; 2026-12-03;"
+        " dirty); seed 0; data official, synthesized."
     )
 
 

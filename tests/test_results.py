@@ -211,6 +211,17 @@ def test_csv_side_versions_come_from_the_registry_and_the_manifest(tmp_path: Pat
     assert lines[4]["side_version"] == load_manifest()["gdn_prefill"].commit
 
 
+def test_csv_lines_carry_the_environment_of_their_tracks_run() -> None:
+    rows = [row(0, [passed("ours", 1.0)]), row(0, [passed("ours", 1.0)], track="dsa_attention")]
+    base = EnvironmentRecord(gpu_name="NVIDIA H200", repo_commit="old", protocol={"iterations": 50})
+    moe = EnvironmentRecord(gpu_name="NVIDIA H200 NVL", repo_commit="new", protocol={"iterations": 20})
+    lines = tidy_records(rows, base, {"moe": moe})
+    assert [(r["track"], r["commit"], r["side_version"], r["gpu"]) for r in lines] == [
+        ("moe", "new", "new", "NVIDIA H200 NVL"), ("dsa_attention", "old", "old", "NVIDIA H200"),
+    ]  # fmt: skip
+    assert [r["iterations"] for r in lines] == [20, 50]
+
+
 def test_csv_reads_back_to_the_same_speedups(tmp_path: Path) -> None:
     rows = [
         row(0, [passed("ours", 1.5), passed("human", 3.0, pinned=False), passed("reference", 9.0)]),
@@ -450,6 +461,21 @@ def test_results_written_before_completeness_still_read(tmp_path: Path) -> None:
     output.write_text(json.dumps(data))
     back = read_results(output)
     assert back.completeness is None and back.rows[0].speedup_vs_reference == pytest.approx(2.0)
+
+
+def test_results_without_track_runs_read_as_one_run_of_every_track(tmp_path: Path) -> None:
+    output = tmp_path / "results.json"
+    env = EnvironmentRecord(repo_commit="abc")
+    write_results(output, env, [row(0, [passed("ours", 1.0)]), row(0, [passed("ours", 1.0)], track="dsa_attention")])
+    data = json.loads(output.read_text())
+    assert data.pop("track_runs") == {}
+    output.write_text(json.dumps(data))
+    back = read_results(output)
+    assert back.track_runs == {} and back.track_environments() == {"dsa_attention": env, "moe": env}
+    data["track_runs"] = {"moe": {"environment": {}, "unknown": 1}}
+    output.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="unknown"):
+        read_results(output)
 
 
 TRIAL_FLOORS = [

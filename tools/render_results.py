@@ -10,7 +10,8 @@ it holds the same workloads and sides), and writes:
   each name in SECTIONS: `headline` (the headline table, `hopperbench.report`), `sizes` (ours over
   the baseline and the human winner per size class), `no-state` (the same table over the run's
   rows without GDN's initial state, and their pass counts), `passes` (a pass/fail line per track),
-  `environment` (GPU, commit, date, protocol) and `sides` (each library side of the registry with
+  `environment` (GPU, commit, date, protocol; commit and date per track where the tracks were
+  measured in different runs) and `sides` (each library side of the registry with
   its pin and what one timed call contains);
 - `results/h200_vs_human_best.csv` and `results/h200_vs_libraries.csv` (results/SCHEMA.md).
 
@@ -83,7 +84,7 @@ def sections(results: ResultsFile | None) -> dict[str, str]:
         "sizes": "\n".join(report.size_markdown(results)),
         "no-state": "\n".join(report.absent_input_markdown(results)) or NO_STATE_ROWS,
         "passes": "\n".join(f"- {line}" for line in report.pass_lines(report.headline_rows(results.rows))),
-        "environment": report.environment_line(results.environment),
+        "environment": report.environment_line(results.environment, results.track_environments()),
         "sides": sides,
     }
 
@@ -91,8 +92,7 @@ def sections(results: ResultsFile | None) -> dict[str, str]:
 def views(results: ResultsFile | None) -> dict[str, str]:
     """File name under results/ -> content of each published view."""
     rows = results.rows if results is not None else []
-    commit = results.environment.repo_commit if results is not None else None
-    return {HUMAN_VIEW: report.human_best_view(rows), LIBRARY_VIEW: report.libraries_view(rows, commit)}
+    return {HUMAN_VIEW: report.human_best_view(rows), LIBRARY_VIEW: report.libraries_view(rows)}
 
 
 def replace_sections(text: str, contents: Mapping[str, str]) -> str:

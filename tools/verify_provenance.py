@@ -14,7 +14,8 @@ untracked (`repo_changes`, "??") exist here, and the commit's tree plus them is 
 leave tracked files out (`results/`, when the tree and the CuTe-DSL libraries would exceed the
 GPU host's transfer limit): if the commit's tree less the files the copy listed as deleted
 (" D") is exactly `repo_tree` (or less their whole top-level folders, since that list is cut
-short), the code that ran is the commit's less those files, which are named by folder. One line per file;
+short), the code that ran is the commit's less those files, which are named by folder. One line per file
+(and one per track merged into it from another run, `track_runs`, each with its own commit);
 exit 1 if any file's tree differs from its commit's (plus such untracked files) or names a commit
 this checkout lacks, 0 otherwise (a file recorded before trees were recorded is reported as
 unverifiable, not as a failure).
@@ -28,6 +29,7 @@ import subprocess
 import sys
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from hopperbench.environment import EnvironmentRecord, temporary_index
 from hopperbench.paths import REPO_ROOT
@@ -142,14 +144,24 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for path in args.results:
         try:
-            environment = EnvironmentRecord.model_validate(json.loads(path.read_text(encoding="utf-8"))["environment"])
-        except (OSError, ValueError, KeyError) as e:
+            environments = environments_of(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"{path}: not a results JSON ({type(e).__name__})", file=sys.stderr)
             return 2
-        verdict, detail = verdict_for(environment, REPO_ROOT)
-        failed |= verdict in (Verdict.MISMATCH, Verdict.UNKNOWN_COMMIT)
-        print(f"{path}: {verdict.value}: {detail}")
+        for track, environment in environments.items():
+            verdict, detail = verdict_for(environment, REPO_ROOT)
+            failed |= verdict in (Verdict.MISMATCH, Verdict.UNKNOWN_COMMIT)
+            print(f"{path}{f' ({track})' if track else ''}: {verdict.value}: {detail}")
     return 1 if failed else 0
+
+
+def environments_of(results: dict[str, Any]) -> dict[str, EnvironmentRecord]:
+    """A results JSON's own environment (key "") and that of each track merged in from another run
+    (`track_runs`, absent in files written before it existed)."""
+    environments = {"": EnvironmentRecord.model_validate(results["environment"])}
+    for track, run in results.get("track_runs", {}).items():
+        environments[track] = EnvironmentRecord.model_validate(run["environment"])
+    return environments
 
 
 if __name__ == "__main__":

@@ -144,6 +144,28 @@ def test_files_the_copy_left_out_are_counted_and_the_commit_still_verified(
     assert verify.verdict_for(edited, repo)[0] is verify.Verdict.MISMATCH
 
 
+def test_a_copy_with_helper_files_added_and_results_left_out_is_verified(
+    repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both at once: the canonical run's copy carried helper scripts and its runner had removed the
+    previous results before it started."""
+    (repo / "results").mkdir()
+    (repo / "results" / "run.csv").write_text("a,b\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "results")
+    monkeypatch.setenv("HOPPERBENCH_SOURCE_COMMIT", git(repo, "rev-parse", "HEAD"))
+    (repo / "results" / "run.csv").unlink()
+    (repo / "scratch").mkdir()
+    (repo / "scratch" / "run.sh").write_text("echo run\n")
+    record = EnvironmentRecord.model_validate(_repo_state(repo))
+    assert sorted(record.repo_changes or []) == [" D results/run.csv", "?? scratch/run.sh"]
+    verdict, detail = verify.verdict_for(record, repo)
+    assert verdict is verify.Verdict.VERIFIED_AS_COPIED
+    assert "plus 1 untracked file(s) no commit holds: scratch/run.sh" in detail and "results/ (1 listed)" in detail
+    (repo / "scratch" / "run.sh").write_text("echo changed since\n")
+    assert verify.verdict_for(record, repo)[0] is verify.Verdict.MISMATCH
+
+
 def test_a_cut_short_deletion_list_is_verified_by_removing_its_whole_folder(repo: Path) -> None:
     """The copy's status is cut at REPO_CHANGES_LIMIT lines, so it may name only some of the files
     left out; the commit's tree less their folder must still be exactly what ran."""

@@ -14,8 +14,8 @@ untracked (`repo_changes`, "??") exist here, and the commit's tree plus them is 
 leave tracked files out (`results/`, when the tree and the CuTe-DSL libraries would exceed the
 GPU host's transfer limit): if the commit's tree less the files the copy listed as deleted
 (" D") is exactly `repo_tree` (or less their whole top-level folders, since that list is cut
-short), the code that ran is the commit's less those files, which are named by folder. One line per file
-(and one per track merged into it from another run, `track_runs`, each with its own commit);
+short), the code that ran is the commit's less those files, which are named by folder. Both can hold
+at once (helper files added, results left out). One line per file (and one per track merged into it from another run, `track_runs`, each with its own commit);
 exit 1 if any file's tree differs from its commit's (plus such untracked files) or names a commit
 this checkout lacks, 0 otherwise (a file recorded before trees were recorded is reported as
 unverifiable, not as a failure).
@@ -39,6 +39,7 @@ class Verdict(str, Enum):
     VERIFIED = "verified"
     VERIFIED_PLUS_UNTRACKED = "verified plus untracked files"
     VERIFIED_LESS_DELETED = "verified less deleted files"
+    VERIFIED_AS_COPIED = "verified plus untracked, less deleted files"
     MISMATCH = "MISMATCH"
     UNKNOWN_COMMIT = "UNKNOWN COMMIT"
     UNVERIFIABLE = "unverifiable"
@@ -50,34 +51,34 @@ def commit_tree(repo: Path, commit: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def tree_with_files(repo: Path, commit: str, paths: list[str]) -> str | None:
-    """The tree id of `commit`'s tree with `paths` (as they are in this checkout) added; None if one
-    of them is missing here."""
-    if not all((repo / path).is_file() for path in paths):
+def copied_tree(repo: Path, commit: str, extras: list[str], removed: list[str]) -> str | None:
+    """The tree id of `commit`'s tree less `removed` (files or whole folders) plus `extras` (as they are
+    in this checkout); None if one of the extras is missing here."""
+    if not all((repo / path).is_file() for path in extras):
         return None
     with temporary_index(repo) as git:
         git("read-tree", commit)
-        git("add", "-f", "--", *paths)
+        if removed:
+            git("rm", "-r", "-q", "-f", "--cached", "--ignore-unmatch", "--", *removed)
+        if extras:
+            git("add", "-f", "--", *extras)
         return git("write-tree")
 
 
 def tree_without(repo: Path, commit: str, paths: list[str]) -> str:
     """The tree id of `commit`'s tree with `paths` (files or whole folders) removed."""
-    with temporary_index(repo) as git:
-        git("read-tree", commit)
-        git("rm", "-r", "-q", "-f", "--cached", "--ignore-unmatch", "--", *paths)
-        return git("write-tree")
+    tree = copied_tree(repo, commit, [], paths)
+    assert tree is not None  # no extras to miss
+    return tree
 
 
-def left_out_of_copy(repo: Path, commit: str, deleted: list[str], tree: str) -> list[str] | None:
-    """What the copy left out of `commit`'s files, if that explains `tree` exactly: the files it
-    listed as deleted or, since the list is cut at REPO_CHANGES_LIMIT lines, their whole top-level
-    folders. The tree id's equality is the proof; the list only proposes what to remove."""
+def copy_explanations(extras: list[str], deleted: list[str]) -> list[tuple[list[str], list[str]]]:
+    """What a copy may have added (its untracked files) and left out (the files it listed as deleted
+    or, since the list is cut at REPO_CHANGES_LIMIT lines, their whole top-level folders), simplest
+    first. The tree id's equality is the proof; the lists only propose."""
     folders = sorted({path.split("/", 1)[0] for path in deleted if "/" in path})
-    for removed in (deleted, folders):
-        if removed and tree_without(repo, commit, removed) == tree:
-            return removed
-    return None
+    candidates = [(extras, []), ([], deleted), ([], folders), (extras, deleted), (extras, folders)]
+    return [(plus, less) for plus, less in candidates if plus or less]
 
 
 def tracked_by(repo: Path, commit: str, path: str) -> bool:
@@ -112,22 +113,13 @@ def verdict_for(environment: EnvironmentRecord, repo: Path) -> tuple[Verdict, st
         return Verdict.UNKNOWN_COMMIT, f"commit {commit} is not in this checkout"
     # Untracked in the copy, whose .git may sit at an older commit: only files `commit` lacks.
     extras = [path for path in untracked_in(environment.repo_changes) if not tracked_by(repo, commit, path)]
-    if expected != tree and extras and tree_with_files(repo, commit, extras) == tree:
-        return Verdict.VERIFIED_PLUS_UNTRACKED, (
-            f"files of commit {commit[:12]} ({environment.repo_commit_source}), plus {len(extras)} untracked "
-            f"file(s) no commit holds: {', '.join(extras)}"
-        )
     # Deleted against the copy's HEAD, which may be older than `commit`: a file `commit` itself
     # removed is listed too, but only the files `commit` has can have been left out of the copy.
     deleted = [path for path in deleted_in(environment.repo_changes) if tracked_by(repo, commit, path)]
-    left_out = left_out_of_copy(repo, commit, deleted, tree) if expected != tree else None
-    if left_out is not None:
-        what = count_by_folder(deleted) if left_out == deleted else (
-            ", ".join(f"all of {folder}/" for folder in left_out) + f" ({len(deleted)} files listed)")
-        return Verdict.VERIFIED_LESS_DELETED, (
-            f"files of commit {commit[:12]} ({environment.repo_commit_source}), less what the copy left out: {what}"
-        )
     if expected != tree:
+        for plus, less in copy_explanations(extras, deleted):
+            if copied_tree(repo, commit, plus, less) == tree:
+                return copy_verdict(environment, plus, less, deleted)
         changes = environment.repo_changes
         listed = "not recorded" if changes is None else ("; ".join(changes[:5]) or "none") + (" ..." if len(changes) > 5 else "")
         return Verdict.MISMATCH, (
@@ -135,6 +127,23 @@ def verdict_for(environment: EnvironmentRecord, repo: Path) -> tuple[Verdict, st
             f"the copy's changes against its HEAD {(environment.repo_git_head or '-')[:12]}: {listed}"
         )
     return Verdict.VERIFIED, f"files of commit {commit[:12]} ({environment.repo_commit_source})"
+
+
+def copy_verdict(
+    environment: EnvironmentRecord, plus: list[str], less: list[str], deleted: list[str]
+) -> tuple[Verdict, str]:
+    """The verdict on a copy that ran `commit`'s files plus `plus`, less `less`, and what it names."""
+    commit = environment.repo_commit or ""
+    detail = f"files of commit {commit[:12]} ({environment.repo_commit_source})"
+    if plus:
+        detail += f", plus {len(plus)} untracked file(s) no commit holds: {', '.join(plus)}"
+    if less:
+        what = count_by_folder(deleted) if less == deleted else (
+            ", ".join(f"all of {folder}/" for folder in less) + f" ({len(deleted)} files listed)")
+        detail += f", less what the copy left out: {what}"
+    if plus and less:
+        return Verdict.VERIFIED_AS_COPIED, detail
+    return (Verdict.VERIFIED_PLUS_UNTRACKED if plus else Verdict.VERIFIED_LESS_DELETED), detail
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,10 +3,10 @@
 - `headline`: per track, the baseline (the track's FlashInfer baseline, `Track.flashinfer_baseline`,
   where it has one and it passed: GDN's `flashinfer_gdn`; otherwise the library side with the
   best geometric mean graph-replay latency, `rank_libraries`, named) and the speedup over it of the
-  strongest other library, the human winner
-  and ours, and ours over the human winner. Each speedup is the geometric mean of per-workload
-  ratios baseline latency / side latency over the workloads where both passed (graph: where both
-  were graph-timed), eager and CUDA-graph replay side by side, with how many workloads entered it.
+  strongest other library, the human winner and ours, and ours over the human winner. Each speedup
+  is the geometric mean of per-workload ratios baseline latency / side latency over the workloads
+  where both passed (graph: where both were graph-timed), eager and CUDA-graph replay side by side,
+  with how many workloads entered it.
 - `human_best_view` / `libraries_view`: the two published per-workload CSVs.
 - `size_rows`: per track and size class (`Track.size_classes`), ours over the baseline and over the
   human winner, with the smallest per-workload ratio beside each geometric mean.

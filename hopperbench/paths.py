@@ -10,6 +10,8 @@ REPO_ROOT = PACKAGE_DIR.parent
 BENCHMARK_DATA_DIR = REPO_ROOT / "benchmark_data"
 HUMAN_BEST_DIR = REPO_ROOT / "human_best"
 RESULTS_DIR = REPO_ROOT / "results"
+# The canonical run: every track's listed workloads (README's numbers come from it).
+CANONICAL_RESULTS = RESULTS_DIR / "h200" / "latest.json"
 
 
 def shared_contest_data_dir() -> Path | None:

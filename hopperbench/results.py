@@ -147,6 +147,9 @@ class WorkloadKey(BaseModel):
     # it changes what a call must do (a kernel that zero-fills a missing state pays for it), so the
     # summary splits speedups by it. None: not recorded (journals written before the field existed).
     absent_inputs: list[str] | None = None
+    # The input recipe's variant of an off-list workload (`WorkloadSpec.recipe_variant`, e.g. MoE's
+    # routing pattern); None for a listed workload.
+    recipe_variant: str | None = None
 
     @property
     def row_id(self) -> RowId:
@@ -191,6 +194,7 @@ class WorkloadRow(BaseModel):
     data_source: str
     seed: int
     absent_inputs: list[str] | None = None
+    recipe_variant: str | None = None
     sides: dict[str, SideResult]
     speedup_vs_human: float | None = None
     speedup_vs_reference: float | None = None
@@ -850,7 +854,9 @@ def csv_cell(value: Any) -> str:
 # The optional input whose presence the `state_given` column records.
 STATE_INPUT = "state"
 
-TIDY_LEAD_COLUMNS = ("track", "definition", "workload_index", "uuid", "data_source", "state_given")
+TIDY_LEAD_COLUMNS = ("track", "definition", "workload_index", "uuid", "data_source", "state_given", "recipe_variant")
+# Lead columns that CSVs written before them lack (read as empty).
+TIDY_LATER_COLUMNS = frozenset({"recipe_variant"})
 TIDY_SIDE_COLUMNS = (
     "side", "side_kind", "side_version", "status", "message",
     "eager_ms", "eager_min_ms", "eager_max_ms", "eager_busy_ms",
@@ -1010,6 +1016,7 @@ def tidy_records(
                 "uuid": row.uuid,
                 "data_source": row.data_source,
                 "state_given": given,
+                "recipe_variant": row.recipe_variant,
                 **row.axes,
                 "side": name,
                 "side_kind": side_kind(name),
@@ -1062,7 +1069,8 @@ def read_tidy_csv(path: Path) -> list[dict[str, str]]:
     """The tidy CSV's lines as {column: cell text}; refuses a CSV of another format."""
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
-        missing = [c for c in (*TIDY_LEAD_COLUMNS, *TIDY_SIDE_COLUMNS) if c not in (reader.fieldnames or [])]
+        required = [c for c in (*TIDY_LEAD_COLUMNS, *TIDY_SIDE_COLUMNS) if c not in TIDY_LATER_COLUMNS]
+        missing = [c for c in required if c not in (reader.fieldnames or [])]
         if missing:
             raise TidyFormatError(f"{path} is not a tidy results CSV (no column {missing[0]!r})")
         return list(reader)
@@ -1100,6 +1108,7 @@ def read_csv_rows(path: Path) -> list[WorkloadRow]:
                     data_source=line["data_source"],
                     seed=int(line["seed"]),
                     absent_inputs=None if given == "" else ([] if given == "true" else [STATE_INPUT]),
+                    recipe_variant=line.get("recipe_variant") or None,
                 ),
                 line,
             )

@@ -9,7 +9,11 @@ tracks in its own worker process (`hopperbench.worker`), the reference side of a
 workload first because the others are checked against its stored outputs.
 `--dry-run` stops after the checks but the CUDA and CUPTI ones and prints the plan;
 `--list` prints the selected workloads. Neither needs a GPU or writes anything.
-`--workloads` takes full uuids or unique prefixes of at least 6 characters. A selected workload
+`--workloads` takes full uuids or unique prefixes of at least 6 characters. `--workload-list offlist`
+takes a track's off-list workloads instead of its listed ones (`hopperbench.workloads.load_offlist`;
+the tracks that have some only), into a results file of its own: never the canonical
+`results/h200/latest.json`, and the protocol records the list, so that neither a resume nor
+`tools/merge_track_runs.py` can mix its rows with the listed ones. A selected workload
 in its track's `absent_input_sample` also runs as its twin without that input, a row of its own
 (planned after the track's workloads; the sample is drawn from the track's whole list, so a
 workload's twin does not depend on what else is selected).
@@ -62,7 +66,7 @@ from hopperbench.environment import (
     guard_summary,
     source_commit,
 )
-from hopperbench.paths import BENCHMARK_DATA_DIR, REPO_ROOT
+from hopperbench.paths import BENCHMARK_DATA_DIR, CANONICAL_RESULTS, REPO_ROOT
 from hopperbench.results import (
     GraphStatus,
     Journal,
@@ -103,10 +107,12 @@ from hopperbench.worker_pool import (
     physical_cores,
     split_cpus,
 )
-from hopperbench.workloads import MIN_UUID_PREFIX, row_name
+from hopperbench.workloads import MIN_UUID_PREFIX, WORKLOAD_LISTS, row_name
 
 PROG = "compare_human_best"
 LOG_TAIL_CHARS = 2000
+# --workload-list's value for the off-list workloads.
+OFFLIST = "offlist"
 
 
 class CliError(Exception):
@@ -182,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="UUID,...",
         help=f"only these workloads (full uuids, or unique prefixes of >= {MIN_UUID_PREFIX} characters)",
+    )
+    p.add_argument(
+        "--workload-list",
+        choices=WORKLOAD_LISTS,
+        default="listed",
+        help="the tracks' listed workloads (default), or their off-list ones (not into the canonical results)",
     )
     p.add_argument("--output", type=Path, default=None, help="results JSON (default runs/<timestamp>/results.json)")
     p.add_argument("--resume", action="store_true", help="continue the run whose journal is beside --output")
@@ -300,6 +312,16 @@ def load_track_workloads(track: str, data_dir: Path | None) -> list[Any]:
         raise CliError(str(e)) from None
 
 
+def load_track_offlist(track: str) -> list[Any]:
+    from hopperbench.definitions import DefinitionError
+    from hopperbench.workloads import WorkloadError, load_offlist
+
+    try:
+        return load_offlist(track)
+    except (WorkloadError, DefinitionError) as e:
+        raise CliError(str(e)) from None
+
+
 def select_track_workloads(workloads: list[Any], uuids: list[str] | None, max_count: int | None) -> list[Any]:
     from hopperbench.workloads import WorkloadSelectionError, select_workloads
 
@@ -336,6 +358,7 @@ class RunnerHooks:
     timer_protocol: Callable[[], dict[str, Any]] = timer_protocol
     guard: Callable[[list[Track], set[str]], dict[str, Any]] = run_guard
     load_workloads: Callable[[str, Path | None], list[Any]] = load_track_workloads
+    load_offlist: Callable[[str], list[Any]] = load_track_offlist
     select_workloads: Callable[[list[Any], list[str] | None, int | None], list[Any]] = select_track_workloads
     sides_for: Callable[[Track, SideContext], list[Side]] = sides_for
     collect_environment: Callable[[EnvironmentRequest, str | None, Path], EnvironmentRecord] = (
@@ -408,7 +431,10 @@ def _select_workloads(
     --workloads' prefixes resolved to full uuids."""
     from hopperbench.workloads import WorkloadSelectionError, resolve_uuids
 
-    everything = {t.name: hooks.load_workloads(t.name, data_dir) for t in tracks}
+    if args.workload_list == OFFLIST:
+        everything = {t.name: hooks.load_offlist(t.name) for t in tracks}
+    else:
+        everything = {t.name: hooks.load_workloads(t.name, data_dir) for t in tracks}
     by_name = {t.name: t for t in tracks}
     if args.workloads is None:
         return {
@@ -475,9 +501,32 @@ def _cpu_shares(slot_count: int, args: argparse.Namespace, hooks: RunnerHooks) -
 
 def _selected_tracks(args: argparse.Namespace) -> list[Track]:
     try:
-        return parse_track_list(args.track)
+        tracks = parse_track_list(args.track)
     except UnknownTrackError as e:
         raise CliError(str(e)) from None
+    if args.workload_list == OFFLIST:
+        _check_offlist_tracks(tracks)
+    return tracks
+
+
+def _check_offlist_tracks(tracks: list[Track]) -> None:
+    """--workload-list offlist: every selected track must have off-list workloads."""
+    lacking = [t.name for t in tracks if not t.offlist_path.is_file()]
+    if lacking:
+        having = [t.name for t in TRACKS.values() if t.offlist_path.is_file()]
+        raise CliError(
+            f"--workload-list {OFFLIST}: no off-list workloads for {', '.join(lacking)};"
+            f" pass --track {','.join(having) or '(no track has any)'}"
+        )
+
+
+def _check_offlist_output(args: argparse.Namespace, output: Path) -> None:
+    """Off-list rows get a results file of their own: the canonical run holds the listed workloads only."""
+    if args.workload_list == OFFLIST and output.resolve() == CANONICAL_RESULTS.resolve():
+        raise CliError(
+            f"--workload-list {OFFLIST} cannot write {CANONICAL_RESULTS.relative_to(REPO_ROOT)}:"
+            " the canonical run holds the listed workloads only"
+        )
 
 
 def _data_dir(args: argparse.Namespace) -> Path:
@@ -562,6 +611,7 @@ def plan_run(args: argparse.Namespace, hooks: RunnerHooks, check_machine: bool =
     output = (args.output if args.output is not None else _default_output()).absolute()
     if output.suffix != ".json":
         raise CliError(f"--output must name a .json file, got {output.name}")
+    _check_offlist_output(args, output)
     check_output_writable(output)
     journal = Journal(Journal.path_for(output))
     if args.resume and not journal.exists():
@@ -584,6 +634,9 @@ def plan_run(args: argparse.Namespace, hooks: RunnerHooks, check_machine: bool =
         "trials": args.trials,
         "side_warmup": SIDE_WARMUP,
     }
+    if args.workload_list == OFFLIST:
+        # Only off-list runs record it: a listed run's protocol stays what earlier runs recorded.
+        protocol["workload_list"] = OFFLIST
     run_human = wanted_sides is None or HUMAN in wanted_sides
     guard_results = hooks.guard(tracks, allow_unpinned) if run_human else {}
     ctx = SideContext(guard_results=guard_results)
@@ -828,6 +881,7 @@ def _workload_key(plan: RunPlan, tp: TrackPlan, workload: Any) -> WorkloadKey:
         data_source=data_source_label(workload),
         seed=plan.seed,
         absent_inputs=sorted(absent_optional_inputs(tp.track.name, workload)),
+        recipe_variant=workload.recipe_variant,
     )
 
 
@@ -1019,7 +1073,7 @@ def finalize(args: argparse.Namespace) -> int:
 
 def list_workloads(args: argparse.Namespace, hooks: RunnerHooks) -> int:
     """--list: one tab-separated line per selected row: track, index, uuid, axes, data source (a
-    twin's with `; without <input>`)."""
+    twin's with `; without <input>`, an off-list row's with `; recipe variant <name>`)."""
     from hopperbench.workloads import data_source_label
 
     tracks = _selected_tracks(args)
@@ -1028,7 +1082,8 @@ def list_workloads(args: argparse.Namespace, hooks: RunnerHooks) -> int:
         for w in workloads.get(track.name, []):
             axes = " ".join(f"{name}={value}" for name, value in w.axes.items())
             without = f"; without {', '.join(w.withheld_inputs)}" if w.withheld_inputs else ""
-            print(f"{track.name}\t{w.index}\t{w.uuid}\t{axes}\t{data_source_label(w)}{without}")
+            variant = f"; recipe variant {w.recipe_variant}" if w.recipe_variant else ""
+            print(f"{track.name}\t{w.index}\t{w.uuid}\t{axes}\t{data_source_label(w)}{without}{variant}")
     return 0
 
 
@@ -1043,6 +1098,7 @@ def format_plan(plan: RunPlan, devices: list[int] | None) -> str:
         without = sorted({name for w in twins for name in w.withheld_inputs})
         also = f", {len(twins)} of them also without {', '.join(without)}" if twins else ""
         lines.append(f"{tp.track.name}: {len(tp.workloads) - len(twins)} workload(s){also}")
+        lines.extend(_offlist_lines(tp))
         lines.append(f"  runs: {', '.join(s.name for s in tp.sides if s.available) or '-'}")
         for side in tp.sides:
             if not side.available:
@@ -1050,6 +1106,16 @@ def format_plan(plan: RunPlan, devices: list[int] | None) -> str:
     where = f" (--devices {','.join(map(str, devices))})" if devices is not None else ""
     lines.append(f"not checked: the CUDA device(s){where} and CUPTI; a run checks them before it writes anything")
     return "\n".join(lines)
+
+
+def _offlist_lines(tp: TrackPlan) -> list[str]:
+    """One line per off-list row of the plan: uuid, axes, recipe variant (none for listed rows)."""
+    lines = []
+    for w in tp.workloads:
+        if w.recipe_variant is not None:
+            axes = " ".join(f"{name}={value}" for name, value in w.axes.items())
+            lines.append(f"  off-list {w.index}: {w.uuid} ({axes}, recipe variant {w.recipe_variant})")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------

@@ -19,7 +19,9 @@ drawn; their dtype and shape are checked against the definition. A twin's withhe
 The distributions are the track's: each track folder's `synth.py` gives one recipe per input
 (`RECIPE`: input name -> function of (SynthContext, name)) and says which optional inputs a
 workload passes as None (`absent_optional_inputs`); a track with several gate regimes lists them
-(`GATE_REGIMES`, `DEFAULT_GATE_REGIME` among them; a track without the list takes the default only). This module is the machinery the recipes share (the
+(`GATE_REGIMES`, `DEFAULT_GATE_REGIME` among them; a track without the list takes the default only);
+a track with off-list workloads names its recipe's variants (`RECIPE_VARIANTS`: variant -> the
+inputs it draws otherwise, a workload's `recipe_variant` picks one). This module is the machinery the recipes share (the
 context with its per-input generators, chunked draws) and the entry points, which reach a track's
 recipe through its registry entry (`Track.synth`).
 """
@@ -75,14 +77,13 @@ def make_inputs(
     """
     if workload.track != track:
         raise SynthesisError(f"workload {workload.uuid} belongs to track {workload.track}, not {track}")
-    recipes = _track_synth(track)
     regimes = gate_regimes(track)
     if gate_regime not in regimes:
         with_regimes = [t for t in TRACKS if len(gate_regimes(t)) > 1]
         if gate_regime in {r for t in with_regimes for r in gate_regimes(t)}:
             raise SynthesisError(f"gate_regime applies to the {', '.join(with_regimes)} track only")
         raise SynthesisError(f"unknown gate regime {gate_regime!r}; choose from {', '.join(regimes)}")
-    recipe: Recipe = recipes.RECIPE
+    recipe = _recipe(track, workload)
     definition = track_definition(track)
     ctx = SynthContext(
         track=track,
@@ -141,6 +142,23 @@ def absent_optional_inputs(track: str, workload: WorkloadSpec) -> set[str]:
 def gate_regimes(track: str) -> tuple[str, ...]:
     """The gate regimes `make_inputs` accepts for `track`: its synth's GATE_REGIMES, else the default."""
     return tuple(getattr(_track_synth(track), "GATE_REGIMES", (DEFAULT_GATE_REGIME,)))
+
+
+def recipe_variants(track: str) -> tuple[str, ...]:
+    """The recipe variants an off-list workload of `track` may name (its synth's RECIPE_VARIANTS)."""
+    return tuple(getattr(_track_synth(track), "RECIPE_VARIANTS", {}))
+
+
+def _recipe(track: str, workload: WorkloadSpec) -> Recipe:
+    """The track's recipe, with the inputs of the workload's recipe variant replaced."""
+    recipes = _track_synth(track)
+    if workload.recipe_variant is None:
+        return recipes.RECIPE
+    variants: dict[str, Recipe] = getattr(recipes, "RECIPE_VARIANTS", {})
+    if workload.recipe_variant not in variants:
+        known = ", ".join(variants) or "none"
+        raise SynthesisError(f"{track}: unknown recipe variant {workload.recipe_variant!r} (the track's: {known})")
+    return {**recipes.RECIPE, **variants[workload.recipe_variant]}
 
 
 def _track_synth(track: str) -> ModuleType:

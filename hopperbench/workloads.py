@@ -14,6 +14,10 @@ is synthesized (`hopperbench.synth`), marked `synthesized`. Its header comments 
 provenance: MoE is byte-exact from the official JSONL, GDN prefill and DSA are
 reconstructed tables.
 
+A track may also keep off-list workloads (`offlist.tsv`, `load_offlist`): synthesized rows beyond
+the listed ones, each naming a variant of the track's input recipe (`recipe_variant` column, e.g.
+MoE's routing patterns), for a results file of their own, never the canonical run.
+
 Every list is validated on load against our definition: exactly the definition's var
 axes, each >= 1; scalars that are scalar inputs of the right kind; dense indices; unique
 uuids; and every definition constraint that mentions axes only
@@ -38,6 +42,9 @@ from hopperbench.paths import BENCHMARK_DATA_DIR
 from hopperbench.tracks import Track, get_track
 
 DataSource = Literal["official", "synthesized"]
+# Which list a run takes: the track's listed workloads (official or embedded), or its off-list ones.
+WorkloadList = Literal["listed", "offlist"]
+WORKLOAD_LISTS: tuple[WorkloadList, ...] = ("listed", "offlist")
 ScalarValue = int | float
 
 
@@ -78,11 +85,16 @@ class WorkloadSpec(BaseModel):
     # Optional inputs passed as None although the workload gives them (sorted): the twin of a
     # workload in its track's `absent_input_sample`, a row of its own beside the workload's.
     withheld_inputs: tuple[str, ...] = ()
+    # The track recipe's variant its inputs are drawn with (`RECIPE_VARIANTS` of the track's synth,
+    # e.g. MoE's routing patterns); off-list workloads only, None for the listed ones.
+    recipe_variant: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _blobs_only_when_official(self) -> WorkloadSpec:
         if self.data_source == "synthesized" and (self.blob_inputs or self.missing_blob_inputs):
             raise ValueError("a synthesized workload cannot name official blobs")
+        if self.recipe_variant is not None and self.data_source != "synthesized":
+            raise ValueError("only a synthesized workload can name a recipe variant")
         overlap = set(self.blob_inputs) & set(self.missing_blob_inputs)
         if overlap:
             raise ValueError(f"inputs both present and missing as blobs: {sorted(overlap)}")
@@ -122,6 +134,31 @@ def load_workloads(track: str, data_dir: Path | None = None) -> list[WorkloadSpe
     else:
         workloads = _read_embedded(track_info, definition)
     _validate(definition, workloads)
+    named = [w.uuid for w in workloads if w.recipe_variant is not None]
+    if named:
+        raise WorkloadError(f"{track_info.name}: listed workload {named[0]} names a recipe variant (off-list only)")
+    return workloads
+
+
+def load_offlist(track: str) -> list[WorkloadSpec]:
+    """The validated off-list workloads of `track` (its `offlist.tsv`): synthesized, each naming a
+    variant of the track's recipe, none sharing a uuid with the listed workloads (a row's files
+    and records are named by its uuid)."""
+    track_info = get_track(track)
+    if not track_info.offlist_path.is_file():
+        raise WorkloadError(f"track {track_info.name} has no off-list workloads ({track_info.offlist_path.name})")
+    definition = track_definition(track_info.name)
+    workloads = _read_embedded(track_info, definition, track_info.offlist_path)
+    _validate(definition, workloads)
+    variants = set(getattr(track_info.synth, "RECIPE_VARIANTS", {}))
+    listed = synthesized_workloads(track_info.name)
+    for w in workloads:
+        where = f"{track_info.offlist_path.name} workload {w.index} ({w.uuid})"
+        if w.recipe_variant not in variants:
+            known = ", ".join(sorted(variants)) or "none"
+            raise WorkloadError(f"{where}: recipe variant {w.recipe_variant!r} is not one of the track's ({known})")
+        if w.uuid in listed:
+            raise WorkloadError(f"{where}: the uuid of a listed workload")
     return workloads
 
 
@@ -212,8 +249,12 @@ def track_definition(track: str) -> Definition:
 # Embedded TSV lists
 
 
-def _read_embedded(track: Track, definition: Definition) -> list[WorkloadSpec]:
-    path = track.workload_list_path
+# The embedded lists' column naming a recipe variant (off-list lists only, see load_offlist).
+VARIANT_COLUMN = "recipe_variant"
+
+
+def _read_embedded(track: Track, definition: Definition, path: Path | None = None) -> list[WorkloadSpec]:
+    path = track.workload_list_path if path is None else path
     try:
         lines = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
     except OSError as e:
@@ -225,7 +266,7 @@ def _read_embedded(track: Track, definition: Definition) -> list[WorkloadSpec]:
     scalar_inputs = _scalar_input_dtypes(definition)
     axis_columns = [c for c in columns[2:] if c in definition.var_axes]
     scalar_columns = [c for c in columns[2:] if c in scalar_inputs]
-    unknown = [c for c in columns[2:] if c not in axis_columns and c not in scalar_columns]
+    unknown = [c for c in columns[2:] if c not in axis_columns and c not in scalar_columns and c != VARIANT_COLUMN]
     if unknown:
         raise WorkloadError(f"{path}: columns {unknown} are neither var axes nor scalar inputs of {definition.name}")
     workloads = []
@@ -242,6 +283,7 @@ def _read_embedded(track: Track, definition: Definition) -> list[WorkloadSpec]:
                 axes={c: _parse_int(row[c], where) for c in axis_columns},
                 scalars={c: _parse_scalar(row[c], scalar_inputs[c], where) for c in scalar_columns},
                 data_source="synthesized",
+                recipe_variant=row.get(VARIANT_COLUMN),
             )
         )
     return workloads

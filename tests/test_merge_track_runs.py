@@ -26,6 +26,7 @@ from hopperbench.results import (
     read_results,
     summarize,
     write_journal_results,
+    write_results_file,
 )
 from hopperbench.sides import known_side_names
 from hopperbench.tracks import TRACKS, is_candidate_side
@@ -177,6 +178,20 @@ def test_a_run_measured_otherwise_is_refused(
 ) -> None:
     newer = write_run(tmp_path / "moe.json", environment(NEW, "2026-12-03", **changes), ["moe"], 0.5)
     _refused(canonical, newer, capsys, expected)
+
+
+def test_an_offlist_run_is_refused_on_either_side(canonical: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    protocol = {**environment(NEW, "x").protocol, "workload_list": "offlist"}
+    by_protocol = write_run(tmp_path / "moe_routing.json", environment(NEW, "2026-12-03", protocol=protocol), ["moe"], 0.5)
+    _refused(canonical, by_protocol, capsys, "is an off-list run (--workload-list offlist): the canonical run holds")
+    # Rows that name a recipe variant are off-list whatever the protocol says.
+    plain = write_run(tmp_path / "moe.json", environment(NEW, "2026-12-03"), ["moe"], 0.5)
+    results = read_results(plain)
+    rows = [r.model_copy(update={"recipe_variant": "zipf"}) for r in results.rows]
+    write_results_file(plain, results.model_copy(update={"rows": rows}))
+    _refused(canonical, plain, capsys, "is an off-list run")
+    code, err = _merge(by_protocol, write_run(tmp_path / "again.json", environment(NEW, "x"), ["moe"], 0.5), capsys=capsys)
+    assert code == 2 and f"{by_protocol} is an off-list run" in err
 
 
 def test_another_tracks_reference_timing_does_not_matter(

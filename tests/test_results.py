@@ -177,10 +177,12 @@ def test_csv_is_tidy_one_line_per_workload_and_side(tmp_path: Path) -> None:
         lines = list(reader)
         columns = reader.fieldnames
     assert columns == tidy_columns(rows)
-    assert columns[:6] == ["track", "definition", "workload_index", "uuid", "data_source", "state_given"]
+    assert columns[:7] == [
+        "track", "definition", "workload_index", "uuid", "data_source", "state_given", "recipe_variant"
+    ]  # fmt: skip
     # Every var axis of every definition, then the test's own axis that no definition has.
-    assert columns[6:13] == ["total_seq_len", "num_seqs", "len_cu_seqlens", "seq_len", "num_tokens", "num_pages", "other"]
-    assert columns[13:17] == ["side", "side_kind", "side_version", "status"]
+    assert columns[7:14] == ["total_seq_len", "num_seqs", "len_cu_seqlens", "seq_len", "num_tokens", "num_pages", "other"]
+    assert columns[14:18] == ["side", "side_kind", "side_version", "status"]
     assert columns[-5:] == ["trials", "iterations", "seed", "gpu", "commit"]
     assert [line["side"] for line in lines] == ["ours", "human", "reference", "fla"]
     assert [line["side_kind"] for line in lines] == ["ours", "human", "reference", "library"]
@@ -189,6 +191,7 @@ def test_csv_is_tidy_one_line_per_workload_and_side(tmp_path: Path) -> None:
     assert fla["side_version"] == ""  # not a registry library
     assert ours["seq_len"] == "1" and ours["other"] == "7" and ours["num_tokens"] == ""
     assert ours["state_given"] == ""  # moe has no optional input
+    assert ours["recipe_variant"] == ""  # a listed workload
     assert float(ours["eager_ms"]) == 1.5 and float(human["eager_ms"]) == 3.0
     assert ours["eager_min_ms"] == repr(1.5 * 0.9)
     assert ours["trials"] == "3" and ours["iterations"] == "50" and ours["gpu"] == "NVIDIA H200"
@@ -553,6 +556,26 @@ def test_absent_state_survives_json_and_csv_as_state_given(tmp_path: Path) -> No
     with open(csv_path_for(output), newline="") as f:
         assert [line["state_given"] for line in csv.DictReader(f)] == ["false", "false", "true", "true", "", ""]
     assert [r.absent_inputs for r in read_csv_rows(csv_path_for(output))] == [["state"], [], None]
+
+
+def test_recipe_variant_survives_json_and_csv_and_an_older_csv_without_its_column_reads(tmp_path: Path) -> None:
+    variant = row(0, [passed("ours", 1.0), passed("reference", 2.0)]).model_copy(update={"recipe_variant": "zipf"})
+    rows = [variant, row(1, [passed("ours", 1.0), passed("reference", 2.0)])]
+    output = tmp_path / "results.json"
+    write_results(output, EnvironmentRecord(), rows)
+    assert [r.recipe_variant for r in read_results(output).rows] == ["zipf", None]
+    with open(csv_path_for(output), newline="") as f:
+        lines = list(csv.DictReader(f))
+    assert [line["recipe_variant"] for line in lines] == ["zipf", "zipf", "", ""]
+    assert [r.recipe_variant for r in read_csv_rows(csv_path_for(output))] == ["zipf", None]
+    # A CSV written before the column existed (the canonical latest.csv) is still tidy.
+    older = tmp_path / "older.csv"
+    with open(older, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[c for c in lines[0] if c != "recipe_variant"], lineterminator="\n")
+        writer.writeheader()
+        writer.writerows({k: v for k, v in line.items() if k != "recipe_variant"} for line in lines[2:])
+    (back,) = read_csv_rows(older)
+    assert back.recipe_variant is None and back.axes == {"seq_len": 2, "other": 7}
 
 
 def test_a_csv_in_the_old_wide_format_is_read_through_the_json_beside_it(tmp_path: Path) -> None:

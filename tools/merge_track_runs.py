@@ -12,7 +12,8 @@ beside it rewritten as the runner writes them (neither is replaced unless both c
 
 Refused with one line on stderr, exit code 2, nothing written:
 - a file that cannot be read or is not a results JSON; the canonical file given as a newer run; a
-  track in two newer runs; a journal beside the canonical file (its `--resume` or `--finalize`
+  track in two newer runs; an off-list run (`--workload-list offlist`: rows beyond the listed
+  workloads, kept in a results file of their own) on either side; a journal beside the canonical file (its `--resume` or `--finalize`
   would write over the merge);
 - a run that records no completeness; a newer run that is partial for its track;
 - a newer run that lacks a row the canonical file has of its track, or a side: every side of the
@@ -121,6 +122,8 @@ def check_inputs(canonical: Run, newer: Sequence[Run]) -> dict[str, Run]:
     if journal.exists():
         raise MergeError(f"{journal} exists: finish that run (--resume, --finalize) or remove its journal first")
     chosen: dict[str, Run] = {}
+    for run in (canonical, *newer):
+        check_listed(run)
     for run in newer:
         if run.path.resolve() == canonical.path.resolve():
             raise MergeError(f"{run.path} is the canonical file itself")
@@ -133,6 +136,22 @@ def check_inputs(canonical: Run, newer: Sequence[Run]) -> dict[str, Run]:
     if canonical.results.completeness is None:
         raise MergeError(f"{canonical.path} records no completeness (written before it existed)")
     return chosen
+
+
+# The protocol entry an off-list run records (hopperbench.runner, --workload-list offlist).
+WORKLOAD_LIST_KEY = "workload_list"
+
+
+def check_listed(run: Run) -> None:
+    """The run holds listed workloads only: an off-list run's rows never enter the canonical file."""
+    environments = [run.results.environment, *(r.environment for r in run.results.track_runs.values())]
+    lists = {env.protocol.get(WORKLOAD_LIST_KEY) for env in environments} - {None}
+    variants = {r.recipe_variant for r in run.results.rows} - {None}
+    if lists or variants:
+        raise MergeError(
+            f"{run.path} is an off-list run (--workload-list {', '.join(sorted(lists)) or 'offlist'}):"
+            " the canonical run holds the listed workloads only"
+        )
 
 
 def check_complete(run: Run, track: str) -> TrackCompleteness:

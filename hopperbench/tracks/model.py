@@ -4,7 +4,7 @@ A track is one contest definition. Its spec says which definition it is, how an 
 accepted, where our kernel lives, which `human_best/` manifest entry holds the contest winner,
 and which public Hopper libraries stand beside them as extra reference sides. Its folder holds
 the rest under fixed names (`definition.json`, `reference.py`, `workloads.tsv`, `synth.py`,
-`floor.py`, `adapters/`), which the properties below point to.
+`floor.py`, `adapters/`, optionally `offlist.tsv`), which the properties below point to.
 
 This module imports nothing heavy (no torch): reading the registry stays cheap. A track's
 `synth.py` and `floor.py` are imported only when the harness asks for them (`Track.synth`,
@@ -179,6 +179,7 @@ def is_candidate_side(name: str) -> bool:
 DEFINITION_FILE = "definition.json"
 REFERENCE_FILE = "reference.py"
 WORKLOAD_LIST_FILE = "workloads.tsv"
+OFFLIST_FILE = "offlist.tsv"
 ADAPTERS_FOLDER = "adapters"
 SYNTH_MODULE = "synth"
 FLOOR_MODULE = "floor"
@@ -248,13 +249,19 @@ class Track:
         return self.folder / self.workload_list
 
     @property
+    def offlist_path(self) -> Path:
+        """The track's off-list workloads (`offlist.tsv`; most tracks have none): shapes or input
+        variants beyond the listed workloads, run into a results file of their own."""
+        return self.folder / OFFLIST_FILE
+
+    @property
     def adapters_dir(self) -> Path:
         return self.folder / ADAPTERS_FOLDER
 
     @property
     def synth(self) -> ModuleType:
         """The track's input synthesis (`<package>.synth`): `RECIPE`, `absent_optional_inputs`,
-        optionally `GATE_REGIMES` (see hopperbench.synth)."""
+        optionally `GATE_REGIMES` and `RECIPE_VARIANTS` (see hopperbench.synth)."""
         return importlib.import_module(f"{self.package}.{SYNTH_MODULE}")
 
     @property

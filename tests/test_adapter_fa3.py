@@ -19,58 +19,7 @@ from hopperbench.acceptance import check_outputs
 from hopperbench.tracks import DSA_ATTENTION
 from hopperbench.tracks.dsa_attention.adapters import fa3_dsa
 
-HEADS, CKV, KPE, PAGE, TOPK = 16, 512, 64, 64, 2048
-SM_SCALE = 0.1352337788608801
-
-
-def _dsa_inputs(
-    num_tokens: int,
-    num_pages: int,
-    *,
-    empty_tokens: tuple[int, ...] = (),
-    scattered: bool = False,
-    device: str = "cpu",
-    seed: int = 0,
-) -> dict[str, Any]:
-    """Definition-ordered inputs. Token t keeps 2048 - 300*t of its distinct random rows and -1 in the
-    other entries: after them, or (`scattered`) at random places in the row, as the definition allows;
-    tokens in `empty_tokens` have no valid row at all."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = num_pages * PAGE
-    indices = torch.stack([torch.randperm(rows, generator=gen)[:TOPK] for _ in range(num_tokens)]).int()
-    for t in range(num_tokens):
-        padding = torch.arange(max(0, TOPK - 300 * t), TOPK)
-        if scattered:
-            padding = torch.randperm(TOPK, generator=gen)[: padding.numel()]
-        indices[t, padding] = -1
-    for t in empty_tokens:
-        indices[t] = -1
-    inputs = {
-        "q_nope": torch.randn(num_tokens, HEADS, CKV, generator=gen).bfloat16(),
-        "q_pe": torch.randn(num_tokens, HEADS, KPE, generator=gen).bfloat16(),
-        "ckv_cache": torch.randn(num_pages, PAGE, CKV, generator=gen).bfloat16(),
-        "kpe_cache": torch.randn(num_pages, PAGE, KPE, generator=gen).bfloat16(),
-        "sparse_indices": indices,
-        "sm_scale": SM_SCALE,
-    }
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-
-
-def _destinations(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
-    q_nope = inputs["q_nope"]
-    return {
-        "output": torch.full_like(q_nope, float("nan")),
-        "lse": torch.full(q_nope.shape[:2], float("nan"), dtype=torch.float32, device=q_nope.device),
-    }
-
-
-def _load_reference() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """Our reference, loaded from its file as the runner does."""
-    spec = importlib.util.spec_from_file_location("dsa_attention_reference", DSA_ATTENTION.reference_path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.run
+from dsa_adapter_inputs import CKV, HEADS, KPE, PAGE, SM_SCALE, destinations, dsa_inputs, load_reference
 
 
 def _fa3_contract(
@@ -162,7 +111,7 @@ def fake_fa3(monkeypatch: pytest.MonkeyPatch, fresh_loader: None) -> _FakeFa3Int
 
 
 def test_prepare_views_the_caches_as_one_row_pages_and_copies_nothing(fake_fa3: _FakeFa3Interface) -> None:
-    inputs = _dsa_inputs(2, 40)
+    inputs = dsa_inputs(2, 40)
     prepared = fa3_dsa.prepare(*inputs.values())
     assert list(prepared) == list(inputs)  # the same inputs by name, in definition order
     v_cache, k_cache = prepared["ckv_cache"], prepared["kpe_cache"]
@@ -173,17 +122,17 @@ def test_prepare_views_the_caches_as_one_row_pages_and_copies_nothing(fake_fa3: 
     assert torch.equal(v_cache[row, 0, 0], inputs["ckv_cache"][5, 17])
     assert torch.equal(k_cache[row, 0, 0], inputs["kpe_cache"][5, 17])
 
-    fa3_dsa.run(*prepared.values(), *_destinations(inputs).values())
+    fa3_dsa.run(*prepared.values(), *destinations(inputs).values())
     (call,) = fake_fa3.calls
     assert call["k_cache"] is k_cache and call["v_cache"] is v_cache  # the prepared views themselves
     with pytest.raises(fa3_dsa.AdapterInputError, match="cache view"):
-        fa3_dsa.run(*inputs.values(), *_destinations(inputs).values())  # the raw caches: refused
+        fa3_dsa.run(*inputs.values(), *destinations(inputs).values())  # the raw caches: refused
 
 
 def test_the_call_gets_q_pe_as_q_q_nope_as_qv_and_the_index_rows_as_page_table(fake_fa3: _FakeFa3Interface) -> None:
-    inputs = _dsa_inputs(3, 40)
+    inputs = dsa_inputs(3, 40)
 
-    fa3_dsa.run(*fa3_dsa.prepare(*inputs.values()).values(), *_destinations(inputs).values())
+    fa3_dsa.run(*fa3_dsa.prepare(*inputs.values()).values(), *destinations(inputs).values())
 
     (call,) = fake_fa3.calls
     q, qv = call["q"], call["qv"]
@@ -197,7 +146,7 @@ def test_the_call_gets_q_pe_as_q_q_nope_as_qv_and_the_index_rows_as_page_table(f
 
 
 def test_prepare_refuses_padding_before_a_valid_index_with_one_line() -> None:
-    inputs = _dsa_inputs(3, 40, scattered=True)
+    inputs = dsa_inputs(3, 40, scattered=True)
     with pytest.raises(fa3_dsa.AdapterInputError, match=r"row 1 has -1 before a valid index") as e:
         fa3_dsa.prepare(*inputs.values())
     assert "\n" not in str(e.value)
@@ -206,12 +155,12 @@ def test_prepare_refuses_padding_before_a_valid_index_with_one_line() -> None:
 
 
 def test_results_match_the_reference_under_the_track_rule_with_lse_in_base_2(fake_fa3: _FakeFa3Interface) -> None:
-    inputs = _dsa_inputs(4, 40, empty_tokens=(2,))
-    dest = _destinations(inputs)
+    inputs = dsa_inputs(4, 40, empty_tokens=(2,))
+    dest = destinations(inputs)
 
     fa3_dsa.run(*fa3_dsa.prepare(*inputs.values()).values(), *dest.values())
 
-    ref_output, ref_lse = _load_reference()(*inputs.values())
+    ref_output, ref_lse = load_reference()(*inputs.values())
     verdict = check_outputs(DSA_ATTENTION.acceptance, dest, {"output": ref_output, "lse": ref_lse})
     assert verdict.passed, verdict.reason
     # The token without a valid index: FA3 writes out 0 and lse -inf, as the definition wants.
@@ -258,9 +207,9 @@ def test_a_missing_or_unpinned_build_is_one_clear_error(
     monkeypatch: pytest.MonkeyPatch, fresh_loader: None, installed: str | None, message: str
 ) -> None:
     monkeypatch.setattr(fa3_dsa, "installed_fa3_version", lambda: installed)
-    inputs = _dsa_inputs(1, 32)
+    inputs = dsa_inputs(1, 32)
     with pytest.raises(fa3_dsa.LibraryUnavailableError, match=re.escape(message)) as e:
-        fa3_dsa.run(*fa3_dsa.prepare(*inputs.values()).values(), *_destinations(inputs).values())
+        fa3_dsa.run(*fa3_dsa.prepare(*inputs.values()).values(), *destinations(inputs).values())
     assert "\n" not in str(e.value)
 
 
@@ -297,11 +246,11 @@ def test_bad_arguments_are_rejected_before_the_library_is_touched(
     message: str,
 ) -> None:
     monkeypatch.setattr(fa3_dsa, "installed_fa3_version", lambda: None)  # would fail if reached
-    inputs = _dsa_inputs(2, 32)
+    inputs = dsa_inputs(2, 32)
     for name, edit in change.items():
         inputs[name] = edit(inputs[name])
     with pytest.raises(fa3_dsa.AdapterInputError, match=message):
-        fa3_dsa.run(*fa3_dsa.prepare(*inputs.values()).values(), *_destinations(_dsa_inputs(2, 32)).values())
+        fa3_dsa.run(*fa3_dsa.prepare(*inputs.values()).values(), *destinations(dsa_inputs(2, 32)).values())
 
 
 def _pinned_fa3_importable() -> bool:
@@ -320,13 +269,13 @@ def test_fa3_on_the_gpu_passes_the_track_rule(fresh_loader: None, num_tokens: in
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the FA3 build is for SM90 only")
     empty = (num_tokens - 1,) if num_tokens > 1 else ()
-    inputs = _dsa_inputs(num_tokens, num_pages, empty_tokens=empty, device="cuda")
-    dest = _destinations(inputs)
+    inputs = dsa_inputs(num_tokens, num_pages, empty_tokens=empty, device="cuda")
+    dest = destinations(inputs)
 
     fa3_dsa.run(*fa3_dsa.prepare(*inputs.values()).values(), *dest.values())
     torch.cuda.synchronize()
 
-    ref_output, ref_lse = _load_reference()(*inputs.values())
+    ref_output, ref_lse = load_reference()(*inputs.values())
     verdict = check_outputs(DSA_ATTENTION.acceptance, dest, {"output": ref_output, "lse": ref_lse})
     assert verdict.passed, verdict.reason
     if empty:

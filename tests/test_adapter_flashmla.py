@@ -18,48 +18,7 @@ from hopperbench.acceptance import check_outputs
 from hopperbench.tracks.dsa_attention.adapters import flashmla_dsa
 from hopperbench.tracks import DSA_ATTENTION
 
-HEADS, CKV, KPE, PAGE, TOPK = 16, 512, 64, 64, 2048
-SM_SCALE = 0.1352337788608801
-
-
-def _dsa_inputs(
-    num_tokens: int, num_pages: int, *, empty_tokens: tuple[int, ...] = (), device: str = "cpu", seed: int = 0
-) -> dict[str, Any]:
-    """Definition-ordered inputs. Token t keeps the first 2048 - 300*t of its distinct random rows
-    (-1 after them); tokens in `empty_tokens` have no valid row at all."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = num_pages * PAGE
-    indices = torch.stack([torch.randperm(rows, generator=gen)[:TOPK] for _ in range(num_tokens)]).int()
-    for t in range(num_tokens):
-        indices[t, max(0, TOPK - 300 * t) :] = -1
-    for t in empty_tokens:
-        indices[t] = -1
-    inputs = {
-        "q_nope": torch.randn(num_tokens, HEADS, CKV, generator=gen).bfloat16(),
-        "q_pe": torch.randn(num_tokens, HEADS, KPE, generator=gen).bfloat16(),
-        "ckv_cache": torch.randn(num_pages, PAGE, CKV, generator=gen).bfloat16(),
-        "kpe_cache": torch.randn(num_pages, PAGE, KPE, generator=gen).bfloat16(),
-        "sparse_indices": indices,
-        "sm_scale": SM_SCALE,
-    }
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-
-
-def _destinations(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
-    q_nope = inputs["q_nope"]
-    return {
-        "output": torch.full_like(q_nope, float("nan")),
-        "lse": torch.full(q_nope.shape[:2], float("nan"), dtype=torch.float32, device=q_nope.device),
-    }
-
-
-def _load_reference() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """Our reference, loaded from its file as the runner does."""
-    spec = importlib.util.spec_from_file_location("dsa_attention_reference", DSA_ATTENTION.reference_path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.run
+from dsa_adapter_inputs import CKV, HEADS, PAGE, SM_SCALE, TOPK, destinations, dsa_inputs, load_reference
 
 
 def _flashmla_contract(
@@ -121,19 +80,19 @@ def fake_flash_mla(monkeypatch: pytest.MonkeyPatch, fresh_loader: None) -> _Fake
 
 
 def test_the_timed_call_runs_on_the_cache_prepare_stored_and_copies_no_cache(fake_flash_mla: _FakeFlashMla) -> None:
-    inputs = _dsa_inputs(2, 40)
+    inputs = dsa_inputs(2, 40)
     prepared = flashmla_dsa.prepare(*inputs.values())
     assert list(prepared) == list(inputs)  # the same inputs by name, in definition order
-    flashmla_dsa.run(*prepared.values(), *_destinations(inputs).values())
+    flashmla_dsa.run(*prepared.values(), *destinations(inputs).values())
     (call,) = fake_flash_mla.calls
     assert call["kv"].data_ptr() == prepared["ckv_cache"].data_ptr()  # the stored cache itself
     with pytest.raises(flashmla_dsa.AdapterInputError, match="packed cache"):
-        flashmla_dsa.run(*inputs.values(), *_destinations(inputs).values())  # the split caches: refused
+        flashmla_dsa.run(*inputs.values(), *destinations(inputs).values())  # the split caches: refused
 
 
 def test_the_call_gets_padded_heads_a_packed_cache_and_the_indices_as_a_view(fake_flash_mla: _FakeFlashMla) -> None:
-    inputs = _dsa_inputs(3, 40)
-    dest = _destinations(inputs)
+    inputs = dsa_inputs(3, 40)
+    dest = destinations(inputs)
 
     flashmla_dsa.run(*flashmla_dsa.prepare(*inputs.values()).values(), *dest.values())
 
@@ -152,12 +111,12 @@ def test_the_call_gets_padded_heads_a_packed_cache_and_the_indices_as_a_view(fak
 
 
 def test_results_match_the_reference_under_the_track_rule_with_lse_in_base_2(fake_flash_mla: _FakeFlashMla) -> None:
-    inputs = _dsa_inputs(4, 40, empty_tokens=(2,))
-    dest = _destinations(inputs)
+    inputs = dsa_inputs(4, 40, empty_tokens=(2,))
+    dest = destinations(inputs)
 
     flashmla_dsa.run(*flashmla_dsa.prepare(*inputs.values()).values(), *dest.values())
 
-    ref_output, ref_lse = _load_reference()(*inputs.values())
+    ref_output, ref_lse = load_reference()(*inputs.values())
     verdict = check_outputs(DSA_ATTENTION.acceptance, dest, {"output": ref_output, "lse": ref_lse})
     assert verdict.passed, verdict.reason
     # The token without a valid index: FlashMLA says lse +inf, the definition -inf; output 0 both.
@@ -196,9 +155,9 @@ def test_a_missing_or_unpinned_build_is_one_clear_error(
     monkeypatch: pytest.MonkeyPatch, fresh_loader: None, installed: str | None, message: str
 ) -> None:
     monkeypatch.setattr(flashmla_dsa, "installed_flash_mla_version", lambda: installed)
-    inputs = _dsa_inputs(1, 32)
+    inputs = dsa_inputs(1, 32)
     with pytest.raises(flashmla_dsa.LibraryUnavailableError, match=re.escape(message)) as e:
-        flashmla_dsa.run(*flashmla_dsa.prepare(*inputs.values()).values(), *_destinations(inputs).values())
+        flashmla_dsa.run(*flashmla_dsa.prepare(*inputs.values()).values(), *destinations(inputs).values())
     assert "\n" not in str(e.value)
 
 
@@ -233,11 +192,11 @@ def test_bad_arguments_are_rejected_before_the_library_is_touched(
     message: str,
 ) -> None:
     monkeypatch.setattr(flashmla_dsa, "installed_flash_mla_version", lambda: None)  # would fail if reached
-    inputs = _dsa_inputs(2, 32)
+    inputs = dsa_inputs(2, 32)
     for name, edit in change.items():
         inputs[name] = edit(inputs[name])
     with pytest.raises(flashmla_dsa.AdapterInputError, match=message):
-        flashmla_dsa.run(*flashmla_dsa.prepare(*inputs.values()).values(), *_destinations(_dsa_inputs(2, 32)).values())
+        flashmla_dsa.run(*flashmla_dsa.prepare(*inputs.values()).values(), *destinations(dsa_inputs(2, 32)).values())
 
 
 def _pinned_flash_mla_importable() -> bool:
@@ -256,13 +215,13 @@ def test_flashmla_on_the_gpu_passes_the_track_rule(fresh_loader: None, num_token
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("FlashMLA's sparse prefill side is built for SM90 only")
     empty = (num_tokens - 1,) if num_tokens > 1 else ()
-    inputs = _dsa_inputs(num_tokens, num_pages, empty_tokens=empty, device="cuda")
-    dest = _destinations(inputs)
+    inputs = dsa_inputs(num_tokens, num_pages, empty_tokens=empty, device="cuda")
+    dest = destinations(inputs)
 
     flashmla_dsa.run(*flashmla_dsa.prepare(*inputs.values()).values(), *dest.values())
     torch.cuda.synchronize()
 
-    ref_output, ref_lse = _load_reference()(*inputs.values())
+    ref_output, ref_lse = load_reference()(*inputs.values())
     verdict = check_outputs(DSA_ATTENTION.acceptance, dest, {"output": ref_output, "lse": ref_lse})
     assert verdict.passed, verdict.reason
     if empty:

@@ -107,12 +107,10 @@ from hopperbench.worker_pool import (
     physical_cores,
     split_cpus,
 )
-from hopperbench.workloads import MIN_UUID_PREFIX, WORKLOAD_LISTS, row_name
+from hopperbench.workloads import MIN_UUID_PREFIX, OFFLIST, WORKLOAD_LIST_PROTOCOL_KEY, WORKLOAD_LISTS, row_name
 
 PROG = "compare_human_best"
 LOG_TAIL_CHARS = 2000
-# --workload-list's value for the off-list workloads.
-OFFLIST = "offlist"
 
 
 class CliError(Exception):
@@ -636,7 +634,7 @@ def plan_run(args: argparse.Namespace, hooks: RunnerHooks, check_machine: bool =
     }
     if args.workload_list == OFFLIST:
         # Only off-list runs record it: a listed run's protocol stays what earlier runs recorded.
-        protocol["workload_list"] = OFFLIST
+        protocol[WORKLOAD_LIST_PROTOCOL_KEY] = OFFLIST
     run_human = wanted_sides is None or HUMAN in wanted_sides
     guard_results = hooks.guard(tracks, allow_unpinned) if run_human else {}
     ctx = SideContext(guard_results=guard_results)

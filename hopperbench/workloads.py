@@ -45,6 +45,10 @@ DataSource = Literal["official", "synthesized"]
 # Which list a run takes: the track's listed workloads (official or embedded), or its off-list ones.
 WorkloadList = Literal["listed", "offlist"]
 WORKLOAD_LISTS: tuple[WorkloadList, ...] = ("listed", "offlist")
+OFFLIST: WorkloadList = "offlist"
+# The protocol entry an off-list run records (its value OFFLIST), so that its rows never pass for
+# the listed workloads' (a resume under the other list, a merge into the canonical run).
+WORKLOAD_LIST_PROTOCOL_KEY = "workload_list"
 ScalarValue = int | float
 
 

@@ -53,6 +53,7 @@ from hopperbench.results import (
 )
 from hopperbench.sides import canonical_side_order, known_side_names
 from hopperbench.tracks import TRACKS, is_candidate_side
+from hopperbench.workloads import OFFLIST, WORKLOAD_LIST_PROTOCOL_KEY
 
 PROG = "merge_track_runs"
 # Environment fields that decide whether two runs' numbers compare, besides protocol and data.
@@ -138,18 +139,14 @@ def check_inputs(canonical: Run, newer: Sequence[Run]) -> dict[str, Run]:
     return chosen
 
 
-# The protocol entry an off-list run records (hopperbench.runner, --workload-list offlist).
-WORKLOAD_LIST_KEY = "workload_list"
-
-
 def check_listed(run: Run) -> None:
     """The run holds listed workloads only: an off-list run's rows never enter the canonical file."""
     environments = [run.results.environment, *(r.environment for r in run.results.track_runs.values())]
-    lists = {env.protocol.get(WORKLOAD_LIST_KEY) for env in environments} - {None}
+    lists = {env.protocol.get(WORKLOAD_LIST_PROTOCOL_KEY) for env in environments} - {None}
     variants = {r.recipe_variant for r in run.results.rows} - {None}
     if lists or variants:
         raise MergeError(
-            f"{run.path} is an off-list run (--workload-list {', '.join(sorted(lists)) or 'offlist'}):"
+            f"{run.path} is an off-list run (--workload-list {', '.join(sorted(lists)) or OFFLIST}):"
             " the canonical run holds the listed workloads only"
         )
 

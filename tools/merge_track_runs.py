@@ -13,8 +13,8 @@ beside it rewritten as the runner writes them (neither is replaced unless both c
 Refused with one line on stderr, exit code 2, nothing written:
 - a file that cannot be read or is not a results JSON; the canonical file given as a newer run; a
   track in two newer runs; an off-list run (`--workload-list offlist`: rows beyond the listed
-  workloads, kept in a results file of their own) on either side; a journal beside the canonical file (its `--resume` or `--finalize`
-  would write over the merge);
+  workloads, kept in a results file of their own) on either side; a journal beside the canonical
+  file (its `--resume` or `--finalize` would write over the merge);
 - a run that records no completeness; a newer run that is partial for its track;
 - a newer run that lacks a row the canonical file has of its track, or a side: every side of the
   track's registry entry and every side the canonical rows have, candidates excepted (a candidate

@@ -180,6 +180,17 @@ def test_page_table_of_padding_only_and_full_rows() -> None:
     assert seqlens.dtype == torch.int32 and seqlens.tolist() == [0, 4, 2]
 
 
+def test_valid_counts_are_computed_once_per_index_tensor_and_version() -> None:
+    counts = fa3_dsa.ValidCounts()
+    indices = torch.tensor([[7, 3, -1, -1], [5, 2, 9, -1]], dtype=torch.int32)
+    first = counts(indices)
+    assert first.tolist() == [2, 3] and counts(indices) is first  # kept: no work on the next call
+    indices[0, 2] = 4  # an in-place write: its version changes, the counts follow
+    assert counts(indices).tolist() == [3, 3]
+    same_values = indices.clone()  # another tensor, even with equal values, is counted afresh
+    assert counts(same_values) is not counts(indices)
+
+
 def test_write_results_drops_the_query_axis_and_converts_lse() -> None:
     out = torch.arange(HEADS, dtype=torch.float32)[None, None, :, None].expand(2, 1, HEADS, CKV).bfloat16()
     natural_lse = torch.full((2, HEADS, 1), math.log(8.0))

@@ -47,8 +47,9 @@ DSA_ATTENTION = Track(
             package="flash_attn_3==3.0.0+0251105a",
             prepare="prepare",
             timed_call=(
-                "the index rows as a page-size-1 page table (their -1 padding last, checked untimed) "
-                "and their valid counts (2 torch kernels), FA3's paged kernel with its split-KV "
+                "the index rows as a page-size-1 page table (their -1 padding last, checked untimed; "
+                "their valid counts computed once per index tensor, as an engine does once per step), "
+                "FA3's paged kernel with its split-KV "
                 "combine on the cache viewed, untimed, as one-row pages (kpe rows as K, ckv rows as V, "
                 "q_nope as qv), then output and lse (base 2) copied out (2 torch kernels)"
             ),

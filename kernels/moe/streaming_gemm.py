@@ -233,6 +233,9 @@ class PersistentGemmConfig:
     partition_walk: bool = False
     # A GEMM2 that multiplies C rewritten as f16 and so needs `c_to_f16.py` before it (the WGMMA one).
     f16_c: bool = False
+    # A GEMM1 whose A is the grouped rows of the row gather (`gather_rows.py`) instead of x: none of these, only
+    # `grouped_wgmma.GroupedGemm1Config`, which states it too.
+    gathered_rows: bool = False
     # Registers allow two CTAs of 128 threads per SM at up to 255 registers a thread. A configuration that allows
     # three states it (the WGMMA GEMM1 with its producer warp, the f16 WGMMA GEMM2; their compiled registers were read
     # from the cubin), and a cooperative launch of a grid that cannot all be resident fails rather than hangs.

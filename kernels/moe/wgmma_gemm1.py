@@ -7,7 +7,7 @@ only the warpgroup MMA reads e4m3 operands from shared memory as they are.
 
 Design (the schedule and the numerics are `streaming_gemm.py`'s):
 - Work item = (row tile of `block_tokens` tokens of one expert, 32 up rows and their 32 gate rows).
-  The 64 weight rows are WGMMA's M and the tokens its N (8, 16, 32 or 64), so SwiGLU stays in the CTA.
+  The 64 weight rows are WGMMA's M and the tokens its N (8, 16 or 32), so SwiGLU stays in the CTA.
   There are 64 items per row tile, and persistent CTAs walk them as the streaming GEMM does
   (`build_expert_tables`, `locate_row_tile`).
 - One warpgroup per CTA. A flat `cp.async` pipeline over (item, K stage) never drains between
@@ -162,7 +162,8 @@ def copy_weight_block_scale(atom, w_scale, w_scales, expert, n_tile, k_stage, sl
 
 
 class Gemm1Feed(Enum):
-    """How the WGMMA GEMM1's stages are issued and its items walked (one choice: the parts travel together)."""
+    """How the WGMMA GEMM1's stages are issued and its items walked (one choice: the parts travel together). All but
+    GATHERED_ROWS are this file's GEMM1's."""
 
     # The warpgroup issues its own stages by `cp.async` and a CTA-wide barrier ends each K stage; two CTAs per SM walk
     # the items over the CTA index.
@@ -178,25 +179,32 @@ class Gemm1Feed(Enum):
     # resident for the draw: a GEMM1 that routes), 32-token tiles (a lane per token slot) and the epilogue tile in a
     # stage (released after the epilogue).
     PRODUCER_WARP = "producer warp"
+    # The token rows are first gathered by expert into grouped buffers by a kernel of their own (`gather_rows.py`),
+    # from which `grouped_wgmma.GroupedGemm1` loads its stages by TMA: a producer warpgroup, two MMA warpgroups on
+    # 128 x 128 tiles, one CTA per SM walking over its index. Needs the routing grid (the gather runs between it and
+    # GEMM1).
+    GATHERED_ROWS = "gathered rows"
 
 
 class WgmmaGemm1Config(PersistentGemmConfig):
     """Compile-time shape of the WGMMA GEMM1: tokens per row tile (WGMMA's N), pipeline depth and `feed`; C's columns
     are stored in the order `wgmma_gemm2.py` reads (`intermediate_order.py`). `scratch_in_stage`: the epilogue's fp32
     tile (`block_tokens` x 64, as many bytes as a token stage) lives in the token stage the item's last K stage has
-    just consumed instead of a region of its own, which no copy in flight targets (64-token tiles with 3 stages then fit
-    two CTAs per SM; 32-token tiles with 3 stages ~74 KB, three CTAs per SM at 87 registers a thread)."""
+    just consumed instead of a region of its own, which no copy in flight targets (32-token tiles with 3 stages then
+    take ~74 KB: three CTAs per SM at 87 registers a thread)."""
 
     def __init__(
         self, block_tokens: int, num_stages: int, scratch_in_stage: bool = False, feed: Gemm1Feed = Gemm1Feed.WARPGROUP
     ):
-        if block_tokens not in (8, 16, 32, 64):
-            raise StreamingConfigError(f"block_tokens must be 8, 16, 32 or 64, got {block_tokens}")
+        if block_tokens not in (8, 16, 32):
+            raise StreamingConfigError(f"block_tokens must be 8, 16 or 32, got {block_tokens}")
         if num_stages < 3:
             raise StreamingConfigError(f"num_stages must be >= 3, got {num_stages}")
         self.block_tokens = block_tokens
         self.num_stages = num_stages
         self.scratch_in_stage = scratch_in_stage
+        if feed is Gemm1Feed.GATHERED_ROWS:
+            raise StreamingConfigError("the gathered rows feed grouped_wgmma.GroupedGemm1, not this GEMM1")
         self.feed = feed
         # The producer warp's parts: the warp itself, and the walk by partition rank at three CTAs per SM.
         self.producer_warp = self.partition_walk = feed is Gemm1Feed.PRODUCER_WARP

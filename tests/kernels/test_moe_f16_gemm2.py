@@ -1,11 +1,13 @@
-"""kernel.py's f16 GEMM2 above FEW_TOKENS_MAX (kernels/moe/c_to_f16.py rewrites C in place as f16 times
-a power of two per packed row; kernels/moe/wgmma_gemm2.py multiplies f16 in 2 stages at three CTAs per SM).
+"""kernel.py's f16 C above FEW_TOKENS_MAX (kernels/moe/c_to_f16.py rewrites C in place as f16 times a power of two
+per packed row) and MEDIUM_T's f16 GEMM2 (kernels/moe/wgmma_gemm2.py multiplies f16 in 2 stages at three CTAs per SM;
+GROUPED_T's grouped GEMM2 reads the same C, tests/kernels/test_moe_grouped_gemm2.py).
 
 CPU: which variants take it, the chain with the rewrite between the GEMMs, the configurations' guards. GPU (marked
-`gpu`): the rewritten C is the bf16 C times a power of two per row (the row's amax put in [2^14, 2^15), every element
-above 2^-31 of it kept exactly, smaller ones within 2^-39 of it), and kernel.py's output equals, bit for bit, that of
-the same variant on the bf16 GEMM2 (3 stages, two CTAs per SM) at 193-3000 tokens for every routing pattern
-(measured: exact only where no element below 2^-31 of its row's amax reaches a product that fp32 would keep).
+`gpu`), on MEDIUM_T (forced above MEDIUM_T_MAX_TOKENS: its GEMM1's grid routes any T): the rewritten C is the bf16 C
+times a power of two per row (the row's amax put in [2^14, 2^15), every element above 2^-31 of it kept exactly, smaller
+ones within 2^-39 of it), and its output equals, bit for bit, that of the same variant on the bf16 GEMM2 (3 stages, two
+CTAs per SM) at 193-3000 tokens for every routing pattern (measured: exact only where no element below 2^-31 of its
+row's amax reaches a product that fp32 would keep).
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ def on_bf16_gemm2(variant):
 
 
 def test_the_f16_gemm2_runs_above_few_tokens_max_only():
-    for variant in (kernel.MEDIUM_T, kernel.LARGE_T):
-        gemm2 = variant.gemm2()
-        assert variant.f16_c and gemm2.f16_c and gemm2.num_stages == 2 and gemm2.ctas_per_sm() == 3
+    gemm2 = kernel.MEDIUM_T.gemm2()
+    assert kernel.MEDIUM_T.f16_c and gemm2.f16_c and gemm2.num_stages == 2 and gemm2.ctas_per_sm() == 3
+    assert kernel.GROUPED_T.f16_c and kernel.GROUPED_T.gemm2().f16_c  # the grouped GEMM2 multiplies f16 too
     for variant in kernel.VARIANTS[:3]:
         assert not variant.f16_c and variant.gemm2().ctas_per_sm() == 2
     assert on_bf16_gemm2(kernel.MEDIUM_T).gemm2().ctas_per_sm() == 2
@@ -46,8 +48,7 @@ def test_the_f16_gemm2_runs_above_few_tokens_max_only():
         dataclasses.replace(kernel.FUSED_T, f16_c=True)
 
 
-@pytest.mark.parametrize("variant", [kernel.MEDIUM_T, kernel.LARGE_T], ids=["MEDIUM_T", "LARGE_T"])
-def test_the_rewrite_of_c_is_a_kernel_between_the_gemms(variant):
+def test_the_rewrite_of_c_is_a_kernel_between_the_gemms(variant=kernel.MEDIUM_T):
     moe_host = variant.make_host()
     assert moe_host.c_to_f16 is not None
     assert moe_host.c_to_f16.link.waits and moe_host.c_to_f16.link.releases
@@ -95,11 +96,10 @@ def rows_by_token(workspaces) -> torch.Tensor:
 def test_the_rewritten_c_is_the_bf16_c_times_a_power_of_two_per_row(num_tokens):
     case = cases.CheckCase(f"t{num_tokens}", num_tokens, 224)
     inputs = cases.make_inputs(case, "cuda", seed=11)
-    variant = kernel.variant_for(num_tokens)
-    bf16_c = kernel.run_keeping_workspaces(
-        *inputs.values(), cases.poisoned_output(case.num_tokens, "cuda"), choose=lambda _: on_bf16_gemm2(variant)
+    bf16_c, f16_c = (
+        kernel.run_keeping_workspaces(*inputs.values(), cases.poisoned_output(num_tokens, "cuda"), choose=choose)
+        for choose in (lambda _: on_bf16_gemm2(kernel.MEDIUM_T), lambda _: kernel.MEDIUM_T)
     )
-    f16_c = kernel.run_keeping_workspaces(*inputs.values(), cases.poisoned_output(case.num_tokens, "cuda"))
     torch.cuda.synchronize()
     rows = int(bf16_c.counts.sum())
     assert rows > 0 and torch.equal(bf16_c.counts, f16_c.counts)
@@ -126,5 +126,6 @@ def test_the_rewritten_c_is_the_bf16_c_times_a_power_of_two_per_row(num_tokens):
 @needs_cuda
 @pytest.mark.parametrize("case", BITWISE_CASES, ids=lambda case: case.name)
 def test_outputs_are_the_bf16_gemm2s_bit_for_bit(case):
-    bf16 = kernel.make_run(lambda num_tokens: on_bf16_gemm2(kernel.variant_for(num_tokens)))
-    assert_bit_for_bit((bf16, kernel.run, kernel.run), case, seed=53)
+    medium = kernel.make_run(lambda _: kernel.MEDIUM_T)
+    bf16 = kernel.make_run(lambda _: on_bf16_gemm2(kernel.MEDIUM_T))
+    assert_bit_for_bit((bf16, medium, medium), case, seed=53)

@@ -1,12 +1,13 @@
 """Our CuTe-DSL FP8 block-scale MoE kernel (kernels/moe/kernel.py).
 
-CPU: every configuration compiles for sm_90a without a GPU; the variants' dispatch; the host's chain;
-input validation; the routing patterns of the check cases (verified with our reference's routing).
+CPU: every configuration compiles for sm_90a without a GPU; the variants' dispatch; the host's chain (the row gather
+before the grouped GEMM1 in GROUPED_T's only); the workspaces; input validation; the routing patterns of the check
+cases (verified with our reference's routing).
 GPU (marked `gpu`, skipped without CUDA), for kernel.py and any candidate of the folder
 (SOLUTIONS): `run` against hopperbench/tracks/moe/reference.py on fresh inputs for every case in
 kernels/moe/check_cases.py (contest rule and relative L2 <= 1e-2, NaN-
 poisoned output), zero rows for tokens without a local expert, bitwise-repeatable calls, and
-CUDA-graph capture and replay.
+CUDA-graph capture and replay; GROUPED_T forced on every large case of check_cases.py (1025-16384 tokens).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check
 kernel = cases.load_kernel()
 reference = cases.load_reference()
 # kernel.py and any candidate of the folder: every GPU test below runs each of them.
-SOLUTIONS = ("kernel", "candidate_wide_from_193")
+SOLUTIONS = ("kernel",)
 
 
 @functools.cache
@@ -63,20 +64,27 @@ def test_variants_are_on_wgmma_from_33_tokens():
     streaming, wgmma_gemm1, wgmma_gemm2 = (
         solution_module(name) for name in ("streaming_gemm", "wgmma_gemm1", "wgmma_gemm2")
     )
-    for num_tokens in (1, 7, 8, 9, 32, 33, 64, 65, 192, 193, 2048, 2049, 14107, kernel.MAX_TOKENS):
+    grouped = solution_module("grouped_wgmma")
+    grouped_gemm2 = solution_module("grouped_gemm2")
+    for num_tokens in (1, 7, 8, 9, 32, 33, 64, 65, 192, 193, 1024, 1025, 2048, 4097, 14107, kernel.MAX_TOKENS):
         variant = kernel.variant_for(num_tokens)
         on_wgmma = num_tokens >= kernel.WGMMA_GEMM1_MIN_TOKENS
+        on_gathered_rows = num_tokens > kernel.MEDIUM_T_MAX_TOKENS
         assert (variant.engine is kernel.Engine.WGMMA) == on_wgmma
         gemm1_class = wgmma_gemm1.WgmmaGemm1 if on_wgmma else streaming.StreamingGemm
+        gemm1_class = grouped.GroupedGemm1 if on_gathered_rows else gemm1_class
         gemm2_class = wgmma_gemm2.WgmmaGemm2 if on_wgmma else streaming.StreamingGemm
+        gemm2_class = grouped_gemm2.GroupedGemm2 if on_gathered_rows else gemm2_class
         assert type(variant.make_gemm1()) is gemm1_class and type(variant.make_gemm2()) is gemm2_class
         # Every GEMM of every variant keeps two CTAs per SM, but GEMM1 from 193 to MEDIUM_T_MAX_TOKENS three,
-        # fed by its producer warp and walking by partition rank, and the f16 GEMM2 above FEW_TOKENS_MAX three.
+        # fed by its producer warp and walking by partition rank, the grouped GEMMs one, and the streaming f16 GEMM2
+        # above FEW_TOKENS_MAX three.
         three_ctas = kernel.FEW_TOKENS_MAX < num_tokens <= kernel.MEDIUM_T_MAX_TOKENS
         f16_gemm2 = num_tokens > kernel.FEW_TOKENS_MAX
-        assert variant.gemm1().ctas_per_sm() == (3 if three_ctas else 2)
+        assert variant.gemm1().ctas_per_sm() == (3 if three_ctas else 1 if on_gathered_rows else 2)
         assert (variant.gemm1_feed is kernel.Gemm1Feed.PRODUCER_WARP) == variant.gemm1().partition_walk == three_ctas
-        assert variant.gemm2().ctas_per_sm() == (3 if f16_gemm2 else 2)
+        assert variant.gemm2().ctas_per_sm() == (1 if on_gathered_rows else 3 if f16_gemm2 else 2)
+        assert (variant.gemm2_form is kernel.Gemm2Form.GROUPED) == on_gathered_rows
         assert variant.f16_c == variant.gemm2().f16_c == f16_gemm2
         # Up to MEDIUM_T_MAX_TOKENS GEMM1 routes the tokens itself; above, the routing is a grid of its own.
         assert (variant.routing is not kernel.Routing.ROUTING_GRID) == (num_tokens <= kernel.MEDIUM_T_MAX_TOKENS)
@@ -88,18 +96,77 @@ def test_variants_are_on_wgmma_from_33_tokens():
     )
     assert kernel.variant_for(kernel.FEW_TOKENS_MAX) is kernel.FEW_TOKENS
     assert kernel.variant_for(kernel.FEW_TOKENS_MAX + 1) is kernel.variant_for(kernel.MEDIUM_T_MAX_TOKENS) is kernel.MEDIUM_T
-    large = kernel.variant_for(kernel.MEDIUM_T_MAX_TOKENS + 1)
-    assert large is kernel.LARGE_T is kernel.variant_for(kernel.MAX_TOKENS)
-    # LARGE_T differs from MEDIUM_T only in GEMM1's tiles (64 tokens, 3 stages, the epilogue tile in a stage, at two
-    # CTAs per SM over the CTA index: its launch is not cooperative; no producer warp) and in its routing kernel.
-    assert (large.gemm1().block_tokens, large.gemm1().num_stages, large.gemm1().scratch_in_stage) == (64, 3, True)
+    # MEDIUM_T's GEMM1: 32-token tiles, 3 stages, the epilogue tile in a stage, fed by its producer warp, its
+    # cooperative grid all resident (three CTAs per SM); its GEMM2 32-token tiles in 2 stages.
     medium_gemm1 = kernel.MEDIUM_T.gemm1()
     assert (medium_gemm1.block_tokens, medium_gemm1.num_stages, medium_gemm1.scratch_in_stage) == (32, 3, True)
-    assert medium_gemm1.producer_warp and not large.gemm1().producer_warp
+    assert medium_gemm1.producer_warp
     assert medium_gemm1.grid(132) == 396 and kernel.MEDIUM_T.routing is kernel.Routing.GEMM1_GRID  # all resident
     medium_gemm2 = kernel.MEDIUM_T.gemm2()
-    assert (large.gemm2().block_tokens, large.gemm2().num_stages) == (medium_gemm2.block_tokens, medium_gemm2.num_stages)
+    assert (medium_gemm2.block_tokens, medium_gemm2.num_stages) == (32, 2)
     assert len(set(kernel.VARIANTS)) == len(kernel.VARIANTS)  # each compiled configuration once
+
+
+def test_the_grouped_gemms_on_gathered_rows_above_medium_t_max_tokens_only():
+    grouped = solution_module("grouped_wgmma")
+    gathered = kernel.Gemm1Feed.GATHERED_ROWS
+    assert kernel.variant_for(kernel.MEDIUM_T_MAX_TOKENS + 1) is kernel.GROUPED_T
+    assert kernel.variant_for(kernel.MAX_TOKENS) is kernel.GROUPED_T
+    assert [v for v in kernel.VARIANTS if v.gemm1_feed is gathered] == [kernel.GROUPED_T]
+    # GROUPED_T differs from MEDIUM_T in its routing grid and its GEMMs alone: C -> f16 and the combine are MEDIUM_T's.
+    grouped_gemm2 = solution_module("grouped_gemm2")
+    assert kernel.GROUPED_T == dataclasses.replace(
+        kernel.MEDIUM_T,
+        routing=kernel.Routing.ROUTING_GRID,
+        block_tokens=grouped.TILE_M,
+        num_stages=6,
+        gemm2_block_tokens=grouped_gemm2.TILE_T,
+        gemm2_num_stages=4,
+        gemm1_feed=gathered,
+        gemm1_scratch_in_stage=False,
+        gemm2_form=kernel.Gemm2Form.GROUPED,
+    )
+    gemm1 = kernel.GROUPED_T.gemm1()
+    assert isinstance(gemm1, grouped.GroupedGemm1Config) and gemm1.num_stages == 6 and gemm1.grid(132) == 132
+    gemm2 = kernel.GROUPED_T.gemm2()
+    assert isinstance(gemm2, grouped_gemm2.GroupedGemm2Config) and gemm2.num_stages == 4 and gemm2.f16_c
+    assert kernel._grids(kernel.GROUPED_T, 132) == (132, 132)
+    assert [v for v in kernel.VARIANTS if v.gemm2_form is kernel.Gemm2Form.GROUPED] == [kernel.GROUPED_T]
+    with pytest.raises(ValueError, match="f16 C"):
+        dataclasses.replace(kernel.GROUPED_T, f16_c=False)
+    with pytest.raises(ValueError, match="128-token tiles"):
+        dataclasses.replace(kernel.GROUPED_T, gemm2_block_tokens=32)
+    # The chain: routing grid, row gather, GEMM1, C -> f16, GEMM2, combine; no kept buffer besides the counters.
+    moe_host = kernel.GROUPED_T.make_host()
+    chain = [moe_host.routing, moe_host.gather, moe_host.gemm1, moe_host.c_to_f16, moe_host.gemm2, moe_host.combine]
+    links = " ".join(("W" if k.link.waits else "") + ("R" if k.link.releases else "") for k in chain)
+    assert links == "R WR WR WR WR W"
+    assert moe_host.kept_words() == () and not moe_host.routing_in_gemm1
+    for variant in kernel.VARIANTS:
+        if variant is not kernel.GROUPED_T and variant.handover is not kernel.Handover.FUSED:
+            assert variant.make_host().gather is None
+    with pytest.raises(ValueError, match="routing grid"):
+        dataclasses.replace(kernel.GROUPED_T, routing=kernel.Routing.GEMM1_GRID)
+    with pytest.raises(ValueError, match="128-row tiles"):
+        dataclasses.replace(kernel.GROUPED_T, block_tokens=64)
+    with pytest.raises(ValueError, match="WGMMA"):
+        dataclasses.replace(CHAINED_MMA_SYNC, gemm1_feed=gathered)
+    with pytest.raises(ValueError, match="GroupedGemm1"):
+        solution_module("wgmma_gemm1").WgmmaGemm1Config(32, 3, feed=gathered)
+    with pytest.raises(ValueError, match="routing kernel"):
+        solution_module("host").MoeHostSm90(grouped.GroupedGemm1(gemm1), kernel.GROUPED_T.make_gemm2(), True)
+
+
+def test_the_workspaces_hold_grouped_rows_for_the_row_gather_only():
+    host = solution_module("host")
+    meta = torch.device("meta")
+    plain = host.Workspaces.allocate(5, meta)
+    assert plain.a_rows is None and plain.a_rows_scale is None
+    gathered = host.Workspaces.allocate(5, meta, gathered_rows=True)
+    assert gathered.a_rows.shape == (40, 7168) and gathered.a_rows.dtype == torch.float8_e4m3fn
+    assert gathered.a_rows_scale.shape == (56, 40) and gathered.a_rows_scale.dtype == torch.float32
+    # 8 T rows: always a multiple of 4, as the scales' tensor map needs (its row stride a multiple of 16 bytes)
+    assert all(8 * t % 4 == 0 for t in (1, 3, 4097, kernel.MAX_TOKENS))
 
 
 def test_gemm2_weights_before_its_wait_up_to_the_threshold_only():
@@ -294,6 +361,9 @@ def test_routing_patterns_do_what_the_cases_claim(offset):
     assert int(local.sum()) == 0
     experts, local = _routing_counts("all_local", offset)
     assert bool(local.all())
+    experts, local = _routing_counts("eight_local", offset)
+    eight = torch.tensor([offset + e for e in cases.EIGHT_LOCAL_EXPERTS])
+    assert torch.equal(experts.sort(dim=1).values, eight.expand_as(experts))
     experts, local = _routing_counts("random", offset)
     # Untouched logits: a mix of tokens with and without local choices (the bias tilts the mean).
     per_token = local.sum(dim=1)
@@ -366,7 +436,11 @@ def test_tokens_without_a_local_expert_get_exact_zero_rows(solution):
 @needs_cuda
 @pytest.mark.parametrize(
     "case",
-    [cases.CheckCase("repeat_t7", 7, 96), cases.CheckCase("repeat_t901", 901, 96, "all_local")],
+    [
+        cases.CheckCase("repeat_t7", 7, 96),
+        cases.CheckCase("repeat_t901", 901, 96, "all_local"),
+        cases.CheckCase("repeat_t5000", 5000, 32),  # GROUPED_T
+    ],
     ids=lambda c: c.name,
 )
 def test_repeated_calls_are_bitwise_identical(solution, case):
@@ -381,8 +455,9 @@ def test_repeated_calls_are_bitwise_identical(solution, case):
 
 @pytest.mark.gpu
 @needs_cuda
-# 512 tokens: MEDIUM_T, whose walk buffer made inside the capture has no L2-partition ranks and walks by SM id
-@pytest.mark.parametrize("num_tokens", [80, 512])
+# 512 tokens: MEDIUM_T, whose walk buffer made inside the capture has no L2-partition ranks and walks by SM id; 4097:
+# GROUPED_T, whose grouped rows are allocated inside the capture
+@pytest.mark.parametrize("num_tokens", [80, 512, 4097])
 def test_cuda_graph_replay_follows_new_inputs(solution, num_tokens):
     case = cases.CheckCase("graph", num_tokens, 96)
     static = cases.make_inputs(case, "cuda", seed=1)
@@ -395,8 +470,9 @@ def test_cuda_graph_replay_follows_new_inputs(solution, num_tokens):
 
 @pytest.mark.gpu
 @needs_cuda
-# routed in GEMM1 (with GEMM2's early weights, without them, on warpgroup MMA), by the routing grid
-@pytest.mark.parametrize("num_tokens", [1, 7, 58, kernel.MEDIUM_T_MAX_TOKENS + 1])
+# routed in GEMM1 (with GEMM2's early weights, without them, on warpgroup MMA, with the producer warp), by the routing
+# grid (the grouped GEMM1 copies the counts out)
+@pytest.mark.parametrize("num_tokens", [1, 7, 58, kernel.MEDIUM_T_MAX_TOKENS, kernel.MEDIUM_T_MAX_TOKENS + 1])
 def test_clean_counters_leave_the_kept_buffer_at_zero_and_copy_each_calls_counts_out(num_tokens):
     counters = solution_module("counters")
     case = cases.CheckCase("kept_counts", num_tokens, 96)
@@ -443,7 +519,7 @@ def routing_grid_counterpart(num_tokens: int):
 
 def test_every_routing_grid_counterpart_is_a_valid_variant():
     # On the CPU what the GPU test below builds for each T (a variant that raises there would fail a full run).
-    for num_tokens in range(1, kernel.MEDIUM_T_MAX_TOKENS + 2):
+    for num_tokens in range(1, kernel.MEDIUM_T_MAX_TOKENS + 1):
         counterpart = routing_grid_counterpart(num_tokens)
         assert not counterpart.make_host().routing_in_gemm1 and counterpart.handover is kernel.Handover.CHAINED
 
@@ -492,3 +568,24 @@ def test_routing_in_gemm1_equals_the_routing_grid_bit_for_bit(case, tied):
         local = ours.slot_expert >= 0
         assert torch.equal(ours.expert_tokens[ours.slot_expert[local], ours.slot_rank[local]], tokens[local].int())
         assert not torch.isnan(output).any() and torch.equal(output, grid_output)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", cases.LARGE_CASES, ids=lambda c: c.name)
+def test_grouped_gemm1_variant_matches_reference(case):
+    # GROUPED_T (forced) on every large case; its workspaces' routing lists and counts are the routing grid's, and
+    # `counts` is the copy the grouped GEMM1's CTA 0 makes.
+    inputs = cases.make_inputs(case, "cuda", seed=zlib.crc32(case.name.encode()) % 1000)
+    output = cases.poisoned_output(case.num_tokens, "cuda")
+    workspaces = kernel.run_keeping_workspaces(*inputs.values(), output, choose=lambda _: kernel.GROUPED_T)
+    torch.cuda.synchronize()
+    experts, _ = reference._route(
+        inputs["routing_logits"], inputs["routing_bias"], float(inputs["routed_scaling_factor"])
+    )
+    local = experts - int(inputs["local_expert_offset"])
+    assert workspaces.counts.tolist() == [int((local == e).any(dim=1).sum()) for e in range(32)]
+    stats = cases.compare(output, reference.run(*inputs.values()))
+    assert stats.nan_count == 0 and stats.passed, stats
+    if case.pattern == "no_local":
+        assert int(torch.count_nonzero(output)) == 0

@@ -11,9 +11,8 @@ claims (correct for any placement or order of the CTAs); the cp.async group acco
 GPU (marked `gpu`, skipped without CUDA): the end-to-end checks are test_moe_kernel.py's (every
 check case, zero rows, bitwise-repeatable calls, graph replay); here, a per-GEMM check of the
 workspaces that says which GEMM and which column tiles are wrong when the end-to-end check fails
-(7-4096 tokens), the early-W2 variant and the fused GEMMs forced on any T below 33 bit for bit the chained `mma.sync`
-GEMMs', and the contest rule and
-relative L2 at the official 11948 tokens.
+(7-901 tokens, and GROUPED_T at 1025-4097), the early-W2 variant and the fused GEMMs forced on any T below 33
+bit for bit the chained `mma.sync` GEMMs', and the contest rule and relative L2 at the official 11948 tokens.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ streaming = solution_module("streaming_gemm")
 
 @pytest.mark.parametrize(
     ("num_tokens", "block_tokens"),
-    [(1, 16), (6, 8), (7, 8), (8, 8), (9, 8), (16, 8), (32, 8), (80, 16), (192, 16), (193, 32), (901, 32), (1024, 32), (1025, 64), (2048, 64), (32768, 64)],
+    [(1, 16), (6, 8), (7, 8), (8, 8), (9, 8), (16, 8), (32, 8), (80, 16), (192, 16), (193, 32), (901, 32), (1024, 32), (1025, 128), (2048, 128), (32768, 128)],
 )
 def test_every_batch_streams_with_row_tiles_by_its_size(num_tokens, block_tokens):
     assert kernel.variant_for(num_tokens).block_tokens == block_tokens
@@ -65,10 +64,9 @@ def test_every_configuration_fits_shared_memory_and_fills_every_sm(variant):
 
 @pytest.mark.parametrize(
     ("num_tokens", "gemm2_shape"),
-    [(1, (8, 4, 2)), (64, (8, 4, 2)), (65, (8, 4, 2)), (192, (8, 4, 2)), (193, (32, 2, 3)), (2048, (32, 2, 3)),
-     (14107, (32, 2, 3))],
+    [(1, (8, 4, 2)), (64, (8, 4, 2)), (65, (8, 4, 2)), (192, (8, 4, 2)), (193, (32, 2, 3)), (1024, (32, 2, 3))],
 )  # fmt: skip
-def test_gemm2_keeps_at_least_two_ctas_per_sm_at_every_size(num_tokens, gemm2_shape):
+def test_the_streaming_gemm2_keeps_at_least_two_ctas_per_sm_at_every_size(num_tokens, gemm2_shape):
     """With few tokens per expert GEMM2's weight stream is bound by the stages in flight, so its
     bf16 activation stages are cut until two CTAs fit an SM: 8 (or 6) weight stages in flight per SM
     where 16-token tiles with 4 stages allow one CTA, 4. At ~28 tokens per expert (T ~ 900) the
@@ -76,7 +74,8 @@ def test_gemm2_keeps_at_least_two_ctas_per_sm_at_every_size(num_tokens, gemm2_sh
     one CTA and were 1.29x slower at T = 901). The WGMMA GEMM2's 8-token tiles with 4 stages up to
     192 tokens keep two CTAs (1.06x at 80 over the `mma.sync` GEMM2's 16 x 3); above 192 tokens the f16
     GEMM2's 32-token tiles with 2 stages (~66 KB) run at three CTAs per SM (1.047x at 901 over two CTAs
-    of 3 stages)."""
+    of 3 stages). Above MEDIUM_T_MAX_TOKENS GEMM2 is the grouped one, bound by its MMAs at one CTA per SM
+    (test_moe_kernel.py)."""
     variant = kernel.variant_for(num_tokens)
     gemm2 = variant.gemm2()
     assert (gemm2.block_tokens, gemm2.num_stages, gemm2.ctas_per_sm()) == gemm2_shape
@@ -555,10 +554,6 @@ def _bad_column_tiles(actual: torch.Tensor, expected: torch.Tensor, tile: int, b
         cases.CheckCase("stages_t193", 193, 32),
         cases.CheckCase("stages_t300_one_expert", 300, 96, "one_expert"),
         cases.CheckCase("stages_t901", 901, 224),
-        cases.CheckCase("stages_t1025_one_expert", 1025, 96, "one_expert"),  # LARGE_T's smallest T
-        cases.CheckCase("stages_t2048_all_local", 2048, 0, "all_local"),
-        cases.CheckCase("stages_t2049", 2049, 96),  # LARGE_T: 64-token GEMM1 tiles
-        cases.CheckCase("stages_t4096_one_expert", 4096, 0, "one_expert"),
     ],
     ids=lambda c: c.name,
 )
@@ -718,6 +713,26 @@ def test_claimed_gemm2_items_are_the_fixed_walks_bit_for_bit_and_the_claims_end_
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize(
+    "case",
+    [
+        cases.CheckCase("grouped_t1025_one_expert", 1025, 96, "one_expert"),  # GROUPED_T's smallest T
+        cases.CheckCase("grouped_t2048_all_local", 2048, 0, "all_local"),
+        cases.CheckCase("grouped_t2049", 2049, 96),
+        cases.CheckCase("grouped_t3000_eight_local", 3000, 224, "eight_local"),
+        cases.CheckCase("grouped_t4097_one_expert", 4097, 0, "one_expert"),
+    ],
+    ids=lambda c: c.name,
+)
+def test_each_gemm_of_the_grouped_variant_matches_torch(case):
+    # GROUPED_T (kernel.py's variant at each of them): the routing lists, C of the grouped GEMM1 on the gathered rows
+    # (in GEMM2's column order) and O of the grouped GEMM2 on it.
+    assert kernel.variant_for(case.num_tokens) is kernel.GROUPED_T
+    check_each_gemm(case, kernel.variant_for)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_largest_batch_with_every_choice_local(case=cases.CheckCase("t16384_all_local", 16384, 64, "all_local")):
     # The issue's largest T with all 8 T assignments local: expert_out holds 131072 packed rows, 3.8 GB,
     # so its byte offsets pass 2**31 (element offsets do not).
@@ -742,9 +757,9 @@ def test_official_large_batch_passes(case=cases.CheckCase("large_t11948", 11948,
 
 
 def on_mma_sync(variant):
-    """`variant` with both GEMMs on `mma.sync`, chained (itself where it is on `mma.sync`): its routing, GEMM1's row
-    tiles up to 32 tokens and its stages, GEMM2's row tiles up to 16 tokens with at least 3 stages (two CTAs per SM),
-    C bf16 in natural column order."""
+    """`variant` (a streaming one: up to MEDIUM_T_MAX_TOKENS) with both GEMMs on `mma.sync`, chained (itself where it
+    is on `mma.sync`): its routing, GEMM1's row tiles up to 32 tokens and its stages, GEMM2's row tiles up to 16 tokens
+    with at least 3 stages (two CTAs per SM), C bf16 in natural column order."""
     if variant.engine is kernel.Engine.MMA_SYNC:
         return variant
     return kernel.StreamingVariant(
@@ -760,7 +775,7 @@ def on_mma_sync(variant):
 
 def test_every_mma_sync_counterpart_is_a_valid_variant():
     # On the CPU what the GPU tests build for each T (a variant that raises there would fail a full run).
-    for num_tokens in (*range(1, 200), 193, 901, 1024, 1025, 4096, kernel.MAX_TOKENS):
+    for num_tokens in (*range(1, 200), 193, 901, kernel.MEDIUM_T_MAX_TOKENS):
         counterpart = on_mma_sync(kernel.variant_for(num_tokens))
         assert counterpart.engine is kernel.Engine.MMA_SYNC and counterpart.gemm2().ctas_per_sm() == 2
         assert counterpart.gemm1().ctas_per_sm() >= 1

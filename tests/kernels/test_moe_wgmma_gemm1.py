@@ -1,5 +1,5 @@
 """MoE GEMM1 + SwiGLU on FP8 warpgroup MMA (kernels/moe/wgmma_gemm1.py; in kernel.py
-from 33 tokens).
+from 33 to 1024 tokens).
 
 CPU: the byte offsets the cp.async copies write equal the offsets of the swizzled K_SW128 layouts
 the WGMMA reads (traced from CuTe's own layouts, for every token-tile width and three stages); item
@@ -62,7 +62,7 @@ def _traced_offsets(block_tokens: int) -> list[tuple[int, int, int, int, int]]:
     return seen
 
 
-@pytest.mark.parametrize("block_tokens", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_tokens", [8, 16, 32])
 def test_copy_offsets_are_the_mma_layouts_byte_for_byte(block_tokens):
     seen = _traced_offsets(block_tokens)
     assert len(seen) > 1000 and all(isinstance(offset, int) for *_, offset in seen)
@@ -115,13 +115,13 @@ def test_configurations_fit_two_ctas_per_sm_and_reject_bad_shapes():
     for block_tokens in (8, 16, 32):
         config = wgmma.WgmmaGemm1Config(block_tokens, 4)
         assert config.ctas_per_sm() == 2, config.smem_bytes()
-    # 64-token tiles: 146 KB with 4 stages, and 3 stages miss two CTAs by ~3 KB unless
-    # the epilogue tile lives in a token stage
-    assert wgmma.WgmmaGemm1Config(64, 4).ctas_per_sm() == wgmma.WgmmaGemm1Config(64, 3).ctas_per_sm() == 1
-    in_stage = wgmma.WgmmaGemm1Config(64, 3, scratch_in_stage=True)
-    assert "scratch" not in in_stage.fields() and in_stage.ctas_per_sm() == 2
-    with pytest.raises(wgmma.StreamingConfigError):
-        wgmma.WgmmaGemm1Config(24, 4)
+    # The epilogue tile in a token stage has no region of its own: a tile's bytes fewer
+    apart, in_stage = wgmma.WgmmaGemm1Config(32, 3), wgmma.WgmmaGemm1Config(32, 3, scratch_in_stage=True)
+    assert "scratch" in apart.fields() and "scratch" not in in_stage.fields()
+    assert apart.smem_bytes() - in_stage.smem_bytes() >= 32 * wgmma.ITEM_ROWS * 4
+    for block_tokens in (24, 64):  # WGMMA N sizes that no variant runs
+        with pytest.raises(wgmma.StreamingConfigError, match="block_tokens"):
+            wgmma.WgmmaGemm1Config(block_tokens, 4)
     with pytest.raises(wgmma.StreamingConfigError):
         wgmma.WgmmaGemm1Config(32, 2)
     with pytest.raises(wgmma.StreamingConfigError, match="do not fit"):
@@ -141,20 +141,20 @@ def test_the_epilogue_tile_takes_a_token_stage_no_copy_in_flight_targets(num_sta
 
 def test_producer_warp_configuration_and_its_guards():
     # MEDIUM_T's GEMM1 has a fifth (producer) warp and a full and an empty mbarrier per slot, at three CTAs
-    # per SM walking by partition rank; LARGE_T's warpgroup issues its own stages.
+    # per SM walking by partition rank; FEW_TOKENS' warpgroup issues its own stages.
     gemm1 = kernel.MEDIUM_T.gemm1()
     without = on_warpgroup_feed(kernel.MEDIUM_T_MAX_TOKENS).gemm1()
     assert gemm1.producer_warp and gemm1.num_threads == 160 and without.num_threads == 128
     assert {"stage_full", "stage_empty"} <= set(gemm1.fields()) and gemm1.ctas_per_sm() == 3 and gemm1.partition_walk
     assert "stage_full" not in without.fields() and not without.partition_walk and without.ctas_per_sm() == 2
-    assert not kernel.LARGE_T.gemm1().producer_warp and not kernel.LARGE_T.gemm1().partition_walk
+    assert not kernel.FEW_TOKENS.gemm1().producer_warp and not kernel.FEW_TOKENS.gemm1().partition_walk
     producer = wgmma.Gemm1Feed.PRODUCER_WARP
     with pytest.raises(wgmma.StreamingConfigError, match="producer warp"):
-        wgmma.WgmmaGemm1Config(64, 3, scratch_in_stage=True, feed=producer)  # a lane per token slot
+        wgmma.WgmmaGemm1Config(16, 3, scratch_in_stage=True, feed=producer)  # a lane per token slot
     with pytest.raises(wgmma.StreamingConfigError, match="producer warp"):
         wgmma.WgmmaGemm1Config(32, 3, feed=producer)  # the tile's slot is released after the epilogue
     with pytest.raises(ValueError, match="cooperative"):
-        dataclasses.replace(kernel.LARGE_T, block_tokens=32, gemm1_feed=producer)  # no routing grid
+        dataclasses.replace(kernel.MEDIUM_T, routing=kernel.Routing.ROUTING_GRID)  # not a cooperative launch
     assert wgmma.ROWS_PER_PRODUCER_COPY * wgmma.CHUNKS_PER_ROW == 32  # a producer copy spans whole token rows
 
 

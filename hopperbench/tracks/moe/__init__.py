@@ -7,7 +7,7 @@ This folder is the whole track: the spec below, `definition.json` (with `referen
 
 from __future__ import annotations
 
-from hopperbench.tracks.model import AcceptanceRule, CandidateSide, LibrarySide, SizeClasses, TimingDefaults, Track
+from hopperbench.tracks.model import AcceptanceRule, LibrarySide, SizeClasses, TimingDefaults, Track
 
 MOE = Track(
     name="moe",
@@ -61,13 +61,6 @@ MOE = Track(
                 "weighted un-permuting combine into the output; no host sync in our code, a kept workspace; "
                 "weights and scales as the definition stores them"
             ),
-        ),
-    ),
-    candidates=(
-        CandidateSide(
-            name="cand_wide_from_193",
-            entry="candidate_wide_from_193.py::run",
-            description="kernel.py with its 64-token GEMM1 tiles (LARGE_T) from 193 tokens instead of above 1024: the threshold's other side",
         ),
     ),
 )

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     select = functools.partial(_selected_cases, args)
     load = functools.partial(_load_kernel_module, args.kernel)
-    started = devcheck.start("device_check_moe", select, load, f"sm_90a, five kernels, {args.kernel}.py")
+    started = devcheck.start("device_check_moe", select, load, f"sm_90a, {args.kernel}.py")
     if started is None:
         return devcheck.EXIT_NO_DEVICE
     selected, kernel = started

@@ -1,0 +1,447 @@
+"""Compute-bound GEMM1 + SwiGLU for large T: a persistent, warp-specialised FP8 WGMMA grouped GEMM.
+
+`kernel.py`'s GEMM1 above MEDIUM_T_MAX_TOKENS (`Gemm1Feed.GATHERED_ROWS`), after the row gather (`gather_rows.py`).
+
+Problem: A = token rows **already grouped by expert** in one contiguous buffer `a [R, 7168]` e4m3 with its 1 x 128
+scales `a_scale [56, R]` f32 (transposed, as the definition's; R a multiple of 4 for the scales' tensor map), expert e
+owning the packed rows [offset[e], offset[e] + counts[e]) with offset the exclusive prefix of `counts` (any offsets: an
+expert's first row needs no alignment). B = W13 [32, 4096, 7168] e4m3 with its 128 x 128 block scales [32, 32, 56].
+Out: C [rows, 2048] bf16 = silu(gate) x up, the second half of G1 the gate, each 32-column group in the order the
+WGMMA GEMM2 reads (`intermediate_order.py`); rows past the experts' are not written.
+
+Structure (after CUTLASS's Hopper `dense_gemm_persistent.py` and DeepGEMM's `sm90_fp8_gemm_1d2d.cuh`):
+- Work item = (expert, row tile of TILE_M = 128 rows, column tile of 64 up columns and their 64 gate columns), so a
+  B tile is TILE_N = 128 W13 rows and SwiGLU stays in the thread (see the fragment map below). Per expert
+  ceil(count / 128) x 32 items, expert-major, row tile then column tile (an expert's 32 column tiles of one row tile
+  adjacent: a wave of 132 CTAs holds ~4 row tiles of A and all of the expert's W13 in L2).
+- The device tile scheduler: warp 0 turns `counts` into the streaming GEMMs' tables in shared memory
+  (`streaming_gemm.build_expert_tables`: the inclusive prefix of 128-row tiles per expert, the counts, the experts'
+  row offsets), so the item total and every item's location come from the device (item = row tile x 32 + column
+  tile, `streaming_gemm.locate_row_tile`); the host launches `num_ctas` (the SM count) and never reads a count. CTA c
+  walks items c, c + grid, ... In the call (`launch`) CTA 0 also copies the counts to `counts_out` for the combine.
+- Warp specialisation, 384 threads, one CTA per SM: warpgroup 0 is the producer (its warp 0 issues every stage by
+  TMA on the `PipelineTmaAsync` full barrier: the A tile (128 x 128 e4m3, 128-B swizzle, any first row), the B tile
+  (64 up + 64 gate rows of the expert, one tensor map over W13 seen as ((64, 2, 32), K, expert)) and the A tile's
+  scales of the K block (`SFA_ROWS` rows from the first row rounded down to `SFA_ALIGN`, see there); registers cut
+  to 40); warpgroups 1 and 2 are consumers (64 rows each of the 128-row tile, registers raised to 232) that release
+  each stage on the empty barrier (one arrive per warp).
+- K stage = one 128-wide quantisation block (56 per item), NUM_STAGES deep (6: 6 x 32.5 KB). Per stage each consumer
+  warpgroup issues four k32 WGMMAs (m64n128k32) into a fresh fp32 accumulator, reads its scales while they run,
+  waits, releases the stage and promotes: acc += block x (A scale of the row x B scale of the column half). While one
+  warpgroup promotes the other's WGMMAs keep the tensor core busy (DeepGEMM's argument for two math warpgroups).
+- B scales of the item (2 halves x 56 K blocks) are loaded into shared memory by the consumers at the item's start
+  (between two named barriers of the 256 consumer threads), A scales arrive with each stage.
+- Epilogue: thread-local SwiGLU (an up column and its gate column sit in the same thread, 32 fragment entries
+  apart, `fragment_row`/`fragment_col`), bf16 stores of the valid rows straight to global memory at GEMM2's column
+  positions (`intermediate_order.stored_position` within each 32-column group; an item's 64 columns are two groups).
+
+C stays bf16 (what today's GEMM2 reads): C requantised to one e4m3 term with 1 x 128 (or 1 x 64) scales gives a
+relative L2 error of ~2.3e-2 (2.1e-2) on GEMM2's output (`probes/moe_activation_numerics.py`), above the contract's
+1e-2; bf16 C 1.7e-3. An FP8 GEMM2 needs C as two e4m3 terms (hi + lo: 4.9e-4 per 128, 4.2e-4 per 64 columns, i.e. one
+scale per row and item of this kernel), twice its FP8 MMAs but no e4m3 -> bf16 conversion of W2: the epilogue's
+candidate once GEMM2 is built on this skeleton.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.tensor_utils import LayoutEnum
+
+from .chain import enter
+from .intermediate_order import GROUP, stored_position
+from .shapes import BLOCK, GEMM1_OUT, HIDDEN, HIDDEN_BLOCKS, INTERMEDIATE, NUM_LOCAL_EXPERTS
+from .streaming_gemm import LinkedGemm, PersistentGemmConfig, build_expert_tables, locate_row_tile, smem_region
+from .swiglu import swiglu_bf16
+
+__all__ = ["GroupedGemm1", "GroupedGemm1Config", "compile_only", "fragment_col", "fragment_row", "stored_column"]
+
+GPU_ARCH = "sm_90a"
+WARPGROUP = 128
+NUM_CONSUMERS = 2  # consumer (MMA) warpgroups
+NUM_THREADS = (1 + NUM_CONSUMERS) * WARPGROUP  # 384: the producer warpgroup first
+CONSUMER_THREADS = NUM_CONSUMERS * WARPGROUP
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+WG_ROWS = 64  # WGMMA's M: rows of A per consumer warpgroup
+TILE_M = NUM_CONSUMERS * WG_ROWS  # 128 token rows per item
+HALF_N = 64  # up columns of an item (and as many gate columns)
+TILE_N = 2 * HALF_N  # 128 W13 rows per item
+TILE_K = BLOCK  # one quantisation block per stage
+MMA_K = 32
+K_BLOCKS = HIDDEN // TILE_K  # 56 stages per item
+N_TILES = INTERMEDIATE // HALF_N  # 32 column tiles per row tile
+ACC_SIZE = WG_ROWS * TILE_N // WARPGROUP  # 64 fp32 accumulator entries per consumer thread
+EPILOGUE_BARRIER = 1  # named barrier of the consumer threads (0 is the CTA's)
+# A's scales are f32 with the rows innermost ([56, R]). A TMA box must start on a 16-byte boundary of its innermost
+# dimension (on Hopper an unaligned start is an illegal instruction, not a bounds-checked copy), and an expert's first
+# row is any row: a stage's box starts at the item's first row rounded down to SFA_ALIGN rows and holds the tile's
+# rows at (first row % SFA_ALIGN) + row, so TILE_M + SFA_ALIGN - 1 rows, rounded up to 16 bytes.
+SFA_ALIGN = 16 // 4  # f32 rows per 16 bytes
+SFA_ROWS = TILE_M + SFA_ALIGN  # 132 rows per box (528 B, a multiple of 16)
+SFA_STAGE = (SFA_ROWS + 31) // 32 * 32  # f32 per stage slot: every slot's TMA destination 128-byte aligned
+STAGE_BYTES = TILE_M * TILE_K + TILE_N * TILE_K + SFA_ROWS * 4  # A, B, A's scales (the TMA bytes of a stage)
+
+assert BLOCK % HALF_N == 0  # an item's up (gate) rows lie in one 128-row scale block
+assert HIDDEN % TILE_K == 0 and INTERMEDIATE % HALF_N == 0
+assert HALF_N % GROUP == 0  # an item's columns are whole groups of GEMM2's column order
+
+
+def fragment_row(i: int) -> int:
+    """Row of accumulator entry `i` relative to the thread's first row (the m64nNk32 fragment: pairs of adjacent
+    columns, then the row 8 below, then the next 8 columns)."""
+    return 8 * ((i // 2) % 2)
+
+
+def fragment_col(i: int) -> int:
+    """Column of accumulator entry `i` relative to the thread's first column."""
+    return i % 2 + 8 * (i // 4)
+
+
+def stored_column(n_tile, column):
+    """C column of an item's natural column `column` (0..63) in column tile `n_tile`: its position in GEMM2's order
+    (`intermediate_order.stored_position`) within its 32-column group. Plain arithmetic: the kernel calls it with DSL
+    integers, the CPU tests with Python ints."""
+    return n_tile * HALF_N + column - column % GROUP + stored_position(column % GROUP)
+
+
+def promote(acc: cute.Tensor, block_acc: cute.Tensor, scales: tuple) -> None:
+    """acc += block x scale, entry by entry; `scales` are the thread's four (row, column half) products (row0 x up,
+    row0 + 8 x up, row0 x gate, row0 + 8 x gate). Plain Python called while tracing: the loop unrolls as it is
+    written, every index static."""
+    for i in range(ACC_SIZE):
+        acc[i] = acc[i] + block_acc[i] * scales[fragment_row(i) // 8 + 2 * (fragment_col(i) // HALF_N)]
+
+
+class GroupedGemm1Config(PersistentGemmConfig):
+    """Compile-time shape: the pipeline depth (2-6 stages of 32.5 KB; 6 by default). Its shared memory is `fields()`
+    followed by the schedule's tables (`streaming_gemm.SCHEDULE_TABLES`: row-tile ends, counts, offsets per expert)."""
+
+    gathered_rows = True  # A is the grouped rows of the row gather (`gather_rows.py`), not x: what the host reads
+
+    def __init__(self, num_stages: int = 6):
+        if not 2 <= num_stages <= 6:
+            raise ValueError(f"num_stages must be 2..6, got {num_stages}")
+        self.num_stages = num_stages
+        self.check_fits()
+
+    def ctas_per_sm(self) -> int:
+        """One: its 384 threads take the register file (40 x 128 + 232 x 256) and its stages the shared memory."""
+        return 1
+
+    def fields(self) -> dict:
+        ns = self.num_stages
+        return {
+            "barriers": smem_region(cutlass.Int64, 2 * ns, 8),  # the pipeline's full and empty mbarriers
+            "a_stages": smem_region(cutlass.Float8E4M3FN, ns * TILE_M * TILE_K, 1024),  # 128-B swizzle per 1 KB
+            "b_stages": smem_region(cutlass.Float8E4M3FN, ns * TILE_N * TILE_K, 1024),
+            "a_scales": smem_region(Float32, ns * SFA_STAGE, 128),
+            "b_scales": smem_region(Float32, 2 * K_BLOCKS, 16),  # the item's: (column half, K block)
+        }
+
+
+@cute.jit
+def mma_operands(num_stages: cutlass.Constexpr):
+    """The two-warpgroup FP8 tiled MMA (each 64 rows x 128 columns, k32) and the staged K_SW128 layouts of A and B."""
+    k_major = LayoutEnum.ROW_MAJOR
+    tiled_mma = sm90_utils.make_trivial_tiled_mma(
+        cutlass.Float8E4M3FN,
+        cutlass.Float8E4M3FN,
+        k_major.sm90_mma_major_mode(),
+        k_major.sm90_mma_major_mode(),
+        Float32,
+        (NUM_CONSUMERS, 1, 1),
+        tiler_mn=(WG_ROWS, TILE_N),
+    )
+    tile = (TILE_M, TILE_N, TILE_K)
+    a_layout = sm90_utils.make_smem_layout_a(k_major, tile, cutlass.Float8E4M3FN, num_stages)
+    b_layout = sm90_utils.make_smem_layout_b(k_major, tile, cutlass.Float8E4M3FN, num_stages)
+    return tiled_mma, a_layout, b_layout
+
+
+class GroupedGemm1(LinkedGemm):
+    """The call's GEMM1 on grouped rows (`host.ExpertGemm`: `launch`, `with_link`), and `__call__(a, a_scale, w,
+    w_scale, out, counts, num_ctas, stream)`, the host function of the standalone launcher (`compiled`)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,
+        a_scale: cute.Tensor,
+        w: cute.Tensor,
+        w_scale: cute.Tensor,
+        out: cute.Tensor,
+        counts: cute.Tensor,
+        num_ctas: Int32,
+        stream,
+    ):
+        self.launch(a, a_scale, w, w_scale, out, counts, None, num_ctas, stream)
+
+    @cute.jit
+    def launch(
+        self,
+        a: cute.Tensor,
+        a_scale: cute.Tensor,
+        w: cute.Tensor,
+        w_scale: cute.Tensor,
+        out: cute.Tensor,
+        counts: cute.Tensor,
+        expert_tokens,
+        num_ctas: Int32,
+        stream,
+        routing=None,
+        counts_out=None,
+    ):
+        """`a`, `a_scale`: the grouped rows and their scales (`gather_rows.py`), so `expert_tokens` is not read; no
+        `routing` (the routing grid runs before the gather). `counts_out`: where CTA 0 copies the counts (the call's,
+        for the combine; None standalone)."""
+        if cutlass.const_expr(routing is not None):
+            raise ValueError("the grouped GEMM1 takes rows gathered after the routing grid; it does not route")
+        ns = self.cfg.num_stages
+        tiled_mma, a_layout, b_layout = mma_operands(ns)
+        tma_g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_a = cpasync.make_tiled_tma_atom(tma_g2s, a, cute.slice_(a_layout, (None, None, 0)), (TILE_M, TILE_K))
+        # W13 as ((64 rows, 2 halves, 32 column tiles), K, expert): one (128, 128) tile is a column tile's 64 up rows
+        # followed by their 64 gate rows.
+        w_view = cute.make_tensor(
+            w.iterator,
+            cute.make_layout(
+                ((HALF_N, 2, N_TILES), HIDDEN, w.shape[0]),
+                stride=((HIDDEN, INTERMEDIATE * HIDDEN, HALF_N * HIDDEN), 1, GEMM1_OUT * HIDDEN),
+            ),
+        )
+        tma_b = cpasync.make_tiled_tma_atom(tma_g2s, w_view, cute.slice_(b_layout, (None, None, 0)), (TILE_N, TILE_K))
+        # A's scales [56, R] seen as (R, 56): a stage's box is SFA_ROWS consecutive rows of one K block.
+        sfa_view = cute.make_tensor(
+            a_scale.iterator, cute.make_layout((a_scale.shape[1], HIDDEN_BLOCKS), stride=(1, a_scale.stride[0]))
+        )
+        tma_sfa = cpasync.make_tiled_tma_atom(tma_g2s, sfa_view, cute.make_layout((SFA_ROWS, 1)), (SFA_ROWS, 1))
+        storage_type = self.cfg.shared_storage()
+        self.kernel(
+            tma_a, tma_b, tma_sfa, w_scale, out, counts, counts_out, tiled_mma, a_layout, b_layout, storage_type
+        ).launch(
+            grid=[num_ctas, 1, 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=storage_type.size_in_bytes(),
+            stream=stream,
+            use_pdl=self.link.waits,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a,
+        tma_b,
+        tma_sfa,
+        w_scale: cute.Tensor,
+        out: cute.Tensor,
+        counts: cute.Tensor,
+        counts_out,
+        tiled_mma: cute.TiledMma,
+        a_layout: cute.ComposedLayout,
+        b_layout: cute.ComposedLayout,
+        storage_type: cutlass.Constexpr,
+    ):
+        enter(self.link)  # the counts and the grouped rows are the previous kernels' (routing, gather)
+        ns = self.cfg.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        atom_a, coords_a = tma_a
+        atom_b, coords_b = tma_b
+        atom_sfa, coords_sfa = tma_sfa
+        if warp == 0:
+            cpasync.prefetch_descriptor(atom_a)
+            cpasync.prefetch_descriptor(atom_b)
+            cpasync.prefetch_descriptor(atom_sfa)
+
+        storage = cutlass.memory.SmemAllocator().allocate(storage_type)
+        tile_end = storage.tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+        expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+        expert_offset = storage.expert_offset.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+        # ---- the device tile scheduler's tables: lane e of warp 0 holds expert e ----
+        if warp == 0:
+            build_expert_tables(counts, TILE_M, tile_end, expert_count, expert_offset, lane)
+            if cutlass.const_expr(counts_out is not None):
+                if cta == 0:
+                    counts_out[lane] = expert_count[lane]
+
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=ns,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
+            tx_count=STAGE_BYTES,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )  # its CTA barrier also publishes the tables
+        total_items = tile_end[NUM_LOCAL_EXPERTS - 1] * N_TILES
+        tables = (tile_end, expert_count, expert_offset)
+
+        s_a = storage.a_stages.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        s_b = storage.b_stages.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        s_sfa = storage.a_scales.get_tensor(cute.make_layout((SFA_ROWS, ns), stride=(1, SFA_STAGE)))
+        s_sfb = storage.b_scales.get_tensor(cute.make_layout((2, K_BLOCKS), stride=(K_BLOCKS, 1)))
+
+        if warp < WARPGROUP // 32:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                self.produce(
+                    cta, grid, total_items, tables, pipe, atom_a, coords_a, atom_b, coords_b, atom_sfa, coords_sfa,
+                    s_a, s_b, s_sfa,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consume(
+                cta, grid, total_items, tables, pipe, tiled_mma, s_a, s_b, s_sfa, s_sfb, w_scale, out,
+                tidx - WARPGROUP,
+            )  # fmt: skip
+
+    @cute.jit
+    def locate(self, item: Int32, tables):
+        """(expert, first row of A, valid rows, column tile) of a work item: item = row tile x N_TILES + column tile,
+        the row tiles numbered over the experts in order (`streaming_gemm.locate_row_tile`)."""
+        tile_end, expert_count, expert_offset = tables
+        expert, _, valid_rows, first_row = locate_row_tile(
+            item // N_TILES, TILE_M, tile_end, expert_count, expert_offset
+        )
+        return expert, first_row, valid_rows, item % N_TILES
+
+    @cute.jit
+    def produce(
+        self, cta, grid, total_items, tables, pipe, atom_a, coords_a, atom_b, coords_b, atom_sfa, coords_sfa, s_a, s_b,
+        s_sfa,
+    ):  # fmt: skip
+        """Warp 0: every stage of the CTA's items by TMA, each on its slot's full barrier once the consumers released
+        the slot (`producer_acquire`)."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.num_stages)
+        g_b = cute.local_tile(coords_b, (TILE_N, TILE_K), (None, None, None))  # (tile, column tile, K block, expert)
+        slots_b, tiles_b = cpasync.tma_partition(
+            atom_b, 0, cute.make_layout(1), cute.group_modes(s_b, 0, 2), cute.group_modes(g_b, 0, 2)
+        )
+        # A's scale stages as the tensor map's (SFA_ROWS, 1) boxes
+        sfa_layout = cute.make_layout((SFA_ROWS, 1, self.cfg.num_stages), stride=(1, 0, SFA_STAGE))
+        s_sfa_staged = cute.make_tensor(s_sfa.iterator, sfa_layout)
+        item = cta
+        while item < total_items:
+            expert, row0, _, n_tile = self.locate(item, tables)
+            # A from row `row0` on (any row: the rows are A's outer dimension; rows past the expert's are another
+            # expert's or out of bounds, filled with zeros, and never stored), its scales from row0 rounded down to
+            # SFA_ALIGN (their rows are innermost).
+            g_a = cute.local_tile(cute.domain_offset((row0, 0), coords_a), (TILE_M, TILE_K), (0, None))
+            slots_a, tiles_a = cpasync.tma_partition(
+                atom_a, 0, cute.make_layout(1), cute.group_modes(s_a, 0, 2), cute.group_modes(g_a, 0, 2)
+            )
+            sfa_row0 = row0 - row0 % SFA_ALIGN
+            g_sfa = cute.local_tile(cute.domain_offset((sfa_row0, 0), coords_sfa), (SFA_ROWS, 1), (0, None))
+            slots_sfa, tiles_sfa = cpasync.tma_partition(
+                atom_sfa, 0, cute.make_layout(1), cute.group_modes(s_sfa_staged, 0, 2), cute.group_modes(g_sfa, 0, 2)
+            )
+            for kb in cutlass.range(K_BLOCKS, unroll=1):
+                pipe.producer_acquire(state)
+                full = pipe.producer_get_barrier(state)
+                slot = state.index
+                cute.copy(atom_a, tiles_a[(None, kb)], slots_a[(None, slot)], tma_bar_ptr=full)
+                cute.copy(atom_b, tiles_b[(None, n_tile, kb, expert)], slots_b[(None, slot)], tma_bar_ptr=full)
+                cute.copy(atom_sfa, tiles_sfa[(None, kb)], slots_sfa[(None, slot)], tma_bar_ptr=full)
+                pipe.producer_commit(state)
+                state.advance()
+            item = item + grid
+        pipe.producer_tail(state)
+
+    @cute.jit
+    def consume(
+        self, cta, grid, total_items, tables, pipe, tiled_mma, s_a, s_b, s_sfa, s_sfb, w_scale, out, mma_tidx,
+    ):  # fmt: skip
+        """Warpgroups 1-2: per item, its B scales into shared memory, 56 blocks of WGMMAs each promoted in fp32
+        registers, then SwiGLU and the bf16 stores."""
+        thr_mma = tiled_mma.get_slice(mma_tidx)
+        t_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))  # (MMA, M, k32 steps, stage)
+        t_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        acc_shape = thr_mma.partition_shape_C((TILE_M, TILE_N))
+        acc = cute.make_rmem_tensor(acc_shape, Float32)
+        block_acc = cute.make_rmem_tensor(acc_shape, Float32)
+        coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        row0, col0 = coords[0]  # the thread's first (row, column) in the item; fragment_row/col give the others
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.num_stages)
+        item = cta
+        while item < total_items:
+            expert, first_row, valid_rows, n_tile = self.locate(item, tables)
+            sfa_row = row0 + first_row % SFA_ALIGN  # the thread's first row in the stage's scale box
+            # The item's B scales: (half, K block) = w_scale[expert, scale row of the half, K block]. The first
+            # barrier keeps them until every consumer finished the previous item's blocks.
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=CONSUMER_THREADS)
+            if mma_tidx < 2 * K_BLOCKS:
+                half = mma_tidx // K_BLOCKS
+                s_sfb[half, mma_tidx % K_BLOCKS] = w_scale[
+                    expert, (half * INTERMEDIATE + n_tile * HALF_N) // BLOCK, mma_tidx % K_BLOCKS
+                ]
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=CONSUMER_THREADS)
+            acc.fill(0.0)
+            for kb in cutlass.range(K_BLOCKS, unroll=1):
+                pipe.consumer_wait(state)
+                slot = state.index
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                cute.nvgpu.warpgroup.fence()
+                for k in cutlass.range_constexpr(TILE_K // MMA_K):
+                    cute.gemm(tiled_mma, block_acc, t_a[None, None, k, slot], t_b[None, None, k, slot], block_acc)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.commit_group()
+                # The scales, read while the MMAs run: rows row0 and row0 + 8, column halves up and gate.
+                sa0 = s_sfa[sfa_row, slot]
+                sa1 = s_sfa[sfa_row + 8, slot]
+                sb0 = s_sfb[0, kb]
+                sb1 = s_sfb[1, kb]
+                cute.nvgpu.warpgroup.wait_group(0)
+                pipe.consumer_release(state)
+                state.advance()
+                promote(acc, block_acc, (sa0 * sb0, sa1 * sb0, sa0 * sb1, sa1 * sb1))
+            # SwiGLU: up entry i and its gate entry i + ACC_SIZE / 2 (64 columns on) are the thread's own; column c of
+            # the item stored at its position in GEMM2's order within its 32-column group.
+            for i in cutlass.range_constexpr(ACC_SIZE // 2):
+                row = row0 + fragment_row(i)
+                if row < valid_rows:
+                    column = stored_column(n_tile, col0 + fragment_col(i))
+                    out[first_row + row, column] = swiglu_bf16(acc[i + ACC_SIZE // 2], acc[i])
+            item = item + grid
+
+
+@functools.cache
+def compiled(arch: str = GPU_ARCH, num_stages: int = 6, dump_dir: str = "") -> Callable:
+    """The TVM-FFI launcher `(a, a_scale, w, w_scale, out, counts, num_ctas)` on the current torch stream (expert e's
+    rows from the exclusive prefix of `counts` on), compiled once for symbolic row counts R (a multiple of 4); needs no
+    GPU. With `dump_dir` the PTX and the cubin are also written there (`*.ptx`, `*.cubin`: what the CPU tests read the
+    kernel's structure from)."""
+    rows = cute.sym_int(divisibility=4)
+
+    def rowmajor(dtype, shape):
+        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
+
+    fp8, f32 = cutlass.Float8E4M3FN, Float32
+    args = (
+        rowmajor(fp8, (rows, HIDDEN)),
+        rowmajor(f32, (HIDDEN_BLOCKS, rows)),
+        rowmajor(fp8, (NUM_LOCAL_EXPERTS, GEMM1_OUT, HIDDEN)),
+        rowmajor(f32, (NUM_LOCAL_EXPERTS, GEMM1_OUT // BLOCK, HIDDEN_BLOCKS)),
+        rowmajor(cutlass.BFloat16, (rows, INTERMEDIATE)),
+        rowmajor(Int32, (NUM_LOCAL_EXPERTS,)),
+        0,
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    gemm = GroupedGemm1(GroupedGemm1Config(num_stages))
+    dump = f" --keep-ptx --keep-cubin --dump-dir={dump_dir}" if dump_dir else ""
+    return cute.compile(gemm, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}{dump}")
+
+
+def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
+    """Compile the grouped GEMM1 for `arch` without touching a GPU."""
+    return (compiled(arch),)

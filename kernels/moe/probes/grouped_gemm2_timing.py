@@ -1,0 +1,69 @@
+"""Time the compute-bound grouped GEMM2 (kernels/moe/grouped_gemm2.py) alone, in TFLOP/s of useful work.
+
+    uv run kernels/moe/probes/grouped_gemm2_timing.py [--tokens 14107] [--iters 20]
+
+Two routings of T tokens' local assignments, rows already grouped by expert: `uniform` (~T x 8 / 256 rows per local
+expert, +-25 %) and `skewed` (every token on 8 local experts: 8 experts of T rows). C holds f16 times a power of two
+per row (as `c_to_f16.py` leaves it). Useful FLOP = 2 x rows x 2048 x 7168 (padding rows of a 128-row tile not
+counted). Prints one line per routing: ms per call (CUDA events, after warm-up), TFLOP/s, items. Exits 2 without CUDA,
+with one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from hopperbench.devcheck import load_folder_module
+from hopperbench.paths import REPO_ROOT
+
+
+def routing_counts(kind: str, tokens: int, experts: int, gen: torch.Generator) -> list[int]:
+    if kind == "skewed":
+        return [tokens] * 8 + [0] * (experts - 8)
+    mean = tokens * 8 / 256
+    jitter = torch.rand(experts, generator=gen) * 0.5 + 0.75
+    return [int(mean * j) for j in jitter.tolist()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=14107)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("grouped_gemm2_timing: needs a CUDA device", file=sys.stderr)
+        return 2
+    grouped = load_folder_module(REPO_ROOT / "kernels" / "moe", "moe_solution", "grouped_gemm2")
+    fn = grouped.compiled()
+    hidden, k, e = grouped.HIDDEN, grouped.INTERMEDIATE, grouped.NUM_LOCAL_EXPERTS
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(e, hidden, k, device="cuda").to(torch.float8_e4m3fn)
+    w_scale = torch.rand(e, hidden // 128, k // 128, device="cuda") * 0.01 + 0.005
+    num_ctas = torch.cuda.get_device_properties(0).multi_processor_count
+    for kind in ("uniform", "skewed"):
+        counts = routing_counts(kind, args.tokens, e, gen)
+        rows = sum(counts)
+        c = (torch.randn(rows, k, device="cuda") * 2.0**12).half().view(torch.bfloat16)
+        c_scale = torch.full((rows,), 2.0**-12, device="cuda")
+        out = torch.empty(rows, hidden, dtype=torch.float32, device="cuda")
+        counts_d = torch.tensor(counts, dtype=torch.int32, device="cuda")
+        for _ in range(3):
+            fn(c, c_scale, w, w_scale, out, counts_d, num_ctas)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.iters):
+            fn(c, c_scale, w, w_scale, out, counts_d, num_ctas)
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / args.iters
+        flop = 2.0 * rows * k * hidden
+        items = sum((count + grouped.TILE_T - 1) // grouped.TILE_T for count in counts) * grouped.W_TILES
+        print(f"{kind}: T={args.tokens} rows={rows} items={items} {ms:.3f} ms {flop / ms / 1e9:.0f} TFLOP/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

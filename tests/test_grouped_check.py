@@ -12,10 +12,10 @@ from hopperbench.paths import REPO_ROOT
 probe = load_module_by_path(REPO_ROOT / "kernels/moe/probes/grouped_check.py", "grouped_check")
 
 
-def test_the_cases_span_1025_to_16384_tokens_in_every_routing_pattern():
+def test_the_cases_span_1025_to_32768_tokens_in_every_routing_pattern():
     large = probe.cases.LARGE_CASES
     assert len({c.name for c in large}) == len(large)
-    assert min(c.num_tokens for c in large) == 1025 and max(c.num_tokens for c in large) == 16384
+    assert min(c.num_tokens for c in large) == 1025 and max(c.num_tokens for c in large) == 32768  # kernel.MAX_TOKENS
     assert {c.pattern for c in large} == set(probe.cases.PATTERNS)
     sizes = {pattern: {c.num_tokens for c in large if c.pattern == pattern} for pattern in ("random", "eight_local")}
     timed = sizes["random"] & sizes["eight_local"]

@@ -31,7 +31,7 @@ REFERENCE_PATH = REPO_ROOT / "hopperbench" / "tracks" / "moe" / "reference.py"
 KERNEL_PATH = REPO_ROOT / "kernels" / "moe" / "kernel.py"
 
 # Routing patterns (see `apply_routing_pattern`).
-PATTERNS = ("random", "one_expert", "no_local", "all_local", "eight_local")
+PATTERNS = ("random", "one_expert", "no_local", "all_local", "eight_local", "zipf")
 # Logit that makes an expert win every selection (sigmoid ~ 1 against ~0.5 for randn logits).
 DOMINANT_LOGIT = 12.0
 # Logit that makes an expert lose every selection (sigmoid ~ 6e-9; only its bias is left).
@@ -43,6 +43,7 @@ REMOTE_DAMPING = 2.0
 LOCAL_BOOST = 6.0
 SKEWED_LOCAL_EXPERT = 5  # the local expert that every token picks in "one_expert"
 EIGHT_LOCAL_EXPERTS = range(8)  # the local experts that every token picks, and only them, in "eight_local"
+ZIPF_RANKS_SEED = 7  # the generator that deals "zipf"'s popularity ranks (with the offset: one dealing per case)
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,8 @@ CASES: tuple[CheckCase, ...] = (
 SLOW_CASES = frozenset({"t14107_off32"})
 # The compute-bound sizes, where `kernel.py` runs GROUPED_T above MEDIUM_T_MAX_TOKENS (its GPU tests force it on all
 # of them; kernels/moe/probes/grouped_check.py checks it and times it against MEDIUM_T): the official large rows,
-# uniform routing from 1025 to 16384 tokens, every token on the same 8 local experts (8 experts of T rows), one expert
-# holding every token, all 8 T choices local, and no local expert.
+# uniform routing from 1025 to 32768 (MAX_TOKENS) tokens, every token on the same 8 local experts (8 experts of T
+# rows), Zipf-skewed popularity, one expert holding every token, all 8 T choices local, and no local expert.
 LARGE_CASES: tuple[CheckCase, ...] = (
     CheckCase("t1025_off0", 1025, 0),
     CheckCase("t1536_off128", 1536, 128),
@@ -91,11 +92,14 @@ LARGE_CASES: tuple[CheckCase, ...] = (
     CheckCase("t11948_off128", 11948, 128),
     CheckCase("t14107_off32", 14107, 32),
     CheckCase("t16384_off64", 16384, 64),
+    CheckCase("t32768_off160", 32768, 160),  # MAX_TOKENS
     CheckCase("t2048_off32_eight_local", 2048, 32, "eight_local"),
     CheckCase("t4096_off160_eight_local", 4096, 160, "eight_local"),
     CheckCase("t8192_off96_eight_local", 8192, 96, "eight_local"),
     CheckCase("t11948_off0_eight_local", 11948, 0, "eight_local"),
     CheckCase("t14107_off224_eight_local", 14107, 224, "eight_local"),
+    CheckCase("t2048_off224_zipf", 2048, 224, "zipf"),
+    CheckCase("t8192_off32_zipf", 8192, 32, "zipf"),
     CheckCase("t12000_off96_one_expert", 12000, 96, "one_expert"),
     CheckCase("t16384_off128_all_local", 16384, 128, "all_local"),
     CheckCase("t6000_off192_no_local", 6000, 192, "no_local"),
@@ -127,7 +131,10 @@ def apply_routing_pattern(routing_logits: torch.Tensor, local_expert_offset: int
     - all_local: the local experts' scores are ~1 and the others' ~0, so all 8 choices of every
       token are local (8 T assignments: the workspaces' worst case);
     - eight_local: local experts 0-7 score ~1 and every other expert ~0 (only its bias is left), so every token
-      picks exactly those 8 (8 experts of T tokens: the most skewed routing with every choice local).
+      picks exactly those 8 (8 experts of T tokens: the most skewed routing with every choice local);
+    - zipf: the logits plus the log of a Zipf popularity over the 256 experts, the local group holding the hottest
+      rank of every 8 (the benchmark's off-list `zipf` recipe, `hopperbench.tracks.moe.synth`): a few hot local
+      experts, many cold or idle ones, still random per token.
     """
     local = torch.zeros(routing_logits.shape[1], dtype=torch.bool, device=routing_logits.device)
     local[local_expert_offset : local_expert_offset + NUM_LOCAL_EXPERTS] = True
@@ -144,6 +151,11 @@ def apply_routing_pattern(routing_logits: torch.Tensor, local_expert_offset: int
         chosen[[local_expert_offset + e for e in EIGHT_LOCAL_EXPERTS]] = True
         routing_logits[:, chosen] = DOMINANT_LOGIT
         routing_logits[:, ~chosen] = SUPPRESSED_LOGIT
+    elif pattern == "zipf":
+        from hopperbench.tracks.moe.synth import stratified_zipf_log_popularity  # lazily: see load_kernel
+
+        ranks = torch.Generator().manual_seed(ZIPF_RANKS_SEED + local_expert_offset)
+        routing_logits += stratified_zipf_log_popularity(local_expert_offset, ranks).to(routing_logits.device)
     elif pattern != "random":
         raise ValueError(f"unknown routing pattern {pattern!r}")
 

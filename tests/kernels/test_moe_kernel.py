@@ -364,6 +364,10 @@ def test_routing_patterns_do_what_the_cases_claim(offset):
     experts, local = _routing_counts("eight_local", offset)
     eight = torch.tensor([offset + e for e in cases.EIGHT_LOCAL_EXPERTS])
     assert torch.equal(experts.sort(dim=1).values, eight.expand_as(experts))
+    experts, local = _routing_counts("zipf", offset)
+    # A few hot local experts, many cold ones: the busiest holds >= 8x the local mean (10-27x measured).
+    per_expert = torch.bincount(experts[local] - offset, minlength=32)
+    assert 0 < int(local.sum()) and int(per_expert.max()) >= 8 * float(per_expert.float().mean())
     experts, local = _routing_counts("random", offset)
     # Untouched logits: a mix of tokens with and without local choices (the bias tilts the mean).
     per_token = local.sum(dim=1)

@@ -109,16 +109,22 @@ def zipf_logits(ctx: SynthContext, name: str) -> torch.Tensor:
 
 
 def zipf_log_popularity(ctx: SynthContext) -> torch.Tensor:
-    """[256] fp32: -ZIPF_EXPONENT * log(rank), ranks 1..256 dealt stratified over the groups, the
-    hottest to the local experts' group."""
-    gen = ctx.generator("zipf_ranks", torch.device("cpu"))
+    """The input set's `stratified_zipf_log_popularity`, its ranks dealt by the set's own generator."""
+    return stratified_zipf_log_popularity(
+        int(ctx.scalar("local_expert_offset")), ctx.generator("zipf_ranks", torch.device("cpu"))
+    )
+
+
+def stratified_zipf_log_popularity(local_expert_offset: int, gen: torch.Generator) -> torch.Tensor:
+    """[256] fp32: -ZIPF_EXPONENT * log(rank), ranks 1..256 dealt stratified over the groups by `gen` (CPU), the
+    hottest to the group of the local experts at `local_expert_offset`."""
     group_size = NUM_EXPERTS // NUM_GROUPS
     # Stratum k holds ranks 8k..8k+7 (0-based); each group gets one of them.
     strata = torch.stack([torch.randperm(NUM_GROUPS, generator=gen) for _ in range(group_size)])
     # The local group takes the hottest rank of every stratum (ranks 1, 9, 17, ...: a swap per stratum):
     # the skewed case this row is for, with a local share that does not depend on the ranks an input
     # set happened to deal it.
-    local_group = int(ctx.scalar("local_expert_offset")) // group_size
+    local_group = local_expert_offset // group_size
     for stratum in strata:
         hottest = int((stratum == 0).nonzero()[0, 0])
         stratum[[hottest, local_group]] = stratum[[local_group, hottest]]

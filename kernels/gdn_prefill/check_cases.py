@@ -11,7 +11,10 @@ in fp32, then bf16 (unnormalised keys make the recurrence blow up); v, a, b rand
 A_log = log(U[1, 16]); state N(0, 0.2^2). Gate regimes:
 - "mamba2": dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (dt_bias in about [-6.9, -2.3]):
   long memory, so ignoring or transposing the initial state fails;
-- "fast_decay": dt_bias ~ U[-0.1, 0.1]: the state is forgotten within a few tokens.
+- "fast_decay": dt_bias ~ U[-0.1, 0.1]: the state is forgotten within a few tokens;
+- "slow_decay": as "mamba2", but A_log in [-12, -8] (its draw mapped there): every per-token decay is within
+  ~4e-4 of 1, so the state keeps most of its weight over thousands of tokens (65-97 % over this file's 6000-
+  32768-token sequences): where a long chain, or a split of it, must neither lose nor grow the state.
 Only torch and the standard library are imported at import time (hopperbench lazily, inside the
 functions that need it), so the module loads by path anywhere.
 """
@@ -41,7 +44,9 @@ REFERENCE_PATH = REPO_ROOT / "hopperbench" / "tracks" / "gdn_prefill" / "referen
 SOLUTION_PACKAGE = "gdn_solution"
 KERNEL_PATH = REPO_ROOT / "kernels" / "gdn_prefill" / "kernel.py"
 
-GateRegime = Literal["mamba2", "fast_decay"]
+GateRegime = Literal["mamba2", "fast_decay", "slow_decay"]
+GATE_REGIMES = ("mamba2", "fast_decay", "slow_decay")
+SLOW_A_LOG = (-12.0, -8.0)  # "slow_decay"'s range of A_log
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ class CheckCase:
     def __post_init__(self) -> None:
         if not self.lengths or any(n < 0 for n in self.lengths):
             raise ValueError(f"case {self.name}: lengths must be a non-empty tuple of counts >= 0, got {self.lengths}")
-        if self.gates not in ("mamba2", "fast_decay"):
+        if self.gates not in GATE_REGIMES:
             raise ValueError(f"case {self.name}: unknown gate regime {self.gates!r}")
 
     @property
@@ -77,6 +82,8 @@ def random_composition(total: int, parts: int, seed: int) -> tuple[int, ...]:
 
 
 MANY_SHORT = random_composition(1000, 57, seed=57)
+# One long sequence among many short ones: the longest chain bounds the call while 40 others finish early.
+LONG_PLUS_SHORT = (6000, *random_composition(600, 40, seed=40))
 # More sequences than a CTA ranks by length (chunked.MAX_RANKED_SEQS = 128).
 MANY_130 = random_composition(700, 130, seed=130)
 
@@ -99,6 +106,10 @@ CASES: tuple[CheckCase, ...] = (
     CheckCase("many_short_57x1000_fast", MANY_SHORT, False, 0.05, "fast_decay"),
     CheckCase("long4096_state", (4096,), True, 0.0, "mamba2"),
     CheckCase("long4096_nostate_fast", (4096,), False, 0.0, "fast_decay"),
+    CheckCase("long8192_state", (8192,), True, 0.0, "mamba2"),
+    CheckCase("long8192_nostate_slow", (8192,), False, 0.0, "slow_decay"),
+    CheckCase("long_plus_short_slow", LONG_PLUS_SHORT, True, 0.05, "slow_decay"),
+    CheckCase("long32768_slow", (32768,), True, 0.0, "slow_decay", long=True),
     CheckCase("long65536_state", (65536,), True, 0.0, "mamba2", long=True),
 )
 
@@ -132,7 +143,15 @@ def make_inputs(case: CheckCase, device: torch.device | str, seed: int = 0) -> d
     def uniform(low: float, high: float) -> torch.Tensor:
         return torch.rand(NUM_V_HEADS, generator=generator) * (high - low) + low
 
-    if case.gates == "mamba2":
+    def a_log() -> torch.Tensor:
+        """log(A), A ~ U[1, 16]; for "slow_decay" the same draw mapped onto SLOW_A_LOG (every case draws alike)."""
+        a = uniform(1.0, 16.0)
+        if case.gates != "slow_decay":
+            return a.log()
+        low, high = SLOW_A_LOG
+        return low + (a - 1.0) / 15.0 * (high - low)
+
+    if case.gates in ("mamba2", "slow_decay"):
         dt = uniform(math.log(1e-3), math.log(1e-1)).exp()
         dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
     else:
@@ -144,7 +163,7 @@ def make_inputs(case: CheckCase, device: torch.device | str, seed: int = 0) -> d
         "k": unit_rows(t, NUM_QK_HEADS, HEAD_SIZE).to(bf16),
         "v": randn(t, NUM_V_HEADS, HEAD_SIZE).to(bf16),
         "state": randn(n, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE, std=STATE_STD) if case.with_state else None,
-        "A_log": uniform(1.0, 16.0).log(),
+        "A_log": a_log(),
         "a": randn(t, NUM_V_HEADS).to(bf16),
         "dt_bias": dt_bias.float(),
         "b": randn(t, NUM_V_HEADS).to(bf16),

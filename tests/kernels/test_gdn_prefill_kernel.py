@@ -153,12 +153,12 @@ def test_run_rejects_wrong_output_shape():
 
 def test_cases_cover_the_required_shapes():
     lengths = {c.lengths for c in cases.CASES}
-    for required in [(1,), (6,), (134,), (63, 64, 65), (4096,), (65536,)]:
+    for required in [(1,), (6,), (134,), (63, 64, 65), (4096,), (8192,), (32768,), (65536,), cases.LONG_PLUS_SHORT]:
         assert required in lengths
     assert len(cases.MANY_SHORT) == 57 and sum(cases.MANY_SHORT) == 1000 and min(cases.MANY_SHORT) >= 1
     assert {c.with_state for c in cases.CASES} == {True, False}
     assert {c.scale for c in cases.CASES} == {0.0, 0.05}
-    assert {c.gates for c in cases.CASES} == {"mamba2", "fast_decay"}
+    assert {c.gates for c in cases.CASES} == set(cases.GATE_REGIMES)
     assert any(0 in c.lengths for c in cases.CASES)
     assert len(cases.MANY_130) == 130 and sum(cases.MANY_130) == 700 and min(cases.MANY_130) >= 1
 
@@ -194,6 +194,20 @@ def test_inputs_follow_the_synth_distributions():
     assert inputs["cu_seqlens"].tolist() == [0, 40, 64]
     fast = cases.make_inputs(cases.CheckCase("fast", (4,), False, 0.0, "fast_decay"), "cpu", seed=3)
     assert fast["dt_bias"].abs().max() <= 0.1 and fast["state"] is None
+
+
+def test_slow_decays_keep_the_state_over_the_whole_sequence():
+    for case in (c for c in cases.CASES if c.gates == "slow_decay" and not c.long):
+        inputs = cases.make_inputs(case, "cpu", seed=1)
+        # The definition's gate: log g = -exp(A_log) softplus(a + dt_bias), per token and head.
+        log_g = -inputs["A_log"].exp() * torch.nn.functional.softplus(inputs["a"].float() + inputs["dt_bias"])
+        kept = log_g[: case.lengths[0]].sum(dim=0).exp()  # per head, over the first (longest) sequence
+        assert float(kept.min()) > 0.5 and float(log_g.min()) > -1e-3, case.name
+    # The regime changes A_log alone: every other input is the same draw as "mamba2"'s.
+    slow = cases.make_inputs(cases.CheckCase("s", (9,), True, 0.0, "slow_decay"), "cpu", seed=3)
+    mamba = cases.make_inputs(cases.CheckCase("m", (9,), True, 0.0, "mamba2"), "cpu", seed=3)
+    assert all(torch.equal(slow[k], mamba[k]) for k in ("q", "k", "v", "state", "a", "dt_bias", "b"))
+    assert (slow["A_log"] >= cases.SLOW_A_LOG[0]).all() and (slow["A_log"] <= cases.SLOW_A_LOG[1]).all()
 
 
 def test_compare_accepts_the_reference_and_flags_errors():

@@ -735,6 +735,15 @@ class Completeness(BaseModel):
     # "journal header", or "journal records" for a journal that did not store its plan.
     plan_source: str
 
+    @classmethod
+    def of_tracks(cls, tracks: dict[str, TrackCompleteness], plan_source: str) -> Completeness:
+        """The totals over `tracks`; partial when any planned workload is incomplete."""
+        planned = sum(t.planned for t in tracks.values())
+        complete = sum(t.complete for t in tracks.values())
+        return cls(
+            partial=complete < planned, planned=planned, complete=complete, tracks=tracks, plan_source=plan_source
+        )
+
 
 def assess_completeness(plan: Mapping[str, PlannedTrack] | None, records: Iterable[SideRecord]) -> Completeness:
     records = list(records)
@@ -749,15 +758,7 @@ def assess_completeness(plan: Mapping[str, PlannedTrack] | None, records: Iterab
             wanted <= recorded.get(row_id(track, row.uuid, row.absent_inputs), set()) for row in planned.workloads
         )
         tracks[track] = TrackCompleteness(planned=len(planned.workloads), complete=complete, sides=planned.sides)
-    planned_total = sum(t.planned for t in tracks.values())
-    complete_total = sum(t.complete for t in tracks.values())
-    return Completeness(
-        partial=complete_total < planned_total,
-        planned=planned_total,
-        complete=complete_total,
-        tracks=tracks,
-        plan_source=source,
-    )
+    return Completeness.of_tracks(tracks, source)
 
 
 def format_completeness(completeness: Completeness) -> str | None:

@@ -274,15 +274,7 @@ def merged_completeness(
     """The canonical plan with the merged tracks' plans in their place, totals recomputed."""
     tracks = {name: replaced.get(name, done) for name, done in canonical.tracks.items()}
     tracks.update({name: done for name, done in replaced.items() if name not in tracks})
-    planned = sum(t.planned for t in tracks.values())
-    complete = sum(t.complete for t in tracks.values())
-    return Completeness(
-        partial=complete < planned,
-        planned=planned,
-        complete=complete,
-        tracks=tracks,
-        plan_source="; ".join(dict.fromkeys(sources)),
-    )
+    return Completeness.of_tracks(tracks, "; ".join(dict.fromkeys(sources)))
 
 
 def merge(canonical: Run, chosen: Mapping[str, Run], planned: Mapping[str, TrackCompleteness]) -> ResultsFile:

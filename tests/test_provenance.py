@@ -123,18 +123,24 @@ def test_untracked_helper_files_in_the_copy_are_named_and_the_commit_still_verif
     assert verify.verdict_for(edited, repo)[0] is verify.Verdict.MISMATCH
 
 
-def test_files_the_copy_left_out_are_counted_and_the_commit_still_verified(
-    repo: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The GPU-host case of sessions 6 and 7: results/ was left out of the copy to fit the transfer
-    limit. Verified when the commit's tree less the deleted files is what ran; a mismatch when a
-    kept file differs too."""
+def _commit_results_then_leave_them_out(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A committed results/run.csv, declared as the commit that ran, deleted from the work tree (as a copy that
+    left results/ out)."""
     (repo / "results").mkdir()
     (repo / "results" / "run.csv").write_text("a,b\n")
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "results")
     monkeypatch.setenv("HOPPERBENCH_SOURCE_COMMIT", git(repo, "rev-parse", "HEAD"))
     (repo / "results" / "run.csv").unlink()
+
+
+def test_files_the_copy_left_out_are_counted_and_the_commit_still_verified(
+    repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU-host case of sessions 6 and 7: results/ was left out of the copy to fit the transfer
+    limit. Verified when the commit's tree less the deleted files is what ran; a mismatch when a
+    kept file differs too."""
+    _commit_results_then_leave_them_out(repo, monkeypatch)
     record = EnvironmentRecord.model_validate(_repo_state(repo))
     assert record.repo_changes == [" D results/run.csv"]
     verdict, detail = verify.verdict_for(record, repo)
@@ -149,12 +155,7 @@ def test_a_copy_with_helper_files_added_and_results_left_out_is_verified(
 ) -> None:
     """Both at once: the canonical run's copy carried helper scripts and its runner had removed the
     previous results before it started."""
-    (repo / "results").mkdir()
-    (repo / "results" / "run.csv").write_text("a,b\n")
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "results")
-    monkeypatch.setenv("HOPPERBENCH_SOURCE_COMMIT", git(repo, "rev-parse", "HEAD"))
-    (repo / "results" / "run.csv").unlink()
+    _commit_results_then_leave_them_out(repo, monkeypatch)
     (repo / "scratch").mkdir()
     (repo / "scratch" / "run.sh").write_text("echo run\n")
     record = EnvironmentRecord.model_validate(_repo_state(repo))

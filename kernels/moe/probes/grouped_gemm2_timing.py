@@ -1,17 +1,21 @@
 """Time the compute-bound grouped GEMM2 (kernels/moe/grouped_gemm2.py) alone, in TFLOP/s of useful work.
 
-    uv run kernels/moe/probes/grouped_gemm2_timing.py [--tokens 14107] [--iters 20]
+    uv run kernels/moe/probes/grouped_gemm2_timing.py [--tokens 14107] [--iters 20] [--rounds 5]
 
 Two routings of T tokens' local assignments, rows already grouped by expert: `uniform` (~T x 8 / 256 rows per local
 expert, +-25 %) and `skewed` (every token on 8 local experts: 8 experts of T rows). C holds f16 times a power of two
 per row (as `c_to_f16.py` leaves it). Useful FLOP = 2 x rows x 2048 x 7168 (padding rows of a 128-row tile not
-counted). Prints one line per routing: ms per call (CUDA events, after warm-up), TFLOP/s, items. Exits 2 without CUDA,
-with one line on stderr.
+counted). Both forms of the W2 block scale run on the same inputs (`GroupedGemm2Config.folded_scale`: `promoted`, the
+fp32 promotion per K block, and `folded`, the scale folded into the conversion), alternating per round so that clocks
+and L2 state drift alike. Prints per routing one line per form: ms per call (CUDA events, after warm-up, the median of
+the rounds), TFLOP/s, items; then the folded form's speedup and the max and L2 relative differences between the two
+outputs. Exits 2 without CUDA, with one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import torch
@@ -28,16 +32,28 @@ def routing_counts(kind: str, tokens: int, experts: int, gen: torch.Generator) -
     return [int(mean * j) for j in jitter.tolist()]
 
 
+def time_call(fn, args, iters: int) -> float:
+    """ms per call of `fn(*args)` over `iters` back-to-back calls (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn(*args)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=14107)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds per form (median kept)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("grouped_gemm2_timing: needs a CUDA device", file=sys.stderr)
         return 2
     grouped = load_folder_module(REPO_ROOT / "kernels" / "moe", "moe_solution", "grouped_gemm2")
-    fn = grouped.compiled()
+    forms = {"promoted": grouped.compiled(), "folded": grouped.compiled(folded_scale=True)}
     hidden, k, e = grouped.HIDDEN, grouped.INTERMEDIATE, grouped.NUM_LOCAL_EXPERTS
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(e, hidden, k, device="cuda").to(torch.float8_e4m3fn)
@@ -48,20 +64,31 @@ def main(argv: list[str] | None = None) -> int:
         rows = sum(counts)
         c = (torch.randn(rows, k, device="cuda") * 2.0**12).half().view(torch.bfloat16)
         c_scale = torch.full((rows,), 2.0**-12, device="cuda")
-        out = torch.empty(rows, hidden, dtype=torch.float32, device="cuda")
         counts_d = torch.tensor(counts, dtype=torch.int32, device="cuda")
-        for _ in range(3):
-            fn(c, c_scale, w, w_scale, out, counts_d, num_ctas)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.iters):
-            fn(c, c_scale, w, w_scale, out, counts_d, num_ctas)
-        end.record()
-        torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / args.iters
+        outs = {name: torch.empty(rows, hidden, dtype=torch.float32, device="cuda") for name in forms}
+        calls = {name: (c, c_scale, w, w_scale, outs[name], counts_d, num_ctas) for name in forms}
+        for name, fn in forms.items():
+            for _ in range(3):
+                fn(*calls[name])
+        times: dict[str, list[float]] = {name: [] for name in forms}
+        for _ in range(args.rounds):
+            for name, fn in forms.items():
+                times[name].append(time_call(fn, calls[name], args.iters))
         flop = 2.0 * rows * k * hidden
         items = sum((count + grouped.TILE_T - 1) // grouped.TILE_T for count in counts) * grouped.W_TILES
-        print(f"{kind}: T={args.tokens} rows={rows} items={items} {ms:.3f} ms {flop / ms / 1e9:.0f} TFLOP/s")
+        ms = {name: statistics.median(values) for name, values in times.items()}
+        for name in forms:
+            print(
+                f"{kind} {name}: T={args.tokens} rows={rows} items={items} {ms[name]:.3f} ms "
+                f"{flop / ms[name] / 1e9:.0f} TFLOP/s"
+            )
+        reference, folded = outs["promoted"].double(), outs["folded"].double()
+        max_rel = ((folded - reference).abs().max() / reference.abs().max()).item()
+        l2_rel = ((folded - reference).norm() / reference.norm()).item()
+        print(
+            f"{kind}: folded / promoted speedup {ms['promoted'] / ms['folded']:.3f}; outputs differ by max |diff| / "
+            f"max |out| {max_rel:.2e}, relative L2 {l2_rel:.2e}"
+        )
     return 0
 
 

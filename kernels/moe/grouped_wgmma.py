@@ -29,8 +29,8 @@ Structure (after CUTLASS's Hopper `dense_gemm_persistent.py` and DeepGEMM's `sm9
   warpgroup issues four k32 WGMMAs (m64n128k32) into a fresh fp32 accumulator, reads its scales while they run,
   waits, releases the stage and promotes: acc += block x (A scale of the row x B scale of the column half). While one
   warpgroup promotes the other's WGMMAs keep the tensor core busy (DeepGEMM's argument for two math warpgroups).
-- B scales of the item (2 halves x 56 K blocks) are loaded into shared memory by the consumers at the item's start
-  (between two named barriers of the 256 consumer threads), A scales arrive with each stage.
+- A scales arrive with each stage; the B scales (one per column half and K block) are read by every consumer thread
+  from global memory while the block's MMAs run (an item's two 224-B rows stay in L1): no barrier between items.
 - Epilogue: thread-local SwiGLU (an up column and its gate column sit in the same thread, 32 fragment entries
   apart, `fragment_row`/`fragment_col`), bf16 stores of the valid rows straight to global memory at GEMM2's column
   positions (`intermediate_order.stored_position` within each 32-column group; an item's 64 columns are two groups).
@@ -80,7 +80,6 @@ MMA_K = 32
 K_BLOCKS = HIDDEN // TILE_K  # 56 stages per item
 N_TILES = INTERMEDIATE // HALF_N  # 32 column tiles per row tile
 ACC_SIZE = WG_ROWS * TILE_N // WARPGROUP  # 64 fp32 accumulator entries per consumer thread
-EPILOGUE_BARRIER = 1  # named barrier of the consumer threads (0 is the CTA's)
 # A's scales are f32 with the rows innermost ([56, R]). A TMA box must start on a 16-byte boundary of its innermost
 # dimension (on Hopper an unaligned start is an illegal instruction, not a bounds-checked copy), and an expert's first
 # row is any row: a stage's box starts at the item's first row rounded down to SFA_ALIGN rows and holds the tile's
@@ -144,7 +143,6 @@ class GroupedGemm1Config(PersistentGemmConfig):
             "a_stages": smem_region(cutlass.Float8E4M3FN, ns * TILE_M * TILE_K, 1024),  # 128-B swizzle per 1 KB
             "b_stages": smem_region(cutlass.Float8E4M3FN, ns * TILE_N * TILE_K, 1024),
             "a_scales": smem_region(Float32, ns * SFA_STAGE, 128),
-            "b_scales": smem_region(Float32, 2 * K_BLOCKS, 16),  # the item's: (column half, K block)
         }
 
 
@@ -290,7 +288,6 @@ class GroupedGemm1(LinkedGemm):
         s_a = storage.a_stages.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         s_b = storage.b_stages.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         s_sfa = storage.a_scales.get_tensor(cute.make_layout((SFA_ROWS, ns), stride=(1, SFA_STAGE)))
-        s_sfb = storage.b_scales.get_tensor(cute.make_layout((2, K_BLOCKS), stride=(K_BLOCKS, 1)))
 
         if warp < WARPGROUP // 32:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -302,7 +299,7 @@ class GroupedGemm1(LinkedGemm):
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(
-                cta, grid, total_items, tables, pipe, tiled_mma, s_a, s_b, s_sfa, s_sfb, w_scale, out,
+                cta, grid, total_items, tables, pipe, tiled_mma, s_a, s_b, s_sfa, w_scale, out,
                 tidx - WARPGROUP,
             )  # fmt: skip
 
@@ -360,10 +357,10 @@ class GroupedGemm1(LinkedGemm):
 
     @cute.jit
     def consume(
-        self, cta, grid, total_items, tables, pipe, tiled_mma, s_a, s_b, s_sfa, s_sfb, w_scale, out, mma_tidx,
+        self, cta, grid, total_items, tables, pipe, tiled_mma, s_a, s_b, s_sfa, w_scale, out, mma_tidx,
     ):  # fmt: skip
-        """Warpgroups 1-2: per item, its B scales into shared memory, 56 blocks of WGMMAs each promoted in fp32
-        registers, then SwiGLU and the bf16 stores."""
+        """Warpgroups 1-2: per item, 56 blocks of WGMMAs each promoted in fp32 registers, then SwiGLU and the bf16
+        stores."""
         thr_mma = tiled_mma.get_slice(mma_tidx)
         t_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))  # (MMA, M, k32 steps, stage)
         t_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
@@ -377,15 +374,11 @@ class GroupedGemm1(LinkedGemm):
         while item < total_items:
             expert, first_row, valid_rows, n_tile = self.locate(item, tables)
             sfa_row = row0 + first_row % SFA_ALIGN  # the thread's first row in the stage's scale box
-            # The item's B scales: (half, K block) = w_scale[expert, scale row of the half, K block]. The first
-            # barrier keeps them until every consumer finished the previous item's blocks.
-            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=CONSUMER_THREADS)
-            if mma_tidx < 2 * K_BLOCKS:
-                half = mma_tidx // K_BLOCKS
-                s_sfb[half, mma_tidx % K_BLOCKS] = w_scale[
-                    expert, (half * INTERMEDIATE + n_tile * HALF_N) // BLOCK, mma_tidx % K_BLOCKS
-                ]
-            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=CONSUMER_THREADS)
+            # The item's B scale rows, w_scale[expert, row, K block] for the up and the gate half: read per block
+            # from global memory while the block's MMAs run (a 224-B row, in L1 after its first blocks), so that no
+            # barrier of the consumers stands between one item's last MMAs and the next item's first.
+            up_row = (n_tile * HALF_N) // BLOCK
+            gate_row = (INTERMEDIATE + n_tile * HALF_N) // BLOCK
             acc.fill(0.0)
             for kb in cutlass.range(K_BLOCKS, unroll=1):
                 pipe.consumer_wait(state)
@@ -399,8 +392,8 @@ class GroupedGemm1(LinkedGemm):
                 # The scales, read while the MMAs run: rows row0 and row0 + 8, column halves up and gate.
                 sa0 = s_sfa[sfa_row, slot]
                 sa1 = s_sfa[sfa_row + 8, slot]
-                sb0 = s_sfb[0, kb]
-                sb1 = s_sfb[1, kb]
+                sb0 = w_scale[expert, up_row, kb]
+                sb1 = w_scale[expert, gate_row, kb]
                 cute.nvgpu.warpgroup.wait_group(0)
                 pipe.consumer_release(state)
                 state.advance()

@@ -60,7 +60,7 @@ from .chain import enter
 from .intermediate_order import GROUP, stored_position
 from .shapes import BLOCK, GEMM1_OUT, HIDDEN, HIDDEN_BLOCKS, INTERMEDIATE, NUM_LOCAL_EXPERTS
 from .streaming_gemm import LinkedGemm, PersistentGemmConfig, build_expert_tables, locate_row_tile, smem_region
-from .swiglu import swiglu_bf16
+from .swiglu import swiglu_bf16x2
 
 __all__ = ["GroupedGemm1", "GroupedGemm1Config", "compile_only", "fragment_col", "fragment_row", "stored_column"]
 
@@ -370,6 +370,7 @@ class GroupedGemm1(LinkedGemm):
         coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
         row0, col0 = coords[0]  # the thread's first (row, column) in the item; fragment_row/col give the others
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.num_stages)
+        out_words = cute.recast_tensor(out, Int32)  # [rows, 1024]: bf16 pairs
         item = cta
         while item < total_items:
             expert, first_row, valid_rows, n_tile = self.locate(item, tables)
@@ -399,12 +400,16 @@ class GroupedGemm1(LinkedGemm):
                 state.advance()
                 promote(acc, block_acc, (sa0 * sb0, sa1 * sb0, sa0 * sb1, sa1 * sb1))
             # SwiGLU: up entry i and its gate entry i + ACC_SIZE / 2 (64 columns on) are the thread's own; column c of
-            # the item stored at its position in GEMM2's order within its 32-column group.
-            for i in cutlass.range_constexpr(ACC_SIZE // 2):
+            # the item stored at its position in GEMM2's order within its 32-column group. Entries i and i + 1 (i
+            # even) are adjacent columns c, c + 1 of one row (c even: col0 is), and GEMM2's order keeps such a pair
+            # adjacent, so each pair is one 4-byte store.
+            for i in cutlass.range_constexpr(0, ACC_SIZE // 2, 2):
                 row = row0 + fragment_row(i)
                 if row < valid_rows:
                     column = stored_column(n_tile, col0 + fragment_col(i))
-                    out[first_row + row, column] = swiglu_bf16(acc[i + ACC_SIZE // 2], acc[i])
+                    out_words[first_row + row, column // 2] = swiglu_bf16x2(
+                        acc[i + ACC_SIZE // 2], acc[i], acc[i + 1 + ACC_SIZE // 2], acc[i + 1]
+                    )
             item = item + grid
 
 

@@ -97,6 +97,21 @@ def test_columns_are_stored_where_the_other_wgmma_gemm1_stores_them():
     assert seen == set(range(grouped.INTERMEDIATE))
 
 
+def test_the_epilogue_stores_adjacent_entry_pairs_as_one_word():
+    # Entries i, i + 1 (i even) of a thread's up half: one row, columns c and c + 1 with c even (traced col0 is),
+    # stored at adjacent, word-aligned positions of GEMM2's order: one bf16x2 store per pair.
+    seen = _traced_accumulator_coords()
+    for coords in seen.values():
+        _, col0 = coords[0]
+        assert col0 % 2 == 0
+        for i in range(0, grouped.ACC_SIZE // 2, 2):
+            assert grouped.fragment_row(i) == grouped.fragment_row(i + 1)
+            assert grouped.fragment_col(i + 1) == grouped.fragment_col(i) + 1
+            for n_tile in range(grouped.N_TILES):
+                first = grouped.stored_column(n_tile, col0 + grouped.fragment_col(i))
+                assert first % 2 == 0 and grouped.stored_column(n_tile, col0 + grouped.fragment_col(i + 1)) == first + 1
+
+
 def test_configurations_fit_one_cta_per_sm():
     assert grouped.GroupedGemm1Config().num_stages == 6
     for stages in (4, 5, 6):

@@ -381,24 +381,28 @@ class GroupedGemm1(LinkedGemm):
             up_row = (n_tile * HALF_N) // BLOCK
             gate_row = (INTERMEDIATE + n_tile * HALF_N) // BLOCK
             acc.fill(0.0)
+            # An expert's last row tile may hold no row of this warpgroup's 64 (at most 64 valid rows): its MMAs
+            # are skipped (the other warpgroup's then have the tensor core alone), its stages still released.
+            has_rows = row0 - row0 % WG_ROWS < valid_rows
             for kb in cutlass.range(K_BLOCKS, unroll=1):
                 pipe.consumer_wait(state)
                 slot = state.index
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                cute.nvgpu.warpgroup.fence()
-                for k in cutlass.range_constexpr(TILE_K // MMA_K):
-                    cute.gemm(tiled_mma, block_acc, t_a[None, None, k, slot], t_b[None, None, k, slot], block_acc)
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.commit_group()
-                # The scales, read while the MMAs run: rows row0 and row0 + 8, column halves up and gate.
-                sa0 = s_sfa[sfa_row, slot]
-                sa1 = s_sfa[sfa_row + 8, slot]
-                sb0 = w_scale[expert, up_row, kb]
-                sb1 = w_scale[expert, gate_row, kb]
-                cute.nvgpu.warpgroup.wait_group(0)
+                if has_rows:
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                    cute.nvgpu.warpgroup.fence()
+                    for k in cutlass.range_constexpr(TILE_K // MMA_K):
+                        cute.gemm(tiled_mma, block_acc, t_a[None, None, k, slot], t_b[None, None, k, slot], block_acc)
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.commit_group()
+                    # The scales, read while the MMAs run: rows row0 and row0 + 8, column halves up and gate.
+                    sa0 = s_sfa[sfa_row, slot]
+                    sa1 = s_sfa[sfa_row + 8, slot]
+                    sb0 = w_scale[expert, up_row, kb]
+                    sb1 = w_scale[expert, gate_row, kb]
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    promote(acc, block_acc, (sa0 * sb0, sa1 * sb0, sa0 * sb1, sa1 * sb1))
                 pipe.consumer_release(state)
                 state.advance()
-                promote(acc, block_acc, (sa0 * sb0, sa1 * sb0, sa0 * sb1, sa1 * sb1))
             # SwiGLU: up entry i and its gate entry i + ACC_SIZE / 2 (64 columns on) are the thread's own; column c of
             # the item stored at its position in GEMM2's order within its 32-column group. Entries i and i + 1 (i
             # even) are adjacent columns c, c + 1 of one row (c even: col0 is), and GEMM2's order keeps such a pair

@@ -106,6 +106,16 @@ LARGE_CASES: tuple[CheckCase, ...] = (
 )
 
 
+def grouped_counts(kind: str, tokens: int, gen: torch.Generator) -> list[int]:
+    """Rows per local expert of T tokens' local assignments, for the grouped GEMMs timed alone
+    (`probes/grouped_gemm*_timing.py`): "uniform" ~T x 8 / 256 per expert (+-25 %), "skewed" every token on
+    8 local experts (8 experts of T rows)."""
+    if kind == "skewed":
+        return [tokens] * TOP_K + [0] * (NUM_LOCAL_EXPERTS - TOP_K)
+    jitter = torch.rand(NUM_LOCAL_EXPERTS, generator=gen) * 0.5 + 0.75
+    return [int(tokens * TOP_K / 256 * j) for j in jitter.tolist()]
+
+
 def load_kernel() -> ModuleType:
     """kernel.py as the harness sees it: a module of a package made of this folder, so that its
     relative imports (routing, streaming_gemm, combine, shapes) resolve."""

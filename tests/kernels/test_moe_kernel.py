@@ -374,6 +374,14 @@ def test_routing_patterns_do_what_the_cases_claim(offset):
     assert bool((per_token == 0).any()) and bool((per_token > 0).any())
 
 
+def test_grouped_counts_for_the_standalone_gemm_timings():
+    generator = torch.Generator().manual_seed(0)
+    assert cases.grouped_counts("skewed", 2048, generator) == [2048] * 8 + [0] * 24
+    uniform = cases.grouped_counts("uniform", 2048, generator)
+    mean = 2048 * 8 / 256
+    assert len(uniform) == 32 and all(0.75 * mean - 1 <= count <= 1.25 * mean for count in uniform)
+
+
 def test_compare_accepts_the_reference_and_rejects_a_small_systematic_error():
     generator = torch.Generator().manual_seed(1)
     ref = (torch.randn(4, 7168, generator=generator) * 10).to(torch.bfloat16)

@@ -2,10 +2,10 @@
 
     uv run kernels/moe/probes/grouped_gemm1_timing.py [--tokens 14107] [--iters 20]
 
-Two routings of T tokens' local assignments, rows already grouped by expert: `uniform` (~T x 8 / 256 rows per local
-expert, +-25 %) and `skewed` (every token on 8 local experts: 8 experts of T rows). Useful FLOP = 2 x rows x 7168 x
-4096 (padding rows of a 128-row tile not counted). Prints one line per routing: ms per call (CUDA events, after
-warm-up), TFLOP/s, items. Exits 2 without CUDA, with one line on stderr.
+Two routings of T tokens' local assignments, rows already grouped by expert (`check_cases.grouped_counts`: uniform
+and skewed). Useful FLOP = 2 x rows x 7168 x 4096 (padding rows of a 128-row tile not counted). Prints one line per
+routing: median ms per call (CUDA events, after warm-up), TFLOP/s, items. Exits 2 without CUDA, with one line on
+stderr.
 """
 
 from __future__ import annotations
@@ -15,16 +15,10 @@ import sys
 
 import torch
 
-from hopperbench.devcheck import load_folder_module
+from hopperbench.devcheck import load_folder_module, load_module_by_path, median_cuda_time_us
 from hopperbench.paths import REPO_ROOT
 
-
-def routing_counts(kind: str, tokens: int, experts: int, gen: torch.Generator) -> list[int]:
-    if kind == "skewed":
-        return [tokens] * 8 + [0] * (experts - 8)
-    mean = tokens * 8 / 256
-    jitter = torch.rand(experts, generator=gen) * 0.5 + 0.75
-    return [int(mean * j) for j in jitter.tolist()]
+cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check_cases")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,21 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     w_scale = torch.rand(e, n // 128, hidden // 128, device="cuda") * 0.01 + 0.005
     num_ctas = torch.cuda.get_device_properties(0).multi_processor_count
     for kind in ("uniform", "skewed"):
-        counts = routing_counts(kind, args.tokens, e, gen)
+        counts = cases.grouped_counts(kind, args.tokens, gen)
         rows = (sum(counts) + 3) // 4 * 4
         a = torch.randn(rows, hidden, device="cuda").to(torch.float8_e4m3fn)
         a_scale = torch.rand(hidden // 128, rows, device="cuda") + 0.5
         out = torch.empty(rows, grouped.INTERMEDIATE, dtype=torch.bfloat16, device="cuda")
         c = torch.tensor(counts, dtype=torch.int32, device="cuda")
-        for _ in range(3):
-            fn(a, a_scale, w, w_scale, out, c, num_ctas)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.iters):
-            fn(a, a_scale, w, w_scale, out, c, num_ctas)
-        end.record()
-        torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / args.iters
+        ms = median_cuda_time_us(lambda: fn(a, a_scale, w, w_scale, out, c, num_ctas), 3, args.iters) / 1e3
         flop = 2.0 * sum(counts) * hidden * n
         items = sum((count + grouped.TILE_M - 1) // grouped.TILE_M for count in counts) * grouped.N_TILES
         print(f"{kind}: T={args.tokens} rows={sum(counts)} items={items} {ms:.3f} ms {flop / ms / 1e9:.0f} TFLOP/s")
@@ -65,4 +51,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -2,14 +2,14 @@
 
     uv run kernels/moe/probes/grouped_gemm2_timing.py [--tokens 14107] [--iters 20] [--rounds 5]
 
-Two routings of T tokens' local assignments, rows already grouped by expert: `uniform` (~T x 8 / 256 rows per local
-expert, +-25 %) and `skewed` (every token on 8 local experts: 8 experts of T rows). C holds f16 times a power of two
+Two routings of T tokens' local assignments, rows already grouped by expert (`check_cases.grouped_counts`: uniform
+and skewed). C holds f16 times a power of two
 per row (as `c_to_f16.py` leaves it). Useful FLOP = 2 x rows x 2048 x 7168 (padding rows of a 128-row tile not
 counted). Both forms of the W2 block scale run on the same inputs (`GroupedGemm2Config.folded_scale`: `promoted`, the
 fp32 promotion per K block, and `folded`, the scale folded into the conversion), alternating per round so that clocks
 and L2 state drift alike. Prints per routing one line per form: ms per call (CUDA events, after warm-up, the median of
-the rounds), TFLOP/s, items; then the folded form's speedup and the max and L2 relative differences between the two
-outputs. Exits 2 without CUDA, with one line on stderr.
+the rounds' medians), TFLOP/s, items; then the folded form's speedup and the max and L2 relative differences
+between the two outputs. Exits 2 without CUDA, with one line on stderr.
 """
 
 from __future__ import annotations
@@ -20,27 +20,10 @@ import sys
 
 import torch
 
-from hopperbench.devcheck import load_folder_module
+from hopperbench.devcheck import load_folder_module, load_module_by_path, median_cuda_time_us
 from hopperbench.paths import REPO_ROOT
 
-
-def routing_counts(kind: str, tokens: int, experts: int, gen: torch.Generator) -> list[int]:
-    if kind == "skewed":
-        return [tokens] * 8 + [0] * (experts - 8)
-    mean = tokens * 8 / 256
-    jitter = torch.rand(experts, generator=gen) * 0.5 + 0.75
-    return [int(mean * j) for j in jitter.tolist()]
-
-
-def time_call(fn, args, iters: int) -> float:
-    """ms per call of `fn(*args)` over `iters` back-to-back calls (CUDA events)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn(*args)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check_cases")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,20 +43,17 @@ def main(argv: list[str] | None = None) -> int:
     w_scale = torch.rand(e, hidden // 128, k // 128, device="cuda") * 0.01 + 0.005
     num_ctas = torch.cuda.get_device_properties(0).multi_processor_count
     for kind in ("uniform", "skewed"):
-        counts = routing_counts(kind, args.tokens, e, gen)
+        counts = cases.grouped_counts(kind, args.tokens, gen)
         rows = sum(counts)
         c = (torch.randn(rows, k, device="cuda") * 2.0**12).half().view(torch.bfloat16)
         c_scale = torch.full((rows,), 2.0**-12, device="cuda")
         counts_d = torch.tensor(counts, dtype=torch.int32, device="cuda")
         outs = {name: torch.empty(rows, hidden, dtype=torch.float32, device="cuda") for name in forms}
         calls = {name: (c, c_scale, w, w_scale, outs[name], counts_d, num_ctas) for name in forms}
-        for name, fn in forms.items():
-            for _ in range(3):
-                fn(*calls[name])
         times: dict[str, list[float]] = {name: [] for name in forms}
         for _ in range(args.rounds):
             for name, fn in forms.items():
-                times[name].append(time_call(fn, calls[name], args.iters))
+                times[name].append(median_cuda_time_us(lambda: fn(*calls[name]), 3, args.iters) / 1e3)
         flop = 2.0 * rows * k * hidden
         items = sum((count + grouped.TILE_T - 1) // grouped.TILE_T for count in counts) * grouped.W_TILES
         ms = {name: statistics.median(values) for name, values in times.items()}

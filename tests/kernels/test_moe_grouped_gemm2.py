@@ -510,12 +510,9 @@ def _reference(c, c_scale, w, w_scale, counts) -> dict[int, torch.Tensor]:
     return out
 
 
-GPU_CASES = {
-    # uneven, empty experts, a single row, token-tile edges (127, 128, 129), several tiles, odd offsets
-    "uneven": [0, 1, 127, 128, 129, 300, 0, 5, 640, 33] + [0, 17] * 11,
-    "one_expert": [0] * 7 + [1500] + [0] * 24,
-    "all_experts": [97 + 37 * (e % 9) for e in range(32)],
-}
+# The grouped GEMM1's row counts per expert: uneven with empty experts, a single row, tile edges (127, 128, 129) and
+# odd offsets; one expert with every row; all 32 experts.
+from tests.kernels.test_moe_grouped_wgmma_compile import GPU_CASES  # noqa: E402
 
 
 @needs_cuda

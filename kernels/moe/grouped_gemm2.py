@@ -86,8 +86,8 @@ from .streaming_gemm import (
     CHUNK,
     LinkedGemm,
     PersistentGemmConfig,
-    build_expert_tables,
     e4m3x2_to_f16x2,
+    fill_schedule_tables,
     lds_shared,
     locate_row_tile,
     smem_region,
@@ -322,11 +322,7 @@ class GroupedGemm2(LinkedGemm):
             cpasync.prefetch_descriptor(atom_w)
 
         storage = cutlass.memory.SmemAllocator().allocate(storage_type)
-        tile_end = storage.tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-        expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-        expert_offset = storage.expert_offset.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-        if warp == 0:
-            build_expert_tables(counts, TILE_T, tile_end, expert_count, expert_offset, lane)
+        tile_end, expert_count, expert_offset = fill_schedule_tables(storage, counts, TILE_T, cta, warp, lane)
 
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(),

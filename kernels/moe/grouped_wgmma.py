@@ -59,7 +59,7 @@ from cutlass.tensor_utils import LayoutEnum
 from .chain import enter
 from .intermediate_order import GROUP, stored_position
 from .shapes import BLOCK, GEMM1_OUT, HIDDEN, HIDDEN_BLOCKS, INTERMEDIATE, NUM_LOCAL_EXPERTS
-from .streaming_gemm import LinkedGemm, PersistentGemmConfig, build_expert_tables, locate_row_tile, smem_region
+from .streaming_gemm import LinkedGemm, PersistentGemmConfig, fill_schedule_tables, locate_row_tile, smem_region
 from .swiglu import swiglu_bf16x2
 
 __all__ = ["GroupedGemm1", "GroupedGemm1Config", "compile_only", "fragment_col", "fragment_row", "stored_column"]
@@ -264,15 +264,9 @@ class GroupedGemm1(LinkedGemm):
             cpasync.prefetch_descriptor(atom_sfa)
 
         storage = cutlass.memory.SmemAllocator().allocate(storage_type)
-        tile_end = storage.tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-        expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-        expert_offset = storage.expert_offset.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-        # ---- the device tile scheduler's tables: lane e of warp 0 holds expert e ----
-        if warp == 0:
-            build_expert_tables(counts, TILE_M, tile_end, expert_count, expert_offset, lane)
-            if cutlass.const_expr(counts_out is not None):
-                if cta == 0:
-                    counts_out[lane] = expert_count[lane]
+        tile_end, expert_count, expert_offset = fill_schedule_tables(
+            storage, counts, TILE_M, cta, warp, lane, counts_out
+        )  # the device tile scheduler's tables
 
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(),

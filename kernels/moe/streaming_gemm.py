@@ -341,6 +341,26 @@ SCHEDULE_TABLES = ("tile_end", "expert_count", "expert_offset")  # shared memory
 
 
 @cute.jit
+def fill_schedule_tables(
+    storage, counts: cute.Tensor, block_tokens: cutlass.Constexpr, cta: Int32, warp_id: Int32, lane: Int32,
+    counts_out=None,
+):
+    """Warp 0 builds the expert tables in shared memory (`build_expert_tables`: lane e holds expert e); with
+    `counts_out` (GEMM1), CTA 0 copies the call's final counts there, for the combine (which then zeroes the kept
+    counters) and for inspection. The caller publishes the tables to the CTA (a barrier) before reading them.
+    Returns (tile_end, expert_count, expert_offset)."""
+    tile_end = storage.tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+    expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+    expert_offset = storage.expert_offset.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
+    if warp_id == 0:
+        build_expert_tables(counts, block_tokens, tile_end, expert_count, expert_offset, lane)
+        if cutlass.const_expr(counts_out is not None):
+            if cta == 0:
+                counts_out[lane] = expert_count[lane]
+    return tile_end, expert_count, expert_offset
+
+
+@cute.jit
 def schedule_tables(
     storage,
     counts: cute.Tensor,
@@ -353,18 +373,12 @@ def schedule_tables(
     lane: Int32,
     counts_out=None,
 ):
-    """The persistent item walk's start, in every streaming GEMM: warp 0 builds the expert tables in
-    shared memory (`build_expert_tables`), the CTA waits for them, and the CTA's stage count follows.
-    `counts_out` (GEMM1): CTA 0 copies the call's final counts there, for the combine (which then zeroes the
-    kept counters) and for inspection. Returns (tile_end, expert_count, expert_offset, total_stages)."""
-    tile_end = storage.tile_end.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-    expert_count = storage.expert_count.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-    expert_offset = storage.expert_offset.get_tensor(cute.make_layout(NUM_LOCAL_EXPERTS))
-    if warp_id == 0:
-        build_expert_tables(counts, block_tokens, tile_end, expert_count, expert_offset, lane)
-        if cutlass.const_expr(counts_out is not None):
-            if cta == 0:
-                counts_out[lane] = expert_count[lane]
+    """The persistent item walk's start, in every streaming GEMM: the expert tables (`fill_schedule_tables`), the
+    CTA waits for them, and the CTA's stage count follows. Returns (tile_end, expert_count, expert_offset,
+    total_stages)."""
+    tile_end, expert_count, expert_offset = fill_schedule_tables(
+        storage, counts, block_tokens, cta, warp_id, lane, counts_out
+    )
     cute.arch.sync_threads()
     total_stages = cta_stage_count(tile_end, items_per_row_tile, k_stages, cta, grid)
     return tile_end, expert_count, expert_offset, total_stages

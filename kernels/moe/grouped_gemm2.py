@@ -5,10 +5,9 @@ The problem is `wgmma_gemm2.py`'s with `f16_c`: C [R, 2048] (the call's bf16 wor
 two per packed row, `c_to_f16.py`, its inverse in `c_scale` [R]; columns in `intermediate_order.py`'s order), expert e
 owning the packed rows [offset[e], offset[e] + counts[e]) with offset the exclusive prefix of `counts`; W2
 [32, 7168, 2048] e4m3 with its 128 x 128 block scales [32, 56, 16]. Out: expert_out [R, 7168] fp32 = (C W2^T) x
-c_scale per packed row; rows past the experts' are not written. The products and the per-128-K-block fp32 promotion
-(acc += block x W2 block scale) are `wgmma_gemm2.py`'s, so the output equals it up to fp32 summation order. With
-`GroupedGemm2Config(folded_scale=True)` the W2 block scale is folded into the conversion instead ("Folded scale"
-below): one more f16 rounding per W2 element (~2-3e-4 relative L2, `tests/kernels/test_moe_grouped_gemm2.py`'s model).
+c_scale per packed row; rows past the experts' are not written. The W2 block scale is folded into the conversion
+("Folded scale" below): against `wgmma_gemm2.py`'s per-block fp32 promotion, one more f16 rounding per W2 element
+(~2-3e-4 relative L2, `tests/kernels/test_moe_grouped_gemm2.py`'s model).
 
 Why: `wgmma_gemm2.py` converts each W2 element once per 32-token tile (~14 times per expert at ~440 tokens) on one
 warpgroup per CTA. Here a W2 element is converted once per 128-token tile and two MMA warpgroups share a CTA, so the
@@ -30,19 +29,17 @@ Structure:
 - Consumer, per K block: its 64 W2 rows' A fragments from shared memory (two 8-B loads per k32 group: `wgmma_gemm2`'s
   map, natural K 32 j + 8 t .. + 7 of rows g and g + 8, which C's stored column order matches; swizzle and row order
   put the four rows of a half warp's load on distinct banks), converted in registers; eight k16 RS-WGMMAs m64n128k16
-  into a fresh block accumulator; while they run, the next block's fragments are loaded and converted into the other
-  register set (two sets: a set is rewritten only after the MMAs that read it completed); then the stage is released
-  and promoted acc += block x w_scale[expert, W2 tile, K block] (one scale per item and block: a W2 tile is one
-  128-row block).
+  accumulating into `acc`; while they run, the next block's fragments are loaded and converted into the other register
+  set (two sets: a set is rewritten only after the MMAs that read it completed), then the stage is released.
 - Epilogue per warpgroup: acc = [64 W2 rows x 128 tokens], i.e. expert_out's [token, column] transposed. In two passes
   of 64 tokens it goes through a swizzled 16 KB buffer (`epilogue_offset`: conflict-free both ways) and out as rows:
-  16 threads per token write its 64 contiguous columns (256 B) as 16-B stores, times the row's `c_scale`, valid rows
-  only. The producer keeps filling the next item's stages meanwhile.
+  16 threads per token write its 64 contiguous columns (256 B) as 16-B stores, times the row's `c_scale` and the
+  item's s_item (below), valid rows only. The producer keeps filling the next item's stages meanwhile.
 
-Folded scale (`folded_scale`, an A/B option: `kernel.py`'s GROUPED_T builds the default, False). The promoted form
-is latency-bound (H200, ncu at 14107 tokens: 481 TFLOP/s, tensor pipe 58 %, a third of the stall cycles scoreboard
+Folded scale. Promoting each block's fresh accumulator (acc += block x w_scale, as `wgmma_gemm2.py` does) is
+latency-bound here (H200, ncu at 14107 tokens: 481 TFLOP/s, tensor pipe 58 %, a third of the stall cycles scoreboard
 waits): every block ends in wait_group(0) and 64 promotion FMAs before the next block's MMAs may issue, and the
-registers leave no room to pipeline deeper. A W2 block scale is uniform over an item's K block and A is converted in
+registers leave no room to pipeline deeper (the folded form is 1.06-1.11x faster, NOTES.md). A W2 block scale is uniform over an item's K block and A is converted in
 registers anyway, so: s_item = the largest of the item's 16 block scales (w_scale[expert, W2 tile, :], loaded for the
 next item while the last block's MMAs and the epilogue run), per block the factor f16(s_kb / s_item) in (0, 1] (one
 `cvt.rn.f16x2.f32` per thread), A = f16(e4m3 x factor) (`mul.rn.f16x2` after each `cvt.rn.f16x2.e4m3x2`: |A| <= 448,
@@ -59,9 +56,8 @@ A third A register set (conversions two blocks ahead) is not tried: 16 blocks do
 one queued block already hides a conversion.
 
 Shared memory: 4 stages x (16 KB W2 + 32 KB C) + 2 x 16 KB epilogue + barriers and tables = 225 KB of the 226 KB a CTA
-may take. Registers per consumer thread: acc 64 + block acc 64 (promoted form only) + two A sets 2 x 32 + addresses
-(168 at launch; ptxas keeps ~10-14 loop-invariant epilogue addresses on the stack, 84 B promoted, 44 B folded: stored
-once per CTA, reloaded once per item).
+may take. Registers per consumer thread: acc 64 + two A sets 2 x 32 + addresses (168 at launch; ptxas keeps ~10
+loop-invariant epilogue addresses on the stack, 44 B: stored once per CTA, reloaded once per item).
 """
 
 from __future__ import annotations
@@ -86,7 +82,6 @@ from .streaming_gemm import (
     CHUNK,
     LinkedGemm,
     PersistentGemmConfig,
-    e4m3x2_to_f16x2,
     fill_schedule_tables,
     lds_shared,
     locate_row_tile,
@@ -168,18 +163,15 @@ def w2_view(num_experts):
 
 
 class GroupedGemm2Config(PersistentGemmConfig):
-    """Compile-time shape: the pipeline depth (2-4 stages of 48 KB; 4 by default) and the W2 block scale's place
-    (`folded_scale`: False promotes each K block's fresh accumulator in fp32, True folds the scale into the
-    conversion; the module's docstring). Its shared memory is `fields()` followed by the schedule's tables
-    (`streaming_gemm.SCHEDULE_TABLES`)."""
+    """Compile-time shape: the pipeline depth (2-4 stages of 48 KB; 4 by default). Its shared memory is `fields()`
+    followed by the schedule's tables (`streaming_gemm.SCHEDULE_TABLES`)."""
 
     f16_c = True  # C rewritten as f16 times a power of two per row (`c_to_f16.py` runs before it): what the host reads
 
-    def __init__(self, num_stages: int = 4, folded_scale: bool = False):
+    def __init__(self, num_stages: int = 4):
         if not 2 <= num_stages <= 4:
             raise ValueError(f"num_stages must be 2..4, got {num_stages}")
         self.num_stages = num_stages
-        self.folded_scale = bool(folded_scale)
         self.check_fits()
 
     def ctas_per_sm(self) -> int:
@@ -395,8 +387,8 @@ class GroupedGemm2(LinkedGemm):
         self, cta, grid, total_items, tables, pipe, tiled_mma, s_c, w_bytes, epilogue, c_scale, w_scale, out, mma_tidx,
     ):  # fmt: skip
         """Warpgroups 1-2: per item, 16 blocks of RS-WGMMAs on 64 W2 rows each (the next block converted while the
-        MMAs run), then the epilogue through shared memory. The W2 block scale: promoted per block in fp32 registers,
-        or (`folded_scale`) folded into the conversion, all blocks accumulating into `acc`."""
+        MMAs run), then the epilogue through shared memory. The W2 block scale folded into the conversion, all blocks
+        accumulating into `acc`."""
         wg = mma_tidx // WARPGROUP
         wg_tidx = mma_tidx % WARPGROUP
         thr_mma = tiled_mma.get_slice(wg_tidx)
@@ -417,94 +409,62 @@ class GroupedGemm2(LinkedGemm):
         held = cute.make_rmem_tensor((VEC,), Float32)
         full_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.num_stages)
         empty_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.num_stages)
-        if cutlass.const_expr(not self.cfg.folded_scale):
-            block_acc = cute.make_rmem_tensor(acc_shape, Float32)
-            item = cta
-            while item < total_items:
-                expert, first_row, valid_rows, w_tile = self.locate(item, tables)
-                acc.fill(0.0)
-                self.next_block(pipe, full_state, a_sets[0], w_bytes, w_row, quad)
-                full_state.advance()
-                for kk in cutlass.range(K_BLOCKS // 2, unroll=1):
-                    for half in cutlass.range_constexpr(2):
-                        kb = 2 * kk + half
-                        self.issue_block(tiled_mma, block_acc, a_sets[half], t_b, empty_state.index)
-                        scale = w_scale[expert, w_tile, kb]  # uniform: one 128-row block
-                        # The next block's fragments into the other set while the MMAs run (its previous MMAs
-                        # completed at the last wait_group).
-                        if cutlass.const_expr(half == 0):
-                            self.next_block(pipe, full_state, a_sets[1], w_bytes, w_row, quad)
-                            full_state.advance()
-                        elif kk + 1 < K_BLOCKS // 2:
-                            self.next_block(pipe, full_state, a_sets[0], w_bytes, w_row, quad)
-                            full_state.advance()
-                        warpgroup.wait_group(0)
-                        pipe.consumer_release(empty_state)
-                        empty_state.advance()
-                        for i in cutlass.range_constexpr(ACC_SIZE):
-                            acc[i] = acc[i] + block_acc[i] * scale
-                self.store(
-                    acc, buffer, copy_16, held, row0, col0, first_row, valid_rows, w_tile, wg, wg_tidx, c_scale, out,
-                    None,
-                )  # fmt: skip
-                item = item + grid
-        else:
-            # Folded scale: block kb's A = f16(e4m3 x f16(s_kb / s_item)), s_item the item's largest block scale (so
-            # |A| <= 448), every block's MMAs accumulating into `acc` (the item's first fresh), x s_item in the
-            # epilogue. Per block: fence, its eight MMAs, commit; wait_group(1) = the previous block's MMAs
-            # completed (this block's may still run): only then its A set is rewritten (with the block after this
-            # one) and its stage released. Block b's slot is `mma_state`'s; `empty_state` trails it by one block.
-            # A third A set (converting two blocks ahead) is not tried: 16 blocks do not cycle through 3 sets, and
-            # with one block's MMAs queued behind the running ones the conversion is already hidden (an estimate:
-            # ~90 instructions a thread per block, ~1/5 of the issue slots of a block's ~1000 tensor cycles).
-            # One tiled MMA per issue site, each made here: `issue_block` sets its ACCUMULATE field, a runtime value
-            # that must not flow from one site's loop into another's.
-            mma_first, mma_loop, mma_last = make_tiled_mma(), make_tiled_mma(), make_tiled_mma()
-            mma_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.num_stages)
-            # s_item of the CTA's first item here, of each next one while the item's last MMAs and its epilogue run
-            # (`locate` gives an expert < 32 and a W2 tile < 56 for any item, so past the last item too).
-            item = cta
-            expert, _, _, w_tile = self.locate(item, tables)
-            item_scale = self.item_scale(w_scale, expert, w_tile)
-            while item < total_items:
-                expert, first_row, valid_rows, w_tile = self.locate(item, tables)
-                inverse = Float32(1.0) / item_scale
-                # Blocks 0 and 1 into sets 0 and 1 (free: the previous item ended in wait_group(0)), block 0 issued
-                # fresh between them.
-                factor = block_factor(w_scale[expert, w_tile, 0] * inverse)
-                self.next_block(pipe, full_state, a_sets[0], w_bytes, w_row, quad, factor)
-                full_state.advance()
-                self.issue_block(mma_first, acc, a_sets[0], t_b, mma_state.index)
-                mma_state.advance()
-                factor = block_factor(w_scale[expert, w_tile, 1] * inverse)
-                self.next_block(pipe, full_state, a_sets[1], w_bytes, w_row, quad, factor)
-                full_state.advance()
-                for kk in cutlass.range((K_BLOCKS - 2) // 2, unroll=1):
-                    for half in cutlass.range_constexpr(2):
-                        kb = 2 * kk + 1 + half  # issued now, from set 1 - half; block kb - 1 read set `half`
-                        self.issue_block(mma_loop, acc, a_sets[1 - half], t_b, mma_state.index, fresh=False)
-                        mma_state.advance()
-                        scale = w_scale[expert, w_tile, kb + 1]  # block kb + 1's, loaded while waiting
-                        warpgroup.wait_group(1)  # block kb - 1's MMAs completed: its A set and C stage are free
-                        pipe.consumer_release(empty_state)
-                        empty_state.advance()
-                        factor = block_factor(scale * inverse)
-                        self.next_block(pipe, full_state, a_sets[half], w_bytes, w_row, quad, factor)
-                        full_state.advance()
-                self.issue_block(mma_last, acc, a_sets[1], t_b, mma_state.index, fresh=False)  # block 15
-                mma_state.advance()
-                next_expert, _, _, next_w_tile = self.locate(item + grid, tables)
-                next_scale = self.item_scale(w_scale, next_expert, next_w_tile)
-                warpgroup.wait_group(0)
-                for _ in cutlass.range_constexpr(2):  # blocks 14 and 15
+        # Folded scale: block kb's A = f16(e4m3 x f16(s_kb / s_item)), s_item the item's largest block scale (so
+        # |A| <= 448), every block's MMAs accumulating into `acc` (the item's first fresh), x s_item in the
+        # epilogue. Per block: fence, its eight MMAs, commit; wait_group(1) = the previous block's MMAs
+        # completed (this block's may still run): only then its A set is rewritten (with the block after this
+        # one) and its stage released. Block b's slot is `mma_state`'s; `empty_state` trails it by one block.
+        # A third A set (converting two blocks ahead) is not tried: 16 blocks do not cycle through 3 sets, and
+        # with one block's MMAs queued behind the running ones the conversion is already hidden (an estimate:
+        # ~90 instructions a thread per block, ~1/5 of the issue slots of a block's ~1000 tensor cycles).
+        # One tiled MMA per issue site, each made here: `issue_block` sets its ACCUMULATE field, a runtime value
+        # that must not flow from one site's loop into another's.
+        mma_first, mma_loop, mma_last = make_tiled_mma(), make_tiled_mma(), make_tiled_mma()
+        mma_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.num_stages)
+        # s_item of the CTA's first item here, of each next one while the item's last MMAs and its epilogue run
+        # (`locate` gives an expert < 32 and a W2 tile < 56 for any item, so past the last item too).
+        item = cta
+        expert, _, _, w_tile = self.locate(item, tables)
+        item_scale = self.item_scale(w_scale, expert, w_tile)
+        while item < total_items:
+            expert, first_row, valid_rows, w_tile = self.locate(item, tables)
+            inverse = Float32(1.0) / item_scale
+            # Blocks 0 and 1 into sets 0 and 1 (free: the previous item ended in wait_group(0)), block 0 issued
+            # fresh between them.
+            factor = block_factor(w_scale[expert, w_tile, 0] * inverse)
+            self.next_block(pipe, full_state, a_sets[0], w_bytes, w_row, quad, factor)
+            full_state.advance()
+            self.issue_block(mma_first, acc, a_sets[0], t_b, mma_state.index)
+            mma_state.advance()
+            factor = block_factor(w_scale[expert, w_tile, 1] * inverse)
+            self.next_block(pipe, full_state, a_sets[1], w_bytes, w_row, quad, factor)
+            full_state.advance()
+            for kk in cutlass.range((K_BLOCKS - 2) // 2, unroll=1):
+                for half in cutlass.range_constexpr(2):
+                    kb = 2 * kk + 1 + half  # issued now, from set 1 - half; block kb - 1 read set `half`
+                    self.issue_block(mma_loop, acc, a_sets[1 - half], t_b, mma_state.index, fresh=False)
+                    mma_state.advance()
+                    scale = w_scale[expert, w_tile, kb + 1]  # block kb + 1's, loaded while waiting
+                    warpgroup.wait_group(1)  # block kb - 1's MMAs completed: its A set and C stage are free
                     pipe.consumer_release(empty_state)
                     empty_state.advance()
-                self.store(
-                    acc, buffer, copy_16, held, row0, col0, first_row, valid_rows, w_tile, wg, wg_tidx, c_scale, out,
-                    item_scale,
-                )  # fmt: skip
-                item_scale = next_scale
-                item = item + grid
+                    factor = block_factor(scale * inverse)
+                    self.next_block(pipe, full_state, a_sets[half], w_bytes, w_row, quad, factor)
+                    full_state.advance()
+            self.issue_block(mma_last, acc, a_sets[1], t_b, mma_state.index, fresh=False)  # block 15
+            mma_state.advance()
+            next_expert, _, _, next_w_tile = self.locate(item + grid, tables)
+            next_scale = self.item_scale(w_scale, next_expert, next_w_tile)
+            warpgroup.wait_group(0)
+            for _ in cutlass.range_constexpr(2):  # blocks 14 and 15
+                pipe.consumer_release(empty_state)
+                empty_state.advance()
+            self.store(
+                acc, buffer, copy_16, held, row0, col0, first_row, valid_rows, w_tile, wg, wg_tidx, c_scale, out,
+                item_scale,
+            )  # fmt: skip
+            item_scale = next_scale
+            item = item + grid
 
     @cute.jit
     def item_scale(self, w_scale: cute.Tensor, expert: Int32, w_tile: Int32) -> Float32:
@@ -517,9 +477,9 @@ class GroupedGemm2(LinkedGemm):
 
     @cute.jit
     def next_block(
-        self, pipe, full_state, a_set: cute.Tensor, w_bytes: cute.Tensor, w_row: Int32, quad: Int32, factor=None
+        self, pipe, full_state, a_set: cute.Tensor, w_bytes: cute.Tensor, w_row: Int32, quad: Int32, factor: Int32
     ):
-        """Wait for the next stage and convert its W2 block into `a_set` (times `factor`, f16x2, if given). The caller
+        """Wait for the next stage and convert its W2 block into `a_set` (times `factor`, f16x2). The caller
         advances `full_state`: the DSL carries a pipeline state through a dynamic loop only where the loop's own body
         calls one of its methods (a state advanced only inside a called function keeps its values of the loop's first
         iteration)."""
@@ -528,13 +488,13 @@ class GroupedGemm2(LinkedGemm):
 
     @cute.jit
     def convert_block(
-        self, a_set: cute.Tensor, w_bytes: cute.Tensor, w_row: Int32, quad: Int32, slot: Int32, factor=None
+        self, a_set: cute.Tensor, w_bytes: cute.Tensor, w_row: Int32, quad: Int32, slot: Int32, factor: Int32
     ):
         """This thread's W2 bytes of the stage in `slot`, converted to f16 into the A fragments of its eight k16 steps:
         8 bytes of rows g and g + 8 per k32 group j, natural K 32 j + 8 t .. + 7 (`wgmma_gemm2.convert_block`'s map:
         word `step` of a row's load feeds k16 step 2 j + step, its halves K slots 2 t and 2 t + 8). Through the
         fragment's word view ((1, v1, v2), M, step): word v1 + 2 v2 holds row g + 8 v1, K slots 2 t + 8 v2 and + 1.
-        With `factor` (the block's f16x2 s_kb / s_item) each pair is also multiplied by it (`mul.rn.f16x2`)."""
+        Each pair is also multiplied by `factor` (the block's f16x2 s_kb / s_item, `mul.rn.f16x2`)."""
         a_words = cute.recast_tensor(a_set, Int32)
         for j in cutlass.range_constexpr(GROUPS_PER_BLOCK):
             k = j * GROUP + quad * THREAD_BYTES
@@ -542,12 +502,7 @@ class GroupedGemm2(LinkedGemm):
                 words = lds_shared(w_bytes.iterator + w2_offset(w2_smem_row(w_row + 8 * v1), k, slot), 2)
                 for step in cutlass.range_constexpr(2):
                     for v2 in cutlass.range_constexpr(2):
-                        if cutlass.const_expr(factor is None):
-                            a_words[(0, v1, v2), 0, 2 * j + step] = e4m3x2_to_f16x2(words[step], v2 == 1)
-                        else:
-                            a_words[(0, v1, v2), 0, 2 * j + step] = e4m3x2_to_f16x2_scaled(
-                                words[step], v2 == 1, factor
-                            )
+                        a_words[(0, v1, v2), 0, 2 * j + step] = e4m3x2_to_f16x2_scaled(words[step], v2 == 1, factor)
 
     @cute.jit
     def issue_block(
@@ -568,8 +523,8 @@ class GroupedGemm2(LinkedGemm):
         item_scale,
     ):  # fmt: skip
         """The warpgroup's acc [64 W2 rows x 128 tokens] to expert_out rows: per pass of 64 tokens, into the buffer
-        (`epilogue_offset`), then 16 threads per token store its 64 columns (16-B stores) times its `c_scale` (and
-        `item_scale` unless None), valid tokens only. The barriers: the buffer is free (the previous pass read it),
+        (`epilogue_offset`), then 16 threads per token store its 64 columns (16-B stores) times its `c_scale` and
+        `item_scale`, valid tokens only. The barriers: the buffer is free (the previous pass read it),
         then full."""
         barrier = EPILOGUE_BARRIER + wg
         column0 = w_tile * TILE_W + wg * WG_ROWS
@@ -589,9 +544,7 @@ class GroupedGemm2(LinkedGemm):
                     row = first_row + p * EPILOGUE_TOKENS + token
                     source = buffer.iterator + cute.assume(epilogue_offset(token, column), divby=VEC)
                     cute.copy(copy_16, cute.make_tensor(source, cute.make_layout(VEC)), held)
-                    scale = c_scale[row]
-                    if cutlass.const_expr(item_scale is not None):
-                        scale = scale * item_scale
+                    scale = c_scale[row] * item_scale
                     for v in cutlass.range_constexpr(VEC):
                         held[v] = held[v] * scale
                     target = out.iterator + cute.assume(row * HIDDEN + column0 + column, divby=VEC)
@@ -599,11 +552,10 @@ class GroupedGemm2(LinkedGemm):
 
 
 @functools.cache
-def compiled(arch: str = GPU_ARCH, num_stages: int = 4, dump_dir: str = "", folded_scale: bool = False) -> Callable:
+def compiled(arch: str = GPU_ARCH, num_stages: int = 4, dump_dir: str = "") -> Callable:
     """The TVM-FFI launcher `(c, c_scale, w, w_scale, out, counts, num_ctas)` on the current torch stream (c the bf16
     workspace holding f16 bits; expert e's rows from the exclusive prefix of `counts` on), compiled once for symbolic
-    row counts R; needs no GPU. With `dump_dir` the PTX and the cubin are also written there; `folded_scale` is
-    `GroupedGemm2Config`'s."""
+    row counts R; needs no GPU. With `dump_dir` the PTX and the cubin are also written there."""
     rows = cute.sym_int()
 
     def rowmajor(dtype, shape):
@@ -620,11 +572,11 @@ def compiled(arch: str = GPU_ARCH, num_stages: int = 4, dump_dir: str = "", fold
         0,
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    gemm = GroupedGemm2(GroupedGemm2Config(num_stages, folded_scale))
+    gemm = GroupedGemm2(GroupedGemm2Config(num_stages))
     dump = f" --keep-ptx --keep-cubin --dump-dir={dump_dir}" if dump_dir else ""
     return cute.compile(gemm, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}{dump}")
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
-    """Compile the grouped GEMM2 for `arch` without touching a GPU: the promoted and the folded W2 scale."""
-    return compiled(arch), compiled(arch, folded_scale=True)
+    """Compile the grouped GEMM2 for `arch` without touching a GPU."""
+    return (compiled(arch),)

@@ -7,12 +7,12 @@ own partitions while tracing (no GPU): the A fragment (a thread's words of a k16
 accumulator (`grouped_wgmma.fragment_row` / `fragment_col` for m64n128k16, which the epilogue's static split into two
 token passes needs), W2's shared-memory bytes (`w2_offset` is the TMA destination layout's swizzle); bank-conflict
 freedom of the W2 loads and of the epilogue buffer both ways (`epilogue_offset`); the shared-memory budget and one CTA
-per SM; from the compiled PTX and cubin: the launch registers hold the `setmaxnreg` split, the MMAs are sixteen
-m64n128k16 f16 WGMMAs, one `cvt.rn.f16x2.e4m3x2` per weight pair, 16-B epilogue loads and stores. The folded W2 scale
-(`folded_scale=True`): its K loop's order in the PTX (fence, MMAs, commit, wait_group(1), release, next stage's
-conversion times the block's factor; no wait_group(0) or promotion inside), its registers; a CPU model of its
-arithmetic against float64 (the bound its GPU test uses); GROUPED_T keeps the promoted form.
-GPU (marked `gpu`, skipped without CUDA), both forms: against a float64 torch reference of the same math
+per SM; from the compiled PTX and cubin: the launch registers hold the `setmaxnreg` split, the MMAs are m64n128k16 f16
+WGMMAs, one `cvt.rn.f16x2.e4m3x2` per weight pair, 16-B epilogue loads and stores; the K loop's order with the folded
+W2 scale (fence, MMAs, commit, wait_group(1), release, next stage's conversion times the block's factor; no
+wait_group(0) or promotion inside); a CPU model of the folded scale's arithmetic against float64 (the bound the GPU
+test uses).
+GPU (marked `gpu`, skipped without CUDA): against a float64 torch reference of the same math
 (per-128-K-block products of f16 C and e4m3 W2 times W2's block scale, times the row's `c_scale`) on uneven experts at
 odd offsets (an expert with one row, empty experts, 127/128/129-row edges), one expert with every row, all experts (also
 with block scales spanning 2^-12..2^-6); output rows past the experts' (NaN-poisoned) left untouched while C's rows
@@ -34,7 +34,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
 
 from tests.kernels.compile_checks import assert_compiles_and_caches  # noqa: E402
-from tests.kernels.test_moe_kernel import kernel, needs_cuda, solution_module  # noqa: E402
+from tests.kernels.test_moe_kernel import needs_cuda, solution_module  # noqa: E402
 
 gemm2 = solution_module("grouped_gemm2")
 grouped = solution_module("grouped_wgmma")
@@ -51,7 +51,7 @@ WORD = 4
 
 
 def test_compiles_for_sm90a_without_gpu():
-    assert_compiles_and_caches(gemm2.compile_only, 2)  # the promoted and the folded W2 scale
+    assert_compiles_and_caches(gemm2.compile_only, 1)
 
 
 def _traced() -> dict[str, object]:
@@ -223,7 +223,6 @@ def test_configurations_fit_one_cta_per_sm():
     for stages in (1, 5):
         with pytest.raises(ValueError):
             gemm2.GroupedGemm2Config(stages)
-    assert not gemm2.GroupedGemm2Config().folded_scale and gemm2.GroupedGemm2Config(4, True).folded_scale
     assert gemm2.STAGE_BYTES == 128 * 128 + 128 * 128 * 2
     assert gemm2.TILE_W == gemm2.BLOCK  # one W2 block scale per item and K block
 
@@ -261,12 +260,12 @@ def test_ptx_has_the_rs_wgmmas_conversions_and_16_byte_epilogue(dumped):
     assert "trap;" not in ptx
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+)\.f32\.f16\.f16", ptx)
     steps = gemm2.TILE_K // gemm2.MMA_K
-    assert mmas == ["m64n128k16"] * (2 * steps)  # the two A register sets' blocks
-    # one conversion per weight pair: 64 x 128 bytes per warpgroup and block, 128 threads, 2 bytes each; three call
-    # sites (the item's first block, then one per A register set)
+    assert mmas == ["m64n128k16"] * (4 * steps)  # issue sites: the item's first block, the loop's two, its last
+    # one conversion per weight pair: 64 x 128 bytes per warpgroup and block, 128 threads, 2 bytes each; four call
+    # sites (the item's blocks 0 and 1, then one per A register set in the loop), each times the block's factor
     per_block = gemm2.WG_ROWS * gemm2.TILE_K // gemm2.WARPGROUP // 2
-    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 3 * per_block
-    assert ptx.count("ld.shared.v2.b32") == 3 * per_block // 4  # 8 bytes (four pairs) per load
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == ptx.count("mul.rn.f16x2") == 4 * per_block
+    assert ptx.count("ld.shared.v2.b32") == 4 * per_block // 4  # 8 bytes (four pairs) per load
     # W2 as one 5-d box ((h, l, 8-row group), K, expert: `w2_view`), C as two 2-d boxes of 64 columns (a 128-B
     # swizzle box spans 128 B)
     copies = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.shared::\w+\.global", ptx)
@@ -281,40 +280,12 @@ def test_every_pipeline_wait_follows_its_state(dumped):
     and parity (the consumer's full-barrier waits were `try_wait.parity [slot 0, 1, 2], 0` for every block)."""
     ptx, _ = dumped
     parities = re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64 P1, \[%r\d+\], ([^,]+),", ptx)
-    assert len(parities) == 1 + gemm2.GroupedGemm2Config().num_stages + 3, parities  # producer, its tail, consumers
-    assert all(p.startswith("%r") for p in parities), parities
-
-
-@pytest.fixture(scope="module")
-def dumped_folded(tmp_path_factory) -> tuple[str, bytes]:
-    folder = tmp_path_factory.mktemp("grouped_gemm2_folded_dump")
-    gemm2.compiled(dump_dir=str(folder), folded_scale=True)
-    (ptx,) = folder.glob("*.ptx")
-    (cubin,) = folder.glob("*.cubin")
-    return ptx.read_text(), cubin.read_bytes()
-
-
-def test_grouped_t_keeps_the_promoted_scale():
-    # the folded scale is an A/B option until the device measures it: the call's dispatch builds the default
-    assert not kernel.GROUPED_T.gemm2().folded_scale
-
-
-def test_folded_register_budget_holds_the_setmaxnreg_split(dumped_folded):
-    from tests.kernels.test_moe_grouped_wgmma_compile import REGISTER_FILE, _register_count
-
-    ptx, cubin = dumped_folded
-    regs = _register_count(cubin)
-    assert regs % 8 == 0 and regs * gemm2.NUM_THREADS <= REGISTER_FILE
-    assert gemm2.PRODUCER_REGS <= regs <= gemm2.CONSUMER_REGS
-    assert f"setmaxnreg.dec.sync.aligned.u32 \t{gemm2.PRODUCER_REGS};" in ptx
-    assert f"setmaxnreg.inc.sync.aligned.u32 \t{gemm2.CONSUMER_REGS};" in ptx
-    parities = re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64 P1, \[%r\d+\], ([^,]+),", ptx)
     # producer, its tail, the consumers' four full waits (blocks 0 and 1 of an item, the loop's two)
     assert len(parities) == 1 + gemm2.GroupedGemm2Config().num_stages + 4, parities
     assert all(p.startswith("%r") for p in parities), parities
 
 
-# One token per PTX line of interest, in program order (the folded kernel's ordering checks below).
+# One token per PTX line of interest, in program order (the K loop's ordering checks below).
 _EVENTS = (
     ("F", "wgmma.fence.sync.aligned"),
     ("M", "wgmma.mma_async"),
@@ -366,13 +337,13 @@ def _innermost_loop(lines: list[str], text: str, around: tuple[int, int] | None 
     return min(found, key=lambda ab: ab[1] - ab[0])
 
 
-def test_folded_k_loop_keeps_one_block_in_flight(dumped_folded):
-    """The folded kernel's K loop (two blocks per trip): fence, eight MMAs, commit, wait_group(1) (the previous
+def test_k_loop_keeps_one_block_in_flight(dumped):
+    """The K loop (two blocks per trip): fence, eight MMAs, commit, wait_group(1) (the previous
     block's MMAs completed, this one's may run), release of the previous block's stage, wait for the next stage,
     its 32 conversions into the set the completed MMAs read; no wait_group(0) inside the loop, and no block
     accumulator promotion (no fp32 FMA of the accumulator in it). After the loop the item's last block, one
     wait_group(0), the last two releases. Before it, blocks 0 and 1 of the item: block 0 issued between them."""
-    ptx, _ = dumped_folded
+    ptx, _ = dumped
     lines = ptx.splitlines()
     steps = gemm2.TILE_K // gemm2.MMA_K
     per_block = gemm2.WG_ROWS * gemm2.TILE_K // gemm2.WARPGROUP // 2  # conversions per thread and block
@@ -402,9 +373,8 @@ def test_folded_k_loop_keeps_one_block_in_flight(dumped_folded):
 
 # Relative L2 bound of the folded scale against the float64 math (GPU test below). The CPU model gives 2.0-2.9e-4
 # (`test_folded_scale_model_error`): every A element is rounded to f16 once more (e4m3 x f16(s_kb / s_item), at most
-# 2^-11 relative, rms ~u/2), plus the factor's own f16 rounding per block; the fp32 accumulation adds ~1e-6. The
-# promoted path is exact up to fp32 summation order (1e-5 bound). Against the call's other errors (bf16 C: ~1.7e-3
-# relative L2 on GEMM2's output; the MoE bar 1e-2) either is negligible.
+# 2^-11 relative, rms ~u/2), plus the factor's own f16 rounding per block; the fp32 accumulation adds ~1e-6. Against
+# the call's other errors (bf16 C: ~1.7e-3 relative L2 on GEMM2's output; the MoE bar 1e-2) it is negligible.
 FOLDED_REL_L2 = 5e-4
 
 
@@ -454,7 +424,7 @@ def test_folded_scale_model_error(scales):
 
 
 def test_folded_scale_is_exact_for_equal_block_scales():
-    # factor 1 everywhere: A is the e4m3 value itself and the products are the promoted path's
+    # factor 1 everywhere: A is the e4m3 value itself and the products are exact
     gen = torch.Generator().manual_seed(3)
     c = (torch.randn(64, gemm2.INTERMEDIATE, generator=gen) * 2.0**12).half()
     w = (torch.randn(128, gemm2.INTERMEDIATE, generator=gen) * 0.5).to(torch.float8_e4m3fn)
@@ -462,7 +432,7 @@ def test_folded_scale_is_exact_for_equal_block_scales():
     assert ((model - exact).norm() / exact.norm()).item() < 1e-12
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the probe times both forms on a device")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the probe times the kernel on a device")
 def test_timing_probe_exits_2_without_cuda(capsys):
     from hopperbench.devcheck import load_module_by_path
     from hopperbench.paths import REPO_ROOT
@@ -517,9 +487,8 @@ from tests.kernels.test_moe_grouped_wgmma_compile import GPU_CASES  # noqa: E402
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("folded", [False, True], ids=["promoted", "folded"])
 @pytest.mark.parametrize("case", sorted(GPU_CASES) + ["wide_scales"])
-def test_grouped_gemm2_matches_the_reference(case, folded):
+def test_grouped_gemm2_matches_the_reference(case):
     counts_list = GPU_CASES["all_experts" if case == "wide_scales" else case]
     c, c_scale, stored, w, w_scale, counts = _inputs(counts_list, seed=len(case))
     if case == "wide_scales":  # block scales 2^-12 .. 2^-6 across an item's K blocks (the folded factors' range)
@@ -528,13 +497,12 @@ def test_grouped_gemm2_matches_the_reference(case, folded):
     rows = c.shape[0]
     out = torch.full((rows, gemm2.HIDDEN), float("nan"), dtype=torch.float32, device="cuda")
     num_ctas = torch.cuda.get_device_properties(c.device).multi_processor_count
-    gemm2.compiled(folded_scale=folded)(stored, c_scale, w, w_scale, out, counts, num_ctas)
+    gemm2.compiled()(stored, c_scale, w, w_scale, out, counts, num_ctas)
     torch.cuda.synchronize()
     expected = _reference(c, c_scale, w, w_scale, counts)
     offsets = [sum(counts_list[:e]) for e in range(len(counts_list))]
-    # promoted: exact products, only fp32 summation order differs; folded: one more f16 rounding per W2 element
-    # (the CPU model's 2-3e-4, FOLDED_REL_L2)
-    bound = FOLDED_REL_L2 if folded else 1e-5
+    # one more f16 rounding per W2 element than the reference's exact products (the CPU model's 2-3e-4)
+    bound = FOLDED_REL_L2
     for e, ref in expected.items():
         got = out[offsets[e] : offsets[e] + counts_list[e]].double()
         assert not got.isnan().any(), e

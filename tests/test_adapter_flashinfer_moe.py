@@ -424,3 +424,9 @@ def test_flashinfer_call_replays_from_a_cuda_graph(num_tokens: int) -> None:
     assert torch.equal(replayed, eager)
     stats = compare_output(CONTEST_RULE, replayed, reference.run(*raw.values()))
     assert stats.passed, stats.reason
+
+
+def test_the_side_is_registered_as_the_moe_flashinfer_baseline() -> None:
+    assert MOE.flashinfer_baseline == "flashinfer_moe"
+    (side,) = [lib for lib in MOE.libraries if lib.name == "flashinfer_moe"]
+    assert side.package == f"flashinfer-python=={flashinfer_moe.FLASHINFER_VERSION}"

@@ -9,7 +9,9 @@
 # FI_WHEEL is the full PyPI wheel (its flashinfer/data/ holds the sources). PYTHON needs torch (the
 # repo's venv). CUDA 13.0's toolkit may lack the cuBLAS/cuRAND/NVRTC headers and the libcuda/libnvrtc
 # link names: they come from the venv's nvidia cu13 wheels and an empty libcuda.so.1 stub (resolved by
-# the driver on the GPU host), through FlashInfer's own FLASHINFER_EXTRA_* hooks.
+# the driver on the GPU host), through FlashInfer's own FLASHINFER_EXTRA_* hooks. The stub defines no
+# symbol, so the linker's default --as-needed would drop it and leave the module's driver calls
+# (cuLibraryLoadData, ...) unbound: it is linked --no-as-needed, and the module must list libcuda.so.1.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 : "${BUILD_DIR:?set BUILD_DIR (kept across sessions; ninja resumes there)}"
@@ -31,12 +33,13 @@ ln -sf "$CU13/lib/libnvrtc.so.13" "$BUILD_DIR/extra/lib/libnvrtc.so"
 export FLASHINFER_WORKSPACE_BASE=$BUILD_DIR/ws FLASHINFER_CUDA_ARCH_LIST=9.0a CUDA_HOME PATH=$CUDA_HOME/bin:$PATH
 export PYTHONPATH=$SITE:$BUILD_DIR/stubs
 export FLASHINFER_EXTRA_CFLAGS="-isystem $BUILD_DIR/extra/include" FLASHINFER_EXTRA_CUDAFLAGS="-isystem $BUILD_DIR/extra/include"
-export FLASHINFER_EXTRA_LDFLAGS="-L$BUILD_DIR/extra/lib"
+export FLASHINFER_EXTRA_LDFLAGS="-L$BUILD_DIR/extra/lib -Wl,--no-as-needed -lcuda -Wl,--as-needed"
 "$PYTHON" "$HERE/gen_ninja.py"
 OPS=$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/0.7.2.post1/90a/cached_ops
 for module in dsv3_fused_routing fused_moe_90; do
   echo "=== $module start $(date -u +%FT%TZ) jobs ${MAX_JOBS:-2}"
   ninja -C "$OPS/$module" -j "${MAX_JOBS:-2}" -k 0 || { echo "=== $module failed"; exit 1; }
 done
-nm -D --undefined-only "$OPS/fused_moe_90/fused_moe_90.so" | grep -q kernelLauncher && { echo "unresolved launchers"; exit 1; }
+needed=$(readelf -d "$OPS/fused_moe_90/fused_moe_90.so")
+[[ $needed == *"[libcuda.so.1]"* ]] || { echo "fused_moe_90.so does not list libcuda.so.1: its driver calls would be unbound"; exit 1; }
 echo "=== done $(date -u +%FT%TZ)"

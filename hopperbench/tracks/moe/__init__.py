@@ -20,6 +20,7 @@ MOE = Track(
     human_key="moe",
     # Decode-like rows (weight streaming), small batches, prefill sizes (compute-bound).
     size_classes=SizeClasses("seq_len", (100, 1000)),
+    flashinfer_baseline="flashinfer_moe",
     # The reference takes 1.7-44 ms per call (Python loops over the local experts): timed like
     # the GDN reference.
     timing=TimingDefaults(reference_iterations=10, reference_time_budget_s=0.2),

@@ -59,10 +59,12 @@ cudaUtils.h:159-181; the GPU tests capture the call in a CUDA graph to confirm i
      DeepGEMM-derived SM90 grouped FP8 kernel with bf16 output, SwiGLU to bf16, GEMM2 the same way
      (its bf16 input requantised to e4m3 with 1x128 scales, fp8_blockscale_gemm.cu:100-121), then
      `finalizeMoeRoutingKernelLauncher` (:3411): the weighted sum of a token's slots into `output`.
-     The GEMM kernels are compiled at run time with NVRTC, per (N, K, groups, tile) configuration
-     (csrc/nv_internal/tensorrt_llm/deep_gemm/compiler.cuh:243-420), from the headers
-     `get_cutlass_fused_moe_module` points it to (core.py:642-649): the first call of each
-     configuration takes seconds and must be an untimed one (the worker's warm-up and check call).
+     The GEMM kernels are compiled at run time by the host's nvcc (the deep_gemm JIT always takes its
+     nvcc path, csrc/nv_internal/tensorrt_llm/deep_gemm/runtime.cuh:38-46: `$CUDA_HOME/bin/nvcc`, else
+     `nvcc` on PATH, compiler.cuh:98-122), per (N, K, groups, tile) configuration (compiler.cuh:243-420),
+     from the headers `get_cutlass_fused_moe_module` points it to (core.py:642-649), cubins cached under
+     `~/.tensorrt_llm/cache`: the first call of each configuration takes seconds and must be an untimed
+     one (the worker's warm-up and check call).
    - The tactic: for DeepSeek block scales the runner fixes its GEMM configuration whatever the
      profile (binding.cu:1064-1071) and profiling is a no-op (binding.cu:694-696), so the autotuner's
      choice cannot change the kernels; `profile_ids=[-1, -1]` skips its per-call lookup
@@ -90,7 +92,7 @@ out 48 dense GEMM instantiations nothing in the module refers to) and `dsv3_fuse
 be built in a 30-minute H200 lease, so both are built off the H200 with FlashInfer's own build.ninja and
 installed as FlashInfer's AOT modules, `flashinfer/data/aot/<name>/<name>.so`
 (flashinfer/jit/env.py:238,296-300), which `JitSpec.try_load` loads without building
-(flashinfer/jit/core.py:536-570, via `build_and_load`, :337-359). The NVRTC step also needs the
+(flashinfer/jit/core.py:536-570, via `build_and_load`, :337-359). The GEMMs' JIT step also needs the
 `deep_gemm` headers at `flashinfer/data/csrc/nv_internal/tensorrt_llm/deep_gemm/`. `load_flashinfer`
 refuses (LibraryUnavailableError, one line) when any of them is absent, and loads the modules with
 `FLASHINFER_DISABLE_JIT=1` set (core.py:348-357), so a broken prebuilt module is reported instead of
@@ -117,7 +119,7 @@ FLASHINFER_VERSION = "0.7.2.post1"
 # FlashInfer's module names (flashinfer/jit/fused_moe.py:179-180, jit/dsv3_optimizations.py:62).
 FUSED_MOE_MODULE = "fused_moe_90"
 ROUTING_MODULE = "dsv3_fused_routing"
-# What the NVRTC step of the block-scale GEMMs includes (core.py:642-649, deep_gemm/compiler.cuh:183-202).
+# What the JIT step of the block-scale GEMMs includes (core.py:642-649, deep_gemm/compiler.cuh:183-202).
 DEEP_GEMM_HEADERS = Path("nv_internal") / "tensorrt_llm" / "deep_gemm"
 
 NUM_EXPERTS = 256

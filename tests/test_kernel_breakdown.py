@@ -135,3 +135,12 @@ def test_api_calls_are_named_from_cuptis_tables():
     launch = int(cupti.driver_api_trace_cbid.cuLaunchKernelEx)
     assert name_of(ApiRecord(0, 1, 1, int(cupti.ActivityKind.DRIVER), launch)) == "cuLaunchKernelEx"
     assert name_of(ApiRecord(0, 1, 1, 99, 3)) == "kind 99: 3"
+
+
+def test_a_side_with_a_prepare_step_is_timed_on_what_it_returns():
+    # as the runner's worker does: prepare's values (by name, in order), then the outputs
+    def prepare(a, b):
+        return {"a": a * 2, "b": b}
+
+    assert tool.timed_arguments({"a": 1, "b": 3}, prepare, ["out"]) == [2, 3, "out"]
+    assert tool.timed_arguments({"a": 1, "b": 3}, None, []) == [1, 3]

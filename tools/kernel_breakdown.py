@@ -3,7 +3,7 @@
     uv run tools/kernel_breakdown.py --track moe [--side ours] [--workloads 1,0,12] [--iterations 20]
 
 For each chosen workload (indices of the track's workload list; default: the first): synthesized
-inputs (seed, trial 0), then the CUPTI cold-L2 protocol of hopperbench.timing (the same flush,
+inputs (seed, trial 0; through the side's untimed `prepare` where it has one, as the runner does), then the CUPTI cold-L2 protocol of hopperbench.timing (the same flush,
 synchronisation and span rules as the runner), then one table: per activity of the call, in launch
 order, when the host issued it (the start of its launching API call), when it started and ended on
 the GPU (all three from the call's first GPU start; CUPTI puts host and GPU times on one clock), its
@@ -207,6 +207,15 @@ def _parse_indices(text: str) -> list[int]:
     return indices
 
 
+def timed_arguments(
+    inputs: Mapping[str, Any], prepare: Callable[..., Mapping[str, Any]] | None, outputs: Sequence[Any]
+) -> list[Any]:
+    """The arguments of the timed call, as the runner's worker builds them: the definition's inputs (through
+    the side's untimed `prepare` where it has one: a library's own input layout), then the outputs."""
+    prepared = prepare(*inputs.values()) if prepare is not None else inputs
+    return [*prepared.values(), *outputs]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--track", required=True, help="gdn_prefill, moe or dsa_attention")
@@ -225,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     from hopperbench.timing.cupti_timer import TimerUnavailable, load_cupti, record_cold_l2
     from hopperbench.timing.span import iteration_gpu_records
     from hopperbench.tracks import UnknownTrackError, get_track
-    from hopperbench.worker import allocate_poisoned_outputs
+    from hopperbench.worker import allocate_poisoned_outputs, load_side_prepare
     from hopperbench.workloads import load_workloads
 
     try:
@@ -250,12 +259,14 @@ def main(argv: list[str] | None = None) -> int:
 
     definition = load_definition(track)
     fn = side.build(definition)
+    prepare = load_side_prepare(side)  # a library side's untimed step, as the runner applies it
     for index in indices:
         workload = workloads[index]
         inputs = make_inputs(track.name, workload, args.seed, 0, "cuda")
-        call_args = list(inputs.values())
+        outputs = []
         if side.destination_passing_style:
-            call_args += allocate_poisoned_outputs(definition, workload.axes, torch.device("cuda"))
+            outputs = allocate_poisoned_outputs(definition, workload.axes, torch.device("cuda"))
+        call_args = timed_arguments(inputs, prepare, outputs)
         try:
             trace = record_cold_l2(fn, call_args, args.warmup, args.iterations)
         except TimerUnavailable as err:
@@ -267,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         print(render(f"{track.name} #{index} ({axes}), side {side.name}:", result))
         origins = [min(r.start for r in records) for records in per_iteration]
         print(render_host_calls(host_calls(trace.windows, trace.api_records, origins, api_call_namer(load_cupti()))))
-        del inputs, call_args, trace
+        del inputs, outputs, call_args, trace
     return 0
 
 

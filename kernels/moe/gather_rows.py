@@ -22,10 +22,10 @@ from collections.abc import Callable
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .chain import NO_CHAIN, Linked, enter
 from .shapes import HIDDEN, HIDDEN_BLOCKS, NUM_LOCAL_EXPERTS
+from .standalone import compile_standalone, rowmajor
 from .streaming_gemm import lane_inclusive_sums
 
 __all__ = ["CTAS_PER_SM", "GatherRowsKernel", "ROWS_PER_CTA", "compiled", "compile_only"]
@@ -133,26 +133,20 @@ class _GatherRows:
 def compiled(arch: str = GPU_ARCH, dump_dir: str = "") -> Callable:
     """The TVM-FFI launcher `(counts, expert_tokens, x, x_scale, a_rows, a_rows_scale, num_sms)` on the current torch
     stream, compiled once for symbolic T and R (R a multiple of 4, as GEMM1's scale tensor map needs); needs no GPU.
-    With `dump_dir` the PTX is also written there (what the CPU test reads the vector copies from)."""
+    With `dump_dir` the PTX and cubin are also written there (the CPU test reads the vector copies from the PTX)."""
     tokens = cute.sym_int()
     rows = cute.sym_int(divisibility=4)
 
-    def rowmajor(dtype, shape):
-        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
-
     fp8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
-    args = (
+    tensors = (
         rowmajor(Int32, (NUM_LOCAL_EXPERTS,)),
         rowmajor(Int32, (NUM_LOCAL_EXPERTS, tokens)),
         rowmajor(fp8, (tokens, HIDDEN)),
         rowmajor(f32, (HIDDEN_BLOCKS, tokens)),
         rowmajor(fp8, (rows, HIDDEN)),
         rowmajor(f32, (HIDDEN_BLOCKS, rows)),
-        0,
-        make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    dump = f" --keep-ptx --dump-dir={dump_dir}" if dump_dir else ""
-    return cute.compile(_GatherRows(), *args, options=f"--enable-tvm-ffi --gpu-arch {arch}{dump}")
+    return compile_standalone(_GatherRows(), tensors, arch, dump_dir)
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:

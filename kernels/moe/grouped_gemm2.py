@@ -71,22 +71,14 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.tensor_utils import LayoutEnum
 
 from .chain import enter
-from .grouped_wgmma import fragment_col, fragment_row
+from .grouped_wgmma import WarpSpecializedConfig, fragment_col, fragment_row
 from .intermediate_order import GROUP
 from .shapes import BLOCK, HIDDEN, HIDDEN_BLOCKS, INTERMEDIATE, INTERMEDIATE_BLOCKS, NUM_LOCAL_EXPERTS
-from .streaming_gemm import (
-    CHUNK,
-    LinkedGemm,
-    PersistentGemmConfig,
-    fill_schedule_tables,
-    lds_shared,
-    locate_row_tile,
-    smem_region,
-)
+from .standalone import compile_standalone, rowmajor
+from .streaming_gemm import CHUNK, LinkedGemm, fill_schedule_tables, lds_shared, locate_row_tile, smem_region
 
 __all__ = [
     "GroupedGemm2",
@@ -162,21 +154,11 @@ def w2_view(num_experts):
     )
 
 
-class GroupedGemm2Config(PersistentGemmConfig):
-    """Compile-time shape: the pipeline depth (2-4 stages of 48 KB; 4 by default). Its shared memory is `fields()`
-    followed by the schedule's tables (`streaming_gemm.SCHEDULE_TABLES`)."""
+class GroupedGemm2Config(WarpSpecializedConfig):
+    """Compile-time shape: the pipeline depth (2-4 stages of 48 KB; 4 by default)."""
 
+    max_stages = 4
     f16_c = True  # C rewritten as f16 times a power of two per row (`c_to_f16.py` runs before it): what the host reads
-
-    def __init__(self, num_stages: int = 4):
-        if not 2 <= num_stages <= 4:
-            raise ValueError(f"num_stages must be 2..4, got {num_stages}")
-        self.num_stages = num_stages
-        self.check_fits()
-
-    def ctas_per_sm(self) -> int:
-        """One: its 384 threads take the register file (40 x 128 + 232 x 256) and its stages the shared memory."""
-        return 1
 
     def fields(self) -> dict:
         ns = self.num_stages
@@ -552,29 +534,22 @@ class GroupedGemm2(LinkedGemm):
 
 
 @functools.cache
-def compiled(arch: str = GPU_ARCH, num_stages: int = 4, dump_dir: str = "") -> Callable:
+def compiled(arch: str = GPU_ARCH, num_stages: int = GroupedGemm2Config.max_stages, dump_dir: str = "") -> Callable:
     """The TVM-FFI launcher `(c, c_scale, w, w_scale, out, counts, num_ctas)` on the current torch stream (c the bf16
     workspace holding f16 bits; expert e's rows from the exclusive prefix of `counts` on), compiled once for symbolic
     row counts R; needs no GPU. With `dump_dir` the PTX and the cubin are also written there."""
     rows = cute.sym_int()
 
-    def rowmajor(dtype, shape):
-        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
-
     fp8, f32 = cutlass.Float8E4M3FN, Float32
-    args = (
+    tensors = (
         rowmajor(cutlass.BFloat16, (rows, INTERMEDIATE)),
         rowmajor(f32, (rows,)),
         rowmajor(fp8, (NUM_LOCAL_EXPERTS, HIDDEN, INTERMEDIATE)),
         rowmajor(f32, (NUM_LOCAL_EXPERTS, HIDDEN_BLOCKS, INTERMEDIATE_BLOCKS)),
         rowmajor(f32, (rows, HIDDEN)),
         rowmajor(Int32, (NUM_LOCAL_EXPERTS,)),
-        0,
-        make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    gemm = GroupedGemm2(GroupedGemm2Config(num_stages))
-    dump = f" --keep-ptx --keep-cubin --dump-dir={dump_dir}" if dump_dir else ""
-    return cute.compile(gemm, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}{dump}")
+    return compile_standalone(GroupedGemm2(GroupedGemm2Config(num_stages)), tensors, arch, dump_dir)
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:

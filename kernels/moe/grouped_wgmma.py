@@ -53,12 +53,12 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.tensor_utils import LayoutEnum
 
 from .chain import enter
 from .intermediate_order import GROUP, stored_position
 from .shapes import BLOCK, GEMM1_OUT, HIDDEN, HIDDEN_BLOCKS, INTERMEDIATE, NUM_LOCAL_EXPERTS
+from .standalone import compile_standalone, rowmajor
 from .streaming_gemm import LinkedGemm, PersistentGemmConfig, fill_schedule_tables, locate_row_tile, smem_region
 from .swiglu import swiglu_bf16x2
 
@@ -120,21 +120,30 @@ def promote(acc: cute.Tensor, block_acc: cute.Tensor, scales: tuple) -> None:
         acc[i] = acc[i] + block_acc[i] * scales[fragment_row(i) // 8 + 2 * (fragment_col(i) // HALF_N)]
 
 
-class GroupedGemm1Config(PersistentGemmConfig):
-    """Compile-time shape: the pipeline depth (2-6 stages of 32.5 KB; 6 by default). Its shared memory is `fields()`
-    followed by the schedule's tables (`streaming_gemm.SCHEDULE_TABLES`: row-tile ends, counts, offsets per expert)."""
+class WarpSpecializedConfig(PersistentGemmConfig):
+    """What the grouped GEMMs' configurations share: a pipeline of 2..`max_stages` stages (the default the most that
+    fit) and one CTA per SM. Its shared memory is the subclass's `fields()` followed by the schedule's tables
+    (`streaming_gemm.SCHEDULE_TABLES`: row-tile ends, counts, offsets per expert)."""
 
-    gathered_rows = True  # A is the grouped rows of the row gather (`gather_rows.py`), not x: what the host reads
+    max_stages: int
 
-    def __init__(self, num_stages: int = 6):
-        if not 2 <= num_stages <= 6:
-            raise ValueError(f"num_stages must be 2..6, got {num_stages}")
+    def __init__(self, num_stages: int | None = None):
+        num_stages = self.max_stages if num_stages is None else num_stages
+        if not 2 <= num_stages <= self.max_stages:
+            raise ValueError(f"num_stages must be 2..{self.max_stages}, got {num_stages}")
         self.num_stages = num_stages
         self.check_fits()
 
     def ctas_per_sm(self) -> int:
         """One: its 384 threads take the register file (40 x 128 + 232 x 256) and its stages the shared memory."""
         return 1
+
+
+class GroupedGemm1Config(WarpSpecializedConfig):
+    """Compile-time shape: the pipeline depth (2-6 stages of 32.5 KB; 6 by default)."""
+
+    max_stages = 6
+    gathered_rows = True  # A is the grouped rows of the row gather (`gather_rows.py`), not x: what the host reads
 
     def fields(self) -> dict:
         ns = self.num_stages
@@ -412,30 +421,23 @@ class GroupedGemm1(LinkedGemm):
 
 
 @functools.cache
-def compiled(arch: str = GPU_ARCH, num_stages: int = 6, dump_dir: str = "") -> Callable:
+def compiled(arch: str = GPU_ARCH, num_stages: int = GroupedGemm1Config.max_stages, dump_dir: str = "") -> Callable:
     """The TVM-FFI launcher `(a, a_scale, w, w_scale, out, counts, num_ctas)` on the current torch stream (expert e's
     rows from the exclusive prefix of `counts` on), compiled once for symbolic row counts R (a multiple of 4); needs no
     GPU. With `dump_dir` the PTX and the cubin are also written there (`*.ptx`, `*.cubin`: what the CPU tests read the
     kernel's structure from)."""
     rows = cute.sym_int(divisibility=4)
 
-    def rowmajor(dtype, shape):
-        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
-
     fp8, f32 = cutlass.Float8E4M3FN, Float32
-    args = (
+    tensors = (
         rowmajor(fp8, (rows, HIDDEN)),
         rowmajor(f32, (HIDDEN_BLOCKS, rows)),
         rowmajor(fp8, (NUM_LOCAL_EXPERTS, GEMM1_OUT, HIDDEN)),
         rowmajor(f32, (NUM_LOCAL_EXPERTS, GEMM1_OUT // BLOCK, HIDDEN_BLOCKS)),
         rowmajor(cutlass.BFloat16, (rows, INTERMEDIATE)),
         rowmajor(Int32, (NUM_LOCAL_EXPERTS,)),
-        0,
-        make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    gemm = GroupedGemm1(GroupedGemm1Config(num_stages))
-    dump = f" --keep-ptx --keep-cubin --dump-dir={dump_dir}" if dump_dir else ""
-    return cute.compile(gemm, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}{dump}")
+    return compile_standalone(GroupedGemm1(GroupedGemm1Config(num_stages)), tensors, arch, dump_dir)
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:

@@ -45,6 +45,7 @@ from .shapes import (
     NUM_LOCAL_EXPERTS,
     TOP_K,
 )
+from .standalone import rowmajor
 from .streaming_gemm import WALK_SLOT_WORDS
 
 __all__ = [
@@ -228,9 +229,6 @@ def fake_tensor_arguments() -> tuple:
     from `routing_logits` through the workspaces, in call order."""
     num_tokens = cute.sym_int()
     num_rows = cute.sym_int()  # packed workspace rows (8 T)
-
-    def rowmajor(dtype, shape):
-        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
 
     f32, bf16, fp8, i32 = cutlass.Float32, cutlass.BFloat16, cutlass.Float8E4M3FN, cutlass.Int32
     return (

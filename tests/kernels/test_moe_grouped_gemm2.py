@@ -437,7 +437,7 @@ def test_timing_probe_exits_2_without_cuda(capsys):
     from hopperbench.devcheck import load_module_by_path
     from hopperbench.paths import REPO_ROOT
 
-    probe = load_module_by_path(REPO_ROOT / "kernels/moe/probes/grouped_gemm2_timing.py", "grouped_gemm2_timing")
+    probe = load_module_by_path(REPO_ROOT / "kernels/moe/probes/grouped_gemm_timing.py", "grouped_gemm_timing")
     assert probe.main([]) == 2 and "needs a CUDA device" in capsys.readouterr().err
 
 

@@ -21,7 +21,9 @@ SITE=${FI_SITE:-$BUILD_DIR/site}  # where the wheel is unpacked (FI_SITE: an exi
 mkdir -p "$BUILD_DIR/extra/include" "$BUILD_DIR/extra/lib" "$BUILD_DIR/stubs/requests"
 if [[ ! -d $SITE/flashinfer ]]; then
   : "${FI_WHEEL:?set FI_WHEEL to the flashinfer-python 0.7.2.post1 wheel from PyPI}"
-  "$PYTHON" -m pip install -q --no-deps --no-compile --target "$SITE" "$FI_WHEEL"
+  # A wheel is a zip and this one is pure Python with no .data folder: unpacking it is installing it
+  # (the uv-made venv has no pip).
+  "$PYTHON" -m zipfile -e "$FI_WHEEL" "$SITE"
 fi
 CU13=$("$PYTHON" -c "import nvidia, os; print(os.path.join(nvidia.__path__[0], 'cu13'))")
 for h in "$CU13"/include/*.h; do [[ -e $CUDA_HOME/include/$(basename "$h") ]] || cp -n "$h" "$BUILD_DIR/extra/include/"; done

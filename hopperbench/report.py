@@ -11,6 +11,7 @@
 - `size_rows`: per track and size class (`Track.size_classes`), ours over the baseline and over the
   human winner, with the smallest per-workload ratio beside each geometric mean.
 - `pass_counts`: per track, how many workloads each side passed, failed, or could not run.
+- `repeat_markdown`: per track, how far a repeat of the run moved (`hopperbench.repeatability`).
 
 The headline, the by-size table and the pass counts are over the rows that gave the optional input
 a track samples the absence of (`Track.absent_input_sample`, GDN's `state`): `headline_rows`. The
@@ -30,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hopperbench import repeatability
 from hopperbench.environment import EnvironmentRecord
 from hopperbench.results import (
     ResultsFile,
@@ -608,3 +610,42 @@ def sides_table() -> list[str]:
             )
     return _table(("track", "side", "pin", "one timed call"), body)
 
+
+
+# ------------------------------------------------------------------------------------------
+# Repeatability
+
+
+REPEAT_HEADER = (
+    "track", "rows judged", f"within {repeatability.TOLERANCE:.0%}",
+    "over: side, rows (of them no-state twins), largest change", "graph-span geomean change per side (rows)",
+)  # fmt: skip
+
+
+def repeat_markdown(first: ResultsFile, second: ResultsFile) -> list[str]:
+    """Per track timed in both runs: the judged rows (`repeatability.compare`), how many stayed
+    within the tolerance, the sides of those that did not, and each side's geometric-mean change of
+    its graph span (marked where it is over `repeatability.GEOMEAN`)."""
+    from hopperbench.tracks import TRACKS
+
+    rows = repeatability.compare(first, second)
+    present = {c.track for c in rows}
+    body = []
+    for track in [t for t in TRACKS if t in present] + sorted(present - set(TRACKS)):
+        judged = [c for c in rows if c.track == track and c.judged]
+        if not judged:
+            continue
+        over = [c for c in judged if c.over(repeatability.TOLERANCE)]
+        over_cells = []
+        for side in dict.fromkeys(c.side for c in over):
+            mine = [c for c in over if c.side == side]
+            twins = sum(1 for c in mine if c.absent_inputs)
+            largest = max((c.largest_graph_change for c in mine), key=abs)
+            over_cells.append(f"`{side}` {len(mine)} ({twins}), {largest:+.1%}")
+        mean_cells = [
+            f"`{m.side}` {m.change:+.2%} ({m.rows})" + (" **over**" if abs(m.change) > repeatability.GEOMEAN else "")
+            for m in repeatability.side_means(judged)
+        ]
+        body.append([f"`{track}`", str(len(judged)), str(len(judged) - len(over)),
+                     "; ".join(over_cells) or "none", "; ".join(mean_cells)])  # fmt: skip
+    return _table(REPEAT_HEADER, body) if body else []

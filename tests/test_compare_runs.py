@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from hopperbench import report
 from hopperbench.devcheck import load_module_by_path
 from hopperbench.environment import EnvironmentRecord
 from hopperbench.paths import REPO_ROOT
@@ -23,11 +24,12 @@ def timed(side: str, ms: float, graph: float | None = None, busy: float | None =
                       max_ms=ms * (1 + spread / 2), **fields)  # fmt: skip
 
 
-def write_run(path: Path, sides_by_index: dict[int, list[SideResult]]) -> Path:
+def write_run(path: Path, sides_by_index: dict[int, list[SideResult]], absent: dict[int, list[str]] | None = None) -> Path:
+    """Rows of track moe, workload i with `sides_by_index[i]` (and the optional inputs `absent[i]` withheld)."""
     rows = [
         WorkloadRow.from_sides(
             WorkloadKey(track="moe", definition="d", uuid=f"u{i}", index=i, axes={"seq_len": 1},
-                        data_source="synthesized", seed=0),  # fmt: skip
+                        data_source="synthesized", seed=0, absent_inputs=(absent or {}).get(i, [])),  # fmt: skip
             {s.side: s for s in sides},
         )
         for i, sides in sides_by_index.items()
@@ -106,3 +108,20 @@ def test_a_workload_and_its_no_state_twin_are_paired_with_their_own_rows(tmp_pat
     assert compare_runs.main([str(a), str(b)]) == 0
     out = capsys.readouterr().out
     assert "all inputs" in out and "no state" in out and "2 of 2 judged rows" in out
+
+
+def test_readme_summary_counts_judged_rows_names_the_sides_over_and_their_twins(tmp_path: Path) -> None:
+    a = write_run(tmp_path / "a.json", {0: [timed("ours", 0.3, 0.2), timed("fla", 1.0, 0.5)],
+                                        1: [timed("ours", 0.3, 0.2), timed("fla", 1.0, 0.5)],
+                                        2: [timed("ours", 0.01, 0.01)]}, absent={1: ["state"]})  # fmt: skip
+    b = write_run(tmp_path / "b.json", {0: [timed("ours", 0.3, 0.2), timed("fla", 1.0, 0.52)],
+                                        1: [timed("ours", 0.3, 0.2), timed("fla", 1.0, 0.47)],
+                                        2: [timed("ours", 0.01, 0.02)]}, absent={1: ["state"]})  # fmt: skip
+    lines = report.repeat_markdown(compare_runs.read_results(a), compare_runs.read_results(b))
+    assert len(lines) == 3 and lines[0].startswith("| track | rows judged | within 3% |")
+    # Five judged rows (row 2 is fast in run 1 but 20 us in run 2: judged, and 100 % over).
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[:3] == ["`moe`", "5", "2"]
+    assert "`fla` 2 (1), -6.0%" in cells[3] and "`ours` 1 (0), +100.0%" in cells[3]
+    assert "`fla` -1.13% (2) **over**" in cells[4]  # sqrt(1.04 x 0.94) - 1
+    assert report.repeat_markdown(compare_runs.read_results(a), compare_runs.read_results(a))[2].count("none") == 1

@@ -310,6 +310,11 @@ def test_render_writes_sections_and_views_and_check_catches_staleness(tmp_path: 
     assert text.startswith("# title\n") and text.endswith("\nafter\n")
     assert "`flashinfer_gdn` (FlashInfer)" in text and "commit `abcdef1234`" in text
     assert render.NO_STATE_ROWS in text  # a run without twins says so in one line
+    assert render.NO_REPEAT in text
+    # A repeat appears beside it: README's repeat section is stale until rendered.
+    write_results(results_dir / "h200" / "repeat.json", env, gdn_rows())
+    assert render.main([*args, "--check"]) == 1
+    assert render.main(args) == 0 and render.NO_REPEAT not in readme.read_text()
     assert (results_dir / render.LIBRARY_VIEW).stat().st_mode & 0o777 == 0o644
     # A hand edit of a view is caught.
     view = results_dir / render.HUMAN_VIEW

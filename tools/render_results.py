@@ -11,8 +11,9 @@ it holds the same workloads and sides), and writes:
   the baseline and the human winner per size class), `no-state` (the same table over the run's
   rows without GDN's initial state, and their pass counts), `passes` (a pass/fail line per track),
   `environment` (GPU, commit, date, protocol; commit and date per track where the tracks were
-  measured in different runs) and `sides` (each library side of the registry with
-  its pin and what one timed call contains);
+  measured in different runs), `repeat` (per track, how far the repeat `results/h200/repeat.json`
+  moved from the canonical run: `report.repeat_markdown`) and `sides` (each library side of the
+  registry with its pin and what one timed call contains);
 - `results/h200_vs_human_best.csv` and `results/h200_vs_libraries.csv` (results/SCHEMA.md).
 
 Without a canonical run the sections say so and the views hold their header only; they are still
@@ -31,11 +32,13 @@ from hopperbench.paths import REPO_ROOT, RESULTS_DIR
 from hopperbench.results import ResultsFile, TidyFormatError, csv_cell, read_results, read_tidy_csv, state_given
 
 CANONICAL = Path("h200") / "latest.json"
+REPEAT = Path("h200") / "repeat.json"
 HUMAN_VIEW = "h200_vs_human_best.csv"
 LIBRARY_VIEW = "h200_vs_libraries.csv"
-SECTIONS = ("headline", "sizes", "no-state", "passes", "environment", "sides")
+SECTIONS = ("headline", "sizes", "no-state", "passes", "environment", "repeat", "sides")
 NO_RUN = "No canonical run yet (`results/h200/latest.json` does not exist)."
 NO_STATE_ROWS = "The canonical run has no no-state rows."
+NO_REPEAT = "No repeat run yet (`results/h200/repeat.json` does not exist), or it shares no judged row."
 
 
 class RenderError(Exception):
@@ -68,13 +71,19 @@ def load_canonical(results_dir: Path) -> ResultsFile | None:
     return results
 
 
-def sections(results: ResultsFile | None) -> dict[str, str]:
+def load_repeat(results_dir: Path) -> ResultsFile | None:
+    path = results_dir / REPEAT
+    return read_results(path) if path.is_file() else None
+
+
+def sections(results: ResultsFile | None, repeat: ResultsFile | None = None) -> dict[str, str]:
     """The text between each pair of markers."""
     sides = "\n".join(report.sides_table())
     if results is None:
         return {"headline": NO_RUN, "sizes": "No sizes without a canonical run.",
                 "no-state": "No no-state rows without a canonical run.",
-                "passes": "No pass counts without a canonical run.", "environment": "none yet.", "sides": sides}  # fmt: skip
+                "passes": "No pass counts without a canonical run.", "environment": "none yet.",
+                "repeat": NO_REPEAT, "sides": sides}  # fmt: skip
     partial = ""
     if results.completeness is not None and results.completeness.partial:
         c = results.completeness
@@ -85,6 +94,7 @@ def sections(results: ResultsFile | None) -> dict[str, str]:
         "no-state": "\n".join(report.absent_input_markdown(results)) or NO_STATE_ROWS,
         "passes": "\n".join(f"- {line}" for line in report.pass_lines(report.headline_rows(results.rows))),
         "environment": report.environment_line(results.environment, results.track_environments()),
+        "repeat": "\n".join(report.repeat_markdown(results, repeat) if repeat is not None else []) or NO_REPEAT,
         "sides": sides,
     }
 
@@ -122,7 +132,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], None] | None = 
     try:
         results = load_canonical(args.results_dir)
         current = args.readme.read_text(encoding="utf-8")
-        updated = replace_sections(current, sections(results))
+        updated = replace_sections(current, sections(results, load_repeat(args.results_dir)))
         wanted = {args.results_dir / name: text for name, text in views(results).items()}
     except (RenderError, OSError, ValueError) as e:
         err(f"render_results: error: {str(e).splitlines()[0]}")

@@ -36,6 +36,7 @@ KERNEL_CHOICES = (
     "token_serial",
     "chunked",
     "wy_prepass",
+    "wgmma_value_side",
 )
 
 # Ten sequences, so that the chunked kernel, which orders its grid rows by length, re-ranks at replay:

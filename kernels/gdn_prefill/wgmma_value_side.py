@@ -1,0 +1,426 @@
+"""GDN prefill's WY-prepass path with its chain on Hopper's warpgroup MMA: `wy_prepass.py`'s key side (gates,
+P and T of every (chunk, head) into the workspace), then one CTA per (sequence, v-head) that holds the whole
+128 x 128 state as the fp32 accumulator of two warpgroups (64 value rows each) for the whole sequence.
+
+Why (NOTES.md, "Mapping onto the H200"): `wy_prepass.py`'s chain splits a head over four 32-row CTAs that each
+reload and convert K, Q, T and P and feed `mma.sync` through `ldmatrix`; at 8192 tokens in 20-57 sequences it
+is ~3/4 of the call and runs ~4x fewer row-chunks per us per SM than FlashInfer's SM90 kernel, whose state
+warpgroups hold the state as WGMMA accumulators and take their B operands straight from shared memory. This
+is that value side, fed by our prepass.
+
+Per chunk of 64 tokens (`chunked_model.py`'s algebra and rounding points; decays in base 2 as `chunked.py`),
+every accumulator [v, token] or [v, k]:
+    Yk^T = S K^T,  Yq^T = S Q^T                        m64n64k16 x 8, A = S (fp16) in registers
+    Xb^T = beta (V^T - exp(G) Yk^T)                    element-wise, into fp16 registers
+    V'^T = Xb^T T^T                                    m64n64k16 x 4, A in registers
+    O^T  = scale (exp(G) Yq^T + V'^T P^T)              m64n64k16 x 4, A = V' (fp16) in registers
+    S    = exp(G_last) S + (V' exp(G_last - G))^T K    m64n128k16 x 4, onto the state, A in registers
+Every hand-over is an element-wise conversion in the thread that holds the value: the state accumulator's
+fragment is the A fragment of the products over K = 128, a products accumulator [v, token] the A fragment of
+the next products and of the update over K = 64, and one 128-B-swizzled copy of the keys is both the K-major B
+of `S K^T` and the MN-major B of the update (`tests/kernels/test_gdn_wgmma_value_side.py` traces them).
+
+Loads: the next chunk's raw k, q, v rows (bf16), T and P (fp16) and G, beta (fp32) are copied by cp.async into
+staging buffers while this chunk computes; a chunk starts by converting them into the operand buffers. Grid
+(8 v-heads, N), 256 threads, one CTA per SM (~132 KB of shared memory); with many sequences the grid rows
+serve them longest first (`chunked.py`'s `sequence_of_block`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from . import token_serial, wy_prepass
+from .chunked import CHUNK, MAX_SMEM_CARVEOUT, _Chunked, sequence_bounds
+from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, V_HEADS_PER_QK_HEAD, resolve_scale
+
+__all__ = ["NUM_THREADS", "WgmmaValueSide", "compile_only", "compiled_for", "operands", "run"]
+
+NUM_WARPGROUPS = 2  # each owns 64 of the 128 value rows of the state
+NUM_THREADS = 128 * NUM_WARPGROUPS
+VEC = 8  # 16-bit elements per 16-B copy
+VALUES_STRIDE = CHUNK + 8  # bf16 [v, token] values: rows 144 B apart, a thread's token pairs together
+
+K_MAJOR = LayoutEnum.ROW_MAJOR
+MN_MAJOR = LayoutEnum.COL_MAJOR
+
+
+@cute.jit
+def operands():
+    """(state update MMA, products MMA, keys as the products' B, keys as the update's B, T or P as the
+    products' B): the tiled MMAs and the 128-B-swizzled shared-memory layouts."""
+    update_mma = sm90_utils.make_trivial_tiled_mma(
+        Float16, Float16, K_MAJOR.sm90_mma_major_mode(), MN_MAJOR.sm90_mma_major_mode(), Float32,
+        (NUM_WARPGROUPS, 1, 1), tiler_mn=(64, HEAD_SIZE), a_source=warpgroup.OperandSource.RMEM,
+    )  # fmt: skip
+    products_mma = sm90_utils.make_trivial_tiled_mma(
+        Float16, Float16, K_MAJOR.sm90_mma_major_mode(), K_MAJOR.sm90_mma_major_mode(), Float32,
+        (NUM_WARPGROUPS, 1, 1), tiler_mn=(64, CHUNK), a_source=warpgroup.OperandSource.RMEM,
+    )  # fmt: skip
+    keys_k_major = sm90_utils.make_smem_layout_b(K_MAJOR, (HEAD_SIZE, CHUNK, HEAD_SIZE), Float16, 1)
+    keys_mn_major = sm90_utils.make_smem_layout_b(MN_MAJOR, (HEAD_SIZE, HEAD_SIZE, CHUNK), Float16, 1)
+    square = sm90_utils.make_smem_layout_b(K_MAJOR, (HEAD_SIZE, CHUNK, CHUNK), Float16, 1)
+    return update_mma, products_mma, keys_k_major, keys_mn_major, square
+
+
+class WgmmaValueSide(_Chunked):
+    """Kernel 2 of this path (see the module docstring); `wy_prepass._KeySide` is kernel 1. Subclasses
+    `_Chunked` for its sequence ranking and gate decay only."""
+
+    @cute.jit
+    def launch(
+        self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g,
+        stream,
+    ):  # fmt: skip
+        update_mma, products_mma, keys_k_major, keys_mn_major, square = operands()
+        rows = cute.cosize(keys_k_major.outer)
+        square_size = cute.cosize(square.outer)
+
+        @cute.struct
+        class SharedStorage:
+            keys: cute.struct.Align[cute.struct.MemRange[Float16, rows], 1024]
+            queries: cute.struct.Align[cute.struct.MemRange[Float16, rows], 1024]
+            t: cute.struct.Align[cute.struct.MemRange[Float16, square_size], 1024]
+            p: cute.struct.Align[cute.struct.MemRange[Float16, square_size], 1024]
+            values: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_SIZE * VALUES_STRIDE], 16]
+            g: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]  # G, base 2
+            beta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
+            decay_in: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]  # exp(G)
+            decay_out: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]  # exp(G_last - G)
+            # the next chunk's raw rows and key side, copied while this one computes
+            raw_k: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * HEAD_SIZE], 128]
+            raw_q: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * HEAD_SIZE], 128]
+            raw_v: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * HEAD_SIZE], 128]
+            raw_tp: cute.struct.Align[cute.struct.MemRange[Float16, 2 * CHUNK * CHUNK], 128]
+            raw_gates: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK], 16]
+
+        self.kernel(
+            q, k, v, state, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, update_mma, products_mma,
+            keys_k_major, keys_mn_major, square, SharedStorage,
+        ).launch(
+            grid=[NUM_V_HEADS, new_state.shape[0], 1], block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(),
+            stream=stream, preferred_smem_carveout=MAX_SMEM_CARVEOUT,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        state_in: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        scale: Float32,
+        has_state: Int32,
+        output: cute.Tensor,
+        new_state: cute.Tensor,
+        ws_tp: cute.Tensor,
+        ws_g: cute.Tensor,
+        update_mma: cute.TiledMma,
+        products_mma: cute.TiledMma,
+        keys_k_major: cute.ComposedLayout,
+        keys_mn_major: cute.ComposedLayout,
+        square: cute.ComposedLayout,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        head, block_y, _ = cute.arch.block_idx()
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        s_keys = storage.keys.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)  # (token, k, 1)
+        s_queries = storage.queries.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
+        s_t = storage.t.get_tensor(square.outer, swizzle=square.inner)  # (token i, token j, 1)
+        s_p = storage.p.get_tensor(square.outer, swizzle=square.inner)
+        s_values = storage.values.get_tensor(cute.make_layout((HEAD_SIZE, CHUNK), stride=(VALUES_STRIDE, 1)))
+        gates = (
+            storage.g.get_tensor(cute.make_layout(CHUNK)),
+            storage.beta.get_tensor(cute.make_layout(CHUNK)),
+            storage.decay_in.get_tensor(cute.make_layout(CHUNK)),
+            storage.decay_out.get_tensor(cute.make_layout(CHUNK)),
+        )
+        rows_layout = cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1))
+        raw = (
+            storage.raw_k.get_tensor(rows_layout),
+            storage.raw_q.get_tensor(rows_layout),
+            storage.raw_v.get_tensor(rows_layout),
+            storage.raw_tp.get_tensor(cute.make_layout((2, CHUNK, CHUNK), stride=(CHUNK * CHUNK, CHUNK, 1))),
+            storage.raw_gates.get_tensor(cute.make_layout((2, CHUNK), stride=(CHUNK, 1))),
+        )
+
+        # The values' buffer is first written after the first chunk's wait and barrier: scratch of the ranking.
+        seq = self.sequence_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, s_values)
+        start, length = sequence_bounds(cu_seqlens, seq, q.shape[0])
+        qk_head = head // V_HEADS_PER_QK_HEAD
+
+        # The state of (sequence, head) for the whole sequence: the update MMA's accumulator.
+        thr_update = update_mma.get_slice(tidx)
+        state = cute.make_rmem_tensor(thr_update.partition_shape_C((HEAD_SIZE, HEAD_SIZE)), Float32)
+        state_coords = thr_update.partition_C(cute.make_identity_tensor((HEAD_SIZE, HEAD_SIZE)))
+        for i in cutlass.range_constexpr(cute.size(state)):
+            v_row, k_col = state_coords[i]
+            state[i] = state_in[seq, head, v_row, k_col] if has_state != 0 else Float32(0.0)
+
+        num_chunks = (length + CHUNK - 1) // CHUNK
+        if num_chunks > 0:
+            self.copy_chunk(q, k, v, ws_tp, ws_g, start, length, 0, seq, qk_head, head, raw, tidx)
+        cute.arch.cp_async_commit_group()
+        for chunk in cutlass.range(num_chunks, unroll=1):
+            first = start + chunk * CHUNK
+            tokens_here = cutlass.min(length - chunk * CHUNK, CHUNK)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # every thread's copies of this chunk have landed
+            self.enter_chunk(raw, tokens_here, s_keys, s_queries, s_values, s_t, s_p, gates, tidx)
+            # The staging buffers are free again (enter_chunk ends with a barrier): the next chunk's copies
+            # land while this one computes.
+            if chunk + 1 < num_chunks:
+                self.copy_chunk(q, k, v, ws_tp, ws_g, start, length, chunk + 1, seq, qk_head, head, raw, tidx)
+            cute.arch.cp_async_commit_group()
+            self.value_side(
+                state, s_values, scale, output, first, tokens_here, head, update_mma, products_mma, keys_k_major,
+                keys_mn_major, storage, s_t, s_p, gates, tidx,
+            )  # fmt: skip
+            # The next chunk's (generic-proxy) conversions overwrite what this one's MMAs read.
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+
+        # A sequence of length 0 stores a zero state, as the definition does.
+        for i in cutlass.range_constexpr(cute.size(state)):
+            v_row, k_col = state_coords[i]
+            new_state[seq, head, v_row, k_col] = state[i] if length > 0 else Float32(0.0)
+
+    @cute.jit
+    def copy_chunk(self, q, k, v, ws_tp, ws_g, start: Int32, length: Int32, chunk: Int32, seq: Int32,
+                   qk_head: Int32, head: Int32, raw, tidx: Int32):  # fmt: skip
+        """Issue the cp.async copies of one chunk into the staging buffers: k and q (the head's q/k head) and v
+        rows in 16-B pieces over all threads (tokens past the end are not copied: `enter_chunk` zeroes them),
+        the chunk's T and P from the workspace, and its G and beta (threads 0-31)."""
+        raw_k, raw_q, raw_v, raw_tp, raw_gates = raw
+        g2s = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16, num_bits_per_copy=128
+        )
+        g2s16 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float16, num_bits_per_copy=128
+        )
+        g2s32 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32, num_bits_per_copy=128
+        )
+        first = chunk * CHUNK
+        for i in cutlass.range_constexpr(CHUNK * (HEAD_SIZE // VEC) // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            token, piece = linear // (HEAD_SIZE // VEC), linear % (HEAD_SIZE // VEC)
+            if first + token < length:
+                row = start + first + token
+                cute.copy(g2s, cute.local_tile(k[row, qk_head, None], (VEC,), (piece,)), cute.local_tile(raw_k[token, None], (VEC,), (piece,)))
+                cute.copy(g2s, cute.local_tile(q[row, qk_head, None], (VEC,), (piece,)), cute.local_tile(raw_q[token, None], (VEC,), (piece,)))
+                cute.copy(g2s, cute.local_tile(v[row, head, None], (VEC,), (piece,)), cute.local_tile(raw_v[token, None], (VEC,), (piece,)))
+        slot = wy_prepass.chunk_slot(start, chunk, seq)
+        for i in cutlass.range_constexpr(2 * CHUNK * (CHUNK // VEC) // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            which, row, piece = linear // (CHUNK * CHUNK // VEC), linear // (CHUNK // VEC) % CHUNK, linear % (CHUNK // VEC)
+            cute.copy(
+                g2s16,
+                cute.local_tile(ws_tp[slot, head, which, row, None], (VEC,), (piece,)),
+                cute.local_tile(raw_tp[which, row, None], (VEC,), (piece,)),
+            )
+        if tidx < 2 * (CHUNK // 4):
+            which, piece = tidx // (CHUNK // 4), tidx % (CHUNK // 4)
+            cute.copy(
+                g2s32,
+                cute.local_tile(ws_g[slot, head, which, None], (4,), (piece,)),
+                cute.local_tile(raw_gates[which, None], (4,), (piece,)),
+            )
+
+    @cute.jit
+    def enter_chunk(self, raw, tokens_here: Int32, s_keys, s_queries, s_values, s_t, s_p, gates, tidx: Int32):
+        """The chunk's staged rows into their operand buffers: keys and queries (bf16 -> fp16) into the swizzled
+        buffers, values (bf16) into [v, token], zero past the end of the sequence; T and P into theirs; per token
+        G, beta, exp(G) and exp(G_last - G) (the workspace's G is inert past the end: log g = 0, beta = 0)."""
+        raw_k, raw_q, raw_v, raw_tp, raw_gates = raw
+        s_g, s_beta, s_decay_in, s_decay_out = gates
+        for i in cutlass.range_constexpr(CHUNK * (HEAD_SIZE // VEC) // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            token, piece = linear // (HEAD_SIZE // VEC), linear % (HEAD_SIZE // VEC)
+            key_dst = cute.local_tile(s_keys[token, None, 0], (VEC,), (piece,))
+            query_dst = cute.local_tile(s_queries[token, None, 0], (VEC,), (piece,))
+            value_dst = cute.local_tile(s_values[None, token], (VEC,), (piece,))
+            if token < tokens_here:
+                key_dst.store(cute.local_tile(raw_k[token, None], (VEC,), (piece,)).load().to(Float32).to(Float16))
+                query_dst.store(cute.local_tile(raw_q[token, None], (VEC,), (piece,)).load().to(Float32).to(Float16))
+                value_dst.store(cute.local_tile(raw_v[token, None], (VEC,), (piece,)).load())
+            else:
+                key_dst.fill(0.0)
+                query_dst.fill(0.0)
+                value_dst.fill(0.0)
+        for i in cutlass.range_constexpr(CHUNK * (CHUNK // VEC) // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            row, piece = linear // (CHUNK // VEC), linear % (CHUNK // VEC)
+            cute.local_tile(s_t[row, None, 0], (VEC,), (piece,)).store(
+                cute.local_tile(raw_tp[0, row, None], (VEC,), (piece,)).load()
+            )
+            cute.local_tile(s_p[row, None, 0], (VEC,), (piece,)).store(
+                cute.local_tile(raw_tp[1, row, None], (VEC,), (piece,)).load()
+            )
+        if tidx < CHUNK:
+            g = raw_gates[0, tidx]
+            s_g[tidx] = g
+            s_beta[tidx] = raw_gates[1, tidx]
+            s_decay_in[tidx] = self.decay(g)
+            s_decay_out[tidx] = self.decay(raw_gates[0, CHUNK - 1] - g)
+        cute.arch.fence_view_async_shared()  # the generic-proxy stores, before the tensor core reads them
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def value_side(
+        self, state, s_values, scale: Float32, output, first: Int32, tokens_here: Int32, head: Int32, update_mma,
+        products_mma, keys_k_major, keys_mn_major, storage, s_t, s_p, gates, tidx: Int32,
+    ):  # fmt: skip
+        """Yk, Yq, Xb, V', the chunk's output rows (bf16, the tokens of the sequence only) and the state
+        update, every hand-over in registers."""
+        s_g, s_beta, s_decay_in, s_decay_out = gates
+        s_keys = storage.keys.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
+        s_keys_mn = storage.keys.get_tensor(keys_mn_major.outer, swizzle=keys_mn_major.inner)  # (k, token, 1)
+        s_queries = storage.queries.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
+        thr_update = update_mma.get_slice(tidx)
+        thr_products = products_mma.get_slice(tidx)
+
+        # The state's fp16 copy as the products' A operand (same coordinates, same order).
+        state_a = cute.make_rmem_tensor(thr_products.partition_shape_A((HEAD_SIZE, HEAD_SIZE)), Float16)
+        for i in cutlass.range_constexpr(cute.size(state)):
+            state_a[i] = state[i].to(Float16)
+
+        # Yk^T and Yq^T: [v, token].
+        by_token_shape = thr_products.partition_shape_C((HEAD_SIZE, CHUNK))
+        by_token = thr_products.partition_C(cute.make_identity_tensor((HEAD_SIZE, CHUNK)))  # (v, token)
+        yk = cute.make_rmem_tensor(by_token_shape, Float32)
+        yq = cute.make_rmem_tensor(by_token_shape, Float32)
+        t_keys = products_mma.make_fragment_B(thr_products.partition_B(s_keys))
+        t_queries = products_mma.make_fragment_B(thr_products.partition_B(s_queries))
+        warpgroup.fence()
+        self.product(products_mma, yk, state_a, t_keys, HEAD_SIZE // 16, False)
+        self.product(products_mma, yq, state_a, t_queries, HEAD_SIZE // 16, False)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+        # Xb^T = beta (V^T - exp(G) Yk^T), rounded: the A operand of V'^T = Xb^T T^T.
+        over_tokens_shape = thr_products.partition_shape_A((HEAD_SIZE, CHUNK))
+        xb = cute.make_rmem_tensor(over_tokens_shape, Float16)
+        for i in cutlass.range_constexpr(cute.size(yk)):
+            v_row, token = by_token[i]
+            xb[i] = (s_beta[token] * (s_values[v_row, token].to(Float32) - s_decay_in[token] * yk[i])).to(Float16)
+        v_new = cute.make_rmem_tensor(by_token_shape, Float32)
+        t_t = products_mma.make_fragment_B(thr_products.partition_B(s_t))
+        warpgroup.fence()
+        self.product(products_mma, v_new, xb, t_t, CHUNK // 16, False)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+        # O^T = exp(G) Yq^T + V'^T P^T (scaled at the store), and V'c^T = V'^T exp(G_last - G), both rounded
+        # V' operands in registers; S = exp(G_last) S + V'c^T K onto the state.
+        v_new_a = cute.make_rmem_tensor(over_tokens_shape, Float16)
+        v_carry_a = cute.make_rmem_tensor(thr_update.partition_shape_A((HEAD_SIZE, CHUNK)), Float16)
+        for i in cutlass.range_constexpr(cute.size(v_new)):
+            _, token = by_token[i]
+            v_new_a[i] = v_new[i].to(Float16)
+            v_carry_a[i] = (v_new[i] * s_decay_out[token]).to(Float16)
+            yq[i] = yq[i] * s_decay_in[token]
+        decay_last = self.decay(s_g[CHUNK - 1])
+        for i in cutlass.range_constexpr(cute.size(state)):
+            state[i] = state[i] * decay_last
+        t_p = products_mma.make_fragment_B(thr_products.partition_B(s_p))
+        t_keys_mn = update_mma.make_fragment_B(thr_update.partition_B(s_keys_mn))
+        warpgroup.fence()
+        self.product(products_mma, yq, v_new_a, t_p, CHUNK // 16, True)
+        self.product(update_mma, state, v_carry_a, t_keys_mn, CHUNK // 16, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+        for i in cutlass.range_constexpr(cute.size(yq)):
+            v_row, token = by_token[i]
+            if token < tokens_here:
+                output[first + token, head, v_row] = (scale * yq[i]).to(BFloat16)
+
+    @cute.jit
+    def product(
+        self,
+        tiled_mma: cute.TiledMma,
+        acc: cute.Tensor,
+        a: cute.Tensor,
+        t_b: cute.Tensor,
+        k_steps: cutlass.Constexpr,
+        accumulate: cutlass.Constexpr,
+    ):
+        """acc (+)= A B over `k_steps` k16 steps, A from registers, B from shared memory (not waited for)."""
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, accumulate)
+        for step in cutlass.range_constexpr(k_steps):
+            cute.gemm(tiled_mma, acc, a[None, None, step], t_b[None, None, step, 0], acc)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+
+class GdnPrefillWyWgmmaSm90:
+    """Host entry: `wy_prepass`'s key-side kernel, then this value side, in one compiled call (stream order)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        state: cute.Tensor,
+        A_log: cute.Tensor,
+        a: cute.Tensor,
+        dt_bias: cute.Tensor,
+        b: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        scale: cutlass.Float32,
+        has_state: cutlass.Int32,
+        output: cute.Tensor,
+        new_state: cute.Tensor,
+        ws_tp: cute.Tensor,
+        ws_g: cute.Tensor,
+        stream,
+    ):
+        wy_prepass._KeySide().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
+        WgmmaValueSide().launch(
+            q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, stream
+        )
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def compiled_for(arch: str = GPU_ARCH) -> Callable:
+    """The compiled two-kernel launcher for `arch` (compiled on first use; needs no GPU)."""
+    fn = _COMPILED.get(arch)
+    if fn is None:
+        fn = _COMPILED[arch] = token_serial.compile_launcher(
+            GdnPrefillWyWgmmaSm90(), arch, wy_prepass._workspace_stand_ins()
+        )
+    return fn
+
+
+def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
+    return (compiled_for(arch),)
+
+
+def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+    """`kernel.py`'s contract (see `wy_prepass.run`), with this value side as the chain."""
+    token_serial.check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
+    num_seqs = new_state.shape[0]
+    if num_seqs == 0:
+        return
+    slots = wy_prepass.num_chunk_slots(q.shape[0], num_seqs)
+    ws_tp = torch.empty((slots, NUM_V_HEADS, 2, CHUNK, CHUNK), dtype=torch.float16, device=q.device)
+    ws_g = torch.empty((slots, NUM_V_HEADS, 2, CHUNK), dtype=torch.float32, device=q.device)
+    has_state = state is not None
+    compiled_for(GPU_ARCH)(
+        q, k, v, state if has_state else new_state, A_log, a, dt_bias, b, cu_seqlens, resolve_scale(scale),
+        int(has_state), output, new_state, ws_tp, ws_g,
+    )  # fmt: skip

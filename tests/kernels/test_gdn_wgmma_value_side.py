@@ -1,0 +1,82 @@
+"""GDN's WY-prepass path with its chain on warpgroup MMA (kernels/gdn_prefill/wgmma_value_side.py, candidate
+`cand_wgmma_value_side`): one CTA per (sequence, head), the state an fp32 accumulator of two warpgroups.
+
+CPU: the layout facts the kernel relies on, traced from CuTe's own layouts for every thread (each accumulator
+it hands to the next product's register A holds the same coordinates in the same order; one swizzled copy of
+the keys is both B operands that read them), and it compiles for sm_90a and caches. The GPU checks (every
+check case under the contest rule, CUDA-graph replay with new bounds) are test_gdn_prefill_kernel.py's: the
+module is in its SOLUTIONS.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor
+
+from hopperbench.devcheck import load_folder_module
+from hopperbench.paths import REPO_ROOT
+from tests.kernels.compile_checks import assert_compiles_and_caches
+
+value_side = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "wgmma_value_side")
+HEAD_SIZE, CHUNK = value_side.HEAD_SIZE, value_side.CHUNK
+
+
+def _probe(body) -> None:
+    """Trace `body` (a @cute.jit function of one unused tensor) at compile time."""
+    cute.compile(body, make_fake_compact_tensor(cutlass.Float32, (4,), assumed_align=16), options="--gpu-arch sm_90a")
+
+
+def test_every_accumulator_hand_over_is_element_wise_in_order():
+    """The kernel converts an accumulator into the next product's register A by index: the state [v, k] into
+    the A of Yk^T, Yq^T (K = 128); [v, token] accumulators into the A of V'^T, O^T and of the state update
+    (K = 64 tokens). Each needs the same coordinates in the same order, in every thread."""
+    traced: dict[int, list[tuple[list, list]]] = {}
+
+    @cute.jit
+    def body(unused: cute.Tensor):
+        update, products, *_ = value_side.operands()
+        pairs = (
+            (update, (HEAD_SIZE, HEAD_SIZE), products, (HEAD_SIZE, HEAD_SIZE)),
+            (products, (HEAD_SIZE, CHUNK), products, (HEAD_SIZE, CHUNK)),
+            (products, (HEAD_SIZE, CHUNK), update, (HEAD_SIZE, CHUNK)),
+        )
+        for tid in cutlass.range_constexpr(value_side.NUM_THREADS):
+            traced[tid] = []
+            for c_mma, c_tile, a_mma, a_tile in pairs:
+                c = c_mma.get_slice(tid).partition_C(cute.make_identity_tensor(c_tile))
+                a = a_mma.get_slice(tid).partition_A(cute.make_identity_tensor(a_tile))
+                traced[tid].append(([tuple(c[i]) for i in range(cute.size(c))], [tuple(a[i]) for i in range(cute.size(a))]))
+
+    _probe(body)
+    assert len(traced) == value_side.NUM_THREADS
+    for tid, hand_overs in traced.items():
+        for number, (c_coords, a_coords) in enumerate(hand_overs):
+            assert c_coords == a_coords and len(c_coords) > 0, (tid, number)
+    # and the threads together hold the whole state once
+    held = sorted(c for hand_overs in traced.values() for c in hand_overs[0][0])
+    assert held == [(v, k) for v in range(HEAD_SIZE) for k in range(HEAD_SIZE)]
+
+
+def test_one_swizzled_copy_of_the_keys_is_both_b_operands():
+    """Keys [token, k] are stored once: the K-major B of K S^T and the MN-major B of the state update read the
+    same element at the same offset, and T and P share the swizzle."""
+    offsets: list[tuple[int, int]] = []
+    swizzles: list[str] = []
+
+    @cute.jit
+    def body(unused: cute.Tensor):
+        *_, keys_k_major, keys_mn_major, square = value_side.operands()
+        swizzles.extend(str(layout.inner) for layout in (keys_k_major, keys_mn_major, square))
+        for token in cutlass.range_constexpr(CHUNK):
+            for col in cutlass.range_constexpr(HEAD_SIZE):
+                offsets.append((keys_k_major.outer((token, col, 0)), keys_mn_major.outer((col, token, 0))))
+
+    _probe(body)
+    assert len(set(swizzles)) == 1 and swizzles[0] == "S<3,4,3>"
+    assert all(a == b for a, b in offsets)
+    assert sorted(a for a, _ in offsets) == list(range(CHUNK * HEAD_SIZE))
+
+
+def test_compiles_for_sm90a_without_gpu():
+    assert_compiles_and_caches(value_side.compile_only, 1)

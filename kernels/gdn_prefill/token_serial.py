@@ -525,11 +525,12 @@ class GdnPrefillSm90:
 _COMPILED: dict[tuple[str, type], Callable] = {}
 
 
-def compile_launcher(launcher: object, arch: str, extra_args: tuple = ()) -> Callable:
+def compile_launcher(launcher: object, arch: str, extra_args: tuple = (), output_align: int = 2) -> Callable:
     """`cute.compile` of a host launcher taking `run`'s tensors in definition order (then `scale`,
     `has_state`, any `extra_args` stand-ins such as a candidate's workspaces, and the stream): one
     compile for every T and N (symbolic shapes), as a TVM-FFI function on the current torch stream.
-    Shared by every GDN kernel of this folder."""
+    Shared by every GDN kernel of this folder. `output_align`: the bytes `output` is assumed aligned to
+    (16 for a kernel that stores it in 16-B pieces; its `run` checks)."""
     num_tokens = cute.sym_int()
     num_seqs = cute.sym_int()
     num_bounds = cute.sym_int()  # N + 1
@@ -555,7 +556,7 @@ def compile_launcher(launcher: object, arch: str, extra_args: tuple = ()) -> Cal
         rowmajor(cutlass.Int64, (num_bounds,), align=8),  # cu_seqlens
         1.0,  # scale
         1,  # has_state
-        rowmajor(bf16, (num_tokens, NUM_V_HEADS, HEAD_SIZE), align=2),  # output
+        rowmajor(bf16, (num_tokens, NUM_V_HEADS, HEAD_SIZE), align=output_align),  # output
         rowmajor(f32, state_shape),  # new_state
         *extra_args,
         make_fake_stream(use_tvm_ffi_env_stream=True),

@@ -41,14 +41,18 @@ from cutlass.tensor_utils import LayoutEnum
 
 from . import token_serial, wy_prepass
 from .chunked import CHUNK, MAX_SMEM_CARVEOUT, _Chunked, sequence_bounds
-from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, V_HEADS_PER_QK_HEAD, resolve_scale
+from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, V_HEADS_PER_QK_HEAD, GdnShapeError, resolve_scale
 
 __all__ = ["NUM_THREADS", "WgmmaValueSide", "compile_only", "compiled_for", "operands", "run"]
 
 NUM_WARPGROUPS = 2  # each owns 64 of the 128 value rows of the state
 NUM_THREADS = 128 * NUM_WARPGROUPS
 VEC = 8  # 16-bit elements per 16-B copy
-VALUES_STRIDE = CHUNK + 8  # bf16 [v, token] values: rows 144 B apart, a thread's token pairs together
+# bf16 [token, v] rows of the values and of the output tile, 272 B apart: 16-B aligned for cp.async and
+# vector copies, and 68 words (4 mod 32) so that a warp's reads of an accumulator's (v, token) pattern
+# (8 consecutive v, 4 token pairs) fall in distinct banks.
+ROW_STRIDE = HEAD_SIZE + 8
+OUTPUT_ALIGN = 16  # bytes: the output rows are stored in 16-B pieces
 
 K_MAJOR = LayoutEnum.ROW_MAJOR
 MN_MAJOR = LayoutEnum.COL_MAJOR
@@ -91,7 +95,10 @@ class WgmmaValueSide(_Chunked):
             queries: cute.struct.Align[cute.struct.MemRange[Float16, rows], 1024]
             t: cute.struct.Align[cute.struct.MemRange[Float16, square_size], 1024]
             p: cute.struct.Align[cute.struct.MemRange[Float16, square_size], 1024]
-            values: cute.struct.Align[cute.struct.MemRange[BFloat16, HEAD_SIZE * VALUES_STRIDE], 16]
+            # the values of this chunk and the next, copied by cp.async straight into their [token, v] rows
+            values: cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * CHUNK * ROW_STRIDE], 128]
+            # the chunk's output rows [token, v], bf16, on their way to 16-B global stores
+            o_rows: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * ROW_STRIDE], 128]
             g: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]  # G, base 2
             beta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             decay_in: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]  # exp(G)
@@ -99,7 +106,6 @@ class WgmmaValueSide(_Chunked):
             # the next chunk's raw rows and key side, copied while this one computes
             raw_k: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * HEAD_SIZE], 128]
             raw_q: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * HEAD_SIZE], 128]
-            raw_v: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * HEAD_SIZE], 128]
             raw_tp: cute.struct.Align[cute.struct.MemRange[Float16, 2 * CHUNK * CHUNK], 128]
             raw_gates: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK], 16]
 
@@ -139,7 +145,10 @@ class WgmmaValueSide(_Chunked):
         s_queries = storage.queries.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
         s_t = storage.t.get_tensor(square.outer, swizzle=square.inner)  # (token i, token j, 1)
         s_p = storage.p.get_tensor(square.outer, swizzle=square.inner)
-        s_values = storage.values.get_tensor(cute.make_layout((HEAD_SIZE, CHUNK), stride=(VALUES_STRIDE, 1)))
+        s_values = storage.values.get_tensor(
+            cute.make_layout((2, CHUNK, HEAD_SIZE), stride=(CHUNK * ROW_STRIDE, ROW_STRIDE, 1))
+        )  # (stage, token, v)
+        s_o_rows = storage.o_rows.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(ROW_STRIDE, 1)))
         gates = (
             storage.g.get_tensor(cute.make_layout(CHUNK)),
             storage.beta.get_tensor(cute.make_layout(CHUNK)),
@@ -150,13 +159,12 @@ class WgmmaValueSide(_Chunked):
         raw = (
             storage.raw_k.get_tensor(rows_layout),
             storage.raw_q.get_tensor(rows_layout),
-            storage.raw_v.get_tensor(rows_layout),
             storage.raw_tp.get_tensor(cute.make_layout((2, CHUNK, CHUNK), stride=(CHUNK * CHUNK, CHUNK, 1))),
             storage.raw_gates.get_tensor(cute.make_layout((2, CHUNK), stride=(CHUNK, 1))),
         )
 
-        # The values' buffer is first written after the first chunk's wait and barrier: scratch of the ranking.
-        seq = self.sequence_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, s_values)
+        # The output rows are first written in the first chunk's value side: scratch of the ranking.
+        seq = self.sequence_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, s_o_rows)
         start, length = sequence_bounds(cu_seqlens, seq, q.shape[0])
         qk_head = head // V_HEADS_PER_QK_HEAD
 
@@ -170,22 +178,22 @@ class WgmmaValueSide(_Chunked):
 
         num_chunks = (length + CHUNK - 1) // CHUNK
         if num_chunks > 0:
-            self.copy_chunk(q, k, v, ws_tp, ws_g, start, length, 0, seq, qk_head, head, raw, tidx)
+            self.copy_chunk(q, k, v, ws_tp, ws_g, start, length, 0, seq, qk_head, head, raw, s_values, tidx)
         cute.arch.cp_async_commit_group()
         for chunk in cutlass.range(num_chunks, unroll=1):
             first = start + chunk * CHUNK
             tokens_here = cutlass.min(length - chunk * CHUNK, CHUNK)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # every thread's copies of this chunk have landed
-            self.enter_chunk(raw, tokens_here, s_keys, s_queries, s_values, s_t, s_p, gates, tidx)
-            # The staging buffers are free again (enter_chunk ends with a barrier): the next chunk's copies
-            # land while this one computes.
+            self.enter_chunk(raw, tokens_here, s_keys, s_queries, s_t, s_p, gates, tidx)
+            # The staging buffers and the other values' stage are free (enter_chunk ends with a barrier): the next
+            # chunk's copies land while this one computes.
             if chunk + 1 < num_chunks:
-                self.copy_chunk(q, k, v, ws_tp, ws_g, start, length, chunk + 1, seq, qk_head, head, raw, tidx)
+                self.copy_chunk(q, k, v, ws_tp, ws_g, start, length, chunk + 1, seq, qk_head, head, raw, s_values, tidx)
             cute.arch.cp_async_commit_group()
             self.value_side(
-                state, s_values, scale, output, first, tokens_here, head, update_mma, products_mma, keys_k_major,
-                keys_mn_major, storage, s_t, s_p, gates, tidx,
+                state, s_values[chunk % 2, None, None], s_o_rows, scale, output, first, tokens_here, head, update_mma,
+                products_mma, keys_k_major, keys_mn_major, storage, s_t, s_p, gates, tidx,
             )  # fmt: skip
             # The next chunk's (generic-proxy) conversions overwrite what this one's MMAs read.
             cute.arch.fence_view_async_shared()
@@ -198,11 +206,12 @@ class WgmmaValueSide(_Chunked):
 
     @cute.jit
     def copy_chunk(self, q, k, v, ws_tp, ws_g, start: Int32, length: Int32, chunk: Int32, seq: Int32,
-                   qk_head: Int32, head: Int32, raw, tidx: Int32):  # fmt: skip
-        """Issue the cp.async copies of one chunk into the staging buffers: k and q (the head's q/k head) and v
-        rows in 16-B pieces over all threads (tokens past the end are not copied: `enter_chunk` zeroes them),
-        the chunk's T and P from the workspace, and its G and beta (threads 0-31)."""
-        raw_k, raw_q, raw_v, raw_tp, raw_gates = raw
+                   qk_head: Int32, head: Int32, raw, s_values, tidx: Int32):  # fmt: skip
+        """Issue the cp.async copies of one chunk: k and q rows (the head's q/k head) into the staging buffers
+        and v rows into the chunk's values stage, in 16-B pieces over all threads (tokens past the end are not
+        copied: `enter_chunk` zeroes k and q, the value side drops their values); the chunk's T and P from the
+        workspace, and its G and beta (threads 0-31)."""
+        raw_k, raw_q, raw_tp, raw_gates = raw
         g2s = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16, num_bits_per_copy=128
         )
@@ -220,7 +229,7 @@ class WgmmaValueSide(_Chunked):
                 row = start + first + token
                 cute.copy(g2s, cute.local_tile(k[row, qk_head, None], (VEC,), (piece,)), cute.local_tile(raw_k[token, None], (VEC,), (piece,)))
                 cute.copy(g2s, cute.local_tile(q[row, qk_head, None], (VEC,), (piece,)), cute.local_tile(raw_q[token, None], (VEC,), (piece,)))
-                cute.copy(g2s, cute.local_tile(v[row, head, None], (VEC,), (piece,)), cute.local_tile(raw_v[token, None], (VEC,), (piece,)))
+                cute.copy(g2s, cute.local_tile(v[row, head, None], (VEC,), (piece,)), cute.local_tile(s_values[chunk % 2, token, None], (VEC,), (piece,)))
         slot = wy_prepass.chunk_slot(start, chunk, seq)
         for i in cutlass.range_constexpr(2 * CHUNK * (CHUNK // VEC) // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
@@ -239,26 +248,23 @@ class WgmmaValueSide(_Chunked):
             )
 
     @cute.jit
-    def enter_chunk(self, raw, tokens_here: Int32, s_keys, s_queries, s_values, s_t, s_p, gates, tidx: Int32):
+    def enter_chunk(self, raw, tokens_here: Int32, s_keys, s_queries, s_t, s_p, gates, tidx: Int32):
         """The chunk's staged rows into their operand buffers: keys and queries (bf16 -> fp16) into the swizzled
-        buffers, values (bf16) into [v, token], zero past the end of the sequence; T and P into theirs; per token
-        G, beta, exp(G) and exp(G_last - G) (the workspace's G is inert past the end: log g = 0, beta = 0)."""
-        raw_k, raw_q, raw_v, raw_tp, raw_gates = raw
+        buffers, zero past the end of the sequence; T and P into theirs; per token G, beta, exp(G) and
+        exp(G_last - G) (the workspace's G is inert past the end: log g = 0, beta = 0)."""
+        raw_k, raw_q, raw_tp, raw_gates = raw
         s_g, s_beta, s_decay_in, s_decay_out = gates
         for i in cutlass.range_constexpr(CHUNK * (HEAD_SIZE // VEC) // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             token, piece = linear // (HEAD_SIZE // VEC), linear % (HEAD_SIZE // VEC)
             key_dst = cute.local_tile(s_keys[token, None, 0], (VEC,), (piece,))
             query_dst = cute.local_tile(s_queries[token, None, 0], (VEC,), (piece,))
-            value_dst = cute.local_tile(s_values[None, token], (VEC,), (piece,))
             if token < tokens_here:
                 key_dst.store(cute.local_tile(raw_k[token, None], (VEC,), (piece,)).load().to(Float32).to(Float16))
                 query_dst.store(cute.local_tile(raw_q[token, None], (VEC,), (piece,)).load().to(Float32).to(Float16))
-                value_dst.store(cute.local_tile(raw_v[token, None], (VEC,), (piece,)).load())
             else:
                 key_dst.fill(0.0)
                 query_dst.fill(0.0)
-                value_dst.fill(0.0)
         for i in cutlass.range_constexpr(CHUNK * (CHUNK // VEC) // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             row, piece = linear // (CHUNK // VEC), linear % (CHUNK // VEC)
@@ -279,11 +285,11 @@ class WgmmaValueSide(_Chunked):
 
     @cute.jit
     def value_side(
-        self, state, s_values, scale: Float32, output, first: Int32, tokens_here: Int32, head: Int32, update_mma,
-        products_mma, keys_k_major, keys_mn_major, storage, s_t, s_p, gates, tidx: Int32,
+        self, state, s_values, s_o_rows, scale: Float32, output, first: Int32, tokens_here: Int32, head: Int32,
+        update_mma, products_mma, keys_k_major, keys_mn_major, storage, s_t, s_p, gates, tidx: Int32,
     ):  # fmt: skip
         """Yk, Yq, Xb, V', the chunk's output rows (bf16, the tokens of the sequence only) and the state
-        update, every hand-over in registers."""
+        update, every hand-over in registers. `s_values`: this chunk's values [token, v]."""
         s_g, s_beta, s_decay_in, s_decay_out = gates
         s_keys = storage.keys.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
         s_keys_mn = storage.keys.get_tensor(keys_mn_major.outer, swizzle=keys_mn_major.inner)  # (k, token, 1)
@@ -309,12 +315,14 @@ class WgmmaValueSide(_Chunked):
         warpgroup.commit_group()
         warpgroup.wait_group(0)
 
-        # Xb^T = beta (V^T - exp(G) Yk^T), rounded: the A operand of V'^T = Xb^T T^T.
+        # Xb^T = beta (V^T - exp(G) Yk^T), rounded: the A operand of V'^T = Xb^T T^T. Zero past the end, where
+        # the values' stage holds stale bits (NaN included): the select drops them.
         over_tokens_shape = thr_products.partition_shape_A((HEAD_SIZE, CHUNK))
         xb = cute.make_rmem_tensor(over_tokens_shape, Float16)
         for i in cutlass.range_constexpr(cute.size(yk)):
             v_row, token = by_token[i]
-            xb[i] = (s_beta[token] * (s_values[v_row, token].to(Float32) - s_decay_in[token] * yk[i])).to(Float16)
+            real = s_beta[token] * (s_values[token, v_row].to(Float32) - s_decay_in[token] * yk[i])
+            xb[i] = Float32(cutlass.select_(token < tokens_here, real, Float32(0.0))).to(Float16)
         v_new = cute.make_rmem_tensor(by_token_shape, Float32)
         t_t = products_mma.make_fragment_B(thr_products.partition_B(s_t))
         warpgroup.fence()
@@ -342,10 +350,22 @@ class WgmmaValueSide(_Chunked):
         warpgroup.commit_group()
         warpgroup.wait_group(0)
 
+        # The output rows through shared memory: each warpgroup writes its 64 values of every token, then copies
+        # them out in 16-B pieces (its own half of each row, so a warpgroup barrier suffices).
         for i in cutlass.range_constexpr(cute.size(yq)):
             v_row, token = by_token[i]
+            s_o_rows[token, v_row] = (scale * yq[i]).to(BFloat16)
+        warpgroup_id = tidx // 128
+        cute.arch.barrier(barrier_id=1 + warpgroup_id, number_of_threads=128)
+        half_pieces = HEAD_SIZE // VEC // NUM_WARPGROUPS
+        for i in cutlass.range_constexpr(CHUNK * half_pieces // 128):
+            linear = i * 128 + tidx % 128
+            token, piece = linear // half_pieces, warpgroup_id * half_pieces + linear % half_pieces
             if token < tokens_here:
-                output[first + token, head, v_row] = (scale * yq[i]).to(BFloat16)
+                cute.autovec_copy(
+                    cute.local_tile(s_o_rows[token, None], (VEC,), (piece,)),
+                    cute.local_tile(output[first + token, head, None], (VEC,), (piece,)),
+                )
 
     @cute.jit
     def product(
@@ -401,7 +421,7 @@ def compiled_for(arch: str = GPU_ARCH) -> Callable:
     fn = _COMPILED.get(arch)
     if fn is None:
         fn = _COMPILED[arch] = token_serial.compile_launcher(
-            GdnPrefillWyWgmmaSm90(), arch, wy_prepass._workspace_stand_ins()
+            GdnPrefillWyWgmmaSm90(), arch, wy_prepass._workspace_stand_ins(), output_align=OUTPUT_ALIGN
         )
     return fn
 
@@ -413,6 +433,8 @@ def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
     """`kernel.py`'s contract (see `wy_prepass.run`), with this value side as the chain."""
     token_serial.check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
+    if output.data_ptr() % OUTPUT_ALIGN:
+        raise GdnShapeError(f"output must start on a {OUTPUT_ALIGN}-byte boundary (its rows are stored in 16-B pieces)")
     num_seqs = new_state.shape[0]
     if num_seqs == 0:
         return

@@ -20,10 +20,12 @@ fragment is the A fragment of the products over K = 128, a products accumulator 
 the next products and of the update over K = 64, and one 128-B-swizzled copy of the keys is both the K-major B
 of `S K^T` and the MN-major B of the update (`tests/kernels/test_gdn_wgmma_value_side.py` traces them).
 
-Loads: the next chunk's raw k, q, v rows (bf16), T and P (fp16) and G, beta (fp32) are copied by cp.async into
-staging buffers while this chunk computes; a chunk starts by converting them into the operand buffers. Grid
-(8 v-heads, N), 256 threads, one CTA per SM (~132 KB of shared memory); with many sequences the grid rows
-serve them longest first (`chunked.py`'s `sequence_of_block`).
+Loads: the next chunk's raw k and q rows (bf16), T and P (fp16) and G, beta (fp32) are copied by cp.async into
+staging buffers while this chunk computes, and a chunk starts by converting them into the operand buffers; its
+values go by cp.async straight into the other of two stages of [token, v] rows, which the Xb step reads in
+place. The output leaves through a [token, v] tile in 16-B stores. Grid (8 v-heads, N), 256 threads, one CTA
+per SM (~148 KB of shared memory); with many sequences the grid rows serve them longest first (`chunked.py`'s
+`sequence_of_block`). NOTES.md has its measurements (a chunk step of ~3.8 us for a whole head).
 """
 
 from __future__ import annotations

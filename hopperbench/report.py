@@ -611,7 +611,6 @@ def sides_table() -> list[str]:
     return _table(("track", "side", "pin", "one timed call"), body)
 
 
-
 # ------------------------------------------------------------------------------------------
 # Repeatability
 

@@ -530,7 +530,7 @@ def compile_launcher(launcher: object, arch: str, extra_args: tuple = (), output
     `has_state`, any `extra_args` stand-ins such as a candidate's workspaces, and the stream): one
     compile for every T and N (symbolic shapes), as a TVM-FFI function on the current torch stream.
     Shared by every GDN kernel of this folder. `output_align`: the bytes `output` is assumed aligned to
-    (16 for a kernel that stores it in 16-B pieces; its `run` checks)."""
+    (16 for a kernel that stores it in 16-B pieces; its `run` checks first)."""
     num_tokens = cute.sym_int()
     num_seqs = cute.sym_int()
     num_bounds = cute.sym_int()  # N + 1

@@ -43,7 +43,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from . import token_serial, wy_prepass
 from .chunked import CHUNK, MAX_SMEM_CARVEOUT, _Chunked, sequence_bounds
-from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, V_HEADS_PER_QK_HEAD, GdnShapeError, resolve_scale
+from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, V_HEADS_PER_QK_HEAD, resolve_scale
 
 __all__ = ["NUM_THREADS", "WgmmaValueSide", "compile_only", "compiled_for", "operands", "run"]
 
@@ -433,10 +433,13 @@ def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
-    """`kernel.py`'s contract (see `wy_prepass.run`), with this value side as the chain."""
+    """`kernel.py`'s contract (see `wy_prepass.run`), with this value side as the chain. An `output` that does
+    not start on a 16-B boundary (a view, never a fresh tensor) goes to `wy_prepass.py`'s chain, which stores
+    it element by element: the same values, more slowly."""
     token_serial.check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
     if output.data_ptr() % OUTPUT_ALIGN:
-        raise GdnShapeError(f"output must start on a {OUTPUT_ALIGN}-byte boundary (its rows are stored in 16-B pieces)")
+        wy_prepass.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+        return
     num_seqs = new_state.shape[0]
     if num_seqs == 0:
         return

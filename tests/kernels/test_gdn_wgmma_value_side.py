@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import pytest
+import torch
 from cutlass.cute.runtime import make_fake_compact_tensor
 
-from hopperbench.devcheck import load_folder_module
+from hopperbench.devcheck import load_folder_module, load_module_by_path
 from hopperbench.paths import REPO_ROOT
 from tests.kernels.compile_checks import assert_compiles_and_caches
 
 value_side = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "wgmma_value_side")
+wy_prepass = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "wy_prepass")
+cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 HEAD_SIZE, CHUNK = value_side.HEAD_SIZE, value_side.CHUNK
 
 
@@ -80,3 +84,17 @@ def test_one_swizzled_copy_of_the_keys_is_both_b_operands():
 
 def test_compiles_for_sm90a_without_gpu():
     assert_compiles_and_caches(value_side.compile_only, 1)
+
+
+def test_an_output_off_a_16_byte_boundary_goes_to_the_element_wise_chain(monkeypatch: pytest.MonkeyPatch):
+    """The kernel stores output rows in 16-B pieces, compiled for a 16-B-aligned `output`; a view that starts
+    elsewhere is served by `wy_prepass.py`'s chain (same values) instead of faulting."""
+    calls = []
+    monkeypatch.setattr(wy_prepass, "run", lambda *args: calls.append(args))
+    case = cases.CheckCase("len600_15", (40,) * 15, True, 0.0, "mamba2")
+    inputs = cases.make_inputs(case, "cpu", seed=3)
+    output, new_state = cases.poisoned_outputs(case, "cpu")
+    shifted = torch.empty(output.numel() + 1, dtype=output.dtype)[1:].view(output.shape)
+    assert shifted.data_ptr() % value_side.OUTPUT_ALIGN != 0 and shifted.is_contiguous()
+    value_side.run(*inputs.values(), shifted, new_state)
+    assert len(calls) == 1 and calls[0][-2] is shifted and calls[0][-1] is new_state

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -43,7 +41,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from . import token_serial, wy_prepass
 from .chunked import CHUNK, MAX_SMEM_CARVEOUT, _Chunked, sequence_bounds
-from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, V_HEADS_PER_QK_HEAD, resolve_scale
+from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, V_HEADS_PER_QK_HEAD
 
 __all__ = ["NUM_THREADS", "WgmmaValueSide", "compile_only", "compiled_for", "operands", "run"]
 
@@ -386,33 +384,14 @@ class WgmmaValueSide(_Chunked):
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
 
 
-class GdnPrefillWyWgmmaSm90:
+class GdnPrefillWyWgmmaSm90(wy_prepass.GdnPrefillWyPrepassSm90):
     """Host entry: `wy_prepass`'s key-side kernel, then this value side, in one compiled call (stream order)."""
 
-    @cute.jit
-    def __call__(
-        self,
-        q: cute.Tensor,
-        k: cute.Tensor,
-        v: cute.Tensor,
-        state: cute.Tensor,
-        A_log: cute.Tensor,
-        a: cute.Tensor,
-        dt_bias: cute.Tensor,
-        b: cute.Tensor,
-        cu_seqlens: cute.Tensor,
-        scale: cutlass.Float32,
-        has_state: cutlass.Int32,
-        output: cute.Tensor,
-        new_state: cute.Tensor,
-        ws_tp: cute.Tensor,
-        ws_g: cute.Tensor,
-        stream,
-    ):
-        wy_prepass._KeySide().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
-        WgmmaValueSide().launch(
-            q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, stream
-        )
+    def __init__(self):
+        pass  # no configuration: the chain holds whole heads
+
+    def chain(self):
+        return WgmmaValueSide()
 
 
 _COMPILED: dict[str, Callable] = {}
@@ -440,14 +419,4 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
     if output.data_ptr() % OUTPUT_ALIGN:
         wy_prepass.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
         return
-    num_seqs = new_state.shape[0]
-    if num_seqs == 0:
-        return
-    slots = wy_prepass.num_chunk_slots(q.shape[0], num_seqs)
-    ws_tp = torch.empty((slots, NUM_V_HEADS, 2, CHUNK, CHUNK), dtype=torch.float16, device=q.device)
-    ws_g = torch.empty((slots, NUM_V_HEADS, 2, CHUNK), dtype=torch.float32, device=q.device)
-    has_state = state is not None
-    compiled_for(GPU_ARCH)(
-        q, k, v, state if has_state else new_state, A_log, a, dt_bias, b, cu_seqlens, resolve_scale(scale),
-        int(has_state), output, new_state, ws_tp, ws_g,
-    )  # fmt: skip
+    wy_prepass.run_compiled(compiled_for(GPU_ARCH), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)

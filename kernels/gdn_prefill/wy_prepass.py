@@ -449,10 +449,15 @@ class WyPrepassConfig:
 
 
 class GdnPrefillWyPrepassSm90:
-    """Host entry: the key-side kernel, then the value-side chain, in one compiled call (stream order)."""
+    """Host entry: the key-side kernel, then the value-side chain (`chain`), in one compiled call (stream
+    order)."""
 
     def __init__(self, config: WyPrepassConfig):
         self.config = config
+
+    def chain(self):
+        """The value-side kernel that reads the workspace (`wgmma_value_side.py` gives its own)."""
+        return _ValueSide(self.config.slice_rows)
 
     @cute.jit
     def __call__(
@@ -475,7 +480,7 @@ class GdnPrefillWyPrepassSm90:
         stream,
     ):
         _KeySide().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
-        _ValueSide(self.config.slice_rows).launch(
+        self.chain().launch(
             q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, stream
         )
 
@@ -532,6 +537,11 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
 def run_with_config(config: WyPrepassConfig, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state):
     """`run` with a given configuration (the tests run every one; candidates pass their own)."""
     token_serial.check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
+    run_compiled(compiled_for(GPU_ARCH, config), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+
+
+def run_compiled(launcher: Callable, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+    """Call a compiled launcher of this path's form (checked inputs) with its per-call workspaces."""
     num_seqs = new_state.shape[0]
     if num_seqs == 0:
         return
@@ -539,7 +549,7 @@ def run_with_config(config: WyPrepassConfig, q, k, v, state, A_log, a, dt_bias, 
     ws_tp = torch.empty((slots, NUM_V_HEADS, 2, CHUNK, CHUNK), dtype=torch.float16, device=q.device)
     ws_g = torch.empty((slots, NUM_V_HEADS, 2, CHUNK), dtype=torch.float32, device=q.device)
     has_state = state is not None
-    compiled_for(GPU_ARCH, config)(
+    launcher(
         q, k, v, state if has_state else new_state, A_log, a, dt_bias, b, cu_seqlens, resolve_scale(scale),
         int(has_state), output, new_state, ws_tp, ws_g,
     )  # fmt: skip

@@ -11,11 +11,10 @@ with their spread over trials, never judged; neither is the reference, which is 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hopperbench.results import ResultsFile, SideResult
+from hopperbench.results import ResultsFile, SideResult, geometric_mean
 
 TOLERANCE = 0.03  # per judged row, graph span and graph busy time
 GEOMEAN = 0.01  # per (track, side), graph span
@@ -130,7 +129,9 @@ def side_means(rows: Sequence[Comparison]) -> list[SideMean]:
     for c in rows:
         if c.judged and c.first_graph_ms and c.second_graph_ms:
             groups.setdefault((c.track, c.side), []).append(c.second_graph_ms / c.first_graph_ms)
-    return [
-        SideMean(track, side, len(ratios), math.exp(sum(map(math.log, ratios)) / len(ratios)) - 1)
-        for (track, side), ratios in groups.items()
-    ]
+    means = []
+    for (track, side), ratios in groups.items():
+        mean = geometric_mean(ratios)
+        assert mean is not None  # every group holds a ratio
+        means.append(SideMean(track, side, len(ratios), mean - 1))
+    return means

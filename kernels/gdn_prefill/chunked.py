@@ -491,13 +491,13 @@ class _Chunked:
         self.launch_grid(kernel, [NUM_V_HEADS * self.num_slices, new_state.shape[0], 1], SharedStorage, stream)
 
     @staticmethod
-    def launch_grid(kernel, grid: list, SharedStorage, stream) -> None:
-        """Launch a traced kernel of this folder's chunked family (this one, the WY-prepass pair): NUM_THREADS
-        threads, `SharedStorage` as its dynamic shared memory, the largest carveout (two or three CTAs per SM
-        need it)."""
+    def launch_grid(kernel, grid: list, SharedStorage, stream, threads: int = NUM_THREADS) -> None:
+        """Launch a traced kernel of this folder's chunked family (this one, the WY-prepass pair, the WGMMA
+        chain): `threads` threads (NUM_THREADS but for the WGMMA chain's two warpgroups), `SharedStorage` as its
+        dynamic shared memory, the largest carveout (two or three CTAs per SM, or one of ~148 KB, need it)."""
         kernel.launch(
             grid=grid,
-            block=[NUM_THREADS, 1, 1],
+            block=[threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             preferred_smem_carveout=MAX_SMEM_CARVEOUT,

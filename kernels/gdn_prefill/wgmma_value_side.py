@@ -40,7 +40,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from . import token_serial, wy_prepass
-from .chunked import CHUNK, MAX_SMEM_CARVEOUT, _Chunked, sequence_bounds
+from .chunked import CHUNK, _Chunked, sequence_bounds
 from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, V_HEADS_PER_QK_HEAD
 
 __all__ = ["NUM_THREADS", "WgmmaValueSide", "compile_only", "compiled_for", "operands", "run"]
@@ -78,7 +78,7 @@ def operands():
 
 class WgmmaValueSide(_Chunked):
     """Kernel 2 of this path (see the module docstring); `wy_prepass._KeySide` is kernel 1. Subclasses
-    `_Chunked` for its sequence ranking and gate decay only."""
+    `_Chunked` for its sequence ranking, gate decay and launch only."""
 
     @cute.jit
     def launch(
@@ -109,13 +109,11 @@ class WgmmaValueSide(_Chunked):
             raw_tp: cute.struct.Align[cute.struct.MemRange[Float16, 2 * CHUNK * CHUNK], 128]
             raw_gates: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK], 16]
 
-        self.kernel(
+        kernel = self.kernel(
             q, k, v, state, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, update_mma, products_mma,
             keys_k_major, keys_mn_major, square, SharedStorage,
-        ).launch(
-            grid=[NUM_V_HEADS, new_state.shape[0], 1], block=[NUM_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(),
-            stream=stream, preferred_smem_carveout=MAX_SMEM_CARVEOUT,
         )  # fmt: skip
+        self.launch_grid(kernel, [NUM_V_HEADS, new_state.shape[0], 1], SharedStorage, stream, threads=NUM_THREADS)
 
     @cute.kernel
     def kernel(

@@ -9,9 +9,11 @@ known on the host; no device reads, no host synchronisation):
   per SM, the grid rows serving the sequences longest first when the grid takes more than one wave,
   on 16-row V slices for one or two sequences and 32-row slices above;
 - from WY_PREPASS_MIN_TOKENS, or from a mean sequence length T / N of WY_PREPASS_MIN_MEAN_LENGTH tokens:
-  `wy_prepass.py`, `chunked.py`'s chunks in two kernels, a parallel prepass of every chunk's state-free
-  half (~66 KB of shared memory, three CTAs per SM), then a chain with only the state-dependent half, on
-  16-row V slices up to 4 sequences and 32 above.
+  `chunked.py`'s chunks in two kernels, a parallel prepass of every chunk's state-free half (~66 KB of
+  shared memory, three CTAs per SM), then a chain with only the state-dependent half: below
+  WGMMA_CHAIN_MIN_SEQS sequences `wy_prepass.py`'s, on 16-row V slices up to 4 sequences and 32 above;
+  from WGMMA_CHAIN_MIN_SEQS `wgmma_value_side.py`'s, one CTA per (sequence, head) with the whole state as
+  warpgroup-MMA accumulators.
 
 Why these thresholds (NOTES.md has the measurements). The token-serial kernel costs a few us plus
 ~0.2 us per token of the longest sequence, a chunk step of the chunked kernel ~5.5 us: the token-serial
@@ -19,7 +21,10 @@ kernel wins up to ~40 tokens, and with T <= 40 no sequence can be longer than 40
 from 36 to 46 gives the same geomean). The WY-prepass path's second launch costs more than a few chunk
 steps save, so it loses on short sequences; it wins once the longest sequences have about 2.5 chunks or
 more. T and N are shapes and the split of T into sequences is not, so the rule is on the mean length
-T / N >= 160, and from 512 tokens on it is taken whatever N is.
+T / N >= 160, and from 512 tokens on it is taken whatever N is. The WGMMA chain steps a chunk of a whole
+head in ~3.8 us where a 16-row slice of `wy_prepass.py` takes ~2.8: it wins where many sequences fill the
+GPU (4124 tokens in 15 sequences 1.13x, 8192 in 20-57 1.13-1.54x) and loses where a few long ones bound
+the call (5709 in 2: 0.75x).
 
 Same contract as every path: destination passing, definition order, `state` None means zeros, `scale`
 None or 0 means 1/sqrt(128), CUDA-graph safe.
@@ -29,12 +34,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import chunked, token_serial, wy_prepass
+from . import chunked, token_serial, wgmma_value_side, wy_prepass
 from .token_serial import GPU_ARCH, GdnShapeError, resolve_scale
 
 __all__ = [
     "TOKEN_SERIAL_MAX_TOKENS",
     "WY_PREPASS_MIN_MEAN_LENGTH",
+    "WGMMA_CHAIN_MIN_SEQS",
     "WY_PREPASS_MIN_TOKENS",
     "GdnShapeError",
     "compile_only",
@@ -46,6 +52,7 @@ __all__ = [
 TOKEN_SERIAL_MAX_TOKENS = 40
 WY_PREPASS_MIN_TOKENS = 512
 WY_PREPASS_MIN_MEAN_LENGTH = 160
+WGMMA_CHAIN_MIN_SEQS = 15
 
 
 def path_for(num_tokens: int, num_seqs: int):
@@ -53,14 +60,17 @@ def path_for(num_tokens: int, num_seqs: int):
     if num_tokens <= TOKEN_SERIAL_MAX_TOKENS:
         return token_serial
     if num_tokens >= WY_PREPASS_MIN_TOKENS or num_tokens >= WY_PREPASS_MIN_MEAN_LENGTH * num_seqs:
-        return wy_prepass
+        return wgmma_value_side if num_seqs >= WGMMA_CHAIN_MIN_SEQS else wy_prepass
     return chunked
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
     """Compile every path's kernels for `arch` without touching a GPU (for CI and warm-up: no call
     compiles lazily afterwards)."""
-    return token_serial.compile_only(arch), *chunked.compile_only(arch), *wy_prepass.compile_only(arch)
+    return (
+        token_serial.compile_only(arch), *chunked.compile_only(arch), *wy_prepass.compile_only(arch),
+        *wgmma_value_side.compile_only(arch),
+    )
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:

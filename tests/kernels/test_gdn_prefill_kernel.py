@@ -49,8 +49,8 @@ LONG_TESTS = os.environ.get("HOPPERBENCH_LONG_TESTS") == "1"
 
 
 def test_compiles_every_path_for_sm90a_without_gpu():
-    # token-serial, chunked at both slice widths, and the WY-prepass pair at both chain widths
-    assert_compiles_and_caches(kernel.compile_only, 5)
+    # token-serial, chunked at both slice widths, the WY-prepass pair at both chain widths, and the WGMMA chain
+    assert_compiles_and_caches(kernel.compile_only, 6)
 
 
 @pytest.mark.parametrize(
@@ -60,23 +60,26 @@ def test_compiles_every_path_for_sm90a_without_gpu():
         (41, 1, "chunked"), (159, 1, "chunked"), (160, 1, "wy_prepass"),
         (319, 2, "chunked"), (320, 2, "wy_prepass"), (341, 2, "wy_prepass"), (461, 2, "wy_prepass"),
         (294, 3, "chunked"), (401, 4, "chunked"), (511, 4, "chunked"), (511, 57, "chunked"),
-        (512, 4, "wy_prepass"), (512, 57, "wy_prepass"), (8192, 57, "wy_prepass"),
+        (512, 4, "wy_prepass"), (5709, 2, "wy_prepass"), (3999, 14, "wy_prepass"), (4124, 15, "wgmma_value_side"),
+        (512, 57, "wgmma_value_side"), (8192, 20, "wgmma_value_side"), (8192, 57, "wgmma_value_side"),
+        (480, 15, "chunked"),
     ],
 )  # fmt: skip
 def test_path_is_chosen_from_the_token_and_sequence_counts(num_tokens, num_seqs, path):
     assert (kernel.TOKEN_SERIAL_MAX_TOKENS, kernel.WY_PREPASS_MIN_TOKENS) == (40, 512)
-    assert kernel.WY_PREPASS_MIN_MEAN_LENGTH == 160
+    assert kernel.WY_PREPASS_MIN_MEAN_LENGTH == 160 and kernel.WGMMA_CHAIN_MIN_SEQS == 15
     assert kernel.path_for(num_tokens, num_seqs) is solution_module(path)
 
 
 @pytest.mark.parametrize(
     ("lengths", "path"),
-    [((6,), "token_serial"), ((41,), "chunked"), ((100, 100), "chunked"), ((170, 170), "wy_prepass"), ((512,), "wy_prepass")],
+    [((6,), "token_serial"), ((41,), "chunked"), ((100, 100), "chunked"), ((170, 170), "wy_prepass"), ((512,), "wy_prepass"),
+     ((40,) * 15, "wgmma_value_side")],
     ids=str,
 )
 def test_run_calls_exactly_the_chosen_path(lengths, path, monkeypatch):
     calls = []
-    for name in ("token_serial", "chunked", "wy_prepass"):
+    for name in ("token_serial", "chunked", "wy_prepass", "wgmma_value_side"):
         monkeypatch.setattr(solution_module(name), "run", lambda *args, name=name: calls.append((name, args)))
     num_tokens = sum(lengths)
     case = cases.CheckCase(f"len{num_tokens}", lengths, True, 0.0, "mamba2")

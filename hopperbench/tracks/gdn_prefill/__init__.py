@@ -70,11 +70,6 @@ GDN_PREFILL = Track(
             entry="wy_prepass.py::run",
             description="kernel.py's WY-prepass path at every T (no 512-token threshold): the other side of the A/B and sweep that place the threshold for few sequences",
         ),
-        CandidateSide(
-            name="cand_wgmma_value_side",
-            entry="wgmma_value_side.py::run",
-            description="the WY-prepass path with its chain on warpgroup MMA: one 256-thread CTA per (sequence, head) holding the whole state as WGMMA accumulators (wgmma_value_side.py)",
-        ),
     ),
 )
 

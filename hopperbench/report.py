@@ -622,15 +622,22 @@ REPEAT_HEADER = (
 
 
 def repeat_markdown(first: ResultsFile, second: ResultsFile) -> list[str]:
-    """Per track timed in both runs: the judged rows (`repeatability.compare`), how many stayed
+    """Per track of the canonical run: the judged rows (`repeatability.compare`), how many stayed
     within the tolerance, the sides of those that did not, and each side's geometric-mean change of
-    its graph span (marked where it is over `repeatability.GEOMEAN`)."""
+    its graph span (marked where it is over `repeatability.GEOMEAN`); a track the repeat lacks (its
+    rows were replaced since: `tools/merge_track_runs.py --repeat`) says so."""
     from hopperbench.tracks import TRACKS
 
     rows = repeatability.compare(first, second)
-    present = {c.track for c in rows}
+    canonical = {r.track for r in first.rows}
+    repeated = {r.track for r in second.rows}
     body = []
-    for track in [t for t in TRACKS if t in present] + sorted(present - set(TRACKS)):
+    for track in [t for t in TRACKS if t in canonical] + sorted(canonical - set(TRACKS)):
+        if track not in repeated:
+            commit = first.track_environment(track).repo_commit
+            since = f" (canonical at `{commit[:10]}`)" if commit else ""
+            body.append([f"`{track}`", "0", "-", f"not repeated since its canonical run{since}", "-"])
+            continue
         judged = [c for c in rows if c.track == track and c.judged]
         if not judged:
             continue

@@ -125,3 +125,18 @@ def test_readme_summary_counts_judged_rows_names_the_sides_over_and_their_twins(
     assert "`fla` 2 (1), -6.0%" in cells[3] and "`ours` 1 (0), +100.0%" in cells[3]
     assert "`fla` -1.13% (2) **over**" in cells[4]  # sqrt(1.04 x 0.94) - 1
     assert report.repeat_markdown(compare_runs.read_results(a), compare_runs.read_results(a))[2].count("none") == 1
+
+
+def test_readme_summary_names_a_canonical_track_the_repeat_lacks(tmp_path: Path) -> None:
+    a = write_run(tmp_path / "a.json", {0: [timed("ours", 0.3, 0.2)]})
+    results = compare_runs.read_results(a)
+    env = EnvironmentRecord(repo_commit="c" * 40)
+    gdn = WorkloadRow.from_sides(
+        WorkloadKey(track="gdn_prefill", definition="d", uuid="g0", index=0, axes={"total_seq_len": 6},
+                    data_source="synthesized", seed=0, absent_inputs=[]),  # fmt: skip
+        {"ours": timed("ours", 0.3, 0.2)},
+    )
+    canonical = write_results(tmp_path / "c.json", env, [gdn, *results.rows])
+    lines = report.repeat_markdown(canonical, results)
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["`gdn_prefill`", "`moe`"]
+    assert "not repeated since its canonical run (canonical at `cccccccccc`)" in lines[2]

@@ -253,3 +253,37 @@ def test_a_failure_writing_the_csv_leaves_the_canonical_json_as_it_was(
     assert code == 1 and "No space left on device" in err and err.count("\n") == 1
     assert {p: p.read_bytes() for p in before} == before
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_merged_tracks_leave_the_repeat_run(canonical: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    repeat = write_run(tmp_path / "repeat.json", environment(OLD, "2026-12-02"), ["gdn_prefill", "moe"], 1.01)
+    newer = write_run(tmp_path / "gdn.json", environment(NEW, "2026-12-03"), ["gdn_prefill"], 0.5)
+    code = merge_track_runs.main([str(canonical), str(newer), "--repeat", str(repeat)])
+    out = capsys.readouterr().out
+    assert code == 0 and f"{repeat}: dropped gdn_prefill; run the track again" in out
+    kept = read_results(repeat)
+    assert {r.track for r in kept.rows} == {"moe"} and kept.summary == summarize(kept.rows)
+    assert kept.completeness is not None and list(kept.completeness.tracks) == ["moe"]
+    with open(csv_path_for(repeat), newline="") as f:
+        assert {line["track"] for line in csv.DictReader(f)} == {"moe"}
+    # README's repeat table names the track the repeat no longer holds.
+    lines = report.repeat_markdown(read_results(canonical), kept)
+    assert "`gdn_prefill` | 0 | - | not repeated since its canonical run (canonical at `bbbbbbbbbb`)" in "\n".join(lines)
+    # Merging the last track it holds removes it; the repeat of a track merges into it as into any run.
+    moe = write_run(tmp_path / "moe.json", environment(NEW, "2026-12-03"), ["moe"], 0.5)
+    assert merge_track_runs.main([str(canonical), str(moe), "--repeat", str(repeat)]) == 0
+    assert "(nothing left: removed)" in capsys.readouterr().out
+    assert not repeat.exists() and not csv_path_for(repeat).exists()
+
+
+def test_a_repeat_that_is_the_canonical_file_or_has_a_journal_is_refused(
+    canonical: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    newer = write_run(tmp_path / "gdn.json", environment(NEW, "2026-12-03"), ["gdn_prefill"], 0.5)
+    repeat = write_run(tmp_path / "repeat.json", environment(OLD, "2026-12-02"), ["gdn_prefill"], 1.01)
+    (tmp_path / "repeat.journal.jsonl").write_text("{}\n")
+    before = {p: p.read_bytes() for p in (canonical, repeat)}
+    for given, expected in ((canonical, "is the canonical file itself"), (repeat, "finish that run")):
+        assert merge_track_runs.main([str(canonical), str(newer), "--repeat", str(given)]) == 2
+        assert expected in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in before} == before

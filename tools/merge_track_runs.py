@@ -10,11 +10,16 @@ they are. The summary and completeness are recomputed and the canonical JSON and
 beside it rewritten as the runner writes them (neither is replaced unless both can be). Then
 `uv run tools/render_results.py` regenerates README.md's sections and the views.
 
+`--repeat results/h200/repeat.json` also drops the merged tracks from the repeat run: it no longer
+repeats their canonical rows (README's repeat table then says so) until the track is run again and
+merged into it (`merge_track_runs.py results/h200/repeat.json <repeat of the track>.json`). A repeat
+left with no rows is removed, its CSV with it.
+
 Refused with one line on stderr, exit code 2, nothing written:
-- a file that cannot be read or is not a results JSON; the canonical file given as a newer run; a
-  track in two newer runs; an off-list run (`--workload-list offlist`: rows beyond the listed
+- a file that cannot be read or is not a results JSON; the canonical file given as a newer run or as
+  the repeat; a track in two newer runs; an off-list run (`--workload-list offlist`: rows beyond the listed
   workloads, kept in a results file of their own) on either side; a journal beside the canonical
-  file (its `--resume` or `--finalize` would write over the merge);
+  file or the repeat (its `--resume` or `--finalize` would write over the merge);
 - a run that records no completeness; a newer run that is partial for its track;
 - a newer run that lacks a row the canonical file has of its track, or a side: every side of the
   track's registry entry and every side the canonical rows have, candidates excepted (a candidate
@@ -117,11 +122,15 @@ def track_run(results: ResultsFile, track: str) -> TrackRun:
 # Checks
 
 
-def check_inputs(canonical: Run, newer: Sequence[Run]) -> dict[str, Run]:
-    """Each track to merge and the newer run it comes from."""
-    journal = Journal.path_for(canonical.path)
+def check_no_journal(run: Run) -> None:
+    journal = Journal.path_for(run.path)
     if journal.exists():
         raise MergeError(f"{journal} exists: finish that run (--resume, --finalize) or remove its journal first")
+
+
+def check_inputs(canonical: Run, newer: Sequence[Run]) -> dict[str, Run]:
+    """Each track to merge and the newer run it comes from."""
+    check_no_journal(canonical)
     chosen: dict[str, Run] = {}
     for run in (canonical, *newer):
         check_listed(run)
@@ -302,6 +311,51 @@ def merge(canonical: Run, chosen: Mapping[str, Run], planned: Mapping[str, Track
     )
 
 
+def without_tracks(run: Run, tracks: Iterable[str]) -> ResultsFile | None:
+    """The run without the rows, runs and plans of `tracks`; None when no row is left."""
+    dropped = set(tracks)
+    rows = [r for r in run.results.rows if r.track not in dropped]
+    if not rows:
+        return None
+    runs = {track: track_run(run.results, track) for track in dict.fromkeys(r.track for r in rows)}
+    base = base_run(own_run(run.results), runs)
+    completeness = run.results.completeness
+    if completeness is not None:
+        kept = {name: done for name, done in completeness.tracks.items() if name not in dropped}
+        completeness = Completeness.of_tracks(kept, completeness.plan_source)
+    return ResultsFile(
+        environment=base.environment,
+        environment_source=base.environment_source,
+        resumed_at=list(base.resumed_at),
+        track_runs={track: r for track, r in runs.items() if r != base},
+        completeness=completeness,
+        rows=rows,
+        summary=summarize(rows),
+    )
+
+
+def load_repeat(path: Path, canonical: Run) -> Run:
+    repeat = load_run(path)
+    if repeat.path.resolve() == canonical.path.resolve():
+        raise MergeError(f"{path} is the canonical file itself")
+    check_no_journal(repeat)
+    return repeat
+
+
+def write_repeat(repeat: Run, tracks: Sequence[str]) -> list[str]:
+    """Drops `tracks` from the repeat run (removing it when nothing is left); the tracks dropped."""
+    dropped = [t for t in tracks if any(r.track == t for r in repeat.results.rows)]
+    if not dropped:
+        return []
+    remaining = without_tracks(repeat, dropped)
+    if remaining is None:
+        csv_path_for(repeat.path).unlink(missing_ok=True)
+        repeat.path.unlink()
+    else:
+        write_results_file(repeat.path, remaining)
+    return dropped
+
+
 def _commit(results: ResultsFile, track: str) -> str:
     commit = results.track_environment(track).repo_commit
     return commit[:10] if commit else "an unrecorded commit"
@@ -311,9 +365,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(prog=PROG, description=(__doc__ or "").splitlines()[0])
     parser.add_argument("canonical", type=Path, help="the canonical results JSON, rewritten in place")
     parser.add_argument("newer", type=Path, nargs="+", help="results JSON of a newer run of one or more tracks")
+    parser.add_argument("--repeat", type=Path, help="the repeat run, from which the merged tracks are dropped")
     try:
         args = parser.parse_args(argv)
         canonical = load_run(args.canonical)
+        repeat = load_repeat(args.repeat, canonical) if args.repeat is not None else None
         chosen = check_inputs(canonical, [load_run(path) for path in args.newer])
         planned = {track: check_track(canonical, run, track) for track, run in chosen.items()}
         merged = merge(canonical, chosen, planned)
@@ -321,12 +377,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     try:
+        # The repeat first: should the canonical write fail, the repeat lacks a track it still
+        # repeats, rather than judging rows the canonical run no longer has.
+        dropped = write_repeat(repeat, list(chosen)) if repeat is not None else []
         write_results_file(args.canonical, merged)
     except OSError as e:
         print(f"{PROG}: error: cannot write {e.filename or args.canonical}: {e.strerror or e}", file=sys.stderr)
         return 1
     for track, run in chosen.items():
         print(f"{track}: {len(run.rows_of(track))} rows from {run.path} (commit {_commit(merged, track)})")
+    if repeat is not None and dropped:
+        gone = "" if repeat.path.exists() else " (nothing left: removed)"
+        print(f"{repeat.path}: dropped {', '.join(dropped)}{gone}; run the track again and merge it there")
     print(f"results: {args.canonical} and {csv_path_for(args.canonical)}; now uv run tools/render_results.py")
     return 0
 

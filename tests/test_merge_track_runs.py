@@ -274,6 +274,9 @@ def test_the_merged_tracks_leave_the_repeat_run(canonical: Path, tmp_path: Path,
     assert merge_track_runs.main([str(canonical), str(moe), "--repeat", str(repeat)]) == 0
     assert "(nothing left: removed)" in capsys.readouterr().out
     assert not repeat.exists() and not csv_path_for(repeat).exists()
+    # With no repeat left (or none yet), a merge has nothing to drop.
+    assert merge_track_runs.main([str(canonical), str(newer), "--repeat", str(repeat)]) == 0
+    assert "dropped" not in capsys.readouterr().out and not repeat.exists()
 
 
 def test_a_repeat_that_is_the_canonical_file_or_has_a_journal_is_refused(

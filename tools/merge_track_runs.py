@@ -13,7 +13,7 @@ beside it rewritten as the runner writes them (neither is replaced unless both c
 `--repeat results/h200/repeat.json` also drops the merged tracks from the repeat run: it no longer
 repeats their canonical rows (README's repeat table then says so) until the track is run again and
 merged into it (`merge_track_runs.py results/h200/repeat.json <repeat of the track>.json`). A repeat
-left with no rows is removed, its CSV with it.
+left with no rows is removed, its CSV with it; a repeat that does not exist yet is left so.
 
 Refused with one line on stderr, exit code 2, nothing written:
 - a file that cannot be read or is not a results JSON; the canonical file given as a newer run or as
@@ -369,7 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         canonical = load_run(args.canonical)
-        repeat = load_repeat(args.repeat, canonical) if args.repeat is not None else None
+        # No repeat yet (a first canonical run) leaves nothing to drop.
+        repeat = load_repeat(args.repeat, canonical) if args.repeat is not None and args.repeat.exists() else None
         chosen = check_inputs(canonical, [load_run(path) for path in args.newer])
         planned = {track: check_track(canonical, run, track) for track, run in chosen.items()}
         merged = merge(canonical, chosen, planned)

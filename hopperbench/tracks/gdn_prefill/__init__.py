@@ -75,6 +75,11 @@ GDN_PREFILL = Track(
             entry="pair_key_side.py::run_as_kernel",
             description="kernel.py with one WY key-side CTA per (chunk, q/k head) serving both v-heads: k and q loaded and converted once, two CTAs of 8 warps per SM (pair_key_side.py)",
         ),
+        CandidateSide(
+            name="cand_lookahead",
+            entry="lookahead.py::run_as_kernel",
+            description="kernel.py with its token-serial path (<= 40 tokens) reducing one token ahead: two row sums per token instead of three, each spanning two tokens of the chain (lookahead.py)",
+        ),
     ),
 )
 

@@ -35,19 +35,16 @@ from .chunked import (
     NUM_THREADS,
     NUM_WARPS,
     SCRATCH_STRIDE,
-    SCRATCH_VIEW,
     SLICE_ROWS,
     SQUARE_T_VIEW,
-    SQUARE_VIEW,
     WARP_SIZE,
     WIDE_STRIDE,
     _layout,
     _make_operand_copies,
     _make_warp_mma,
-    sequence_bounds,
 )
 from .token_serial import GPU_ARCH, NUM_QK_HEADS, NUM_V_HEADS, V_HEADS_PER_QK_HEAD, GdnShapeError, resolve_scale
-from .wy_prepass import SQUARE_PIECES, WyPrepassConfig, chunk_slot
+from .wy_prepass import SQUARE_PIECES, WyPrepassConfig
 
 __all__ = ["GdnShapeError", "compile_only", "resolve_scale", "run", "run_as_kernel"]
 
@@ -104,13 +101,7 @@ class _PairKeySide(wy_prepass._KeySide):
         qk_head, slot, _ = cute.arch.block_idx()
         group = tidx // NUM_THREADS
         group_tidx = tidx % NUM_THREADS
-        total_tokens = cutlass.Int32(q.shape[0])
-        seq = self.sequence_of_slot(cu_seqlens, slot, total_tokens)
-        start, length = sequence_bounds(cu_seqlens, seq, total_tokens)
-        num_chunks = (length + CHUNK - 1) // CHUNK
-        # A slot that is no chunk (past a sequence's end, or before the first sequence) has nothing to do.
-        first_slot = chunk_slot(start, 0, seq)
-        chunk = cutlass.Int32(cutlass.select_(slot >= first_slot, slot - first_slot, num_chunks))
+        start, length, chunk, num_chunks = self.chunk_of_slot(cu_seqlens, slot, cutlass.Int32(q.shape[0]))
         if chunk < num_chunks:
             st = cutlass.memory.SmemAllocator().allocate(SharedStorage)
             raw_k, raw_a, raw_b, kq, kq_raw = self.staging_views(st, k_staged_in_kq=True)
@@ -148,18 +139,16 @@ class _PairKeySide(wy_prepass._KeySide):
     ):  # fmt: skip
         """`_KeySide.key_kernel`'s steps after the loads for one v-head, by one warp group (`tidx` and the warp
         index within the group), with the group's buffers; three CTA barriers before the inverse and its three.
-        The first barrier also orders the group-0 conversion of k and q before the Gram tiles."""
+        The first barrier also orders the group-0 conversion of k and q before the Gram tiles. (From the gates
+        on, the same code as `key_kernel`'s tail, kept apart so that `key_kernel`'s PTX stays as measured.)"""
         warp_idx = tidx // WARP_SIZE
         lane = tidx % WARP_SIZE
-        a16 = a16_mem.get_tensor(_layout(SQUARE_VIEW))
+        a16, a_diag, t16, scratch, cum_log_g, beta = self.head_views(
+            a16_mem, a_diag_mem, t16_mem, scratch_mem, cum_log_g_mem, beta_mem, warp_idx
+        )
         a16_t = cute.make_tensor(a16.iterator, _layout(SQUARE_T_VIEW))
-        a_diag = a_diag_mem.get_tensor(cute.make_layout((CHUNK, BLOCK), stride=(DIAG_STRIDE, 1)))
-        t16 = t16_mem.get_tensor(_layout(SQUARE_VIEW))
         t16_t = cute.make_tensor(t16.iterator, _layout(SQUARE_T_VIEW))
         p16 = ws_tp[slot, head, 1, None, None]
-        scratch = scratch_mem.get_tensor(_layout(SCRATCH_VIEW))[warp_idx, None, None]
-        cum_log_g = cum_log_g_mem.get_tensor(cute.make_layout(CHUNK))
-        beta = beta_mem.get_tensor(cute.make_layout(CHUNK))
 
         copy_a, copy_b, copy_bt = _make_operand_copies(tiled_mma)
         thr_mma = tiled_mma.get_slice(lane)
@@ -168,13 +157,7 @@ class _PairKeySide(wy_prepass._KeySide):
         acc_sq = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
         acc_y = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), cutlass.Float32)
 
-        # T and P are lower triangular; their upper blocks are stored too, as zeros (P's in the workspace,
-        # only the blocks above the diagonal, which the Gram epilogue never writes).
-        for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
-            linear = i * NUM_THREADS + tidx
-            t16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
-            if linear % CHUNK // BLOCK > linear // CHUNK // BLOCK:
-                p16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
+        self.clear_upper_blocks(t16, p16, tidx)
         neg_decay_rate = -cute.math.exp(A_log[head]) * LOG2_E
         if warp_idx == 0:
             self.chunk_gates(raw_a, raw_b, 0, head, neg_decay_rate, dt_bias[head], tokens_here, lane, cum_log_g, beta)

@@ -149,6 +149,39 @@ class _KeySide(_Chunked):
                     hi = mid - 1
         return lo
 
+    @cute.jit
+    def chunk_of_slot(self, cu_seqlens: cute.Tensor, slot: cutlass.Int32, total_tokens: cutlass.Int32):
+        """(start, length, chunk, num_chunks) of the sequence whose chunk has workspace slot `slot`; chunk ==
+        num_chunks when the slot is no chunk (past a sequence's end, or before the first sequence)."""
+        seq = self.sequence_of_slot(cu_seqlens, slot, total_tokens)
+        start, length = sequence_bounds(cu_seqlens, seq, total_tokens)
+        num_chunks = (length + CHUNK - 1) // CHUNK
+        first_slot = chunk_slot(start, 0, seq)
+        chunk = cutlass.Int32(cutlass.select_(slot >= first_slot, slot - first_slot, num_chunks))
+        return start, length, chunk, num_chunks
+
+    def head_views(self, a16_mem, a_diag_mem, t16_mem, scratch_mem, cum_log_g_mem, beta_mem, warp_idx):
+        """(a16, a_diag, t16, scratch, cum_log_g, beta) over one head's buffers of a key-side kernel's shared
+        storage; `scratch` is warp `warp_idx`'s. Built while a kernel is traced."""
+        return (
+            a16_mem.get_tensor(_layout(SQUARE_VIEW)),
+            a_diag_mem.get_tensor(cute.make_layout((CHUNK, BLOCK), stride=(DIAG_STRIDE, 1))),
+            t16_mem.get_tensor(_layout(SQUARE_VIEW)),
+            scratch_mem.get_tensor(_layout(SCRATCH_VIEW))[warp_idx, None, None],
+            cum_log_g_mem.get_tensor(cute.make_layout(CHUNK)),
+            beta_mem.get_tensor(cute.make_layout(CHUNK)),
+        )
+
+    @cute.jit
+    def clear_upper_blocks(self, t16: cute.Tensor, p16: cute.Tensor, tidx: cutlass.Int32):
+        """T and P are lower triangular; their upper blocks are stored too, as zeros (P's in the workspace,
+        only the blocks above the diagonal, which the Gram epilogue never writes)."""
+        for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            t16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
+            if linear % CHUNK // BLOCK > linear // CHUNK // BLOCK:
+                p16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
+
     @cute.kernel
     def key_kernel(
         self,
@@ -168,26 +201,17 @@ class _KeySide(_Chunked):
         head, slot, _ = cute.arch.block_idx()
         warp_idx = tidx // WARP_SIZE
         lane = tidx % WARP_SIZE
-        total_tokens = cutlass.Int32(q.shape[0])
-        seq = self.sequence_of_slot(cu_seqlens, slot, total_tokens)
-        start, length = sequence_bounds(cu_seqlens, seq, total_tokens)
-        num_chunks = (length + CHUNK - 1) // CHUNK
-        # A slot that is no chunk (past a sequence's end, or before the first sequence) has nothing to do.
-        first_slot = chunk_slot(start, 0, seq)
-        chunk = cutlass.Int32(cutlass.select_(slot >= first_slot, slot - first_slot, num_chunks))
+        start, length, chunk, num_chunks = self.chunk_of_slot(cu_seqlens, slot, cutlass.Int32(q.shape[0]))
         if chunk < num_chunks:
             smem = cutlass.memory.SmemAllocator()
             st = smem.allocate(SharedStorage)
             raw_k, raw_a, raw_b, kq, kq_raw = self.staging_views(st, k_staged_in_kq=True)
-            a16 = st.a16.get_tensor(_layout(SQUARE_VIEW))
+            a16, a_diag, t16, scratch, cum_log_g, beta = self.head_views(
+                st.a16, st.a_diag, st.t16, st.scratch, st.cum_log_g, st.beta, warp_idx
+            )
             a16_t = cute.make_tensor(a16.iterator, _layout(SQUARE_T_VIEW))
-            a_diag = st.a_diag.get_tensor(cute.make_layout((CHUNK, BLOCK), stride=(DIAG_STRIDE, 1)))
-            t16 = st.t16.get_tensor(_layout(SQUARE_VIEW))
             t16_t = cute.make_tensor(t16.iterator, _layout(SQUARE_T_VIEW))
             p16 = ws_tp[slot, head, 1, None, None]
-            scratch = st.scratch.get_tensor(_layout(SCRATCH_VIEW))[warp_idx, None, None]
-            cum_log_g = st.cum_log_g.get_tensor(cute.make_layout(CHUNK))
-            beta = st.beta.get_tensor(cute.make_layout(CHUNK))
 
             copy_a, copy_b, copy_bt = _make_operand_copies(tiled_mma)
             thr_mma = tiled_mma.get_slice(lane)
@@ -203,13 +227,7 @@ class _KeySide(_Chunked):
             self.copy_gate_rows(g2s, a, b, raw_a, raw_b, start, length, chunk, 0, tidx)
             self.load_q(g2s, q, kq_raw, start, length, chunk, head, tidx)
             cute.arch.cp_async_commit_group()
-            # T and P are lower triangular; their upper blocks are stored too, as zeros (P's in the workspace,
-            # only the blocks above the diagonal, which the Gram epilogue never writes).
-            for i in cutlass.range_constexpr(CHUNK * CHUNK // NUM_THREADS):
-                linear = i * NUM_THREADS + tidx
-                t16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
-                if linear % CHUNK // BLOCK > linear // CHUNK // BLOCK:
-                    p16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
+            self.clear_upper_blocks(t16, p16, tidx)
             neg_decay_rate = -cute.math.exp(A_log[head]) * LOG2_E
             tokens_here = cutlass.min(length - chunk * CHUNK, cutlass.Int32(CHUNK))
             cute.arch.cp_async_wait_group(0)

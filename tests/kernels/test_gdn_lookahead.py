@@ -18,57 +18,63 @@ device_check = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/probes/devic
 lookahead = device_check.load_kernel_module("lookahead")
 
 
-def _gates(A_log, a, dt_bias, b, dtype):
-    gate = torch.exp(-A_log.to(dtype).exp() * torch.nn.functional.softplus(a.to(dtype) + dt_bias.to(dtype)))
-    return gate, torch.sigmoid(b.to(dtype))
+def _recurrence(advance, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, dtype):
+    """(output, new_state) with `advance(s, start, end, ctx)` stepping each sequence's state s [8, V, K] over its
+    tokens and writing ctx["output"]; ctx holds the scale, v-head q and k rows, gates, beta and values in `dtype`."""
+    ctx = {
+        "scale": lookahead.resolve_scale(scale),
+        "q": q.to(dtype).repeat_interleave(2, dim=1),
+        "k": k.to(dtype).repeat_interleave(2, dim=1),
+        "v": v.to(dtype),
+        "gate": torch.exp(-A_log.to(dtype).exp() * torch.nn.functional.softplus(a.to(dtype) + dt_bias.to(dtype))),
+        "beta": torch.sigmoid(b.to(dtype)),
+        "output": torch.zeros(q.shape[0], 8, 128, dtype=dtype),
+    }
+    num_seqs = cu_seqlens.numel() - 1
+    new_state = torch.zeros(num_seqs, 8, 128, 128, dtype=dtype)
+    for n in range(num_seqs):
+        s = state[n].to(dtype).clone() if state is not None else torch.zeros(8, 128, 128, dtype=dtype)
+        new_state[n] = advance(s, int(cu_seqlens[n]), int(cu_seqlens[n + 1]), ctx)
+    return ctx["output"], new_state
 
 
-def plain_recurrence(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, dtype=torch.float64):
+def _plain_steps(s, start, end, ctx):
     """The definition's S <- g S; S <- S + beta (v - S k) k^T; o = scale S q, token by token (S is [V, K])."""
-    scale = lookahead.resolve_scale(scale)
-    qh, kh = q.to(dtype).repeat_interleave(2, dim=1), k.to(dtype).repeat_interleave(2, dim=1)
-    gate, beta = _gates(A_log, a, dt_bias, b, dtype)
-    num_seqs = cu_seqlens.numel() - 1
-    output = torch.zeros(q.shape[0], 8, 128, dtype=dtype)
-    new_state = torch.zeros(num_seqs, 8, 128, 128, dtype=dtype)
-    for n in range(num_seqs):
-        s = state[n].to(dtype).clone() if state is not None else torch.zeros(8, 128, 128, dtype=dtype)
-        for t in range(int(cu_seqlens[n]), int(cu_seqlens[n + 1])):
-            s = gate[t][:, None, None] * s
-            delta = beta[t][:, None] * (v[t].to(dtype) - torch.einsum("hvk,hk->hv", s, kh[t]))
-            s = s + delta[:, :, None] * kh[t][:, None, :]
-            output[t] = scale * torch.einsum("hvk,hk->hv", s, qh[t])
-        new_state[n] = s
-    return output, new_state
+    kh, qh = ctx["k"], ctx["q"]
+    for t in range(start, end):
+        s = ctx["gate"][t][:, None, None] * s
+        delta = ctx["beta"][t][:, None] * (ctx["v"][t] - torch.einsum("hvk,hk->hv", s, kh[t]))
+        s = s + delta[:, :, None] * kh[t][:, None, :]
+        ctx["output"][t] = ctx["scale"] * torch.einsum("hvk,hk->hv", s, qh[t])
+    return s
 
 
-def lookahead_recurrence(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, dtype=torch.float64):
-    """The kernel's loop in torch, all heads and rows at once: per chunk of token_serial.CHUNK tokens a direct
-    u = S k_0, then `lookahead.lookahead_step` per token with the row sums of the state before it."""
-    scale = lookahead.resolve_scale(scale)
-    qh, kh = q.to(dtype).repeat_interleave(2, dim=1), k.to(dtype).repeat_interleave(2, dim=1)
-    gate, beta = _gates(A_log, a, dt_bias, b, dtype)
-    num_seqs = cu_seqlens.numel() - 1
-    output = torch.zeros(q.shape[0], 8, 128, dtype=dtype)
-    new_state = torch.zeros(num_seqs, 8, 128, 128, dtype=dtype)
-    for n in range(num_seqs):
-        s = state[n].to(dtype).clone() if state is not None else torch.zeros(8, 128, 128, dtype=dtype)
-        start, end = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
-        for first in range(start, end, lookahead.CHUNK):
-            last = min(first + lookahead.CHUNK, end)
-            u = torch.einsum("hvk,hk->hv", s, kh[first])
-            for t in range(first, last):
-                k_next = kh[t + 1] if t + 1 < last else torch.zeros_like(kh[t])  # the kernel's u there is unused
-                g = gate[t][:, None]
-                out, delta, u = lookahead.lookahead_step(
-                    scale, g, beta[t][:, None], v[t].to(dtype), u,
-                    torch.einsum("hvk,hk->hv", s, qh[t]), torch.einsum("hvk,hk->hv", s, k_next),
-                    (kh[t] * qh[t]).sum(-1, keepdim=True), (kh[t] * k_next).sum(-1, keepdim=True),
-                )  # fmt: skip
-                output[t] = out
-                s = g[:, :, None] * s + delta[:, :, None] * kh[t][:, None, :]
-        new_state[n] = s
-    return output, new_state
+def _lookahead_steps(s, start, end, ctx):
+    """The kernel's loop, all heads and rows at once: per chunk of token_serial.CHUNK tokens a direct u = S k_0,
+    then `lookahead.lookahead_step` per token with the row sums of the state before it."""
+    kh, qh = ctx["k"], ctx["q"]
+    for first in range(start, end, lookahead.CHUNK):
+        last = min(first + lookahead.CHUNK, end)
+        u = torch.einsum("hvk,hk->hv", s, kh[first])
+        for t in range(first, last):
+            k_next = kh[t + 1] if t + 1 < last else torch.zeros_like(kh[t])  # the kernel's u there is unused
+            g = ctx["gate"][t][:, None]
+            out, delta, u = lookahead.lookahead_step(
+                ctx["scale"], g, ctx["beta"][t][:, None], ctx["v"][t], u,
+                torch.einsum("hvk,hk->hv", s, qh[t]), torch.einsum("hvk,hk->hv", s, k_next),
+                (kh[t] * qh[t]).sum(-1, keepdim=True), (kh[t] * k_next).sum(-1, keepdim=True),
+            )  # fmt: skip
+            ctx["output"][t] = out
+            s = g[:, :, None] * s + delta[:, :, None] * kh[t][:, None, :]
+    return s
+
+
+def plain_recurrence(*inputs, dtype=torch.float64):
+    return _recurrence(_plain_steps, *inputs, dtype)
+
+
+def lookahead_recurrence(*inputs, dtype=torch.float64):
+    return _recurrence(_lookahead_steps, *inputs, dtype)
 
 
 CPU_CASES = ("len1_state", "len6_state_scale05", "len6_nostate", "chunk_edges_31_32_33_1", "zero_length_seqs")

@@ -294,18 +294,27 @@ def merge(canonical: Run, chosen: Mapping[str, Run], planned: Mapping[str, Track
         track: track_run(chosen[track].results, track) if track in chosen else track_run(canonical.results, track)
         for track in dict.fromkeys(r.track for r in rows)
     }
-    base = base_run(own_run(canonical.results), runs)
     assert canonical.results.completeness is not None  # check_inputs
     sources = [
         *([canonical.results.completeness.plan_source] if kept else []),
         *(run.results.completeness.plan_source for run in chosen.values() if run.results.completeness is not None),
     ]
+    completeness = merged_completeness(canonical.results.completeness, planned, sources)
+    return assemble(rows, runs, own_run(canonical.results), completeness)
+
+
+def assemble(
+    rows: list[WorkloadRow], runs: Mapping[str, TrackRun], current: TrackRun, completeness: Completeness | None
+) -> ResultsFile:
+    """A results file of `rows`, each track's run in `runs`: the file's own environment is `base_run`'s, the
+    other tracks' runs go to `track_runs`; the summary is recomputed."""
+    base = base_run(current, runs)
     return ResultsFile(
         environment=base.environment,
         environment_source=base.environment_source,
         resumed_at=list(base.resumed_at),
         track_runs={track: run for track, run in runs.items() if run != base},
-        completeness=merged_completeness(canonical.results.completeness, planned, sources),
+        completeness=completeness,
         rows=rows,
         summary=summarize(rows),
     )
@@ -318,20 +327,11 @@ def without_tracks(run: Run, tracks: Iterable[str]) -> ResultsFile | None:
     if not rows:
         return None
     runs = {track: track_run(run.results, track) for track in dict.fromkeys(r.track for r in rows)}
-    base = base_run(own_run(run.results), runs)
     completeness = run.results.completeness
     if completeness is not None:
         kept = {name: done for name, done in completeness.tracks.items() if name not in dropped}
         completeness = Completeness.of_tracks(kept, completeness.plan_source)
-    return ResultsFile(
-        environment=base.environment,
-        environment_source=base.environment_source,
-        resumed_at=list(base.resumed_at),
-        track_runs={track: r for track, r in runs.items() if r != base},
-        completeness=completeness,
-        rows=rows,
-        summary=summarize(rows),
-    )
+    return assemble(rows, runs, own_run(run.results), completeness)
 
 
 def load_repeat(path: Path, canonical: Run) -> Run:

@@ -631,6 +631,7 @@ def plan_run(args: argparse.Namespace, hooks: RunnerHooks, check_machine: bool =
         "iterations": args.iterations,
         "trials": args.trials,
         "side_warmup": SIDE_WARMUP,
+        "twin_warmup": TWIN_WARMUP,
     }
     if args.workload_list == OFFLIST:
         # Only off-list runs record it: a listed run's protocol stays what earlier runs recorded.
@@ -695,13 +696,23 @@ SIDE_WARMUP = (
     "one untimed call on trial 0 of the run's largest workload of the track (by its size axis), once "
     "per side process, before its first job: autotuners choose there, as in a serving engine's warm-up"
 )
+# And before its first job that withholds optional inputs (GDN's no-state twins). Recorded apart from
+# SIDE_WARMUP because it concerns a track's twins only: `tools/merge_track_runs.py` does not compare it
+# across tracks (a track's rows, twins included, always come from one run).
+TWIN_WARMUP = (
+    "one more untimed call, before the process's first job that withholds optional inputs, on the run's "
+    "largest workload withholding the same ones: an autotuner keyed on argument types (Triton's) tunes "
+    "that variant there, not on whichever twin comes first"
+)
 
 
-def largest_workload(track: Track, workloads: Sequence[Any]) -> Any | None:
-    """The workload a side's process warms up on: the largest of the run's workloads by the track's
-    size axis (the first of equals; never a twin, so that the warm-up call gets every input), or
-    None for a track without size classes (or workloads without that axis)."""
-    workloads = [w for w in workloads if not w.withheld_inputs]
+def largest_workload(track: Track, workloads: Sequence[Any], withheld: tuple[str, ...] = ()) -> Any | None:
+    """The workload a side's process warms up on before a job whose calls withhold `withheld`: the
+    largest of the run's workloads that withhold the same inputs, by the track's size axis (the first
+    of equals), or None for a track without size classes (or workloads without that axis). Per set of
+    withheld inputs because an autotuner may key on the arguments' types (Triton's does): a call
+    without GDN's state is another kernel variant, tuned on whichever shape meets it first."""
+    workloads = [w for w in workloads if tuple(w.withheld_inputs) == tuple(withheld)]
     if track.size_classes is None or not workloads:
         return None
     axis = track.size_classes.axis
@@ -907,7 +918,7 @@ def run_workload(plan: RunPlan, tp: TrackPlan, workload: Any, launcher: Launcher
     if not pending:
         return
 
-    largest = largest_workload(tp.track, tp.workloads)
+    largest = largest_workload(tp.track, tp.workloads, workload.withheld_inputs)
 
     def job(side: Side, warmup: int, iterations: int, time_budget_s: float | None = None) -> WorkerJob:
         return WorkerJob(

@@ -10,7 +10,8 @@ and is checked against the stored outputs with the track's acceptance rule; it m
 also leave its inputs bit-for-bit unchanged. Only a side that passes every trial is
 timed: on each trial's fresh inputs, with the CUPTI cold-L2 timer; latency is the
 median over trials of the per-trial medians. Before its first job, each process of a side other
-than the reference makes one untimed call on the run's largest workload of the track (`warm_up`).
+than the reference makes one untimed call on the run's largest workload of the track (`warm_up`),
+and once more on the largest twin before its first twin (a call that withholds an optional input).
 Before each trial is timed, the roofline floor of exactly its inputs is recorded beside its latency
 (`per_trial_floor`). After the eager trials, every side but the reference is captured in a CUDA
 graph per trial, its replay gated like the eager call, and the replays timed under the same
@@ -59,8 +60,9 @@ class WorkerJob(BaseModel):
     side: Side
     # A hopperbench.workloads.WorkloadSpec, as its JSON dump (validated again in the worker).
     workload: dict[str, Any]
-    # The workload this side's process makes one untimed call on before its first job (the run's
-    # largest of the track; `JobRunner.warm_up`); None: no warm-up (the reference side).
+    # The workload this side's process makes one untimed call on before its first job with the same
+    # withheld inputs (the run's largest of the track with them; `JobRunner.warm_up`); None: no
+    # warm-up (the reference side).
     warmup_workload: dict[str, Any] | None = None
     seed: int
     trials: int
@@ -301,9 +303,10 @@ class PhaseLog:
         return "job phases (s): " + ", ".join(f"{name} {seconds:.3f}" for name, seconds in self.phases)
 
 
-# The (track, side) pairs this process has warmed up: a fork server's session runs many jobs of
-# one side, and only its first warms up.
-_WARMED_UP: set[tuple[str, str]] = set()
+# The (track, side, withheld inputs of the warm-up workload) this process has warmed up: a fork
+# server's session runs many jobs of one side, and only its first of each set of withheld inputs
+# warms up.
+_WARMED_UP: set[tuple[str, str, tuple[str, ...]]] = set()
 
 
 class _Outcome(Exception):
@@ -363,10 +366,13 @@ class JobRunner:
             traceback.print_exc()
             return self.result(Status.RUNTIME_ERROR, message=f"build failed: {one_line(e)}")
         self.phases.mark("build")
-        if self.job.warmup_workload is not None and (self.job.track, side.name) not in _WARMED_UP:
-            _WARMED_UP.add((self.job.track, side.name))
-            self.warm_up(fn, self.deps.parse_workload(self.job.warmup_workload))
-            self.phases.mark("warmup")
+        if self.job.warmup_workload is not None:
+            warmup_workload = self.deps.parse_workload(self.job.warmup_workload)
+            key = (self.job.track, side.name, tuple(warmup_workload.withheld_inputs))
+            if key not in _WARMED_UP:
+                _WARMED_UP.add(key)
+                self.warm_up(fn, warmup_workload)
+                self.phases.mark("warmup")
         try:
             if side.kind == SideKind.REFERENCE:
                 return self.run_reference(fn)

@@ -203,6 +203,15 @@ def test_another_tracks_reference_timing_does_not_matter(
     assert _merge(canonical, newer, capsys=capsys) == (0, "")
 
 
+def test_the_twins_warm_up_is_the_merged_tracks_own(canonical: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    protocol = {**environment(NEW, "x").protocol, "twin_warmup": "on the largest twin"}
+    newer = write_run(tmp_path / "gdn.json", environment(NEW, "2026-12-03", protocol=protocol), ["gdn_prefill"], 0.5)
+    assert _merge(canonical, newer, capsys=capsys) == (0, "")
+    merged = read_results(canonical)
+    assert merged.track_environment("gdn_prefill").protocol["twin_warmup"] == "on the largest twin"
+    assert "twin_warmup" not in merged.track_environment("moe").protocol
+
+
 def test_an_incomplete_run_a_missing_side_or_row_is_refused(
     canonical: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

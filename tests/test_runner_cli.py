@@ -41,7 +41,8 @@ FAKE_WORKER = textwrap.dedent(
                               "cute_arch": os.environ.get("CUTE_DSL_ARCH"), "pid": os.getpid(),
                               "ppid": os.getppid(),
                               "cpus": sorted(os.sched_getaffinity(0)),
-                              "warmup": (job.get("warmup_workload") or {}).get("uuid")}) + "\\n")
+                              "warmup": (job.get("warmup_workload") or {}).get("uuid"),
+                              "warmup_withheld": (job.get("warmup_workload") or {}).get("withheld_inputs")}) + "\\n")
     mode = os.environ.get("FAKE_WORKER_MODE", "")
     if side == "ours" and mode == "segv":
         print("about to touch an illegal address", file=sys.stderr, flush=True)
@@ -815,4 +816,22 @@ def test_every_side_but_the_reference_warms_up_on_the_runs_largest_workload(fake
     for call in calls(tmp_path):
         assert call["warmup"] == (None if call["side"] == "reference" else largest.uuid)
     protocol = read_results(out).environment.protocol
-    assert "largest workload" in protocol["side_warmup"]
+    assert "largest workload" in protocol["side_warmup"] and "withholding the same" in protocol["twin_warmup"]
+
+
+def test_a_twin_warms_up_on_the_largest_twin_so_an_autotuner_keyed_on_types_tunes_there(
+    fake: RunnerHooks, tmp_path: Path
+) -> None:
+    from hopperbench.workloads import load_workloads
+
+    out = tmp_path / "results.json"
+    argv = ["--track", "gdn_prefill", "--max-workloads", "2", "--iterations", "1", "--output", str(out)]
+    assert main(argv, fake) == 0
+    planned = load_workloads("gdn_prefill")[:2]  # both lead their size classes: both have a no-state twin
+    largest = max(planned, key=lambda w: w.axes["total_seq_len"])
+    warmups = {(c["uuid"], tuple(c["withheld"])): (c["warmup"], c["warmup_withheld"]) for c in calls(tmp_path)
+               if c["side"] == "ours"}  # fmt: skip
+    assert warmups == {
+        **{(w.uuid, ()): (largest.uuid, []) for w in planned},
+        **{(w.uuid, ("state",)): (largest.uuid, ["state"]) for w in planned},
+    }

@@ -590,6 +590,12 @@ def test_a_process_warms_each_side_up_once_on_the_largest_workload(
     recorder.inputs_made.clear()
     assert run_job(first, deps(recorder)).status == Status.PASSED
     assert len(recorder.inputs_made) == 3 * 3  # the same process does not warm this side up again
+    # A job whose warm-up workload withholds an input (a twin's) is another kernel variant for an
+    # autotuner keyed on argument types: the process warms up once more, on that workload.
+    twin = first.model_copy(update={"warmup_workload": largest.without("state").model_dump(mode="json")})
+    recorder.inputs_made.clear()
+    assert run_job(twin, deps(recorder)).status == Status.PASSED
+    assert len(recorder.inputs_made) == 1 + 3 * 3
 
 
 def test_a_warm_up_that_raises_leaves_the_job_to_report_the_side(

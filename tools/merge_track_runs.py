@@ -27,7 +27,8 @@ Refused with one line on stderr, exit code 2, nothing written:
   UNAVAILABLE, so it is not missing;
 - a newer run measured on another GPU (name, SM count), with another seed, timing protocol (timer,
   warm-up, iterations, trials, side warm-up, the track's reference timing) or data source: its
-  numbers would not compare with the kept tracks'.
+  numbers would not compare with the kept tracks'. The twins' warm-up (`runner.TWIN_WARMUP`) is not
+  compared: it concerns the merged track's own rows only.
 """
 
 from __future__ import annotations
@@ -209,6 +210,9 @@ def measurement(env: EnvironmentRecord, track: str) -> dict[str, Any]:
     GPU, seed, and the protocol with the track's own reference timing (not the other tracks')."""
     protocol = dict(env.protocol)
     reference = protocol.pop("reference", None)
+    # How a track's own no-state twins warm up: it concerns no other track's rows, and the merged
+    # track's rows, twins included, all come from its one run.
+    protocol.pop("twin_warmup", None)
     return {
         **{name: getattr(env, name) for name in COMPARABLE_FIELDS},
         **protocol,

@@ -323,8 +323,8 @@ class _Recurrence:
             cute.arch.sync_threads()
 
             self.advance_chunk(
-                sq, sk, sv, sa, sg, sbeta, stage, tokens_here, s_reg, scale, output,
-                start + chunk_start, head, v_row, row_in_slice, lane_in_row, tidx,
+                sq, sk, sv, sg, sbeta, stage, tokens_here, s_reg, scale, output,
+                start + chunk_start, head, v_row, row_in_slice, lane_in_row,
             )  # fmt: skip
             # The next iteration prefetches into the stage just read.
             cute.arch.sync_threads()
@@ -335,7 +335,6 @@ class _Recurrence:
         sq: cute.Tensor,
         sk: cute.Tensor,
         sv: cute.Tensor,
-        sa: cute.Tensor,
         sg: cute.Tensor,
         sbeta: cute.Tensor,
         stage: cutlass.Int32,
@@ -348,13 +347,10 @@ class _Recurrence:
         v_row: cutlass.Int32,
         row_in_slice: cutlass.Int32,
         lane_in_row: cutlass.Int32,
-        tidx: cutlass.Int32,
     ):
         """The recurrence over the `tokens_here` staged tokens of one chunk (gates in sg, sbeta),
         token `first_token` + j of the batch at slot j: this thread's state registers advance and
-        lane 0 of each row writes the row's outputs (a candidate may regroup the tokens). Every
-        thread of the CTA calls it; `sa[stage]` is dead by then (the gates are computed, the next
-        prefetch into this stage comes after the caller's barrier), free as a candidate's scratch."""
+        lane 0 of each row writes the row's outputs (a candidate may regroup the tokens)."""
         k_reg = cute.make_rmem_tensor((self.SPLIT.cols_per_lane,), cutlass.Float32)
         q_reg = cute.make_rmem_tensor((self.SPLIT.cols_per_lane,), cutlass.Float32)
         for j in cutlass.range(tokens_here, unroll=2):
@@ -473,10 +469,9 @@ class _Recurrence:
 
     @cute.jit
     def lane_dot(self, x: cute.Tensor, y: cute.Tensor) -> cutlass.Float32:
-        """x . y over the elements of x (this lane's columns), in DOT_CHAINS independent chains
-        (shorter latency)."""
+        """x . y over this lane's columns, in DOT_CHAINS independent chains (shorter latency)."""
         partial = [cutlass.Float32(0.0)] * DOT_CHAINS
-        for i in cutlass.range_constexpr(cute.size(x)):
+        for i in cutlass.range_constexpr(self.SPLIT.cols_per_lane):
             partial[i % DOT_CHAINS] = partial[i % DOT_CHAINS] + x[i] * y[i]
         total = partial[0]
         for c in cutlass.range_constexpr(1, DOT_CHAINS):

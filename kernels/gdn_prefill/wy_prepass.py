@@ -467,15 +467,11 @@ class WyPrepassConfig:
 
 
 class GdnPrefillWyPrepassSm90:
-    """Host entry: the key-side kernel (`key_side`), then the value-side chain (`chain`), in one compiled call
-    (stream order)."""
+    """Host entry: the key-side kernel, then the value-side chain (`chain`), in one compiled call (stream
+    order)."""
 
     def __init__(self, config: WyPrepassConfig):
         self.config = config
-
-    def key_side(self):
-        """The key-side kernel that fills the workspace (a candidate may give its own)."""
-        return _KeySide()
 
     def chain(self):
         """The value-side kernel that reads the workspace (`wgmma_value_side.py` gives its own)."""
@@ -501,7 +497,7 @@ class GdnPrefillWyPrepassSm90:
         ws_g: cute.Tensor,
         stream,
     ):
-        self.key_side().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
+        _KeySide().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
         self.chain().launch(
             q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, stream
         )

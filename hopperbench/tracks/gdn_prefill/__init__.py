@@ -70,16 +70,6 @@ GDN_PREFILL = Track(
             entry="wy_prepass.py::run",
             description="kernel.py's WY-prepass path at every T (no 512-token threshold): the other side of the A/B and sweep that place the threshold for few sequences",
         ),
-        CandidateSide(
-            name="cand_pair_key_side",
-            entry="pair_key_side.py::run_as_kernel",
-            description="kernel.py with one WY key-side CTA per (chunk, q/k head) serving both v-heads: k and q loaded and converted once, two CTAs of 8 warps per SM (pair_key_side.py)",
-        ),
-        CandidateSide(
-            name="cand_lookahead",
-            entry="lookahead.py::run_as_kernel",
-            description="kernel.py with its token-serial path (<= 40 tokens) reducing one token ahead: two row sums per token instead of three, each spanning two tokens of the chain (lookahead.py)",
-        ),
     ),
 )
 

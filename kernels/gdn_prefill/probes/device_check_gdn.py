@@ -37,8 +37,6 @@ KERNEL_CHOICES = (
     "chunked",
     "wy_prepass",
     "wgmma_value_side",
-    "pair_key_side",
-    "lookahead",
 )
 
 # Ten sequences, so that the chunked kernel, which orders its grid rows by length, re-ranks at replay:

@@ -70,6 +70,11 @@ GDN_PREFILL = Track(
             entry="wy_prepass.py::run",
             description="kernel.py's WY-prepass path at every T (no 512-token threshold): the other side of the A/B and sweep that place the threshold for few sequences",
         ),
+        CandidateSide(
+            name="cand_context_parallel",
+            entry="context_parallel.py::run_as_kernel",
+            description="kernel.py with up to 4 sequences of >= 1024 tokens in all on the context-parallel WY path: sequences over 2 L tokens cut into L-token segments, each segment's transition and zero-start state by the WY chain, an fp32 scan over segments, then the outputs from the scanned states (context_parallel.py)",
+        ),
     ),
 )
 

@@ -37,6 +37,7 @@ KERNEL_CHOICES = (
     "chunked",
     "wy_prepass",
     "wgmma_value_side",
+    "context_parallel",
 )
 
 # Ten sequences, so that the chunked kernel, which orders its grid rows by length, re-ranks at replay:

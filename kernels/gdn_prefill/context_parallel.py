@@ -1,0 +1,357 @@
+"""GDN prefill candidate `cand_context_parallel`: the WY path with long sequences cut into segments that run in
+parallel (NOTES.md, "Context-parallel path"; the algebra and its PyTorch model are `cp_model.py`'s).
+
+Why: below WGMMA_CHAIN_MIN_SEQS sequences the WY chain walks each sequence's chunks one after another, so a few
+long sequences bound the call (5709 tokens in 2 sequences: ~200 us against FlashInfer's ~120). Per (sequence,
+head) a run of tokens maps the state affinely, S_out = S_in M + B, and M, B of a segment need no S_in.
+
+Each kernel below is an existing one run on a *virtual batch* whose sequences are the segments: a sequence of
+n > 2 L tokens (L = `segment_tokens`, a multiple of 64) becomes ceil(n / L) segments, a shorter one stays one.
+Segment j of sequence s has slot first_segment_slot(s, start_s, L) + j (`cp_model.segment_bound`: unique
+slots below segment_bound(N, T, L), a size known on the host); `seg_cu` holds the virtual batch's bounds, the
+slots that hold no segment being empty sequences. Every segment starts on a chunk boundary of its sequence,
+so each chunk's key side, and so its workspace entry, is the unsplit batch's. In one compiled call:
+
+1. `_SegmentBounds`: `seg_cu` from `cu_seqlens` (one thread per slot, a binary search over the sequences).
+2. `wy_prepass._KeySide` on the virtual batch.
+3. `wy_prepass._ValueSide` twice on the virtual batch, outputs to a scratch: B (the real values, from zero)
+   and M (zero values, from the identity: row i of M is where the state row e_i goes).
+4. `_Scan`, per (sequence, head, 8 state rows), sequential over the sequence's segments in fp32 FMA:
+   S_in(0) = the initial state (or zero), S_in(j + 1) = S_in(j) M_j + B_j, each S_in(j) to `seg_state`.
+5. `wy_prepass._ValueSide` on the virtual batch from `seg_state`: the outputs, each segment's final state.
+6. `_FinalStates`: `new_state` of each sequence is its last segment's final state (zero if it is empty).
+
+The summary passes also run on the segments no scan reads (each sequence's last): the price of reusing the
+chain unchanged. A prototype for the measurements that decide its form (NOTES.md has the contract).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor
+
+from . import cp_model, kernel, token_serial, wy_prepass
+from .chunked import CHUNK, sequence_bounds
+from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, GdnShapeError, resolve_scale
+from .wy_prepass import WyPrepassConfig, _KeySide, _ValueSide
+
+__all__ = [
+    "CP_MAX_SEQS",
+    "CP_MIN_TOKENS",
+    "GdnShapeError",
+    "compile_only",
+    "resolve_scale",
+    "run",
+    "run_as_kernel",
+    "segment_tokens_for",
+]
+
+# run_as_kernel's dispatch: few sequences (where the longest bounds the chain) holding enough tokens to split.
+CP_MAX_SEQS = wy_prepass.NARROW_MAX_SEQS
+CP_MIN_TOKENS = 1024
+SCAN_ROWS = 8  # state rows per scan CTA, one column per thread
+ROW_BLOCKS = HEAD_SIZE // SCAN_ROWS
+SLOT_THREADS = 128
+
+
+def segment_tokens_for(num_tokens: int, num_seqs: int) -> int:
+    """L in tokens from the shapes: `cp_model.choose_segment_chunks`'s rule (the summary and output chains of a
+    segment about as long as the outputs phase's busy time)."""
+    return CHUNK * cp_model.choose_segment_chunks(num_tokens, num_seqs)
+
+
+@cute.jit
+def segment_count(length: cutlass.Int32, segment_tokens: cutlass.Int32) -> cutlass.Int32:
+    """`cp_model.segment_count` with split_tokens = 2 L: none for an empty sequence, one up to 2 L tokens."""
+    count = cutlass.Int32(0)
+    if length > 0:
+        count = cutlass.Int32(1)
+        if length > 2 * segment_tokens:
+            count = (length + segment_tokens - 1) // segment_tokens
+    return count
+
+
+@cute.jit
+def first_segment_slot(seq: cutlass.Int32, start: cutlass.Int32, segment_tokens: cutlass.Int32) -> cutlass.Int32:
+    """`cp_model.segment_bound(seq, start, L)`: the slot of sequence `seq`'s first segment."""
+    m = cutlass.min(seq, start)
+    return m + (start - m) // segment_tokens
+
+
+@cute.jit
+def sequence_segments(cu_seqlens: cute.Tensor, seq, segment_tokens, total_tokens):
+    """(start, length, first slot, segment count) of sequence `seq`."""
+    start, length = sequence_bounds(cu_seqlens, seq, total_tokens)
+    return start, length, first_segment_slot(seq, start, segment_tokens), segment_count(length, segment_tokens)
+
+
+class _SegmentBounds:
+    """Kernel 1: seg_cu[i] = the first token of slot i's segment; a slot with no segment is an empty sequence at
+    the end of the sequence before it (at the first sequence's start before it); seg_cu[S] = the last end."""
+
+    @cute.jit
+    def launch(self, cu_seqlens, seg_cu, segment_tokens, total_tokens, stream):
+        self.kernel(cu_seqlens, seg_cu, segment_tokens, total_tokens).launch(
+            grid=[(seg_cu.shape[0] + SLOT_THREADS - 1) // SLOT_THREADS, 1, 1], block=[SLOT_THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        cu_seqlens: cute.Tensor,
+        seg_cu: cute.Tensor,
+        segment_tokens: cutlass.Int32,
+        total_tokens: cutlass.Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        slot = bidx * SLOT_THREADS + tidx
+        num_slots = cutlass.Int32(seg_cu.shape[0] - 1)
+        last_seq = cutlass.Int32(cu_seqlens.shape[0] - 2)
+        if slot <= num_slots:
+            seq = last_seq
+            if slot < num_slots:
+                # The last sequence whose first slot is <= slot (first slots grow with the sequence index).
+                lo = cutlass.Int32(0)
+                hi = last_seq
+                for _ in cutlass.range(32, unroll=1):
+                    if lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        mid_start, _ = sequence_bounds(cu_seqlens, mid, total_tokens)
+                        if first_segment_slot(mid, mid_start, segment_tokens) <= slot:
+                            lo = mid
+                        else:
+                            hi = mid - 1
+                seq = lo
+            start, length, first, count = sequence_segments(cu_seqlens, seq, segment_tokens, total_tokens)
+            index = slot - first
+            bound = start + length
+            if slot < num_slots and index < count:
+                bound = start + cutlass.max(index, cutlass.Int32(0)) * segment_tokens
+            seg_cu[slot] = cutlass.Int64(bound)
+
+
+class _SequenceRows:
+    """A grid of (ROW_BLOCKS x 8 heads, N) CTAs of HEAD_SIZE threads: SCAN_ROWS state rows of one (sequence,
+    head) per CTA, one state column per thread (each warp's accesses of a row are 128 contiguous bytes)."""
+
+    @staticmethod
+    def coordinates():
+        col, _, _ = cute.arch.thread_idx()
+        block, seq, _ = cute.arch.block_idx()
+        return col, seq, block // ROW_BLOCKS, (block % ROW_BLOCKS) * SCAN_ROWS
+
+    @staticmethod
+    def grid(num_seqs) -> list:
+        return [ROW_BLOCKS * NUM_V_HEADS, num_seqs, 1]
+
+
+class _Scan(_SequenceRows):
+    """Kernel 4: S_in of every segment, S_in(j + 1) = S_in(j) M_j + B_j in fp32 (unrounded: with decays near 1
+    the state survives every step)."""
+
+    @cute.jit
+    def launch(self, cu_seqlens, state, has_state, transition, reached, seg_state, segment_tokens, total_tokens, stream):
+        @cute.struct
+        class SharedStorage:
+            rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, SCAN_ROWS * HEAD_SIZE], 16]
+
+        self.kernel(
+            cu_seqlens, state, has_state, transition, reached, seg_state, segment_tokens, total_tokens, SharedStorage
+        ).launch(
+            grid=self.grid(state.shape[0]), block=[HEAD_SIZE, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        cu_seqlens: cute.Tensor,
+        state: cute.Tensor,
+        has_state: cutlass.Int32,
+        transition: cute.Tensor,
+        reached: cute.Tensor,
+        seg_state: cute.Tensor,
+        segment_tokens: cutlass.Int32,
+        total_tokens: cutlass.Int32,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        col, seq, head, row0 = self.coordinates()
+        smem = cutlass.memory.SmemAllocator()
+        rows = smem.allocate(SharedStorage).rows.get_tensor(cute.make_layout((SCAN_ROWS, HEAD_SIZE), stride=(HEAD_SIZE, 1)))
+        _, length, first, count = sequence_segments(cu_seqlens, seq, segment_tokens, total_tokens)
+
+        own = cute.make_rmem_tensor((SCAN_ROWS,), cutlass.Float32)  # column `col` of this CTA's rows
+        own.fill(0.0)
+        if has_state != 0 and length > 0:
+            for r in cutlass.range_constexpr(SCAN_ROWS):
+                own[r] = state[seq, head, row0 + r, col]
+        for j in cutlass.range(count, unroll=1):
+            slot = first + j
+            for r in cutlass.range_constexpr(SCAN_ROWS):
+                seg_state[slot, head, row0 + r, col] = own[r]
+            if j + 1 < count:
+                for r in cutlass.range_constexpr(SCAN_ROWS):
+                    rows[r, col] = own[r]
+                cute.arch.sync_threads()
+                for r in cutlass.range_constexpr(SCAN_ROWS):
+                    own[r] = reached[slot, head, row0 + r, col]
+                for i in cutlass.range(HEAD_SIZE, unroll_full=True):
+                    m = transition[slot, head, i, col]
+                    for r in cutlass.range_constexpr(SCAN_ROWS):
+                        own[r] = own[r] + rows[r, i] * m
+                # Every thread has read `rows` before the next step overwrites it.
+                cute.arch.sync_threads()
+
+
+class _FinalStates(_SequenceRows):
+    """Kernel 6: new_state[s] = the final state of sequence s's last segment, zero for an empty sequence."""
+
+    @cute.jit
+    def launch(self, cu_seqlens, seg_out, new_state, segment_tokens, total_tokens, stream):
+        self.kernel(cu_seqlens, seg_out, new_state, segment_tokens, total_tokens).launch(
+            grid=self.grid(new_state.shape[0]), block=[HEAD_SIZE, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        cu_seqlens: cute.Tensor,
+        seg_out: cute.Tensor,
+        new_state: cute.Tensor,
+        segment_tokens: cutlass.Int32,
+        total_tokens: cutlass.Int32,
+    ):
+        col, seq, head, row0 = self.coordinates()
+        _, _, first, count = sequence_segments(cu_seqlens, seq, segment_tokens, total_tokens)
+        for r in cutlass.range_constexpr(SCAN_ROWS):
+            value = cutlass.Float32(0.0)
+            if count > 0:
+                value = seg_out[first + count - 1, head, row0 + r, col]
+            new_state[seq, head, row0 + r, col] = value
+
+
+class GdnPrefillContextParallelSm90:
+    """Host entry: the six steps of the module docstring in one compiled call (stream order), the chains at
+    `config`'s width."""
+
+    def __init__(self, config: WyPrepassConfig):
+        self.config = config
+
+    @cute.jit
+    def __call__(
+        self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state,
+        ws_tp, ws_g, seg_cu, zero_v, identity, transition, reached, seg_state, seg_out, scratch_output,
+        segment_tokens, stream,
+    ):  # fmt: skip
+        total_tokens = cutlass.Int32(q.shape[0])
+        _SegmentBounds().launch(cu_seqlens, seg_cu, segment_tokens, total_tokens, stream)
+        _KeySide().launch(q, k, A_log, a, dt_bias, b, seg_cu, ws_tp, ws_g, stream)
+        chain = _ValueSide(self.config.slice_rows)
+        no_state, from_state = cutlass.Int32(0), cutlass.Int32(1)
+        chain.launch(
+            q, k, v, identity, A_log, a, dt_bias, b, seg_cu, scale, no_state, scratch_output, reached, ws_tp, ws_g,
+            stream,
+        )  # fmt: skip
+        chain.launch(
+            q, k, zero_v, identity, A_log, a, dt_bias, b, seg_cu, scale, from_state, scratch_output, transition,
+            ws_tp, ws_g, stream,
+        )  # fmt: skip
+        _Scan().launch(cu_seqlens, state, has_state, transition, reached, seg_state, segment_tokens, total_tokens, stream)
+        chain.launch(
+            q, k, v, seg_state, A_log, a, dt_bias, b, seg_cu, scale, from_state, output, seg_out, ws_tp, ws_g, stream
+        )
+        _FinalStates().launch(cu_seqlens, seg_out, new_state, segment_tokens, total_tokens, stream)
+
+
+def _stand_ins() -> tuple:
+    """The compiled call's extra arguments (after `new_state`): the workspaces, the virtual batch's bounds, the
+    M pass's zero values and identity states, the per-segment states, the summaries' output scratch, L."""
+    segments, bounds, tokens = cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+    def rowmajor(dtype, shape, align=16):
+        return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align)
+
+    per_segment = (segments, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE)
+    values = (tokens, NUM_V_HEADS, HEAD_SIZE)
+    return (
+        *wy_prepass._workspace_stand_ins(),
+        rowmajor(cutlass.Int64, (bounds,), align=8),  # seg_cu
+        rowmajor(cutlass.BFloat16, values),  # zero_v
+        *(rowmajor(cutlass.Float32, per_segment) for _ in range(5)),  # identity, transition, reached, seg_state, seg_out
+        rowmajor(cutlass.BFloat16, values, align=2),  # scratch_output
+        CHUNK,  # segment_tokens
+    )
+
+
+_COMPILED: dict[tuple[str, WyPrepassConfig], Callable] = {}
+
+
+def compiled_for(arch: str, config: WyPrepassConfig) -> Callable:
+    """The compiled launcher for `arch` with the chains at `config`'s width (compiled on first use; no GPU)."""
+    key = (arch, config)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = _COMPILED[key] = token_serial.compile_launcher(GdnPrefillContextParallelSm90(config), arch, _stand_ins())
+    return fn
+
+
+def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
+    return tuple(compiled_for(arch, config) for config in wy_prepass.CONFIGS)
+
+
+# Read-only inputs of the M pass, kept per device and grown on demand: zero values [T, 8, 128] bf16 and identity
+# states [S, 8, 128, 128] fp32 (a serving engine would allocate them once, as it does its workspaces).
+_CONSTANTS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _constant(name: str, device: torch.device, rows: int, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    held = _CONSTANTS.get((name, device))
+    if held is None or held.shape[0] < rows:
+        held = _CONSTANTS[(name, device)] = make(rows)
+    return held[:rows]
+
+
+def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state, segment_tokens: int | None = None):
+    """`kernel.py`'s contract at any T and N, every sequence of more than 2 L tokens split into segments of L
+    (`segment_tokens`, default `segment_tokens_for(T, N)`). No device reads, no host synchronisation."""
+    token_serial.check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
+    num_tokens, num_seqs = q.shape[0], new_state.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        wy_prepass.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+        return
+    L = segment_tokens_for(num_tokens, num_seqs) if segment_tokens is None else segment_tokens
+    if L <= 0 or L % CHUNK:
+        raise GdnShapeError(f"segment_tokens must be a positive multiple of {CHUNK}, got {L}")
+    num_slots = cp_model.segment_bound(num_seqs, num_tokens, L)
+    device, f32 = q.device, torch.float32
+    launcher = compiled_for(GPU_ARCH, wy_prepass.config_for(num_slots))
+    chunk_slots = wy_prepass.num_chunk_slots(num_tokens, num_slots)
+    zero_v = _constant("zero_v", device, num_tokens, lambda n: torch.zeros((n, NUM_V_HEADS, HEAD_SIZE), dtype=torch.bfloat16, device=device))
+    identity = _constant(
+        "identity", device, num_slots,
+        lambda n: torch.eye(HEAD_SIZE, dtype=f32, device=device).expand(n, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE).contiguous(),
+    )  # fmt: skip
+    per_segment = [torch.empty((num_slots, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE), dtype=f32, device=device) for _ in range(4)]
+    has_state = state is not None
+    launcher(
+        q, k, v, state if has_state else new_state, A_log, a, dt_bias, b, cu_seqlens, resolve_scale(scale),
+        int(has_state), output, new_state,
+        torch.empty((chunk_slots, NUM_V_HEADS, 2, CHUNK, CHUNK), dtype=torch.float16, device=device),
+        torch.empty((chunk_slots, NUM_V_HEADS, 2, CHUNK), dtype=f32, device=device),
+        torch.empty((num_slots + 1,), dtype=torch.int64, device=device),
+        zero_v, identity, *per_segment, torch.empty_like(output), L,
+    )  # fmt: skip
+
+
+def run_as_kernel(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+    """`kernel.py`'s dispatch with this path for up to CP_MAX_SEQS sequences from CP_MIN_TOKENS tokens (the
+    candidate side)."""
+    if new_state.shape[0] <= CP_MAX_SEQS and q.shape[0] >= CP_MIN_TOKENS:
+        run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+    else:
+        kernel.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)

@@ -1,7 +1,8 @@
 """kernels/gdn_prefill/context_parallel.py (candidate `cand_context_parallel`): the WY path with long sequences
 split into segments, summarised, scanned and re-walked from their scanned states.
 
-CPU: it compiles for sm_90a at both chain widths and caches; the segment length rule. GPU (marked `gpu`): the
+CPU: it compiles for sm_90a at both chain widths and caches; the segment length rule; the slot kernel's rule
+(on Python ints) against cp_model's work list. GPU (marked `gpu`): the
 contest rule against the reference with segments short enough that sequences split at chunk and partial-chunk
 edges, around empty sequences, with and without a state and with decays near 1 (the default length's cases are
 test_gdn_prefill_kernel.py's: the module is in its SOLUTIONS).
@@ -19,6 +20,7 @@ from tests.kernels.compile_checks import assert_compiles_and_caches
 cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 device_check = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/probes/device_check_gdn.py", "device_check_gdn")
 context_parallel = device_check.load_kernel_module("context_parallel")
+cp_model = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/cp_model.py", "gdn_cp_model")
 reference_run = cases.load_reference_run()
 CHUNK = context_parallel.CHUNK
 
@@ -32,6 +34,48 @@ def test_segment_length_is_whole_chunks_and_splits_long_sequences(num_tokens, nu
     tokens = context_parallel.segment_tokens_for(num_tokens, num_seqs)
     assert tokens % CHUNK == 0 and tokens >= 4 * CHUNK
     assert tokens <= max(4 * CHUNK, num_tokens // 2)  # a sequence holding every token would be split
+
+
+def _slot_bounds(bounds: list[int], total_tokens: int, segment_tokens: int) -> list[int]:
+    """`_SegmentBounds`' per-slot rule, on Python ints: slot i's first token, or the end of the sequence found
+    by the search for a slot with no segment (its start before its first slot); then the last end."""
+    num_seqs = len(bounds) - 1
+    clamp = [min(max(b, 0), total_tokens) for b in bounds]
+    ends = [max(clamp[s + 1], clamp[s]) for s in range(num_seqs)]
+    num_slots = cp_model.segment_bound(num_seqs, total_tokens, segment_tokens)
+    firsts = [cp_model.segment_bound(s, clamp[s], segment_tokens) for s in range(num_seqs)]
+    seg_cu = []
+    for slot in range(num_slots):
+        seq = max(s for s in range(num_seqs) if firsts[s] <= slot) if firsts[0] <= slot else 0
+        count = cp_model.segment_count(ends[seq] - clamp[seq], segment_tokens, 2 * segment_tokens)
+        index = slot - firsts[seq]
+        seg_cu.append(clamp[seq] + max(index, 0) * segment_tokens if index < count else ends[seq])
+    return seg_cu + [ends[-1]]
+
+
+@pytest.mark.parametrize(
+    ("lengths", "segment_tokens"),
+    [((134,), 64), ((300, 0, 129, 5, 640, 0), 64), ((0, 0, 700), 128), ((64,) * 9, 64), (cases.MANY_130, 64)],
+)
+def test_slot_bounds_make_every_segment_a_sequence_of_the_virtual_batch(lengths, segment_tokens):
+    """The virtual batch's bounds are non-decreasing; each segment of cp_model's work list is the sequence of
+    its slot, every other slot is empty, and each sequence's last segment is at first slot + count - 1 (where
+    `_FinalStates` reads it)."""
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    total = bounds[-1]
+    seg_cu = _slot_bounds(bounds, total, segment_tokens)
+    assert all(x <= y for x, y in zip(seg_cu, seg_cu[1:])) and seg_cu[-1] == total
+    segments = {seg.slot: seg for seg in cp_model.work_list(bounds, total, segment_tokens)}
+    for slot in range(len(seg_cu) - 1):
+        seg = segments.get(slot)
+        assert (seg_cu[slot], seg_cu[slot + 1]) == ((seg.start, seg.end) if seg else (seg_cu[slot], seg_cu[slot]))
+    for seq, n in enumerate(lengths):
+        count = cp_model.segment_count(n, segment_tokens, 2 * segment_tokens)
+        if count:
+            last = segments[cp_model.segment_bound(seq, bounds[seq], segment_tokens) + count - 1]
+            assert (last.seq, last.end) == (seq, bounds[seq + 1])
 
 
 SPLIT_CASES = (

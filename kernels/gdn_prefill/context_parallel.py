@@ -14,11 +14,12 @@ so each chunk's key side, and so its workspace entry, is the unsplit batch's. In
 
 1. `_SegmentBounds`: `seg_cu` from `cu_seqlens` (one thread per slot, a binary search over the sequences).
 2. `wy_prepass._KeySide` on the virtual batch.
-3. `wy_prepass._ValueSide` twice on the virtual batch, outputs to a scratch: B (the real values, from zero)
-   and M (zero values, from the identity: row i of M is where the state row e_i goes).
+3. The chain twice on the virtual batch, outputs to a scratch: B (the real values, from zero) and M (zero
+   values, from the identity: row i of M is where the state row e_i goes). The chain is kernel.py's for that
+   many sequences: `wgmma_value_side.py`'s from WGMMA_CHAIN_MIN_SEQS segments, `wy_prepass.py`'s below.
 4. `_Scan`, per (sequence, head, 8 state rows), sequential over the sequence's segments in fp32 FMA:
    S_in(0) = the initial state (or zero), S_in(j + 1) = S_in(j) M_j + B_j, each S_in(j) to `seg_state`.
-5. `wy_prepass._ValueSide` on the virtual batch from `seg_state`: the outputs, each segment's final state.
+5. The chain on the virtual batch from `seg_state`: the outputs, each segment's final state.
 6. `_FinalStates`: `new_state` of each sequence is its last segment's final state (zero if it is empty).
 
 The summary passes also run on the segments no scan reads (each sequence's last): the price of reusing the
@@ -35,7 +36,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor
 
-from . import cp_model, kernel, token_serial, wy_prepass
+from . import cp_model, kernel, token_serial, wgmma_value_side, wy_prepass
 from .chunked import CHUNK, sequence_bounds
 from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, GdnShapeError, resolve_scale
 from .wy_prepass import WyPrepassConfig, _KeySide, _ValueSide
@@ -236,11 +237,14 @@ class _FinalStates(_SequenceRows):
 
 
 class GdnPrefillContextParallelSm90:
-    """Host entry: the six steps of the module docstring in one compiled call (stream order), the chains at
-    `config`'s width."""
+    """Host entry: the six steps of the module docstring in one compiled call (stream order), the chains
+    `wy_prepass.py`'s at `config`'s width, or `wgmma_value_side.py`'s for config None."""
 
-    def __init__(self, config: WyPrepassConfig):
+    def __init__(self, config: WyPrepassConfig | None):
         self.config = config
+
+    def chain(self):
+        return wgmma_value_side.WgmmaValueSide() if self.config is None else _ValueSide(self.config.slice_rows)
 
     @cute.jit
     def __call__(
@@ -251,7 +255,7 @@ class GdnPrefillContextParallelSm90:
         total_tokens = cutlass.Int32(q.shape[0])
         _SegmentBounds().launch(cu_seqlens, seg_cu, segment_tokens, total_tokens, stream)
         _KeySide().launch(q, k, A_log, a, dt_bias, b, seg_cu, ws_tp, ws_g, stream)
-        chain = _ValueSide(self.config.slice_rows)
+        chain = self.chain()
         no_state, from_state = cutlass.Int32(0), cutlass.Int32(1)
         chain.launch(
             q, k, v, identity, A_log, a, dt_bias, b, seg_cu, scale, no_state, scratch_output, reached, ws_tp, ws_g,
@@ -268,7 +272,7 @@ class GdnPrefillContextParallelSm90:
         _FinalStates().launch(cu_seqlens, seg_out, new_state, segment_tokens, total_tokens, stream)
 
 
-def _stand_ins() -> tuple:
+def _stand_ins(output_align: int) -> tuple:
     """The compiled call's extra arguments (after `new_state`): the workspaces, the virtual batch's bounds, the
     M pass's zero values and identity states, the per-segment states, the summaries' output scratch, L."""
     segments, bounds, tokens = cute.sym_int(), cute.sym_int(), cute.sym_int()
@@ -283,25 +287,36 @@ def _stand_ins() -> tuple:
         rowmajor(cutlass.Int64, (bounds,), align=8),  # seg_cu
         rowmajor(cutlass.BFloat16, values),  # zero_v
         *(rowmajor(cutlass.Float32, per_segment) for _ in range(5)),  # identity, transition, reached, seg_state, seg_out
-        rowmajor(cutlass.BFloat16, values, align=2),  # scratch_output
+        rowmajor(cutlass.BFloat16, values, align=output_align),  # scratch_output (fresh: 16-B aligned)
         CHUNK,  # segment_tokens
     )
 
 
-_COMPILED: dict[tuple[str, WyPrepassConfig], Callable] = {}
+_COMPILED: dict[tuple[str, WyPrepassConfig | None], Callable] = {}
 
 
-def compiled_for(arch: str, config: WyPrepassConfig) -> Callable:
-    """The compiled launcher for `arch` with the chains at `config`'s width (compiled on first use; no GPU)."""
+def compiled_for(arch: str, config: WyPrepassConfig | None) -> Callable:
+    """The compiled launcher for `arch` with `config`'s chains (compiled on first use; no GPU)."""
     key = (arch, config)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = token_serial.compile_launcher(GdnPrefillContextParallelSm90(config), arch, _stand_ins())
+        align = 2 if config else wgmma_value_side.OUTPUT_ALIGN
+        fn = _COMPILED[key] = token_serial.compile_launcher(
+            GdnPrefillContextParallelSm90(config), arch, _stand_ins(align), output_align=align
+        )
     return fn
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
-    return tuple(compiled_for(arch, config) for config in wy_prepass.CONFIGS)
+    return tuple(compiled_for(arch, config) for config in (*wy_prepass.CONFIGS, None))
+
+
+def chain_config(num_slots: int, output: torch.Tensor) -> WyPrepassConfig | None:
+    """kernel.py's chain for a virtual batch of `num_slots` sequences: the WGMMA chain (None) from
+    WGMMA_CHAIN_MIN_SEQS when `output` is 16-B aligned, else `wy_prepass.py`'s at its width."""
+    if num_slots >= kernel.WGMMA_CHAIN_MIN_SEQS and output.data_ptr() % wgmma_value_side.OUTPUT_ALIGN == 0:
+        return None
+    return wy_prepass.config_for(num_slots)
 
 
 # Read-only inputs of the M pass, kept per device and grown on demand: zero values [T, 8, 128] bf16 and identity
@@ -329,7 +344,7 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
         raise GdnShapeError(f"segment_tokens must be a positive multiple of {CHUNK}, got {L}")
     num_slots = cp_model.segment_bound(num_seqs, num_tokens, L)
     device, f32 = q.device, torch.float32
-    launcher = compiled_for(GPU_ARCH, wy_prepass.config_for(num_slots))
+    launcher = compiled_for(GPU_ARCH, chain_config(num_slots, output))
     chunk_slots = wy_prepass.num_chunk_slots(num_tokens, num_slots)
     zero_v = _constant("zero_v", device, num_tokens, lambda n: torch.zeros((n, NUM_V_HEADS, HEAD_SIZE), dtype=torch.bfloat16, device=device))
     identity = _constant(

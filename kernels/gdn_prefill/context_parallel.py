@@ -160,7 +160,7 @@ class _Scan(_SequenceRows):
     def launch(self, cu_seqlens, state, has_state, transition, reached, seg_state, segment_tokens, total_tokens, stream):
         @cute.struct
         class SharedStorage:
-            rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, SCAN_ROWS * HEAD_SIZE], 16]
+            rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, SCAN_ROWS * HEAD_SIZE], 32]
 
         self.kernel(
             cu_seqlens, state, has_state, transition, reached, seg_state, segment_tokens, total_tokens, SharedStorage
@@ -183,7 +183,10 @@ class _Scan(_SequenceRows):
     ):
         col, seq, head, row0 = self.coordinates()
         smem = cutlass.memory.SmemAllocator()
-        rows = smem.allocate(SharedStorage).rows.get_tensor(cute.make_layout((SCAN_ROWS, HEAD_SIZE), stride=(HEAD_SIZE, 1)))
+        # The CTA's rows by column: column i's SCAN_ROWS values are contiguous, two 16-B broadcast loads.
+        by_column = smem.allocate(SharedStorage).rows.get_tensor(
+            cute.make_layout((HEAD_SIZE, SCAN_ROWS), stride=(SCAN_ROWS, 1))
+        )
         _, length, first, count = sequence_segments(cu_seqlens, seq, segment_tokens, total_tokens)
 
         own = cute.make_rmem_tensor((SCAN_ROWS,), cutlass.Float32)  # column `col` of this CTA's rows
@@ -191,21 +194,22 @@ class _Scan(_SequenceRows):
         if has_state != 0 and length > 0:
             for r in cutlass.range_constexpr(SCAN_ROWS):
                 own[r] = state[seq, head, row0 + r, col]
+        column = cute.make_rmem_tensor((SCAN_ROWS,), cutlass.Float32)
         for j in cutlass.range(count, unroll=1):
             slot = first + j
             for r in cutlass.range_constexpr(SCAN_ROWS):
                 seg_state[slot, head, row0 + r, col] = own[r]
             if j + 1 < count:
-                for r in cutlass.range_constexpr(SCAN_ROWS):
-                    rows[r, col] = own[r]
+                cute.autovec_copy(own, by_column[col, None])
                 cute.arch.sync_threads()
                 for r in cutlass.range_constexpr(SCAN_ROWS):
                     own[r] = reached[slot, head, row0 + r, col]
                 for i in cutlass.range(HEAD_SIZE, unroll_full=True):
                     m = transition[slot, head, i, col]
+                    cute.autovec_copy(by_column[i, None], column)
                     for r in cutlass.range_constexpr(SCAN_ROWS):
-                        own[r] = own[r] + rows[r, i] * m
-                # Every thread has read `rows` before the next step overwrites it.
+                        own[r] = own[r] + column[r] * m
+                # Every thread has read the rows before the next step overwrites them.
                 cute.arch.sync_threads()
 
 

@@ -315,14 +315,6 @@ def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
     return tuple(compiled_for(arch, config) for config in (*wy_prepass.CONFIGS, None))
 
 
-def chain_config(num_slots: int, output: torch.Tensor) -> WyPrepassConfig | None:
-    """kernel.py's chain for a virtual batch of `num_slots` sequences: the WGMMA chain (None) from
-    WGMMA_CHAIN_MIN_SEQS when `output` is 16-B aligned, else `wy_prepass.py`'s at its width."""
-    if num_slots >= kernel.WGMMA_CHAIN_MIN_SEQS and output.data_ptr() % wgmma_value_side.OUTPUT_ALIGN == 0:
-        return None
-    return wy_prepass.config_for(num_slots)
-
-
 # Read-only inputs of the M pass, kept per device and grown on demand: zero values [T, 8, 128] bf16 and identity
 # states [S, 8, 128, 128] fp32 (a serving engine would allocate them once, as it does its workspaces).
 _CONSTANTS: dict[tuple[str, torch.device], torch.Tensor] = {}
@@ -348,7 +340,7 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
         raise GdnShapeError(f"segment_tokens must be a positive multiple of {CHUNK}, got {L}")
     num_slots = cp_model.segment_bound(num_seqs, num_tokens, L)
     device, f32 = q.device, torch.float32
-    launcher = compiled_for(GPU_ARCH, chain_config(num_slots, output))
+    launcher = compiled_for(GPU_ARCH, kernel.wy_chain_config(num_slots, output))
     chunk_slots = wy_prepass.num_chunk_slots(num_tokens, num_slots)
     zero_v = _constant("zero_v", device, num_tokens, lambda n: torch.zeros((n, NUM_V_HEADS, HEAD_SIZE), dtype=torch.bfloat16, device=device))
     identity = _constant(

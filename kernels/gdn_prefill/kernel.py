@@ -47,6 +47,7 @@ __all__ = [
     "path_for",
     "resolve_scale",
     "run",
+    "wy_chain_config",
 ]
 
 TOKEN_SERIAL_MAX_TOKENS = 40
@@ -62,6 +63,15 @@ def path_for(num_tokens: int, num_seqs: int):
     if num_tokens >= WY_PREPASS_MIN_TOKENS or num_tokens >= WY_PREPASS_MIN_MEAN_LENGTH * num_seqs:
         return wgmma_value_side if num_seqs >= WGMMA_CHAIN_MIN_SEQS else wy_prepass
     return chunked
+
+
+def wy_chain_config(num_seqs: int, output) -> wy_prepass.WyPrepassConfig | None:
+    """The chain the WY path takes for `num_seqs` sequences: the WGMMA chain (None) from WGMMA_CHAIN_MIN_SEQS when
+    `output` starts on a 16-B boundary (as `wgmma_value_side.run` requires), else `wy_prepass.py`'s at its
+    width (for candidates that reuse the WY launchers)."""
+    if num_seqs >= WGMMA_CHAIN_MIN_SEQS and output.data_ptr() % wgmma_value_side.OUTPUT_ALIGN == 0:
+        return None
+    return wy_prepass.config_for(num_seqs)
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:

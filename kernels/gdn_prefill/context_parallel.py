@@ -342,7 +342,9 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
     device, f32 = q.device, torch.float32
     launcher = compiled_for(GPU_ARCH, kernel.wy_chain_config(num_slots, output))
     chunk_slots = wy_prepass.num_chunk_slots(num_tokens, num_slots)
-    zero_v = _constant("zero_v", device, num_tokens, lambda n: torch.zeros((n, NUM_V_HEADS, HEAD_SIZE), dtype=torch.bfloat16, device=device))
+    zero_v = _constant(
+        "zero_v", device, num_tokens, lambda n: torch.zeros((n, NUM_V_HEADS, HEAD_SIZE), dtype=torch.bfloat16, device=device)
+    )
     identity = _constant(
         "identity", device, num_slots,
         lambda n: torch.eye(HEAD_SIZE, dtype=f32, device=device).expand(n, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE).contiguous(),

@@ -117,18 +117,9 @@ class _SegmentBounds:
         if slot <= num_slots:
             seq = last_seq
             if slot < num_slots:
-                # The last sequence whose first slot is <= slot (first slots grow with the sequence index).
-                lo = cutlass.Int32(0)
-                hi = last_seq
-                for _ in cutlass.range(32, unroll=1):
-                    if lo < hi:
-                        mid = (lo + hi + 1) // 2
-                        mid_start, _ = sequence_bounds(cu_seqlens, mid, total_tokens)
-                        if first_segment_slot(mid, mid_start, segment_tokens) <= slot:
-                            lo = mid
-                        else:
-                            hi = mid - 1
-                seq = lo
+                seq = wy_prepass.last_sequence_from(
+                    cu_seqlens, slot, total_tokens, lambda s, start: first_segment_slot(s, start, segment_tokens)
+                )
             start, length, first, count = sequence_segments(cu_seqlens, seq, segment_tokens, total_tokens)
             index = slot - first
             bound = start + length

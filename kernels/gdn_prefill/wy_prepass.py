@@ -103,6 +103,24 @@ def chunk_slot(start, chunk, seq):
     return (start + chunk * CHUNK) // CHUNK + seq
 
 
+@cute.jit
+def last_sequence_from(cu_seqlens: cute.Tensor, slot, total_tokens, first_slot: cutlass.Constexpr):
+    """The last sequence s whose first slot, `first_slot(s, start_s)`, is <= `slot`: a binary search over the
+    sequences, for a slot numbering whose first slots grow with the sequence index (chunk slots here, segment
+    slots in `context_parallel.py`)."""
+    lo = cutlass.Int32(0)
+    hi = cutlass.Int32(cu_seqlens.shape[0] - 2)
+    for _ in cutlass.range(32, unroll=1):
+        if lo < hi:
+            mid = (lo + hi + 1) // 2
+            mid_start, _ = sequence_bounds(cu_seqlens, mid, total_tokens)
+            if first_slot(mid, mid_start) <= slot:
+                lo = mid
+            else:
+                hi = mid - 1
+    return lo
+
+
 def num_chunk_slots(num_tokens: int, num_seqs: int) -> int:
     """Slots of the workspace: chunk_slot <= (T - 1) // 64 + N - 1 for every chunk of every sequence."""
     return num_tokens // CHUNK + num_seqs
@@ -122,56 +140,40 @@ class _KeySide(_Chunked):
     def __init__(self, t_in_kq: bool = False):
         self.t_in_kq = t_in_kq
 
+    def shared_storage(self):
+        """The kernel's shared storage: no k staging buffer and no P tile (k is staged in kq, P goes to the
+        workspace); with `t_in_kq` no T or scratch buffer either (they live in kq's storage)."""
+        f16, bf16, f32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32
+
+        def buffer(dtype, elements, align=128):
+            return cute.struct.Align[cute.struct.MemRange[dtype, elements], align]
+
+        fields = {
+            "raw_a": buffer(bf16, NUM_STAGES * CHUNK * NUM_V_HEADS),
+            "raw_b": buffer(bf16, NUM_STAGES * CHUNK * NUM_V_HEADS),
+            "kq": buffer(f16, KQ_ROWS * WIDE_STRIDE),
+            "a16": buffer(f16, CHUNK * NARROW_STRIDE),
+            "a_diag": buffer(f32, CHUNK * DIAG_STRIDE),
+        }
+        if not self.t_in_kq:
+            fields["t16"] = buffer(f16, CHUNK * NARROW_STRIDE)
+            fields["scratch"] = buffer(f16, NUM_WARPS * BLOCK * SCRATCH_STRIDE)
+        fields["cum_log_g"] = buffer(f32, CHUNK, 16)
+        fields["beta"] = buffer(f32, CHUNK, 16)
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
     @cute.jit
     def launch(self, q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream):
         tiled_mma = _make_warp_mma()
-        f16, bf16, f32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32
-
-        # No k staging buffer and no P tile: k is staged in kq, P goes to the workspace.
-        if cutlass.const_expr(self.t_in_kq):
-
-            @cute.struct
-            class SharedStorage:
-                raw_a: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
-                raw_b: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
-                kq: cute.struct.Align[cute.struct.MemRange[f16, KQ_ROWS * WIDE_STRIDE], 128]
-                a16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
-                a_diag: cute.struct.Align[cute.struct.MemRange[f32, CHUNK * DIAG_STRIDE], 128]
-                cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
-                beta: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
-
-        else:
-
-            @cute.struct
-            class SharedStorage:
-                raw_a: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
-                raw_b: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
-                kq: cute.struct.Align[cute.struct.MemRange[f16, KQ_ROWS * WIDE_STRIDE], 128]
-                a16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
-                a_diag: cute.struct.Align[cute.struct.MemRange[f32, CHUNK * DIAG_STRIDE], 128]
-                t16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
-                scratch: cute.struct.Align[cute.struct.MemRange[f16, NUM_WARPS * BLOCK * SCRATCH_STRIDE], 128]
-                cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
-                beta: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
-
+        SharedStorage = self.shared_storage()
         kernel = self.key_kernel(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, tiled_mma, SharedStorage)
         self.launch_grid(kernel, [NUM_V_HEADS, ws_tp.shape[0], 1], SharedStorage, stream)
 
     @cute.jit
     def sequence_of_slot(self, cu_seqlens: cute.Tensor, slot: cutlass.Int32, total_tokens: cutlass.Int32):
-        """The last sequence whose first chunk slot is <= `slot` (binary search; the first slots grow with the
-        sequence index). The slot is that sequence's chunk slot - first slot, if that chunk exists."""
-        lo = cutlass.Int32(0)
-        hi = cutlass.Int32(cu_seqlens.shape[0] - 2)
-        for _ in cutlass.range(32, unroll=1):
-            if lo < hi:
-                mid = (lo + hi + 1) // 2
-                mid_start, _ = sequence_bounds(cu_seqlens, mid, total_tokens)
-                if chunk_slot(mid_start, 0, mid) <= slot:
-                    lo = mid
-                else:
-                    hi = mid - 1
-        return lo
+        """The last sequence whose first chunk slot is <= `slot`. The slot is that sequence's chunk slot - first
+        slot, if that chunk exists."""
+        return last_sequence_from(cu_seqlens, slot, total_tokens, lambda seq, start: chunk_slot(start, 0, seq))
 
     @cute.jit
     def chunk_of_slot(self, cu_seqlens: cute.Tensor, slot: cutlass.Int32, total_tokens: cutlass.Int32):

@@ -1,9 +1,10 @@
-"""GDN prefill candidate `cand_context_parallel`: the WY path with long sequences cut into segments that run in
-parallel (NOTES.md, "Context-parallel path"; the algebra and its PyTorch model are `cp_model.py`'s).
+"""GDN prefill, context-parallel path (`kernel.py` takes it for one sequence of CONTEXT_PARALLEL_MIN_TOKENS or
+more): the WY path with the sequence cut into segments that run in parallel (NOTES.md, "Context-parallel
+path"; the algebra and its PyTorch model are `cp_model.py`'s).
 
-Why: below WGMMA_CHAIN_MIN_SEQS sequences the WY chain walks each sequence's chunks one after another, so a few
-long sequences bound the call (5709 tokens in 2 sequences: ~200 us against FlashInfer's ~120). Per (sequence,
-head) a run of tokens maps the state affinely, S_out = S_in M + B, and M, B of a segment need no S_in.
+Why: the WY chain walks a sequence's chunks one after another, 8 head chains for one sequence, so one long
+sequence leaves most SMs idle (8192 tokens ~355 us). Per (sequence, head) a run of tokens maps the state
+affinely, S_out = S_in M + B, and M, B of a segment need no S_in.
 
 Each kernel below is an existing one run on a *virtual batch* whose sequences are the segments: a sequence of
 n > 2 L tokens (L = `segment_tokens`, a multiple of 64) becomes ceil(n / L) segments, a shorter one stays one.
@@ -15,15 +16,15 @@ so each chunk's key side, and so its workspace entry, is the unsplit batch's. In
 1. `_SegmentBounds`: `seg_cu` from `cu_seqlens` (one thread per slot, a binary search over the sequences).
 2. `wy_prepass._KeySide` on the virtual batch.
 3. The chain twice on the virtual batch, outputs to a scratch: B (the real values, from zero) and M (zero
-   values, from the identity: row i of M is where the state row e_i goes). The chain is kernel.py's for that
-   many sequences: `wgmma_value_side.py`'s from WGMMA_CHAIN_MIN_SEQS segments, `wy_prepass.py`'s below.
+   values, from the identity: row i of M is where the state row e_i goes). The chain is the WY path's for that
+   many sequences (`wgmma_value_side.chain_config`): the WGMMA chain from 15 segments, `wy_prepass.py`'s below.
 4. `_Scan`, per (sequence, head, 8 state rows), sequential over the sequence's segments in fp32 FMA:
    S_in(0) = the initial state (or zero), S_in(j + 1) = S_in(j) M_j + B_j, each S_in(j) to `seg_state`.
 5. The chain on the virtual batch from `seg_state`: the outputs, each segment's final state.
 6. `_FinalStates`: `new_state` of each sequence is its last segment's final state (zero if it is empty).
 
 The summary passes also run on the segments no scan reads (each sequence's last): the price of reusing the
-chain unchanged. A prototype for the measurements that decide its form (NOTES.md has the contract).
+chain unchanged (NOTES.md: the fused summary that would skip them is the next step).
 """
 
 from __future__ import annotations
@@ -36,34 +37,31 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor
 
-from . import cp_model, kernel, token_serial, wgmma_value_side, wy_prepass
+from . import cp_model, token_serial, wgmma_value_side, wy_prepass
 from .chunked import CHUNK, sequence_bounds
 from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, GdnShapeError, resolve_scale
 from .wy_prepass import WyPrepassConfig, _KeySide, _ValueSide
 
 __all__ = [
-    "CP_MAX_SEQS",
-    "CP_MIN_TOKENS",
+    "CP_SEGMENTS",
     "GdnShapeError",
     "compile_only",
     "resolve_scale",
     "run",
-    "run_as_kernel",
     "segment_tokens_for",
 ]
 
-# run_as_kernel's dispatch: few sequences (where the longest bounds the chain) holding enough tokens to split.
-CP_MAX_SEQS = wy_prepass.NARROW_MAX_SEQS
-CP_MIN_TOKENS = 1024
+# Segments per call: 16 (segment, head) chains x 8 heads = 128 CTAs, one wave on 132 SMs, on the WGMMA chain
+# (from 15 segments); best of L / 2, L, 2 L at 4K-64K tokens. FlashInfer's SM90 CP path takes 16 on H200 too.
+CP_SEGMENTS = 16
 SCAN_ROWS = 8  # state rows per scan CTA, one column per thread
 ROW_BLOCKS = HEAD_SIZE // SCAN_ROWS
 SLOT_THREADS = 128
 
 
-def segment_tokens_for(num_tokens: int, num_seqs: int) -> int:
-    """L in tokens from the shapes: `cp_model.choose_segment_chunks`'s rule (the summary and output chains of a
-    segment about as long as the outputs phase's busy time)."""
-    return CHUNK * cp_model.choose_segment_chunks(num_tokens, num_seqs)
+def segment_tokens_for(num_tokens: int) -> int:
+    """L in tokens from the shapes: the call's tokens in at least CP_SEGMENTS segments of whole chunks."""
+    return CHUNK * max(1, num_tokens // (CP_SEGMENTS * CHUNK))
 
 
 @cute.jit
@@ -320,18 +318,18 @@ def _constant(name: str, device: torch.device, rows: int, make: Callable[[int], 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state, segment_tokens: int | None = None):
     """`kernel.py`'s contract at any T and N, every sequence of more than 2 L tokens split into segments of L
-    (`segment_tokens`, default `segment_tokens_for(T, N)`). No device reads, no host synchronisation."""
+    (`segment_tokens`, default `segment_tokens_for(T)`). No device reads, no host synchronisation."""
     token_serial.check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
     num_tokens, num_seqs = q.shape[0], new_state.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         wy_prepass.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
         return
-    L = segment_tokens_for(num_tokens, num_seqs) if segment_tokens is None else segment_tokens
+    L = segment_tokens_for(num_tokens) if segment_tokens is None else segment_tokens
     if L <= 0 or L % CHUNK:
         raise GdnShapeError(f"segment_tokens must be a positive multiple of {CHUNK}, got {L}")
     num_slots = cp_model.segment_bound(num_seqs, num_tokens, L)
     device, f32 = q.device, torch.float32
-    launcher = compiled_for(GPU_ARCH, kernel.wy_chain_config(num_slots, output))
+    launcher = compiled_for(GPU_ARCH, wgmma_value_side.chain_config(num_slots, output))
     chunk_slots = wy_prepass.num_chunk_slots(num_tokens, num_slots)
     zero_v = _constant(
         "zero_v", device, num_tokens, lambda n: torch.zeros((n, NUM_V_HEADS, HEAD_SIZE), dtype=torch.bfloat16, device=device)
@@ -351,11 +349,3 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
         zero_v, identity, *per_segment, torch.empty_like(output), L,
     )  # fmt: skip
 
-
-def run_as_kernel(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
-    """`kernel.py`'s dispatch with this path for up to CP_MAX_SEQS sequences from CP_MIN_TOKENS tokens (the
-    candidate side)."""
-    if new_state.shape[0] <= CP_MAX_SEQS and q.shape[0] >= CP_MIN_TOKENS:
-        run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
-    else:
-        kernel.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)

@@ -1,6 +1,6 @@
 """GDN prefill for SM90 in CuTe-DSL: `gdn_prefill_qk4_v8_d128_k_last`.
 
-Three paths of this folder, chosen from the total token count T and the number of sequences N (shapes,
+Four paths of this folder, chosen from the total token count T and the number of sequences N (shapes,
 known on the host; no device reads, no host synchronisation):
 
 - T <= TOKEN_SERIAL_MAX_TOKENS: `token_serial.py`, one CTA per (sequence, head, 8-row V slice)
@@ -13,7 +13,10 @@ known on the host; no device reads, no host synchronisation):
   shared memory, three CTAs per SM), then a chain with only the state-dependent half: below
   WGMMA_CHAIN_MIN_SEQS sequences `wy_prepass.py`'s, on 16-row V slices up to 4 sequences and 32 above;
   from WGMMA_CHAIN_MIN_SEQS `wgmma_value_side.py`'s, one CTA per (sequence, head) with the whole state as
-  warpgroup-MMA accumulators.
+  warpgroup-MMA accumulators;
+- one sequence of CONTEXT_PARALLEL_MIN_TOKENS or more: `context_parallel.py`, the WY path's kernels on
+  the sequence cut into 16 segments (each segment's transition and zero-start state, an fp32 scan over
+  segments, then the outputs from the scanned states).
 
 Why these thresholds (NOTES.md has the measurements). The token-serial kernel costs a few us plus
 ~0.2 us per token of the longest sequence, a chunk step of the chunked kernel ~5.5 us: the token-serial
@@ -24,7 +27,10 @@ more. T and N are shapes and the split of T into sequences is not, so the rule i
 T / N >= 160, and from 512 tokens on it is taken whatever N is. The WGMMA chain steps a chunk of a whole
 head in ~3.8 us where a 16-row slice of `wy_prepass.py` takes ~2.8: it wins where many sequences fill the
 GPU (4124 tokens in 15 sequences 1.13x, 8192 in 20-57 1.13-1.54x) and loses where a few long ones bound
-the call (5709 in 2: 0.75x).
+the call (5709 in 2: 0.75x). A single sequence walks all its chunks on one chain per head; split in 16
+segments (16-31) it runs 1.17x faster at 6144 tokens, 1.38x at 8192, 2.4-2.7x at 32K-64K, and 0.90x at 4096
+(graph replay): the context-parallel path takes one sequence from 6144 tokens. N is the only shape that
+says no sequence is short, so the rule is N = 1.
 
 Same contract as every path: destination passing, definition order, `state` None means zeros, `scale`
 None or 0 means 1/sqrt(128), CUDA-graph safe.
@@ -34,10 +40,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import chunked, token_serial, wgmma_value_side, wy_prepass
+from . import chunked, context_parallel, token_serial, wgmma_value_side, wy_prepass
 from .token_serial import GPU_ARCH, GdnShapeError, resolve_scale
+from .wgmma_value_side import WGMMA_CHAIN_MIN_SEQS
 
 __all__ = [
+    "CONTEXT_PARALLEL_MAX_SEQS",
+    "CONTEXT_PARALLEL_MIN_TOKENS",
     "TOKEN_SERIAL_MAX_TOKENS",
     "WY_PREPASS_MIN_MEAN_LENGTH",
     "WGMMA_CHAIN_MIN_SEQS",
@@ -47,31 +56,24 @@ __all__ = [
     "path_for",
     "resolve_scale",
     "run",
-    "wy_chain_config",
 ]
 
 TOKEN_SERIAL_MAX_TOKENS = 40
 WY_PREPASS_MIN_TOKENS = 512
 WY_PREPASS_MIN_MEAN_LENGTH = 160
-WGMMA_CHAIN_MIN_SEQS = 15
+CONTEXT_PARALLEL_MAX_SEQS = 1
+CONTEXT_PARALLEL_MIN_TOKENS = 6144
 
 
 def path_for(num_tokens: int, num_seqs: int):
     """The module whose `run` serves a batch of `num_tokens` tokens in `num_seqs` sequences."""
     if num_tokens <= TOKEN_SERIAL_MAX_TOKENS:
         return token_serial
+    if num_seqs <= CONTEXT_PARALLEL_MAX_SEQS and num_tokens >= CONTEXT_PARALLEL_MIN_TOKENS:
+        return context_parallel
     if num_tokens >= WY_PREPASS_MIN_TOKENS or num_tokens >= WY_PREPASS_MIN_MEAN_LENGTH * num_seqs:
         return wgmma_value_side if num_seqs >= WGMMA_CHAIN_MIN_SEQS else wy_prepass
     return chunked
-
-
-def wy_chain_config(num_seqs: int, output) -> wy_prepass.WyPrepassConfig | None:
-    """The chain the WY path takes for `num_seqs` sequences: the WGMMA chain (None) from WGMMA_CHAIN_MIN_SEQS when
-    `output` starts on a 16-B boundary (as `wgmma_value_side.run` requires), else `wy_prepass.py`'s at its
-    width (for candidates that reuse the WY launchers)."""
-    if num_seqs >= WGMMA_CHAIN_MIN_SEQS and output.data_ptr() % wgmma_value_side.OUTPUT_ALIGN == 0:
-        return None
-    return wy_prepass.config_for(num_seqs)
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
@@ -79,7 +81,7 @@ def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
     compiles lazily afterwards)."""
     return (
         token_serial.compile_only(arch), *chunked.compile_only(arch), *wy_prepass.compile_only(arch),
-        *wgmma_value_side.compile_only(arch),
+        *wgmma_value_side.compile_only(arch), *context_parallel.compile_only(arch),
     )
 
 

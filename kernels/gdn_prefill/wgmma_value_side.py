@@ -43,7 +43,16 @@ from . import token_serial, wy_prepass
 from .chunked import CHUNK, _Chunked, sequence_bounds
 from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, V_HEADS_PER_QK_HEAD
 
-__all__ = ["NUM_THREADS", "WgmmaValueSide", "compile_only", "compiled_for", "operands", "run"]
+__all__ = [
+    "NUM_THREADS",
+    "WGMMA_CHAIN_MIN_SEQS",
+    "WgmmaValueSide",
+    "chain_config",
+    "compile_only",
+    "compiled_for",
+    "operands",
+    "run",
+]
 
 NUM_WARPGROUPS = 2  # each owns 64 of the 128 value rows of the state
 NUM_THREADS = 128 * NUM_WARPGROUPS
@@ -53,6 +62,8 @@ VEC = 8  # 16-bit elements per 16-B copy
 # (8 consecutive v, 4 token pairs) fall in distinct banks.
 ROW_STRIDE = HEAD_SIZE + 8
 OUTPUT_ALIGN = 16  # bytes: the output rows are stored in 16-B pieces
+# The WY path takes this chain from 15 sequences (kernel.py's docstring has the measurements).
+WGMMA_CHAIN_MIN_SEQS = 15
 
 K_MAJOR = LayoutEnum.ROW_MAJOR
 MN_MAJOR = LayoutEnum.COL_MAJOR
@@ -407,6 +418,15 @@ def compiled_for(arch: str = GPU_ARCH) -> Callable:
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
     return (compiled_for(arch),)
+
+
+def chain_config(num_seqs: int, output) -> wy_prepass.WyPrepassConfig | None:
+    """The chain the WY path takes for `num_seqs` sequences: this one (None) from WGMMA_CHAIN_MIN_SEQS when
+    `output` starts on a 16-B boundary (as `run` requires), else `wy_prepass.py`'s at its width (for
+    `context_parallel.py`, which runs the WY launchers on its segments)."""
+    if num_seqs >= WGMMA_CHAIN_MIN_SEQS and output.data_ptr() % OUTPUT_ALIGN == 0:
+        return None
+    return wy_prepass.config_for(num_seqs)
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:

@@ -91,10 +91,6 @@ SQUARE_PIECES = CHUNK // COPY_ELEMS  # 16-B pieces of a 64-wide fp16 row
 GATE_PIECES = CHUNK * 4 // 16  # 16-B pieces of 64 fp32
 
 
-# `_KeySide(t_in_kq=True)` keeps T and the inverse's scratch in kq's storage.
-assert CHUNK * NARROW_STRIDE + NUM_WARPS * BLOCK * SCRATCH_STRIDE <= KQ_ROWS * WIDE_STRIDE
-
-
 def chunk_slot(start, chunk, seq):
     """Workspace slot of chunk `chunk` of sequence `seq` starting at token `start`. Unique: within a sequence
     the slots grow by one per chunk, and the next sequence starts at or after this one's last token, so its
@@ -132,40 +128,26 @@ class _KeySide(_Chunked):
     Lean, for the many-sequence batches where the prepass takes several waves: the k rows are
     staged as bf16 in kq itself and converted in place (as the q rows always are), P goes from the Gram epilogue
     straight to the workspace, and the inverse's scratch has its own size: ~66 KB of shared memory instead of the
-    ~94 that `chunked.py`'s buffers would take, three CTAs per SM instead of two.
-
-    With `t_in_kq` (candidate `cand_lean_key_side`) T and the inverse's scratch live in kq's storage, dead once
-    the Gram tiles are computed: ~53 KB, four CTAs per SM; T is zeroed after the Gram tiles' barrier."""
-
-    def __init__(self, t_in_kq: bool = False):
-        self.t_in_kq = t_in_kq
-
-    def shared_storage(self):
-        """The kernel's shared storage: no k staging buffer and no P tile (k is staged in kq, P goes to the
-        workspace); with `t_in_kq` no T or scratch buffer either (they live in kq's storage)."""
-        f16, bf16, f32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32
-
-        def buffer(dtype, elements, align=128):
-            return cute.struct.Align[cute.struct.MemRange[dtype, elements], align]
-
-        fields = {
-            "raw_a": buffer(bf16, NUM_STAGES * CHUNK * NUM_V_HEADS),
-            "raw_b": buffer(bf16, NUM_STAGES * CHUNK * NUM_V_HEADS),
-            "kq": buffer(f16, KQ_ROWS * WIDE_STRIDE),
-            "a16": buffer(f16, CHUNK * NARROW_STRIDE),
-            "a_diag": buffer(f32, CHUNK * DIAG_STRIDE),
-        }
-        if not self.t_in_kq:
-            fields["t16"] = buffer(f16, CHUNK * NARROW_STRIDE)
-            fields["scratch"] = buffer(f16, NUM_WARPS * BLOCK * SCRATCH_STRIDE)
-        fields["cum_log_g"] = buffer(f32, CHUNK, 16)
-        fields["beta"] = buffer(f32, CHUNK, 16)
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+    ~94 that `chunked.py`'s buffers would take, three CTAs per SM instead of two."""
 
     @cute.jit
     def launch(self, q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream):
         tiled_mma = _make_warp_mma()
-        SharedStorage = self.shared_storage()
+        f16, bf16, f32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32
+
+        # No k staging buffer and no P tile: k is staged in kq, P goes to the workspace.
+        @cute.struct
+        class SharedStorage:
+            raw_a: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
+            raw_b: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
+            kq: cute.struct.Align[cute.struct.MemRange[f16, KQ_ROWS * WIDE_STRIDE], 128]
+            a16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
+            a_diag: cute.struct.Align[cute.struct.MemRange[f32, CHUNK * DIAG_STRIDE], 128]
+            t16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
+            scratch: cute.struct.Align[cute.struct.MemRange[f16, NUM_WARPS * BLOCK * SCRATCH_STRIDE], 128]
+            cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
+            beta: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
+
         kernel = self.key_kernel(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, tiled_mma, SharedStorage)
         self.launch_grid(kernel, [NUM_V_HEADS, ws_tp.shape[0], 1], SharedStorage, stream)
 
@@ -186,20 +168,14 @@ class _KeySide(_Chunked):
         chunk = cutlass.Int32(cutlass.select_(slot >= first_slot, slot - first_slot, num_chunks))
         return start, length, chunk, num_chunks
 
-    def head_views(self, st, kq: cute.Tensor, warp_idx):
-        """(a16, a_diag, t16, scratch, cum_log_g, beta) over the key side's shared storage `st` (T and the
-        scratch in kq's with `t_in_kq`); `scratch` is warp `warp_idx`'s. Built while a kernel is traced."""
-        if self.t_in_kq:
-            t16 = cute.make_tensor(kq.iterator, _layout(SQUARE_VIEW))
-            scratch = cute.make_tensor(kq.iterator + CHUNK * NARROW_STRIDE, _layout(SCRATCH_VIEW))
-        else:
-            t16 = st.t16.get_tensor(_layout(SQUARE_VIEW))
-            scratch = st.scratch.get_tensor(_layout(SCRATCH_VIEW))
+    def head_views(self, st, warp_idx):
+        """(a16, a_diag, t16, scratch, cum_log_g, beta) over the key side's shared storage `st`; `scratch` is
+        warp `warp_idx`'s. Built while a kernel is traced."""
         return (
             st.a16.get_tensor(_layout(SQUARE_VIEW)),
             st.a_diag.get_tensor(cute.make_layout((CHUNK, BLOCK), stride=(DIAG_STRIDE, 1))),
-            t16,
-            scratch[warp_idx, None, None],
+            st.t16.get_tensor(_layout(SQUARE_VIEW)),
+            st.scratch.get_tensor(_layout(SCRATCH_VIEW))[warp_idx, None, None],
             st.cum_log_g.get_tensor(cute.make_layout(CHUNK)),
             st.beta.get_tensor(cute.make_layout(CHUNK)),
         )
@@ -238,7 +214,7 @@ class _KeySide(_Chunked):
             smem = cutlass.memory.SmemAllocator()
             st = smem.allocate(SharedStorage)
             raw_k, raw_a, raw_b, kq, kq_raw = self.staging_views(st, k_staged_in_kq=True)
-            a16, a_diag, t16, scratch, cum_log_g, beta = self.head_views(st, kq, warp_idx)
+            a16, a_diag, t16, scratch, cum_log_g, beta = self.head_views(st, warp_idx)
             a16_t = cute.make_tensor(a16.iterator, _layout(SQUARE_T_VIEW))
             t16_t = cute.make_tensor(t16.iterator, _layout(SQUARE_T_VIEW))
             p16 = ws_tp[slot, head, 1, None, None]
@@ -257,8 +233,7 @@ class _KeySide(_Chunked):
             self.copy_gate_rows(g2s, a, b, raw_a, raw_b, start, length, chunk, 0, tidx)
             self.load_q(g2s, q, kq_raw, start, length, chunk, head, tidx)
             cute.arch.cp_async_commit_group()
-            if cutlass.const_expr(not self.t_in_kq):
-                self.clear_upper_blocks(t16, p16, tidx)
+            self.clear_upper_blocks(t16, p16, tidx)
             neg_decay_rate = -cute.math.exp(A_log[head]) * LOG2_E
             tokens_here = cutlass.min(length - chunk * CHUNK, cutlass.Int32(CHUNK))
             cute.arch.cp_async_wait_group(0)
@@ -273,9 +248,6 @@ class _KeySide(_Chunked):
                 tiled_mma, copy_a, copy_b, lane, warp_idx, kq, acc_sq, coords_sq, cum_log_g, beta, a16, a_diag, p16
             )
             cute.arch.sync_threads()
-            if cutlass.const_expr(self.t_in_kq):  # kq is dead: T's storage can be zeroed
-                self.clear_upper_blocks(t16, p16, tidx)
-                cute.arch.sync_threads()
             self.invert_unit_lower(
                 tiled_mma, copy_a, copy_bt, lane, warp_idx, tidx, a16_t, a_diag, t16, t16_t, scratch,
                 acc_sq, acc_y, coords_sq, coords_rows,
@@ -501,15 +473,11 @@ class WyPrepassConfig:
 
 
 class GdnPrefillWyPrepassSm90:
-    """Host entry: the key-side kernel (`key_side`), then the value-side chain (`chain`), in one compiled call
-    (stream order)."""
+    """Host entry: the key-side kernel, then the value-side chain (`chain`), in one compiled call (stream
+    order)."""
 
     def __init__(self, config: WyPrepassConfig):
         self.config = config
-
-    def key_side(self):
-        """The key-side kernel that fills the workspace (a candidate may give its own)."""
-        return _KeySide()
 
     def chain(self):
         """The value-side kernel that reads the workspace (`wgmma_value_side.py` gives its own)."""
@@ -535,7 +503,7 @@ class GdnPrefillWyPrepassSm90:
         ws_g: cute.Tensor,
         stream,
     ):
-        self.key_side().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
+        _KeySide().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
         self.chain().launch(
             q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, stream
         )

@@ -1,5 +1,5 @@
-"""kernels/gdn_prefill/context_parallel.py (candidate `cand_context_parallel`): the WY path with long sequences
-split into segments, summarised, scanned and re-walked from their scanned states.
+"""kernels/gdn_prefill/context_parallel.py (kernel.py's path for one long sequence): the WY path with long
+sequences split into segments, summarised, scanned and re-walked from their scanned states.
 
 CPU: it compiles for sm_90a with each chain and caches; the segment length rule; the slot kernel's rule
 (on Python ints) against cp_model's work list. GPU (marked `gpu`): the
@@ -29,11 +29,15 @@ def test_compiles_every_chain_for_sm90a_without_gpu():
     assert_compiles_and_caches(context_parallel.compile_only, 3)
 
 
-@pytest.mark.parametrize(("num_tokens", "num_seqs"), [(1, 1), (1377, 1), (5709, 2), (8192, 1), (65536, 1), (6600, 41)])
-def test_segment_length_is_whole_chunks_and_splits_long_sequences(num_tokens, num_seqs):
-    tokens = context_parallel.segment_tokens_for(num_tokens, num_seqs)
-    assert tokens % CHUNK == 0 and tokens >= 4 * CHUNK
-    assert tokens <= max(4 * CHUNK, num_tokens // 2)  # a sequence holding every token would be split
+@pytest.mark.parametrize(
+    ("num_tokens", "segment_tokens"), [(1, 64), (1377, 64), (8192, 512), (20000, 1216), (32768, 2048), (65536, 4096)]
+)
+def test_segment_length_is_whole_chunks_cutting_the_call_in_16_to_31_segments(num_tokens, segment_tokens):
+    """One sequence of 8K / 32K / 64K tokens in 16 segments (FlashInfer's SM90 split on H200 too), 17 at 20000."""
+    assert context_parallel.segment_tokens_for(num_tokens) == segment_tokens
+    if num_tokens >= context_parallel.CP_SEGMENTS * CHUNK:
+        segments = cp_model.segment_count(num_tokens, segment_tokens, 2 * segment_tokens)
+        assert context_parallel.CP_SEGMENTS <= segments < 2 * context_parallel.CP_SEGMENTS
 
 
 def _slot_bounds(bounds: list[int], total_tokens: int, segment_tokens: int) -> list[int]:

@@ -29,7 +29,7 @@ cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "g
 kernel = cases.load_kernel()
 reference_run = cases.load_reference_run()
 device_check = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/probes/device_check_gdn.py", "device_check_gdn")
-# kernel.py and each of its three paths alone (and any candidate of the folder): every GPU test below
+# kernel.py and each of its four paths alone (and any candidate of the folder): every GPU test below
 # runs each of them, so every path is checked at every shape, not only where kernel.py picks it.
 SOLUTIONS = device_check.KERNEL_CHOICES
 
@@ -49,8 +49,9 @@ LONG_TESTS = os.environ.get("HOPPERBENCH_LONG_TESTS") == "1"
 
 
 def test_compiles_every_path_for_sm90a_without_gpu():
-    # token-serial, chunked at both slice widths, the WY-prepass pair at both chain widths, and the WGMMA chain
-    assert_compiles_and_caches(kernel.compile_only, 6)
+    # token-serial, chunked at both slice widths, the WY-prepass pair at both chain widths, the WGMMA chain, and
+    # the context-parallel launcher with each of those three chains
+    assert_compiles_and_caches(kernel.compile_only, 9)
 
 
 @pytest.mark.parametrize(
@@ -62,24 +63,26 @@ def test_compiles_every_path_for_sm90a_without_gpu():
         (294, 3, "chunked"), (401, 4, "chunked"), (511, 4, "chunked"), (511, 57, "chunked"),
         (512, 4, "wy_prepass"), (5709, 2, "wy_prepass"), (3999, 14, "wy_prepass"), (4124, 15, "wgmma_value_side"),
         (512, 57, "wgmma_value_side"), (8192, 20, "wgmma_value_side"), (8192, 57, "wgmma_value_side"),
-        (480, 15, "chunked"),
+        (480, 15, "chunked"), (6143, 1, "wy_prepass"), (6144, 1, "context_parallel"), (65536, 1, "context_parallel"),
+        (8192, 2, "wy_prepass"),
     ],
 )  # fmt: skip
 def test_path_is_chosen_from_the_token_and_sequence_counts(num_tokens, num_seqs, path):
     assert (kernel.TOKEN_SERIAL_MAX_TOKENS, kernel.WY_PREPASS_MIN_TOKENS) == (40, 512)
     assert kernel.WY_PREPASS_MIN_MEAN_LENGTH == 160 and kernel.WGMMA_CHAIN_MIN_SEQS == 15
+    assert (kernel.CONTEXT_PARALLEL_MAX_SEQS, kernel.CONTEXT_PARALLEL_MIN_TOKENS) == (1, 6144)
     assert kernel.path_for(num_tokens, num_seqs) is solution_module(path)
 
 
 @pytest.mark.parametrize(
     ("lengths", "path"),
     [((6,), "token_serial"), ((41,), "chunked"), ((100, 100), "chunked"), ((170, 170), "wy_prepass"), ((512,), "wy_prepass"),
-     ((40,) * 15, "wgmma_value_side")],
+     ((40,) * 15, "wgmma_value_side"), ((6144,), "context_parallel")],
     ids=str,
 )
 def test_run_calls_exactly_the_chosen_path(lengths, path, monkeypatch):
     calls = []
-    for name in ("token_serial", "chunked", "wy_prepass", "wgmma_value_side"):
+    for name in ("token_serial", "chunked", "wy_prepass", "wgmma_value_side", "context_parallel"):
         monkeypatch.setattr(solution_module(name), "run", lambda *args, name=name: calls.append((name, args)))
     num_tokens = sum(lengths)
     case = cases.CheckCase(f"len{num_tokens}", lengths, True, 0.0, "mamba2")

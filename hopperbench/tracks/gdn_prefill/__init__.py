@@ -70,16 +70,6 @@ GDN_PREFILL = Track(
             entry="wy_prepass.py::run",
             description="kernel.py's WY-prepass path at every T (no 512-token threshold): the other side of the A/B and sweep that place the threshold for few sequences",
         ),
-        CandidateSide(
-            name="cand_lean_key_side",
-            entry="lean_key_side.py::run_as_kernel",
-            description="kernel.py with its WY key side in ~53 KB (T and the inverse's scratch in the dead k/q storage): four key-side CTAs per SM instead of three, the same bits (lean_key_side.py)",
-        ),
-        CandidateSide(
-            name="cand_context_parallel",
-            entry="context_parallel.py::run_as_kernel",
-            description="kernel.py with up to 4 sequences of >= 1024 tokens in all on the context-parallel WY path: sequences over 2 L tokens cut into L-token segments, each segment's transition and zero-start state by the WY chain, an fp32 scan over segments, then the outputs from the scanned states (context_parallel.py)",
-        ),
     ),
 )
 

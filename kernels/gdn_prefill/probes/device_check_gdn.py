@@ -1,8 +1,9 @@
 """Device check of our GDN prefill kernel (kernels/gdn_prefill/kernel.py) on a GPU.
 
-`--kernel token_serial`, `--kernel chunked` or `--kernel wy_prepass` checks one of kernel.py's three paths alone, at every case
-(kernel.py picks one from T): kernels/gdn_prefill/<name>.py, loaded as a module of a package made
-of that folder (as the harness packs it), so that it may import its siblings.
+`--kernel NAME` (one of KERNEL_CHOICES: `token_serial`, `chunked`, `wy_prepass`, `wgmma_value_side`,
+`context_parallel`) checks one of kernel.py's paths alone, at every case (kernel.py picks one from T and
+N): kernels/gdn_prefill/<name>.py, loaded as a module of a package made of that folder (as the harness
+packs it), so that it may import its siblings.
 Compiles the kernel, then for every case in kernels/gdn_prefill/check_cases.py: fresh inputs,
 NaN-poisoned outputs, one call, comparison with our reference (hopperbench/tracks/gdn_prefill/reference.py)
 under the GDN track rule of hopperbench.acceptance (atol = rtol = 1e-2 on every element of output
@@ -30,7 +31,7 @@ from hopperbench.paths import REPO_ROOT
 cases = devcheck.load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 
 KERNEL_DIR = REPO_ROOT / "kernels" / "gdn_prefill"
-# Modules of KERNEL_DIR with the `run` entry: kernel.py, its three paths, and any candidates.
+# Modules of KERNEL_DIR with the `run` entry: kernel.py, its paths, and any candidates.
 KERNEL_CHOICES = (
     "kernel",
     "token_serial",
@@ -38,7 +39,6 @@ KERNEL_CHOICES = (
     "wy_prepass",
     "wgmma_value_side",
     "context_parallel",
-    "lean_key_side",
 )
 
 # Ten sequences, so that the chunked kernel, which orders its grid rows by length, re-ranks at replay:

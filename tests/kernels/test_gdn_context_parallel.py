@@ -1,10 +1,10 @@
 """kernels/gdn_prefill/context_parallel.py (kernel.py's path for one long sequence): the WY path with long
 sequences split into segments, summarised, scanned and re-walked from their scanned states.
 
-CPU: it compiles for sm_90a with each chain and caches; the segment length rule; the slot kernel's rule
-(on Python ints) against cp_model's work list. GPU (marked `gpu`): the
-contest rule against the reference with segments short enough that sequences split at chunk and partial-chunk
-edges, around empty sequences, with and without a state and with decays near 1 (the default length's cases are
+CPU: it compiles for sm_90a with each chain and caches; the segment length rule; the chain for a segment count;
+the slot kernel's rule (on Python ints) against cp_model's work list. GPU (marked `gpu`): the contest rule
+against the reference with segments short enough that sequences split at chunk and partial-chunk edges, around
+empty sequences, with and without a state and with decays near 1 (the default length's cases are
 test_gdn_prefill_kernel.py's: the module is in its SOLUTIONS).
 """
 
@@ -38,6 +38,17 @@ def test_segment_length_is_whole_chunks_cutting_the_call_in_16_to_31_segments(nu
     if num_tokens >= context_parallel.CP_SEGMENTS * CHUNK:
         segments = cp_model.segment_count(num_tokens, segment_tokens, 2 * segment_tokens)
         assert context_parallel.CP_SEGMENTS <= segments < 2 * context_parallel.CP_SEGMENTS
+
+
+@pytest.mark.parametrize(("num_segments", "wgmma"), [(1, False), (4, False), (14, False), (15, True), (57, True)])
+def test_the_segments_chain_is_the_wy_paths_for_that_many_sequences(num_segments, wgmma):
+    wgmma_value_side, wy_prepass = context_parallel.wgmma_value_side, context_parallel.wy_prepass
+    output = torch.empty(16, dtype=torch.bfloat16)
+    config = wgmma_value_side.chain_config(num_segments, output)
+    assert config == (None if wgmma else wy_prepass.config_for(num_segments))
+    assert (num_segments >= wgmma_value_side.WGMMA_CHAIN_MIN_SEQS) == wgmma
+    # An output off a 16-B boundary takes wy_prepass.py's chain, as wgmma_value_side.run does.
+    assert wgmma_value_side.chain_config(num_segments, output[1:]) == wy_prepass.config_for(num_segments)
 
 
 def _slot_bounds(bounds: list[int], total_tokens: int, segment_tokens: int) -> list[int]:

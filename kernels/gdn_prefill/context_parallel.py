@@ -35,7 +35,7 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_compact_tensor
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from . import cp_model, token_serial, wgmma_value_side, wy_prepass
 from .chunked import CHUNK, sequence_bounds
@@ -57,6 +57,7 @@ CP_SEGMENTS = 16
 SCAN_ROWS = 8  # state rows per scan CTA, one column per thread
 ROW_BLOCKS = HEAD_SIZE // SCAN_ROWS
 SLOT_THREADS = 128
+FILL_THREADS, FILL_CTAS = 256, 264  # the constants' fill: a grid-stride loop over two CTAs per SM
 
 
 def segment_tokens_for(num_tokens: int) -> int:
@@ -301,18 +302,74 @@ def compiled_for(arch: str, config: WyPrepassConfig | None) -> Callable:
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
-    return tuple(compiled_for(arch, config) for config in (*wy_prepass.CONFIGS, None))
+    return (
+        *(compiled_for(arch, config) for config in (*wy_prepass.CONFIGS, None)),
+        compiled_fill(arch, False), compiled_fill(arch, True),
+    )  # fmt: skip
 
 
-# Read-only inputs of the M pass, kept per device and grown on demand: zero values [T, 8, 128] bf16 and identity
-# states [S, 8, 128, 128] fp32 (a serving engine would allocate them once, as it does its workspaces).
-_CONSTANTS: dict[tuple[str, torch.device], torch.Tensor] = {}
+class _FillConstant:
+    """The M pass's read-only inputs, written once when a buffer is made: zero values (bf16 [rows, 8, 128]) or,
+    with `identity`, identity states (fp32 [rows, 8, 128, 128]: 1 where the last two indices agree)."""
+
+    def __init__(self, identity: bool):
+        self.identity = identity
+
+    @cute.jit
+    def __call__(self, buffer: cute.Tensor, stream):
+        self.kernel(buffer).launch(grid=[FILL_CTAS, 1, 1], block=[FILL_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, buffer: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        per_row = cute.size(buffer.shape[1:])
+        flat = cute.make_tensor(buffer.iterator, cute.make_layout(buffer.shape[0] * per_row))
+        for e in cutlass.range(bidx * FILL_THREADS + tidx, buffer.shape[0] * per_row, FILL_CTAS * FILL_THREADS, unroll=1):
+            if cutlass.const_expr(self.identity):
+                on_diagonal = (e // HEAD_SIZE) % HEAD_SIZE == e % HEAD_SIZE
+                flat[e] = cutlass.Float32(cutlass.select_(on_diagonal, cutlass.Float32(1.0), cutlass.Float32(0.0)))
+            else:
+                flat[e] = cutlass.Float32(0.0).to(buffer.element_type)
 
 
-def _constant(name: str, device: torch.device, rows: int, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    held = _CONSTANTS.get((name, device))
+_FILLS: dict[tuple[str, bool], Callable] = {}
+
+
+def compiled_fill(arch: str, identity: bool) -> Callable:
+    """The fill launch of a new constant buffer for `arch` (compiled once; needs no GPU)."""
+    key = (arch, identity)
+    fn = _FILLS.get(key)
+    if fn is None:
+        rows = cute.sym_int()
+        shape = (rows, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE) if identity else (rows, NUM_V_HEADS, HEAD_SIZE)
+        dtype = cutlass.Float32 if identity else cutlass.BFloat16
+        buffer = make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        fn = _FILLS[key] = cute.compile(_FillConstant(identity), buffer, stream, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+    return fn
+
+
+# Read-only inputs of the M pass, kept per (device, stream) and grown on demand: zero values [T, 8, 128] bf16 and
+# identity states [S, 8, 128, 128] fp32, filled by `_FillConstant` on the stream when made (a serving engine would
+# make them once, as it does its workspaces). Inside a CUDA-graph capture a fresh one, whose fill the graph holds.
+_CONSTANTS: dict[tuple[bool, int, int], torch.Tensor] = {}
+
+
+def _constant(identity: bool, device: torch.device, rows: int) -> torch.Tensor:
+    def make() -> torch.Tensor:
+        shape = (rows, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE) if identity else (rows, NUM_V_HEADS, HEAD_SIZE)
+        buffer = torch.empty(shape, dtype=torch.float32 if identity else torch.bfloat16, device=device)
+        compiled_fill(GPU_ARCH, identity)(buffer)
+        return buffer
+
+    if torch.cuda.is_current_stream_capturing():
+        return make()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (identity, index, torch.cuda.current_stream(index).cuda_stream)
+    held = _CONSTANTS.get(key)
     if held is None or held.shape[0] < rows:
-        held = _CONSTANTS[(name, device)] = make(rows)
+        held = _CONSTANTS[key] = make()
     return held[:rows]
 
 
@@ -331,13 +388,7 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
     device, f32 = q.device, torch.float32
     launcher = compiled_for(GPU_ARCH, wgmma_value_side.chain_config(num_slots, output))
     chunk_slots = wy_prepass.num_chunk_slots(num_tokens, num_slots)
-    zero_v = _constant(
-        "zero_v", device, num_tokens, lambda n: torch.zeros((n, NUM_V_HEADS, HEAD_SIZE), dtype=torch.bfloat16, device=device)
-    )
-    identity = _constant(
-        "identity", device, num_slots,
-        lambda n: torch.eye(HEAD_SIZE, dtype=f32, device=device).expand(n, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE).contiguous(),
-    )  # fmt: skip
+    zero_v, identity = _constant(False, device, num_tokens), _constant(True, device, num_slots)
     per_segment = [torch.empty((num_slots, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE), dtype=f32, device=device) for _ in range(4)]
     has_state = state is not None
     launcher(

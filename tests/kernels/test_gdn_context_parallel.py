@@ -2,8 +2,8 @@
 sequences split into segments, summarised, scanned and re-walked from their scanned states.
 
 CPU: it compiles for sm_90a with each chain and caches; the segment length rule; the chain for a segment count;
-the slot kernel's rule (on Python ints) against cp_model's work list. GPU (marked `gpu`): the contest rule
-against the reference with segments short enough that sequences split at chunk and partial-chunk edges, around
+the slot kernel's rule (on Python ints) against cp_model's work list. GPU (marked `gpu`): the constants' fills;
+the contest rule against the reference with segments short enough that sequences split at chunk and partial-chunk edges, around
 empty sequences, with and without a state and with decays near 1 (the default length's cases are
 test_gdn_prefill_kernel.py's: the module is in its SOLUTIONS).
 """
@@ -25,8 +25,8 @@ reference_run = cases.load_reference_run()
 CHUNK = context_parallel.CHUNK
 
 
-def test_compiles_every_chain_for_sm90a_without_gpu():
-    assert_compiles_and_caches(context_parallel.compile_only, 3)
+def test_compiles_every_chain_and_the_constants_fills_for_sm90a_without_gpu():
+    assert_compiles_and_caches(context_parallel.compile_only, 5)
 
 
 @pytest.mark.parametrize(
@@ -102,6 +102,19 @@ SPLIT_CASES = (
     (cases.CheckCase("long_plus_short_slow", cases.LONG_PLUS_SHORT, True, 0.05, "slow_decay"), 256),
     (cases.CheckCase("long4096_slow", (4096,), True, 0.0, "slow_decay"), 192),
 )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("identity", [False, True])
+def test_constants_are_filled_by_our_kernel(identity):
+    """The M pass's zero values and identity states, written over NaN by `_FillConstant` (no torch fill)."""
+    shape = (3, 8, 128, 128) if identity else (77, 8, 128)
+    buffer = torch.full(shape, float("nan"), dtype=torch.float32 if identity else torch.bfloat16, device="cuda")
+    context_parallel.compiled_fill(context_parallel.GPU_ARCH, identity)(buffer)
+    torch.cuda.synchronize()
+    expected = torch.eye(128, device="cuda").expand(shape) if identity else torch.zeros(shape, device="cuda")
+    assert torch.equal(buffer.float(), expected)
 
 
 @pytest.mark.gpu

@@ -9,10 +9,12 @@ during an item's last chunk a CTA issues the next item's state (cp.async into a 
 thread in the accumulator's order) and its first chunk's copies, so that they land while the chain computes.
 
 Items are (rank, head) in rank-major order, the rank being the sequence's place in decreasing length (the
-base kernel's LPT order, `chunked.py`'s ranking, computed once per CTA into a map); CTA c serves item
-r G + c in even rounds r and r G + G - 1 - c in odd ones (G CTAs): a serpentine over the sorted items, so the
-longest items of one round and the shortest of the next fall to the same CTA. The schedule is static: no
-counter, nothing kept between calls.
+base kernel's LPT order, `chunked.py`'s ranking, computed once per CTA into a map). CTA c starts on item c; its
+next items it claims from a counter (thread 0, one claim ahead, published through shared memory), so that the
+CTAs that finish first take the next longest items, as the hardware's block scheduler does for the base grid.
+A static serpentine over the sorted items was modelled first and balances worse than that (NOTES.md). The
+counter is kept per (device, stream), zeroed by our kernel when made; each launch makes exactly one failing
+claim per CTA, and the CTA whose claim is the launch's last brings it back to zero (the MoE GEMM2's scheme).
 
 The arithmetic is the base kernel's (its `enter_chunk` and `value_side` unchanged): outputs and states are
 `wgmma_value_side.py`'s bit for bit. A candidate: NOTES.md has its contract.
@@ -22,29 +24,33 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from . import kernel, token_serial, wgmma_value_side, wy_prepass
 from .chunked import CHUNK, MAX_RANKED_SEQS, MIN_RANKED_SEQS, NUM_SMS, sequence_bounds
 from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, V_HEADS_PER_QK_HEAD, GdnShapeError, resolve_scale
 from .wgmma_value_side import NUM_THREADS, OUTPUT_ALIGN, ROW_STRIDE, VEC, WgmmaValueSide, operands
 
-__all__ = ["GdnShapeError", "compile_only", "item_of", "resolve_scale", "run", "run_as_kernel"]
+__all__ = ["GdnShapeError", "compile_only", "resolve_scale", "run", "run_as_kernel"]
 
 STATE_PER_THREAD = HEAD_SIZE * HEAD_SIZE // NUM_THREADS  # fp32 state elements each thread holds: 64
 
 
-def item_of(round_: int, cta: int, num_ctas: int) -> int:
-    """The item CTA `cta` of `num_ctas` serves in round `round_` (the serpentine; mirrored by `_item_of`)."""
-    return round_ * num_ctas + (cta if round_ % 2 == 0 else num_ctas - 1 - cta)
-
-
 @cute.jit
-def _item_of(round_: Int32, cta: Int32, num_ctas: Int32) -> Int32:
-    return round_ * num_ctas + cutlass.select_(round_ % 2 == 0, cta, num_ctas - 1 - cta)
+def claim(claims: cute.Tensor, num_items: Int32, num_ctas: Int32) -> Int32:
+    """Thread 0: the next claim n of the counter (its item is num_ctas + n). A launch makes num_items claims in all
+    (one failing claim per CTA), so the one numbered num_items - 1 is its last: that CTA brings the counter back
+    to zero for the next launch, which stream order places after this one."""
+    n = cute.arch.atomic_add(claims.iterator.llvm_ptr, Int32(1), scope="gpu")
+    if n == num_items - 1:
+        cute.arch.atomic_add(claims.iterator.llvm_ptr, -num_items, scope="gpu")
+    return n
 
 
 class PersistentValueSide(WgmmaValueSide):
@@ -53,7 +59,7 @@ class PersistentValueSide(WgmmaValueSide):
     @cute.jit
     def launch(
         self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g,
-        stream,
+        claims, stream,
     ):  # fmt: skip
         update_mma, products_mma, keys_k_major, keys_mn_major, square = operands()
         rows = cute.cosize(keys_k_major.outer)
@@ -79,10 +85,11 @@ class PersistentValueSide(WgmmaValueSide):
             staged_state: cute.struct.Align[cute.struct.MemRange[Float32, HEAD_SIZE * HEAD_SIZE], 128]
             # rank -> sequence (the LPT order), computed once per CTA
             ranked: cute.struct.Align[cute.struct.MemRange[Int32, MAX_RANKED_SEQS], 16]
+            claimed: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # thread 0's pending claim
 
         kernel_ = self.kernel(
-            q, k, v, state, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, update_mma, products_mma,
-            keys_k_major, keys_mn_major, square, SharedStorage,
+            q, k, v, state, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, claims, update_mma,
+            products_mma, keys_k_major, keys_mn_major, square, SharedStorage,
         )  # fmt: skip
         grid = cutlass.min(NUM_V_HEADS * new_state.shape[0], NUM_SMS)
         self.launch_grid(kernel_, [grid, 1, 1], SharedStorage, stream, threads=NUM_THREADS)
@@ -101,6 +108,7 @@ class PersistentValueSide(WgmmaValueSide):
         new_state: cute.Tensor,
         ws_tp: cute.Tensor,
         ws_g: cute.Tensor,
+        claims: cute.Tensor,
         update_mma: cute.TiledMma,
         products_mma: cute.TiledMma,
         keys_k_major: cute.ComposedLayout,
@@ -137,6 +145,7 @@ class PersistentValueSide(WgmmaValueSide):
             cute.make_layout((STATE_PER_THREAD, NUM_THREADS), stride=(NUM_THREADS, 1))
         )
         ranked = storage.ranked.get_tensor(cute.make_layout(MAX_RANKED_SEQS))
+        claimed = storage.claimed.get_tensor(cute.make_layout(4))
 
         num_seqs = new_state.shape[0]
         num_items = NUM_V_HEADS * num_seqs
@@ -147,68 +156,71 @@ class PersistentValueSide(WgmmaValueSide):
         state = cute.make_rmem_tensor(thr_update.partition_shape_C((HEAD_SIZE, HEAD_SIZE)), Float32)
         state_coords = thr_update.partition_C(cute.make_identity_tensor((HEAD_SIZE, HEAD_SIZE)))
 
-        # Round 0's item: its state and first chunk, into values stage 0.
-        item = _item_of(Int32(0), cta, num_ctas)
-        if item < num_items:
-            self.stage_item(
-                q, k, v, state_in, has_state, cu_seqlens, ws_tp, ws_g, item, num_seqs, ranked, raw,
-                s_values[0, None, None], staged, state_coords, tidx,
-            )  # fmt: skip
+        # The first item, cta (< num_items: the grid is at most 8 N): its state and first chunk, into values stage
+        # 0; thread 0 claims the item after it (read at the item's start, after a barrier).
+        item = Int32(cta)
+        self.stage_item(
+            q, k, v, state_in, has_state, cu_seqlens, ws_tp, ws_g, item, num_seqs, ranked, raw,
+            s_values[0, None, None], staged, state_coords, tidx,
+        )  # fmt: skip
         cute.arch.cp_async_commit_group()
+        if tidx == 0:
+            claimed[0] = claim(claims, num_items, num_ctas)
         stage = Int32(0)  # the values stage that holds the current item's next chunk
 
-        for round_ in cutlass.range((num_items + num_ctas - 1) // num_ctas, unroll=1):
-            item = _item_of(round_, cta, num_ctas)
-            if item < num_items:
-                seq, head = self.item_sequence(item, num_seqs, ranked)
-                start, length = sequence_bounds(cu_seqlens, seq, q.shape[0])
-                num_chunks = (length + CHUNK - 1) // CHUNK
-                next_item = _item_of(round_ + 1, cta, num_ctas)
+        while item < num_items:
+            seq, head = self.item_sequence(item, num_seqs, ranked)
+            start, length = sequence_bounds(cu_seqlens, seq, q.shape[0])
+            num_chunks = (length + CHUNK - 1) // CHUNK
 
-                # The item's state and first chunk have landed; the staging buffer is free once every thread
-                # has taken its state out of it.
+            # The item's state and first chunk have landed; the staging buffer is free once every thread has taken
+            # its state out of it, and thread 0 may then claim the item after the next.
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            next_item = num_ctas + claimed[0]
+            for i in cutlass.range_constexpr(cute.size(state)):
+                state[i] = staged[i, tidx] if has_state != 0 else Float32(0.0)
+            cute.arch.sync_threads()
+            if tidx == 0 and next_item < num_items:
+                claimed[0] = claim(claims, num_items, num_ctas)
+            if num_chunks == 0 and next_item < num_items:
+                self.stage_item(
+                    q, k, v, state_in, has_state, cu_seqlens, ws_tp, ws_g, next_item, num_seqs, ranked, raw,
+                    s_values[stage, None, None], staged, state_coords, tidx,
+                )  # fmt: skip
+            cute.arch.cp_async_commit_group()
+
+            for chunk in cutlass.range(num_chunks, unroll=1):
+                first = start + chunk * CHUNK
+                tokens_here = cutlass.min(length - chunk * CHUNK, CHUNK)
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.sync_threads()
-                for i in cutlass.range_constexpr(cute.size(state)):
-                    state[i] = staged[i, tidx] if has_state != 0 else Float32(0.0)
-                cute.arch.sync_threads()
-                if num_chunks == 0 and next_item < num_items:
+                self.enter_chunk(raw, tokens_here, s_keys, s_queries, s_t, s_p, gates, tidx)
+                # Staging and the other values stage are free: the next chunk's copies, or in the last chunk the
+                # next item's state and first chunk, land while this chunk computes.
+                if chunk + 1 < num_chunks:
+                    self.copy_chunk_into(
+                        q, k, v, ws_tp, ws_g, start, length, chunk + 1, seq, head, raw,
+                        s_values[1 - stage, None, None], tidx,
+                    )  # fmt: skip
+                elif next_item < num_items:
                     self.stage_item(
                         q, k, v, state_in, has_state, cu_seqlens, ws_tp, ws_g, next_item, num_seqs, ranked, raw,
-                        s_values[stage, None, None], staged, state_coords, tidx,
+                        s_values[1 - stage, None, None], staged, state_coords, tidx,
                     )  # fmt: skip
                 cute.arch.cp_async_commit_group()
+                self.value_side(
+                    state, s_values[stage, None, None], s_o_rows, scale, output, first, tokens_here, head,
+                    update_mma, products_mma, keys_k_major, keys_mn_major, storage, s_t, s_p, gates, tidx,
+                )  # fmt: skip
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_threads()
+                stage = 1 - stage
 
-                for chunk in cutlass.range(num_chunks, unroll=1):
-                    first = start + chunk * CHUNK
-                    tokens_here = cutlass.min(length - chunk * CHUNK, CHUNK)
-                    cute.arch.cp_async_wait_group(0)
-                    cute.arch.sync_threads()
-                    self.enter_chunk(raw, tokens_here, s_keys, s_queries, s_t, s_p, gates, tidx)
-                    # Staging and the other values stage are free: the next chunk's copies, or in the last
-                    # chunk the next item's state and first chunk, land while this chunk computes.
-                    if chunk + 1 < num_chunks:
-                        self.copy_chunk_into(
-                            q, k, v, ws_tp, ws_g, start, length, chunk + 1, seq, head, raw,
-                            s_values[1 - stage, None, None], tidx,
-                        )  # fmt: skip
-                    elif next_item < num_items:
-                        self.stage_item(
-                            q, k, v, state_in, has_state, cu_seqlens, ws_tp, ws_g, next_item, num_seqs, ranked,
-                            raw, s_values[1 - stage, None, None], staged, state_coords, tidx,
-                        )  # fmt: skip
-                    cute.arch.cp_async_commit_group()
-                    self.value_side(
-                        state, s_values[stage, None, None], s_o_rows, scale, output, first, tokens_here, head,
-                        update_mma, products_mma, keys_k_major, keys_mn_major, storage, s_t, s_p, gates, tidx,
-                    )  # fmt: skip
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.sync_threads()
-                    stage = 1 - stage
-
-                for i in cutlass.range_constexpr(cute.size(state)):
-                    v_row, k_col = state_coords[i]
-                    new_state[seq, head, v_row, k_col] = state[i] if length > 0 else Float32(0.0)
+            for i in cutlass.range_constexpr(cute.size(state)):
+                v_row, k_col = state_coords[i]
+                new_state[seq, head, v_row, k_col] = state[i] if length > 0 else Float32(0.0)
+            item = next_item
 
     @cute.jit
     def rank_sequences(self, cu_seqlens: cute.Tensor, num_seqs: Int32, tidx: Int32, scratch, ranked: cute.Tensor):
@@ -310,8 +322,34 @@ class PersistentValueSide(WgmmaValueSide):
 class GdnPrefillPersistentSm90(wgmma_value_side.GdnPrefillWyWgmmaSm90):
     """Host entry: `wy_prepass`'s key-side kernel, then the persistent chain, in one compiled call."""
 
-    def chain(self):
-        return PersistentValueSide()
+    @cute.jit
+    def __call__(
+        self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale: Float32, has_state: Int32, output,
+        new_state, ws_tp, ws_g, claims, stream,
+    ):  # fmt: skip
+        wy_prepass._KeySide().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
+        PersistentValueSide().launch(
+            q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g,
+            claims, stream,
+        )  # fmt: skip
+
+
+class _ZeroClaims:
+    """The zeroing launch of a new claim counter."""
+
+    @cute.jit
+    def __call__(self, claims: cute.Tensor, stream):
+        self.kernel(claims).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, claims: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx == 0:
+            claims[0] = Int32(0)
+
+
+def _claims_stand_in():
+    return make_fake_compact_tensor(Int32, (1,), assumed_align=4)
 
 
 _COMPILED: dict[str, Callable] = {}
@@ -322,13 +360,47 @@ def compiled_for(arch: str = GPU_ARCH) -> Callable:
     fn = _COMPILED.get(arch)
     if fn is None:
         fn = _COMPILED[arch] = token_serial.compile_launcher(
-            GdnPrefillPersistentSm90(), arch, wy_prepass._workspace_stand_ins(), output_align=OUTPUT_ALIGN
+            GdnPrefillPersistentSm90(), arch, (*wy_prepass._workspace_stand_ins(), _claims_stand_in()),
+            output_align=OUTPUT_ALIGN,
+        )  # fmt: skip
+    return fn
+
+
+_ZERO: dict[str, Callable] = {}
+
+
+def compiled_zero(arch: str = GPU_ARCH) -> Callable:
+    fn = _ZERO.get(arch)
+    if fn is None:
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        fn = _ZERO[arch] = cute.compile(
+            _ZeroClaims(), _claims_stand_in(), stream, options=f"--enable-tvm-ffi --gpu-arch {arch}"
         )
     return fn
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
-    return (compiled_for(arch),)
+    return (compiled_for(arch), compiled_zero(arch))
+
+
+# The claim counter, kept per (device, stream) and zeroed by `_ZeroClaims` when made (every launch leaves it at
+# zero); inside a CUDA-graph capture a fresh one, whose zeroing the graph holds.
+_CLAIMS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _claims(device: torch.device) -> torch.Tensor:
+    def make() -> torch.Tensor:
+        claims = torch.empty(1, dtype=torch.int32, device=device)
+        compiled_zero(GPU_ARCH)(claims)
+        return claims
+
+    if torch.cuda.is_current_stream_capturing():
+        return make()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    if key not in _CLAIMS:
+        _CLAIMS[key] = make()
+    return _CLAIMS[key]
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
@@ -338,7 +410,10 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
     if output.data_ptr() % OUTPUT_ALIGN:
         wy_prepass.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
         return
-    wy_prepass.run_compiled(compiled_for(GPU_ARCH), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+    wy_prepass.run_compiled(
+        compiled_for(GPU_ARCH), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state,
+        _claims(q.device),
+    )  # fmt: skip
 
 
 def run_as_kernel(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:

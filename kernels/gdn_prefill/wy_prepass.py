@@ -564,8 +564,11 @@ def run_with_config(config: WyPrepassConfig, q, k, v, state, A_log, a, dt_bias, 
     run_compiled(compiled_for(GPU_ARCH, config), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
 
 
-def run_compiled(launcher: Callable, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
-    """Call a compiled launcher of this path's form (checked inputs) with its per-call workspaces."""
+def run_compiled(
+    launcher: Callable, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state, *extra
+) -> None:
+    """Call a compiled launcher of this path's form (checked inputs) with its per-call workspaces, then any `extra`
+    arguments its form takes."""
     num_seqs = new_state.shape[0]
     if num_seqs == 0:
         return
@@ -575,5 +578,5 @@ def run_compiled(launcher: Callable, q, k, v, state, A_log, a, dt_bias, b, cu_se
     has_state = state is not None
     launcher(
         q, k, v, state if has_state else new_state, A_log, a, dt_bias, b, cu_seqlens, resolve_scale(scale),
-        int(has_state), output, new_state, ws_tp, ws_g,
+        int(has_state), output, new_state, ws_tp, ws_g, *extra,
     )  # fmt: skip

@@ -73,7 +73,7 @@ GDN_PREFILL = Track(
         CandidateSide(
             name="cand_persistent_chain",
             entry="persistent_chain.py::run_as_kernel",
-            description="kernel.py with the WGMMA chain (N >= 15) as a persistent kernel: min(8 N, 132) CTAs serve the (sequence, head) items in a serpentine over the LPT order, each prefetching its next item's state and first chunk during the current one's last chunk; the same bits (persistent_chain.py)",
+            description="kernel.py with the WGMMA chain (N >= 15) as a persistent kernel: min(8 N, 132) CTAs claim the (sequence, head) items in LPT order from a counter, each prefetching its next item's state and first chunk during the current one's last chunk; the same bits (persistent_chain.py)",
         ),
     ),
 )

@@ -43,14 +43,20 @@ STATE_PER_THREAD = HEAD_SIZE * HEAD_SIZE // NUM_THREADS  # fp32 state elements e
 
 
 @cute.jit
-def claim(claims: cute.Tensor, num_items: Int32, num_ctas: Int32) -> Int32:
-    """Thread 0: the next claim n of the counter (its item is num_ctas + n). A launch makes num_items claims in all
-    (one failing claim per CTA), so the one numbered num_items - 1 is its last: that CTA brings the counter back
-    to zero for the next launch, which stream order places after this one."""
-    n = cute.arch.atomic_add(claims.iterator.llvm_ptr, Int32(1), scope="gpu")
+def take_claim(claims: cute.Tensor) -> Int32:
+    """Thread 0: the next claim n of the counter (its item is num_ctas + n). Nothing reads n until
+    `publish_claim`, so the atomic's round trip overlaps the chunks in between."""
+    return cute.arch.atomic_add(claims.iterator.llvm_ptr, Int32(1), scope="gpu")
+
+
+@cute.jit
+def publish_claim(claims: cute.Tensor, claimed: cute.Tensor, n: Int32, num_items: Int32):
+    """Thread 0: claim n into shared memory, where the CTA reads it after the next barrier. A launch makes num_items
+    claims in all (one failing claim per CTA), so claim num_items - 1 is its last: that CTA brings the counter
+    back to zero for the next launch, which stream order places after this one."""
+    claimed[0] = n
     if n == num_items - 1:
         cute.arch.atomic_add(claims.iterator.llvm_ptr, -num_items, scope="gpu")
-    return n
 
 
 class PersistentValueSide(WgmmaValueSide):
@@ -157,7 +163,8 @@ class PersistentValueSide(WgmmaValueSide):
         state_coords = thr_update.partition_C(cute.make_identity_tensor((HEAD_SIZE, HEAD_SIZE)))
 
         # The first item, cta (< num_items: the grid is at most 8 N): its state and first chunk, into values stage
-        # 0; thread 0 claims the item after it (read at the item's start, after a barrier).
+        # 0; thread 0 claims the item after it (read at the item's start, after a barrier). From then on thread 0
+        # takes the next claim at an item's start and publishes it at its end.
         item = Int32(cta)
         self.stage_item(
             q, k, v, state_in, has_state, cu_seqlens, ws_tp, ws_g, item, num_seqs, ranked, raw,
@@ -165,7 +172,7 @@ class PersistentValueSide(WgmmaValueSide):
         )  # fmt: skip
         cute.arch.cp_async_commit_group()
         if tidx == 0:
-            claimed[0] = claim(claims, num_items, num_ctas)
+            publish_claim(claims, claimed, take_claim(claims), num_items)
         stage = Int32(0)  # the values stage that holds the current item's next chunk
 
         while item < num_items:
@@ -174,15 +181,16 @@ class PersistentValueSide(WgmmaValueSide):
             num_chunks = (length + CHUNK - 1) // CHUNK
 
             # The item's state and first chunk have landed; the staging buffer is free once every thread has taken
-            # its state out of it, and thread 0 may then claim the item after the next.
+            # its state out of it, and thread 0 may then claim the item after the next (published at the end).
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
             next_item = num_ctas + claimed[0]
             for i in cutlass.range_constexpr(cute.size(state)):
                 state[i] = staged[i, tidx] if has_state != 0 else Float32(0.0)
             cute.arch.sync_threads()
+            pending = Int32(0)
             if tidx == 0 and next_item < num_items:
-                claimed[0] = claim(claims, num_items, num_ctas)
+                pending = take_claim(claims)
             if num_chunks == 0 and next_item < num_items:
                 self.stage_item(
                     q, k, v, state_in, has_state, cu_seqlens, ws_tp, ws_g, next_item, num_seqs, ranked, raw,
@@ -217,6 +225,8 @@ class PersistentValueSide(WgmmaValueSide):
                 cute.arch.sync_threads()
                 stage = 1 - stage
 
+            if tidx == 0 and next_item < num_items:
+                publish_claim(claims, claimed, pending, num_items)
             for i in cutlass.range_constexpr(cute.size(state)):
                 v_row, k_col = state_coords[i]
                 new_state[seq, head, v_row, k_col] = state[i] if length > 0 else Float32(0.0)

@@ -564,11 +564,8 @@ def run_with_config(config: WyPrepassConfig, q, k, v, state, A_log, a, dt_bias, 
     run_compiled(compiled_for(GPU_ARCH, config), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
 
 
-def run_compiled(
-    launcher: Callable, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state, *extra
-) -> None:
-    """Call a compiled launcher of this path's form (checked inputs) with its per-call workspaces, then any `extra`
-    arguments its form takes."""
+def run_compiled(launcher: Callable, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+    """Call a compiled launcher of this path's form (checked inputs) with its per-call workspaces."""
     num_seqs = new_state.shape[0]
     if num_seqs == 0:
         return
@@ -578,5 +575,5 @@ def run_compiled(
     has_state = state is not None
     launcher(
         q, k, v, state if has_state else new_state, A_log, a, dt_bias, b, cu_seqlens, resolve_scale(scale),
-        int(has_state), output, new_state, ws_tp, ws_g, *extra,
+        int(has_state), output, new_state, ws_tp, ws_g,
     )  # fmt: skip

@@ -70,11 +70,6 @@ GDN_PREFILL = Track(
             entry="wy_prepass.py::run",
             description="kernel.py's WY-prepass path at every T (no 512-token threshold): the other side of the A/B and sweep that place the threshold for few sequences",
         ),
-        CandidateSide(
-            name="cand_persistent_chain",
-            entry="persistent_chain.py::run_as_kernel",
-            description="kernel.py with the WGMMA chain (N >= 15) as a persistent kernel: min(8 N, 132) CTAs claim the (sequence, head) items in LPT order from a counter, each prefetching its next item's state and first chunk during the current one's last chunk; the same bits (persistent_chain.py)",
-        ),
     ),
 )
 

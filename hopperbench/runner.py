@@ -755,9 +755,10 @@ def _reference_timing(track: Track, args: argparse.Namespace, wanted_sides: set[
 # reports. Without CUTE_DSL_ARCH in the environment when cutlass is imported, CuTe-DSL detects the
 # architecture on its first compile by calling cuInit; with it, a compile never touches the CUDA
 # driver (a process that called cuInit cannot fork CUDA-capable children, see worker_pool).
-# Triton's on-disk autotuning cache is left off: its key omits the token count for some libraries
-# (fla), so it would carry one shape's choice into every later process; each side's process
-# autotunes in its warm-up call instead.
+# Triton's on-disk autotuning cache is left off (TRITON_CACHE_AUTOTUNING unset): its key omits the token
+# count for some libraries, so it would carry one shape's choice into every later process; each side's
+# process autotunes in its warm-up call instead. fla turns that cache on for its own kernels
+# (FLA_CACHE_RESULTS, default on), which is why its side pins its configurations (fla_gdn.PINNED_CONFIGS).
 WORKER_DEFAULTS = {"CUTE_DSL_ARCH": "sm_90a"}
 
 

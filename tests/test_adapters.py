@@ -5,12 +5,16 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import math
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from hopperbench.tracks.gdn_prefill.adapters import fla_gdn
 from hopperbench.tracks import GDN_PREFILL
@@ -194,7 +198,7 @@ def test_wrong_destination_shape_is_one_clear_error(monkeypatch: pytest.MonkeyPa
 
 
 def test_library_absent_or_other_version_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    load_uncached = fla_gdn.load_chunk_gated_delta_rule.__wrapped__
+    load_uncached = fla_gdn.import_chunk_gated_delta_rule.__wrapped__
 
     def absent(name: str) -> str:
         raise importlib.metadata.PackageNotFoundError(name)
@@ -205,6 +209,53 @@ def test_library_absent_or_other_version_is_one_clear_error(monkeypatch: pytest.
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.0")
     with pytest.raises(fla_gdn.LibraryUnavailableError, match="targets 0.6.0"):
         load_uncached()
+
+
+@triton.autotune(
+    configs=[triton.Config({"BLOCK": 16}, num_warps=4), triton.Config({"BLOCK": 32}, num_warps=8)], key=["N"]
+)
+@triton.jit
+def _autotuned_kernel(x, N, BLOCK: tl.constexpr):  # never launched: its autotuner is what the pinning fills
+    pass
+
+
+PINNED_FIELDS = {"kwargs": {"BLOCK": 32}, "num_warps": 8, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
+KERNEL_NAME = f"{__name__}._autotuned_kernel"
+
+
+def test_gpu_key_is_the_device_name_with_underscores() -> None:
+    assert fla_gdn.gpu_key("NVIDIA H200") == "NVIDIA_H200"
+    assert fla_gdn.gpu_key(" NVIDIA H100 80GB HBM3 ") == "NVIDIA_H100_80GB_HBM3"
+
+
+def test_pinned_configs_fill_the_autotuner_cache_under_their_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_autotuned_kernel, "cache", {})
+    pinned = {KERNEL_NAME: [{"key": [4096, "torch.bfloat16"], "config": PINNED_FIELDS, "median_ms": 0.1}]}
+    assert fla_gdn.pin_configs(pinned, {KERNEL_NAME: _autotuned_kernel}) == 1
+    config = _autotuned_kernel.cache[(4096, "torch.bfloat16")]
+    assert config == triton.Config({"BLOCK": 32}, num_warps=8, num_stages=3)
+    with pytest.raises(fla_gdn.LibraryUnavailableError, match="re-run tools/tune_fla.py"):
+        fla_gdn.pin_configs({"fla.gone.kernel": []}, {KERNEL_NAME: _autotuned_kernel})
+
+
+def test_fla_autotuners_are_found_by_module_and_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = types.ModuleType("fla.ops.fake")
+    fake.kernel = _autotuned_kernel
+    monkeypatch.setitem(sys.modules, "fla.ops.fake", fake)
+    assert fla_gdn.fla_autotuners()[KERNEL_NAME] is _autotuned_kernel
+
+
+def test_loading_fla_pins_this_gpus_configs_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    pinned_with: list[dict[str, Any]] = []
+    monkeypatch.setattr(fla_gdn, "import_chunk_gated_delta_rule", lambda: "fla's function")
+    monkeypatch.setattr(fla_gdn, "fla_autotuners", lambda: {})
+    monkeypatch.setattr(fla_gdn, "pin_configs", lambda pinned, autotuners: pinned_with.append(pinned) or 1)
+    monkeypatch.setattr(fla_gdn, "PINNED_CONFIGS", {"NVIDIA_H200": {KERNEL_NAME: []}})
+    load = fla_gdn.load_chunk_gated_delta_rule.__wrapped__
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H200")
+    assert load() == "fla's function" and pinned_with == [{KERNEL_NAME: []}]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H100")
+    assert load() == "fla's function" and len(pinned_with) == 1  # no entry: fla autotunes
 
 
 @pytest.mark.gpu

@@ -56,8 +56,13 @@ def test_an_absent_input_sample_withholds_an_optional_input(track: Track) -> Non
 
 
 # What a library adapter may import besides the standard library and torch: its own library, where it
-# imports it by name (the others load theirs through importlib, after checking the pinned version).
-ADAPTER_LIBRARY_IMPORTS = {"flashinfer_gdn": {"flashinfer"}, "fla_chunk": {"fla"}, "flashinfer_moe": {"flashinfer"}}
+# imports it by name (the others load theirs through importlib, after checking the pinned version), and fla's
+# Triton, whose autotuner caches the fla side fills with its pinned configurations.
+ADAPTER_LIBRARY_IMPORTS = {
+    "flashinfer_gdn": {"flashinfer"},
+    "fla_chunk": {"fla", "triton"},
+    "flashinfer_moe": {"flashinfer"},
+}
 LIBRARY_SIDES = [pytest.param(t, lib, id=lib.name) for t in TRACKS.values() for lib in t.libraries]
 
 

@@ -16,7 +16,8 @@ from tests.kernels.compile_checks import assert_compiles_and_caches
 cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 device_check = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/probes/device_check_gdn.py", "device_check_gdn")
 direct_key_side = device_check.load_kernel_module("direct_key_side")
-wy_prepass, wgmma_value_side, kernel = direct_key_side.wy_prepass, direct_key_side.wgmma_value_side, direct_key_side.kernel
+wy_prepass, wgmma_value_side = direct_key_side.wy_prepass, direct_key_side.wgmma_value_side
+kernel = direct_key_side.kernel
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

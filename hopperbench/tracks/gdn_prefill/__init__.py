@@ -60,7 +60,9 @@ GDN_PREFILL = Track(
             package="fla-core==0.6.0",
             timed_call=(
                 "fla's Triton pipeline (gate, chunk-local WY, state recurrence, output kernels) with its chunk "
-                "indices memoised per cu_seqlens tensor, then output and new_state copied into the destinations"
+                "indices memoised per cu_seqlens tensor, then output and new_state copied into the destinations; "
+                "each autotuned kernel at the configuration pinned for the GPU (fla_gdn.PINNED_CONFIGS, from "
+                "tools/tune_fla.py), on a GPU without pins at what fla's autotuner picks in the warm-up call"
             ),
         ),
     ),

@@ -25,6 +25,16 @@ FLA's own Triton chunk pipeline, so the dispatcher is unwrapped. What fla itself
 call is kept: it derives chunk indices from `cu_seqlens` (one host sync), and memoises them
 by the identity of the `cu_seqlens` tensor (`fla.utils.tensor_cache`), as it would across the
 layers of a model.
+
+fla's Triton kernels autotune on their first call in a process, keyed on head counts, head sizes,
+flags and dtypes but not on the token count, so one pick serves every later shape; picks among
+configurations within the timing noise of each other vary between processes, and with them the
+side's time (two runs of one commit on two H200 leases: +3-6 % on most GDN rows, up to +21 %).
+So that a run repeats, every autotuned fla kernel gets a fixed configuration per GPU and tuning
+key, `PINNED_CONFIGS`: the one fla's own autotuner measures fastest on the track's largest
+workload, by the median over several tunings in fresh processes (`tools/tune_fla.py` writes the
+block). It is put in each autotuner's cache when fla is imported, as fla's own config files do
+(`fla/ops/utils/cache.py`); a GPU without an entry autotunes as fla does.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ import functools
 import importlib.metadata
 import inspect
 import math
+import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -53,9 +65,72 @@ class AdapterInputError(ValueError):
     """The arguments do not describe a gdn_prefill call."""
 
 
+# GPU name (`gpu_key`) -> fla kernel (`module.function`) -> [{"key": the autotuner's tuning key, "config": a
+# triton.Config's fields}]. Written by tools/tune_fla.py; everything between the markers is its output.
+# generated:fla-configs:begin
+PINNED_CONFIGS: dict[str, dict[str, list[dict[str, Any]]]] = {}
+# generated:fla-configs:end
+
+
+def gpu_key(device_name: str) -> str:
+    """`PINNED_CONFIGS`' name for a GPU: its device name with every run of other characters than letters and digits
+    made one underscore (fla names its per-GPU config folders so too)."""
+    return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_")
+
+
+def fla_autotuners() -> dict[str, Any]:
+    """Every autotuned kernel of the imported fla modules (a Triton `Autotuner`), by `module.function` of the
+    Python function it tunes."""
+    from triton.runtime.autotuner import Autotuner
+
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "fla" or name.startswith("fla.")):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, Autotuner):
+                found[f"{value.base_fn.__module__}.{value.base_fn.__name__}"] = value
+    return found
+
+
+def pin_configs(pinned: dict[str, list[dict[str, Any]]], autotuners: dict[str, Any]) -> int:
+    """Put each pinned configuration in its kernel's autotuner cache under its tuning key, so that a call with that
+    key runs it without tuning; returns how many. A pinned kernel fla no longer has is an error: the entries were
+    made for another fla."""
+    from triton import Config
+
+    count = 0
+    for kernel, entries in pinned.items():
+        autotuner = autotuners.get(kernel)
+        if autotuner is None:
+            raise LibraryUnavailableError(f"fla has no autotuned kernel {kernel}; re-run tools/tune_fla.py")
+        for entry in entries:
+            fields = entry["config"]
+            autotuner.cache[tuple(entry["key"])] = Config(
+                fields["kwargs"],
+                num_warps=fields["num_warps"],
+                num_stages=fields["num_stages"],
+                num_ctas=fields["num_ctas"],
+                maxnreg=fields["maxnreg"],
+            )
+            count += 1
+    return count
+
+
 @functools.cache
 def load_chunk_gated_delta_rule() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
-    """fla's Triton `chunk_gated_delta_rule`, past its backend dispatcher."""
+    """fla's Triton `chunk_gated_delta_rule`, past its backend dispatcher, its kernels pinned to this GPU's
+    `PINNED_CONFIGS` where it has some."""
+    chunk_gated_delta_rule = import_chunk_gated_delta_rule()
+    pinned = PINNED_CONFIGS.get(gpu_key(torch.cuda.get_device_name()), {})
+    if pinned:
+        pin_configs(pinned, fla_autotuners())
+    return chunk_gated_delta_rule
+
+
+@functools.cache
+def import_chunk_gated_delta_rule() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    """fla's Triton `chunk_gated_delta_rule`, past its backend dispatcher, as fla leaves it (autotuning)."""
     try:
         installed = importlib.metadata.version(FLA_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:

@@ -219,6 +219,11 @@ def _autotuned_kernel(x, N, BLOCK: tl.constexpr):  # never launched: its autotun
     pass
 
 
+@triton.jit
+def _plain_kernel(x, N):  # not autotuned: nothing to pin
+    pass
+
+
 PINNED_FIELDS = {"kwargs": {"BLOCK": 32}, "num_warps": 8, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
 KERNEL_NAME = f"{__name__}._autotuned_kernel"
 
@@ -238,11 +243,23 @@ def test_pinned_configs_fill_the_autotuner_cache_under_their_keys(monkeypatch: p
         fla_gdn.pin_configs({"fla.gone.kernel": []}, {KERNEL_NAME: _autotuned_kernel})
 
 
+@triton.heuristics({"BLOCK": lambda args: 16})
+@triton.autotune(configs=[triton.Config({}, num_warps=4), triton.Config({}, num_warps=8)], key=["N"])
+@triton.jit
+def _heuristic_autotuned_kernel(x, N, BLOCK: tl.constexpr):  # fla stacks heuristics on some autotuned kernels
+    pass
+
+
 def test_fla_autotuners_are_found_by_module_and_function(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = types.ModuleType("fla.ops.fake")
     fake.kernel = _autotuned_kernel
+    fake.wrapped = _heuristic_autotuned_kernel
+    fake.plain = _plain_kernel
     monkeypatch.setitem(sys.modules, "fla.ops.fake", fake)
-    assert fla_gdn.fla_autotuners()[KERNEL_NAME] is _autotuned_kernel
+    found = fla_gdn.fla_autotuners()
+    assert found[KERNEL_NAME] is _autotuned_kernel
+    assert found[f"{__name__}._heuristic_autotuned_kernel"] is _heuristic_autotuned_kernel.fn
+    assert f"{__name__}._plain_kernel" not in found
 
 
 def test_loading_fla_pins_this_gpus_configs_only(monkeypatch: pytest.MonkeyPatch) -> None:

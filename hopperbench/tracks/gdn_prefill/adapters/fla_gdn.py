@@ -79,15 +79,18 @@ def gpu_key(device_name: str) -> str:
 
 
 def fla_autotuners() -> dict[str, Any]:
-    """Every autotuned kernel of the imported fla modules (a Triton `Autotuner`), by `module.function` of the
-    Python function it tunes."""
+    """Every autotuned kernel of the imported fla modules (a Triton `Autotuner`, also under the `heuristics` that
+    fla stacks on some), by `module.function` of the Python function it tunes."""
     from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import KernelInterface
 
     found = {}
     for name, module in list(sys.modules.items()):
         if module is None or not (name == "fla" or name.startswith("fla.")):
             continue
         for value in list(vars(module).values()):
+            while isinstance(value, KernelInterface) and not isinstance(value, Autotuner):
+                value = getattr(value, "fn", None)  # Heuristics -> what it wraps; a JITFunction -> its function
             if isinstance(value, Autotuner):
                 found[f"{value.base_fn.__module__}.{value.base_fn.__name__}"] = value
     return found

@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import triton
+import triton.language as tl
 
 from hopperbench.tracks.gdn_prefill.adapters import fla_gdn
 
@@ -37,6 +40,47 @@ def test_the_choice_is_the_lowest_median_over_the_tunings() -> None:
     assert tune_fla.choose(tunings) == (_json(FAST), 1.00, 2)
     tunings = [{_json(FAST): 1.10, _json(SLOW): 1.0}, {_json(FAST): 1.10, _json(SLOW): 1.2}, {_json(SLOW): 1.05}]
     assert tune_fla.choose(tunings) == (_json(SLOW), 1.05, 2)  # FAST, pruned once, is judged on the other two
+
+
+@triton.autotune(
+    configs=[triton.Config({"BLOCK": 16}, num_warps=4), triton.Config({"BLOCK": 32}, num_warps=8)], key=["N"]
+)
+@triton.jit
+def _tuned(x, N, BLOCK: tl.constexpr):  # its launch and benchmark are stubbed: the tests run on the CPU
+    pass
+
+
+class _NoLaunch:
+    def run(self, *args, **kwargs) -> None:
+        pass
+
+
+def test_each_tuning_is_recorded_once_with_its_timings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_tuned, "cache", {})
+    monkeypatch.setattr(_tuned, "fn", _NoLaunch())
+    monkeypatch.setattr(_tuned, "_bench", lambda *args, config, **kwargs: [config.kwargs["BLOCK"] / 10, 0.0, 0.0])
+    x = torch.zeros(4)
+    with tune_fla.recorded_autotuning() as records:
+        _tuned.run(x, 4096, grid=(1,))
+        _tuned.run(x, 4096, grid=(1,))  # the same key: no tuning, nothing recorded
+        _tuned.run(x, 64, grid=(1,))
+    assert len(records) == 2
+    first = records[0]
+    assert first["kernel"] == f"{__name__}._tuned" and first["key"] == [4096, "torch.float32"]
+    assert first["timings"] == [
+        [{"kwargs": {"BLOCK": 16}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}, 1.6],
+        [{"kwargs": {"BLOCK": 32}, "num_warps": 8, "num_stages": 3, "num_ctas": 1, "maxnreg": None}, 3.2],
+    ]
+    assert records[1]["key"] == [64, "torch.float32"]
+    pinned = tune_fla.aggregate(records)
+    assert pinned[f"{__name__}._tuned"][0]["config"]["kwargs"] == {"BLOCK": 16}
+
+
+def test_recording_ends_with_its_block() -> None:
+    untuned = triton.runtime.autotuner.Autotuner.run
+    with tune_fla.recorded_autotuning():
+        assert triton.runtime.autotuner.Autotuner.run is not untuned
+    assert triton.runtime.autotuner.Autotuner.run is untuned
 
 
 def test_records_group_by_kernel_and_key() -> None:

@@ -17,6 +17,7 @@ Exits 2 with one line on stderr without CUDA or fla, or when a tuning process fa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pprint
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,23 +100,12 @@ def rewrite_block(source: str, gpu: str, pinned: dict[str, list[dict[str, Any]]]
     return source[: begin + len(BLOCK_BEGIN)] + block + source[end:]
 
 
-def tuning_records(variant: str) -> list[dict[str, Any]]:
-    """In this (fresh) process: one fla call on the runner's warm-up inputs of `variant`, every autotuning it does
-    recorded as (kernel, key, [(configuration fields, median ms)])."""
-    import torch
+@contextlib.contextmanager
+def recorded_autotuning() -> Iterator[list[dict[str, Any]]]:
+    """While open, every tuning a Triton autotuner does is appended to the yielded list as (kernel, key,
+    [(configuration fields, median ms)]): a tuning adds one key to the autotuner's cache per call, with its
+    configurations' timings in `configs_timings`."""
     from triton.runtime.autotuner import Autotuner
-
-    from hopperbench.runner import largest_workload, with_twins
-    from hopperbench.synth import make_inputs
-    from hopperbench.tracks import GDN_PREFILL
-    from hopperbench.tracks.gdn_prefill.adapters import fla_gdn
-    from hopperbench.workloads import load_workloads
-
-    workloads = load_workloads(GDN_PREFILL.name)
-    rows = with_twins(GDN_PREFILL, workloads, workloads)
-    withheld = () if variant == "state" else (GDN_PREFILL.absent_input_sample.input,)
-    workload = largest_workload(GDN_PREFILL, rows, withheld)
-    inputs = make_inputs(GDN_PREFILL.name, workload, 0, 0, "cuda")
 
     records: list[dict[str, Any]] = []
     untuned_run = Autotuner.run
@@ -137,10 +127,32 @@ def tuning_records(variant: str) -> list[dict[str, Any]]:
         return result
 
     Autotuner.run = recording_run
+    try:
+        yield records
+    finally:
+        Autotuner.run = untuned_run
+
+
+def tuning_records(variant: str) -> list[dict[str, Any]]:
+    """In this (fresh) process: one fla call on the runner's warm-up inputs of `variant`, every autotuning it does
+    recorded (`recorded_autotuning`)."""
+    import torch
+
+    from hopperbench.runner import largest_workload, with_twins
+    from hopperbench.synth import make_inputs
+    from hopperbench.tracks import GDN_PREFILL
+    from hopperbench.tracks.gdn_prefill.adapters import fla_gdn
+    from hopperbench.workloads import load_workloads
+
+    workloads = load_workloads(GDN_PREFILL.name)
+    rows = with_twins(GDN_PREFILL, workloads, workloads)
+    withheld = () if variant == "state" else (GDN_PREFILL.absent_input_sample.input,)
+    workload = largest_workload(GDN_PREFILL, rows, withheld)
+    inputs = make_inputs(GDN_PREFILL.name, workload, 0, 0, "cuda")
     chunk_gated_delta_rule = fla_gdn.import_chunk_gated_delta_rule()
-    values = list(inputs.values())
-    chunk_gated_delta_rule(**fla_gdn.fla_arguments(*values))
-    torch.cuda.synchronize()
+    with recorded_autotuning() as records:
+        chunk_gated_delta_rule(**fla_gdn.fla_arguments(*inputs.values()))
+        torch.cuda.synchronize()
     return records
 
 

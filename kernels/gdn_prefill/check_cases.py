@@ -182,11 +182,11 @@ def poisoned_outputs(case: CheckCase, device: torch.device | str) -> tuple[torch
     return output, new_state
 
 
-def bitwise_mismatch(case: CheckCase, runs: Sequence[Callable], device: torch.device | str, seed: int) -> str | None:
-    """Runs every `run` (the kernel's contract) on the same fresh inputs into NaN-poisoned outputs and
-    returns None when all outputs and new states are finite and equal bit for bit to the first run's, else
-    what differs: how a kernel that should compute the same operations in the same order (another tiling
-    of the same products) is checked."""
+def outputs_of_runs(
+    case: CheckCase, runs: Sequence[Callable], device: torch.device | str, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(output, new_state) of every `run` (the kernel's contract) on the same fresh inputs, each into
+    NaN-poisoned outputs, in order."""
     inputs = make_inputs(case, device, seed=seed)
     results = []
     for run in runs:
@@ -195,7 +195,14 @@ def bitwise_mismatch(case: CheckCase, runs: Sequence[Callable], device: torch.de
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize()
         results.append((output, new_state))
-    (out0, state0), *others = results
+    return results
+
+
+def bitwise_mismatch(case: CheckCase, runs: Sequence[Callable], device: torch.device | str, seed: int) -> str | None:
+    """Runs every `run` (`outputs_of_runs`) and returns None when all outputs and new states are finite and
+    equal bit for bit to the first run's, else what differs: how a kernel that should compute the same
+    operations in the same order (another tiling of the same products) is checked."""
+    (out0, state0), *others = outputs_of_runs(case, runs, device, seed)
     if not (torch.isfinite(out0).all() and torch.isfinite(state0).all()):
         return "the first run left a non-finite output or state"
     for index, (out, state) in enumerate(others, start=1):

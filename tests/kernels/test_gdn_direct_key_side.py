@@ -57,14 +57,9 @@ def _relative_l2(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 )
 def test_outputs_and_states_match_the_standard_key_side(case):
     standard = wgmma_value_side.run if len(case.lengths) >= kernel.WGMMA_CHAIN_MIN_SEQS else wy_prepass.run
-    inputs = cases.make_inputs(case, "cuda", seed=71)
-    results = []
-    for run in (standard, direct_key_side.run):
-        output, new_state = cases.poisoned_outputs(case, "cuda")
-        run(*inputs.values(), output, new_state)
-        torch.cuda.synchronize()
+    results = cases.outputs_of_runs(case, [standard, direct_key_side.run], "cuda", seed=71)
+    for output, new_state in results:
         assert torch.isfinite(output).all() and torch.isfinite(new_state).all()
-        results.append((output, new_state))
     (out_standard, state_standard), (out_direct, state_direct) = results
     assert _relative_l2(out_direct, out_standard) <= CLOSE_RELATIVE_L2
     assert _relative_l2(state_direct, state_standard) <= CLOSE_RELATIVE_L2

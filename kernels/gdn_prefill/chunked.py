@@ -171,24 +171,22 @@ def sequence_bounds(cu_seqlens: cute.Tensor, seq: cutlass.Int32, total_tokens: c
     return start, end - start
 
 
-def _make_warp_mma(operand_dtype: type[cutlass.Numeric] = cutlass.Float16) -> cute.TiledMma:
+def _make_warp_mma() -> cute.TiledMma:
     # One warp; the 16x16x16 tile holds two n8 atoms, matching a 4-matrix ldmatrix of B.
     return cute.make_tiled_mma(
-        warp.MmaF16BF16Op(operand_dtype, cutlass.Float32, (16, 8, 16)),
+        warp.MmaF16BF16Op(cutlass.Float16, cutlass.Float32, (16, 8, 16)),
         (1, 1, 1),
         permutation_mnk=(BLOCK, BLOCK, BLOCK),
     )
 
 
-def _make_operand_copies(
-    tiled_mma: cute.TiledMma, operand_dtype: type[cutlass.Numeric] = cutlass.Float16
-) -> tuple[cute.TiledCopy, cute.TiledCopy, cute.TiledCopy]:
+def _make_operand_copies(tiled_mma: cute.TiledMma) -> tuple[cute.TiledCopy, cute.TiledCopy, cute.TiledCopy]:
     """ldmatrix copies of a K-major A, a K-major B and an N-major B (transposed) operand."""
     ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
     ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
-    copy_a = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, operand_dtype), tiled_mma)
-    copy_b = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, operand_dtype), tiled_mma)
-    copy_bt = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, operand_dtype), tiled_mma)
+    copy_a = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, cutlass.Float16), tiled_mma)
+    copy_b = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, cutlass.Float16), tiled_mma)
+    copy_bt = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, cutlass.Float16), tiled_mma)
     return copy_a, copy_b, copy_bt
 
 

@@ -51,7 +51,6 @@ from .chunked import (
     NUM_STAGES,
     NUM_THREADS,
     NUM_WARPS,
-    PIECES_PER_ROW,
     SCRATCH_STRIDE,
     SCRATCH_VIEW,
     SLICE_ROWS,
@@ -118,34 +117,6 @@ def last_sequence_from(cu_seqlens: cute.Tensor, slot, total_tokens, first_slot: 
     return lo
 
 
-# Rounds of `last_sequence_in_warp`: each divides the range by WARP_SIZE, so 7 cover 2^35 sequences.
-WARP_SEARCH_ROUNDS = 7
-
-
-@cute.jit
-def last_sequence_in_warp(cu_seqlens: cute.Tensor, slot, total_tokens, first_slot: cutlass.Constexpr):
-    """`last_sequence_from`'s answer by a 32-ary search of the whole warp (call it converged): each round the lanes
-    probe 32 evenly spaced sequences of the range at once and a ballot keeps the stretch after the last that
-    qualifies. One dependent load per round, one round up to 33 sequences, two up to 1057, where the binary search
-    waits on ~log2 N loads one after another. With `first_slot` growing with the sequence, the lanes that qualify
-    are a prefix, so their count names the last; the answer stays in [0, N - 1] whatever `cu_seqlens` holds."""
-    lane = cute.arch.lane_idx()
-    lo = cutlass.Int32(0)
-    hi = cutlass.Int32(cu_seqlens.shape[0] - 2)
-    for _ in cutlass.range(WARP_SEARCH_ROUNDS, unroll=1):
-        if lo < hi:
-            step = (hi - lo + WARP_SIZE - 1) // WARP_SIZE
-            probe = lo + step * (lane + 1)
-            seq = cutlass.min(probe, hi)
-            seq_start, _ = sequence_bounds(cu_seqlens, seq, total_tokens)
-            in_range = probe <= hi
-            qualifies = in_range & (first_slot(seq, seq_start) <= slot)
-            passed = cute.arch.popc(cute.arch.vote_ballot_sync(qualifies))
-            lo = lo + step * passed
-            hi = cutlass.min(hi, lo + step - 1)
-    return lo
-
-
 def num_chunk_slots(num_tokens: int, num_seqs: int) -> int:
     """Slots of the workspace: chunk_slot <= (T - 1) // 64 + N - 1 for every chunk of every sequence."""
     return num_tokens // CHUNK + num_seqs
@@ -157,14 +128,7 @@ class _KeySide(_Chunked):
     Lean, for the many-sequence batches where the prepass takes several waves: the k rows are
     staged as bf16 in kq itself and converted in place (as the q rows always are), P goes from the Gram epilogue
     straight to the workspace, and the inverse's scratch has its own size: ~66 KB of shared memory instead of the
-    ~94 that `chunked.py`'s buffers would take, three CTAs per SM instead of two.
-
-    `direct` (candidate `cand_direct_key_side`, `direct_key_side.py`): the Gram tiles read the staged bf16 rows
-    with bf16 MMAs (rows past the end zeroed where the copies skip them), with no pass converting k and q to fp16;
-    and a CTA finds its slot's sequence by `last_sequence_in_warp`, not by a binary search."""
-
-    def __init__(self, direct: bool = False):
-        self.direct = direct
+    ~94 that `chunked.py`'s buffers would take, three CTAs per SM instead of two."""
 
     @cute.jit
     def launch(self, q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream):
@@ -191,8 +155,7 @@ class _KeySide(_Chunked):
     def sequence_of_slot(self, cu_seqlens: cute.Tensor, slot: cutlass.Int32, total_tokens: cutlass.Int32):
         """The last sequence whose first chunk slot is <= `slot`. The slot is that sequence's chunk slot - first
         slot, if that chunk exists."""
-        search = last_sequence_in_warp if self.direct else last_sequence_from
-        return search(cu_seqlens, slot, total_tokens, lambda seq, start: chunk_slot(start, 0, seq))
+        return last_sequence_from(cu_seqlens, slot, total_tokens, lambda seq, start: chunk_slot(start, 0, seq))
 
     @cute.jit
     def chunk_of_slot(self, cu_seqlens: cute.Tensor, slot: cutlass.Int32, total_tokens: cutlass.Int32):
@@ -227,16 +190,6 @@ class _KeySide(_Chunked):
             if linear % CHUNK // BLOCK > linear // CHUNK // BLOCK:
                 p16[linear // CHUNK, linear % CHUNK] = cutlass.Float16(0.0)
 
-    @cute.jit
-    def zero_rows_past_end(self, kq_raw: cute.Tensor, tokens_here: cutlass.Int32, tidx: cutlass.Int32):
-        """Zero the staged k and q rows of the tokens past the end (their copies were skipped), so that the Gram
-        tiles' rows and columns there are zeros, as `convert_kq` leaves them. Rows no copy writes: no wait needed."""
-        for i in cutlass.range_constexpr(KQ_ROWS * PIECES_PER_ROW // NUM_THREADS):
-            linear = i * NUM_THREADS + tidx
-            row = linear // PIECES_PER_ROW
-            if row % CHUNK >= tokens_here:
-                cute.local_tile(kq_raw[row, None], (COPY_ELEMS,), (linear % PIECES_PER_ROW,)).fill(0.0)
-
     @cute.kernel
     def key_kernel(
         self,
@@ -267,12 +220,6 @@ class _KeySide(_Chunked):
             p16 = ws_tp[slot, head, 1, None, None]
 
             copy_a, copy_b, copy_bt = _make_operand_copies(tiled_mma)
-            # The Gram tiles' MMA, operand copies and rows: fp16 from kq, or (direct) bf16 from the staged rows.
-            gram_mma, gram_copy_a, gram_copy_b, gram_rows = tiled_mma, copy_a, copy_b, kq
-            if cutlass.const_expr(self.direct):
-                gram_mma = _make_warp_mma(cutlass.BFloat16)
-                gram_copy_a, gram_copy_b, _ = _make_operand_copies(gram_mma, cutlass.BFloat16)
-                gram_rows = kq_raw
             thr_mma = tiled_mma.get_slice(lane)
             coords_sq = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, BLOCK)))
             coords_rows = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, SLICE_ROWS)))
@@ -289,22 +236,17 @@ class _KeySide(_Chunked):
             self.clear_upper_blocks(t16, p16, tidx)
             neg_decay_rate = -cute.math.exp(A_log[head]) * LOG2_E
             tokens_here = cutlass.min(length - chunk * CHUNK, cutlass.Int32(CHUNK))
-            if cutlass.const_expr(self.direct):
-                if tokens_here < CHUNK:
-                    self.zero_rows_past_end(kq_raw, tokens_here, tidx)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
-            if cutlass.const_expr(not self.direct):
-                self.convert_kq(raw_k, kq_raw, kq, tokens_here, tidx)
+            self.convert_kq(raw_k, kq_raw, kq, tokens_here, tidx)
             if warp_idx == 0:
                 self.chunk_gates(
                     raw_a, raw_b, 0, head, neg_decay_rate, dt_bias[head], tokens_here, lane, cum_log_g, beta
                 )
             cute.arch.sync_threads()
             self.gram_tiles(
-                gram_mma, gram_copy_a, gram_copy_b, lane, warp_idx, gram_rows, acc_sq, coords_sq, cum_log_g, beta,
-                a16, a_diag, p16,
-            )  # fmt: skip
+                tiled_mma, copy_a, copy_b, lane, warp_idx, kq, acc_sq, coords_sq, cum_log_g, beta, a16, a_diag, p16
+            )
             cute.arch.sync_threads()
             self.invert_unit_lower(
                 tiled_mma, copy_a, copy_bt, lane, warp_idx, tidx, a16_t, a_diag, t16, t16_t, scratch,
@@ -541,10 +483,6 @@ class GdnPrefillWyPrepassSm90:
         """The value-side kernel that reads the workspace (`wgmma_value_side.py` gives its own)."""
         return _ValueSide(self.config.slice_rows)
 
-    def key_side(self):
-        """The key-side kernel that fills the workspace (a candidate may give its own)."""
-        return _KeySide()
-
     @cute.jit
     def __call__(
         self,
@@ -565,7 +503,7 @@ class GdnPrefillWyPrepassSm90:
         ws_g: cute.Tensor,
         stream,
     ):
-        self.key_side().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
+        _KeySide().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
         self.chain().launch(
             q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, stream
         )

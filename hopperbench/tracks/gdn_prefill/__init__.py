@@ -72,11 +72,6 @@ GDN_PREFILL = Track(
             entry="wy_prepass.py::run",
             description="kernel.py's WY-prepass path at every T (no 512-token threshold): the other side of the A/B and sweep that place the threshold for few sequences",
         ),
-        CandidateSide(
-            name="cand_direct_key_side",
-            entry="direct_key_side.py::run_as_kernel",
-            description="kernel.py with its WY key side computing the Gram tiles by bf16 MMAs from the staged rows (no fp16 conversion pass) and finding each CTA's sequence by a 32-ary warp search (direct_key_side.py)",
-        ),
     ),
 )
 

@@ -137,3 +137,19 @@ def test_without_cuda_one_line_and_exit_2() -> None:
         pytest.skip("has a GPU: the tool would tune")
     done = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "tune_fla.py")], capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.strip() == "tune_fla: needs a CUDA GPU"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla builds its configuration lists from the GPU's limits")
+def test_the_committed_pins_are_configurations_fla_itself_offers() -> None:
+    """A pin fla does not list among its kernel's configurations would time a kernel fla never runs."""
+    try:
+        fla_gdn.import_chunk_gated_delta_rule()
+    except fla_gdn.LibraryUnavailableError as e:
+        pytest.skip(str(e))
+    autotuners = fla_gdn.fla_autotuners()
+    for kernels in fla_gdn.PINNED_CONFIGS.values():
+        for kernel, entries in kernels.items():
+            offered = [tune_fla.config_fields(config) for config in autotuners[kernel].configs]
+            for entry in entries:
+                assert entry["config"] in offered, (kernel, entry["config"])

@@ -1,6 +1,6 @@
 """Pin the Triton configurations of the GDN track's fla side (`fla_chunk`) on this GPU.
 
-    uv run tools/tune_fla.py [--tunings 5]          # needs a CUDA GPU; rewrites fla_gdn.PINNED_CONFIGS
+    uv run tools/tune_fla.py [--tunings 5]   # a CUDA GPU, ~2 min per tuning on the H200; rewrites fla_gdn.PINNED_CONFIGS
 
 fla's kernels autotune on their first call in a process, keyed without the token count, and their picks among
 configurations within the timing noise of each other vary between processes (`fla_gdn`'s docstring). This tool
@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import json
 import os
-import pprint
 import statistics
 import subprocess
 import sys
@@ -95,9 +94,27 @@ def rewrite_block(source: str, gpu: str, pinned: dict[str, list[dict[str, Any]]]
     if begin < 0 or end < begin:
         raise TuneError(f"{ADAPTER} has no generated block ({BLOCK_BEGIN.strip()} ... {BLOCK_END.strip()})")
     table = {**existing, gpu: pinned}
-    literal = pprint.pformat(dict(sorted(table.items())), width=120, sort_dicts=True)
-    block = f"PINNED_CONFIGS: dict[str, dict[str, list[dict[str, Any]]]] = {literal}\n"
+    block = f"PINNED_CONFIGS: dict[str, dict[str, list[dict[str, Any]]]] = {pinned_literal(table)}\n"
     return source[: begin + len(BLOCK_BEGIN)] + block + source[end:]
+
+
+def pinned_literal(table: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]]) -> str:
+    """`table` as a Python literal a reviewer can scan: GPUs and kernels sorted, one line per entry field."""
+    if not table:
+        return "{}"
+    lines = ["{"]
+    for gpu, kernels in sorted(table.items()):
+        lines.append(f"    {gpu!r}: {{")
+        for kernel, entries in sorted(kernels.items()):
+            lines.append(f"        {kernel!r}: [")
+            for entry in entries:
+                lines.append("            {")
+                lines += [f"                {field!r}: {value!r}," for field, value in entry.items()]
+                lines.append("            },")
+            lines.append("        ],")
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ doubling levels), and the warps of a CTA split the first phase four ways. Estima
 
 One CTA = one (sequence, v-head, V slice): `chunked.py`'s grid and slice width (16 rows up to two sequences,
 32 above), ranking, buffers, loads and epilogues; per chunk of 16 tokens, with barriers between the phases:
-  P0  (`enter_chunk`) wait for the loads; k and q rows to fp16; the gates (warp 0); the fp16 state copy.
+  P0  wait for the loads; the 16 k and q rows to fp16; the gates (warp 0); the fp16 state copy.
   P1  prefetch the next chunk's k, v, a, b; warp 0: Yk = K S0^T -> Xb^T; warp 1: Yq = Q S0^T -> the output
       accumulator; warp 2: the A tile (and its fp32 copy); warp 3: the P tile.
   P2  prefetch the next chunk's q rows; T = (I + A)^-1 by forward substitution (16 threads, fp32).
@@ -98,6 +98,32 @@ class _ShortChunks:
                     cute.local_tile(dst[dst_row0 + j, None], (COPY_ELEMS,), (piece,)),
                 )
 
+    @cute.jit
+    def enter_short_chunk(self, raw_k, kq_raw, kq, raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here,
+                          cum_log_g, beta, acc_state, coords_state, s16, tidx, warp_idx, lane):  # fmt: skip
+        """P0 (`enter_chunk` on the chunk's 16 k and 16 q rows only: the other rows of kq are never read)."""
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr(2 * SHORT_CHUNK * PIECES_PER_ROW // NUM_THREADS):
+            linear = i * NUM_THREADS + tidx
+            j = linear // PIECES_PER_ROW % SHORT_CHUNK
+            piece = linear % PIECES_PER_ROW
+            # Rounds 0-1 cover the k rows (raw_k's), rounds 2-3 the q rows, converted in place in kq's q half.
+            source, row = (raw_k, j) if i < SHORT_CHUNK * PIECES_PER_ROW // NUM_THREADS else (kq_raw, CHUNK + j)
+            dst = cute.local_tile(kq[row, None], (COPY_ELEMS,), (piece,))
+            if j < tokens_here:
+                values = cute.local_tile(source[row, None], (COPY_ELEMS,), (piece,)).load()
+                dst.store(values.to(cutlass.Float32).to(cutlass.Float16))
+            else:
+                dst.fill(0.0)
+        if warp_idx == 0:
+            self.chunk_gates(raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, lane, cum_log_g, beta)
+        for e in cutlass.range_constexpr(cute.size(acc_state)):
+            s16[coords_state[e][0], warp_idx * STATE_COLS_PER_WARP + coords_state[e][1]] = acc_state[e].to(
+                cutlass.Float16
+            )
+        cute.arch.sync_threads()
+
     @cute.kernel
     def kernel(
         self,
@@ -168,7 +194,7 @@ class _ShortChunks:
             tokens_here = cutlass.min(length - chunk_start, cutlass.Int32(SHORT_CHUNK))
 
             # ---- P0 ----
-            self.enter_chunk(
+            self.enter_short_chunk(
                 raw_k, kq_raw, kq, raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, cum_log_g, beta,
                 acc_state, coords_state, s16, tidx, warp_idx, lane,
             )  # fmt: skip

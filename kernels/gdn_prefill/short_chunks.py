@@ -11,8 +11,8 @@ One CTA = one (sequence, v-head, V slice): `chunked.py`'s grid and slice width (
   P0  wait for the loads; the 16 k and q rows to fp16; the gates (warp 0); the fp16 state copy.
   P1  prefetch the next chunk's k, v, a, b; warp 0: Yk = K S0^T -> Xb^T; warp 1: Yq = Q S0^T -> the output
       accumulator; warp 2: the A tile (and its fp32 copy); warp 3: the P tile.
-  P2  prefetch the next chunk's q rows; T = (I + A)^-1 by forward substitution (16 threads, fp32).
-  P5  warp 0: V' = T Xb -> V'^T and (V' exp(G_last - G_i))^T in fp16.
+  P2  prefetch the next chunk's q rows; warp 0: T = (I + A)^-1 by forward substitution (16 lanes, fp32),
+      then V' = T Xb -> V'^T and (V' exp(G_last - G_i))^T in fp16.
   P6  warp 1: O += P V', scaled and stored; every warp: S = exp(G_last) S + V'c^T K on its 32 columns.
 The rounding points are `chunked_model.py`'s; the chunks differ, so results match `kernel.py`'s to the
 accuracy of the form (GPU test), not bit for bit.
@@ -227,17 +227,16 @@ class _ShortChunks:
                 self.p_tile_epilogue(acc_sq, coords_sq, 0, 0, cum_log_g, p16)
             cute.arch.sync_threads()
 
-            # ---- P2: prefetch the next q rows (read only in P1); T = (I + A)^-1 ----
+            # ---- P2: prefetch the next q rows (read only in P1); warp 0: T = (I + A)^-1 (lanes 0-15), then
+            # V' = T Xb. T and Xb are warp 0's own stores, so a warp barrier orders them. ----
             if chunk + 1 < num_chunks:
                 self.copy_short_rows(g2s, q, kq_raw, CHUNK, start, length, chunk + 1, head, tidx)
             cute.arch.cp_async_commit_group()
-            if tidx < BLOCK:
-                self.invert_diagonal_block(a_diag, t16, tidx)
-            cute.arch.sync_threads()
-
-            # ---- P5: V' = T Xb ----
             g_last = cum_log_g[SHORT_CHUNK - 1]
             if warp_idx == 0:
+                if lane < BLOCK:
+                    self.invert_diagonal_block(a_diag, t16, lane)
+                cute.arch.sync_warp()
                 acc_y.fill(0.0)
                 self.warp_gemm(
                     tiled_mma, copy_a, copy_b, lane,

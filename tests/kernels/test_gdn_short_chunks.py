@@ -48,14 +48,9 @@ def _relative_l2(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     ids=lambda case: case.name,
 )
 def test_outputs_and_states_agree_with_kernel(case):
-    inputs = cases.make_inputs(case, "cuda", seed=73)
-    results = []
-    for run in (kernel.run, short_chunks.run):
-        output, new_state = cases.poisoned_outputs(case, "cuda")
-        run(*inputs.values(), output, new_state)
-        torch.cuda.synchronize()
+    results = cases.outputs_of_runs(case, [kernel.run, short_chunks.run], "cuda", seed=73)
+    for output, new_state in results:
         assert torch.isfinite(output).all() and torch.isfinite(new_state).all()
-        results.append((output, new_state))
     (out_kernel, state_kernel), (out_short, state_short) = results
     assert _relative_l2(out_short, out_kernel) <= CLOSE_RELATIVE_L2
     assert _relative_l2(state_short, state_kernel) <= CLOSE_RELATIVE_L2

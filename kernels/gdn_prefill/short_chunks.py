@@ -99,11 +99,9 @@ class _ShortChunks:
                 )
 
     @cute.jit
-    def enter_short_chunk(self, raw_k, kq_raw, kq, raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here,
-                          cum_log_g, beta, acc_state, coords_state, s16, tidx, warp_idx, lane):  # fmt: skip
-        """P0 (`enter_chunk` on the chunk's 16 k and 16 q rows only: the other rows of kq are never read)."""
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
+    def convert_kq(self, raw_k, kq_raw, kq, tokens_here, tidx):
+        """`chunked.py`'s conversion (and so `enter_chunk`'s P0) on the chunk's 16 k and 16 q rows only: the other
+        rows of kq are never read here."""
         for i in cutlass.range_constexpr(2 * SHORT_CHUNK * PIECES_PER_ROW // NUM_THREADS):
             linear = i * NUM_THREADS + tidx
             j = linear // PIECES_PER_ROW % SHORT_CHUNK
@@ -116,13 +114,6 @@ class _ShortChunks:
                 dst.store(values.to(cutlass.Float32).to(cutlass.Float16))
             else:
                 dst.fill(0.0)
-        if warp_idx == 0:
-            self.chunk_gates(raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, lane, cum_log_g, beta)
-        for e in cutlass.range_constexpr(cute.size(acc_state)):
-            s16[coords_state[e][0], warp_idx * STATE_COLS_PER_WARP + coords_state[e][1]] = acc_state[e].to(
-                cutlass.Float16
-            )
-        cute.arch.sync_threads()
 
     @cute.kernel
     def kernel(
@@ -194,7 +185,7 @@ class _ShortChunks:
             tokens_here = cutlass.min(length - chunk_start, cutlass.Int32(SHORT_CHUNK))
 
             # ---- P0 ----
-            self.enter_short_chunk(
+            self.enter_chunk(
                 raw_k, kq_raw, kq, raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, cum_log_g, beta,
                 acc_state, coords_state, s16, tidx, warp_idx, lane,
             )  # fmt: skip

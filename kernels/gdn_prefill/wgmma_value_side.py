@@ -151,6 +151,7 @@ class WgmmaValueSide(_Chunked):
         head, block_y, _ = cute.arch.block_idx()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         s_keys = storage.keys.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)  # (token, k, 1)
+        s_keys_mn = storage.keys.get_tensor(keys_mn_major.outer, swizzle=keys_mn_major.inner)  # (k, token, 1)
         s_queries = storage.queries.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
         s_t = storage.t.get_tensor(square.outer, swizzle=square.inner)  # (token i, token j, 1)
         s_p = storage.p.get_tensor(square.outer, swizzle=square.inner)
@@ -202,7 +203,7 @@ class WgmmaValueSide(_Chunked):
             cute.arch.cp_async_commit_group()
             self.value_side(
                 state, s_values[chunk % 2, None, None], s_o_rows, scale, output, first, tokens_here, head, update_mma,
-                products_mma, keys_k_major, keys_mn_major, storage, s_t, s_p, gates, tidx,
+                products_mma, s_keys, s_keys_mn, s_queries, s_t, s_p, gates, tidx,
             )  # fmt: skip
             # The next chunk's (generic-proxy) conversions overwrite what this one's MMAs read.
             cute.arch.fence_view_async_shared()
@@ -295,14 +296,12 @@ class WgmmaValueSide(_Chunked):
     @cute.jit
     def value_side(
         self, state, s_values, s_o_rows, scale: Float32, output, first: Int32, tokens_here: Int32, head: Int32,
-        update_mma, products_mma, keys_k_major, keys_mn_major, storage, s_t, s_p, gates, tidx: Int32,
+        update_mma, products_mma, s_keys, s_keys_mn, s_queries, s_t, s_p, gates, tidx: Int32,
     ):  # fmt: skip
         """Yk, Yq, Xb, V', the chunk's output rows (bf16, the tokens of the sequence only) and the state
-        update, every hand-over in registers. `s_values`: this chunk's values [token, v]."""
+        update, every hand-over in registers. `s_values`: this chunk's values [token, v]; `s_keys` and `s_keys_mn`
+        one buffer of keys read K-major (token, k, 1) and MN-major (k, token, 1)."""
         s_g, s_beta, s_decay_in, s_decay_out = gates
-        s_keys = storage.keys.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
-        s_keys_mn = storage.keys.get_tensor(keys_mn_major.outer, swizzle=keys_mn_major.inner)  # (k, token, 1)
-        s_queries = storage.queries.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
         thr_update = update_mma.get_slice(tidx)
         thr_products = products_mma.get_slice(tidx)
 

@@ -1,0 +1,100 @@
+"""kernels/gdn_prefill/fused_chain.py (candidate `cand_fused_chain`): the WGMMA chain with its key side inside the CTA.
+
+CPU: each operand buffer's two views of the keys address the same elements, the register split after setmaxnreg
+fills the register file (an increase the pool cannot grant would hang the chain), it compiles for sm_90a and
+caches, and the candidate replaces only the WGMMA chain. GPU: its outputs and states equal the two-kernel path's
+bit for bit (the same methods on the same operands); its checks against the reference are
+test_gdn_prefill_kernel.py's, which run every module of `KERNEL_CHOICES`.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import pytest
+import torch
+from cutlass.cute.runtime import make_fake_compact_tensor
+
+from hopperbench.devcheck import load_module_by_path
+from hopperbench.paths import REPO_ROOT
+from tests.kernels.compile_checks import assert_compiles_and_caches
+
+cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
+device_check = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/probes/device_check_gdn.py", "device_check_gdn")
+fused_chain = device_check.load_kernel_module("fused_chain")
+kernel = fused_chain.kernel
+wgmma_value_side = fused_chain.wgmma_value_side
+HEAD_SIZE, CHUNK = fused_chain.HEAD_SIZE, fused_chain.CHUNK
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+REGISTER_FILE = 64 * 1024  # 32-bit registers of an SM, and of the one CTA it holds
+
+
+def test_each_buffer_of_keys_is_both_b_operands():
+    offsets: dict[int, list[tuple[int, int]]] = {}
+
+    @cute.jit
+    def body(unused: cute.Tensor):
+        keys, keys_mn, square = fused_chain.buffered_layouts()
+        assert str(keys.inner) == str(keys_mn.inner) == str(square.inner) == "S<3,4,3>"
+        for buffer in cutlass.range_constexpr(fused_chain.NUM_BUFFERS):
+            offsets[buffer] = [
+                (keys.outer((token, col, (0, buffer))), keys_mn.outer((col, token, (0, buffer))))
+                for token in range(CHUNK)
+                for col in range(HEAD_SIZE)
+            ]
+
+    cute.compile(body, make_fake_compact_tensor(cutlass.Float32, (4,), assumed_align=16), options="--gpu-arch sm_90a")
+    size = CHUNK * HEAD_SIZE
+    for buffer, pairs in offsets.items():
+        assert all(k_major == mn_major for k_major, mn_major in pairs), buffer
+        assert sorted(k_major for k_major, _ in pairs) == list(range(buffer * size, (buffer + 1) * size))
+
+
+def test_the_register_split_fills_the_register_file():
+    chain, key = fused_chain.CHAIN_REGISTERS, fused_chain.KEY_REGISTERS
+    assert chain % 8 == 0 and key % 8 == 0 and 24 <= key <= chain <= 256
+    assert fused_chain.CHAIN_THREADS * chain + fused_chain.WARPGROUP_THREADS * key == REGISTER_FILE
+    # The kernel starts at the launch's share (384 threads: 168 each); the increase takes what the decrease frees.
+    start = REGISTER_FILE // fused_chain.NUM_THREADS // 8 * 8
+    assert fused_chain.CHAIN_THREADS * (chain - start) <= REGISTER_FILE - fused_chain.NUM_THREADS * start + (
+        fused_chain.WARPGROUP_THREADS * (start - key)
+    )
+
+
+def test_compiles_for_sm90a_without_gpu():
+    assert_compiles_and_caches(fused_chain.compile_only, 1)
+
+
+def test_the_candidate_replaces_only_the_wgmma_chain(monkeypatch: pytest.MonkeyPatch):
+    called = []
+    monkeypatch.setattr(fused_chain, "run", lambda *args: called.append("fused_chain"))
+    for path in (kernel.token_serial, kernel.chunked, kernel.wy_prepass, kernel.context_parallel):
+        monkeypatch.setattr(path, "run", lambda *args, name=path.__name__.rsplit(".", 1)[-1]: called.append(name))
+
+    for num_tokens, num_seqs in ((40, 2), (300, 4), (8192, 32), (1377, 1), (8192, 1)):
+        q = torch.empty(num_tokens, 4, 128, device="meta")
+        new_state = torch.empty(num_seqs, 8, 128, 128, device="meta")
+        fused_chain.run_as_kernel(q, *[None] * 10, new_state)
+    assert called == ["token_serial", "chunked", "fused_chain", "wy_prepass", "context_parallel"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "case",
+    [
+        cases.CheckCase("fifteen_short_and_empty", (1, 0, 63, 64, 65, 7, 128, 0, 200, 3, 64, 1, 90, 31, 129), True,
+                        0.0, "mamba2"),  # fmt: skip
+        cases.CheckCase("twenty_no_state", tuple(range(5, 405, 20)), False, 0.1, "fast_decay"),
+        cases.CheckCase("thirty_two_of_256", (256,) * 32, True, 0.0, "slow_decay"),
+        cases.CheckCase("long_among_short", (3000,) + (40,) * 16, True, 0.0, "mamba2"),
+    ],
+    ids=lambda case: case.name,
+)
+def test_bit_identical_to_the_two_kernel_path(case):
+    results = cases.outputs_of_runs(case, [wgmma_value_side.run, fused_chain.run], "cuda", seed=91)
+    (out_two, state_two), (out_fused, state_fused) = results
+    assert torch.isfinite(out_fused).all() and torch.isfinite(state_fused).all()
+    assert torch.equal(out_fused, out_two)
+    assert torch.equal(state_fused, state_two)

@@ -1,6 +1,6 @@
 """GDN prefill candidate `cand_fused_chain`: `wgmma_value_side.py`'s chain with the key side inside its CTA.
 
-Why (NOTES.md, "The fused chain"): from 15 sequences the WY path runs two kernels, the key side of every (chunk,
+Why (NOTES.md, "WGMMA chain"): from 15 sequences the WY path runs two kernels, the key side of every (chunk,
 head) into a workspace, then the WGMMA chain; at 8192 tokens in 32 sequences the key side is ~40 us of the ~85.
 FlashInfer's SM90 kernel runs both in one CTA per (sequence, head), a warpgroup of it on the key side. Per chunk
 the key side's math alone takes ~3.3 us on an SM (clock probe of the key kernel: gates and conversion 1.25 us,
@@ -19,8 +19,8 @@ The chain's operands are double-buffered by chunk parity. Two named barriers per
 MMAs have read the buffer, the key side waits before refilling it two chunks later). `setmaxnreg` gives the
 chain's warpgroups CHAIN_REGISTERS each and the key side KEY_REGISTERS (the 64K registers of the SM).
 
-Same math, rounding points and results as the two-kernel path (bit for bit: the same methods in the same order
-on the same operands). No workspace; ~213 KB of shared memory, one CTA per SM; the grid rows serve the sequences
+Same math and rounding points as the two-kernel path: the same methods in the same order on the same operands,
+so the same bits (the GPU test asserts it). No workspace; ~215 KB of shared memory, one CTA per SM; the grid rows serve the sequences
 longest first (`chunked.py`'s `sequence_of_block`).
 """
 

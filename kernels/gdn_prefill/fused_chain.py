@@ -36,19 +36,13 @@ from cutlass.cute.nvgpu import cpasync
 
 from . import kernel, token_serial, wgmma_value_side, wy_prepass
 from .chunked import (
+    BLOCK,
     CHUNK,
-    DIAG_STRIDE,
-    KQ_ROWS,
     LOG2_E,
-    NARROW_STRIDE,
     NUM_STAGES,
-    NUM_WARPS,
-    SCRATCH_STRIDE,
     SLICE_ROWS,
     SQUARE_T_VIEW,
     WARP_SIZE,
-    WIDE_STRIDE,
-    BLOCK,
     _layout,
     _make_operand_copies,
     _make_warp_mma,
@@ -115,16 +109,7 @@ class FusedChain(WgmmaValueSide, wy_prepass._KeySide):
             decay_out: cute.struct.Align[cute.struct.MemRange[Float32, NUM_BUFFERS * CHUNK], 16]
             # The chain's output rows [token, v] on their way to 16-B stores (first the ranking's scratch).
             o_rows: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * ROW_STRIDE], 128]
-            # The key side's own, as `_KeySide`'s (k staged in kq).
-            raw_a: cute.struct.Align[cute.struct.MemRange[BFloat16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
-            raw_b: cute.struct.Align[cute.struct.MemRange[BFloat16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
-            kq: cute.struct.Align[cute.struct.MemRange[Float16, KQ_ROWS * WIDE_STRIDE], 128]
-            a16: cute.struct.Align[cute.struct.MemRange[Float16, CHUNK * NARROW_STRIDE], 128]
-            a_diag: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * DIAG_STRIDE], 128]
-            t16: cute.struct.Align[cute.struct.MemRange[Float16, CHUNK * NARROW_STRIDE], 128]
-            scratch: cute.struct.Align[cute.struct.MemRange[Float16, NUM_WARPS * BLOCK * SCRATCH_STRIDE], 128]
-            cum_log_g: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
-            beta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
+            key_side: wy_prepass.KeySideStorage  # the key-side warpgroup's own
 
         kernel = self.kernel(
             q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, update_mma,
@@ -186,7 +171,7 @@ class FusedChain(WgmmaValueSide, wy_prepass._KeySide):
             cute.arch.setmaxregister_decrease(KEY_REGISTERS)
             self.key_side(
                 q, k, v, A_log, a, dt_bias, b, start, length, num_chunks, head, tidx - CHAIN_THREADS, tiled_mma,
-                storage, buffers, gates, s_values,
+                storage.key_side, buffers, gates, s_values,
             )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(CHAIN_REGISTERS)
@@ -237,7 +222,7 @@ class FusedChain(WgmmaValueSide, wy_prepass._KeySide):
     def key_side(self, q, k, v, A_log, a, dt_bias, b, start: Int32, length: Int32, num_chunks: Int32, head: Int32,
                  ktid: Int32, tiled_mma, storage, buffers, gates, s_values):  # fmt: skip
         """Warpgroup 2 (`ktid` its thread, 0-127): every chunk's key side into the chain's buffer of its parity,
-        one chunk ahead of the chain (module docstring)."""
+        one chunk ahead of the chain (module docstring). `storage`: its `KeySideStorage`."""
         s_keys, _, s_queries, s_t, s_p = buffers
         s_g, s_beta, s_decay_in, s_decay_out = gates
         kwarp = ktid // WARP_SIZE

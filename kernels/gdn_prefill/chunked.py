@@ -833,8 +833,8 @@ class _Chunked:
 
     @cute.jit
     def phase_barrier(self):
-        """The barrier between the inverse's phases: the CTA's, whose 128 threads all take part (the fused chain's
-        key-side warpgroup, one of three, has a named barrier of its own)."""
+        """The barrier between the phases of a chunk: the CTA's, whose 128 threads all take part (one method, so
+        that a warpgroup running these phases inside a larger CTA can use a named barrier instead)."""
         cute.arch.sync_threads()
 
     @cute.jit

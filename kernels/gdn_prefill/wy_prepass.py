@@ -126,9 +126,9 @@ def _align(dtype: type[cutlass.Numeric], elems: int, align: int):
     return cute.struct.Align[cute.struct.MemRange[dtype, elems], align]
 
 
-# `_KeySide`'s shared memory, and the key-side warpgroup's of `fused_chain.py`: no k staging buffer and no P tile
-# (k is staged in kq, P goes to the workspace or the chain's buffer). Its fields are given as a dict: this module's
-# annotations are strings (`from __future__ import annotations`), which `cute.struct` does not evaluate.
+# `_KeySide`'s shared memory: no k staging buffer and no P tile (k is staged in kq, P goes to the workspace). Its
+# fields are given as a dict: this module's annotations are strings (`from __future__ import annotations`), which
+# `cute.struct` does not evaluate.
 KeySideStorage = cute.struct(
     type(
         "KeySideStorage",

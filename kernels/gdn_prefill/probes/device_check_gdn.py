@@ -39,7 +39,6 @@ KERNEL_CHOICES = (
     "wy_prepass",
     "wgmma_value_side",
     "context_parallel",
-    "fused_chain",
 )
 
 # Ten sequences, so that the chunked kernel, which orders its grid rows by length, re-ranks at replay:

@@ -122,34 +122,6 @@ def num_chunk_slots(num_tokens: int, num_seqs: int) -> int:
     return num_tokens // CHUNK + num_seqs
 
 
-def _align(dtype: type[cutlass.Numeric], elems: int, align: int):
-    return cute.struct.Align[cute.struct.MemRange[dtype, elems], align]
-
-
-# `_KeySide`'s shared memory: no k staging buffer and no P tile (k is staged in kq, P goes to the workspace). Its
-# fields are given as a dict: this module's annotations are strings (`from __future__ import annotations`), which
-# `cute.struct` does not evaluate.
-KeySideStorage = cute.struct(
-    type(
-        "KeySideStorage",
-        (),
-        {
-            "__annotations__": {
-                "raw_a": _align(cutlass.BFloat16, NUM_STAGES * CHUNK * NUM_V_HEADS, 128),
-                "raw_b": _align(cutlass.BFloat16, NUM_STAGES * CHUNK * NUM_V_HEADS, 128),
-                "kq": _align(cutlass.Float16, KQ_ROWS * WIDE_STRIDE, 128),
-                "a16": _align(cutlass.Float16, CHUNK * NARROW_STRIDE, 128),
-                "a_diag": _align(cutlass.Float32, CHUNK * DIAG_STRIDE, 128),
-                "t16": _align(cutlass.Float16, CHUNK * NARROW_STRIDE, 128),
-                "scratch": _align(cutlass.Float16, NUM_WARPS * BLOCK * SCRATCH_STRIDE, 128),
-                "cum_log_g": _align(cutlass.Float32, CHUNK, 16),
-                "beta": _align(cutlass.Float32, CHUNK, 16),
-            }
-        },
-    )
-)
-
-
 class _KeySide(_Chunked):
     """Kernel 1: the state-free half of every (chunk, head), from `chunked.py`'s methods, into the workspace.
 
@@ -161,8 +133,23 @@ class _KeySide(_Chunked):
     @cute.jit
     def launch(self, q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream):
         tiled_mma = _make_warp_mma()
-        kernel = self.key_kernel(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, tiled_mma, KeySideStorage)
-        self.launch_grid(kernel, [NUM_V_HEADS, ws_tp.shape[0], 1], KeySideStorage, stream)
+        f16, bf16, f32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32
+
+        # No k staging buffer and no P tile: k is staged in kq, P goes to the workspace.
+        @cute.struct
+        class SharedStorage:
+            raw_a: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
+            raw_b: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * CHUNK * NUM_V_HEADS], 128]
+            kq: cute.struct.Align[cute.struct.MemRange[f16, KQ_ROWS * WIDE_STRIDE], 128]
+            a16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
+            a_diag: cute.struct.Align[cute.struct.MemRange[f32, CHUNK * DIAG_STRIDE], 128]
+            t16: cute.struct.Align[cute.struct.MemRange[f16, CHUNK * NARROW_STRIDE], 128]
+            scratch: cute.struct.Align[cute.struct.MemRange[f16, NUM_WARPS * BLOCK * SCRATCH_STRIDE], 128]
+            cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
+            beta: cute.struct.Align[cute.struct.MemRange[f32, CHUNK], 16]
+
+        kernel = self.key_kernel(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, tiled_mma, SharedStorage)
+        self.launch_grid(kernel, [NUM_V_HEADS, ws_tp.shape[0], 1], SharedStorage, stream)
 
     @cute.jit
     def sequence_of_slot(self, cu_seqlens: cute.Tensor, slot: cutlass.Int32, total_tokens: cutlass.Int32):

@@ -50,6 +50,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -329,22 +330,22 @@ def select_track_workloads(workloads: list[Any], uuids: list[str] | None, max_co
         raise CliError(str(e)) from None
 
 
-def collect_environment_isolated(
-    request: EnvironmentRequest, cuda_visible: str | None, folder: Path
-) -> EnvironmentRecord:
-    """Collect in a child process (so this one holds no CUDA context); without GPU probes if it fails."""
-    request_file, record_file = folder / "environment.request.json", folder / "environment.json"
-    request_file.write_text(request.model_dump_json(), encoding="utf-8")
-    env = _child_env(cuda_visible)
-    command = [sys.executable, "-m", "hopperbench.environment", str(request_file), str(record_file)]
-    try:
-        subprocess.run(command, env=env, cwd=REPO_ROOT, timeout=300, capture_output=True, check=True)
-        return EnvironmentRecord.model_validate_json(record_file.read_text(encoding="utf-8"))
-    except Exception:
-        return collect_environment(request.model_copy(update={"probe_gpu": False}))
-    finally:
-        request_file.unlink(missing_ok=True)
-        record_file.unlink(missing_ok=True)
+def collect_environment_isolated(request: EnvironmentRequest, cuda_visible: str | None) -> EnvironmentRecord:
+    """Collect in a child process (so this one holds no CUDA context); without GPU probes if it fails.
+
+    The request and the record pass through a folder outside the checkout: a file written inside it
+    (a log folder the checkout does not ignore) would change the tree id the record hashes.
+    """
+    with tempfile.TemporaryDirectory(prefix="hopperbench-env-") as folder:
+        request_file, record_file = Path(folder) / "request.json", Path(folder) / "record.json"
+        request_file.write_text(request.model_dump_json(), encoding="utf-8")
+        command = [sys.executable, "-m", "hopperbench.environment", str(request_file), str(record_file)]
+        try:
+            subprocess.run(command, env=_child_env(cuda_visible), cwd=REPO_ROOT, timeout=300, capture_output=True,
+                           check=True)  # fmt: skip
+            return EnvironmentRecord.model_validate_json(record_file.read_text(encoding="utf-8"))
+        except Exception:
+            return collect_environment(request.model_copy(update={"probe_gpu": False}))
 
 
 @dataclass(frozen=True)
@@ -359,7 +360,7 @@ class RunnerHooks:
     load_offlist: Callable[[str], list[Any]] = load_track_offlist
     select_workloads: Callable[[list[Any], list[str] | None, int | None], list[Any]] = select_track_workloads
     sides_for: Callable[[Track, SideContext], list[Side]] = sides_for
-    collect_environment: Callable[[EnvironmentRequest, str | None, Path], EnvironmentRecord] = (
+    collect_environment: Callable[[EnvironmentRequest, str | None], EnvironmentRecord] = (
         collect_environment_isolated
     )
     # Where the worker process runs (the package must be importable from there).
@@ -1156,14 +1157,12 @@ def open_journal(plan: RunPlan, hooks: RunnerHooks) -> JournalHeader:
     gets this run's.
     """
     if not plan.resume:
-        environment = hooks.collect_environment(_environment_request(plan), plan.slots[0], plan.logs_dir)
+        environment = hooks.collect_environment(_environment_request(plan), plan.slots[0])
         header = plan.header.model_copy(update={"environment": environment})
         plan.journal.create(header)
         return header
     header, records = _read_journal(plan.journal)
-    environment = header.environment or hooks.collect_environment(
-        _environment_request(plan), plan.slots[0], plan.logs_dir
-    )
+    environment = header.environment or hooks.collect_environment(_environment_request(plan), plan.slots[0])
     earlier_plan = header.plan if header.plan is not None else plan_from_records(records)
     header = header.model_copy(
         update={

@@ -1,11 +1,15 @@
-"""The host CPU part of the environment record (hopperbench/environment.py): read from /proc and sysfs
-files, here fakes of them, and recorded by collect_environment."""
+"""The environment record (hopperbench/environment.py): the host CPU part, read from /proc and sysfs
+files (here fakes of them), and the tree id of the checkout that ran."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from hopperbench.environment import EnvironmentRequest, collect_environment, host_cpu
+import pytest
+
+from hopperbench.environment import EnvironmentRequest, collect_environment, host_cpu, working_tree_id
+from hopperbench.paths import REPO_ROOT
+from hopperbench.runner import collect_environment_isolated
 
 
 def test_host_cpu_reads_the_model_the_cores_and_the_governor(tmp_path: Path) -> None:
@@ -37,3 +41,13 @@ def test_the_environment_record_holds_the_host_cpu(tmp_path: Path) -> None:
     assert record.host_cpu is not None and record.host_cpu["usable_cpus"] >= 1
     cpus = [c for core in record.host_cpu["physical_cores"] for c in core]
     assert len(cpus) == len(set(cpus)) == record.host_cpu["usable_cpus"]  # every usable CPU in one core
+
+
+def test_the_isolated_collection_leaves_no_file_in_the_checkout_it_hashes() -> None:
+    """The child hashes the checkout while the request waits for it: the files they exchange must not
+    be part of that tree (a log folder inside an unignored path would otherwise change it)."""
+    if not (REPO_ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    record = collect_environment_isolated(EnvironmentRequest(seed=0, protocol={}, probe_gpu=False), None)
+    assert record.repo_tree is not None and record.repo_tree == working_tree_id(REPO_ROOT)
+    assert not any("request" in line or "record" in line for line in record.repo_changes or [])

@@ -95,7 +95,7 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RunnerHooks:
     )
 
 
-def fake_environment(request, slot, folder) -> EnvironmentRecord:
+def fake_environment(request, slot) -> EnvironmentRecord:
     return EnvironmentRecord(seed=request.seed, protocol=request.protocol, cpu_affinity=request.cpu_affinity,
                              worker_launch=request.worker_launch, worker_env=request.worker_env,
                              timestamp=time.strftime("%H:%M:%S"))  # fmt: skip
@@ -472,9 +472,9 @@ def make_old_style(journal: Journal) -> None:
 def test_resume_keeps_the_header_environment_and_notes_the_resume(fake: RunnerHooks, tmp_path: Path) -> None:
     collected = []
 
-    def counting(request, slot, folder):
+    def counting(request, slot):
         collected.append(request)
-        return fake_environment(request, slot, folder)
+        return fake_environment(request, slot)
 
     hooks = replace(fake, collect_environment=counting)
     out = tmp_path / "results.json"

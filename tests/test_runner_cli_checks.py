@@ -118,8 +118,8 @@ def test_a_resume_under_another_timer_is_refused_after_the_cupti_check(
 def test_a_resume_at_another_commit_is_refused(fake: RunnerHooks, tmp_path: Path, capsys) -> None:
     started, other = "a" * 40, "b" * 40
 
-    def environment_at_started(request, slot, folder):
-        return fake.collect_environment(request, slot, folder).model_copy(update={"repo_commit": started})
+    def environment_at_started(request, slot):
+        return fake.collect_environment(request, slot).model_copy(update={"repo_commit": started})
 
     out = tmp_path / "results.json"
     assert main(run_args(out), replace(fake, collect_environment=environment_at_started)) == 0

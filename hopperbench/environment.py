@@ -61,6 +61,10 @@ class EnvironmentRecord(BaseModel):
     sm_count: int | None = None
     l2_cache_bytes: int | None = None
     gpu_memory_bytes: int | None = None
+    # Which board ran (nvidia-smi's "GPU-..." UUID) and its limits (GPU_LIMIT_FIELDS): two H200s differ
+    # by a percent or two in memory bandwidth and clocks, which a repeat must be able to tell from noise.
+    gpu_uuid: str | None = None
+    gpu_limits: dict[str, str] | None = None
     driver_version: str | None = None
     cuda_version: str | None = None  # the CUDA torch was built with
     python_version: str | None = None
@@ -183,6 +187,27 @@ def _gpu_fields() -> dict[str, Any]:
         "l2_cache_bytes": props.L2_cache_size,
         "gpu_memory_bytes": props.total_memory,
     }
+
+
+GPU_LIMIT_FIELDS = ("pci.bus_id", "clocks.max.sm", "clocks.max.memory", "power.limit", "ecc.mode.current")
+
+
+def gpu_limits_from(query: str, uuid: str) -> dict[str, str] | None:
+    """GPU_LIMIT_FIELDS of the GPU `uuid` from `nvidia-smi --query-gpu=uuid,<GPU_LIMIT_FIELDS>
+    --format=csv,noheader` output (one line per GPU); None when no line is that GPU's."""
+    for line in query.splitlines():
+        cells = [cell.strip() for cell in line.split(",")]
+        if len(cells) == 1 + len(GPU_LIMIT_FIELDS) and cells[0] == uuid:
+            return dict(zip(GPU_LIMIT_FIELDS, cells[1:], strict=True))
+    return None
+
+
+def _gpu_identity() -> dict[str, Any]:
+    import torch
+
+    uuid = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+    query = _command(["nvidia-smi", f"--query-gpu=uuid,{','.join(GPU_LIMIT_FIELDS)}", "--format=csv,noheader"])
+    return {"gpu_uuid": uuid, "gpu_limits": gpu_limits_from(query, uuid)}
 
 
 def _driver_version() -> str:
@@ -315,6 +340,7 @@ def collect_environment(request: EnvironmentRequest, repo_root: Path = REPO_ROOT
         record = record.model_copy(
             update={
                 **(_safe(_gpu_fields) or {}),
+                **(_safe(_gpu_identity) or {}),
                 "driver_version": _safe(_driver_version),
                 "empty_kernel_span_ms": _safe(_empty_kernel_span_ms),
             }

@@ -616,9 +616,16 @@ def sides_table() -> list[str]:
 
 
 REPEAT_HEADER = (
-    "track", "rows judged", f"within {repeatability.TOLERANCE:.0%}",
+    "track", "GPU", "rows judged", f"within {repeatability.TOLERANCE:.0%}",
     "over: side, rows (of them no-state twins), largest change", "graph-span geomean change per side (rows)",
 )  # fmt: skip
+
+
+def same_gpu(first: EnvironmentRecord, second: EnvironmentRecord) -> str:
+    """Whether two runs had the same board: "same", "another" or "not recorded" (older records)."""
+    if first.gpu_uuid is None or second.gpu_uuid is None:
+        return "not recorded"
+    return "same" if first.gpu_uuid == second.gpu_uuid else "another"
 
 
 def repeat_markdown(first: ResultsFile, second: ResultsFile) -> list[str]:
@@ -636,7 +643,7 @@ def repeat_markdown(first: ResultsFile, second: ResultsFile) -> list[str]:
         if track not in repeated:
             commit = first.track_environment(track).repo_commit
             since = f" (canonical at `{commit[:10]}`)" if commit else ""
-            body.append([f"`{track}`", "0", "-", f"not repeated since its canonical run{since}", "-"])
+            body.append([f"`{track}`", "-", "0", "-", f"not repeated since its canonical run{since}", "-"])
             continue
         judged = [c for c in rows if c.track == track and c.judged]
         if not judged:
@@ -652,6 +659,7 @@ def repeat_markdown(first: ResultsFile, second: ResultsFile) -> list[str]:
             f"`{m.side}` {m.change:+.2%} ({m.rows})" + (" **over**" if abs(m.change) > repeatability.GEOMEAN else "")
             for m in repeatability.side_means(judged)
         ]
-        body.append([f"`{track}`", str(len(judged)), str(len(judged) - len(over)),
+        gpu = same_gpu(first.track_environment(track), second.track_environment(track))
+        body.append([f"`{track}`", gpu, str(len(judged)), str(len(judged) - len(over)),
                      "; ".join(over_cells) or "none", "; ".join(mean_cells)])  # fmt: skip
     return _table(REPEAT_HEADER, body) if body else []

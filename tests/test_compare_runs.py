@@ -118,13 +118,31 @@ def test_readme_summary_counts_judged_rows_names_the_sides_over_and_their_twins(
                                         1: [timed("ours", 0.3, 0.2), timed("fla", 1.0, 0.47)],
                                         2: [timed("ours", 0.01, 0.02)]}, absent={1: ["state"]})  # fmt: skip
     lines = report.repeat_markdown(compare_runs.read_results(a), compare_runs.read_results(b))
-    assert len(lines) == 3 and lines[0].startswith("| track | rows judged | within 3% |")
+    assert len(lines) == 3 and lines[0].startswith("| track | GPU | rows judged | within 3% |")
     # Five judged rows (row 2 is fast in run 1 but 20 us in run 2: judged, and 100 % over).
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
-    assert cells[:3] == ["`moe`", "5", "2"]
-    assert "`fla` 2 (1), -6.0%" in cells[3] and "`ours` 1 (0), +100.0%" in cells[3]
-    assert "`fla` -1.13% (2) **over**" in cells[4]  # sqrt(1.04 x 0.94) - 1
+    assert cells[:4] == ["`moe`", "not recorded", "5", "2"]
+    assert "`fla` 2 (1), -6.0%" in cells[4] and "`ours` 1 (0), +100.0%" in cells[4]
+    assert "`fla` -1.13% (2) **over**" in cells[5]  # sqrt(1.04 x 0.94) - 1
     assert report.repeat_markdown(compare_runs.read_results(a), compare_runs.read_results(a))[2].count("none") == 1
+
+
+def test_the_gpu_column_says_whether_the_repeat_ran_on_the_same_board(tmp_path: Path, capsys) -> None:
+    def run(path: Path, uuid: str | None) -> Path:
+        row = WorkloadRow.from_sides(
+            WorkloadKey(track="moe", definition="d", uuid="u0", index=0, axes={"seq_len": 1},
+                        data_source="synthesized", seed=0, absent_inputs=[]),  # fmt: skip
+            {"ours": timed("ours", 0.3, 0.2)},
+        )
+        write_results(path, EnvironmentRecord(gpu_uuid=uuid), [row])
+        return path
+
+    a, b, c = run(tmp_path / "a.json", "GPU-1"), run(tmp_path / "b.json", "GPU-1"), run(tmp_path / "c.json", "GPU-2")
+    cell = {name: report.repeat_markdown(compare_runs.read_results(a), compare_runs.read_results(other))[2].split("|")[2]
+            for name, other in (("same", b), ("another", c))}  # fmt: skip
+    assert {name: text.strip() for name, text in cell.items()} == {"same": "same", "another": "another"}
+    assert compare_runs.main([str(a), str(c)]) == 0
+    assert "moe: GPU another (GPU-1 -> GPU-2)" in capsys.readouterr().out
 
 
 def test_readme_summary_names_a_canonical_track_the_repeat_lacks(tmp_path: Path) -> None:

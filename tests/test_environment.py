@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from hopperbench.environment import EnvironmentRequest, collect_environment, host_cpu, working_tree_id
+from hopperbench.environment import (
+    EnvironmentRequest,
+    collect_environment,
+    gpu_limits_from,
+    host_cpu,
+    working_tree_id,
+)
 from hopperbench.paths import REPO_ROOT
 from hopperbench.runner import collect_environment_isolated
 
@@ -51,3 +57,18 @@ def test_the_isolated_collection_leaves_no_file_in_the_checkout_it_hashes() -> N
     record = collect_environment_isolated(EnvironmentRequest(seed=0, protocol={}, probe_gpu=False), None)
     assert record.repo_tree is not None and record.repo_tree == working_tree_id(REPO_ROOT)
     assert not any("request" in line or "record" in line for line in record.repo_changes or [])
+
+
+def test_the_gpu_limits_are_the_running_boards_line_of_the_query() -> None:
+    query = (
+        "GPU-aaaa, 00000000:18:00.0, 1980 MHz, 3201 MHz, 700.00 W, Enabled\n"
+        "GPU-bbbb, 00000000:2A:00.0, 1980 MHz, 2619 MHz, 600.00 W, Enabled\n"
+    )
+    assert gpu_limits_from(query, "GPU-bbbb") == {
+        "pci.bus_id": "00000000:2A:00.0",
+        "clocks.max.sm": "1980 MHz",
+        "clocks.max.memory": "2619 MHz",
+        "power.limit": "600.00 W",
+        "ecc.mode.current": "Enabled",
+    }
+    assert gpu_limits_from(query, "GPU-cccc") is None  # a UUID torch and nvidia-smi spell differently

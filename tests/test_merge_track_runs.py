@@ -277,7 +277,7 @@ def test_the_merged_tracks_leave_the_repeat_run(canonical: Path, tmp_path: Path,
         assert {line["track"] for line in csv.DictReader(f)} == {"moe"}
     # README's repeat table names the track the repeat no longer holds.
     lines = report.repeat_markdown(read_results(canonical), kept)
-    assert "`gdn_prefill` | 0 | - | not repeated since its canonical run (canonical at `bbbbbbbbbb`)" in "\n".join(lines)
+    assert "`gdn_prefill` | - | 0 | - | not repeated since its canonical run (canonical at `bbbbbbbbbb`)" in "\n".join(lines)
     # Merging the last track it holds removes it; the repeat of a track merges into it as into any run.
     moe = write_run(tmp_path / "moe.json", environment(NEW, "2026-12-03"), ["moe"], 0.5)
     assert merge_track_runs.main([str(canonical), str(moe), "--repeat", str(repeat)]) == 0

@@ -5,7 +5,7 @@
 For every (track, row, side) timed in both runs (`hopperbench.repeatability`, which also says what
 is judged) it prints the eager span of each run with its spread over trials ((max - min) / median),
 and, where both runs replayed the side from a CUDA graph, the graph span and the graph GPU-busy time
-of each and their changes, then the verdicts. Exit 1 if a judged row or a side's mean is over, 2 if
+of each and their changes, whether both ran on the same GPU board, then the verdicts. Exit 1 if a judged row or a side's mean is over, 2 if
 the files cannot be read or share no timed row, 0 otherwise.
 """
 
@@ -19,6 +19,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from hopperbench.repeatability import GEOMEAN, MIN_MS, TOLERANCE, Comparison, compare, side_means
+from hopperbench.report import same_gpu
 from hopperbench.results import absent_inputs_label, read_results
 
 
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tolerance = args.tolerance / 100
     print(format_table(rows, tolerance))
+    for track in dict.fromkeys(c.track for c in rows):
+        one, two = first.track_environment(track), second.track_environment(track)
+        print(f"{track}: GPU {same_gpu(one, two)} ({one.gpu_uuid or '-'} -> {two.gpu_uuid or '-'})")
     judged = [c for c in rows if c.judged]
     over = [c for c in judged if c.over(tolerance)]
     print(f"{len(judged) - len(over)} of {len(judged)} judged rows: graph span and busy time within {args.tolerance:g} %"

@@ -15,6 +15,10 @@ A_log = log(U[1, 16]); state N(0, 0.2^2). Gate regimes:
 - "slow_decay": as "mamba2", but A_log in [-12, -8] (its draw mapped there): every per-token decay is within
   ~4e-4 of 1, so the state keeps most of its weight over thousands of tokens (65-97 % over this file's 6000-
   32768-token sequences): where a long chain, or a split of it, must neither lose nor grow the state.
+Key patterns: "random" as above; "repeated": every 64-token run of a sequence (a chunk) shares one key and
+beta = 0.95 (b = logit 0.95) on every token: A's strict lower triangle is all ~beta and I + A is ill-conditioned
+(condition number ~74, against ~3 with random keys), the case on which the chunk form's fp16 roundings come
+closest to the rule (NOTES.md, "Open directions").
 Only torch and the standard library are imported at import time (hopperbench lazily, inside the
 functions that need it), so the module loads by path anywhere.
 """
@@ -46,6 +50,10 @@ KERNEL_PATH = REPO_ROOT / "kernels" / "gdn_prefill" / "kernel.py"
 
 GateRegime = Literal["mamba2", "fast_decay", "slow_decay"]
 GATE_REGIMES = ("mamba2", "fast_decay", "slow_decay")
+KeyPattern = Literal["random", "repeated"]
+KEY_PATTERNS = ("random", "repeated")
+REPEAT_TOKENS = 64  # "repeated": the run of tokens sharing a key (kernel chunks are 64 tokens)
+REPEAT_BETA = 0.95
 SLOW_A_LOG = (-12.0, -8.0)  # "slow_decay"'s range of A_log
 
 
@@ -57,12 +65,17 @@ class CheckCase:
     scale: float  # the argument passed to run: 0.0 means 1/sqrt(128)
     gates: GateRegime
     long: bool = False  # minutes of reference time: behind a flag in the tests
+    keys: KeyPattern = "random"
+    # Why the chunk-form paths fail this case today (NOTES.md): the tests and the device check report it and go on.
+    known_failure: str = ""
 
     def __post_init__(self) -> None:
         if not self.lengths or any(n < 0 for n in self.lengths):
             raise ValueError(f"case {self.name}: lengths must be a non-empty tuple of counts >= 0, got {self.lengths}")
         if self.gates not in GATE_REGIMES:
             raise ValueError(f"case {self.name}: unknown gate regime {self.gates!r}")
+        if self.keys not in KEY_PATTERNS:
+            raise ValueError(f"case {self.name}: unknown key pattern {self.keys!r}")
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +122,15 @@ CASES: tuple[CheckCase, ...] = (
     CheckCase("long8192_state", (8192,), True, 0.0, "mamba2"),
     CheckCase("long8192_nostate_slow", (8192,), False, 0.0, "slow_decay"),
     CheckCase("long_plus_short_slow", LONG_PLUS_SHORT, True, 0.05, "slow_decay"),
+    CheckCase("repeated_keys_120_state", (120,), True, 0.0, "slow_decay", keys="repeated"),
+    CheckCase("repeated_keys4096_slow", (4096,), True, 0.0, "slow_decay", keys="repeated"),
+    CheckCase(
+        "repeated_keys_32x8192_slow", random_composition(8192, 32, seed=32), True, 0.0, "slow_decay", keys="repeated"
+    ),
+    CheckCase(
+        "repeated_keys16384_slow", (16384,), True, 0.0, "slow_decay", long=True, keys="repeated",
+        known_failure="fp16 roundings of T and the chain's operands accumulate over 256 chunks: state error 1.2-1.5e-2",
+    ),
     CheckCase("long32768_slow", (32768,), True, 0.0, "slow_decay", long=True),
     CheckCase("long65536_state", (65536,), True, 0.0, "mamba2", long=True),
 )
@@ -170,7 +192,20 @@ def make_inputs(case: CheckCase, device: torch.device | str, seed: int = 0) -> d
         "cu_seqlens": bounds,
         "scale": case.scale,
     }
+    if case.keys == "repeated":  # after every draw, so that the other inputs are "random"'s
+        inputs["k"] = inputs["k"][_run_leaders(case.lengths)]
+        inputs["b"] = torch.full_like(inputs["b"], math.log(REPEAT_BETA / (1.0 - REPEAT_BETA)))
     return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
+
+
+def _run_leaders(lengths: Sequence[int]) -> torch.Tensor:
+    """For every token, the index of the first token of its REPEAT_TOKENS-token run within its sequence."""
+    leaders = [
+        start + offset - offset % REPEAT_TOKENS
+        for start, length in zip(torch.tensor([0, *lengths]).cumsum(0).tolist(), lengths)
+        for offset in range(length)
+    ]
+    return torch.tensor(leaders, dtype=torch.long)
 
 
 def poisoned_outputs(case: CheckCase, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:

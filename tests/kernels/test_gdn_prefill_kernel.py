@@ -202,6 +202,19 @@ def test_inputs_follow_the_synth_distributions():
     assert fast["dt_bias"].abs().max() <= 0.1 and fast["state"] is None
 
 
+def test_repeated_keys_share_one_key_per_chunk_of_each_sequence():
+    case = cases.CheckCase("r", (70, 0, 130), True, 0.0, "slow_decay", keys="repeated")
+    inputs = cases.make_inputs(case, "cpu", seed=4)
+    k, beta = inputs["k"], torch.sigmoid(inputs["b"].float())
+    # Runs of 64 tokens from each sequence's start: [0, 64), [64, 70); [70, 134), [134, 198), [198, 200).
+    for lo, hi in ((0, 64), (64, 70), (70, 134), (134, 198), (198, 200)):
+        assert torch.equal(k[lo:hi], k[lo].expand(hi - lo, -1, -1))
+    assert not torch.equal(k[63], k[64]) and not torch.equal(k[69], k[70])
+    assert torch.allclose(beta, torch.full_like(beta, cases.REPEAT_BETA), atol=2e-3)
+    random = cases.make_inputs(cases.CheckCase("r", (70, 0, 130), True, 0.0, "slow_decay"), "cpu", seed=4)
+    assert all(torch.equal(inputs[name], random[name]) for name in ("q", "v", "state", "a", "A_log"))
+
+
 def test_slow_decays_keep_the_state_over_the_whole_sequence():
     for case in (c for c in cases.CASES if c.gates == "slow_decay" and not c.long):
         inputs = cases.make_inputs(case, "cpu", seed=1)
@@ -337,7 +350,15 @@ def test_matches_reference(solution, case):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.skipif(not LONG_TESTS, reason="set HOPPERBENCH_LONG_TESTS=1 (minutes of reference time)")
-@pytest.mark.parametrize("case", [c for c in cases.CASES if c.long], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=pytest.mark.xfail(reason=c.known_failure)) if c.known_failure else c
+        for c in cases.CASES
+        if c.long
+    ],
+    ids=lambda c: c.name,
+)
 def test_long_sequence_matches_reference(solution, case):
     _check_on_gpu(solution, case, seed=zlib.crc32(case.name.encode()) % 1000)
 

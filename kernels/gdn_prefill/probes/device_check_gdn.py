@@ -1,9 +1,10 @@
 """Device check of our GDN prefill kernel (kernels/gdn_prefill/kernel.py) on a GPU.
 
 `--kernel NAME` (one of KERNEL_CHOICES: `token_serial`, `chunked`, `wy_prepass`, `wgmma_value_side`,
-`context_parallel`) checks one of kernel.py's paths alone, at every case (kernel.py picks one from T and
-N): kernels/gdn_prefill/<name>.py, loaded as a module of a package made of that folder (as the harness
-packs it), so that it may import its siblings.
+`context_parallel`) checks one of kernel.py's paths alone, at every case
+(kernel.py picks one from T and N): kernels/gdn_prefill/<name>.py, loaded as a module of a package made of
+that folder (as the harness packs it), so that it may import its siblings. A case with a `known_failure`
+is reported with its reason and does not fail the check.
 Compiles the kernel, then for every case in kernels/gdn_prefill/check_cases.py: fresh inputs,
 NaN-poisoned outputs, one call, comparison with our reference (hopperbench/tracks/gdn_prefill/reference.py)
 under the GDN track rule of hopperbench.acceptance (atol = rtol = 1e-2 on every element of output
@@ -111,7 +112,12 @@ def _check_case(kernel, reference, case, args) -> bool:
     median = devcheck.median_cuda_time_us(
         lambda: kernel.run(*inputs.values(), output, new_state), args.warmup, args.iters
     )
-    _print_row(case, verdict, median, "" if state_kept else "  (input state modified)")
+    note = "" if state_kept else "  (input state modified)"
+    if case.known_failure and state_kept:
+        note = f"  (known failure: {case.known_failure})" if not verdict.passed else "  (known failure passes here)"
+        _print_row(case, verdict, median, note)
+        return True
+    _print_row(case, verdict, median, note)
     return verdict.passed and state_kept
 
 

@@ -832,6 +832,12 @@ class _Chunked:
         )  # fmt: skip
 
     @cute.jit
+    def phase_barrier(self):
+        """The barrier between the inverse's phases: the CTA's, whose 128 threads all take part (one method, so
+        that a warpgroup running these phases inside a larger CTA uses a named barrier of its own)."""
+        cute.arch.sync_threads()
+
+    @cute.jit
     def invert_unit_lower(
         self,
         tiled_mma: cute.TiledMma,
@@ -856,7 +862,7 @@ class _Chunked:
         (P4); barriers after each. `scratch` is the calling warp's [16, 32] fp16 intermediate."""
         if tidx < CHUNK:
             self.invert_diagonal_block(a_diag, t16, tidx)
-        cute.arch.sync_threads()
+        self.phase_barrier()
 
         # ---- P3: T_hl = -(T_hh A_hl) T_ll for (h, l) = (1, 0), (3, 2) ----
         if warp_idx < 2:
@@ -871,7 +877,7 @@ class _Chunked:
                 cute.local_tile(t16_t, (BLOCK, BLOCK), (lo, lo)),
                 scratch, acc_sq, coords_sq, t16, hi * BLOCK, lo * BLOCK,
             )  # fmt: skip
-        cute.arch.sync_threads()
+        self.phase_barrier()
 
         # ---- P4: T[32:, :32] = -(T_B A_BA) T_A; warp w computes the 16x16 tile (w // 2, w % 2) ----
         half = CHUNK // 2
@@ -886,7 +892,7 @@ class _Chunked:
             cute.local_tile(t16_t, (BLOCK, half), (out_col, 0)),
             scratch, acc_sq, coords_sq, t16, half + out_row * BLOCK, out_col * BLOCK,
         )  # fmt: skip
-        cute.arch.sync_threads()
+        self.phase_barrier()
 
     @cute.jit
     def off_diagonal_tile(

@@ -1,0 +1,496 @@
+"""GDN prefill candidate `cand_fused_chain`: `wgmma_value_side.py`'s chain with the key side inside its CTA, the key
+side's Gram products on warpgroup MMA.
+
+Why (NOTES.md, "WGMMA chain"): from 15 sequences the WY path runs two kernels, the key side of every (chunk, head)
+into a workspace, then the WGMMA chain; at 8192 tokens in 20-57 sequences the key side is 36-41 us of 96-117.
+A first fused version (a key-side warpgroup running `_KeySide`'s phases one chunk ahead of the chain) was 0.82x:
+its warpgroup took ~12.2 k SM cycles a chunk beside the chain (clock64 stamps: the fp16 conversion of k and q
+3.8 k, the gates 1.2 k, the `mma.sync` Gram tiles 3.0 k, the stores into the chain's buffers 1.0 k, the inverse
+2.2 k), twice the chain's step. This version takes the conversion and the Gram tiles off that path:
+
+One CTA per (sequence, v-head), 384 threads in three warpgroups:
+  0, 1  the chain, `WgmmaValueSide.value_side` on chunk c: the whole 128 x 128 state in their accumulators;
+  2     the key side of chunk c + 1 into the chain's buffer of its parity:
+        1. its k and q rows (bf16, staged by cp.async a chunk ahead) converted to fp16 straight into the chain's
+           128-B-swizzled key and query buffers, every load of a thread issued before its first store;
+           warp 0 computes the gates (log g in base 2, beta, G) meanwhile;
+        2. A = K K^T and P = Q K^T as SS-WGMMA m64n64k16 from those buffers (whole 64 x 64 squares: the upper
+           triangles cost nothing on the tensor cores), masked and decayed in registers: A into the inverse's
+           fp16 and fp32 diagonal blocks, P (fp16) straight into the chain's buffer;
+        3. T = (I + A)^-1 by `_Chunked.invert_unit_lower` (forward substitution on the diagonal blocks, then
+           two doubling levels), copied into the chain's buffer with the gates and decays.
+        The next chunk's k, q, a and b rows are issued once this chunk's are converted and land during 2-3; the
+        chunk's values go by cp.async into the chain's [token, v] rows.
+The chain's operands are double-buffered by chunk parity. Two named barriers per buffer hand it over: READY
+(the key side arrives once the buffer holds its chunk, the chain waits) and FREE (the chain arrives once its
+MMAs have read the buffer, the key side waits before refilling it two chunks later). `setmaxnreg` gives the
+chain's warpgroups CHAIN_REGISTERS each and the key side KEY_REGISTERS (the CTA's registers at launch).
+
+Same algebra and rounding points as the two-kernel path; the Gram products sum in the WGMMA's order instead of
+`mma.sync`'s, so A and P may differ from the workspace's in the last bit of fp32 before their fp16 rounding.
+No workspace; ~215 KB of shared memory, one CTA per SM; the grid rows serve the sequences longest first
+(`chunked.py`'s `sequence_of_block`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from . import kernel, token_serial, wgmma_value_side
+from .chunked import (
+    BLOCK,
+    CHUNK,
+    DIAG_STRIDE,
+    KQ_ROWS,
+    LOG2_E,
+    NARROW_STRIDE,
+    NUM_STAGES,
+    NUM_WARPS,
+    SCRATCH_STRIDE,
+    SLICE_ROWS,
+    SQUARE_T_VIEW,
+    WARP_SIZE,
+    WIDE_STRIDE,
+    _layout,
+    _make_operand_copies,
+    _make_warp_mma,
+    sequence_bounds,
+)
+from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS
+from .wgmma_value_side import K_MAJOR, MN_MAJOR, OUTPUT_ALIGN, ROW_STRIDE, VEC, WgmmaValueSide
+from .wy_prepass import _KeySide
+
+__all__ = ["FusedChain", "buffered_layouts", "compile_only", "compiled_for", "gram_mma", "run", "run_as_kernel"]
+
+WARPGROUP_THREADS = 128
+CHAIN_THREADS = 2 * WARPGROUP_THREADS  # warpgroups 0 and 1
+NUM_THREADS = CHAIN_THREADS + WARPGROUP_THREADS  # and the key side's, warpgroup 2
+KEY_WARPGROUP = 2
+# Per-thread registers after setmaxnreg. An increase draws only on what the CTA's decreases return (PTX: a per-CTA
+# pool), so the split must fit the launch's 168 per thread: 2 x 128 x 200 + 128 x 104 = 384 x 168. At 200 the chain
+# (234 alone) runs its loop without spills; the key side keeps some loop-invariant swizzled addresses in local
+# memory (ptxas: 184 B of stack; 624 B at 216 / 72).
+CHAIN_REGISTERS = 200
+KEY_REGISTERS = 104
+# Named barriers: 0 is the CTA's; 1 and 2 `value_side`'s, one per chain warpgroup.
+KEY_SIDE_BARRIER = 3  # the key side's phases
+READY_BARRIER = 4  # + buffer: the key side has filled it
+FREE_BARRIER = 6  # + buffer: the chain has read it
+NUM_BUFFERS = 2
+PIECES_PER_ROW = HEAD_SIZE // VEC
+
+
+def _align(dtype: type[cutlass.Numeric], elems: int, align: int):
+    return cute.struct.Align[cute.struct.MemRange[dtype, elems], align]
+
+
+# The key-side warpgroup's own shared memory: k and q rows as copied in (bf16, in `kq`'s rows 0..63 and 64..127,
+# read through `staging_views`' kq_raw), a and b rows, A (fp16, and fp32 diagonal blocks), T and the inverse's
+# scratch, G and beta. Given as a dict: this module's annotations are strings (`from __future__ import
+# annotations`), which `cute.struct` does not evaluate.
+KeySideStorage = cute.struct(
+    type(
+        "KeySideStorage",
+        (),
+        {
+            "__annotations__": {
+                "raw_a": _align(BFloat16, NUM_STAGES * CHUNK * NUM_V_HEADS, 128),
+                "raw_b": _align(BFloat16, NUM_STAGES * CHUNK * NUM_V_HEADS, 128),
+                "kq": _align(Float16, KQ_ROWS * WIDE_STRIDE, 128),
+                "a16": _align(Float16, CHUNK * NARROW_STRIDE, 128),
+                "a_diag": _align(Float32, CHUNK * DIAG_STRIDE, 128),
+                "t16": _align(Float16, CHUNK * NARROW_STRIDE, 128),
+                "scratch": _align(Float16, NUM_WARPS * BLOCK * SCRATCH_STRIDE, 128),
+                "cum_log_g": _align(Float32, CHUNK, 16),
+                "beta": _align(Float32, CHUNK, 16),
+            }
+        },
+    )
+)
+
+
+@cute.jit
+def buffered_layouts():
+    """(keys read K-major, keys read MN-major, T or P): `wgmma_value_side.operands()`'s shared-memory layouts with
+    a buffer mode, (x, y, (1, buffer)); a buffer's two views of the keys address the same elements."""
+    return (
+        sm90_utils.make_smem_layout_b(K_MAJOR, (HEAD_SIZE, CHUNK, HEAD_SIZE), Float16, NUM_BUFFERS),
+        sm90_utils.make_smem_layout_b(MN_MAJOR, (HEAD_SIZE, HEAD_SIZE, CHUNK), Float16, NUM_BUFFERS),
+        sm90_utils.make_smem_layout_b(K_MAJOR, (HEAD_SIZE, CHUNK, CHUNK), Float16, NUM_BUFFERS),
+    )
+
+
+@cute.jit
+def gram_mma():
+    """The key side's Gram products, [token i, token j] = row_i . row_j over the head dimension: one warpgroup,
+    m64n64k16, both operands K-major from shared memory (a K-major buffer of 64 rows of keys or queries is the
+    same canonical layout as an A or a B operand)."""
+    return sm90_utils.make_trivial_tiled_mma(
+        Float16, Float16, K_MAJOR.sm90_mma_major_mode(), K_MAJOR.sm90_mma_major_mode(), Float32, (1, 1, 1),
+        tiler_mn=(CHUNK, CHUNK),
+    )  # fmt: skip
+
+
+class FusedChain(WgmmaValueSide, _KeySide):
+    """The kernel of the module docstring. `WgmmaValueSide` gives the chain's chunk step, `_KeySide` (through
+    `_Chunked`) the gates, the inverse, the loads and the views."""
+
+    @cute.jit
+    def phase_barrier(self):
+        cute.arch.barrier(barrier_id=KEY_SIDE_BARRIER, number_of_threads=WARPGROUP_THREADS)
+
+    @cute.jit
+    def launch(self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, stream):
+        update_mma, products_mma, _, _, _ = wgmma_value_side.operands()
+        keys, keys_mn, square = buffered_layouts()
+        tiled_mma = _make_warp_mma()
+        grams = gram_mma()
+        rows = cute.cosize(keys.outer)
+        square_size = cute.cosize(square.outer)
+
+        @cute.struct
+        class SharedStorage:
+            # The chain's operands, two buffers each.
+            keys: cute.struct.Align[cute.struct.MemRange[Float16, rows], 1024]
+            queries: cute.struct.Align[cute.struct.MemRange[Float16, rows], 1024]
+            t: cute.struct.Align[cute.struct.MemRange[Float16, square_size], 1024]
+            p: cute.struct.Align[cute.struct.MemRange[Float16, square_size], 1024]
+            values: cute.struct.Align[cute.struct.MemRange[BFloat16, NUM_BUFFERS * CHUNK * ROW_STRIDE], 128]
+            chain_g: cute.struct.Align[cute.struct.MemRange[Float32, NUM_BUFFERS * CHUNK], 16]
+            chain_beta: cute.struct.Align[cute.struct.MemRange[Float32, NUM_BUFFERS * CHUNK], 16]
+            decay_in: cute.struct.Align[cute.struct.MemRange[Float32, NUM_BUFFERS * CHUNK], 16]
+            decay_out: cute.struct.Align[cute.struct.MemRange[Float32, NUM_BUFFERS * CHUNK], 16]
+            # The chain's output rows [token, v] on their way to 16-B stores (first the ranking's scratch).
+            o_rows: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * ROW_STRIDE], 128]
+            key_side: KeySideStorage  # the key-side warpgroup's own
+
+        kernel = self.kernel(
+            q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, update_mma,
+            products_mma, tiled_mma, grams, keys, keys_mn, square, SharedStorage,
+        )  # fmt: skip
+        self.launch_grid(kernel, [NUM_V_HEADS, new_state.shape[0], 1], SharedStorage, stream, threads=NUM_THREADS)
+
+    @cute.kernel
+    def kernel(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        state_in: cute.Tensor,
+        A_log: cute.Tensor,
+        a: cute.Tensor,
+        dt_bias: cute.Tensor,
+        b: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        scale: Float32,
+        has_state: Int32,
+        output: cute.Tensor,
+        new_state: cute.Tensor,
+        update_mma: cute.TiledMma,
+        products_mma: cute.TiledMma,
+        tiled_mma: cute.TiledMma,
+        grams: cute.TiledMma,
+        keys: cute.ComposedLayout,
+        keys_mn: cute.ComposedLayout,
+        square: cute.ComposedLayout,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        head, block_y, _ = cute.arch.block_idx()
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        buffers = (
+            storage.keys.get_tensor(keys.outer, swizzle=keys.inner),  # (token, k, (1, buffer))
+            storage.keys.get_tensor(keys_mn.outer, swizzle=keys_mn.inner),  # (k, token, (1, buffer))
+            storage.queries.get_tensor(keys.outer, swizzle=keys.inner),
+            storage.t.get_tensor(square.outer, swizzle=square.inner),  # (token i, token j, (1, buffer))
+            storage.p.get_tensor(square.outer, swizzle=square.inner),
+        )
+        by_buffer = cute.make_layout((NUM_BUFFERS, CHUNK), stride=(CHUNK, 1))
+        gates = (
+            storage.chain_g.get_tensor(by_buffer),  # G, base 2
+            storage.chain_beta.get_tensor(by_buffer),
+            storage.decay_in.get_tensor(by_buffer),  # exp(G)
+            storage.decay_out.get_tensor(by_buffer),  # exp(G_last - G)
+        )
+        s_values = storage.values.get_tensor(
+            cute.make_layout((NUM_BUFFERS, CHUNK, HEAD_SIZE), stride=(CHUNK * ROW_STRIDE, ROW_STRIDE, 1))
+        )  # (buffer, token, v)
+        s_o_rows = storage.o_rows.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(ROW_STRIDE, 1)))
+
+        seq = self.sequence_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, s_o_rows)
+        start, length = sequence_bounds(cu_seqlens, seq, q.shape[0])
+        num_chunks = (length + CHUNK - 1) // CHUNK
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+        if warpgroup_idx == KEY_WARPGROUP:
+            cute.arch.setmaxregister_decrease(KEY_REGISTERS)
+            self.key_side(
+                q, k, v, A_log, a, dt_bias, b, start, length, num_chunks, head, tidx - CHAIN_THREADS, tiled_mma,
+                grams, storage.key_side, buffers, gates, s_values,
+            )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(CHAIN_REGISTERS)
+            self.chain(
+                state_in, scale, has_state, output, new_state, seq, start, length, num_chunks, head, tidx,
+                update_mma, products_mma, buffers, gates, s_values, s_o_rows,
+            )  # fmt: skip
+
+    @staticmethod
+    def buffer_of(tensor: cute.Tensor, buffer: Int32) -> cute.Tensor:
+        """An operand buffer's `buffer`, as `value_side` takes it: (x, y, 1)."""
+        return tensor[None, None, (None, buffer)]
+
+    @cute.jit
+    def chain(self, state_in, scale: Float32, has_state: Int32, output, new_state, seq: Int32, start: Int32,
+              length: Int32, num_chunks: Int32, head: Int32, tidx: Int32, update_mma, products_mma, buffers, gates,
+              s_values, s_o_rows):  # fmt: skip
+        """Warpgroups 0 and 1: the state of (sequence, head) through every chunk, each chunk's step on the buffer
+        the key side has filled, then the final state."""
+        s_keys, s_keys_mn, s_queries, s_t, s_p = buffers
+        thr_update = update_mma.get_slice(tidx)
+        state = cute.make_rmem_tensor(thr_update.partition_shape_C((HEAD_SIZE, HEAD_SIZE)), Float32)
+        state_coords = thr_update.partition_C(cute.make_identity_tensor((HEAD_SIZE, HEAD_SIZE)))
+        for i in cutlass.range_constexpr(cute.size(state)):
+            v_row, k_col = state_coords[i]
+            state[i] = state_in[seq, head, v_row, k_col] if has_state != 0 else Float32(0.0)
+
+        for chunk in cutlass.range(num_chunks, unroll=1):
+            buffer = chunk % NUM_BUFFERS
+            cute.arch.barrier(barrier_id=READY_BARRIER + buffer, number_of_threads=NUM_THREADS)
+            self.value_side(
+                state, s_values[buffer, None, None], s_o_rows, scale, output, start + chunk * CHUNK,
+                cutlass.min(length - chunk * CHUNK, CHUNK), head, update_mma, products_mma,
+                self.buffer_of(s_keys, buffer), self.buffer_of(s_keys_mn, buffer), self.buffer_of(s_queries, buffer),
+                self.buffer_of(s_t, buffer), self.buffer_of(s_p, buffer), tuple(g[buffer, None] for g in gates), tidx,
+            )  # fmt: skip
+            if chunk + NUM_BUFFERS < num_chunks:
+                # The key side's generic-proxy stores overwrite what this chunk's MMAs read.
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier_arrive(barrier_id=FREE_BARRIER + buffer, number_of_threads=NUM_THREADS)
+
+        # A sequence of length 0 stores a zero state, as the definition does.
+        for i in cutlass.range_constexpr(cute.size(state)):
+            v_row, k_col = state_coords[i]
+            new_state[seq, head, v_row, k_col] = state[i] if length > 0 else Float32(0.0)
+
+    @cute.jit
+    def key_side(self, q, k, v, A_log, a, dt_bias, b, start: Int32, length: Int32, num_chunks: Int32, head: Int32,
+                 ktid: Int32, tiled_mma, grams, storage, buffers, gates, s_values):  # fmt: skip
+        """Warpgroup 2 (`ktid` its thread, 0-127): every chunk's key side into the chain's buffer of its parity,
+        one chunk ahead of the chain (module docstring). `storage`: its `KeySideStorage`."""
+        s_keys, _, s_queries, s_t, s_p = buffers
+        s_g, s_beta, s_decay_in, s_decay_out = gates
+        kwarp = ktid // WARP_SIZE
+        lane = ktid % WARP_SIZE
+        _, raw_a, raw_b, _, kq_raw = self.staging_views(storage, k_staged_in_kq=True)
+        a16, a_diag, t16, scratch, cum_log_g, beta = self.head_views(storage, kwarp)
+        a16_t = cute.make_tensor(a16.iterator, _layout(SQUARE_T_VIEW))
+        t16_t = cute.make_tensor(t16.iterator, _layout(SQUARE_T_VIEW))
+        copy_a, _, copy_bt = _make_operand_copies(tiled_mma)
+        thr_mma = tiled_mma.get_slice(lane)
+        coords_sq = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, BLOCK)))
+        coords_rows = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, SLICE_ROWS)))
+        acc_sq = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, BLOCK)), Float32)
+        acc_y = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), Float32)
+        thr_grams = grams.get_slice(ktid)
+        gram = cute.make_rmem_tensor(thr_grams.partition_shape_C((CHUNK, CHUNK)), Float32)
+        g2s = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16, num_bits_per_copy=128
+        )
+        neg_decay_rate = -cute.math.exp(A_log[head]) * LOG2_E
+        bias = dt_bias[head]
+
+        if num_chunks > 0:
+            self.load_key_rows(g2s, q, k, a, b, raw_a, raw_b, kq_raw, start, length, 0, head, ktid)
+        cute.arch.cp_async_commit_group()
+        # T's blocks above the diagonal are never written by the inverse: zeros once.
+        for i in cutlass.range_constexpr(CHUNK * CHUNK // WARPGROUP_THREADS):
+            linear = i * WARPGROUP_THREADS + ktid
+            t16[linear // CHUNK, linear % CHUNK] = Float16(0.0)
+
+        for chunk in cutlass.range(num_chunks, unroll=1):
+            buffer = chunk % NUM_BUFFERS
+            first = chunk * CHUNK
+            tokens_here = cutlass.min(length - first, CHUNK)
+            keys_here = self.buffer_of(s_keys, buffer)
+            queries_here = self.buffer_of(s_queries, buffer)
+            cute.arch.cp_async_wait_group(0)  # this chunk's k, q, a and b rows
+            if chunk >= NUM_BUFFERS:
+                cute.arch.barrier(barrier_id=FREE_BARRIER + buffer, number_of_threads=NUM_THREADS)
+            self.phase_barrier()  # every thread's rows have landed; the buffer is free
+            self.copy_values(g2s, v, s_values, start, length, first, buffer, head, ktid)
+            cute.arch.cp_async_commit_group()
+            if kwarp == 0:
+                self.chunk_gates(raw_a, raw_b, chunk % NUM_STAGES, head, neg_decay_rate, bias, tokens_here, lane,
+                                 cum_log_g, beta)  # fmt: skip
+            self.convert_rows(kq_raw, 0, keys_here, tokens_here, ktid)
+            self.convert_rows(kq_raw, CHUNK, queries_here, tokens_here, ktid)
+            cute.arch.fence_view_async_shared()  # the converted rows, before the Gram MMAs read them
+            self.phase_barrier()  # keys, queries and the gates
+
+            # kq_raw and the other a, b stage are free: the next chunk's rows land during the Grams and the inverse.
+            if chunk + 1 < num_chunks:
+                self.load_key_rows(g2s, q, k, a, b, raw_a, raw_b, kq_raw, start, length, chunk + 1, head, ktid)
+            cute.arch.cp_async_commit_group()
+
+            self.gram(grams, thr_grams, gram, keys_here, keys_here)
+            self.a_epilogue(gram, thr_grams, cum_log_g, beta, a16, a_diag)
+            self.gram(grams, thr_grams, gram, queries_here, keys_here)
+            self.p_epilogue(gram, thr_grams, cum_log_g, self.buffer_of(s_p, buffer))
+            if ktid < CHUNK:
+                g = cum_log_g[ktid]
+                s_g[buffer, ktid] = g
+                s_beta[buffer, ktid] = beta[ktid]
+                s_decay_in[buffer, ktid] = self.decay(g)
+                s_decay_out[buffer, ktid] = self.decay(cum_log_g[CHUNK - 1] - g)
+            self.phase_barrier()  # A complete
+
+            self.invert_unit_lower(
+                tiled_mma, copy_a, copy_bt, lane, kwarp, ktid, a16_t, a_diag, t16, t16_t, scratch, acc_sq, acc_y,
+                coords_sq, coords_rows,
+            )  # fmt: skip
+            for i in cutlass.range_constexpr(CHUNK * (CHUNK // VEC) // WARPGROUP_THREADS):
+                linear = i * WARPGROUP_THREADS + ktid
+                row, piece = linear // (CHUNK // VEC), linear % (CHUNK // VEC)
+                cute.local_tile(s_t[row, None, (0, buffer)], (VEC,), (piece,)).store(
+                    cute.local_tile(t16[row, None], (VEC,), (piece,)).load()
+                )
+            cute.arch.cp_async_wait_group(1)  # this chunk's values (the next chunk's rows may still be in flight)
+            cute.arch.fence_view_async_shared()  # the generic-proxy stores, before the chain's MMAs read them
+            cute.arch.barrier_arrive(barrier_id=READY_BARRIER + buffer, number_of_threads=NUM_THREADS)
+
+    @cute.jit
+    def convert_rows(self, kq_raw, row0: cutlass.Constexpr, dst, tokens_here: Int32, ktid: Int32):
+        """The chunk's 64 staged bf16 rows at kq_raw's rows row0.. into `dst` (token, k, 1) as fp16, zero past the
+        end. Every load of the thread is issued before its first store (the rows and the buffer do not alias),
+        so that the loads overlap instead of each conversion waiting on its own."""
+        rounds = CHUNK * PIECES_PER_ROW // WARPGROUP_THREADS
+        pieces = [None] * rounds
+        for i in cutlass.range_constexpr(rounds):
+            linear = i * WARPGROUP_THREADS + ktid
+            token, piece = linear // PIECES_PER_ROW, linear % PIECES_PER_ROW
+            pieces[i] = cute.local_tile(kq_raw[row0 + token, None], (VEC,), (piece,)).load()
+        for i in cutlass.range_constexpr(rounds):
+            linear = i * WARPGROUP_THREADS + ktid
+            token, piece = linear // PIECES_PER_ROW, linear % PIECES_PER_ROW
+            dst_piece = cute.local_tile(dst[token, None, 0], (VEC,), (piece,))
+            if token < tokens_here:
+                dst_piece.store(pieces[i].to(Float32).to(Float16))
+            else:
+                dst_piece.fill(0.0)
+
+    @cute.jit
+    def gram(self, grams, thr_grams, acc, rows_a, rows_b):
+        """acc = rows_a rows_b^T over the head dimension (64 x 64, fp32), SS-WGMMA, waited for."""
+        t_a = grams.make_fragment_A(thr_grams.partition_A(rows_a))
+        t_b = grams.make_fragment_B(thr_grams.partition_B(rows_b))
+        grams.set(warpgroup.Field.ACCUMULATE, False)
+        warpgroup.fence()
+        for step in cutlass.range_constexpr(HEAD_SIZE // 16):
+            cute.gemm(grams, acc, t_a[None, None, step, 0], t_b[None, None, step, 0], acc)
+            grams.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def a_epilogue(self, acc, thr_grams, cum_log_g, beta, a16, a_diag):
+        """A[i, j] = beta_i exp(G_i - G_j) (k_i . k_j) strictly below the diagonal, else 0, as `a_tile_epilogue`
+        computes it, for the whole square: into a16, and the diagonal blocks into a_diag. (The coordinates are
+        derived here, not kept across the chunk loop: 64 registers the key side does not have.)"""
+        coords = thr_grams.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))  # (token i, token j)
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, j = coords[e]
+            below = beta[i] * self.decay(cutlass.min(cum_log_g[i] - cum_log_g[j], Float32(0.0))) * acc[e]
+            value = Float32(cutlass.select_(j < i, below, Float32(0.0)))
+            a16[i, j] = value.to(Float16)
+            if i // BLOCK == j // BLOCK:
+                a_diag[i, j % BLOCK] = value
+
+    @cute.jit
+    def p_epilogue(self, acc, thr_grams, cum_log_g, p16):
+        """P[i, j] = exp(G_i - G_j) (q_i . k_j) on and below the diagonal, else 0 (`p_tile_epilogue`'s), for the
+        whole square, into the chain's buffer (token i, token j, 1)."""
+        coords = thr_grams.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, j = coords[e]
+            below = self.decay(cutlass.min(cum_log_g[i] - cum_log_g[j], Float32(0.0))) * acc[e]
+            p16[i, j, 0] = Float32(cutlass.select_(j <= i, below, Float32(0.0))).to(Float16)
+
+    @cute.jit
+    def load_key_rows(self, g2s, q, k, a, b, raw_a, raw_b, kq_raw, start: Int32, length: Int32, chunk: Int32,
+                      head: Int32, ktid: Int32):  # fmt: skip
+        """cp.async of one chunk's k and q rows into kq_raw's rows 0..63 and 64..127 (bf16) and its a, b rows into
+        the stage of its parity, as `_KeySide` loads them."""
+        self.copy_head_rows(g2s, k, kq_raw, 0, start, length, chunk, head, ktid)
+        self.load_q(g2s, q, kq_raw, start, length, chunk, head, ktid)
+        self.copy_gate_rows(g2s, a, b, raw_a, raw_b, start, length, chunk, chunk % NUM_STAGES, ktid)
+
+    @cute.jit
+    def copy_values(self, g2s, v, s_values, start: Int32, length: Int32, first: Int32, buffer: Int32, head: Int32,
+                    ktid: Int32):  # fmt: skip
+        """cp.async of the chunk's values (the head's 128 per token) into the chain's [token, v] rows of `buffer`;
+        tokens past the end are not copied (the chain drops them)."""
+        for i in cutlass.range_constexpr(CHUNK * PIECES_PER_ROW // WARPGROUP_THREADS):
+            linear = i * WARPGROUP_THREADS + ktid
+            token, piece = linear // PIECES_PER_ROW, linear % PIECES_PER_ROW
+            if first + token < length:
+                cute.copy(
+                    g2s,
+                    cute.local_tile(v[start + first + token, head, None], (VEC,), (piece,)),
+                    cute.local_tile(s_values[buffer, token, None], (VEC,), (piece,)),
+                )
+
+
+class GdnPrefillFusedChainSm90:
+    """Host entry: the one kernel, no workspace."""
+
+    @cute.jit
+    def __call__(self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, stream):
+        FusedChain().launch(
+            q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, stream
+        )
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def compiled_for(arch: str = GPU_ARCH) -> Callable:
+    """The compiled launcher for `arch` (compiled on first use; needs no GPU)."""
+    fn = _COMPILED.get(arch)
+    if fn is None:
+        fn = _COMPILED[arch] = token_serial.compile_launcher(
+            GdnPrefillFusedChainSm90(), arch, output_align=OUTPUT_ALIGN
+        )
+    return fn
+
+
+def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
+    return (compiled_for(arch),)
+
+
+def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+    """`kernel.py`'s contract at any T (for the device check and the tests). An `output` that does not start on a
+    16-B boundary goes where `wgmma_value_side.run` sends it."""
+    token_serial.check_inputs(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, output, new_state)
+    if output.data_ptr() % OUTPUT_ALIGN:
+        wgmma_value_side.run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+        return
+    if new_state.shape[0] == 0:
+        return
+    has_state = state is not None
+    compiled_for(GPU_ARCH)(
+        q, k, v, state if has_state else new_state, A_log, a, dt_bias, b, cu_seqlens, token_serial.resolve_scale(scale),
+        int(has_state), output, new_state,
+    )  # fmt: skip
+
+
+def run_as_kernel(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+    """`kernel.py`'s dispatch with this kernel in place of the WGMMA chain's two (the candidate side)."""
+    path = kernel.path_for(q.shape[0], new_state.shape[0])
+    entry = run if path is wgmma_value_side else path.run
+    entry(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)

@@ -15,8 +15,9 @@ One CTA per (sequence, v-head), 384 threads in three warpgroups:
            128-B-swizzled key and query buffers, every load of a thread issued before its first store;
            warp 0 computes the gates (log g in base 2, beta, G) meanwhile;
         2. A = K K^T and P = Q K^T as SS-WGMMA m64n64k16 from those buffers (whole 64 x 64 squares: the upper
-           triangles cost nothing on the tensor cores), masked and decayed in registers: A into the inverse's
-           fp16 and fp32 diagonal blocks, P (fp16) straight into the chain's buffer;
+           triangles cost nothing on the tensor cores), masked and decayed in registers (blocks above the
+           diagonal skipped) and stored by the accumulator fragment's layout: A into the inverse's fp16 and fp32
+           diagonal blocks, P (fp16) straight into the chain's buffer;
         3. T = (I + A)^-1 by `_Chunked.invert_unit_lower` (forward substitution on the diagonal blocks, then
            two doubling levels), copied into the chain's buffer with the gates and decays.
         The next chunk's k, q, a and b rows are issued once this chunk's are converted and land during 2-3; the
@@ -286,6 +287,7 @@ class FusedChain(WgmmaValueSide, _KeySide):
         s_keys, _, s_queries, s_t, s_p = buffers
         s_g, s_beta, s_decay_in, s_decay_out = gates
         kwarp = ktid // WARP_SIZE
+        kwarp_uniform = cute.arch.make_warp_uniform(kwarp)
         lane = ktid % WARP_SIZE
         _, raw_a, raw_b, _, kq_raw = self.staging_views(storage, k_staged_in_kq=True)
         a16, a_diag, t16, scratch, cum_log_g, beta = self.head_views(storage, kwarp)
@@ -339,9 +341,9 @@ class FusedChain(WgmmaValueSide, _KeySide):
             cute.arch.cp_async_commit_group()
 
             self.gram(grams, thr_grams, gram, keys_here, keys_here)
-            self.a_epilogue(gram, thr_grams, cum_log_g, beta, a16, a_diag)
+            self.a_epilogue(gram, grams, thr_grams, kwarp_uniform, cum_log_g, beta, a16, a_diag)
             self.gram(grams, thr_grams, gram, queries_here, keys_here)
-            self.p_epilogue(gram, thr_grams, cum_log_g, self.buffer_of(s_p, buffer))
+            self.p_epilogue(gram, grams, thr_grams, kwarp_uniform, cum_log_g, beta, s_p[None, None, (0, buffer)])
             if ktid < CHUNK:
                 g = cum_log_g[ktid]
                 s_g[buffer, ktid] = g
@@ -398,28 +400,56 @@ class FusedChain(WgmmaValueSide, _KeySide):
         warpgroup.wait_group(0)
 
     @cute.jit
-    def a_epilogue(self, acc, thr_grams, cum_log_g, beta, a16, a_diag):
-        """A[i, j] = beta_i exp(G_i - G_j) (k_i . k_j) strictly below the diagonal, else 0, as `a_tile_epilogue`
-        computes it, for the whole square: into a16, and the diagonal blocks into a_diag. (The coordinates are
-        derived here, not kept across the chunk loop: 64 registers the key side does not have.)"""
-        coords = thr_grams.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))  # (token i, token j)
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            i, j = coords[e]
-            below = beta[i] * self.decay(cutlass.min(cum_log_g[i] - cum_log_g[j], Float32(0.0))) * acc[e]
-            value = Float32(cutlass.select_(j < i, below, Float32(0.0)))
-            a16[i, j] = value.to(Float16)
-            if i // BLOCK == j // BLOCK:
-                a_diag[i, j % BLOCK] = value
+    def decayed_lower(self, acc, grams, thr_grams, warp: Int32, cum_log_g, beta, values, is_a: cutlass.Constexpr):
+        """values = the Gram `acc` masked and decayed, as `a_tile_epilogue` (is_a: beta_i exp(G_i - G_j) acc where
+        j < i) or `p_tile_epilogue` (exp(G_i - G_j) acc where j <= i) compute it, else 0, on the accumulator's
+        fragment: element e = c + 2 r + 4 n of a thread is (row0 + 8 r, col0 + 8 n + c) (warp w's rows in block
+        w). A thread's two G_i and beta_i are loaded once and every load comes before any store; the 8-column
+        groups of blocks above the diagonal are skipped by a branch that is uniform over the warp."""
+        row0, col0 = thr_grams.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))[0]
+        g_rows = (cum_log_g[row0], cum_log_g[row0 + 8])
+        beta_rows = (beta[row0], beta[row0 + 8])
+        for group in cutlass.range_constexpr(CHUNK // 8):
+            for r in cutlass.range_constexpr(2):
+                for c in cutlass.range_constexpr(2):
+                    values[c + 2 * r + 4 * group] = Float32(0.0)
+            if group // 2 <= warp:
+                for c in cutlass.range_constexpr(2):
+                    j = col0 + 8 * group + c
+                    g_col = cum_log_g[j]
+                    for r in cutlass.range_constexpr(2):
+                        e = c + 2 * r + 4 * group
+                        i = row0 + 8 * r
+                        decay = self.decay(cutlass.min(g_rows[r] - g_col, Float32(0.0)))
+                        if cutlass.const_expr(is_a):
+                            values[e] = Float32(cutlass.select_(j < i, beta_rows[r] * decay * acc[e], Float32(0.0)))
+                        else:
+                            values[e] = Float32(cutlass.select_(j <= i, decay * acc[e], Float32(0.0)))
 
     @cute.jit
-    def p_epilogue(self, acc, thr_grams, cum_log_g, p16):
-        """P[i, j] = exp(G_i - G_j) (q_i . k_j) on and below the diagonal, else 0 (`p_tile_epilogue`'s), for the
-        whole square, into the chain's buffer (token i, token j, 1)."""
-        coords = thr_grams.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            i, j = coords[e]
-            below = self.decay(cutlass.min(cum_log_g[i] - cum_log_g[j], Float32(0.0))) * acc[e]
-            p16[i, j, 0] = Float32(cutlass.select_(j <= i, below, Float32(0.0))).to(Float16)
+    def a_epilogue(self, acc, grams, thr_grams, warp: Int32, cum_log_g, beta, a16, a_diag):
+        """A (fp16) into a16 by the fragment's own layout (4-B stores; the upper blocks as zeros, never read), and
+        the warp's diagonal block (fp32) into a_diag."""
+        values = cute.make_rmem_tensor(acc.layout, Float32)
+        self.decayed_lower(acc, grams, thr_grams, warp, cum_log_g, beta, values, True)
+        values16 = cute.make_rmem_tensor(acc.layout, Float16)
+        values16.store(values.load().to(Float16))
+        cute.autovec_copy(values16, thr_grams.partition_C(a16))
+        row0, col0 = thr_grams.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))[0]
+        for group in cutlass.range_constexpr(CHUNK // 8):
+            if group // 2 == warp:
+                for r in cutlass.range_constexpr(2):
+                    for c in cutlass.range_constexpr(2):
+                        a_diag[row0 + 8 * r, col0 + 8 * (group % 2) + c] = values[c + 2 * r + 4 * group]
+
+    @cute.jit
+    def p_epilogue(self, acc, grams, thr_grams, warp: Int32, cum_log_g, beta, p16):
+        """P (fp16) into the chain's buffer `p16` (token i, token j) by the fragment's own layout, zeros above."""
+        values = cute.make_rmem_tensor(acc.layout, Float32)
+        self.decayed_lower(acc, grams, thr_grams, warp, cum_log_g, beta, values, False)
+        values16 = cute.make_rmem_tensor(acc.layout, Float16)
+        values16.store(values.load().to(Float16))
+        cute.autovec_copy(values16, thr_grams.partition_C(p16))
 
     @cute.jit
     def load_key_rows(self, g2s, q, k, a, b, raw_a, raw_b, kq_raw, start: Int32, length: Int32, chunk: Int32,

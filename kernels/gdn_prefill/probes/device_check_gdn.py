@@ -73,7 +73,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--kernel", choices=KERNEL_CHOICES, default="kernel", help="which module of kernels/gdn_prefill to check"
     )
-    parser.add_argument("--skip-long", action="store_true", help="leave out the 65536-token case")
+    parser.add_argument("--skip-long", action="store_true", help="leave out the long cases (16384-65536 tokens)")
     return parser.parse_args(argv)
 
 

@@ -50,3 +50,21 @@ def test_an_export_without_sass_rows_or_samples_is_refused(tmp_path: Path, capsy
     bad.write_text("")
     assert stalls.main([str(bad)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_by_role_cuts_a_warp_specialized_kernel_at_each_register_change():
+    rows = [
+        ["0x10", "  BAR.SYNC.DEFER_BLOCKING 0x0", "1", "8", "0", "1", "0"],
+        ["0x20", "  USETMAXREG.DEALLOC.CTAPOOL 0x68", "0", "4", "0", "0", "0"],
+        ["0x30", "  LDS R4, [R2]", "4", "40", "4", "0", "0"],
+        ["0x40", "  USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xc8", "0", "8", "0", "0", "0"],
+        ["0x50", "  BAR.SYNC.DEFER_BLOCKING R3, 0x180", "6", "16", "0", "6", "0"],
+    ]
+    (kernel,) = stalls.parse(_export(("ws", rows)))
+    prologue, key, chain = stalls.split_by_role(kernel)
+    assert [len(p.rows) for p in (prologue, key, chain)] == [1, 2, 2]
+    assert prologue.name == "ws [prologue]" and chain.name == "ws [USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xc8]"
+    assert stalls.summarize(key, top=1).by_reason[0] == ("wait", 1.0)
+    assert stalls.summarize(chain, top=1).by_reason[0] == ("barrier", 1.0)
+    (plain,) = stalls.parse(_export(("k", rows[:1])))
+    assert stalls.split_by_role(plain) == [plain]

@@ -2,13 +2,15 @@
 
     ncu --set full --import-source no -o REP python3 ...          # on the GPU host
     ncu -i REP.ncu-rep --page source --csv --print-source sass > sass.csv
-    uv run tools/ncu_stalls.py sass.csv [--top 15]
+    uv run tools/ncu_stalls.py sass.csv [--top 15] [--by-role]
 
 For each kernel in the CSV (ncu writes a "Kernel Name" line, then a header, then one row per SASS
 instruction): the warp-stall samples by reason (share of all samples), the samples and the executed
 warp instructions by opcode, and the instructions with the most samples with their two main
 reasons. This is what NOTES.md cites when it says a kernel is bound by a dependency chain, by
-barriers or by memory. Exit 2, with one line on stderr, if the file cannot be read or holds no
+barriers or by memory. `--by-role` splits a warp-specialized kernel at its `USETMAXREG` lines (each
+role's code starts with its own register change) and summarizes the prologue and each role apart:
+which role waits on which. Exit 2, with one line on stderr, if the file cannot be read or holds no
 kernel.
 """
 
@@ -61,6 +63,26 @@ def parse(lines: Iterable[Sequence[str]]) -> list[KernelSource]:
     if SAMPLES not in kernels[0].header:
         raise StallsError(f"no {SAMPLES!r} column: collect the source counters (--set full)")
     return kernels
+
+
+SETMAXNREG = "USETMAXREG"
+
+
+def split_by_role(kernel: KernelSource) -> list[KernelSource]:
+    """The kernel's SASS rows in address order cut before every `USETMAXREG` line: the prologue, then one part
+    per role (named by the kernel and the register change that starts it). One part if there is none."""
+    starts = [i for i, row in enumerate(kernel.rows) if opcode(row["Source"]) == SETMAXNREG]
+    if not starts:
+        return [kernel]
+    bounds = [0, *starts, len(kernel.rows)]
+    parts = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if lo == hi:
+            continue
+        first = kernel.rows[lo]["Source"].strip()
+        label = first if opcode(first) == SETMAXNREG else "prologue"
+        parts.append(KernelSource(name=f"{kernel.name[:100]} [{label}]", header=kernel.header, rows=kernel.rows[lo:hi]))
+    return parts
 
 
 def number(text: str) -> float:
@@ -132,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("csv", type=Path, help="ncu -i REP --page source --csv --print-source sass > this file")
     parser.add_argument("--top", type=int, default=15, help="hottest SASS lines to list per kernel")
+    parser.add_argument("--by-role", action="store_true", help="summarize each setmaxnreg role of a kernel apart")
     args = parser.parse_args(argv)
     try:
         with args.csv.open(newline="") as handle:
@@ -139,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, StallsError, csv.Error) as error:
         print(f"ncu_stalls: {args.csv}: {error}", file=sys.stderr)
         return 2
+    if args.by_role:
+        kernels = [part for kernel in kernels for part in split_by_role(kernel)]
     print("\n\n".join(render(summarize(kernel, args.top)) for kernel in kernels))
     return 0
 

@@ -14,10 +14,11 @@ One CTA per (sequence, v-head), 384 threads in three warpgroups:
         1. its k and q rows (bf16, staged by cp.async a chunk ahead) converted to fp16 straight into the chain's
            128-B-swizzled key and query buffers, every load of a thread issued before its first store;
            warp 0 computes the gates (log g in base 2, beta, G) meanwhile;
-        2. A = K K^T and P = Q K^T as SS-WGMMA m64n64k16 from those buffers (whole 64 x 64 squares: the upper
-           triangles cost nothing on the tensor cores), masked and decayed in registers (blocks above the
-           diagonal skipped) and stored by the accumulator fragment's layout: A into the inverse's fp16 and fp32
-           diagonal blocks, P (fp16) straight into the chain's buffer;
+        2. A = K K^T and P = Q K^T as SS-WGMMA m64n64k16 from those buffers, both in flight (whole 64 x 64
+           squares: the upper triangles cost nothing on the tensor cores); one epilogue over both accumulators
+           (one exp2 an element for both, a select for the masks, as FlashInfer's key-side warpgroup does),
+           stored by `stmatrix` from the fragment: A into the inverse's fp16 and fp32 diagonal blocks, P (fp16)
+           straight into the chain's buffer;
         3. T = (I + A)^-1 by `_Chunked.invert_unit_lower` (forward substitution on the diagonal blocks, then
            two doubling levels), copied into the chain's buffer with the gates and decays.
         The next chunk's k, q, a and b rows are issued once this chunk's are converted and land during 2-3; the
@@ -41,7 +42,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float16, Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from . import kernel, token_serial, wgmma_value_side
 from .chunked import (
@@ -74,11 +75,11 @@ CHAIN_THREADS = 2 * WARPGROUP_THREADS  # warpgroups 0 and 1
 NUM_THREADS = CHAIN_THREADS + WARPGROUP_THREADS  # and the key side's, warpgroup 2
 KEY_WARPGROUP = 2
 # Per-thread registers after setmaxnreg. An increase draws only on what the CTA's decreases return (PTX: a per-CTA
-# pool), so the split must fit the launch's 168 per thread: 2 x 128 x 200 + 128 x 104 = 384 x 168. At 200 the chain
-# (234 alone) runs its loop without spills; the key side keeps some loop-invariant swizzled addresses in local
-# memory (ptxas: 184 B of stack; 624 B at 216 / 72).
-CHAIN_REGISTERS = 200
-KEY_REGISTERS = 104
+# pool), so the split must fit the launch's 168 per thread: 2 x 128 x 192 + 128 x 120 = 384 x 168. At 192 the chain
+# (234 alone) runs its loop without spills; the key side, with both Gram accumulators live, keeps some loop-invariant
+# addresses in local memory (ptxas: 240 B of stack).
+CHAIN_REGISTERS = 192
+KEY_REGISTERS = 120
 # Named barriers: 0 is the CTA's; 1 and 2 `value_side`'s, one per chain warpgroup.
 KEY_SIDE_BARRIER = 3  # the key side's phases
 READY_BARRIER = 4  # + buffer: the key side has filled it
@@ -300,7 +301,10 @@ class FusedChain(WgmmaValueSide, _KeySide):
         acc_sq = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, BLOCK)), Float32)
         acc_y = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, SLICE_ROWS)), Float32)
         thr_grams = grams.get_slice(ktid)
-        gram = cute.make_rmem_tensor(thr_grams.partition_shape_C((CHUNK, CHUNK)), Float32)
+        gram_a = cute.make_rmem_tensor(thr_grams.partition_shape_C((CHUNK, CHUNK)), Float32)
+        gram_p = cute.make_rmem_tensor(thr_grams.partition_shape_C((CHUNK, CHUNK)), Float32)
+        # The Gram squares leave by `stmatrix` from the accumulator fragment (8 x 8 fp16 tiles, 16-B rows).
+        gram_store = cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), Float16), grams)
         g2s = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16, num_bits_per_copy=128
         )
@@ -340,10 +344,11 @@ class FusedChain(WgmmaValueSide, _KeySide):
                 self.load_key_rows(g2s, q, k, a, b, raw_a, raw_b, kq_raw, start, length, chunk + 1, head, ktid)
             cute.arch.cp_async_commit_group()
 
-            self.gram(grams, thr_grams, gram, keys_here, keys_here)
-            self.a_epilogue(gram, grams, thr_grams, kwarp_uniform, cum_log_g, beta, a16, a_diag)
-            self.gram(grams, thr_grams, gram, queries_here, keys_here)
-            self.p_epilogue(gram, grams, thr_grams, kwarp_uniform, cum_log_g, beta, s_p[None, None, (0, buffer)])
+            self.grams_of(grams, thr_grams, gram_a, gram_p, keys_here, queries_here)
+            self.gram_epilogue(
+                gram_a, gram_p, thr_grams, gram_store, ktid, kwarp_uniform, cum_log_g, beta, a16, a_diag,
+                s_p[None, None, (0, buffer)],
+            )  # fmt: skip
             if ktid < CHUNK:
                 g = cum_log_g[ktid]
                 s_g[buffer, ktid] = g
@@ -387,69 +392,54 @@ class FusedChain(WgmmaValueSide, _KeySide):
                 dst_piece.fill(0.0)
 
     @cute.jit
-    def gram(self, grams, thr_grams, acc, rows_a, rows_b):
-        """acc = rows_a rows_b^T over the head dimension (64 x 64, fp32), SS-WGMMA, waited for."""
-        t_a = grams.make_fragment_A(thr_grams.partition_A(rows_a))
-        t_b = grams.make_fragment_B(thr_grams.partition_B(rows_b))
-        grams.set(warpgroup.Field.ACCUMULATE, False)
+    def grams_of(self, grams, thr_grams, acc_a, acc_p, keys, queries):
+        """acc_a = K K^T and acc_p = Q K^T (64 x 64, fp32) over the head dimension: SS-WGMMA, both in flight, one
+        wait."""
+        t_keys_a = grams.make_fragment_A(thr_grams.partition_A(keys))
+        t_queries = grams.make_fragment_A(thr_grams.partition_A(queries))
+        t_keys_b = grams.make_fragment_B(thr_grams.partition_B(keys))
         warpgroup.fence()
-        for step in cutlass.range_constexpr(HEAD_SIZE // 16):
-            cute.gemm(grams, acc, t_a[None, None, step, 0], t_b[None, None, step, 0], acc)
-            grams.set(warpgroup.Field.ACCUMULATE, True)
+        for acc, t_a in ((acc_a, t_keys_a), (acc_p, t_queries)):
+            grams.set(warpgroup.Field.ACCUMULATE, False)
+            for step in cutlass.range_constexpr(HEAD_SIZE // 16):
+                cute.gemm(grams, acc, t_a[None, None, step, 0], t_keys_b[None, None, step, 0], acc)
+                grams.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
 
     @cute.jit
-    def decayed_lower(self, acc, grams, thr_grams, warp: Int32, cum_log_g, beta, values, is_a: cutlass.Constexpr):
-        """values = the Gram `acc` masked and decayed, as `a_tile_epilogue` (is_a: beta_i exp(G_i - G_j) acc where
-        j < i) or `p_tile_epilogue` (exp(G_i - G_j) acc where j <= i) compute it, else 0, on the accumulator's
-        fragment: element e = c + 2 r + 4 n of a thread is (row0 + 8 r, col0 + 8 n + c) (warp w's rows in block
-        w). A thread's two G_i and beta_i are loaded once and every load comes before any store; the 8-column
-        groups of blocks above the diagonal are skipped by a branch that is uniform over the warp."""
+    def gram_epilogue(self, acc_a, acc_p, thr_grams, gram_store, ktid: Int32, warp_idx: Int32, cum_log_g, beta,
+                      a16, a_diag, p16):  # fmt: skip
+        """A[i, j] = beta_i exp(G_i - G_j) (k_i . k_j) where j < i and P[i, j] = exp(G_i - G_j) (q_i . k_j) where
+        j <= i, else 0 (`a_tile_epilogue`'s and `p_tile_epilogue`'s arithmetic), on the accumulators' fragment:
+        element e = c + 2 r + 4 n of a thread is (row0 + 8 r, col0 + 8 n + c); one exp2 an element serves both,
+        a thread's two G_i and beta_i are loaded once and every load comes before any store (every warp does the
+        same work: a select masks the whole square). A (fp16) into a16 and P into the chain's buffer `p16` by
+        `stmatrix`; the warp's diagonal block of A (fp32) into a_diag."""
         row0, col0 = thr_grams.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))[0]
         g_rows = (cum_log_g[row0], cum_log_g[row0 + 8])
         beta_rows = (beta[row0], beta[row0 + 8])
+        p_values = cute.make_rmem_tensor(acc_p.layout, Float16)
         for group in cutlass.range_constexpr(CHUNK // 8):
-            for r in cutlass.range_constexpr(2):
-                for c in cutlass.range_constexpr(2):
-                    values[c + 2 * r + 4 * group] = Float32(0.0)
-            if group // 2 <= warp:
-                for c in cutlass.range_constexpr(2):
-                    j = col0 + 8 * group + c
-                    g_col = cum_log_g[j]
-                    for r in cutlass.range_constexpr(2):
-                        e = c + 2 * r + 4 * group
-                        i = row0 + 8 * r
-                        decay = self.decay(cutlass.min(g_rows[r] - g_col, Float32(0.0)))
-                        if cutlass.const_expr(is_a):
-                            values[e] = Float32(cutlass.select_(j < i, beta_rows[r] * decay * acc[e], Float32(0.0)))
-                        else:
-                            values[e] = Float32(cutlass.select_(j <= i, decay * acc[e], Float32(0.0)))
-
-    @cute.jit
-    def a_epilogue(self, acc, grams, thr_grams, warp: Int32, cum_log_g, beta, a16, a_diag):
-        """A (fp16) into a16 by the fragment's own layout (4-B stores; the upper blocks as zeros, never read), and
-        the warp's diagonal block (fp32) into a_diag."""
-        values = cute.make_rmem_tensor(acc.layout, Float32)
-        self.decayed_lower(acc, grams, thr_grams, warp, cum_log_g, beta, values, True)
-        values16 = cute.make_rmem_tensor(acc.layout, Float16)
-        values16.store(values.load().to(Float16))
-        cute.autovec_copy(values16, thr_grams.partition_C(a16))
-        row0, col0 = thr_grams.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))[0]
+            for c in cutlass.range_constexpr(2):
+                j = col0 + 8 * group + c
+                g_col = cum_log_g[j]
+                for r in cutlass.range_constexpr(2):
+                    e = c + 2 * r + 4 * group
+                    i = row0 + 8 * r
+                    decay = self.decay(cutlass.min(g_rows[r] - g_col, Float32(0.0)))
+                    acc_a[e] = Float32(cutlass.select_(j < i, beta_rows[r] * decay * acc_a[e], Float32(0.0)))
+                    p_values[e] = Float32(cutlass.select_(j <= i, decay * acc_p[e], Float32(0.0))).to(Float16)
+        a_values = cute.make_rmem_tensor(acc_a.layout, Float16)
+        a_values.store(acc_a.load().to(Float16))
+        thr_store = gram_store.get_slice(ktid)
+        cute.copy(gram_store, thr_store.retile(a_values), thr_store.partition_D(a16))
+        cute.copy(gram_store, thr_store.retile(p_values), thr_store.partition_D(p16))
         for group in cutlass.range_constexpr(CHUNK // 8):
-            if group // 2 == warp:
+            if group // 2 == warp_idx:
                 for r in cutlass.range_constexpr(2):
                     for c in cutlass.range_constexpr(2):
-                        a_diag[row0 + 8 * r, col0 + 8 * (group % 2) + c] = values[c + 2 * r + 4 * group]
-
-    @cute.jit
-    def p_epilogue(self, acc, grams, thr_grams, warp: Int32, cum_log_g, beta, p16):
-        """P (fp16) into the chain's buffer `p16` (token i, token j) by the fragment's own layout, zeros above."""
-        values = cute.make_rmem_tensor(acc.layout, Float32)
-        self.decayed_lower(acc, grams, thr_grams, warp, cum_log_g, beta, values, False)
-        values16 = cute.make_rmem_tensor(acc.layout, Float16)
-        values16.store(values.load().to(Float16))
-        cute.autovec_copy(values16, thr_grams.partition_C(p16))
+                        a_diag[row0 + 8 * r, col0 + 8 * (group % 2) + c] = acc_a[c + 2 * r + 4 * group]
 
     @cute.jit
     def load_key_rows(self, g2s, q, k, a, b, raw_a, raw_b, kq_raw, start: Int32, length: Int32, chunk: Int32,

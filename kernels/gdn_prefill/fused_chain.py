@@ -1,37 +1,34 @@
-"""GDN prefill candidate `cand_fused_chain`: `wgmma_value_side.py`'s chain with the key side inside its CTA, the key
-side's Gram products on warpgroup MMA.
+"""GDN prefill candidate `cand_fused_chain`: `wgmma_value_side.py`'s chain with the key side inside its CTA, split
+as FlashInfer's SM90 kernel splits it: a producer warpgroup and a key-side warpgroup beside the two of the chain.
 
 Why (NOTES.md, "WGMMA chain"): from 15 sequences the WY path runs two kernels, the key side of every (chunk, head)
 into a workspace, then the WGMMA chain; at 8192 tokens in 20-57 sequences the key side is 36-41 us of 96-117.
-A first fused version (a key-side warpgroup running `_KeySide`'s phases one chunk ahead of the chain) was 0.82x:
-its warpgroup took ~12.2 k SM cycles a chunk beside the chain (clock64 stamps: the fp16 conversion of k and q
-3.8 k, the gates 1.2 k, the `mma.sync` Gram tiles 3.0 k, the stores into the chain's buffers 1.0 k, the inverse
-2.2 k), twice the chain's step. This version takes the conversion and the Gram tiles off that path:
+With the key side as one warpgroup beside the chain (v1-v3) that warpgroup bounded the chunk step at ~2x the
+chain's (clock64 and ncu: its conversion of k and q, its loads, gates and Gram epilogues); here the producer takes
+the loads, the conversion and the gates.
 
-One CTA per (sequence, v-head), 384 threads in three warpgroups:
+One CTA per (sequence, v-head), 512 threads in four warpgroups:
   0, 1  the chain, `WgmmaValueSide.value_side` on chunk c: the whole 128 x 128 state in their accumulators;
-  2     the key side of chunk c + 1 into the chain's buffer of its parity:
-        1. its k and q rows (bf16, staged by cp.async a chunk ahead) converted to fp16 straight into the chain's
-           128-B-swizzled key and query buffers, every load of a thread issued before its first store;
-           warp 0 computes the gates (log g in base 2, beta, G) meanwhile;
-        2. A = K K^T and P = Q K^T as SS-WGMMA m64n64k16 from those buffers, both in flight (whole 64 x 64
-           squares: the upper triangles cost nothing on the tensor cores); one epilogue over both accumulators
-           (one exp2 an element for both, a select for the masks, as FlashInfer's key-side warpgroup does),
-           stored by `stmatrix` from the fragment: A into the inverse's fp16 and fp32 diagonal blocks, P (fp16)
-           straight into the chain's buffer;
-        3. T = (I + A)^-1 by `_Chunked.invert_unit_lower` (forward substitution on the diagonal blocks, then
-           two doubling levels), copied into the chain's buffer with the gates and decays.
-        The next chunk's k, q, a and b rows are issued once this chunk's are converted and land during 2-3; the
-        chunk's values go by cp.async into the chain's [token, v] rows.
-The chain's operands are double-buffered by chunk parity. Two named barriers per buffer hand it over: READY
-(the key side arrives once the buffer holds its chunk, the chain waits) and FREE (the chain arrives once its
-MMAs have read the buffer, the key side waits before refilling it two chunks later). `setmaxnreg` gives the
-chain's warpgroups CHAIN_REGISTERS each and the key side KEY_REGISTERS (the CTA's registers at launch).
+  2     the key side of chunk c + 1, into the chain's buffers of its parity: A = K K^T and P = Q K^T as
+        SS-WGMMA m64n64k16 from the chain's key and query buffers, both in flight (whole 64 x 64 squares: the
+        upper triangles cost nothing on the tensor cores); one epilogue over both accumulators (one exp2 an
+        element for both, a select for the masks, as FlashInfer's key-side warpgroup does), stored by
+        `stmatrix` from the fragment: A into the inverse's fp16 and fp32 diagonal blocks, P (fp16) straight into
+        the chain's buffer; T = (I + A)^-1 by `_Chunked.invert_unit_lower` (forward substitution on the diagonal
+        blocks, then two doubling levels) into the chain's buffer; the chunk's values by cp.async into the
+        chain's [token, v] rows;
+  3     the producer: the k, q, a and b rows of chunk c + 1 staged by cp.async, converted (k, q to fp16) into
+        the chain's swizzled buffers once the chain frees them, the gates (G in base 2, beta, exp(G),
+        exp(G_last - G)) into the chain's arrays; then the next chunk's rows are issued.
+The chain's operands are double-buffered by chunk parity; named barriers hand each buffer over, each with one
+arriving and one waiting group: KQ_READY (producer -> key side), READY (key side -> chain), FREE_KEY and
+FREE_PRODUCER (chain -> key side, chain -> producer: the chain has read the buffer, which is refilled two chunks
+later). `setmaxnreg` gives the warpgroups CHAIN_REGISTERS, KEY_REGISTERS and PRODUCER_REGISTERS (the CTA's
+registers at launch).
 
-Same algebra and rounding points as the two-kernel path; the Gram products sum in the WGMMA's order instead of
-`mma.sync`'s, so A and P may differ from the workspace's in the last bit of fp32 before their fp16 rounding.
-No workspace; ~215 KB of shared memory, one CTA per SM; the grid rows serve the sequences longest first
-(`chunked.py`'s `sequence_of_block`).
+Same algebra and rounding points as the two-kernel path (the WGMMA Grams sum as `mma.sync` does on the H200: the
+outputs are equal bit for bit). No workspace; ~215 KB of shared memory, one CTA per SM; the grid rows serve the
+sequences longest first (`chunked.py`'s `sequence_of_block`).
 """
 
 from __future__ import annotations
@@ -72,20 +69,27 @@ __all__ = ["FusedChain", "buffered_layouts", "compile_only", "compiled_for", "gr
 
 WARPGROUP_THREADS = 128
 CHAIN_THREADS = 2 * WARPGROUP_THREADS  # warpgroups 0 and 1
-NUM_THREADS = CHAIN_THREADS + WARPGROUP_THREADS  # and the key side's, warpgroup 2
 KEY_WARPGROUP = 2
-# Per-thread registers after setmaxnreg. An increase draws only on what the CTA's decreases return (PTX: a per-CTA
-# pool), so the split must fit the launch's 168 per thread: 2 x 128 x 192 + 128 x 120 = 384 x 168. At 192 the chain
-# (234 alone) runs its loop without spills; the key side, with both Gram accumulators live, keeps some loop-invariant
-# addresses in local memory (ptxas: 240 B of stack).
+PRODUCER_WARPGROUP = 3
+NUM_THREADS = CHAIN_THREADS + 2 * WARPGROUP_THREADS
+# Per-thread registers after setmaxnreg (FlashInfer's split). An increase draws only on what the CTA's decreases
+# return (PTX: a per-CTA pool), so the split must fit the launch's 128 per thread: 2 x 128 x 192 + 128 x 104 +
+# 128 x 24 = 512 x 128. At 192 the chain (234 alone) runs its loop without spills.
 CHAIN_REGISTERS = 192
-KEY_REGISTERS = 120
-# Named barriers: 0 is the CTA's; 1 and 2 `value_side`'s, one per chain warpgroup.
+KEY_REGISTERS = 104
+PRODUCER_REGISTERS = 24
+# Named barriers: 0 is the CTA's; 1 and 2 `value_side`'s, one per chain warpgroup. Each hand-over barrier has one
+# arriving and one waiting group, so that no group can arrive twice in one generation.
 KEY_SIDE_BARRIER = 3  # the key side's phases
-READY_BARRIER = 4  # + buffer: the key side has filled it
-FREE_BARRIER = 6  # + buffer: the chain has read it
+READY_BARRIER = 4  # + buffer: the key side has filled T, P and the values (chain waits)
+FREE_KEY_BARRIER = 6  # + buffer: the chain has read T, P and the values (key side waits)
+FREE_PRODUCER_BARRIER = 8  # + buffer: the chain has read the keys, queries and gates (producer waits)
+KQ_READY_BARRIER = 10  # + buffer: the producer has filled the keys, queries and gates (key side waits)
+PRODUCER_BARRIER = 12  # the producer's phases
+HANDOVER_THREADS = CHAIN_THREADS + WARPGROUP_THREADS  # chain and one other warpgroup
 NUM_BUFFERS = 2
 PIECES_PER_ROW = HEAD_SIZE // VEC
+CONVERT_BATCH = 2  # 16-B pieces a producer thread holds at once (4 registers each)
 
 
 def _align(dtype: type[cutlass.Numeric], elems: int, align: int):
@@ -229,11 +233,17 @@ class FusedChain(WgmmaValueSide, _KeySide):
         start, length = sequence_bounds(cu_seqlens, seq, q.shape[0])
         num_chunks = (length + CHUNK - 1) // CHUNK
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
-        if warpgroup_idx == KEY_WARPGROUP:
+        if warpgroup_idx == PRODUCER_WARPGROUP:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            self.producer(
+                q, k, A_log, a, dt_bias, b, start, length, num_chunks, head, tidx - CHAIN_THREADS - WARPGROUP_THREADS,
+                storage.key_side, buffers, gates,
+            )  # fmt: skip
+        elif warpgroup_idx == KEY_WARPGROUP:
             cute.arch.setmaxregister_decrease(KEY_REGISTERS)
             self.key_side(
-                q, k, v, A_log, a, dt_bias, b, start, length, num_chunks, head, tidx - CHAIN_THREADS, tiled_mma,
-                grams, storage.key_side, buffers, gates, s_values,
+                v, start, length, num_chunks, head, tidx - CHAIN_THREADS, tiled_mma, grams, storage.key_side,
+                buffers, gates, s_values,
             )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(CHAIN_REGISTERS)
@@ -263,7 +273,7 @@ class FusedChain(WgmmaValueSide, _KeySide):
 
         for chunk in cutlass.range(num_chunks, unroll=1):
             buffer = chunk % NUM_BUFFERS
-            cute.arch.barrier(barrier_id=READY_BARRIER + buffer, number_of_threads=NUM_THREADS)
+            cute.arch.barrier(barrier_id=READY_BARRIER + buffer, number_of_threads=HANDOVER_THREADS)
             self.value_side(
                 state, s_values[buffer, None, None], s_o_rows, scale, output, start + chunk * CHUNK,
                 cutlass.min(length - chunk * CHUNK, CHUNK), head, update_mma, products_mma,
@@ -271,9 +281,10 @@ class FusedChain(WgmmaValueSide, _KeySide):
                 self.buffer_of(s_t, buffer), self.buffer_of(s_p, buffer), tuple(g[buffer, None] for g in gates), tidx,
             )  # fmt: skip
             if chunk + NUM_BUFFERS < num_chunks:
-                # The key side's generic-proxy stores overwrite what this chunk's MMAs read.
+                # The key side's and the producer's generic-proxy stores overwrite what this chunk's MMAs read.
                 cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(barrier_id=FREE_BARRIER + buffer, number_of_threads=NUM_THREADS)
+                cute.arch.barrier_arrive(barrier_id=FREE_KEY_BARRIER + buffer, number_of_threads=HANDOVER_THREADS)
+                cute.arch.barrier_arrive(barrier_id=FREE_PRODUCER_BARRIER + buffer, number_of_threads=HANDOVER_THREADS)
 
         # A sequence of length 0 stores a zero state, as the definition does.
         for i in cutlass.range_constexpr(cute.size(state)):
@@ -281,17 +292,65 @@ class FusedChain(WgmmaValueSide, _KeySide):
             new_state[seq, head, v_row, k_col] = state[i] if length > 0 else Float32(0.0)
 
     @cute.jit
-    def key_side(self, q, k, v, A_log, a, dt_bias, b, start: Int32, length: Int32, num_chunks: Int32, head: Int32,
-                 ktid: Int32, tiled_mma, grams, storage, buffers, gates, s_values):  # fmt: skip
-        """Warpgroup 2 (`ktid` its thread, 0-127): every chunk's key side into the chain's buffer of its parity,
-        one chunk ahead of the chain (module docstring). `storage`: its `KeySideStorage`."""
-        s_keys, _, s_queries, s_t, s_p = buffers
+    def producer(self, q, k, A_log, a, dt_bias, b, start: Int32, length: Int32, num_chunks: Int32, head: Int32,
+                 ptid: Int32, storage, buffers, gates):  # fmt: skip
+        """Warpgroup 3 (`ptid` its thread, 0-127): every chunk's k, q, a and b rows staged by cp.async, then, once
+        the chain has freed the buffer of the chunk's parity, k and q converted into it (fp16, swizzled) and the
+        gates (G, beta, exp(G), exp(G_last - G)) into the chain's arrays; the next chunk's rows are issued as soon
+        as these are read."""
+        s_keys, _, s_queries, _, _ = buffers
         s_g, s_beta, s_decay_in, s_decay_out = gates
+        pwarp = cute.arch.make_warp_uniform(ptid // WARP_SIZE)
+        lane = ptid % WARP_SIZE
+        _, raw_a, raw_b, _, kq_raw = self.staging_views(storage, k_staged_in_kq=True)
+        g2s = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16, num_bits_per_copy=128
+        )
+        neg_decay_rate = -cute.math.exp(A_log[head]) * LOG2_E
+        bias = dt_bias[head]
+
+        if num_chunks > 0:
+            self.load_key_rows(g2s, q, k, a, b, raw_a, raw_b, kq_raw, start, length, 0, head, ptid)
+        cute.arch.cp_async_commit_group()
+        for chunk in cutlass.range(num_chunks, unroll=1):
+            buffer = chunk % NUM_BUFFERS
+            tokens_here = cutlass.min(length - chunk * CHUNK, CHUNK)
+            cute.arch.cp_async_wait_group(0)  # this chunk's rows
+            if chunk >= NUM_BUFFERS:
+                cute.arch.barrier(barrier_id=FREE_PRODUCER_BARRIER + buffer, number_of_threads=HANDOVER_THREADS)
+            self.producer_barrier()  # every thread's rows have landed; the buffer is free
+            if pwarp == 0:
+                self.chunk_gates(raw_a, raw_b, chunk % NUM_STAGES, head, neg_decay_rate, bias, tokens_here, lane,
+                                 s_g[buffer, None], s_beta[buffer, None])  # fmt: skip
+            self.convert_rows(kq_raw, 0, self.buffer_of(s_keys, buffer), tokens_here, ptid)
+            self.convert_rows(kq_raw, CHUNK, self.buffer_of(s_queries, buffer), tokens_here, ptid)
+            self.producer_barrier()  # the staged rows are read; G is complete
+            if chunk + 1 < num_chunks:
+                self.load_key_rows(g2s, q, k, a, b, raw_a, raw_b, kq_raw, start, length, chunk + 1, head, ptid)
+            cute.arch.cp_async_commit_group()
+            if ptid < CHUNK:
+                g = s_g[buffer, ptid]
+                s_decay_in[buffer, ptid] = self.decay(g)
+                s_decay_out[buffer, ptid] = self.decay(s_g[buffer, CHUNK - 1] - g)
+            cute.arch.fence_view_async_shared()  # the converted rows, before the Gram and chain MMAs read them
+            cute.arch.barrier_arrive(barrier_id=KQ_READY_BARRIER + buffer, number_of_threads=2 * WARPGROUP_THREADS)
+
+    @cute.jit
+    def producer_barrier(self):
+        cute.arch.barrier(barrier_id=PRODUCER_BARRIER, number_of_threads=WARPGROUP_THREADS)
+
+    @cute.jit
+    def key_side(self, v, start: Int32, length: Int32, num_chunks: Int32, head: Int32, ktid: Int32, tiled_mma,
+                 grams, storage, buffers, gates, s_values):  # fmt: skip
+        """Warpgroup 2 (`ktid` its thread, 0-127): every chunk's P and T into the chain's buffers of its parity,
+        from the keys, queries and gates the producer has put there, and the chunk's values by cp.async; one
+        chunk ahead of the chain (module docstring). `storage`: its `KeySideStorage`."""
+        s_keys, _, s_queries, s_t, s_p = buffers
+        s_g, s_beta, _, _ = gates
         kwarp = ktid // WARP_SIZE
         kwarp_uniform = cute.arch.make_warp_uniform(kwarp)
         lane = ktid % WARP_SIZE
-        _, raw_a, raw_b, _, kq_raw = self.staging_views(storage, k_staged_in_kq=True)
-        a16, a_diag, t16, scratch, cum_log_g, beta = self.head_views(storage, kwarp)
+        a16, a_diag, t16, scratch, _, _ = self.head_views(storage, kwarp)
         a16_t = cute.make_tensor(a16.iterator, _layout(SQUARE_T_VIEW))
         t16_t = cute.make_tensor(t16.iterator, _layout(SQUARE_T_VIEW))
         copy_a, _, copy_bt = _make_operand_copies(tiled_mma)
@@ -308,12 +367,6 @@ class FusedChain(WgmmaValueSide, _KeySide):
         g2s = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16, num_bits_per_copy=128
         )
-        neg_decay_rate = -cute.math.exp(A_log[head]) * LOG2_E
-        bias = dt_bias[head]
-
-        if num_chunks > 0:
-            self.load_key_rows(g2s, q, k, a, b, raw_a, raw_b, kq_raw, start, length, 0, head, ktid)
-        cute.arch.cp_async_commit_group()
         # T's blocks above the diagonal are never written by the inverse: zeros once.
         for i in cutlass.range_constexpr(CHUNK * CHUNK // WARPGROUP_THREADS):
             linear = i * WARPGROUP_THREADS + ktid
@@ -321,40 +374,18 @@ class FusedChain(WgmmaValueSide, _KeySide):
 
         for chunk in cutlass.range(num_chunks, unroll=1):
             buffer = chunk % NUM_BUFFERS
-            first = chunk * CHUNK
-            tokens_here = cutlass.min(length - first, CHUNK)
-            keys_here = self.buffer_of(s_keys, buffer)
-            queries_here = self.buffer_of(s_queries, buffer)
-            cute.arch.cp_async_wait_group(0)  # this chunk's k, q, a and b rows
             if chunk >= NUM_BUFFERS:
-                cute.arch.barrier(barrier_id=FREE_BARRIER + buffer, number_of_threads=NUM_THREADS)
-            self.phase_barrier()  # every thread's rows have landed; the buffer is free
-            self.copy_values(g2s, v, s_values, start, length, first, buffer, head, ktid)
+                cute.arch.barrier(barrier_id=FREE_KEY_BARRIER + buffer, number_of_threads=HANDOVER_THREADS)
+            self.copy_values(g2s, v, s_values, start, length, chunk * CHUNK, buffer, head, ktid)
             cute.arch.cp_async_commit_group()
-            if kwarp == 0:
-                self.chunk_gates(raw_a, raw_b, chunk % NUM_STAGES, head, neg_decay_rate, bias, tokens_here, lane,
-                                 cum_log_g, beta)  # fmt: skip
-            self.convert_rows(kq_raw, 0, keys_here, tokens_here, ktid)
-            self.convert_rows(kq_raw, CHUNK, queries_here, tokens_here, ktid)
-            cute.arch.fence_view_async_shared()  # the converted rows, before the Gram MMAs read them
-            self.phase_barrier()  # keys, queries and the gates
+            cute.arch.barrier(barrier_id=KQ_READY_BARRIER + buffer, number_of_threads=2 * WARPGROUP_THREADS)
 
-            # kq_raw and the other a, b stage are free: the next chunk's rows land during the Grams and the inverse.
-            if chunk + 1 < num_chunks:
-                self.load_key_rows(g2s, q, k, a, b, raw_a, raw_b, kq_raw, start, length, chunk + 1, head, ktid)
-            cute.arch.cp_async_commit_group()
-
-            self.grams_of(grams, thr_grams, gram_a, gram_p, keys_here, queries_here)
+            self.grams_of(grams, thr_grams, gram_a, gram_p, self.buffer_of(s_keys, buffer),
+                          self.buffer_of(s_queries, buffer))  # fmt: skip
             self.gram_epilogue(
-                gram_a, gram_p, thr_grams, gram_store, ktid, kwarp_uniform, cum_log_g, beta, a16, a_diag,
-                s_p[None, None, (0, buffer)],
+                gram_a, gram_p, thr_grams, gram_store, ktid, kwarp_uniform, s_g[buffer, None], s_beta[buffer, None],
+                a16, a_diag, s_p[None, None, (0, buffer)],
             )  # fmt: skip
-            if ktid < CHUNK:
-                g = cum_log_g[ktid]
-                s_g[buffer, ktid] = g
-                s_beta[buffer, ktid] = beta[ktid]
-                s_decay_in[buffer, ktid] = self.decay(g)
-                s_decay_out[buffer, ktid] = self.decay(cum_log_g[CHUNK - 1] - g)
             self.phase_barrier()  # A complete
 
             self.invert_unit_lower(
@@ -367,29 +398,29 @@ class FusedChain(WgmmaValueSide, _KeySide):
                 cute.local_tile(s_t[row, None, (0, buffer)], (VEC,), (piece,)).store(
                     cute.local_tile(t16[row, None], (VEC,), (piece,)).load()
                 )
-            cute.arch.cp_async_wait_group(1)  # this chunk's values (the next chunk's rows may still be in flight)
+            cute.arch.cp_async_wait_group(0)  # this chunk's values
             cute.arch.fence_view_async_shared()  # the generic-proxy stores, before the chain's MMAs read them
-            cute.arch.barrier_arrive(barrier_id=READY_BARRIER + buffer, number_of_threads=NUM_THREADS)
+            cute.arch.barrier_arrive(barrier_id=READY_BARRIER + buffer, number_of_threads=HANDOVER_THREADS)
 
     @cute.jit
-    def convert_rows(self, kq_raw, row0: cutlass.Constexpr, dst, tokens_here: Int32, ktid: Int32):
+    def convert_rows(self, kq_raw, row0: cutlass.Constexpr, dst, tokens_here: Int32, ptid: Int32):
         """The chunk's 64 staged bf16 rows at kq_raw's rows row0.. into `dst` (token, k, 1) as fp16, zero past the
-        end. Every load of the thread is issued before its first store (the rows and the buffer do not alias),
-        so that the loads overlap instead of each conversion waiting on its own."""
+        end; CONVERT_BATCH pieces of a thread loaded before they are stored (the producer's registers are few)."""
         rounds = CHUNK * PIECES_PER_ROW // WARPGROUP_THREADS
-        pieces = [None] * rounds
-        for i in cutlass.range_constexpr(rounds):
-            linear = i * WARPGROUP_THREADS + ktid
-            token, piece = linear // PIECES_PER_ROW, linear % PIECES_PER_ROW
-            pieces[i] = cute.local_tile(kq_raw[row0 + token, None], (VEC,), (piece,)).load()
-        for i in cutlass.range_constexpr(rounds):
-            linear = i * WARPGROUP_THREADS + ktid
-            token, piece = linear // PIECES_PER_ROW, linear % PIECES_PER_ROW
-            dst_piece = cute.local_tile(dst[token, None, 0], (VEC,), (piece,))
-            if token < tokens_here:
-                dst_piece.store(pieces[i].to(Float32).to(Float16))
-            else:
-                dst_piece.fill(0.0)
+        for batch in cutlass.range_constexpr(rounds // CONVERT_BATCH):
+            pieces = [None] * CONVERT_BATCH
+            for n in cutlass.range_constexpr(CONVERT_BATCH):
+                linear = (batch * CONVERT_BATCH + n) * WARPGROUP_THREADS + ptid
+                token, piece = linear // PIECES_PER_ROW, linear % PIECES_PER_ROW
+                pieces[n] = cute.local_tile(kq_raw[row0 + token, None], (VEC,), (piece,)).load()
+            for n in cutlass.range_constexpr(CONVERT_BATCH):
+                linear = (batch * CONVERT_BATCH + n) * WARPGROUP_THREADS + ptid
+                token, piece = linear // PIECES_PER_ROW, linear % PIECES_PER_ROW
+                dst_piece = cute.local_tile(dst[token, None, 0], (VEC,), (piece,))
+                if token < tokens_here:
+                    dst_piece.store(pieces[n].to(Float32).to(Float16))
+                else:
+                    dst_piece.fill(0.0)
 
     @cute.jit
     def grams_of(self, grams, thr_grams, acc_a, acc_p, keys, queries):

@@ -72,14 +72,24 @@ def test_a_buffer_of_keys_reads_alike_as_the_grams_a_and_b_operands():
 
 
 def test_the_register_split_is_the_launch_allocation():
-    chain, key = fused_chain.CHAIN_REGISTERS, fused_chain.KEY_REGISTERS
-    assert chain % 8 == 0 and key % 8 == 0 and 24 <= key <= chain <= 256
-    # 384 threads start with 168 registers each (a warp's share rounded down to 8 per thread). setmaxnreg.inc
+    chain, key, producer = fused_chain.CHAIN_REGISTERS, fused_chain.KEY_REGISTERS, fused_chain.PRODUCER_REGISTERS
+    assert all(r % 8 == 0 for r in (chain, key, producer)) and 24 <= producer <= key <= chain <= 256
+    # 512 threads start with 128 registers each (a warp's share rounded down to 8 per thread). setmaxnreg.inc
     # waits until the CTA's pool, fed only by this CTA's decreases, holds the registers: a split above the
     # launch allocation hangs the chain warpgroups for good.
     start = REGISTER_FILE // fused_chain.NUM_THREADS // 8 * 8
-    assert start == 168
-    assert fused_chain.CHAIN_THREADS * chain + fused_chain.WARPGROUP_THREADS * key == fused_chain.NUM_THREADS * start
+    assert start == 128
+    per_warpgroup = fused_chain.WARPGROUP_THREADS
+    assert fused_chain.CHAIN_THREADS * chain + per_warpgroup * (key + producer) == fused_chain.NUM_THREADS * start
+
+
+def test_every_hand_over_barrier_is_distinct_and_in_range():
+    ids = [fused_chain.KEY_SIDE_BARRIER, fused_chain.PRODUCER_BARRIER]
+    for base in (fused_chain.READY_BARRIER, fused_chain.FREE_KEY_BARRIER, fused_chain.FREE_PRODUCER_BARRIER,
+                 fused_chain.KQ_READY_BARRIER):  # fmt: skip
+        ids += [base + buffer for buffer in range(fused_chain.NUM_BUFFERS)]
+    # 0 is the CTA's barrier, 1 and 2 value_side's (one per chain warpgroup); the hardware has 16.
+    assert len(set(ids)) == len(ids) and min(ids) == 3 and max(ids) < 16
 
 
 def test_compiles_for_sm90a_without_gpu():

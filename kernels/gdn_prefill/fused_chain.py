@@ -96,10 +96,11 @@ def _align(dtype: type[cutlass.Numeric], elems: int, align: int):
     return cute.struct.Align[cute.struct.MemRange[dtype, elems], align]
 
 
-# The key-side warpgroup's own shared memory: k and q rows as copied in (bf16, in `kq`'s rows 0..63 and 64..127,
-# read through `staging_views`' kq_raw), a and b rows, A (fp16, and fp32 diagonal blocks), T and the inverse's
-# scratch, G and beta. Given as a dict: this module's annotations are strings (`from __future__ import
-# annotations`), which `cute.struct` does not evaluate.
+# The producer's and the key side's own shared memory: the producer's staged k and q rows (bf16, in `kq`'s rows 0..63
+# and 64..127, read through `staging_views`' kq_raw) and a, b rows; the key side's A (fp16, and fp32 diagonal
+# blocks), T and the inverse's scratch (`head_views`, whose G and beta views go unused: the gates live in the chain's
+# arrays). Given as a dict: this module's annotations are strings (`from __future__ import annotations`), which
+# `cute.struct` does not evaluate.
 KeySideStorage = cute.struct(
     type(
         "KeySideStorage",

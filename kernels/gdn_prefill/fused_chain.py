@@ -475,12 +475,12 @@ class FusedChain(WgmmaValueSide, _KeySide):
 
     @cute.jit
     def load_key_rows(self, g2s, q, k, a, b, raw_a, raw_b, kq_raw, start: Int32, length: Int32, chunk: Int32,
-                      head: Int32, ktid: Int32):  # fmt: skip
+                      head: Int32, ptid: Int32):  # fmt: skip
         """cp.async of one chunk's k and q rows into kq_raw's rows 0..63 and 64..127 (bf16) and its a, b rows into
-        the stage of its parity, as `_KeySide` loads them."""
-        self.copy_head_rows(g2s, k, kq_raw, 0, start, length, chunk, head, ktid)
-        self.load_q(g2s, q, kq_raw, start, length, chunk, head, ktid)
-        self.copy_gate_rows(g2s, a, b, raw_a, raw_b, start, length, chunk, chunk % NUM_STAGES, ktid)
+        the stage of its parity, as `_KeySide` loads them (`ptid`: the producer's thread)."""
+        self.copy_head_rows(g2s, k, kq_raw, 0, start, length, chunk, head, ptid)
+        self.load_q(g2s, q, kq_raw, start, length, chunk, head, ptid)
+        self.copy_gate_rows(g2s, a, b, raw_a, raw_b, start, length, chunk, chunk % NUM_STAGES, ptid)
 
     @cute.jit
     def copy_values(self, g2s, v, s_values, start: Int32, length: Int32, first: Int32, buffer: Int32, head: Int32,

@@ -3,9 +3,8 @@ as FlashInfer's SM90 kernel splits it: a producer warpgroup and a key-side warpg
 
 Why (NOTES.md, "WGMMA chain"): from 15 sequences the WY path runs two kernels, the key side of every (chunk, head)
 into a workspace, then the WGMMA chain; at 8192 tokens in 20-57 sequences the key side is 36-41 us of 96-117.
-With the key side as one warpgroup beside the chain (v1-v3) that warpgroup bounded the chunk step at ~2x the
-chain's (clock64 and ncu: its conversion of k and q, its loads, gates and Gram epilogues); here the producer takes
-the loads, the conversion and the gates.
+Here it runs beside the chain, one chunk ahead, split over a producer and a key-side warpgroup (one warpgroup
+doing both bounded the chunk step). Where it stands, measured, is in NOTES.md's fused-chain bullet.
 
 One CTA per (sequence, v-head), 512 threads in four warpgroups:
   0, 1  the chain, `WgmmaValueSide.value_side` on chunk c: the whole 128 x 128 state in their accumulators;

@@ -10,30 +10,36 @@ Out: C [rows, 2048] bf16 = silu(gate) x up, the second half of G1 the gate, each
 WGMMA GEMM2 reads (`intermediate_order.py`); rows past the experts' are not written.
 
 Structure (after CUTLASS's Hopper `dense_gemm_persistent.py` and DeepGEMM's `sm90_fp8_gemm_1d2d.cuh`):
-- Work item = (expert, row tile of TILE_M = 128 rows, column tile of 64 up columns and their 64 gate columns), so a
-  B tile is TILE_N = 128 W13 rows and SwiGLU stays in the thread (see the fragment map below). Per expert
-  ceil(count / 128) x 32 items, expert-major, row tile then column tile (an expert's 32 column tiles of one row tile
-  adjacent: a wave of 132 CTAs holds ~4 row tiles of A and all of the expert's W13 in L2).
+- Work item = (expert, row tile of TILE_M = 128 rows, column tile of 128 up columns and their 128 gate columns), so
+  a B tile is TILE_N = 256 W13 rows (two 128-row boxes, each one scale block) and SwiGLU stays in the thread (the up
+  and the gate accumulator share one fragment map). Per expert ceil(count / 128) x 16 items, expert-major, row tile
+  then column tile (an expert's 16 column tiles of one row tile adjacent). The wide item streams 384 B through L2
+  per 32 K MACs where 128 x 128 items streamed 512, and the stages' loads alone take ~3/4 of the GEMM's time
+  (NOTES.md: 1.09-1.21x over 128 x 128 items, bitwise equal).
 - The device tile scheduler: warp 0 turns `counts` into the streaming GEMMs' tables in shared memory
   (`streaming_gemm.build_expert_tables`: the inclusive prefix of 128-row tiles per expert, the counts, the experts'
-  row offsets), so the item total and every item's location come from the device (item = row tile x 32 + column
+  row offsets), so the item total and every item's location come from the device (item = row tile x 16 + column
   tile, `streaming_gemm.locate_row_tile`); the host launches `num_ctas` (the SM count) and never reads a count. CTA c
   walks items c, c + grid, ... In the call (`launch`) CTA 0 also copies the counts to `counts_out` for the combine.
 - Warp specialisation, 384 threads, one CTA per SM: warpgroup 0 is the producer (its warp 0 issues every stage by
   TMA on the `PipelineTmaAsync` full barrier: the A tile (128 x 128 e4m3, 128-B swizzle, any first row), the B tile
-  (64 up + 64 gate rows of the expert, one tensor map over W13 seen as ((64, 2, 32), K, expert)) and the A tile's
+  (128 up then 128 gate rows of the expert: two 128-row boxes of one tensor map over W13) and the A tile's
   scales of the K block (`SFA_ROWS` rows from the first row rounded down to `SFA_ALIGN`, see there); registers cut
   to 40); warpgroups 1 and 2 are consumers (64 rows each of the 128-row tile, registers raised to 232) that release
   each stage on the empty barrier (one arrive per warp).
-- K stage = one 128-wide quantisation block (56 per item), NUM_STAGES deep (6: 6 x 32.5 KB). Per stage each consumer
-  warpgroup issues four k32 WGMMAs (m64n128k32) into a fresh fp32 accumulator, reads its scales while they run,
-  waits, releases the stage and promotes: acc += block x (A scale of the row x B scale of the column half). While one
-  warpgroup promotes the other's WGMMAs keep the tensor core busy (DeepGEMM's argument for two math warpgroups).
+- K stage = one 128-wide quantisation block (56 per item), NUM_STAGES deep (4: 4 x 48.5 KB). Per stage and column
+  half (up, then gate) each consumer warpgroup issues four k32 WGMMAs (m64n128k32) into a fresh fp32 block
+  accumulator, waits and promotes it into the half's accumulator: acc += block x (A scale of the row x B scale of
+  the half); the stage is released once the gate half's MMAs are done, before its promotion. Registers: two 64-entry
+  accumulators and one 64-entry block accumulator a thread (a block accumulator per half would not fit 232). The two
+  warpgroups issue their batches together and promote together, the tensor core idle meanwhile: taking turns, or
+  starting one batch apart, measured slower (NOTES.md).
 - A scales arrive with each stage; the B scales (one per column half and K block) are read by every consumer thread
   from global memory while the block's MMAs run (an item's two 224-B rows stay in L1): no barrier between items.
-- Epilogue: thread-local SwiGLU (an up column and its gate column sit in the same thread, 32 fragment entries
-  apart, `fragment_row`/`fragment_col`), bf16 stores of the valid rows straight to global memory at GEMM2's column
-  positions (`intermediate_order.stored_position` within each 32-column group; an item's 64 columns are two groups).
+- Epilogue: thread-local SwiGLU (entry i of the up and of the gate accumulator are one row and column,
+  `fragment_row`/`fragment_col`), bf16 stores of the valid rows straight to global memory at GEMM2's column
+  positions (`intermediate_order.stored_position` within each 32-column group; an item's 128 columns are four
+  groups).
 
 C stays bf16 (what today's GEMM2 reads): C requantised to one e4m3 term with 1 x 128 (or 1 x 64) scales gives a
 relative L2 error of ~2.3e-2 (2.1e-2) on GEMM2's output (`probes/moe_activation_numerics.py`), above the contract's
@@ -73,13 +79,13 @@ PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 WG_ROWS = 64  # WGMMA's M: rows of A per consumer warpgroup
 TILE_M = NUM_CONSUMERS * WG_ROWS  # 128 token rows per item
-HALF_N = 64  # up columns of an item (and as many gate columns)
-TILE_N = 2 * HALF_N  # 128 W13 rows per item
+HALF_N = 128  # up columns of an item (and as many gate columns): one WGMMA N and one W13 scale block
+TILE_N = 2 * HALF_N  # 256 W13 rows per item
 TILE_K = BLOCK  # one quantisation block per stage
 MMA_K = 32
 K_BLOCKS = HIDDEN // TILE_K  # 56 stages per item
-N_TILES = INTERMEDIATE // HALF_N  # 32 column tiles per row tile
-ACC_SIZE = WG_ROWS * TILE_N // WARPGROUP  # 64 fp32 accumulator entries per consumer thread
+N_TILES = INTERMEDIATE // HALF_N  # 16 column tiles per row tile
+ACC_SIZE = WG_ROWS * HALF_N // WARPGROUP  # 64 fp32 entries per consumer thread in each half's accumulator
 # A's scales are f32 with the rows innermost ([56, R]). A TMA box must start on a 16-byte boundary of its innermost
 # dimension (on Hopper an unaligned start is an illegal instruction, not a bounds-checked copy), and an expert's first
 # row is any row: a stage's box starts at the item's first row rounded down to SFA_ALIGN rows and holds the tile's
@@ -89,7 +95,7 @@ SFA_ROWS = TILE_M + SFA_ALIGN  # 132 rows per box (528 B, a multiple of 16)
 SFA_STAGE = (SFA_ROWS + 31) // 32 * 32  # f32 per stage slot: every slot's TMA destination 128-byte aligned
 STAGE_BYTES = TILE_M * TILE_K + TILE_N * TILE_K + SFA_ROWS * 4  # A, B, A's scales (the TMA bytes of a stage)
 
-assert BLOCK % HALF_N == 0  # an item's up (gate) rows lie in one 128-row scale block
+assert HALF_N == BLOCK  # an item's up (gate) rows are one 128-row scale block and one TMA box
 assert HIDDEN % TILE_K == 0 and INTERMEDIATE % HALF_N == 0
 assert HALF_N % GROUP == 0  # an item's columns are whole groups of GEMM2's column order
 
@@ -113,11 +119,10 @@ def stored_column(n_tile, column):
 
 
 def promote(acc: cute.Tensor, block_acc: cute.Tensor, scales: tuple) -> None:
-    """acc += block x scale, entry by entry; `scales` are the thread's four (row, column half) products (row0 x up,
-    row0 + 8 x up, row0 x gate, row0 + 8 x gate). Plain Python called while tracing: the loop unrolls as it is
-    written, every index static."""
+    """acc += block x scale, entry by entry; `scales` are the thread's two (row, half) products (row0, row0 + 8).
+    Plain Python called while tracing: the loop unrolls as it is written, every index static."""
     for i in range(ACC_SIZE):
-        acc[i] = acc[i] + block_acc[i] * scales[fragment_row(i) // 8 + 2 * (fragment_col(i) // HALF_N)]
+        acc[i] = acc[i] + block_acc[i] * scales[fragment_row(i) // 8]
 
 
 class WarpSpecializedConfig(PersistentGemmConfig):
@@ -140,9 +145,9 @@ class WarpSpecializedConfig(PersistentGemmConfig):
 
 
 class GroupedGemm1Config(WarpSpecializedConfig):
-    """Compile-time shape: the pipeline depth (2-6 stages of 32.5 KB; 6 by default)."""
+    """Compile-time shape: the pipeline depth (2-4 stages of 48.5 KB; 4 by default)."""
 
-    max_stages = 6
+    max_stages = 4
     gathered_rows = True  # A is the grouped rows of the row gather (`gather_rows.py`), not x: what the host reads
 
     def fields(self) -> dict:
@@ -150,14 +155,15 @@ class GroupedGemm1Config(WarpSpecializedConfig):
         return {
             "barriers": smem_region(cutlass.Int64, 2 * ns, 8),  # the pipeline's full and empty mbarriers
             "a_stages": smem_region(cutlass.Float8E4M3FN, ns * TILE_M * TILE_K, 1024),  # 128-B swizzle per 1 KB
-            "b_stages": smem_region(cutlass.Float8E4M3FN, ns * TILE_N * TILE_K, 1024),
+            "b_stages": smem_region(cutlass.Float8E4M3FN, ns * TILE_N * TILE_K, 1024),  # per stage: up, gate box
             "a_scales": smem_region(Float32, ns * SFA_STAGE, 128),
         }
 
 
 @cute.jit
 def mma_operands(num_stages: cutlass.Constexpr):
-    """The two-warpgroup FP8 tiled MMA (each 64 rows x 128 columns, k32) and the staged K_SW128 layouts of A and B."""
+    """The two-warpgroup FP8 tiled MMA (each 64 rows x 128 columns, k32) and the staged K_SW128 layouts of A and of B,
+    whose 2 x `num_stages` slots hold each stage's up box then its gate box (HALF_N x TILE_K each)."""
     k_major = LayoutEnum.ROW_MAJOR
     tiled_mma = sm90_utils.make_trivial_tiled_mma(
         cutlass.Float8E4M3FN,
@@ -166,11 +172,11 @@ def mma_operands(num_stages: cutlass.Constexpr):
         k_major.sm90_mma_major_mode(),
         Float32,
         (NUM_CONSUMERS, 1, 1),
-        tiler_mn=(WG_ROWS, TILE_N),
+        tiler_mn=(WG_ROWS, HALF_N),
     )
-    tile = (TILE_M, TILE_N, TILE_K)
+    tile = (TILE_M, HALF_N, TILE_K)
     a_layout = sm90_utils.make_smem_layout_a(k_major, tile, cutlass.Float8E4M3FN, num_stages)
-    b_layout = sm90_utils.make_smem_layout_b(k_major, tile, cutlass.Float8E4M3FN, num_stages)
+    b_layout = sm90_utils.make_smem_layout_b(k_major, tile, cutlass.Float8E4M3FN, 2 * num_stages)
     return tiled_mma, a_layout, b_layout
 
 
@@ -216,16 +222,12 @@ class GroupedGemm1(LinkedGemm):
         tiled_mma, a_layout, b_layout = mma_operands(ns)
         tma_g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_a = cpasync.make_tiled_tma_atom(tma_g2s, a, cute.slice_(a_layout, (None, None, 0)), (TILE_M, TILE_K))
-        # W13 as ((64 rows, 2 halves, 32 column tiles), K, expert): one (128, 128) tile is a column tile's 64 up rows
-        # followed by their 64 gate rows.
+        # W13 as (rows, K, expert), boxes of HALF_N rows: column tile n's up box is row box n, its gate box N_TILES + n.
         w_view = cute.make_tensor(
             w.iterator,
-            cute.make_layout(
-                ((HALF_N, 2, N_TILES), HIDDEN, w.shape[0]),
-                stride=((HIDDEN, INTERMEDIATE * HIDDEN, HALF_N * HIDDEN), 1, GEMM1_OUT * HIDDEN),
-            ),
+            cute.make_layout((GEMM1_OUT, HIDDEN, w.shape[0]), stride=(HIDDEN, 1, GEMM1_OUT * HIDDEN)),
         )
-        tma_b = cpasync.make_tiled_tma_atom(tma_g2s, w_view, cute.slice_(b_layout, (None, None, 0)), (TILE_N, TILE_K))
+        tma_b = cpasync.make_tiled_tma_atom(tma_g2s, w_view, cute.slice_(b_layout, (None, None, 0)), (HALF_N, TILE_K))
         # A's scales [56, R] seen as (R, 56): a stage's box is SFA_ROWS consecutive rows of one K block.
         sfa_view = cute.make_tensor(
             a_scale.iterator, cute.make_layout((a_scale.shape[1], HIDDEN_BLOCKS), stride=(1, a_scale.stride[0]))
@@ -324,7 +326,7 @@ class GroupedGemm1(LinkedGemm):
         """Warp 0: every stage of the CTA's items by TMA, each on its slot's full barrier once the consumers released
         the slot (`producer_acquire`)."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.num_stages)
-        g_b = cute.local_tile(coords_b, (TILE_N, TILE_K), (None, None, None))  # (tile, column tile, K block, expert)
+        g_b = cute.local_tile(coords_b, (HALF_N, TILE_K), (None, None, None))  # (box, row box, K block, expert)
         slots_b, tiles_b = cpasync.tma_partition(
             atom_b, 0, cute.make_layout(1), cute.group_modes(s_b, 0, 2), cute.group_modes(g_b, 0, 2)
         )
@@ -351,7 +353,9 @@ class GroupedGemm1(LinkedGemm):
                 full = pipe.producer_get_barrier(state)
                 slot = state.index
                 cute.copy(atom_a, tiles_a[(None, kb)], slots_a[(None, slot)], tma_bar_ptr=full)
-                cute.copy(atom_b, tiles_b[(None, n_tile, kb, expert)], slots_b[(None, slot)], tma_bar_ptr=full)
+                cute.copy(atom_b, tiles_b[(None, n_tile, kb, expert)], slots_b[(None, 2 * slot)], tma_bar_ptr=full)
+                gate_box = tiles_b[(None, N_TILES + n_tile, kb, expert)]
+                cute.copy(atom_b, gate_box, slots_b[(None, 2 * slot + 1)], tma_bar_ptr=full)
                 cute.copy(atom_sfa, tiles_sfa[(None, kb)], slots_sfa[(None, slot)], tma_bar_ptr=full)
                 pipe.producer_commit(state)
                 state.advance()
@@ -362,15 +366,16 @@ class GroupedGemm1(LinkedGemm):
     def consume(
         self, cta, grid, total_items, tables, pipe, tiled_mma, s_a, s_b, s_sfa, w_scale, out, mma_tidx,
     ):  # fmt: skip
-        """Warpgroups 1-2: per item, 56 blocks of WGMMAs each promoted in fp32 registers, then SwiGLU and the bf16
-        stores."""
+        """Warpgroups 1-2: per item, 56 blocks of WGMMAs per column half each promoted in fp32 registers, then SwiGLU
+        and the bf16 stores."""
         thr_mma = tiled_mma.get_slice(mma_tidx)
         t_a = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))  # (MMA, M, k32 steps, stage)
         t_b = tiled_mma.make_fragment_B(thr_mma.partition_B(s_b))
-        acc_shape = thr_mma.partition_shape_C((TILE_M, TILE_N))
-        acc = cute.make_rmem_tensor(acc_shape, Float32)
+        acc_shape = thr_mma.partition_shape_C((TILE_M, HALF_N))
+        acc_up = cute.make_rmem_tensor(acc_shape, Float32)
+        acc_gate = cute.make_rmem_tensor(acc_shape, Float32)
         block_acc = cute.make_rmem_tensor(acc_shape, Float32)
-        coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, HALF_N)))
         row0, col0 = coords[0]  # the thread's first (row, column) in the item; fragment_row/col give the others
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.num_stages)
         out_words = cute.recast_tensor(out, Int32)  # [rows, 1024]: bf16 pairs
@@ -379,11 +384,12 @@ class GroupedGemm1(LinkedGemm):
             expert, first_row, valid_rows, n_tile = self.locate(item, tables)
             sfa_row = row0 + first_row % SFA_ALIGN  # the thread's first row in the stage's scale box
             # The item's B scale rows, w_scale[expert, row, K block] for the up and the gate half: read per block
-            # from global memory while the block's MMAs run (a 224-B row, in L1 after its first blocks), so that no
+            # from global memory while the up half's MMAs run (a 224-B row, in L1 after its first blocks), so that no
             # barrier of the consumers stands between one item's last MMAs and the next item's first.
-            up_row = (n_tile * HALF_N) // BLOCK
-            gate_row = (INTERMEDIATE + n_tile * HALF_N) // BLOCK
-            acc.fill(0.0)
+            up_row = n_tile
+            gate_row = N_TILES + n_tile
+            acc_up.fill(0.0)
+            acc_gate.fill(0.0)
             # An expert's last row tile may hold no row of this warpgroup's 64 (at most 64 valid rows): its MMAs
             # are skipped (the other warpgroup's then have the tensor core alone), its stages still released.
             has_rows = row0 - row0 % WG_ROWS < valid_rows
@@ -391,31 +397,40 @@ class GroupedGemm1(LinkedGemm):
                 pipe.consumer_wait(state)
                 slot = state.index
                 if has_rows:
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                    cute.nvgpu.warpgroup.fence()
-                    for k in cutlass.range_constexpr(TILE_K // MMA_K):
-                        cute.gemm(tiled_mma, block_acc, t_a[None, None, k, slot], t_b[None, None, k, slot], block_acc)
-                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.commit_group()
-                    # The scales, read while the MMAs run: rows row0 and row0 + 8, column halves up and gate.
-                    sa0 = s_sfa[sfa_row, slot]
-                    sa1 = s_sfa[sfa_row + 8, slot]
-                    sb0 = w_scale[expert, up_row, kb]
-                    sb1 = w_scale[expert, gate_row, kb]
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    promote(acc, block_acc, (sa0 * sb0, sa1 * sb0, sa0 * sb1, sa1 * sb1))
-                pipe.consumer_release(state)
+                    sa0, sa1, sb_up, sb_gate = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
+                    for half in cutlass.range_constexpr(2):
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                        cute.nvgpu.warpgroup.fence()
+                        for k in cutlass.range_constexpr(TILE_K // MMA_K):
+                            b_k = t_b[None, None, k, 2 * slot + half]
+                            cute.gemm(tiled_mma, block_acc, t_a[None, None, k, slot], b_k, block_acc)
+                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                        cute.nvgpu.warpgroup.commit_group()
+                        if cutlass.const_expr(half == 0):
+                            # The scales, read while the up half's MMAs run: rows row0 and row0 + 8, both halves.
+                            sa0 = s_sfa[sfa_row, slot]
+                            sa1 = s_sfa[sfa_row + 8, slot]
+                            sb_up = w_scale[expert, up_row, kb]
+                            sb_gate = w_scale[expert, gate_row, kb]
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        if cutlass.const_expr(half == 0):
+                            promote(acc_up, block_acc, (sa0 * sb_up, sa1 * sb_up))
+                        else:
+                            pipe.consumer_release(state)  # the stage's MMAs are done: the producer may refill it
+                            promote(acc_gate, block_acc, (sa0 * sb_gate, sa1 * sb_gate))
+                else:
+                    pipe.consumer_release(state)
                 state.advance()
-            # SwiGLU: up entry i and its gate entry i + ACC_SIZE / 2 (64 columns on) are the thread's own; column c of
-            # the item stored at its position in GEMM2's order within its 32-column group. Entries i and i + 1 (i
-            # even) are adjacent columns c, c + 1 of one row (c even: col0 is), and GEMM2's order keeps such a pair
-            # adjacent, so each pair is one 4-byte store.
-            for i in cutlass.range_constexpr(0, ACC_SIZE // 2, 2):
+            # SwiGLU: up entry i and gate entry i are one row and column of the thread; column c of the item stored at
+            # its position in GEMM2's order within its 32-column group. Entries i and i + 1 (i even) are adjacent
+            # columns c, c + 1 of one row (c even: col0 is), and GEMM2's order keeps such a pair adjacent, so each
+            # pair is one 4-byte store.
+            for i in cutlass.range_constexpr(0, ACC_SIZE, 2):
                 row = row0 + fragment_row(i)
                 if row < valid_rows:
                     column = stored_column(n_tile, col0 + fragment_col(i))
                     out_words[first_row + row, column // 2] = swiglu_bf16x2(
-                        acc[i + ACC_SIZE // 2], acc[i], acc[i + 1 + ACC_SIZE // 2], acc[i + 1]
+                        acc_gate[i], acc_up[i], acc_gate[i + 1], acc_up[i + 1]
                     )
             item = item + grid
 

@@ -309,15 +309,15 @@ MEDIUM_T = StreamingVariant(
 )
 # Above MEDIUM_T_MAX_TOKENS each expert has hundreds of tokens and both GEMMs are bound by their MMAs. The routing is a
 # grid of its own (T warps over the SMs; GEMM1's grid would route 4 x its CTAs tokens at a time), the token rows are
-# gathered by expert into grouped buffers, and the grouped GEMM1 feeds two MMA warpgroups per SM on 128 x 128 tiles by
-# TMA from them in 6 stages (one CTA per SM). Its C is in the column order of MEDIUM_T's GEMM2 and rewritten as f16 as
+# gathered by expert into grouped buffers, and the grouped GEMM1 feeds two MMA warpgroups per SM on 128 x 256 tiles by
+# TMA from them in 4 stages (one CTA per SM). Its C is in the column order of MEDIUM_T's GEMM2 and rewritten as f16 as
 # there; the grouped GEMM2 reads it by TMA in 128-token tiles (W2 converted once per 128 tokens instead of 32), 4
 # stages, one CTA per SM.
 GROUPED_T = dataclasses.replace(
     MEDIUM_T,
     routing=Routing.ROUTING_GRID,
     block_tokens=GROUPED_TILE_M,
-    num_stages=6,
+    num_stages=4,
     gemm2_block_tokens=GROUPED_GEMM2_TILE_T,
     gemm2_num_stages=4,
     gemm1_feed=Gemm1Feed.GATHERED_ROWS,

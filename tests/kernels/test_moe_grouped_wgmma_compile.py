@@ -2,8 +2,9 @@
 MEDIUM_T_MAX_TOKENS, after the row gather).
 
 CPU: it compiles for sm_90a without a GPU (symbolic row count, one compile for every R) and caches; the fragment map
-its promotion and SwiGLU rely on (`fragment_row`, `fragment_col`: an up column and its gate column in one thread),
-traced from CuTe's own partition of the two-warpgroup MMA for all 256 consumer threads; C's columns where the WGMMA
+its promotion and SwiGLU rely on (`fragment_row`, `fragment_col`: the up and the gate accumulator share it, so an up
+column and its gate column sit in one thread), traced from CuTe's own partition of the two-warpgroup MMA for all 256
+consumer threads; C's columns where the WGMMA
 GEMM1 of the other variants stores them (the order GEMM2 reads); the shared-memory budget and the one-CTA grid; the
 A-scale boxes' geometry (a TMA box starts 16-byte aligned in its innermost dimension); from the compiled PTX and cubin:
 the register budget `setmaxnreg` moves (launch count x 384 threads holds 40 x 128 + 232 x 256, or the consumers' raise
@@ -46,8 +47,8 @@ def test_compiles_for_sm90a_without_gpu():
 
 
 def _traced_accumulator_coords() -> dict[int, list[tuple[int, int]]]:
-    """(row, column) in the 128 x 128 item of every accumulator entry of every consumer thread, as CuTe partitions
-    the kernel's tiled MMA (evaluated while tracing: no GPU)."""
+    """(row, column) in the 128 x 128 column half of an item of every accumulator entry of every consumer thread, as
+    CuTe partitions the kernel's tiled MMA (evaluated while tracing: no GPU)."""
     seen: dict[int, list[tuple[int, int]]] = {}
 
     def collect(tiled_mma, identity):  # plain Python, called while tracing: its loops stay Python loops
@@ -58,14 +59,16 @@ def _traced_accumulator_coords() -> dict[int, list[tuple[int, int]]]:
     @cute.jit
     def probe(unused: cute.Tensor):
         tiled_mma, _, _ = grouped.mma_operands(4)
-        collect(tiled_mma, cute.make_identity_tensor((grouped.TILE_M, grouped.TILE_N)))
+        collect(tiled_mma, cute.make_identity_tensor((grouped.TILE_M, grouped.HALF_N)))
 
     unused = make_fake_compact_tensor(cutlass.Float32, (4,), assumed_align=16)
     cute.compile(probe, unused, options="--gpu-arch sm_90a")
     return seen
 
 
-def test_the_fragment_map_pairs_each_up_column_with_its_gate_column_in_one_thread():
+def test_the_fragment_map_covers_a_column_half_once():
+    # The up and the gate accumulator are partitions of one tiled MMA over equal halves: entry i of both is one
+    # (row, column), which SwiGLU pairs in the thread.
     seen = _traced_accumulator_coords()
     assert len(seen) == grouped.CONSUMER_THREADS
     covered = set()
@@ -77,16 +80,12 @@ def test_the_fragment_map_pairs_each_up_column_with_its_gate_column_in_one_threa
         for i, (row, col) in enumerate(coords):
             assert (row, col) == (row0 + grouped.fragment_row(i), col0 + grouped.fragment_col(i))
             covered.add((row, col))
-        half = grouped.ACC_SIZE // 2
-        for i in range(half):
-            up, gate = coords[i], coords[i + half]
-            assert gate == (up[0], up[1] + grouped.HALF_N) and up[1] < grouped.HALF_N
-    assert len(covered) == grouped.TILE_M * grouped.TILE_N
+    assert covered == {(r, c) for r in range(grouped.TILE_M) for c in range(grouped.HALF_N)}
 
 
 def test_columns_are_stored_where_the_other_wgmma_gemm1_stores_them():
     # GEMM2 reads C in one order whichever GEMM1 wrote it: the WGMMA GEMM1's items of 32 columns store natural column
-    # c of item c // 32 at 32 (c // 32) + stored_position(c % 32); the grouped GEMM1's items span 64 columns.
+    # c of item c // 32 at 32 (c // 32) + stored_position(c % 32); the grouped GEMM1's items span 128 columns.
     seen = set()
     for n_tile in range(grouped.N_TILES):
         for column in range(grouped.HALF_N):
@@ -98,13 +97,13 @@ def test_columns_are_stored_where_the_other_wgmma_gemm1_stores_them():
 
 
 def test_the_epilogue_stores_adjacent_entry_pairs_as_one_word():
-    # Entries i, i + 1 (i even) of a thread's up half: one row, columns c and c + 1 with c even (traced col0 is),
+    # Entries i, i + 1 (i even) of a thread's half: one row, columns c and c + 1 with c even (traced col0 is),
     # stored at adjacent, word-aligned positions of GEMM2's order: one bf16x2 store per pair.
     seen = _traced_accumulator_coords()
     for coords in seen.values():
         _, col0 = coords[0]
         assert col0 % 2 == 0
-        for i in range(0, grouped.ACC_SIZE // 2, 2):
+        for i in range(0, grouped.ACC_SIZE, 2):
             assert grouped.fragment_row(i) == grouped.fragment_row(i + 1)
             assert grouped.fragment_col(i + 1) == grouped.fragment_col(i) + 1
             for n_tile in range(grouped.N_TILES):
@@ -113,16 +112,16 @@ def test_the_epilogue_stores_adjacent_entry_pairs_as_one_word():
 
 
 def test_configurations_fit_one_cta_per_sm():
-    assert grouped.GroupedGemm1Config().num_stages == 6
-    for stages in (4, 5, 6):
+    assert grouped.GroupedGemm1Config().num_stages == 4
+    for stages in (2, 3, 4):
         config = grouped.GroupedGemm1Config(stages)
         assert stages * grouped.STAGE_BYTES < config.smem_bytes()
         assert config.smem_bytes() + streaming.SMEM_RESERVED_PER_CTA <= streaming.SMEM_PER_SM
         assert config.ctas_per_sm() == 1 and config.grid(132) == 132
         assert config.gathered_rows and not config.partition_walk  # what the MoE host reads
     with pytest.raises(ValueError):
-        grouped.GroupedGemm1Config(7)
-    assert grouped.STAGE_BYTES == 128 * 128 * 2 + 132 * 4
+        grouped.GroupedGemm1Config(5)
+    assert grouped.STAGE_BYTES == 128 * 128 * 3 + 132 * 4
 
 
 def test_a_scale_boxes_start_16_byte_aligned_and_hold_the_tile():

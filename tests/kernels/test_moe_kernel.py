@@ -119,7 +119,7 @@ def test_the_grouped_gemms_on_gathered_rows_above_medium_t_max_tokens_only():
         kernel.MEDIUM_T,
         routing=kernel.Routing.ROUTING_GRID,
         block_tokens=grouped.TILE_M,
-        num_stages=6,
+        num_stages=4,
         gemm2_block_tokens=grouped_gemm2.TILE_T,
         gemm2_num_stages=4,
         gemm1_feed=gathered,
@@ -127,7 +127,7 @@ def test_the_grouped_gemms_on_gathered_rows_above_medium_t_max_tokens_only():
         gemm2_form=kernel.Gemm2Form.GROUPED,
     )
     gemm1 = kernel.GROUPED_T.gemm1()
-    assert isinstance(gemm1, grouped.GroupedGemm1Config) and gemm1.num_stages == 6 and gemm1.grid(132) == 132
+    assert isinstance(gemm1, grouped.GroupedGemm1Config) and gemm1.num_stages == 4 and gemm1.grid(132) == 132
     gemm2 = kernel.GROUPED_T.gemm2()
     assert isinstance(gemm2, grouped_gemm2.GroupedGemm2Config) and gemm2.num_stages == 4 and gemm2.f16_c
     assert kernel._grids(kernel.GROUPED_T, 132) == (132, 132)

@@ -1120,12 +1120,14 @@ def format_plan(plan: RunPlan, devices: list[int] | None) -> str:
 
 
 def _offlist_lines(tp: TrackPlan) -> list[str]:
-    """One line per off-list row of the plan: uuid, axes, recipe variant (none for listed rows)."""
+    """One line per off-list row of the plan: uuid, axes, recipe variant, the inputs a twin withholds
+    (none for listed rows)."""
     lines = []
     for w in tp.workloads:
         if w.recipe_variant is not None:
             axes = " ".join(f"{name}={value}" for name, value in w.axes.items())
-            lines.append(f"  off-list {w.index}: {w.uuid} ({axes}, recipe variant {w.recipe_variant})")
+            without = f", without {', '.join(w.withheld_inputs)}" if w.withheld_inputs else ""
+            lines.append(f"  off-list {w.index}: {w.uuid} ({axes}, recipe variant {w.recipe_variant}{without})")
     return lines
 
 

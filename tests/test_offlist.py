@@ -1,5 +1,6 @@
 """Off-list workloads (`--workload-list offlist`): the MoE routing rows, their recipe variants checked
-with the reference's routing on the CPU, and the runner's refusals, --list and --dry-run (no GPU)."""
+with the reference's routing on the CPU, GDN's long sequences, and the runner's refusals, --list and
+--dry-run (no GPU)."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def test_a_listed_workload_cannot_name_a_variant_and_a_track_without_offlist_has
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with pytest.raises(WorkloadError, match="has no off-list workloads"):
-        load_offlist("gdn_prefill")
+        load_offlist("dsa_attention")
     listed = TRACKS["moe"].workload_list_path.read_text().splitlines()
     rows = [line for line in listed if line and not line.startswith("#")]
     path = tmp_path / "workloads.tsv"
@@ -148,6 +149,47 @@ def test_the_variants_keep_the_other_inputs_and_stay_deterministic() -> None:
 
 
 # ------------------------------------------------------------------------------------------
+# GDN's long sequences
+
+
+def test_the_gdn_offlist_rows_are_the_issues_long_sequences() -> None:
+    rows = load_offlist("gdn_prefill")
+    assert [(w.uuid, w.axes["total_seq_len"], w.axes["num_seqs"]) for w in rows] == [
+        ("offlist-gdn-single-8192", 8192, 1), ("offlist-gdn-single-32768", 32768, 1),
+        ("offlist-gdn-single-65536", 65536, 1), ("offlist-gdn-one_long-8192", 8192, 33),
+    ]  # fmt: skip
+    assert set(recipe_variants("gdn_prefill")) == {w.recipe_variant for w in rows}
+    for w in rows[:3]:
+        bounds = make_inputs("gdn_prefill", w, 0, 0, "cpu", only={"cu_seqlens"})["cu_seqlens"]
+        assert bounds.tolist() == [0, w.axes["total_seq_len"]]
+
+
+def test_one_long_puts_one_long_sequence_beside_short_ones_and_changes_nothing_else() -> None:
+    workload = load_offlist("gdn_prefill")[3]
+    inputs = make_inputs("gdn_prefill", workload, 0, 1, "cpu")
+    lengths = inputs["cu_seqlens"].diff().tolist()
+    assert lengths == [8192 - 64 * 32] + [64] * 32
+    listed = make_inputs("gdn_prefill", workload.model_copy(update={"recipe_variant": "listed"}), 0, 1, "cpu")
+    assert not torch.equal(listed["cu_seqlens"], inputs["cu_seqlens"])
+    for name in ("q", "k", "v", "state", "A_log", "a", "dt_bias", "b"):
+        assert torch.equal(inputs[name], listed[name]), name
+    too_many = workload.model_copy(update={"axes": {"total_seq_len": 640, "num_seqs": 10, "len_cu_seqlens": 11}})
+    with pytest.raises(SynthesisError, match="no long sequence"):
+        make_inputs("gdn_prefill", too_many, 0, 0, "cpu", only={"cu_seqlens"})
+
+
+def test_the_gdn_dry_run_names_the_no_state_twins(fake: RunnerHooks, tmp_path: Path, capsys) -> None:  # noqa: F811
+    out = tmp_path / "gdn_long_sequences.json"
+    argv = ["--dry-run", "--track", "gdn_prefill", "--workload-list", "offlist", "--output", str(out)]
+    assert main([*argv, "--no-pin-cpus", "--allow-unpinned", "gdn_prefill"], machine_untouched(fake)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "gdn_prefill: 4 workload(s), 4 of them also without state"
+    variant = "total_seq_len=65536 num_seqs=1 len_cu_seqlens=2, recipe variant listed"
+    assert f"  off-list 2: offlist-gdn-single-65536 ({variant})" in lines
+    assert f"  off-list 2: offlist-gdn-single-65536 ({variant}, without state)" in lines
+
+
+# ------------------------------------------------------------------------------------------
 # The runner
 
 
@@ -174,8 +216,8 @@ def test_list_and_dry_run_show_the_offlist_rows(fake: RunnerHooks, tmp_path: Pat
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
-        (["--list", "--workload-list", "offlist"], "no off-list workloads for gdn_prefill, dsa_attention; pass --track moe"),
-        (["--dry-run", "--track", "gdn_prefill", "--workload-list", "offlist"], "pass --track moe"),
+        (["--list", "--workload-list", "offlist"], "no off-list workloads for dsa_attention; pass --track gdn_prefill,moe"),
+        (["--dry-run", "--track", "dsa_attention", "--workload-list", "offlist"], "pass --track gdn_prefill,moe"),
         (["--dry-run", "--track", "moe", "--workload-list", "offlist", "--output", str(CANONICAL_RESULTS)],
          "the canonical run holds the listed workloads only"),
         (["--track", "moe", "--workload-list", "sideways"], "invalid choice"),

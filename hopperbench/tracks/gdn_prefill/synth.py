@@ -20,6 +20,12 @@
   32 % of `output` and 64 % of `new_state` elements off; 300 tokens, 2.5 % of `output` off,
   the first tokens, while `new_state` has forgotten it: even the slowest heads decay ~e^-4).
 - `scale`: 1/sqrt(128). The contest's value is unknown; the reference substitutes this for 0/None.
+
+Recipe variants (`RECIPE_VARIANTS`, named by an off-list workload's `recipe_variant`,
+`offlist.tsv`); each replaces `cu_seqlens` only:
+- `listed`: the recipe above (with one sequence: the whole batch is that sequence).
+- `one_long`: one long sequence first, then `num_seqs - 1` sequences of `SHORT_SEQ_TOKENS` each:
+  the chain of the long one bounds a batched kernel while the short ones fill the other SMs.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from hopperbench.workloads import WorkloadSpec
 GATE_REGIMES: tuple[str, ...] = ("mamba2", "fast_decay")
 
 STATE_STD = 0.2
+
+# The short sequences of the `one_long` variant: one 64-token chunk each.
+SHORT_SEQ_TOKENS = 64
 
 
 def has_initial_state(workload: WorkloadSpec) -> bool:
@@ -56,6 +65,19 @@ def _cu_seqlens(ctx: SynthContext, name: str) -> torch.Tensor:
     # num_seqs - 1 distinct cut points in 1..total-1: a uniform composition with parts >= 1.
     cuts = (torch.randperm(total - 1, generator=gen)[: num_seqs - 1] + 1).sort().values
     bounds = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([total])])
+    return bounds.to(dtype=ctx.dtypes[name], device=ctx.device)
+
+
+def _one_long_cu_seqlens(ctx: SynthContext, name: str) -> torch.Tensor:
+    total, num_seqs = ctx.workload.axes["total_seq_len"], ctx.workload.axes["num_seqs"]
+    longest = total - SHORT_SEQ_TOKENS * (num_seqs - 1)
+    if longest <= SHORT_SEQ_TOKENS:
+        raise SynthesisError(
+            f"workload {ctx.workload.uuid}: {total} tokens leave no long sequence beside"
+            f" {num_seqs - 1} of {SHORT_SEQ_TOKENS}"
+        )
+    lengths = torch.tensor([longest] + [SHORT_SEQ_TOKENS] * (num_seqs - 1), dtype=torch.int64)
+    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     return bounds.to(dtype=ctx.dtypes[name], device=ctx.device)
 
 
@@ -94,4 +116,9 @@ RECIPE: Recipe = {
     "b": randn,
     "cu_seqlens": _cu_seqlens,
     "scale": _scale,
+}
+
+RECIPE_VARIANTS: dict[str, Recipe] = {
+    "listed": {},
+    "one_long": {"cu_seqlens": _one_long_cu_seqlens},
 }

@@ -55,6 +55,8 @@ def test_a_different_order_in_one_iteration_is_refused():
         (["--track", "moe", "--workloads", "-1"], ">= 0"),
         (["--track", "moe", "--workloads", "99"], "out of range"),
         (["--track", "moe", "--side", "nobody"], "nobody"),
+        (["--track", "dsa_attention", "--workload-list", "offlist"], "has no off-list workloads"),
+        (["--track", "gdn_prefill", "--workload-list", "offlist", "--workloads", "4"], "has 4 workloads"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):

@@ -1,8 +1,10 @@
 """Where one side's time goes: every GPU activity of its call, under the runner's timing protocol.
 
     uv run tools/kernel_breakdown.py --track moe [--side ours] [--workloads 1,0,12] [--iterations 20]
+        [--workload-list offlist]
 
-For each chosen workload (indices of the track's workload list; default: the first): synthesized
+For each chosen workload (indices of the track's workload list, or of its off-list workloads with
+`--workload-list offlist`; default: the first): synthesized
 inputs (seed, trial 0; through the side's untimed `prepare` where it has one, as the runner does), then the CUPTI cold-L2 protocol of hopperbench.timing (the same flush,
 synchronisation and span rules as the runner), then one table: per activity of the call, in launch
 order, when the host issued it (the start of its launching API call), when it started and ended on
@@ -221,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--track", required=True, help="gdn_prefill, moe or dsa_attention")
     parser.add_argument("--side", default="ours", help="a side of the track (default ours)")
     parser.add_argument("--workloads", default="0", help="indices into the track's workload list")
+    parser.add_argument(
+        "--workload-list",
+        choices=("listed", "offlist"),
+        default="listed",
+        help="the track's listed workloads, or its off-list ones (offlist.tsv)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
@@ -235,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     from hopperbench.timing.span import iteration_gpu_records
     from hopperbench.tracks import UnknownTrackError, get_track
     from hopperbench.worker import allocate_poisoned_outputs, load_side_prepare
-    from hopperbench.workloads import load_workloads
+    from hopperbench.workloads import WorkloadError, load_offlist, load_workloads
 
     try:
         track = get_track(args.track)
@@ -243,7 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     except (UnknownTrackError, BreakdownError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    workloads = load_workloads(track.name)
+    try:
+        workloads = load_offlist(track.name) if args.workload_list == "offlist" else load_workloads(track.name)
+    except WorkloadError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if max(indices) >= len(workloads):
         print(f"error: {track.name} has {len(workloads)} workloads; index {max(indices)} is out of range", file=sys.stderr)
         return 2

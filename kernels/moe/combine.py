@@ -1,6 +1,5 @@
-"""The last kernel of the MoE: the deterministic per-token combine of the weighted expert outputs (fp32 or bf16 rows,
-summed in fp32) into bf16, which also leaves the kept counters at zero for the next call, so that no kernel of its own
-releases them."""
+"""The last kernel of the MoE: the deterministic per-token combine of the weighted expert outputs into bf16, which
+also leaves the kept counters at zero for the next call, so that no kernel of its own releases them."""
 
 from __future__ import annotations
 
@@ -112,10 +111,9 @@ class CombineKernel(Linked):
         column_chunk = column_block * NUM_THREADS + tidx  # in units of COMBINE_COLS_PER_THREAD columns
         total = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD,), cutlass.Float32)
         total.fill(0.0)
-        row = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD,), cutlass.Float32)  # one slot's columns, widened
         if cutlass.const_expr(self.loads_first):
             # All of the token's rows in flight at once, then the sum in slot order (the same FMAs as below).
-            rows = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD, TOP_K), expert_out.element_type)
+            rows = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD, TOP_K), cutlass.Float32)
             for k in cutlass.range_constexpr(TOP_K):
                 if experts[k] >= 0:
                     packed_row = offsets[experts[k]] + ranks[k]
@@ -123,11 +121,10 @@ class CombineKernel(Linked):
                     cute.autovec_copy(source, rows[None, k])
             for k in cutlass.range_constexpr(TOP_K):
                 if experts[k] >= 0:
-                    row.store(rows[None, k].load().to(cutlass.Float32))
                     for j in cutlass.range_constexpr(COMBINE_COLS_PER_THREAD):
-                        total[j] = total[j] + weights[k] * row[j]
+                        total[j] = total[j] + weights[k] * rows[j, k]
         else:
-            loaded = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD,), expert_out.element_type)
+            row = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD,), cutlass.Float32)
             for k in cutlass.range_constexpr(TOP_K):
                 local = slot_expert[token, k]
                 if local >= 0:
@@ -136,8 +133,7 @@ class CombineKernel(Linked):
                     source = cute.local_tile(
                         expert_out[packed_row, None], (COMBINE_COLS_PER_THREAD,), (column_chunk,)
                     )
-                    cute.autovec_copy(source, loaded)
-                    row.store(loaded.load().to(cutlass.Float32))
+                    cute.autovec_copy(source, row)
                     for j in cutlass.range_constexpr(COMBINE_COLS_PER_THREAD):
                         total[j] = total[j] + weight * row[j]
         result = cute.make_rmem_tensor((COMBINE_COLS_PER_THREAD,), cutlass.BFloat16)

@@ -195,18 +195,15 @@ class Workspaces:
     slot_rank: torch.Tensor  # [T, 8] int32
     slot_weight: torch.Tensor  # [T, 8] fp32
     intermediate: torch.Tensor  # [8 T, 2048] bf16: C = silu(gate) * up per packed row
-    expert_out: torch.Tensor  # [8 T, 7168] fp32, or bf16 from the grouped GEMM2: C W2^T per packed row
+    expert_out: torch.Tensor  # [8 T, 7168] fp32: C W2^T per packed row
     c_scale: torch.Tensor  # [8 T] fp32: with an f16 GEMM2, the power of two that undoes each packed row's rewrite
     # With the row gather only (`MoeHostSm90.gather`): GEMM1's A, each packed row's token row and its scales.
     a_rows: torch.Tensor | None = None  # [8 T, 7168] e4m3
     a_rows_scale: torch.Tensor | None = None  # [56, 8 T] fp32 (8 T a multiple of 4, as its tensor map needs)
 
     @classmethod
-    def allocate(
-        cls, num_tokens: int, device: torch.device, gathered_rows: bool = False, bf16_expert_out: bool = False
-    ) -> Workspaces:
-        """The workspaces of a call of `num_tokens` tokens; `gathered_rows`: with the grouped rows of the gather;
-        `bf16_expert_out`: GEMM2's rows in bf16 (its configuration's `bf16_expert_out`)."""
+    def allocate(cls, num_tokens: int, device: torch.device, gathered_rows: bool = False) -> Workspaces:
+        """The workspaces of a call of `num_tokens` tokens; `gathered_rows`: with the grouped rows of the gather."""
         num_rows = TOP_K * num_tokens  # worst case: all 8 chosen experts are local
         grouped = {}
         if gathered_rows:
@@ -221,17 +218,15 @@ class Workspaces:
             slot_rank=torch.empty(num_tokens, TOP_K, dtype=torch.int32, device=device),
             slot_weight=torch.empty(num_tokens, TOP_K, dtype=torch.float32, device=device),
             intermediate=torch.empty(num_rows, INTERMEDIATE, dtype=torch.bfloat16, device=device),
-            expert_out=torch.empty(
-                num_rows, HIDDEN, dtype=torch.bfloat16 if bf16_expert_out else torch.float32, device=device
-            ),
+            expert_out=torch.empty(num_rows, HIDDEN, dtype=torch.float32, device=device),
             c_scale=torch.empty(num_rows, dtype=torch.float32, device=device),
             **grouped,
         )
 
 
-def fake_tensor_arguments(bf16_expert_out: bool = False) -> tuple:
+def fake_tensor_arguments() -> tuple:
     """Compile-time stand-ins (symbolic T and packed-row count) for the host function's arguments
-    from `routing_logits` through the workspaces, in call order; `bf16_expert_out` as `Workspaces.allocate`'s."""
+    from `routing_logits` through the workspaces, in call order."""
     num_tokens = cute.sym_int()
     num_rows = cute.sym_int()  # packed workspace rows (8 T)
 
@@ -255,7 +250,7 @@ def fake_tensor_arguments(bf16_expert_out: bool = False) -> tuple:
         rowmajor(i32, (num_tokens, TOP_K)),
         rowmajor(f32, (num_tokens, TOP_K)),
         rowmajor(bf16, (num_rows, INTERMEDIATE)),
-        rowmajor(bf16 if bf16_expert_out else f32, (num_rows, HIDDEN)),
+        rowmajor(f32, (num_rows, HIDDEN)),
         rowmajor(f32, (num_rows,)),
     )
 
@@ -280,15 +275,14 @@ def compile_host(host, arch: str) -> Callable:
     on the current torch stream: the arguments from `routing_logits` through the workspaces, the two grid parameters
     (runtime scalars), the stream and the host's kept int32 buffers (`kept_words`), then by name the grouped buffers of
     a host with the row gather. Needs no GPU."""
-    chained = isinstance(host, MoeHostSm90)  # the fused GEMMs' host has neither the gather nor bf16 expert rows
     args = (
-        *fake_tensor_arguments(chained and host.gemm2.cfg.bf16_expert_out),
+        *fake_tensor_arguments(),
         0,
         0,
         make_fake_stream(use_tvm_ffi_env_stream=True),
         *(make_fake_compact_tensor(cutlass.Int32, (words,), assumed_align=16) for words in host.kept_words()),
     )
-    grouped = fake_grouped_rows() if chained and host.gather is not None else {}
+    grouped = fake_grouped_rows() if isinstance(host, MoeHostSm90) and host.gather is not None else {}
     return cute.compile(host, *args, **grouped, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 

@@ -386,12 +386,6 @@ def _grids(variant: StreamingVariant, num_sms: int) -> tuple[int, int]:
     return variant.grids(num_sms)
 
 
-@functools.cache
-def _bf16_expert_out(variant: StreamingVariant) -> bool:
-    """Whether `variant`'s GEMM2 writes expert_out in bf16 (its configuration says; cached as `_grids`)."""
-    return variant.gemm2().bf16_expert_out
-
-
 def make_run(choose: Callable[[int], StreamingVariant]) -> Callable[..., None]:
     """The definition's destination-passing `run` with `choose` as the map from T to the streaming
     variant: `kernel.py`'s own `run`, and each candidate's."""
@@ -462,12 +456,7 @@ def run_keeping_workspaces(
         return None
     variant = choose(num_tokens)
     device = routing_logits.device
-    workspaces = Workspaces.allocate(
-        num_tokens,
-        device,
-        gathered_rows=variant.gemm1_feed is Gemm1Feed.GATHERED_ROWS,
-        bf16_expert_out=_bf16_expert_out(variant),
-    )
+    workspaces = Workspaces.allocate(num_tokens, device, gathered_rows=variant.gemm1_feed is Gemm1Feed.GATHERED_ROWS)
     gemm1_ctas, gemm2_ctas = _grids(variant, _num_sms(device))
     kept = counters.kept_counts(device, GPU_ARCH)
     routes = variant.routing is not Routing.ROUTING_GRID

@@ -236,9 +236,6 @@ class PersistentGemmConfig:
     # A GEMM1 whose A is the grouped rows of the row gather (`gather_rows.py`) instead of x: none of these, only
     # `grouped_wgmma.GroupedGemm1Config`, which states it too.
     gathered_rows: bool = False
-    # A GEMM2 that writes its rows of expert_out as bf16 rather than fp32: none of these, only
-    # `grouped_gemm2.GroupedGemm2Config`, which states it too.
-    bf16_expert_out: bool = False
     # Registers allow two CTAs of 128 threads per SM at up to 255 registers a thread. A configuration that allows
     # three states it (the WGMMA GEMM1 with its producer warp, the f16 WGMMA GEMM2; their compiled registers were read
     # from the cubin), and a cooperative launch of a grid that cannot all be resident fails rather than hangs.

@@ -162,20 +162,11 @@ def test_the_workspaces_hold_grouped_rows_for_the_row_gather_only():
     meta = torch.device("meta")
     plain = host.Workspaces.allocate(5, meta)
     assert plain.a_rows is None and plain.a_rows_scale is None
-    assert plain.expert_out.dtype == torch.float32
-    assert host.Workspaces.allocate(5, meta, bf16_expert_out=True).expert_out.dtype == torch.bfloat16
     gathered = host.Workspaces.allocate(5, meta, gathered_rows=True)
     assert gathered.a_rows.shape == (40, 7168) and gathered.a_rows.dtype == torch.float8_e4m3fn
     assert gathered.a_rows_scale.shape == (56, 40) and gathered.a_rows_scale.dtype == torch.float32
     # 8 T rows: always a multiple of 4, as the scales' tensor map needs (its row stride a multiple of 16 bytes)
     assert all(8 * t % 4 == 0 for t in (1, 3, 4097, kernel.MAX_TOKENS))
-
-
-def test_only_the_grouped_gemm2_writes_bf16_expert_rows():
-    # The workspaces' expert_out type follows the variant's GEMM2 configuration, which the compile reads too.
-    for variant in kernel.VARIANTS:
-        grouped_gemm2 = variant.gemm2_form is kernel.Gemm2Form.GROUPED
-        assert variant.gemm2().bf16_expert_out == grouped_gemm2 == (variant is kernel.GROUPED_T)
 
 
 def test_gemm2_weights_before_its_wait_up_to_the_threshold_only():

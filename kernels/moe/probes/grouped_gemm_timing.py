@@ -49,7 +49,7 @@ def gemm2_call(grouped, counts: list[int]) -> tuple[Callable[[int], object], flo
     c = (torch.randn(rows, k, device="cuda") * 2.0**12).half().view(torch.bfloat16)
     c_scale = torch.full((rows,), 2.0**-12, device="cuda")
     counts_d = torch.tensor(counts, dtype=torch.int32, device="cuda")
-    out = torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(rows, hidden, dtype=torch.float32, device="cuda")
     fn = grouped.compiled()
     items = sum((count + grouped.TILE_T - 1) // grouped.TILE_T for count in counts) * grouped.W_TILES
     return lambda num_ctas: fn(c, c_scale, w, w_scale, out, counts_d, num_ctas), 2.0 * rows * k * hidden, items

@@ -4,11 +4,11 @@ MEDIUM_T_MAX_TOKENS, after the row gather).
 CPU: it compiles for sm_90a without a GPU (symbolic row count, one compile for every R) and caches; the fragment map
 its promotion and SwiGLU rely on (`fragment_row`, `fragment_col`: the up and the gate accumulator share it, so an up
 column and its gate column sit in one thread), traced from CuTe's own partition of the two-warpgroup MMA for all 256
-consumer threads; C's columns where the WGMMA
-GEMM1 of the other variants stores them (the order GEMM2 reads); the shared-memory budget and the one-CTA grid; the
-A-scale boxes' geometry (a TMA box starts 16-byte aligned in its innermost dimension); from the compiled PTX and cubin:
-the register budget `setmaxnreg` moves (launch count x 384 threads holds 40 x 128 + 232 x 256, or the consumers' raise
-waits forever) and that both `setmaxnreg` sit in code chosen by the warp-uniform warp index at warpgroup boundaries.
+consumer threads; C's columns where the WGMMA GEMM1 of the other variants stores them (the order GEMM2 reads); the
+shared-memory budget and the one-CTA grid; the A-scale boxes' geometry (a TMA box starts 16-byte aligned in its
+innermost dimension); from the compiled PTX and cubin: the register budget `setmaxnreg` moves (launch count x 384
+threads holds 40 x 128 + 232 x 256, or the consumers' raise waits forever) and that both `setmaxnreg` sit in code
+chosen by the warp-uniform warp index at warpgroup boundaries.
 GPU (skipped without CUDA): the grouped GEMM against a torch fp32 reference of the same block-scaled GEMM and SwiGLU
 on random inputs (uneven experts at odd offsets, empty ones, one expert with all rows); relative L2 <= 1e-2 and rows
 past the experts' left untouched.

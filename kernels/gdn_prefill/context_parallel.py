@@ -13,18 +13,19 @@ slots below segment_bound(N, T, L), a size known on the host); `seg_cu` holds th
 slots that hold no segment being empty sequences. Every segment starts on a chunk boundary of its sequence,
 so each chunk's key side, and so its workspace entry, is the unsplit batch's. In one compiled call:
 
-1. `_SegmentBounds`: `seg_cu` from `cu_seqlens` (one thread per slot, a binary search over the sequences).
+1. `_SegmentBounds`: `seg_cu` from `cu_seqlens` (one thread per slot, a binary search over the sequences), and
+   per slot whether the scan reads its summary (every segment of a split sequence but its last).
 2. `wy_prepass._KeySide` on the virtual batch.
-3. The chain twice on the virtual batch, outputs to a scratch: B (the real values, from zero) and M (zero
-   values, from the identity: row i of M is where the state row e_i goes). The chain is the WY path's for that
-   many sequences (`wgmma_value_side.chain_config`): the WGMMA chain from 15 segments, `wy_prepass.py`'s below.
+3. `_Summary` on the virtual batch: per (segment, head) one CTA walks the segment once with a 256-row state,
+   B (rows 0-127: the real values, from zero) and M (rows 128-255: zero values, from the identity; row i of M
+   is where the state row e_i goes), the WGMMA chain's arithmetic without outputs; segments the scan does not
+   read are skipped.
 4. `_Scan`, per (sequence, head, 8 state rows), sequential over the sequence's segments in fp32 FMA:
    S_in(0) = the initial state (or zero), S_in(j + 1) = S_in(j) M_j + B_j, each S_in(j) to `seg_state`.
-5. The chain on the virtual batch from `seg_state`: the outputs, each segment's final state.
+5. The chain on the virtual batch from `seg_state`: the outputs, each segment's final state. The chain is the WY
+   path's for that many sequences (`wgmma_value_side.chain_config`): the WGMMA chain from 15 segments,
+   `wy_prepass.py`'s below.
 6. `_FinalStates`: `new_state` of each sequence is its last segment's final state (zero if it is empty).
-
-The summary passes also run on the segments no scan reads (each sequence's last): the price of reusing the
-chain unchanged (NOTES.md: the fused summary that would skip them is the next step).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.runtime import make_fake_compact_tensor
 
 from . import cp_model, token_serial, wgmma_value_side, wy_prepass
 from .chunked import CHUNK, sequence_bounds
@@ -56,8 +58,8 @@ __all__ = [
 CP_SEGMENTS = 16
 SCAN_ROWS = 8  # state rows per scan CTA, one column per thread
 ROW_BLOCKS = HEAD_SIZE // SCAN_ROWS
+STAGE_ROWS = HEAD_SIZE + SCAN_ROWS  # a scan stage: M_j and the CTA's rows of B_j
 SLOT_THREADS = 128
-FILL_THREADS, FILL_CTAS = 256, 264  # the constants' fill: a grid-stride loop over two CTAs per SM
 
 
 def segment_tokens_for(num_tokens: int) -> int:
@@ -92,11 +94,12 @@ def sequence_segments(cu_seqlens: cute.Tensor, seq, segment_tokens, total_tokens
 
 class _SegmentBounds:
     """Kernel 1: seg_cu[i] = the first token of slot i's segment; a slot with no segment is an empty sequence at
-    the end of the sequence before it (at the first sequence's start before it); seg_cu[S] = the last end."""
+    the end of the sequence before it (at the first sequence's start before it); seg_cu[S] = the last end.
+    summarized[i] = 1 where the scan reads slot i's summary: a segment of a split sequence other than its last."""
 
     @cute.jit
-    def launch(self, cu_seqlens, seg_cu, segment_tokens, total_tokens, stream):
-        self.kernel(cu_seqlens, seg_cu, segment_tokens, total_tokens).launch(
+    def launch(self, cu_seqlens, seg_cu, summarized, segment_tokens, total_tokens, stream):
+        self.kernel(cu_seqlens, seg_cu, summarized, segment_tokens, total_tokens).launch(
             grid=[(seg_cu.shape[0] + SLOT_THREADS - 1) // SLOT_THREADS, 1, 1], block=[SLOT_THREADS, 1, 1], stream=stream
         )
 
@@ -105,6 +108,7 @@ class _SegmentBounds:
         self,
         cu_seqlens: cute.Tensor,
         seg_cu: cute.Tensor,
+        summarized: cute.Tensor,
         segment_tokens: cutlass.Int32,
         total_tokens: cutlass.Int32,
     ):
@@ -125,6 +129,74 @@ class _SegmentBounds:
             if slot < num_slots and index < count:
                 bound = start + cutlass.max(index, cutlass.Int32(0)) * segment_tokens
             seg_cu[slot] = cutlass.Int64(bound)
+            if slot < num_slots:
+                read_by_scan = cutlass.Int32(0)
+                if index >= 0:
+                    if index < count - 1:
+                        read_by_scan = cutlass.Int32(1)
+                summarized[slot] = read_by_scan
+
+
+class _Summary(wgmma_value_side.WgmmaValueSide):
+    """Kernel 3: [B; M] of every summarized (segment, head), one CTA of four warpgroups each (64 rows of the
+    256-row state), the WGMMA chain's walk without outputs (`WgmmaValueSide.summary`). `summaries`
+    [slots, 8, 256, 128] fp32: B in rows 0-127, M in rows 128-255; a slot the scan does not read is not written."""
+
+    summary = True
+    warpgroups = 4
+
+    @cute.jit
+    def launch(self, q, k, v, seg_cu, summarized, summaries, ws_tp, ws_g, stream):
+        update_mma, products_mma, keys_k_major, keys_mn_major, square = wgmma_value_side.operands(self.warpgroups)
+        SharedStorage = self.shared_storage(keys_k_major, square)
+        kernel = self.kernel(
+            q, k, v, seg_cu, summarized, summaries, ws_tp, ws_g, update_mma, products_mma, keys_k_major,
+            keys_mn_major, square, SharedStorage,
+        )  # fmt: skip
+        self.launch_grid(kernel, [NUM_V_HEADS, summaries.shape[0], 1], SharedStorage, stream, threads=self.threads)
+
+    @cute.kernel
+    def kernel(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        seg_cu: cute.Tensor,
+        summarized: cute.Tensor,
+        summaries: cute.Tensor,
+        ws_tp: cute.Tensor,
+        ws_g: cute.Tensor,
+        update_mma: cute.TiledMma,
+        products_mma: cute.TiledMma,
+        keys_k_major: cute.ComposedLayout,
+        keys_mn_major: cute.ComposedLayout,
+        square: cute.ComposedLayout,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        head, slot, _ = cute.arch.block_idx()
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        buffers = self.buffers(storage, keys_k_major, keys_mn_major, square)
+        start, length = sequence_bounds(seg_cu, slot, q.shape[0])
+        if summarized[slot] == 0:
+            length = cutlass.Int32(0)
+
+        rows = self.state_rows
+        thr_update = update_mma.get_slice(tidx)
+        state = cute.make_rmem_tensor(thr_update.partition_shape_C((rows, HEAD_SIZE)), cutlass.Float32)
+        state_coords = thr_update.partition_C(cute.make_identity_tensor((rows, HEAD_SIZE)))
+        for i in cutlass.range_constexpr(cute.size(state)):
+            row, col = state_coords[i]
+            state[i] = cutlass.Float32(cutlass.select_(row - HEAD_SIZE == col, cutlass.Float32(1.0), cutlass.Float32(0.0)))
+
+        self.walk(
+            state, q, k, v, ws_tp, ws_g, start, length, slot, head, buffers, cutlass.Float32(0.0), None,
+            update_mma, products_mma, tidx,
+        )  # fmt: skip
+        if length > 0:
+            for i in cutlass.range_constexpr(cute.size(state)):
+                row, col = state_coords[i]
+                summaries[slot, head, row, col] = state[i]
 
 
 class _SequenceRows:
@@ -144,19 +216,21 @@ class _SequenceRows:
 
 class _Scan(_SequenceRows):
     """Kernel 4: S_in of every segment, S_in(j + 1) = S_in(j) M_j + B_j in fp32 (unrounded: with decays near 1
-    the state survives every step)."""
+    the state survives every step); B_j and M_j are rows 0-127 and 128-255 of `summaries[j]`. M_j and the CTA's
+    rows of B_j arrive by cp.async into one of two shared-memory stages a step ahead, so that a step waits for no
+    load but the one issued during the step before."""
 
     @cute.jit
-    def launch(self, cu_seqlens, state, has_state, transition, reached, seg_state, segment_tokens, total_tokens, stream):
+    def launch(self, cu_seqlens, state, has_state, summaries, seg_state, segment_tokens, total_tokens, stream):
         @cute.struct
         class SharedStorage:
+            stages: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * STAGE_ROWS * HEAD_SIZE], 128]
             rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, SCAN_ROWS * HEAD_SIZE], 32]
 
-        self.kernel(
-            cu_seqlens, state, has_state, transition, reached, seg_state, segment_tokens, total_tokens, SharedStorage
-        ).launch(
-            grid=self.grid(state.shape[0]), block=[HEAD_SIZE, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
-        )
+        self.kernel(cu_seqlens, state, has_state, summaries, seg_state, segment_tokens, total_tokens, SharedStorage).launch(
+            grid=self.grid(state.shape[0]), block=[HEAD_SIZE, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+            preferred_smem_carveout=100,
+        )  # fmt: skip
 
     @cute.kernel
     def kernel(
@@ -164,19 +238,20 @@ class _Scan(_SequenceRows):
         cu_seqlens: cute.Tensor,
         state: cute.Tensor,
         has_state: cutlass.Int32,
-        transition: cute.Tensor,
-        reached: cute.Tensor,
+        summaries: cute.Tensor,
         seg_state: cute.Tensor,
         segment_tokens: cutlass.Int32,
         total_tokens: cutlass.Int32,
         SharedStorage: cutlass.Constexpr,
     ):
         col, seq, head, row0 = self.coordinates()
-        smem = cutlass.memory.SmemAllocator()
-        # The CTA's rows by column: column i's SCAN_ROWS values are contiguous, two 16-B broadcast loads.
-        by_column = smem.allocate(SharedStorage).rows.get_tensor(
-            cute.make_layout((HEAD_SIZE, SCAN_ROWS), stride=(SCAN_ROWS, 1))
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        # (stage, row, column): rows 0-127 M_j, then this CTA's SCAN_ROWS rows of B_j
+        stages = storage.stages.get_tensor(
+            cute.make_layout((2, STAGE_ROWS, HEAD_SIZE), stride=(STAGE_ROWS * HEAD_SIZE, HEAD_SIZE, 1))
         )
+        # The CTA's rows by column: column i's SCAN_ROWS values are contiguous, two 16-B broadcast loads.
+        by_column = storage.rows.get_tensor(cute.make_layout((HEAD_SIZE, SCAN_ROWS), stride=(SCAN_ROWS, 1)))
         _, length, first, count = sequence_segments(cu_seqlens, seq, segment_tokens, total_tokens)
 
         own = cute.make_rmem_tensor((SCAN_ROWS,), cutlass.Float32)  # column `col` of this CTA's rows
@@ -184,6 +259,9 @@ class _Scan(_SequenceRows):
         if has_state != 0 and length > 0:
             for r in cutlass.range_constexpr(SCAN_ROWS):
                 own[r] = state[seq, head, row0 + r, col]
+        if count > 1:
+            self.prefetch(summaries, first, head, row0, stages[0, None, None], col)
+        cute.arch.cp_async_commit_group()
         column = cute.make_rmem_tensor((SCAN_ROWS,), cutlass.Float32)
         for j in cutlass.range(count, unroll=1):
             slot = first + j
@@ -191,16 +269,40 @@ class _Scan(_SequenceRows):
                 seg_state[slot, head, row0 + r, col] = own[r]
             if j + 1 < count:
                 cute.autovec_copy(own, by_column[col, None])
-                cute.arch.sync_threads()
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.sync_threads()  # M_j and B_j have landed, every column of S_in(j) is in by_column
+                if j + 2 < count:
+                    self.prefetch(summaries, slot + 1, head, row0, stages[(j + 1) % 2, None, None], col)
+                cute.arch.cp_async_commit_group()
+                stage = stages[j % 2, None, None]
                 for r in cutlass.range_constexpr(SCAN_ROWS):
-                    own[r] = reached[slot, head, row0 + r, col]
+                    own[r] = stage[HEAD_SIZE + r, col]  # B_j
                 for i in cutlass.range(HEAD_SIZE, unroll_full=True):
-                    m = transition[slot, head, i, col]
+                    m = stage[i, col]  # M_j
                     cute.autovec_copy(by_column[i, None], column)
                     for r in cutlass.range_constexpr(SCAN_ROWS):
                         own[r] = own[r] + column[r] * m
-                # Every thread has read the rows before the next step overwrites them.
+                # Every thread has read the rows and the stage before they are overwritten.
                 cute.arch.sync_threads()
+
+    @cute.jit
+    def prefetch(self, summaries: cute.Tensor, slot, head, row0, stage: cute.Tensor, col):
+        """cp.async of M_slot and the CTA's rows of B_slot into `stage`, 16-B pieces over the CTA's threads."""
+        g2s = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float32, num_bits_per_copy=128
+        )
+        pieces = HEAD_SIZE // 4  # 16-B pieces of a row
+        for i in cutlass.range_constexpr(STAGE_ROWS * pieces // HEAD_SIZE):
+            linear = i * HEAD_SIZE + col
+            row, piece = linear // pieces, linear % pieces
+            source_row = HEAD_SIZE + row  # M_j
+            if cutlass.const_expr(i * HEAD_SIZE >= HEAD_SIZE * pieces):
+                source_row = row0 + row - HEAD_SIZE  # B_j
+            cute.copy(
+                g2s,
+                cute.local_tile(summaries[slot, head, source_row, None], (4,), (piece,)),
+                cute.local_tile(stage[row, None], (4,), (piece,)),
+            )
 
 
 class _FinalStates(_SequenceRows):
@@ -243,45 +345,35 @@ class GdnPrefillContextParallelSm90:
     @cute.jit
     def __call__(
         self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state,
-        ws_tp, ws_g, seg_cu, zero_v, identity, transition, reached, seg_state, seg_out, scratch_output,
-        segment_tokens, stream,
+        ws_tp, ws_g, seg_cu, summarized, summaries, seg_state, seg_out, segment_tokens, stream,
     ):  # fmt: skip
         total_tokens = cutlass.Int32(q.shape[0])
-        _SegmentBounds().launch(cu_seqlens, seg_cu, segment_tokens, total_tokens, stream)
+        _SegmentBounds().launch(cu_seqlens, seg_cu, summarized, segment_tokens, total_tokens, stream)
         _KeySide().launch(q, k, A_log, a, dt_bias, b, seg_cu, ws_tp, ws_g, stream)
-        chain = self.chain()
-        no_state, from_state = cutlass.Int32(0), cutlass.Int32(1)
-        chain.launch(
-            q, k, v, identity, A_log, a, dt_bias, b, seg_cu, scale, no_state, scratch_output, reached, ws_tp, ws_g,
+        _Summary().launch(q, k, v, seg_cu, summarized, summaries, ws_tp, ws_g, stream)
+        _Scan().launch(cu_seqlens, state, has_state, summaries, seg_state, segment_tokens, total_tokens, stream)
+        self.chain().launch(
+            q, k, v, seg_state, A_log, a, dt_bias, b, seg_cu, scale, cutlass.Int32(1), output, seg_out, ws_tp, ws_g,
             stream,
         )  # fmt: skip
-        chain.launch(
-            q, k, zero_v, identity, A_log, a, dt_bias, b, seg_cu, scale, from_state, scratch_output, transition,
-            ws_tp, ws_g, stream,
-        )  # fmt: skip
-        _Scan().launch(cu_seqlens, state, has_state, transition, reached, seg_state, segment_tokens, total_tokens, stream)
-        chain.launch(
-            q, k, v, seg_state, A_log, a, dt_bias, b, seg_cu, scale, from_state, output, seg_out, ws_tp, ws_g, stream
-        )
         _FinalStates().launch(cu_seqlens, seg_out, new_state, segment_tokens, total_tokens, stream)
 
 
 def _stand_ins(output_align: int) -> tuple:
-    """The compiled call's extra arguments (after `new_state`): the workspaces, the virtual batch's bounds, the
-    M pass's zero values and identity states, the per-segment states, the summaries' output scratch, L."""
-    segments, bounds, tokens = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    """The compiled call's extra arguments (after `new_state`): the workspaces, the virtual batch's bounds and
+    which slots are summarized, the summaries, the per-segment states in and out, L."""
+    segments, bounds = cute.sym_int(), cute.sym_int()
 
     def rowmajor(dtype, shape, align=16):
         return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align)
 
     per_segment = (segments, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE)
-    values = (tokens, NUM_V_HEADS, HEAD_SIZE)
     return (
         *wy_prepass._workspace_stand_ins(),
         rowmajor(cutlass.Int64, (bounds,), align=8),  # seg_cu
-        rowmajor(cutlass.BFloat16, values),  # zero_v
-        *(rowmajor(cutlass.Float32, per_segment) for _ in range(5)),  # identity, transition, reached, seg_state, seg_out
-        rowmajor(cutlass.BFloat16, values, align=output_align),  # scratch_output (fresh: 16-B aligned)
+        rowmajor(cutlass.Int32, (segments,), align=4),  # summarized
+        rowmajor(cutlass.Float32, (segments, NUM_V_HEADS, 2 * HEAD_SIZE, HEAD_SIZE)),  # summaries
+        *(rowmajor(cutlass.Float32, per_segment) for _ in range(2)),  # seg_state, seg_out
         CHUNK,  # segment_tokens
     )
 
@@ -302,75 +394,7 @@ def compiled_for(arch: str, config: WyPrepassConfig | None) -> Callable:
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
-    return (
-        *(compiled_for(arch, config) for config in (*wy_prepass.CONFIGS, None)),
-        compiled_fill(arch, False), compiled_fill(arch, True),
-    )  # fmt: skip
-
-
-class _FillConstant:
-    """The M pass's read-only inputs, written once when a buffer is made: zero values (bf16 [rows, 8, 128]) or,
-    with `identity`, identity states (fp32 [rows, 8, 128, 128]: 1 where the last two indices agree)."""
-
-    def __init__(self, identity: bool):
-        self.identity = identity
-
-    @cute.jit
-    def __call__(self, buffer: cute.Tensor, stream):
-        self.kernel(buffer).launch(grid=[FILL_CTAS, 1, 1], block=[FILL_THREADS, 1, 1], stream=stream)
-
-    @cute.kernel
-    def kernel(self, buffer: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        per_row = cute.size(buffer.shape[1:])
-        flat = cute.make_tensor(buffer.iterator, cute.make_layout(buffer.shape[0] * per_row))
-        for e in cutlass.range(bidx * FILL_THREADS + tidx, buffer.shape[0] * per_row, FILL_CTAS * FILL_THREADS, unroll=1):
-            if cutlass.const_expr(self.identity):
-                on_diagonal = (e // HEAD_SIZE) % HEAD_SIZE == e % HEAD_SIZE
-                flat[e] = cutlass.Float32(cutlass.select_(on_diagonal, cutlass.Float32(1.0), cutlass.Float32(0.0)))
-            else:
-                flat[e] = cutlass.Float32(0.0).to(buffer.element_type)
-
-
-_FILLS: dict[tuple[str, bool], Callable] = {}
-
-
-def compiled_fill(arch: str, identity: bool) -> Callable:
-    """The fill launch of a new constant buffer for `arch` (compiled once; needs no GPU)."""
-    key = (arch, identity)
-    fn = _FILLS.get(key)
-    if fn is None:
-        rows = cute.sym_int()
-        shape = (rows, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE) if identity else (rows, NUM_V_HEADS, HEAD_SIZE)
-        dtype = cutlass.Float32 if identity else cutlass.BFloat16
-        buffer = make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
-        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        fn = _FILLS[key] = cute.compile(_FillConstant(identity), buffer, stream, options=f"--enable-tvm-ffi --gpu-arch {arch}")
-    return fn
-
-
-# Read-only inputs of the M pass, kept per (device, stream) and grown on demand: zero values [T, 8, 128] bf16 and
-# identity states [S, 8, 128, 128] fp32, filled by `_FillConstant` on the stream when made (a serving engine would
-# make them once, as it does its workspaces). Inside a CUDA-graph capture a fresh one, whose fill the graph holds.
-_CONSTANTS: dict[tuple[bool, int, int], torch.Tensor] = {}
-
-
-def _constant(identity: bool, device: torch.device, rows: int) -> torch.Tensor:
-    def make() -> torch.Tensor:
-        shape = (rows, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE) if identity else (rows, NUM_V_HEADS, HEAD_SIZE)
-        buffer = torch.empty(shape, dtype=torch.float32 if identity else torch.bfloat16, device=device)
-        compiled_fill(GPU_ARCH, identity)(buffer)
-        return buffer
-
-    if torch.cuda.is_current_stream_capturing():
-        return make()
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (identity, index, torch.cuda.current_stream(index).cuda_stream)
-    held = _CONSTANTS.get(key)
-    if held is None or held.shape[0] < rows:
-        held = _CONSTANTS[key] = make()
-    return held[:rows]
+    return tuple(compiled_for(arch, config) for config in (*wy_prepass.CONFIGS, None))
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state, segment_tokens: int | None = None):
@@ -388,8 +412,7 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
     device, f32 = q.device, torch.float32
     launcher = compiled_for(GPU_ARCH, wgmma_value_side.chain_config(num_slots, output))
     chunk_slots = wy_prepass.num_chunk_slots(num_tokens, num_slots)
-    zero_v, identity = _constant(False, device, num_tokens), _constant(True, device, num_slots)
-    per_segment = [torch.empty((num_slots, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE), dtype=f32, device=device) for _ in range(4)]
+    per_segment = (num_slots, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE)
     has_state = state is not None
     launcher(
         q, k, v, state if has_state else new_state, A_log, a, dt_bias, b, cu_seqlens, resolve_scale(scale),
@@ -397,6 +420,9 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
         torch.empty((chunk_slots, NUM_V_HEADS, 2, CHUNK, CHUNK), dtype=torch.float16, device=device),
         torch.empty((chunk_slots, NUM_V_HEADS, 2, CHUNK), dtype=f32, device=device),
         torch.empty((num_slots + 1,), dtype=torch.int64, device=device),
-        zero_v, identity, *per_segment, torch.empty_like(output), L,
+        torch.empty((num_slots,), dtype=torch.int32, device=device),
+        torch.empty((num_slots, NUM_V_HEADS, 2 * HEAD_SIZE, HEAD_SIZE), dtype=f32, device=device),
+        torch.empty(per_segment, dtype=f32, device=device),
+        torch.empty(per_segment, dtype=f32, device=device),
+        L,
     )  # fmt: skip
-

@@ -30,7 +30,7 @@ per SM (~148 KB of shared memory); with many sequences the grid rows serve them 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -70,16 +70,16 @@ MN_MAJOR = LayoutEnum.COL_MAJOR
 
 
 @cute.jit
-def operands():
+def operands(warpgroups: cutlass.Constexpr = NUM_WARPGROUPS):
     """(state update MMA, products MMA, keys as the products' B, keys as the update's B, T or P as the
-    products' B): the tiled MMAs and the 128-B-swizzled shared-memory layouts."""
+    products' B): the tiled MMAs of `warpgroups` x 64 state rows and the 128-B-swizzled shared-memory layouts."""
     update_mma = sm90_utils.make_trivial_tiled_mma(
         Float16, Float16, K_MAJOR.sm90_mma_major_mode(), MN_MAJOR.sm90_mma_major_mode(), Float32,
-        (NUM_WARPGROUPS, 1, 1), tiler_mn=(64, HEAD_SIZE), a_source=warpgroup.OperandSource.RMEM,
+        (warpgroups, 1, 1), tiler_mn=(64, HEAD_SIZE), a_source=warpgroup.OperandSource.RMEM,
     )  # fmt: skip
     products_mma = sm90_utils.make_trivial_tiled_mma(
         Float16, Float16, K_MAJOR.sm90_mma_major_mode(), K_MAJOR.sm90_mma_major_mode(), Float32,
-        (NUM_WARPGROUPS, 1, 1), tiler_mn=(64, CHUNK), a_source=warpgroup.OperandSource.RMEM,
+        (warpgroups, 1, 1), tiler_mn=(64, CHUNK), a_source=warpgroup.OperandSource.RMEM,
     )  # fmt: skip
     keys_k_major = sm90_utils.make_smem_layout_b(K_MAJOR, (HEAD_SIZE, CHUNK, HEAD_SIZE), Float16, 1)
     keys_mn_major = sm90_utils.make_smem_layout_b(MN_MAJOR, (HEAD_SIZE, HEAD_SIZE, CHUNK), Float16, 1)
@@ -87,44 +87,115 @@ def operands():
     return update_mma, products_mma, keys_k_major, keys_mn_major, square
 
 
+class _Buffers(NamedTuple):
+    """The chain's shared-memory tensors. A summary (`summary`) has no queries, P or output rows (None)."""
+
+    keys: cute.Tensor  # (token, k, 1), 128-B swizzled: the K-major B of S K^T
+    keys_mn: cute.Tensor  # the same storage as (k, token, 1): the MN-major B of the update
+    queries: cute.Tensor | None
+    t: cute.Tensor  # (token i, token j, 1)
+    p: cute.Tensor | None
+    values: cute.Tensor  # (stage, token, v): this chunk's values and the next's
+    o_rows: cute.Tensor | None  # (token, v): the output rows on their way out
+    gates: tuple  # G (base 2), beta, exp(G), exp(G_last - G): [CHUNK] each
+    raw: tuple  # the next chunk's staged k rows, q rows (None in a summary), T and P, G and beta
+
+
 class WgmmaValueSide(_Chunked):
     """Kernel 2 of this path (see the module docstring); `wy_prepass._KeySide` is kernel 1. Subclasses
-    `_Chunked` for its sequence ranking, gate decay and launch only."""
+    `_Chunked` for its sequence ranking, gate decay and launch only.
+
+    `summary` (context_parallel.py's `_Summary`): the chain without outputs on a 256-row state of 4 warpgroups,
+    the walk of a segment from [0; I] with the values on the first 128 rows only; `copy_chunk`, `enter_chunk`
+    and `value_side` skip the queries, P and the outputs."""
+
+    summary = False
+    warpgroups = NUM_WARPGROUPS
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    @property
+    def state_rows(self) -> int:
+        return 64 * self.warpgroups
 
     @cute.jit
-    def launch(
-        self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g,
-        stream,
-    ):  # fmt: skip
-        update_mma, products_mma, keys_k_major, keys_mn_major, square = operands()
+    def shared_storage(self, keys_k_major: cute.ComposedLayout, square: cute.ComposedLayout):
+        """The dynamic shared memory's struct; a summary's queries, P and output rows are empty ranges."""
         rows = cute.cosize(keys_k_major.outer)
         square_size = cute.cosize(square.outer)
+        with_outputs = 0 if self.summary else 1
 
         @cute.struct
         class SharedStorage:
             keys: cute.struct.Align[cute.struct.MemRange[Float16, rows], 1024]
-            queries: cute.struct.Align[cute.struct.MemRange[Float16, rows], 1024]
+            queries: cute.struct.Align[cute.struct.MemRange[Float16, rows * with_outputs], 1024]
             t: cute.struct.Align[cute.struct.MemRange[Float16, square_size], 1024]
-            p: cute.struct.Align[cute.struct.MemRange[Float16, square_size], 1024]
+            p: cute.struct.Align[cute.struct.MemRange[Float16, square_size * with_outputs], 1024]
             # the values of this chunk and the next, copied by cp.async straight into their [token, v] rows
             values: cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * CHUNK * ROW_STRIDE], 128]
             # the chunk's output rows [token, v], bf16, on their way to 16-B global stores
-            o_rows: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * ROW_STRIDE], 128]
+            o_rows: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * ROW_STRIDE * with_outputs], 128]
             g: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]  # G, base 2
             beta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             decay_in: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]  # exp(G)
             decay_out: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]  # exp(G_last - G)
             # the next chunk's raw rows and key side, copied while this one computes
             raw_k: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * HEAD_SIZE], 128]
-            raw_q: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * HEAD_SIZE], 128]
-            raw_tp: cute.struct.Align[cute.struct.MemRange[Float16, 2 * CHUNK * CHUNK], 128]
+            raw_q: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * HEAD_SIZE * with_outputs], 128]
+            raw_tp: cute.struct.Align[cute.struct.MemRange[Float16, (1 + with_outputs) * CHUNK * CHUNK], 128]
             raw_gates: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK], 16]
 
+        return SharedStorage
+
+    @cute.jit
+    def buffers(self, storage, keys_k_major, keys_mn_major, square) -> _Buffers:
+        """`storage`'s tensors (see `_Buffers`)."""
+        keys = storage.keys.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
+        keys_mn = storage.keys.get_tensor(keys_mn_major.outer, swizzle=keys_mn_major.inner)
+        queries, p, o_rows, raw_q = None, None, None, None
+        if cutlass.const_expr(not self.summary):
+            queries = storage.queries.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
+        t = storage.t.get_tensor(square.outer, swizzle=square.inner)
+        if cutlass.const_expr(not self.summary):
+            p = storage.p.get_tensor(square.outer, swizzle=square.inner)
+        values = storage.values.get_tensor(
+            cute.make_layout((2, CHUNK, HEAD_SIZE), stride=(CHUNK * ROW_STRIDE, ROW_STRIDE, 1))
+        )
+        if cutlass.const_expr(not self.summary):
+            o_rows = storage.o_rows.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(ROW_STRIDE, 1)))
+        gates = (
+            storage.g.get_tensor(cute.make_layout(CHUNK)),
+            storage.beta.get_tensor(cute.make_layout(CHUNK)),
+            storage.decay_in.get_tensor(cute.make_layout(CHUNK)),
+            storage.decay_out.get_tensor(cute.make_layout(CHUNK)),
+        )
+        rows_layout = cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1))
+        raw_k = storage.raw_k.get_tensor(rows_layout)
+        if cutlass.const_expr(not self.summary):
+            raw_q = storage.raw_q.get_tensor(rows_layout)
+        tp_count = 1 if cutlass.const_expr(self.summary) else 2
+        raw = (
+            raw_k,
+            raw_q,
+            storage.raw_tp.get_tensor(cute.make_layout((tp_count, CHUNK, CHUNK), stride=(CHUNK * CHUNK, CHUNK, 1))),
+            storage.raw_gates.get_tensor(cute.make_layout((2, CHUNK), stride=(CHUNK, 1))),
+        )
+        return _Buffers(keys, keys_mn, queries, t, p, values, o_rows, gates, raw)
+
+    @cute.jit
+    def launch(
+        self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g,
+        stream,
+    ):  # fmt: skip
+        update_mma, products_mma, keys_k_major, keys_mn_major, square = operands(self.warpgroups)
+        SharedStorage = self.shared_storage(keys_k_major, square)
         kernel = self.kernel(
             q, k, v, state, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, update_mma, products_mma,
             keys_k_major, keys_mn_major, square, SharedStorage,
         )  # fmt: skip
-        self.launch_grid(kernel, [NUM_V_HEADS, new_state.shape[0], 1], SharedStorage, stream, threads=NUM_THREADS)
+        self.launch_grid(kernel, [NUM_V_HEADS, new_state.shape[0], 1], SharedStorage, stream, threads=self.threads)
 
     @cute.kernel
     def kernel(
@@ -150,33 +221,11 @@ class WgmmaValueSide(_Chunked):
         tidx, _, _ = cute.arch.thread_idx()
         head, block_y, _ = cute.arch.block_idx()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        s_keys = storage.keys.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)  # (token, k, 1)
-        s_keys_mn = storage.keys.get_tensor(keys_mn_major.outer, swizzle=keys_mn_major.inner)  # (k, token, 1)
-        s_queries = storage.queries.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
-        s_t = storage.t.get_tensor(square.outer, swizzle=square.inner)  # (token i, token j, 1)
-        s_p = storage.p.get_tensor(square.outer, swizzle=square.inner)
-        s_values = storage.values.get_tensor(
-            cute.make_layout((2, CHUNK, HEAD_SIZE), stride=(CHUNK * ROW_STRIDE, ROW_STRIDE, 1))
-        )  # (stage, token, v)
-        s_o_rows = storage.o_rows.get_tensor(cute.make_layout((CHUNK, HEAD_SIZE), stride=(ROW_STRIDE, 1)))
-        gates = (
-            storage.g.get_tensor(cute.make_layout(CHUNK)),
-            storage.beta.get_tensor(cute.make_layout(CHUNK)),
-            storage.decay_in.get_tensor(cute.make_layout(CHUNK)),
-            storage.decay_out.get_tensor(cute.make_layout(CHUNK)),
-        )
-        rows_layout = cute.make_layout((CHUNK, HEAD_SIZE), stride=(HEAD_SIZE, 1))
-        raw = (
-            storage.raw_k.get_tensor(rows_layout),
-            storage.raw_q.get_tensor(rows_layout),
-            storage.raw_tp.get_tensor(cute.make_layout((2, CHUNK, CHUNK), stride=(CHUNK * CHUNK, CHUNK, 1))),
-            storage.raw_gates.get_tensor(cute.make_layout((2, CHUNK), stride=(CHUNK, 1))),
-        )
+        buffers = self.buffers(storage, keys_k_major, keys_mn_major, square)
 
         # The output rows are first written in the first chunk's value side: scratch of the ranking.
-        seq = self.sequence_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, s_o_rows)
+        seq = self.sequence_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, buffers.o_rows)
         start, length = sequence_bounds(cu_seqlens, seq, q.shape[0])
-        qk_head = head // V_HEADS_PER_QK_HEAD
 
         # The state of (sequence, head) for the whole sequence: the update MMA's accumulator.
         thr_update = update_mma.get_slice(tidx)
@@ -186,28 +235,10 @@ class WgmmaValueSide(_Chunked):
             v_row, k_col = state_coords[i]
             state[i] = state_in[seq, head, v_row, k_col] if has_state != 0 else Float32(0.0)
 
-        num_chunks = (length + CHUNK - 1) // CHUNK
-        if num_chunks > 0:
-            self.copy_chunk(q, k, v, ws_tp, ws_g, start, length, 0, seq, qk_head, head, raw, s_values, tidx)
-        cute.arch.cp_async_commit_group()
-        for chunk in cutlass.range(num_chunks, unroll=1):
-            first = start + chunk * CHUNK
-            tokens_here = cutlass.min(length - chunk * CHUNK, CHUNK)
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()  # every thread's copies of this chunk have landed
-            self.enter_chunk(raw, tokens_here, s_keys, s_queries, s_t, s_p, gates, tidx)
-            # The staging buffers and the other values' stage are free (enter_chunk ends with a barrier): the next
-            # chunk's copies land while this one computes.
-            if chunk + 1 < num_chunks:
-                self.copy_chunk(q, k, v, ws_tp, ws_g, start, length, chunk + 1, seq, qk_head, head, raw, s_values, tidx)
-            cute.arch.cp_async_commit_group()
-            self.value_side(
-                state, s_values[chunk % 2, None, None], s_o_rows, scale, output, first, tokens_here, head, update_mma,
-                products_mma, s_keys, s_keys_mn, s_queries, s_t, s_p, gates, tidx,
-            )  # fmt: skip
-            # The next chunk's (generic-proxy) conversions overwrite what this one's MMAs read.
-            cute.arch.fence_view_async_shared()
-            cute.arch.sync_threads()
+        self.walk(
+            state, q, k, v, ws_tp, ws_g, start, length, seq, head, buffers, scale, output, update_mma, products_mma,
+            tidx,
+        )  # fmt: skip
 
         # A sequence of length 0 stores a zero state, as the definition does.
         for i in cutlass.range_constexpr(cute.size(state)):
@@ -215,13 +246,44 @@ class WgmmaValueSide(_Chunked):
             new_state[seq, head, v_row, k_col] = state[i] if length > 0 else Float32(0.0)
 
     @cute.jit
+    def walk(
+        self, state, q, k, v, ws_tp, ws_g, start: Int32, length: Int32, seq: Int32, head: Int32, buffers: _Buffers,
+        scale: Float32, output, update_mma, products_mma, tidx: Int32,
+    ):  # fmt: skip
+        """`state` through every chunk of the sequence [start, start + length) (its workspace entries those of
+        sequence `seq`), the next chunk's copies landing while this one computes."""
+        qk_head = head // V_HEADS_PER_QK_HEAD
+        num_chunks = (length + CHUNK - 1) // CHUNK
+        if num_chunks > 0:
+            self.copy_chunk(q, k, v, ws_tp, ws_g, start, length, 0, seq, qk_head, head, buffers, tidx)
+        cute.arch.cp_async_commit_group()
+        for chunk in cutlass.range(num_chunks, unroll=1):
+            first = start + chunk * CHUNK
+            tokens_here = cutlass.min(length - chunk * CHUNK, CHUNK)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # every thread's copies of this chunk have landed
+            self.enter_chunk(buffers, tokens_here, tidx)
+            # The staging buffers and the other values' stage are free (enter_chunk ends with a barrier): the next
+            # chunk's copies land while this one computes.
+            if chunk + 1 < num_chunks:
+                self.copy_chunk(q, k, v, ws_tp, ws_g, start, length, chunk + 1, seq, qk_head, head, buffers, tidx)
+            cute.arch.cp_async_commit_group()
+            self.value_side(
+                state, buffers.values[chunk % 2, None, None], buffers, scale, output, first, tokens_here, head,
+                update_mma, products_mma, tidx,
+            )  # fmt: skip
+            # The next chunk's (generic-proxy) conversions overwrite what this one's MMAs read.
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+
+    @cute.jit
     def copy_chunk(self, q, k, v, ws_tp, ws_g, start: Int32, length: Int32, chunk: Int32, seq: Int32,
-                   qk_head: Int32, head: Int32, raw, s_values, tidx: Int32):  # fmt: skip
+                   qk_head: Int32, head: Int32, buffers: _Buffers, tidx: Int32):  # fmt: skip
         """Issue the cp.async copies of one chunk: k and q rows (the head's q/k head) into the staging buffers
         and v rows into the chunk's values stage, in 16-B pieces over all threads (tokens past the end are not
         copied: `enter_chunk` zeroes k and q, the value side drops their values); the chunk's T and P from the
         workspace, and its G and beta (threads 0-31)."""
-        raw_k, raw_q, raw_tp, raw_gates = raw
+        raw_k, raw_q, raw_tp, raw_gates = buffers.raw
         g2s = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16, num_bits_per_copy=128
         )
@@ -232,17 +294,19 @@ class WgmmaValueSide(_Chunked):
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32, num_bits_per_copy=128
         )
         first = chunk * CHUNK
-        for i in cutlass.range_constexpr(CHUNK * (HEAD_SIZE // VEC) // NUM_THREADS):
-            linear = i * NUM_THREADS + tidx
+        for i in cutlass.range_constexpr(CHUNK * (HEAD_SIZE // VEC) // self.threads):
+            linear = i * self.threads + tidx
             token, piece = linear // (HEAD_SIZE // VEC), linear % (HEAD_SIZE // VEC)
             if first + token < length:
                 row = start + first + token
                 cute.copy(g2s, cute.local_tile(k[row, qk_head, None], (VEC,), (piece,)), cute.local_tile(raw_k[token, None], (VEC,), (piece,)))
-                cute.copy(g2s, cute.local_tile(q[row, qk_head, None], (VEC,), (piece,)), cute.local_tile(raw_q[token, None], (VEC,), (piece,)))
-                cute.copy(g2s, cute.local_tile(v[row, head, None], (VEC,), (piece,)), cute.local_tile(s_values[chunk % 2, token, None], (VEC,), (piece,)))
+                if cutlass.const_expr(not self.summary):
+                    cute.copy(g2s, cute.local_tile(q[row, qk_head, None], (VEC,), (piece,)), cute.local_tile(raw_q[token, None], (VEC,), (piece,)))
+                cute.copy(g2s, cute.local_tile(v[row, head, None], (VEC,), (piece,)), cute.local_tile(buffers.values[chunk % 2, token, None], (VEC,), (piece,)))
         slot = wy_prepass.chunk_slot(start, chunk, seq)
-        for i in cutlass.range_constexpr(2 * CHUNK * (CHUNK // VEC) // NUM_THREADS):
-            linear = i * NUM_THREADS + tidx
+        tp_count = cute.size(raw_tp, mode=[0])
+        for i in cutlass.range_constexpr(tp_count * CHUNK * (CHUNK // VEC) // self.threads):
+            linear = i * self.threads + tidx
             which, row, piece = linear // (CHUNK * CHUNK // VEC), linear // (CHUNK // VEC) % CHUNK, linear % (CHUNK // VEC)
             cute.copy(
                 g2s16,
@@ -258,32 +322,37 @@ class WgmmaValueSide(_Chunked):
             )
 
     @cute.jit
-    def enter_chunk(self, raw, tokens_here: Int32, s_keys, s_queries, s_t, s_p, gates, tidx: Int32):
+    def enter_chunk(self, buffers: _Buffers, tokens_here: Int32, tidx: Int32):
         """The chunk's staged rows into their operand buffers: keys and queries (bf16 -> fp16) into the swizzled
         buffers, zero past the end of the sequence; T and P into theirs; per token G, beta, exp(G) and
         exp(G_last - G) (the workspace's G is inert past the end: log g = 0, beta = 0)."""
-        raw_k, raw_q, raw_tp, raw_gates = raw
-        s_g, s_beta, s_decay_in, s_decay_out = gates
-        for i in cutlass.range_constexpr(CHUNK * (HEAD_SIZE // VEC) // NUM_THREADS):
-            linear = i * NUM_THREADS + tidx
+        raw_k, raw_q, raw_tp, raw_gates = buffers.raw
+        s_g, s_beta, s_decay_in, s_decay_out = buffers.gates
+        for i in cutlass.range_constexpr(CHUNK * (HEAD_SIZE // VEC) // self.threads):
+            linear = i * self.threads + tidx
             token, piece = linear // (HEAD_SIZE // VEC), linear % (HEAD_SIZE // VEC)
-            key_dst = cute.local_tile(s_keys[token, None, 0], (VEC,), (piece,))
-            query_dst = cute.local_tile(s_queries[token, None, 0], (VEC,), (piece,))
+            key_dst = cute.local_tile(buffers.keys[token, None, 0], (VEC,), (piece,))
+            query_dst = None
+            if cutlass.const_expr(not self.summary):
+                query_dst = cute.local_tile(buffers.queries[token, None, 0], (VEC,), (piece,))
             if token < tokens_here:
                 key_dst.store(cute.local_tile(raw_k[token, None], (VEC,), (piece,)).load().to(Float32).to(Float16))
-                query_dst.store(cute.local_tile(raw_q[token, None], (VEC,), (piece,)).load().to(Float32).to(Float16))
+                if cutlass.const_expr(not self.summary):
+                    query_dst.store(cute.local_tile(raw_q[token, None], (VEC,), (piece,)).load().to(Float32).to(Float16))
             else:
                 key_dst.fill(0.0)
-                query_dst.fill(0.0)
-        for i in cutlass.range_constexpr(CHUNK * (CHUNK // VEC) // NUM_THREADS):
-            linear = i * NUM_THREADS + tidx
+                if cutlass.const_expr(not self.summary):
+                    query_dst.fill(0.0)
+        for i in cutlass.range_constexpr(CHUNK * (CHUNK // VEC) // self.threads):
+            linear = i * self.threads + tidx
             row, piece = linear // (CHUNK // VEC), linear % (CHUNK // VEC)
-            cute.local_tile(s_t[row, None, 0], (VEC,), (piece,)).store(
+            cute.local_tile(buffers.t[row, None, 0], (VEC,), (piece,)).store(
                 cute.local_tile(raw_tp[0, row, None], (VEC,), (piece,)).load()
             )
-            cute.local_tile(s_p[row, None, 0], (VEC,), (piece,)).store(
-                cute.local_tile(raw_tp[1, row, None], (VEC,), (piece,)).load()
-            )
+            if cutlass.const_expr(not self.summary):
+                cute.local_tile(buffers.p[row, None, 0], (VEC,), (piece,)).store(
+                    cute.local_tile(raw_tp[1, row, None], (VEC,), (piece,)).load()
+                )
         if tidx < CHUNK:
             g = raw_gates[0, tidx]
             s_g[tidx] = g
@@ -295,44 +364,67 @@ class WgmmaValueSide(_Chunked):
 
     @cute.jit
     def value_side(
-        self, state, s_values, s_o_rows, scale: Float32, output, first: Int32, tokens_here: Int32, head: Int32,
-        update_mma, products_mma, s_keys, s_keys_mn, s_queries, s_t, s_p, gates, tidx: Int32,
+        self, state, s_values, buffers: _Buffers, scale: Float32, output, first: Int32, tokens_here: Int32,
+        head: Int32, update_mma, products_mma, tidx: Int32,
     ):  # fmt: skip
         """Yk, Yq, Xb, V', the chunk's output rows (bf16, the tokens of the sequence only) and the state
-        update, every hand-over in registers. `s_values`: this chunk's values [token, v]; `s_keys` and `s_keys_mn`
-        one buffer of keys read K-major (token, k, 1) and MN-major (k, token, 1)."""
-        s_g, s_beta, s_decay_in, s_decay_out = gates
+        update, every hand-over in registers. `s_values`: this chunk's values [token, v]; `buffers.keys` and
+        `buffers.keys_mn` one buffer of keys read K-major (token, k, 1) and MN-major (k, token, 1). A summary
+        only updates the state; its rows from HEAD_SIZE on (the transition's) have zero values."""
+        s_g, s_beta, s_decay_in, s_decay_out = buffers.gates
+        rows = self.state_rows
         thr_update = update_mma.get_slice(tidx)
         thr_products = products_mma.get_slice(tidx)
 
         # The state's fp16 copy as the products' A operand (same coordinates, same order).
-        state_a = cute.make_rmem_tensor(thr_products.partition_shape_A((HEAD_SIZE, HEAD_SIZE)), Float16)
-        for i in cutlass.range_constexpr(cute.size(state)):
-            state_a[i] = state[i].to(Float16)
+        state_a = cute.make_rmem_tensor(thr_products.partition_shape_A((rows, HEAD_SIZE)), Float16)
+        if cutlass.const_expr(not self.summary):
+            for i in cutlass.range_constexpr(cute.size(state)):
+                state_a[i] = state[i].to(Float16)
 
         # Yk^T and Yq^T: [v, token].
-        by_token_shape = thr_products.partition_shape_C((HEAD_SIZE, CHUNK))
-        by_token = thr_products.partition_C(cute.make_identity_tensor((HEAD_SIZE, CHUNK)))  # (v, token)
+        by_token_shape = thr_products.partition_shape_C((rows, CHUNK))
+        by_token = thr_products.partition_C(cute.make_identity_tensor((rows, CHUNK)))  # (v, token)
         yk = cute.make_rmem_tensor(by_token_shape, Float32)
-        yq = cute.make_rmem_tensor(by_token_shape, Float32)
-        t_keys = products_mma.make_fragment_B(thr_products.partition_B(s_keys))
-        t_queries = products_mma.make_fragment_B(thr_products.partition_B(s_queries))
-        warpgroup.fence()
-        self.product(products_mma, yk, state_a, t_keys, HEAD_SIZE // 16, False)
-        self.product(products_mma, yq, state_a, t_queries, HEAD_SIZE // 16, False)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        yq = None
+        if cutlass.const_expr(self.summary):
+            # Yk^T alone, over two halves of K, each converted just before its MMAs: a summary thread has 128
+            # registers (4 warpgroups), which the state, its whole fp16 copy and Yk^T would fill.
+            t_keys = products_mma.make_fragment_B(thr_products.partition_B(buffers.keys))
+            state_as_a = cute.make_tensor(state.iterator, state_a.layout)
+            half = HEAD_SIZE // 32
+            for h in cutlass.range_constexpr(2):
+                for step in cutlass.range_constexpr(h * half, (h + 1) * half):
+                    state_a[None, None, step].store(state_as_a[None, None, step].load().to(Float16))
+                warpgroup.fence()
+                self.product(products_mma, yk, state_a, t_keys, half, h > 0, first_step=h * half)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+        else:
+            yq = cute.make_rmem_tensor(by_token_shape, Float32)
+            t_keys = products_mma.make_fragment_B(thr_products.partition_B(buffers.keys))
+            t_queries = products_mma.make_fragment_B(thr_products.partition_B(buffers.queries))
+            warpgroup.fence()
+            self.product(products_mma, yk, state_a, t_keys, HEAD_SIZE // 16, False)
+            self.product(products_mma, yq, state_a, t_queries, HEAD_SIZE // 16, False)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
 
         # Xb^T = beta (V^T - exp(G) Yk^T), rounded: the A operand of V'^T = Xb^T T^T. Zero past the end, where
         # the values' stage holds stale bits (NaN included): the select drops them.
-        over_tokens_shape = thr_products.partition_shape_A((HEAD_SIZE, CHUNK))
+        over_tokens_shape = thr_products.partition_shape_A((rows, CHUNK))
         xb = cute.make_rmem_tensor(over_tokens_shape, Float16)
         for i in cutlass.range_constexpr(cute.size(yk)):
             v_row, token = by_token[i]
-            real = s_beta[token] * (s_values[token, v_row].to(Float32) - s_decay_in[token] * yk[i])
+            if cutlass.const_expr(self.summary):
+                value = s_values[token, v_row % HEAD_SIZE].to(Float32)
+                value = cutlass.select_(v_row < HEAD_SIZE, value, Float32(0.0))
+            else:
+                value = s_values[token, v_row].to(Float32)
+            real = s_beta[token] * (value - s_decay_in[token] * yk[i])
             xb[i] = Float32(cutlass.select_(token < tokens_here, real, Float32(0.0))).to(Float16)
         v_new = cute.make_rmem_tensor(by_token_shape, Float32)
-        t_t = products_mma.make_fragment_B(thr_products.partition_B(s_t))
+        t_t = products_mma.make_fragment_B(thr_products.partition_B(buffers.t))
         warpgroup.fence()
         self.product(products_mma, v_new, xb, t_t, CHUNK // 16, False)
         warpgroup.commit_group()
@@ -340,26 +432,39 @@ class WgmmaValueSide(_Chunked):
 
         # O^T = exp(G) Yq^T + V'^T P^T (scaled at the store), and V'c^T = V'^T exp(G_last - G), both rounded
         # V' operands in registers; S = exp(G_last) S + V'c^T K onto the state.
-        v_new_a = cute.make_rmem_tensor(over_tokens_shape, Float16)
-        v_carry_a = cute.make_rmem_tensor(thr_update.partition_shape_A((HEAD_SIZE, CHUNK)), Float16)
+        v_new_a = None
+        if cutlass.const_expr(not self.summary):
+            v_new_a = cute.make_rmem_tensor(over_tokens_shape, Float16)
+        v_carry_a = cute.make_rmem_tensor(thr_update.partition_shape_A((rows, CHUNK)), Float16)
         for i in cutlass.range_constexpr(cute.size(v_new)):
             _, token = by_token[i]
-            v_new_a[i] = v_new[i].to(Float16)
+            if cutlass.const_expr(not self.summary):
+                v_new_a[i] = v_new[i].to(Float16)
             v_carry_a[i] = (v_new[i] * s_decay_out[token]).to(Float16)
-            yq[i] = yq[i] * s_decay_in[token]
+            if cutlass.const_expr(not self.summary):
+                yq[i] = yq[i] * s_decay_in[token]
         decay_last = self.decay(s_g[CHUNK - 1])
         for i in cutlass.range_constexpr(cute.size(state)):
             state[i] = state[i] * decay_last
-        t_p = products_mma.make_fragment_B(thr_products.partition_B(s_p))
-        t_keys_mn = update_mma.make_fragment_B(thr_update.partition_B(s_keys_mn))
+        t_p = None
+        if cutlass.const_expr(not self.summary):
+            t_p = products_mma.make_fragment_B(thr_products.partition_B(buffers.p))
+        t_keys_mn = update_mma.make_fragment_B(thr_update.partition_B(buffers.keys_mn))
         warpgroup.fence()
-        self.product(products_mma, yq, v_new_a, t_p, CHUNK // 16, True)
+        if cutlass.const_expr(not self.summary):
+            self.product(products_mma, yq, v_new_a, t_p, CHUNK // 16, True)
         self.product(update_mma, state, v_carry_a, t_keys_mn, CHUNK // 16, True)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
 
-        # The output rows through shared memory: each warpgroup writes its 64 values of every token, then copies
-        # them out in 16-B pieces (its own half of each row, so a warpgroup barrier suffices).
+        if cutlass.const_expr(not self.summary):
+            self.store_outputs(yq, by_token, buffers.o_rows, scale, output, first, tokens_here, head, tidx)
+
+    @cute.jit
+    def store_outputs(self, yq, by_token, s_o_rows, scale: Float32, output, first: Int32, tokens_here: Int32,
+                      head: Int32, tidx: Int32):  # fmt: skip
+        """The output rows through shared memory: each warpgroup writes its 64 values of every token, then copies
+        them out in 16-B pieces (its own half of each row, so a warpgroup barrier suffices)."""
         for i in cutlass.range_constexpr(cute.size(yq)):
             v_row, token = by_token[i]
             s_o_rows[token, v_row] = (scale * yq[i]).to(BFloat16)
@@ -384,10 +489,12 @@ class WgmmaValueSide(_Chunked):
         t_b: cute.Tensor,
         k_steps: cutlass.Constexpr,
         accumulate: cutlass.Constexpr,
+        first_step: cutlass.Constexpr = 0,
     ):
-        """acc (+)= A B over `k_steps` k16 steps, A from registers, B from shared memory (not waited for)."""
+        """acc (+)= A B over `k_steps` k16 steps from `first_step`, A from registers, B from shared memory (not
+        waited for)."""
         tiled_mma.set(warpgroup.Field.ACCUMULATE, accumulate)
-        for step in cutlass.range_constexpr(k_steps):
+        for step in cutlass.range_constexpr(first_step, first_step + k_steps):
             cute.gemm(tiled_mma, acc, a[None, None, step], t_b[None, None, step, 0], acc)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
 

@@ -31,21 +31,24 @@ def _probe(body) -> None:
     cute.compile(body, make_fake_compact_tensor(cutlass.Float32, (4,), assumed_align=16), options="--gpu-arch sm_90a")
 
 
-def test_every_accumulator_hand_over_is_element_wise_in_order():
+@pytest.mark.parametrize("warpgroups", [value_side.NUM_WARPGROUPS, 4])
+def test_every_accumulator_hand_over_is_element_wise_in_order(warpgroups):
     """The kernel converts an accumulator into the next product's register A by index: the state [v, k] into
     the A of Yk^T, Yq^T (K = 128); [v, token] accumulators into the A of V'^T, O^T and of the state update
-    (K = 64 tokens). Each needs the same coordinates in the same order, in every thread."""
+    (K = 64 tokens). Each needs the same coordinates in the same order, in every thread: for the chain's 128
+    state rows and the context-parallel summary's 256 (4 warpgroups)."""
     traced: dict[int, list[tuple[list, list]]] = {}
+    rows = 64 * warpgroups
 
     @cute.jit
     def body(unused: cute.Tensor):
-        update, products, *_ = value_side.operands()
+        update, products, *_ = value_side.operands(warpgroups)
         pairs = (
-            (update, (HEAD_SIZE, HEAD_SIZE), products, (HEAD_SIZE, HEAD_SIZE)),
-            (products, (HEAD_SIZE, CHUNK), products, (HEAD_SIZE, CHUNK)),
-            (products, (HEAD_SIZE, CHUNK), update, (HEAD_SIZE, CHUNK)),
+            (update, (rows, HEAD_SIZE), products, (rows, HEAD_SIZE)),
+            (products, (rows, CHUNK), products, (rows, CHUNK)),
+            (products, (rows, CHUNK), update, (rows, CHUNK)),
         )
-        for tid in cutlass.range_constexpr(value_side.NUM_THREADS):
+        for tid in cutlass.range_constexpr(128 * warpgroups):
             traced[tid] = []
             for c_mma, c_tile, a_mma, a_tile in pairs:
                 c = c_mma.get_slice(tid).partition_C(cute.make_identity_tensor(c_tile))
@@ -53,13 +56,13 @@ def test_every_accumulator_hand_over_is_element_wise_in_order():
                 traced[tid].append(([tuple(c[i]) for i in range(cute.size(c))], [tuple(a[i]) for i in range(cute.size(a))]))
 
     _probe(body)
-    assert len(traced) == value_side.NUM_THREADS
+    assert len(traced) == 128 * warpgroups
     for tid, hand_overs in traced.items():
         for number, (c_coords, a_coords) in enumerate(hand_overs):
             assert c_coords == a_coords and len(c_coords) > 0, (tid, number)
     # and the threads together hold the whole state once
     held = sorted(c for hand_overs in traced.values() for c in hand_overs[0][0])
-    assert held == [(v, k) for v in range(HEAD_SIZE) for k in range(HEAD_SIZE)]
+    assert held == [(v, k) for v in range(rows) for k in range(HEAD_SIZE)]
 
 
 def test_one_swizzled_copy_of_the_keys_is_both_b_operands():

@@ -6,7 +6,7 @@ Why: the WY chain walks a sequence's chunks one after another, 8 head chains for
 sequence leaves most SMs idle (8192 tokens ~355 us). Per (sequence, head) a run of tokens maps the state
 affinely, S_out = S_in M + B, and M, B of a segment need no S_in.
 
-Each kernel below is an existing one run on a *virtual batch* whose sequences are the segments: a sequence of
+The kernels below run on a *virtual batch* whose sequences are the segments: a sequence of
 n > 2 L tokens (L = `segment_tokens`, a multiple of 64) becomes ceil(n / L) segments, a shorter one stays one.
 Segment j of sequence s has slot first_segment_slot(s, start_s, L) + j (`cp_model.segment_bound`: unique
 slots below segment_bound(N, T, L), a size known on the host); `seg_cu` holds the virtual batch's bounds, the

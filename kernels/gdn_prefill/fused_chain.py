@@ -61,7 +61,7 @@ from .chunked import (
     sequence_bounds,
 )
 from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS
-from .wgmma_value_side import K_MAJOR, MN_MAJOR, OUTPUT_ALIGN, ROW_STRIDE, VEC, WgmmaValueSide
+from .wgmma_value_side import K_MAJOR, MN_MAJOR, OUTPUT_ALIGN, ROW_STRIDE, VEC, ChainBuffers, WgmmaValueSide
 from .wy_prepass import _KeySide
 
 __all__ = ["FusedChain", "buffered_layouts", "compile_only", "compiled_for", "gram_mma", "run", "run_as_kernel"]
@@ -275,11 +275,14 @@ class FusedChain(WgmmaValueSide, _KeySide):
         for chunk in cutlass.range(num_chunks, unroll=1):
             buffer = chunk % NUM_BUFFERS
             cute.arch.barrier(barrier_id=READY_BARRIER + buffer, number_of_threads=HANDOVER_THREADS)
+            chunk_buffers = ChainBuffers(
+                keys=self.buffer_of(s_keys, buffer), keys_mn=self.buffer_of(s_keys_mn, buffer),
+                queries=self.buffer_of(s_queries, buffer), t=self.buffer_of(s_t, buffer), p=self.buffer_of(s_p, buffer),
+                values=s_values, o_rows=s_o_rows, gates=tuple(g[buffer, None] for g in gates), raw=(),
+            )  # fmt: skip
             self.value_side(
-                state, s_values[buffer, None, None], s_o_rows, scale, output, start + chunk * CHUNK,
-                cutlass.min(length - chunk * CHUNK, CHUNK), head, update_mma, products_mma,
-                self.buffer_of(s_keys, buffer), self.buffer_of(s_keys_mn, buffer), self.buffer_of(s_queries, buffer),
-                self.buffer_of(s_t, buffer), self.buffer_of(s_p, buffer), tuple(g[buffer, None] for g in gates), tidx,
+                state, s_values[buffer, None, None], chunk_buffers, scale, output, start + chunk * CHUNK,
+                cutlass.min(length - chunk * CHUNK, CHUNK), head, update_mma, products_mma, tidx,
             )  # fmt: skip
             if chunk + NUM_BUFFERS < num_chunks:
                 # The key side's and the producer's generic-proxy stores overwrite what this chunk's MMAs read.

@@ -87,7 +87,7 @@ def operands(warpgroups: cutlass.Constexpr = NUM_WARPGROUPS):
     return update_mma, products_mma, keys_k_major, keys_mn_major, square
 
 
-class _Buffers(NamedTuple):
+class ChainBuffers(NamedTuple):
     """The chain's shared-memory tensors. A summary (`summary`) has no queries, P or output rows (None)."""
 
     keys: cute.Tensor  # (token, k, 1), 128-B swizzled: the K-major B of S K^T
@@ -150,8 +150,8 @@ class WgmmaValueSide(_Chunked):
         return SharedStorage
 
     @cute.jit
-    def buffers(self, storage, keys_k_major, keys_mn_major, square) -> _Buffers:
-        """`storage`'s tensors (see `_Buffers`)."""
+    def buffers(self, storage, keys_k_major, keys_mn_major, square) -> ChainBuffers:
+        """`storage`'s tensors (see `ChainBuffers`)."""
         keys = storage.keys.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
         keys_mn = storage.keys.get_tensor(keys_mn_major.outer, swizzle=keys_mn_major.inner)
         queries, p, o_rows, raw_q = None, None, None, None
@@ -182,7 +182,7 @@ class WgmmaValueSide(_Chunked):
             storage.raw_tp.get_tensor(cute.make_layout((tp_count, CHUNK, CHUNK), stride=(CHUNK * CHUNK, CHUNK, 1))),
             storage.raw_gates.get_tensor(cute.make_layout((2, CHUNK), stride=(CHUNK, 1))),
         )
-        return _Buffers(keys, keys_mn, queries, t, p, values, o_rows, gates, raw)
+        return ChainBuffers(keys, keys_mn, queries, t, p, values, o_rows, gates, raw)
 
     @cute.jit
     def launch(
@@ -247,7 +247,7 @@ class WgmmaValueSide(_Chunked):
 
     @cute.jit
     def walk(
-        self, state, q, k, v, ws_tp, ws_g, start: Int32, length: Int32, seq: Int32, head: Int32, buffers: _Buffers,
+        self, state, q, k, v, ws_tp, ws_g, start: Int32, length: Int32, seq: Int32, head: Int32, buffers: ChainBuffers,
         scale: Float32, output, update_mma, products_mma, tidx: Int32,
     ):  # fmt: skip
         """`state` through every chunk of the sequence [start, start + length) (its workspace entries those of
@@ -278,7 +278,7 @@ class WgmmaValueSide(_Chunked):
 
     @cute.jit
     def copy_chunk(self, q, k, v, ws_tp, ws_g, start: Int32, length: Int32, chunk: Int32, seq: Int32,
-                   qk_head: Int32, head: Int32, buffers: _Buffers, tidx: Int32):  # fmt: skip
+                   qk_head: Int32, head: Int32, buffers: ChainBuffers, tidx: Int32):  # fmt: skip
         """Issue the cp.async copies of one chunk: k and q rows (the head's q/k head) into the staging buffers
         and v rows into the chunk's values stage, in 16-B pieces over all threads (tokens past the end are not
         copied: `enter_chunk` zeroes k and q, the value side drops their values); the chunk's T and P from the
@@ -322,7 +322,7 @@ class WgmmaValueSide(_Chunked):
             )
 
     @cute.jit
-    def enter_chunk(self, buffers: _Buffers, tokens_here: Int32, tidx: Int32):
+    def enter_chunk(self, buffers: ChainBuffers, tokens_here: Int32, tidx: Int32):
         """The chunk's staged rows into their operand buffers: keys and queries (bf16 -> fp16) into the swizzled
         buffers, zero past the end of the sequence; T and P into theirs; per token G, beta, exp(G) and
         exp(G_last - G) (the workspace's G is inert past the end: log g = 0, beta = 0)."""
@@ -364,7 +364,7 @@ class WgmmaValueSide(_Chunked):
 
     @cute.jit
     def value_side(
-        self, state, s_values, buffers: _Buffers, scale: Float32, output, first: Int32, tokens_here: Int32,
+        self, state, s_values, buffers: ChainBuffers, scale: Float32, output, first: Int32, tokens_here: Int32,
         head: Int32, update_mma, products_mma, tidx: Int32,
     ):  # fmt: skip
         """Yk, Yq, Xb, V', the chunk's output rows (bf16, the tokens of the sequence only) and the state

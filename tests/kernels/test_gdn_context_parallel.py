@@ -2,7 +2,8 @@
 sequences split into segments, summarised, scanned and re-walked from their scanned states.
 
 CPU: it compiles for sm_90a with each chain and caches; the segment length rule; the chain for a segment count;
-the slot kernel's rule (on Python ints) against cp_model's work list. GPU (marked `gpu`): the contest rule against the reference with segments short enough that sequences split at chunk and partial-chunk edges, around
+the slot kernel's rule (on Python ints) against cp_model's work list. GPU (marked `gpu`): the contest rule
+against the reference with segments short enough that sequences split at chunk and partial-chunk edges, around
 empty sequences, with and without a state and with decays near 1 (the default length's cases are
 test_gdn_prefill_kernel.py's: the module is in its SOLUTIONS).
 """

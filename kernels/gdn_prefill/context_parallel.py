@@ -59,6 +59,7 @@ CP_SEGMENTS = 16
 SCAN_ROWS = 8  # state rows per scan CTA, one column per thread
 ROW_BLOCKS = HEAD_SIZE // SCAN_ROWS
 STAGE_ROWS = HEAD_SIZE + SCAN_ROWS  # a scan stage: M_j and the CTA's rows of B_j
+SCAN_STAGES = 3  # 209 KB of stages: one CTA per SM, as with two
 SLOT_THREADS = 128
 
 
@@ -217,14 +218,14 @@ class _SequenceRows:
 class _Scan(_SequenceRows):
     """Kernel 4: S_in of every segment, S_in(j + 1) = S_in(j) M_j + B_j in fp32 (unrounded: with decays near 1
     the state survives every step); B_j and M_j are rows 0-127 and 128-255 of `summaries[j]`. M_j and the CTA's
-    rows of B_j arrive by cp.async into one of two shared-memory stages a step ahead, so that a step waits for no
-    load but the one issued during the step before."""
+    rows of B_j arrive by cp.async into one of SCAN_STAGES shared-memory stages, issued two steps ahead: a CTA's
+    68 KB a step take longer to arrive than one step's FMAs (NOTES.md)."""
 
     @cute.jit
     def launch(self, cu_seqlens, state, has_state, summaries, seg_state, segment_tokens, total_tokens, stream):
         @cute.struct
         class SharedStorage:
-            stages: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * STAGE_ROWS * HEAD_SIZE], 128]
+            stages: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, SCAN_STAGES * STAGE_ROWS * HEAD_SIZE], 128]
             rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, SCAN_ROWS * HEAD_SIZE], 32]
 
         self.kernel(cu_seqlens, state, has_state, summaries, seg_state, segment_tokens, total_tokens, SharedStorage).launch(
@@ -248,7 +249,7 @@ class _Scan(_SequenceRows):
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         # (stage, row, column): rows 0-127 M_j, then this CTA's SCAN_ROWS rows of B_j
         stages = storage.stages.get_tensor(
-            cute.make_layout((2, STAGE_ROWS, HEAD_SIZE), stride=(STAGE_ROWS * HEAD_SIZE, HEAD_SIZE, 1))
+            cute.make_layout((SCAN_STAGES, STAGE_ROWS, HEAD_SIZE), stride=(STAGE_ROWS * HEAD_SIZE, HEAD_SIZE, 1))
         )
         # The CTA's rows by column: column i's SCAN_ROWS values are contiguous, two 16-B broadcast loads.
         by_column = storage.rows.get_tensor(cute.make_layout((HEAD_SIZE, SCAN_ROWS), stride=(SCAN_ROWS, 1)))
@@ -259,9 +260,10 @@ class _Scan(_SequenceRows):
         if has_state != 0 and length > 0:
             for r in cutlass.range_constexpr(SCAN_ROWS):
                 own[r] = state[seq, head, row0 + r, col]
-        if count > 1:
-            self.prefetch(summaries, first, head, row0, stages[0, None, None], col)
-        cute.arch.cp_async_commit_group()
+        for ahead in cutlass.range_constexpr(SCAN_STAGES - 1):  # one commit group per step, empty or not
+            if ahead + 1 < count:
+                self.prefetch(summaries, first + ahead, head, row0, stages[ahead, None, None], col)
+            cute.arch.cp_async_commit_group()
         column = cute.make_rmem_tensor((SCAN_ROWS,), cutlass.Float32)
         for j in cutlass.range(count, unroll=1):
             slot = first + j
@@ -269,12 +271,13 @@ class _Scan(_SequenceRows):
                 seg_state[slot, head, row0 + r, col] = own[r]
             if j + 1 < count:
                 cute.autovec_copy(own, by_column[col, None])
-                cute.arch.cp_async_wait_group(0)
+                cute.arch.cp_async_wait_group(SCAN_STAGES - 2)
                 cute.arch.sync_threads()  # M_j and B_j have landed, every column of S_in(j) is in by_column
-                if j + 2 < count:
-                    self.prefetch(summaries, slot + 1, head, row0, stages[(j + 1) % 2, None, None], col)
+                ahead = j + SCAN_STAGES - 1
+                if ahead + 1 < count:  # into the stage step j - 1 read
+                    self.prefetch(summaries, first + ahead, head, row0, stages[ahead % SCAN_STAGES, None, None], col)
                 cute.arch.cp_async_commit_group()
-                stage = stages[j % 2, None, None]
+                stage = stages[j % SCAN_STAGES, None, None]
                 for r in cutlass.range_constexpr(SCAN_ROWS):
                     own[r] = stage[HEAD_SIZE + r, col]  # B_j
                 for i in cutlass.range(HEAD_SIZE, unroll_full=True):

@@ -218,8 +218,8 @@ class _SequenceRows:
 class _Scan(_SequenceRows):
     """Kernel 4: S_in of every segment, S_in(j + 1) = S_in(j) M_j + B_j in fp32 (unrounded: with decays near 1
     the state survives every step); B_j and M_j are rows 0-127 and 128-255 of `summaries[j]`. M_j and the CTA's
-    rows of B_j arrive by cp.async into one of SCAN_STAGES shared-memory stages, issued two steps ahead: a CTA's
-    68 KB a step take longer to arrive than one step's FMAs (NOTES.md)."""
+    rows of B_j arrive by cp.async into one of SCAN_STAGES shared-memory stages, issued two steps ahead (1.05-1.13x
+    over one step ahead; what bounds a step is still open: NOTES.md)."""
 
     @cute.jit
     def launch(self, cu_seqlens, state, has_state, summaries, seg_state, segment_tokens, total_tokens, stream):

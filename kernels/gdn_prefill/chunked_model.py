@@ -21,7 +21,9 @@ is the last real token's G).
 `Precision` says where the kernel rounds: `EXACT` computes everything in float64 (to check the
 algebra), `KERNEL` computes in fp32 and rounds every tensor-core operand to fp16 at the points where
 the kernel stores it to shared memory (fp16 rather than bf16: 8x finer, and every operand here is
-bounded well inside fp16's range for normalised keys).
+bounded well inside fp16's range for normalised keys). `chunk_step`'s `paired` keeps chosen rounding
+points (ROUNDING_POINTS) as hi / lo fp16 pairs, for a study of where the error comes from and what
+fixes it (`probes/rounding_points.py`).
 """
 
 from __future__ import annotations
@@ -37,17 +39,27 @@ NUM_V_HEADS = 8
 HEAD_SIZE = 128
 CHUNK = 64
 BLOCK = 16  # diagonal blocks of T inverted directly; the rest by two doubling levels
+# Rounding points `chunk_step` can keep as hi / lo pairs: "T" the whole inverse (its operands,
+# intermediates and result), "state" S0 as the products' operand, "Xb" the values the state predicts, "Vc"
+# V' carried into the state update.
+ROUNDING_POINTS = frozenset({"T", "state", "Xb", "Vc"})
 
 
 @dataclass(frozen=True)
 class Precision:
     compute: torch.dtype  # accumulation and element-wise math
     operand: torch.dtype | None  # tensor-core operands are rounded to this; None = no rounding
+    # An operand as a hi / lo pair of `operand` values (x ~ hi + lo, two MMAs where one took x): what a
+    # kernel computes where one rounding costs too much accuracy.
+    pairs: bool = False
 
     def round(self, x: torch.Tensor) -> torch.Tensor:
         if self.operand is None:
             return x
-        return x.to(self.operand).to(self.compute)
+        hi = x.to(self.operand).to(self.compute)
+        if not self.pairs:
+            return hi
+        return hi + (x - hi).to(self.operand).to(self.compute)
 
 
 EXACT = Precision(torch.float64, None)
@@ -106,7 +118,11 @@ class KeySide:
     T: torch.Tensor
 
 
-def key_side(q: torch.Tensor, k: torch.Tensor, log_g: torch.Tensor, beta: torch.Tensor, precision: Precision) -> KeySide:
+def key_side(
+    q: torch.Tensor, k: torch.Tensor, log_g: torch.Tensor, beta: torch.Tensor, precision: Precision,
+    paired_inverse: bool = False,
+) -> KeySide:
+    """`paired_inverse`: T computed and kept on hi / lo pairs (the rest as `precision` rounds it)."""
     rnd = precision.round
     c = q.shape[-2]
     G = torch.cumsum(log_g, dim=-1)
@@ -119,7 +135,8 @@ def key_side(q: torch.Tensor, k: torch.Tensor, log_g: torch.Tensor, beta: torch.
     qk = q_r @ k_r.transpose(-1, -2)
     A = torch.where(strict, beta[..., :, None] * decay * kk, torch.zeros_like(kk))
     P = rnd(decay * qk)
-    return KeySide(k_r, q_r, G, P, invert_unit_lower(A, precision))
+    inverse = Precision(precision.compute, precision.operand, pairs=True) if paired_inverse else precision
+    return KeySide(k_r, q_r, G, P, invert_unit_lower(A, inverse))
 
 
 def chunk_step(
@@ -131,22 +148,31 @@ def chunk_step(
     beta: torch.Tensor,
     scale: float,
     precision: Precision,
+    paired: frozenset[str] = frozenset(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk for all heads: S0 [H, V, K], q/k [H, C, K], v [H, C, V], log_g/beta [H, C] (padded
-    tokens zero). Returns (O [H, C, V], S_next [H, V, K]) in the compute dtype."""
+    tokens zero). Returns (O [H, C, V], S_next [H, V, K]) in the compute dtype. `paired`: rounding
+    points (ROUNDING_POINTS) kept as hi / lo pairs of the operand dtype."""
+    if not paired <= ROUNDING_POINTS:
+        raise ValueError(f"unknown rounding points {sorted(paired - ROUNDING_POINTS)}; known: {sorted(ROUNDING_POINTS)}")
     rnd = precision.round
-    ks = key_side(q, k, log_g, beta, precision)
+    pair = Precision(precision.compute, precision.operand, pairs=True).round
+
+    def at(point: str, x: torch.Tensor) -> torch.Tensor:
+        return pair(x) if point in paired else rnd(x)
+
+    ks = key_side(q, k, log_g, beta, precision, paired_inverse="T" in paired)
     k_r, q_r, G, P, T = ks.k_r, ks.q_r, ks.G, ks.P, ks.T
 
-    S0_r = rnd(S0)
+    S0_r = at("state", S0)
     y_k = k_r @ S0_r.transpose(-1, -2)  # [H, C, V]
     y_q = q_r @ S0_r.transpose(-1, -2)
     decay_in = torch.exp(G)[..., None]
-    Xb = rnd(beta[..., None] * (v - decay_in * y_k))
+    Xb = at("Xb", beta[..., None] * (v - decay_in * y_k))
     V_new = T @ Xb
     out = scale * (decay_in * y_q + P @ rnd(V_new))
     g_last = G[..., -1:]
-    V_carry = rnd(V_new * torch.exp(g_last - G)[..., None])
+    V_carry = at("Vc", V_new * torch.exp(g_last - G)[..., None])
     S_next = torch.exp(g_last)[..., None] * S0 + V_carry.transpose(-1, -2) @ k_r
     return out, S_next
 

@@ -191,9 +191,12 @@ class Operands:
         )
 
 
-def segment_summary(ops: Operands, start: int, end: int, precision: Precision) -> tuple[torch.Tensor, torch.Tensor]:
+def segment_summary(
+    ops: Operands, start: int, end: int, precision: Precision, paired: frozenset[str] = frozenset()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 1: (B [H, V, K], M [H, K, K]) of tokens [start, end): S_out = S_in M + B. The chunked
-    chain on the augmented state [B; M] from [0; I], the M rows with zero values."""
+    chain on the augmented state [B; M] from [0; I], the M rows with zero values. `paired`:
+    `chunked_model.chunk_step`'s."""
     dtype = precision.compute
     h, d = NUM_V_HEADS, HEAD_SIZE
     eye = torch.eye(d, dtype=dtype, device=ops.q.device).expand(h, d, d)
@@ -201,18 +204,19 @@ def segment_summary(ops: Operands, start: int, end: int, precision: Precision) -
     for c0 in range(start, end, CHUNK):
         q, k, v, log_g, beta = ops.chunk(c0, min(c0 + CHUNK, end))
         v_aug = torch.cat([v, torch.zeros(h, CHUNK, d, dtype=dtype, device=v.device)], dim=-1)
-        _, S = cm.chunk_step(S, q, k, v_aug, log_g, beta, ops.scale, precision)
+        _, S = cm.chunk_step(S, q, k, v_aug, log_g, beta, ops.scale, precision, paired)
     return S[:, :d], S[:, d:]
 
 
 def segment_outputs(
-    ops: Operands, start: int, end: int, S_in: torch.Tensor, precision: Precision
+    ops: Operands, start: int, end: int, S_in: torch.Tensor, precision: Precision,
+    paired: frozenset[str] = frozenset(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 3: the chunked chain over tokens [start, end) from S_in: (O [H, end - start, V], S_out)."""
     S, outs = S_in, []
     for c0 in range(start, end, CHUNK):
         c1 = min(c0 + CHUNK, end)
-        out, S = cm.chunk_step(S, *ops.chunk(c0, c1), ops.scale, precision)
+        out, S = cm.chunk_step(S, *ops.chunk(c0, c1), ops.scale, precision, paired)
         outs.append(out[:, : c1 - c0])
     return torch.cat(outs, dim=1), S
 
@@ -231,9 +235,10 @@ def run_raw(
     precision: Precision = KERNEL,
     segment_chunks: int = 8,
     split_tokens: int | None = None,
+    paired: frozenset[str] = frozenset(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The CP algorithm, unrounded: (output [T, 8, 128], new_state [N, 8, 128, 128]) in the compute dtype.
-    Zero-length sequences get a zero state, as in the definition."""
+    Zero-length sequences get a zero state, as in the definition. `paired`: `chunked_model.chunk_step`'s."""
     dtype = precision.compute
     num_tokens, num_seqs = q.shape[0], cu_seqlens.shape[0] - 1
     bounds = [int(x) for x in cu_seqlens.tolist()]
@@ -241,7 +246,9 @@ def run_raw(
     segments = work_list(bounds, num_tokens, segment_chunks * CHUNK, split_tokens)
 
     # Phase 1 (parallel): summaries of every segment but the last of its sequence.
-    summary = {seg.slot: segment_summary(ops, seg.start, seg.end, precision) for seg in segments if not seg.is_last}
+    summary = {
+        seg.slot: segment_summary(ops, seg.start, seg.end, precision, paired) for seg in segments if not seg.is_last
+    }
 
     # Phase 2 (sequential over segments): incoming states.
     by_seq: dict[int, list[Segment]] = {}
@@ -261,7 +268,7 @@ def run_raw(
     output = torch.zeros(NUM_V_HEADS, num_tokens, HEAD_SIZE, dtype=dtype, device=q.device)
     new_state = torch.zeros(num_seqs, NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE, dtype=dtype, device=q.device)
     for seg in segments:
-        out, S = segment_outputs(ops, seg.start, seg.end, incoming[seg.slot], precision)
+        out, S = segment_outputs(ops, seg.start, seg.end, incoming[seg.slot], precision, paired)
         output[:, seg.start : seg.end] = out
         if seg.is_last:
             new_state[seg.seq] = S
@@ -270,10 +277,13 @@ def run_raw(
 
 @torch.no_grad()
 def run(
-    q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, precision: Precision = KERNEL, segment_chunks: int = 8, split_tokens=None
+    q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, precision: Precision = KERNEL, segment_chunks: int = 8,
+    split_tokens=None, paired: frozenset[str] = frozenset(),
 ):
     """The definition's outputs (output bf16, new_state fp32) by the CP algorithm."""
-    out, new_state = run_raw(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, precision, segment_chunks, split_tokens)
+    out, new_state = run_raw(
+        q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, precision, segment_chunks, split_tokens, paired
+    )
     return out.to(torch.bfloat16), new_state.float()
 
 

@@ -29,7 +29,7 @@ fixes it (`probes/rounding_points.py`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -135,7 +135,7 @@ def key_side(
     qk = q_r @ k_r.transpose(-1, -2)
     A = torch.where(strict, beta[..., :, None] * decay * kk, torch.zeros_like(kk))
     P = rnd(decay * qk)
-    inverse = Precision(precision.compute, precision.operand, pairs=True) if paired_inverse else precision
+    inverse = replace(precision, pairs=True) if paired_inverse else precision
     return KeySide(k_r, q_r, G, P, invert_unit_lower(A, inverse))
 
 
@@ -156,7 +156,7 @@ def chunk_step(
     if not paired <= ROUNDING_POINTS:
         raise ValueError(f"unknown rounding points {sorted(paired - ROUNDING_POINTS)}; known: {sorted(ROUNDING_POINTS)}")
     rnd = precision.round
-    pair = Precision(precision.compute, precision.operand, pairs=True).round
+    pair = replace(precision, pairs=True).round
 
     def at(point: str, x: torch.Tensor) -> torch.Tensor:
         return pair(x) if point in paired else rnd(x)

@@ -6,8 +6,9 @@ tensor-core operands), with chosen rounding points (`chunked_model.ROUNDING_POIN
     uv run kernels/gdn_prefill/probes/rounding_points.py [--case repeated_keys16384_slow] [--seeds 0,1] \
         [--points none,T,Vc,Xb,state,T+Vc]
 
-For each seed and set of paired points: the largest error over the tolerance (atol = rtol = 1e-2; above 1
-fails) of the output and of the final state, chained and context parallel (16 segments, as `kernel.py` cuts
+For each seed and set of paired points: the largest element's error over the track's tolerance (the
+contest's rule: an element fails when its absolute error exceeds atol and its relative error rtol, i.e. when
+min(abs / atol, rel / rtol) > 1) of the output and of the final state, chained and context parallel (16 segments, as `kernel.py` cuts
 one sequence). NOTES.md's accuracy bullet cites it. Exits 2 on bad arguments, with one line on stderr.
 """
 
@@ -19,22 +20,27 @@ from collections.abc import Sequence
 
 import torch
 
+from hopperbench.acceptance import REL_EPS
 from hopperbench.devcheck import load_module_by_path
 from hopperbench.paths import REPO_ROOT
+from hopperbench.tracks import get_track
 
 FOLDER = REPO_ROOT / "kernels/gdn_prefill"
 cases = load_module_by_path(FOLDER / "check_cases.py", "gdn_check_cases")
 chunked_model = load_module_by_path(FOLDER / "chunked_model.py", "gdn_chunked_model_for_cp")
 cp_model = load_module_by_path(FOLDER / "cp_model.py", "gdn_cp_model")
 
-TOLERANCE = 1e-2  # the track's atol = rtol
+RULE = get_track("gdn_prefill").acceptance
 CP_SEGMENTS = 16  # context_parallel.CP_SEGMENTS (not imported: the models need no CuTe-DSL)
 INPUTS = ("q", "k", "v", "state", "A_log", "a", "dt_bias", "b", "cu_seqlens", "scale")
 
 
 def over_tolerance(x: torch.Tensor, reference: torch.Tensor) -> float:
-    """max |x - ref| / (atol + rtol |ref|): above 1, the element fails the track's rule."""
-    return ((x.double() - reference).abs() / (TOLERANCE + TOLERANCE * reference.abs())).max().item()
+    """The largest min(abs / atol, rel / rtol) over the elements (relative error as `hopperbench.acceptance`
+    computes it): above 1, that element fails the track's rule."""
+    abs_err = (x.double() - reference).abs()
+    rel_err = abs_err / (reference.abs() + REL_EPS)
+    return torch.minimum(abs_err / RULE.atol, rel_err / RULE.rtol).max().item()
 
 
 def parse_points(spec: str) -> frozenset[str]:

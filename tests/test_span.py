@@ -147,3 +147,14 @@ def test_summarize_spans():
     assert (summary.median_ms, summary.min_ms, summary.max_ms, summary.count) == (2.5, 1.0, 10.0, 4)
     with pytest.raises(TimingError):
         summarize_spans([])
+
+
+def test_spans_and_busy_share_one_attribution_until_the_trace_grows():
+    trace, expected = load_fixture("consistent")
+    first = trace.per_iteration()
+    assert trace.per_iteration() is first
+    assert trace.spans() == pytest.approx(expected["spans_ms"], rel=0, abs=1e-12)
+    assert trace.busy() == iteration_busy(trace.windows, trace.api_records, trace.gpu_records)
+    trace.windows.pop()  # a changed trace is attributed again
+    assert len(trace.per_iteration()) == len(trace.windows)
+    assert len(trace.spans()) == len(trace.windows)

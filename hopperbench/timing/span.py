@@ -56,9 +56,18 @@ class GpuRecord:
     value: int = 0
 
     @property
+    def work(self) -> tuple[str, int, int, int, int]:
+        """What must be the same every iteration (start, end and correlation id are not)."""
+        return (self.name, self.copy_kind, self.bytes, self.value, self.kind)
+
+    @property
     def signature(self) -> str:
-        # Start, end and correlation id differ every iteration; everything else must not.
-        return f"{self.name}_{self.copy_kind}_{self.bytes}_{self.value}_{self.kind}"
+        return _signature(self.work)
+
+
+def _signature(work: tuple[str, int, int, int, int]) -> str:
+    name, copy_kind, nbytes, value, kind = work
+    return f"{name}_{copy_kind}_{nbytes}_{value}_{kind}"
 
 
 @dataclass
@@ -66,11 +75,17 @@ class ActivityTrace:
     """Everything one timed run recorded: the host windows and the activity records.
 
     Serialisable to JSON so that a real run can be kept and replayed as a test fixture.
+    `spans` and `busy` share one attribution of the records to iterations, made at the first
+    of them from the complete trace (a trace that grows after that is attributed again): for a
+    Python reference's ~10^5 records a trial it is most of the work after the timed calls.
     """
 
     windows: list[tuple[int, int]] = field(default_factory=list)
     api_records: list[ApiRecord] = field(default_factory=list)
     gpu_records: list[GpuRecord] = field(default_factory=list)
+    _attributed: tuple[tuple[int, int, int], list[list[GpuRecord]]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def to_json(self) -> dict:
         return {
@@ -91,11 +106,18 @@ class ActivityTrace:
     def load(cls, path: Path) -> ActivityTrace:
         return cls.from_json(json.loads(Path(path).read_text()))
 
+    def per_iteration(self) -> list[list[GpuRecord]]:
+        """`iteration_gpu_records` of this trace."""
+        size = (len(self.windows), len(self.api_records), len(self.gpu_records))
+        if self._attributed is None or self._attributed[0] != size:
+            self._attributed = (size, iteration_gpu_records(self.windows, self.api_records, self.gpu_records))
+        return self._attributed[1]
+
     def spans(self) -> list[float]:
-        return iteration_spans(self.windows, self.api_records, self.gpu_records)
+        return [_span_ms(records) for records in self.per_iteration()]
 
     def busy(self) -> list[float]:
-        return iteration_busy(self.windows, self.api_records, self.gpu_records)
+        return [_covered_ns(records) / NS_PER_MS for records in self.per_iteration()]
 
 
 def _describe_difference(first: set[str], other: set[str]) -> str:
@@ -130,7 +152,7 @@ def iteration_gpu_records(
         gpu_by_correlation[record.correlation_id].append(record)
 
     per_iteration: list[list[GpuRecord]] = []
-    first_signatures: set[str] | None = None
+    first_work: set[tuple[str, int, int, int, int]] | None = None
     for index, (t0, t1) in enumerate(windows):
         if t1 < t0:
             raise TimingError(f"iteration {index} has a window that ends before it starts ({t0} > {t1})")
@@ -138,13 +160,13 @@ def iteration_gpu_records(
         records = [g for cid in sorted(correlation_ids) for g in gpu_by_correlation.get(cid, ())]
         if not records:
             raise TimingError(f"iteration {index} launched no GPU work")
-        signatures = {g.signature for g in records}
-        if first_signatures is None:
-            first_signatures = signatures
-        elif signatures != first_signatures:
+        work = {g.work for g in records}
+        if first_work is None:
+            first_work = work
+        elif work != first_work:
             raise TimingError(
                 f"iteration {index} launched different GPU work than iteration 0: "
-                + _describe_difference(first_signatures, signatures)
+                + _describe_difference({_signature(w) for w in first_work}, {_signature(w) for w in work})
             )
         per_iteration.append(records)
     return per_iteration
@@ -161,10 +183,11 @@ def iteration_spans(
     Raises TimingError when an iteration launched no GPU work or when the set of
     GPU-work signatures (`name_copykind_bytes_value_kind`) differs between iterations.
     """
-    return [
-        (max(g.end for g in records) - min(g.start for g in records)) / NS_PER_MS
-        for records in iteration_gpu_records(windows, api_records, gpu_records)
-    ]
+    return [_span_ms(records) for records in iteration_gpu_records(windows, api_records, gpu_records)]
+
+
+def _span_ms(records: Sequence[GpuRecord]) -> float:
+    return (max(g.end for g in records) - min(g.start for g in records)) / NS_PER_MS
 
 
 def _covered_ns(records: Sequence[GpuRecord]) -> int:

@@ -18,7 +18,7 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 PYTHON=${PYTHON:-$HERE/../../.venv/bin/python}
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda-13.0}
 SITE=${FI_SITE:-$BUILD_DIR/site}  # where the wheel is unpacked (FI_SITE: an existing unpack)
-mkdir -p "$BUILD_DIR/extra/include" "$BUILD_DIR/extra/lib" "$BUILD_DIR/stubs/requests"
+mkdir -p "$BUILD_DIR/extra/include" "$BUILD_DIR/extra/lib" "$BUILD_DIR/stubs/requests" "$BUILD_DIR/stubs/pynvml"
 if [[ ! -d $SITE/flashinfer ]]; then
   : "${FI_WHEEL:?set FI_WHEEL to the flashinfer-python 0.7.2.post1 wheel from PyPI}"
   # A wheel is a zip and this one is pure Python with no .data folder: unpacking it is installing it
@@ -29,8 +29,11 @@ CU13=$("$PYTHON" -c "import nvidia, os; print(os.path.join(nvidia.__path__[0], '
 for h in "$CU13"/include/*.h; do [[ -e $CUDA_HOME/include/$(basename "$h") ]] || cp -n "$h" "$BUILD_DIR/extra/include/"; done
 ln -sf "$CU13/lib/libnvrtc.so.13" "$BUILD_DIR/extra/lib/libnvrtc.so"
 [[ -e $BUILD_DIR/extra/lib/libcuda.so ]] || echo "" | gcc -shared -x c - -Wl,-soname,libcuda.so.1 -o "$BUILD_DIR/extra/lib/libcuda.so"
-# flashinfer.artifacts imports requests; generating the ninja files never calls it.
-[[ -e $BUILD_DIR/stubs/requests/__init__.py ]] || echo '"""Stub: never called while ninja files are written."""' > "$BUILD_DIR/stubs/requests/__init__.py"
+# flashinfer.artifacts imports requests and flashinfer.utils pynvml (neither in the venv without the library
+# extras); generating the ninja files calls neither.
+for stub in requests pynvml; do
+  [[ -e $BUILD_DIR/stubs/$stub/__init__.py ]] || echo '"""Stub: never called while ninja files are written."""' > "$BUILD_DIR/stubs/$stub/__init__.py"
+done
 
 export FLASHINFER_WORKSPACE_BASE=$BUILD_DIR/ws FLASHINFER_CUDA_ARCH_LIST=9.0a CUDA_HOME PATH=$CUDA_HOME/bin:$PATH
 export PYTHONPATH=$SITE:$BUILD_DIR/stubs

@@ -38,6 +38,9 @@ class Comparison:
     second_graph_ms: float | None = None
     first_graph_busy_ms: float | None = None
     second_graph_busy_ms: float | None = None
+    # Each trial's graph span in each run (its median is the row's): which trial moved.
+    first_graph_trials_ms: tuple[float, ...] = ()
+    second_graph_trials_ms: tuple[float, ...] = ()
     # Whether the row's graph numbers are judged (both replayed, span >= min_ms in either run).
     judged: bool = False
     # The optional inputs the row's calls passed as None (a twin's withheld input among them).
@@ -107,6 +110,8 @@ def compare(first: ResultsFile, second: ResultsFile, min_ms: float = MIN_MS) -> 
                     second_graph_ms=b.graph_ms if graph else None,
                     first_graph_busy_ms=a.graph_busy_ms if graph else None,
                     second_graph_busy_ms=b.graph_busy_ms if graph else None,
+                    first_graph_trials_ms=tuple(a.per_trial_graph_ms) if graph else (),
+                    second_graph_trials_ms=tuple(b.per_trial_graph_ms) if graph else (),
                     judged=graph and max(a.graph_ms or 0.0, b.graph_ms or 0.0) >= min_ms,
                     absent_inputs=row.row_id[2],
                 )

@@ -62,6 +62,17 @@ def test_a_graph_span_or_busy_time_over_tolerance_fails_and_names_its_side(tmp_p
     assert compare_runs.main([str(a), str(b), "--tolerance", "15"]) == 0
 
 
+def test_a_row_over_tolerance_shows_its_graph_span_per_trial(tmp_path: Path, capsys) -> None:
+    def trials(ms: list[float]) -> SideResult:
+        return timed("ours", 0.07, sorted(ms)[1]).model_copy(update={"per_trial_graph_ms": ms})
+
+    a = write_run(tmp_path / "a.json", {0: [trials([0.0613, 0.0622, 0.0723])]})
+    b = write_run(tmp_path / "b.json", {0: [trials([0.0614, 0.0650, 0.0724])]})
+    assert compare_runs.main([str(a), str(b)]) == 1  # the middle trial moved 4.5 %
+    out = capsys.readouterr().out
+    assert "  over: moe 0 all inputs ours, graph span per trial (ms): [0.0613, 0.0622, 0.0723] -> [0.0614, 0.065, 0.0724]" in out
+
+
 def test_a_side_whose_rows_pass_can_still_fail_on_its_mean(tmp_path: Path, capsys) -> None:
     # Every row 2 % slower: each within 3 %, the side's geometric mean not within 1 %.
     a = write_run(tmp_path / "a.json", {i: [timed("ours", 0.1, 0.1)] for i in range(4)})

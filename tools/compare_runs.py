@@ -5,7 +5,8 @@
 For every (track, row, side) timed in both runs (`hopperbench.repeatability`, which also says what
 is judged) it prints the eager span of each run with its spread over trials ((max - min) / median),
 and, where both runs replayed the side from a CUDA graph, the graph span and the graph GPU-busy time
-of each and their changes, whether both ran on the same GPU board, then the verdicts. Exit 1 if a judged row or a side's mean is over, 2 if
+of each and their changes, whether both ran on the same GPU board, then the verdicts (a row over the
+tolerance with its graph span per trial in each run). Exit 1 if a judged row or a side's mean is over, 2 if
 the files cannot be read or share no timed row, 0 otherwise.
 """
 
@@ -29,6 +30,10 @@ def _ms(value: float | None) -> str:
 
 def _signed(value: float | None) -> str:
     return "-" if value is None else f"{value:+.1%}"
+
+
+def _trials(values: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{v:.4g}" for v in values) + "]" if values else "-"
 
 
 def format_table(rows: Sequence[Comparison], tolerance: float) -> str:
@@ -77,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     over = [c for c in judged if c.over(tolerance)]
     print(f"{len(judged) - len(over)} of {len(judged)} judged rows: graph span and busy time within {args.tolerance:g} %"
           + (f"; over: {', '.join(sorted({c.side for c in over}))}" if over else ""))  # fmt: skip
+    for c in over:
+        print(f"  over: {c.track} {c.index} {absent_inputs_label(c.absent_inputs)} {c.side}, graph span per trial (ms): "
+              f"{_trials(c.first_graph_trials_ms)} -> {_trials(c.second_graph_trials_ms)}")  # fmt: skip
     means = side_means(rows)
     over_means = [m for m in means if abs(m.change) * 100 > args.geomean]
     for m in means:

@@ -45,6 +45,12 @@ BLOCK = 16  # diagonal blocks of T inverted directly; the rest by two doubling l
 ROUNDING_POINTS = frozenset({"T", "state", "Xb", "Vc"})
 
 
+def check_rounding_points(points: frozenset[str]) -> None:
+    """ValueError naming any of `points` that is not one of ROUNDING_POINTS."""
+    if not points <= ROUNDING_POINTS:
+        raise ValueError(f"unknown rounding points {sorted(points - ROUNDING_POINTS)}; known: {sorted(ROUNDING_POINTS)}")
+
+
 @dataclass(frozen=True)
 class Precision:
     compute: torch.dtype  # accumulation and element-wise math
@@ -153,8 +159,7 @@ def chunk_step(
     """One chunk for all heads: S0 [H, V, K], q/k [H, C, K], v [H, C, V], log_g/beta [H, C] (padded
     tokens zero). Returns (O [H, C, V], S_next [H, V, K]) in the compute dtype. `paired`: rounding
     points (ROUNDING_POINTS) kept as hi / lo pairs of the operand dtype."""
-    if not paired <= ROUNDING_POINTS:
-        raise ValueError(f"unknown rounding points {sorted(paired - ROUNDING_POINTS)}; known: {sorted(ROUNDING_POINTS)}")
+    check_rounding_points(paired)
     rnd = precision.round
     pair = replace(precision, pairs=True).round
 

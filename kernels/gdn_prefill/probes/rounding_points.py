@@ -45,9 +45,7 @@ def over_tolerance(x: torch.Tensor, reference: torch.Tensor) -> float:
 
 def parse_points(spec: str) -> frozenset[str]:
     points = frozenset() if spec == "none" else frozenset(spec.split("+"))
-    unknown = points - chunked_model.ROUNDING_POINTS
-    if unknown:
-        raise ValueError(f"unknown rounding points {sorted(unknown)}; known: {sorted(chunked_model.ROUNDING_POINTS)}")
+    chunked_model.check_rounding_points(points)
     return points
 
 

@@ -114,6 +114,9 @@ CASES: tuple[CheckCase, ...] = (
     # Above the token-serial threshold: equal lengths and empty sequences in the chunked path.
     CheckCase("ties_and_empty_357", (70, 0, 70, 5, 0, 70, 1, 70, 0, 71), True, 0.0, "mamba2"),
     CheckCase("many_130_state", MANY_130, True, 0.05, "mamba2"),
+    # The WY chain's 16-row grid past 132 CTAs (3-4 sequences): rows serve the sequences longest first.
+    CheckCase("wy_ranked_450_380_966", (450, 380, 966), True, 0.0, "mamba2"),
+    CheckCase("wy_ranked_ties_and_empty", (300, 0, 700, 300), False, 0.05, "slow_decay"),
     CheckCase("all_empty", (0, 0), True, 0.0, "mamba2"),
     CheckCase("many_short_57x1000_state", MANY_SHORT, True, 0.0, "mamba2"),
     CheckCase("many_short_57x1000_fast", MANY_SHORT, False, 0.05, "fast_decay"),

@@ -6,8 +6,8 @@ written there), with the same rounding points: every tensor-core operand is fp16
 m16n8k16, fp32 accumulation), the state, the gates and every element-wise step are fp32.
 
 Work split. One CTA = one (sequence, v-head, 32-row V-slice): grid (8 heads x 4 slices, N), row y
-serving the sequence of rank y in decreasing length when 9 to 128 sequences make more than one wave
-(`sequence_of_block`, the LPT rule: a long sequence late in the grid would run alone at the end). The V
+serving the sequence of rank y in decreasing length when the grid has more CTAs than the GPU has SMs
+(`sequence_of_block`, the LPT rule: the CTAs started last share an SM or wait for a second wave). The V
 rows of a state evolve independently, so slicing V is exact; the K-side work of a chunk (the
 Gram products K K^T and Q K^T and the inverse T) is recomputed by each of the 4 slice CTAs. 128
 threads = 4 warps; every product is split into per-warp tiles and computed by one warp with a
@@ -74,13 +74,13 @@ from .token_serial import (
 __all__ = [
     "GdnShapeError",
     "MAX_RANKED_SEQS",
-    "MIN_RANKED_SEQS",
     "NARROW_MAX_SEQS",
     "NARROW_SLICE_ROWS",
     "compile_only",
     "compiled_for",
     "kernel_for",
     "longest_first_order",
+    "min_ranked_seqs",
     "resolve_scale",
     "run",
     "run_kernel",
@@ -131,18 +131,18 @@ assert 2 * SLICE_ROWS * NARROW_STRIDE == CHUNK * NARROW_STRIDE
 assert NUM_WARPS * BLOCK * SCRATCH_STRIDE <= SLICE_ROWS * WIDE_STRIDE
 
 
-# Longest first: the hardware starts CTAs in the order of their block index, and a CTA's time
-# is its sequence's chunk count times the chunk step. When the grid takes more than one wave, a long
-# sequence late in the list would run its chain of chunks alone at the end; serving the sequences in
-# order of decreasing length (the LPT rule) leaves only short CTAs for the tail. Each CTA ranks the
-# lengths itself, one thread per sequence (O(N) per thread, hence the upper bound); below the lower
-# bound every CTA starts in the first wave and the order would only decide which CTAs share an SM.
+# Longest first: a CTA's time is its sequence's chunk count times the chunk step, and the hardware
+# starts CTAs in the order of their block index. When the grid has more CTAs than the GPU has SMs, the
+# order decides the call's time: past one wave a long sequence late in the list would run its chain
+# alone at the end, and within one wave of two CTAs per SM the CTAs started last are the ones that
+# share an SM (WY chain, 16-row slices, 450 / 380 / 966 tokens on the H200: 65 us with the longest
+# sequence last, its calls 58-68; 57.3 with it first, 56.8-58.6; NOTES.md). Serving the sequences in
+# order of decreasing length (the LPT rule) puts the long chains first. Each CTA ranks the lengths
+# itself, one thread per sequence (O(N) per thread, hence the upper bound).
 MAX_RANKED_SEQS = NUM_THREADS  # one sequence per thread
 NUM_SMS = 132  # H200
 # CTAs of this folder's chunked kernels resident at once: two per SM.
 CTAS_PER_WAVE = 2 * NUM_SMS
-# More CTAs than one wave (32 per sequence): the grid takes more than one wave.
-MIN_RANKED_SEQS = CTAS_PER_WAVE // (NUM_V_HEADS * NUM_SLICES) + 1  # 9
 # The ranking's scratch: the lengths, then the selected sequence, in the fp32 diagonal blocks of A.
 assert MAX_RANKED_SEQS + 1 <= CHUNK * BLOCK
 
@@ -152,10 +152,16 @@ NARROW_SLICE_ROWS = 16
 NARROW_MAX_SEQS = NUM_SMS // (NUM_V_HEADS * (HEAD_SIZE // NARROW_SLICE_ROWS))  # 2
 
 
-def longest_first_order(lengths: Sequence[int]) -> list[int]:
+def min_ranked_seqs(ctas_per_sequence: int) -> int:
+    """Fewest sequences for which a grid of `ctas_per_sequence` CTAs a sequence has more CTAs than the GPU
+    has SMs: from there the kernels serve the sequences longest first."""
+    return NUM_SMS // ctas_per_sequence + 1
+
+
+def longest_first_order(lengths: Sequence[int], ctas_per_sequence: int) -> list[int]:
     """The sequence each grid row serves, by the kernel's ranking rule (ties by index, so the rows
     are a permutation whatever `cu_seqlens` holds); for tests and models."""
-    if not MIN_RANKED_SEQS <= len(lengths) <= MAX_RANKED_SEQS:
+    if not min_ranked_seqs(ctas_per_sequence) <= len(lengths) <= MAX_RANKED_SEQS:
         return list(range(len(lengths)))
     return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
 
@@ -205,6 +211,11 @@ class _Chunked:
     @property
     def num_slices(self) -> int:
         return HEAD_SIZE // self.slice_rows
+
+    @property
+    def ctas_per_sequence(self) -> int:
+        """CTAs of the grid serving one sequence (a row of the grid)."""
+        return NUM_V_HEADS * self.num_slices
 
     def state16_layout(self) -> cute.Layout:
         """The fp16 copy of the state slice, [slice_rows, 128] in padded rows (STATE16_VIEW at 32 rows)."""
@@ -398,11 +409,11 @@ class _Chunked:
         scratch: cute.Tensor,
     ) -> cutlass.Int32:
         """The sequence this CTA's grid row serves: the one of rank `block_y` in decreasing length
-        (`longest_first_order`) for MIN_RANKED_SEQS to MAX_RANKED_SEQS sequences, sequence `block_y`
+        (`longest_first_order`) when the grid has more CTAs than SMs, up to MAX_RANKED_SEQS sequences, sequence `block_y`
         otherwise. `scratch` is shared memory free until the first chunk's P1: the lengths, then the
         selected sequence."""
         seq = block_y
-        if num_seqs >= MIN_RANKED_SEQS and num_seqs <= MAX_RANKED_SEQS:
+        if num_seqs >= min_ranked_seqs(self.ctas_per_sequence) and num_seqs <= MAX_RANKED_SEQS:
             slots = cute.make_tensor(
                 cute.recast_ptr(scratch.iterator, dtype=cutlass.Int32), cute.make_layout(MAX_RANKED_SEQS + 1)
             )

@@ -6,7 +6,7 @@ known on the host; no device reads, no host synchronisation):
 - T <= TOKEN_SERIAL_MAX_TOKENS: `token_serial.py`, one CTA per (sequence, head, 8-row V slice)
   stepping token by token, each state row over 16 lanes;
 - up to WY_PREPASS_MIN_TOKENS: `chunked.py`, 64-token chunks in the WY form on tensor cores, two CTAs
-  per SM, the grid rows serving the sequences longest first when the grid takes more than one wave,
+  per SM, the grid rows serving the sequences longest first when the grid has more CTAs than SMs,
   on 16-row V slices for one or two sequences and 32-row slices above;
 - from WY_PREPASS_MIN_TOKENS, or from a mean sequence length T / N of WY_PREPASS_MIN_MEAN_LENGTH tokens:
   `chunked.py`'s chunks in two kernels, a parallel prepass of every chunk's state-free half (~66 KB of

@@ -117,6 +117,10 @@ class WgmmaValueSide(_Chunked):
         return 128 * self.warpgroups
 
     @property
+    def ctas_per_sequence(self) -> int:
+        return NUM_V_HEADS  # one CTA per (sequence, head)
+
+    @property
     def state_rows(self) -> int:
         return 64 * self.warpgroups
 

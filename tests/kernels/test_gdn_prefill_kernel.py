@@ -177,16 +177,26 @@ def test_the_kernels_length_ranking_serves_every_sequence_once_longest_first(len
     # The kernel's rule, transcribed: row y serves the i with rank(i) == y.
     rank = [sum(lj > li or (lj == li and j < i) for j, lj in enumerate(lengths)) for i, li in enumerate(lengths)]
     rows = [rank.index(y) for y in range(len(lengths))]
-    assert rows == solution_module("chunked").longest_first_order(lengths)
+    assert rows == solution_module("chunked").longest_first_order(lengths, ctas_per_sequence=32)
     assert sorted(rows) == list(range(len(lengths)))
     assert all(lengths[a] >= lengths[b] for a, b in zip(rows, rows[1:]))
 
 
+@pytest.mark.parametrize(("ctas_per_sequence", "fewest"), [(64, 3), (32, 5), (8, 17)])
+def test_the_rows_are_ranked_once_the_grid_has_more_ctas_than_sms(ctas_per_sequence, fewest):
+    module = solution_module("chunked")
+    assert module.min_ranked_seqs(ctas_per_sequence) == fewest
+    assert (fewest - 1) * ctas_per_sequence <= module.NUM_SMS < fewest * ctas_per_sequence
+    below = (3,) * (fewest - 2) + (9,)
+    assert module.longest_first_order(below, ctas_per_sequence) == list(range(fewest - 1))
+    assert module.longest_first_order(below + (1,), ctas_per_sequence)[0] == fewest - 2
+
+
 def test_outside_the_ranked_counts_the_rows_keep_their_order():
     module = solution_module("chunked")
-    assert (module.MIN_RANKED_SEQS, module.MAX_RANKED_SEQS) == (9, 128)
-    assert module.longest_first_order(cases.MANY_130) == list(range(130))
-    assert module.longest_first_order((70, 0, 70, 5, 0, 99, 1, 2)) == list(range(8))
+    assert module.MAX_RANKED_SEQS == 128
+    assert module.longest_first_order(cases.MANY_130, 32) == list(range(130))
+    assert module.longest_first_order((70, 0, 99, 2), 32) == list(range(4))
 
 
 def test_inputs_follow_the_synth_distributions():

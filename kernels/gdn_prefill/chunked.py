@@ -134,11 +134,11 @@ assert NUM_WARPS * BLOCK * SCRATCH_STRIDE <= SLICE_ROWS * WIDE_STRIDE
 # Longest first: a CTA's time is its sequence's chunk count times the chunk step, and the hardware
 # starts CTAs in the order of their block index. When the grid has more CTAs than the GPU has SMs, the
 # order decides the call's time: past one wave a long sequence late in the list would run its chain
-# alone at the end, and within one wave of two CTAs per SM the CTAs started last are the ones that
-# share an SM (WY chain, 16-row slices, 450 / 380 / 966 tokens on the H200: 65 us with the longest
-# sequence last, its calls 58-68; 57.3 with it first, 56.8-58.6; NOTES.md). Serving the sequences in
-# order of decreasing length (the LPT rule) puts the long chains first. Each CTA ranks the lengths
-# itself, one thread per sequence (O(N) per thread, hence the upper bound).
+# alone at the end, and within one wave of two CTAs per SM the CTAs started last nearly all share an
+# SM (WY chain, 16-row slices, 450 / 380 / 966 tokens on the H200: 60-62 of the longest sequence's 64
+# CTAs when it comes last, 65 us, its calls 58-68; 25-33 when it comes first, 57.3 us, 56.8-58.6).
+# Serving the sequences in order of decreasing length (the LPT rule) puts the long chains first. Each
+# CTA ranks the lengths itself, one thread per sequence (O(N) per thread, hence the upper bound).
 MAX_RANKED_SEQS = NUM_THREADS  # one sequence per thread
 NUM_SMS = 132  # H200
 # CTAs of this folder's chunked kernels resident at once: two per SM.
@@ -409,9 +409,9 @@ class _Chunked:
         scratch: cute.Tensor,
     ) -> cutlass.Int32:
         """The sequence this CTA's grid row serves: the one of rank `block_y` in decreasing length
-        (`longest_first_order`) when the grid has more CTAs than SMs, up to MAX_RANKED_SEQS sequences, sequence `block_y`
-        otherwise. `scratch` is shared memory free until the first chunk's P1: the lengths, then the
-        selected sequence."""
+        (`longest_first_order`) when the grid has more CTAs than SMs (up to MAX_RANKED_SEQS sequences),
+        sequence `block_y` otherwise. `scratch` is shared memory free until the first chunk's P1: the
+        lengths, then the selected sequence."""
         seq = block_y
         if num_seqs >= min_ranked_seqs(self.ctas_per_sequence) and num_seqs <= MAX_RANKED_SEQS:
             slots = cute.make_tensor(

@@ -1,7 +1,7 @@
 """The dispatch model behind the chunked GDN kernel's longest-first grid order: how long its grid
 takes when its rows serve the sequences in list order, and when they serve the longest first.
 
-    uv run kernels/gdn_prefill/probes/gdn_grid_order_model.py [--results results/h200/latest.csv] [--min-seqs 9]
+    uv run kernels/gdn_prefill/probes/gdn_grid_order_model.py [--results results/h200/latest.csv] [--min-seqs 5]
 
 Model: 132 SMs with two CTA slots each; CTAs start in grid order (row by row, the 32 CTAs of one
 sequence together) as slots free up; a CTA's work is its sequence's chunk count plus a fixed 0.3
@@ -60,8 +60,8 @@ def grid_works(lengths: Sequence[int], longest_first: bool) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, help="a results CSV with ours' GDN latencies, to fit the time unit")
-    parser.add_argument("--min-seqs", type=int, default=9,
-                        help="model workloads with at least this many sequences (default 9: those the longest-first order changes)")  # fmt: skip
+    parser.add_argument("--min-seqs", type=int, default=5,
+                        help="model workloads with at least this many sequences (default 5: from there the 32-row grid has more CTAs than SMs and ranks them)")  # fmt: skip
     args = parser.parse_args(argv)
 
     from hopperbench.results import read_csv_rows

@@ -60,10 +60,6 @@ class GpuRecord:
         """What must be the same every iteration (start, end and correlation id are not)."""
         return (self.name, self.copy_kind, self.bytes, self.value, self.kind)
 
-    @property
-    def signature(self) -> str:
-        return _signature(self.work)
-
 
 def _signature(work: tuple[str, int, int, int, int]) -> str:
     name, copy_kind, nbytes, value, kind = work

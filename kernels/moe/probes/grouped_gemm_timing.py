@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from hopperbench.devcheck import load_folder_module, load_module_by_path, median_cuda_time_us
+from hopperbench.devcheck import capture_graph, load_folder_module, load_module_by_path, median_cuda_time_us
 from hopperbench.paths import REPO_ROOT
 
 cases = load_module_by_path(REPO_ROOT / "kernels/moe/check_cases.py", "moe_check_cases")
@@ -59,16 +59,6 @@ def gemm2_call(grouped, counts: list[int]) -> tuple[Callable[[int], object], flo
 
 
 CALLS = {1: gemm1_call, 2: gemm2_call}
-
-
-def graph_of(call: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """`call` captured in a CUDA graph, after one eager call (which compiles or JIT-builds outside the capture)."""
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph
 
 
 def deepgemm_call(deep_gemm, grouped, which: int, counts: list[int]) -> tuple[Callable[[int], object], float, int]:
@@ -124,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 call, flop, items = CALLS[which](grouped, counts)
             else:
                 call, flop, items = deepgemm_call(deep_gemm, grouped, which, counts)
-            graph = graph_of(lambda: call(num_ctas))
+            graph = capture_graph(lambda: call(num_ctas))
             ms = median_cuda_time_us(graph.replay, 3, args.iters) / 1e3
             print(
                 f"{args.side} GEMM{which} {kind}: T={args.tokens} rows={sum(counts)} items={items} {ms:.3f} ms "

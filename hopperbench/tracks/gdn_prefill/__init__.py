@@ -72,11 +72,6 @@ GDN_PREFILL = Track(
             entry="wy_prepass.py::run",
             description="kernel.py's WY-prepass path at every T (no 512-token threshold): the other side of the A/B and sweep that place the threshold for few sequences",
         ),
-        CandidateSide(
-            name="cand_fused_chain",
-            entry="fused_chain.py::run_as_kernel",
-            description="kernel.py with the WGMMA chain's key side inside the chain's CTA, Grams on WGMMA (fused_chain.py): one kernel in place of wgmma_value_side.py's two",
-        ),
     ),
 )
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -55,21 +58,57 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         kwargs["output_state"].zero_()
 
     monkeypatch.setattr(flashinfer_gdn, "load_chunk_gated_delta_rule", lambda: chunk_gated_delta_rule)
+    # The gates' Triton kernel needs a GPU (or a process that interprets it: the test below).
+    monkeypatch.setattr(flashinfer_gdn, "gates", lambda A_log, a, dt_bias, b: (a.float(), b.float()))
     return calls
 
 
-def test_the_call_gets_the_definitions_gates_in_fp32_and_writes_the_destinations(recorded) -> None:
+def test_the_call_gets_the_gates_and_writes_the_destinations(recorded, monkeypatch: pytest.MonkeyPatch) -> None:
     inputs = _gdn_inputs([5, 9])
     dest = _destinations(inputs)
+    made = []
+
+    def gates(A_log, a, dt_bias, b):
+        assert A_log is inputs["A_log"] and a is inputs["a"] and dt_bias is inputs["dt_bias"] and b is inputs["b"]
+        made.append((torch.rand(14, 8), torch.rand(14, 8)))
+        return made[-1]
+
+    monkeypatch.setattr(flashinfer_gdn, "gates", gates)
     flashinfer_gdn.run(*inputs.values(), *dest.values())
     (call,) = recorded
     assert call["q"] is inputs["q"] and call["k"] is inputs["k"] and call["v"] is inputs["v"]
-    decay = torch.exp(-torch.exp(inputs["A_log"]) * F.softplus(inputs["a"].float() + inputs["dt_bias"]))
-    assert call["g"].dtype == torch.float32 and torch.equal(call["g"], decay)
-    assert torch.equal(call["beta"], torch.sigmoid(inputs["b"].float()))
+    assert call["g"] is made[0][0] and call["beta"] is made[0][1]
     assert call["initial_state"] is inputs["state"] and call["output_final_state"] is True
     assert call["output"] is dest["output"] and call["output_state"] is dest["new_state"]
     assert call["cu_seqlens"] is inputs["cu_seqlens"] and call["scale"] == pytest.approx(1 / math.sqrt(128))
+
+
+GATES_ON_CPU = """
+import torch, torch.nn.functional as F
+from hopperbench.tracks.gdn_prefill.adapters import flashinfer_gdn
+gen = torch.Generator().manual_seed(0)
+T = 3000
+A_log = torch.log(torch.rand(8, generator=gen) * 15 + 1)
+dt_bias = torch.rand(8, generator=gen) * -4 - 2.3
+a = (torch.randn(T, 8, generator=gen) * 8).bfloat16()
+a[:8] = torch.tensor([-60.0, -30.0, -18.0, -8.0, 0.0, 17.0, 23.0, 60.0]).bfloat16()
+b = (torch.randn(T, 8, generator=gen) * 6).bfloat16()
+g, beta = flashinfer_gdn.gates(A_log, a, dt_bias, b)
+decay = torch.exp(-torch.exp(A_log) * F.softplus(a.float() + dt_bias))
+assert g.dtype == beta.dtype == torch.float32 and g.shape == beta.shape == (T, 8)
+assert torch.allclose(g, decay, rtol=2e-5, atol=2e-7), (g - decay).abs().max()
+assert torch.allclose(beta, torch.sigmoid(b.float()), rtol=2e-6, atol=1e-7)
+empty = flashinfer_gdn.gates(A_log, a[:0], dt_bias, b[:0])
+assert all(t.shape == (0, 8) for t in empty)
+print("ok")
+"""
+
+
+def test_the_fused_gates_are_the_definitions_in_triton_s_interpreter() -> None:
+    # The Triton kernel itself, run by Triton's CPU interpreter (chosen when the kernel is defined: a fresh process).
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", GATES_ON_CPU], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("scale", [None, 0.0])

@@ -56,10 +56,11 @@ def test_an_absent_input_sample_withholds_an_optional_input(track: Track) -> Non
 
 
 # What a library adapter may import besides the standard library and torch: its own library, where it
-# imports it by name (the others load theirs through importlib, after checking the pinned version), and fla's
-# Triton, whose autotuner caches the fla side fills with its pinned configurations.
+# imports it by name (the others load theirs through importlib, after checking the pinned version), fla's
+# Triton, whose autotuner caches the fla side fills with its pinned configurations, and Triton for the one
+# fused gating kernel FlashInfer's GDN side runs before FlashInfer's kernels, as serving engines do.
 ADAPTER_LIBRARY_IMPORTS = {
-    "flashinfer_gdn": {"flashinfer"},
+    "flashinfer_gdn": {"flashinfer", "triton"},
     "fla_chunk": {"fla", "triton"},
     "flashinfer_moe": {"flashinfer"},
 }

@@ -49,8 +49,9 @@ GDN_PREFILL = Track(
             description="FlashInfer SM90 chunk_gated_delta_rule, CuTe-DSL fused / context-parallel kernels (flashinfer-python 0.7.2.post1)",
             package="flashinfer-python==0.7.2.post1",
             timed_call=(
-                "the gates g and beta computed from A_log, a, dt_bias and b (torch, fp32), then FlashInfer's "
-                "SM90 kernels (use_cp='auto'), writing output and new_state"
+                "the gates g and beta computed from A_log, a, dt_bias and b in one fused Triton kernel (fp32, as "
+                "serving engines compute them), then FlashInfer's SM90 kernels (use_cp='auto'), writing output and "
+                "new_state"
             ),
         ),
         LibrarySide(

@@ -10,9 +10,10 @@ Read in the 0.7.2.post1 wheel (`flashinfer/gdn_prefill.py`, `chunk_gated_delta_r
   num_q_heads = num_k_heads; v-head h reads q/k head h // 2, as the definition).
 - The definition's gates are FlashInfer's inputs `g` (the per-token decay alpha, fp32) and `beta`
   (fp32), both [T, 8]. FlashInfer takes them precomputed, so **each timed call first computes
-  them** from A_log, a, dt_bias and b with torch ops, in fp32 as the definition says:
-  `g = exp(-exp(A_log) * softplus(a + dt_bias))`, `beta = sigmoid(b)` (a few small elementwise
-  kernels before FlashInfer's own).
+  them** from A_log, a, dt_bias and b in fp32 as the definition says, `g = exp(-exp(A_log) *
+  softplus(a + dt_bias))`, `beta = sigmoid(b)`, in one fused kernel of this adapter's (`_gates`),
+  as serving engines do before FlashInfer's kernels (vLLM and SGLang: one Triton gating kernel,
+  then `exp`), not in the dozen small torch kernels the formula takes written out.
 - state [N, 8, V, K] fp32 (k-last), None = zeros -> `initial_state`: FlashInfer's state layout is
   `[N, H, V, K]` too. new_state -> `output_state` with `output_final_state=True`, output ->
   `output`: FlashInfer writes the destinations itself.
@@ -30,7 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 FLASHINFER_DISTRIBUTION = "flashinfer-python"
 FLASHINFER_VERSION = "0.7.2.post1"
@@ -84,12 +86,37 @@ def check_arguments(
         raise AdapterInputError("output / new_state do not match the inputs' shapes")
 
 
+GATE_BLOCK = 1024  # gate elements (tokens x 8 heads) per program of `_gates`
+SOFTPLUS_LINEAR_ABOVE = tl.constexpr(20.0)  # torch's softplus threshold: x itself above it
+
+
+@triton.jit
+def _gates(A_log, a, dt_bias, b, g, beta, numel, HEADS: tl.constexpr, BLOCK: tl.constexpr):
+    """g = exp(-exp(A_log) softplus(a + dt_bias)) and beta = sigmoid(b), fp32, over [T, HEADS] row-major."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    head = offsets % HEADS
+    x = tl.load(a + offsets, mask=mask, other=0.0).to(tl.float32) + tl.load(dt_bias + head)
+    e = tl.exp(tl.minimum(x, SOFTPLUS_LINEAR_ABOVE))
+    # log1p(e), accurate where 1 + e rounds: log(u) e / (u - 1) with u = 1 + e (e itself where u == 1).
+    u = 1.0 + e
+    log1p = tl.where(u == 1.0, e, tl.log(u) * e / (u - 1.0))
+    softplus = tl.where(x > SOFTPLUS_LINEAR_ABOVE, x, log1p)
+    tl.store(g + offsets, tl.exp(-tl.exp(tl.load(A_log + head)) * softplus), mask=mask)
+    tl.store(beta + offsets, tl.sigmoid(tl.load(b + offsets, mask=mask, other=0.0).to(tl.float32)), mask=mask)
+
+
 def gates(
     A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The definition's per-token decay and update gates, fp32 [T, 8]: FlashInfer's `g` and `beta`."""
-    g = torch.exp(-torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float()))
-    return g, torch.sigmoid(b.float())
+    """The definition's per-token decay and update gates, fp32 [T, 8]: FlashInfer's `g` and `beta`, in one
+    launch on the current stream (`_gates`)."""
+    g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
+    beta = torch.empty(b.shape, dtype=torch.float32, device=b.device)
+    if a.numel():
+        grid = (triton.cdiv(a.numel(), GATE_BLOCK),)
+        _gates[grid](A_log, a, dt_bias, b, g, beta, a.numel(), HEADS=NUM_V_HEADS, BLOCK=GATE_BLOCK)
+    return g, beta
 
 
 def run(

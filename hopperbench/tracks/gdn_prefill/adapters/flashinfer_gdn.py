@@ -13,7 +13,7 @@ Read in the 0.7.2.post1 wheel (`flashinfer/gdn_prefill.py`, `chunk_gated_delta_r
   them** from A_log, a, dt_bias and b in fp32 as the definition says, `g = exp(-exp(A_log) *
   softplus(a + dt_bias))`, `beta = sigmoid(b)`, in one fused kernel of this adapter's (`_gates`),
   as serving engines do before FlashInfer's kernels (vLLM and SGLang: one Triton gating kernel,
-  then `exp`), not in the dozen small torch kernels the formula takes written out.
+  then `exp`), not in the nine small torch kernels the formula takes written out.
 - state [N, 8, V, K] fp32 (k-last), None = zeros -> `initial_state`: FlashInfer's state layout is
   `[N, H, V, K]` too. new_state -> `output_state` with `output_final_state=True`, output ->
   `output`: FlashInfer writes the destinations itself.

@@ -16,6 +16,7 @@ names (results, rendering) stays cheap.
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -27,6 +28,7 @@ from hopperbench.paths import REPO_ROOT
 from hopperbench.tracks import Track, is_candidate_side
 
 if TYPE_CHECKING:
+    import torch
     from flashinfer_bench import Definition, Solution
     from flashinfer_bench.compile import Runnable
 
@@ -76,6 +78,9 @@ class Side(BaseModel):
     # Library sides: a function of the entry file run untimed once per trial on the definition's
     # inputs, returning them stored as the library keeps them (see LibrarySide.prepare).
     prepare: str | None = None
+    # Ours and candidates: a function of the entry module run untimed before each job's first call
+    # (Track.kernel_start_up; see `run_start_up`).
+    start_up: str | None = None
 
     def solution(self, definition: Definition) -> Solution:
         """This side as a flashinfer-bench Solution, its sources read from disk as they are."""
@@ -109,6 +114,19 @@ class Side(BaseModel):
         from flashinfer_bench.compile import BuilderRegistry
 
         return BuilderRegistry.get_instance().build(definition, self.solution(definition))
+
+
+def run_start_up(side: Side, runnable: Runnable, device: torch.device) -> None:
+    """Run the side's start-up function (`Side.start_up`) on `device`, from the module the builder
+    imported for `runnable` (so it sets up the state that the built entry reads); nothing for a side
+    without one."""
+    if side.start_up is None:
+        return
+    module = sys.modules[runnable.metadata.misc["module_name"]]
+    start_up = getattr(module, side.start_up, None)
+    if not callable(start_up):
+        raise SideError(f"side {side.name} of {side.track}: its entry module has no function {side.start_up}")
+    start_up(device)
 
 
 def _read_source(path: Path) -> str:
@@ -175,6 +193,7 @@ def _kernel_folder_side(
         language="python",  # CuTe-DSL ships as python in flashinfer-bench
         destination_passing_style=True,
         description=description,
+        start_up=track.kernel_start_up,
     )
 
 

@@ -11,7 +11,8 @@ also leave its inputs bit-for-bit unchanged. Only a side that passes every trial
 timed: on each trial's fresh inputs, with the CUPTI cold-L2 timer; latency is the
 median over trials of the per-trial medians. Before its first job, each process of a side other
 than the reference makes one untimed call on the run's largest workload of the track (`warm_up`),
-and once more on the largest twin before its first twin (a call that withholds an optional input).
+and once more on the largest twin before its first twin (a call that withholds an optional input);
+a side with a start-up function (`Side.start_up`, idempotent) runs it before each job, untimed.
 Before each trial is timed, the roofline floor of exactly its inputs is recorded beside its latency
 (`per_trial_floor`). After the eager trials, every side but the reference is captured in a CUDA
 graph per trial, its replay gated like the eager call, and the replays timed under the same
@@ -43,7 +44,7 @@ from pydantic import BaseModel, ConfigDict
 
 from hopperbench.floors import FloorInputError, trial_floor
 from hopperbench.results import GraphStatus, SideResult, Status, TrialFloor
-from hopperbench.sides import Side, SideKind
+from hopperbench.sides import Side, SideKind, run_start_up
 from hopperbench.timing.graph import NotCapturable
 from hopperbench.timing.span import ActivityTrace
 from hopperbench.tracks import AcceptanceRule, get_track
@@ -101,6 +102,8 @@ class WorkerDeps:
     # A library side's untimed step (its `prepare` function: definition inputs -> the arguments
     # its entry takes), or None for a side that takes the definition's inputs as they are.
     load_prepare: Callable[[Side], Callable[..., Mapping[str, InputValue]] | None]
+    # (side, built entry, device): the side's start-up function run on the device (`Side.start_up`).
+    start_up: Callable[[Side, Any, torch.device], None]
 
     @classmethod
     def default(cls) -> WorkerDeps:
@@ -122,6 +125,7 @@ class WorkerDeps:
             trial_floor=trial_floor,
             capture=capture_call,
             load_prepare=load_side_prepare,
+            start_up=run_start_up,
         )
 
 
@@ -366,6 +370,13 @@ class JobRunner:
             traceback.print_exc()
             return self.result(Status.RUNTIME_ERROR, message=f"build failed: {one_line(e)}")
         self.phases.mark("build")
+        if side.start_up is not None:
+            try:
+                self.deps.start_up(side, fn, self.device)
+            except Exception as e:
+                traceback.print_exc()
+                return self.result(Status.RUNTIME_ERROR, message=f"start-up failed: {one_line(e)}")
+            self.phases.mark("start_up")
         if self.job.warmup_workload is not None:
             warmup_workload = self.deps.parse_workload(self.job.warmup_workload)
             key = (self.job.track, side.name, tuple(warmup_workload.withheld_inputs))

@@ -20,6 +20,7 @@ from hopperbench.sides import (
     SideKind,
     canonical_side_order,
     known_side_names,
+    run_start_up,
     sides_for,
 )
 from hopperbench.tracks import TRACKS, CandidateSide, LibrarySide
@@ -230,6 +231,48 @@ def test_a_candidate_is_built_from_the_kernel_folder_and_judged_like_ours(tmp_pa
     assert torch.equal(out, torch.full((2,), 2.0))
     moe = TRACKS["moe"]
     assert moe.acceptance_for("candidate") == moe.acceptance_for("ours") != moe.acceptance_for("library")
+
+
+def test_the_start_up_runs_in_the_module_the_built_entry_reads(tmp_path: Path) -> None:
+    # What the start-up sets up (MoE's L2 partition map) must be what the built `run` sees: the module the builder
+    # imported, not a second copy of the file.
+    folder = tmp_path / "kernels" / "tiny"
+    write(folder / "kernel.py", """
+        STARTED = []
+
+
+        def warm_up(device):
+            STARTED.append(str(device))
+
+
+        def run(x, y, out):
+            out.copy_(x + y * len(STARTED))
+    """)
+    write(folder / "faster.py", "from .kernel import run, warm_up  # noqa: F401\n")
+    track = replace(
+        TRACK,
+        kernel_entry="kernels/tiny/kernel.py::run",
+        kernel_start_up="warm_up",
+        candidates=(CandidateSide(name="cand_faster", entry="faster.py::run", description="a candidate"),),
+    )
+    sides = by_name(sides_for(track, ctx(tmp_path)))
+    assert sides["ours"].start_up == sides["cand_faster"].start_up == "warm_up"
+    assert sides["human"].start_up is None and sides["reference"].start_up is None
+    for name in ("ours", "cand_faster"):
+        runnable = sides[name].build(DEFINITION)
+        run_start_up(sides[name], runnable, torch.device("cpu"))
+        out = torch.empty(2)
+        runnable(torch.ones(2), torch.ones(2), out)
+        assert torch.equal(out, torch.full((2,), 2.0))
+    assert TRACKS["moe"].kernel_start_up == "warm_up" and TRACKS["gdn_prefill"].kernel_start_up is None
+
+
+def test_a_start_up_missing_from_the_entry_module_is_an_error(tmp_path: Path) -> None:
+    write(tmp_path / "kernels" / "tiny" / "kernel.py", "def run(x, y, out):\n    out.copy_(x + y)\n")
+    track = replace(TRACK, kernel_entry="kernels/tiny/kernel.py::run", kernel_start_up="warm_up")
+    (ours,) = SIDE_RESOLVERS[SideKind.OURS](track, ctx(tmp_path))
+    with pytest.raises(SideError, match="no function warm_up"):
+        run_start_up(ours, ours.build(DEFINITION), torch.device("cpu"))
 
 
 def test_candidate_names_carry_the_prefix_results_rely_on() -> None:

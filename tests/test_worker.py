@@ -16,7 +16,7 @@ from flashinfer_bench import Definition
 from hopperbench.acceptance import check_outputs, merge_verdicts
 from hopperbench.floors import FloorInputError
 from hopperbench.results import GraphStatus, SideResult, Status, TrialFloor
-from hopperbench.sides import Side, SideKind
+from hopperbench.sides import Side, SideKind, run_start_up
 from hopperbench.timing.span import ActivityTrace, ApiRecord, GpuRecord
 from hopperbench.timing.graph import NotCapturable
 from hopperbench.worker import (
@@ -65,6 +65,11 @@ KERNELS = {
     "raises": DPS + "    raise RuntimeError('CUDA error: an illegal memory access\\nmore detail')\n",
     "value_returning": "def run(x, y, s):\n    out = x * y + s\n    return out, out.sum(dim=1)\n",
     "slightly_off": DPS + "    output.copy_(x * y + s + 0.5)\n    lse.copy_(output.sum(dim=1))\n",
+    # Correct only once its start-up has run in this module (as MoE's walk needs its partition map).
+    "needs_start_up": "STARTED = []\n\ndef warm_up(device):\n    STARTED.append(device)\n\n" + DPS
+    + "    output.copy_(x * y + s * min(len(STARTED), 1))\n    lse.copy_(output.sum(dim=1))\n",
+    "start_up_raises": "def warm_up(device):\n    raise RuntimeError('no partition map')\n\n" + DPS
+    + "    output.copy_(x * y + s)\n    lse.copy_(output.sum(dim=1))\n",
 }
 
 
@@ -140,6 +145,7 @@ def deps(recorder: Recorder) -> WorkerDeps:
         trial_floor=recorder.trial_floor,
         capture=fake_capture,
         load_prepare=load_side_prepare,
+        start_up=run_start_up,
     )
 
 
@@ -175,7 +181,7 @@ def reference_side() -> Side:
     return Side(name="reference", kind=SideKind.REFERENCE, track=TRACK, available=True, destination_passing_style=False)
 
 
-def kernel_side(tmp_path: Path, variant: str, function: str = "run") -> Side:
+def kernel_side(tmp_path: Path, variant: str, function: str = "run", start_up: str | None = None) -> Side:
     folder = tmp_path / f"kernel_{variant}"
     folder.mkdir(exist_ok=True)
     (folder / "kernel.py").write_text(KERNELS[variant])
@@ -188,6 +194,7 @@ def kernel_side(tmp_path: Path, variant: str, function: str = "run") -> Side:
         files=("kernel.py",),
         entry_point=f"kernel.py::{function}",
         destination_passing_style=variant != "value_returning",
+        start_up=start_up,
     )
 
 
@@ -610,3 +617,17 @@ def test_a_warm_up_that_raises_leaves_the_job_to_report_the_side(
     warmed = job(tmp_path, side).model_copy(update={"warmup_workload": broken.model_dump(mode="json")})
     assert run_job(warmed, deps(recorder)).status == Status.PASSED
     assert "warm-up on workload big raised" in capsys.readouterr().err
+
+
+def test_a_side_with_a_start_up_runs_it_in_its_built_module_before_its_calls(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    assert run_job(job(tmp_path, kernel_side(tmp_path, "needs_start_up")), deps(recorder)).status == Status.FAILED
+    started = kernel_side(tmp_path, "needs_start_up", start_up="warm_up")
+    assert run_job(job(tmp_path, started), deps(recorder)).status == Status.PASSED
+
+
+def test_a_start_up_that_raises_ends_the_job_with_its_message(tmp_path: Path, recorder: Recorder) -> None:
+    run_reference(tmp_path, recorder, iterations=0)
+    side = kernel_side(tmp_path, "start_up_raises", start_up="warm_up")
+    result = run_job(job(tmp_path, side), deps(recorder))
+    assert result.status == Status.RUNTIME_ERROR and result.message == "start-up failed: RuntimeError: no partition map"

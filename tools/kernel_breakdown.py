@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hopperbench.definitions import load_definition
-    from hopperbench.sides import sides_for
+    from hopperbench.sides import run_start_up, sides_for
     from hopperbench.synth import make_inputs
     from hopperbench.timing.cupti_timer import TimerUnavailable, load_cupti, record_cold_l2
     from hopperbench.timing.span import iteration_gpu_records
@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 
     definition = load_definition(track)
     fn = side.build(definition)
+    run_start_up(side, fn, torch.device("cuda"))  # untimed, as the runner's worker runs it
     prepare = load_side_prepare(side)  # a library side's untimed step, as the runner applies it
     for index in indices:
         workload = workloads[index]

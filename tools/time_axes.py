@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hopperbench.definitions import load_definition
-    from hopperbench.sides import sides_for
+    from hopperbench.sides import run_start_up, sides_for
     from hopperbench.synth import make_inputs
     from hopperbench.timing.cupti_timer import TimerUnavailable, record_cold_l2
     from hopperbench.tracks import UnknownTrackError, get_track
@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
     definition = load_definition(track)
     functions = [known[n].build(definition) for n in names]
+    for name, fn in zip(names, functions):
+        run_start_up(known[name], fn, torch.device("cuda"))  # untimed, as the runner's worker runs it
     print(header(sweep.name, names), flush=True)
     for spec in specs:
         for trial in range(args.trials):

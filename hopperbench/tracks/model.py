@@ -197,6 +197,10 @@ class Track:
     kernel_entry: str
     # Key of this track in human_best/manifest.toml.
     human_key: str
+    # A function (device) -> None of our entry module (and each candidate's) that sets up what a
+    # serving process sets up once before its first call; idempotent, since the worker runs it,
+    # untimed, before each job. None: none.
+    kernel_start_up: str | None = None
     # Our embedded workload list (uuid + axes), relative to the track's folder.
     workload_list: str = WORKLOAD_LIST_FILE
     timing: TimingDefaults = field(default_factory=TimingDefaults)

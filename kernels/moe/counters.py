@@ -31,10 +31,10 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from .chain import NO_CHAIN
 from .routing import ZeroCountsKernel
 from .shapes import NUM_LOCAL_EXPERTS
-from .l2_partitions import partition_ranks
+from .l2_partitions import measured_partition_ranks
 from .streaming_gemm import RANKS_WRITTEN, WALK_SLOT_WORDS
 
-__all__ = ["kept_counts", "kept_routed", "kept_walk_slots"]
+__all__ = ["kept_counts", "kept_routed", "kept_walk_slots", "rank_kept_walk_buffers"]
 
 _KEPT: dict[tuple[int, int, str], torch.Tensor] = {}
 _ZERO: dict[tuple[str, int], Callable] = {}
@@ -77,21 +77,40 @@ def kept_routed(device: torch.device, arch: str) -> torch.Tensor:
     return _kept(device, arch, "routed")
 
 
+WALK_SLOTS = "walk_slots_ranked"
+
+
 def kept_walk_slots(device: torch.device, arch: str) -> torch.Tensor:
     """The walk buffer of GEMM1's walk by partition rank (`wgmma_gemm1.Gemm1Feed.PRODUCER_WARP`): WALK_SLOT_WORDS
     per-SM slot counters (`streaming_gemm.take_walk_slot`), zeroed once when created and never again, since a call's
     draws give every slot once whatever a word holds; then word WALK_SLOT_WORDS + s holding SM s's rank in
-    `l2_partitions.partition_ranks` and the last word RANKS_WRITTEN, both copied from the host once when the buffer is
-    created (not inside a capture, whose fresh buffer then walks by `%smid`)."""
-    return _kept(device, arch, "walk_slots_ranked", 2 * WALK_SLOT_WORDS, _write_ranks)
+    `l2_partitions.partition_ranks` and the last word RANKS_WRITTEN, copied from the host once the ranks are measured
+    (`kernel.warm_up`): when the buffer is created, or by `rank_kept_walk_buffers`. Until then, and in a buffer made
+    inside a capture, the last word stays zero and GEMM1 walks by `%smid`."""
+    return _kept(device, arch, WALK_SLOTS, 2 * WALK_SLOT_WORDS, _write_measured_ranks)
 
 
-def _write_ranks(buffer: torch.Tensor) -> None:
-    ranks = partition_ranks(buffer.device)
+def rank_kept_walk_buffers(device: torch.device) -> None:
+    """Write the measured partition ranks into every kept walk buffer of `device` made before they were measured."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for (buffer_index, _, purpose), buffer in _KEPT.items():
+        if buffer_index == index and purpose == WALK_SLOTS:
+            _write_measured_ranks(buffer)
+
+
+def _write_measured_ranks(buffer: torch.Tensor) -> None:
+    write_ranks(buffer, measured_partition_ranks(buffer.device))
+
+
+def write_ranks(buffer: torch.Tensor, ranks: list[int] | None) -> None:
+    """Ranks and RANKS_WRITTEN into the walk buffer's second half (a host-to-device copy on the current stream); no
+    ranks (not measured yet): nothing, so the buffer keeps walking by `%smid`."""
+    if ranks is None:
+        return
     words = torch.zeros(WALK_SLOT_WORDS, dtype=torch.int32)
     words[: len(ranks)] = torch.tensor(ranks, dtype=torch.int32)
     words[-1] = RANKS_WRITTEN
-    buffer[WALK_SLOT_WORDS:].copy_(words)  # a host-to-device copy on the current stream, after the zeroing
+    buffer[WALK_SLOT_WORDS:].copy_(words)
 
 
 def _kept(

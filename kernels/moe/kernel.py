@@ -22,9 +22,10 @@ expert GEMMs are persistent weight streams over every SM. The variant is chosen 
 Up to MEDIUM_T_MAX_TOKENS GEMM1's cooperative grid routes the tokens itself, so that its weight stream starts
 without waiting for a second launch. A variant (`StreamingVariant`) is a few named choices: the GEMMs' `Engine`, the
 `Routing`'s place, the `mma.sync` GEMM2's `Handover`, the WGMMA GEMM1's `Gemm1Feed`, the WGMMA GEMM2's `Gemm2Form`, and plain tile sizes and
-stages. Destination passing, definition order, no host sync (but once per device, at the first call of 193-1024
-tokens, the L2 partition probe), no data-dependent host logic, graph-safe. Each variant is compiled once (dynamic
-T) on first use; `compile_only()` compiles all of them. NOTES.md has the design.
+stages. Destination passing, definition order, no host sync, no data-dependent host logic, graph-safe. `warm_up()`
+is what a process runs once per device before its first call (the L2 partition map; without it MEDIUM_T's GEMM1 walks
+by SM id). Each variant is compiled once (dynamic T) on first use; `compile_only()` compiles all of them. NOTES.md has
+the design.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ __all__ = [
     "run",
     "run_keeping_workspaces",
     "variant_for",
+    "warm_up",
 ]
 
 GPU_ARCH = "sm_90a"
@@ -367,6 +369,18 @@ def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
         counters.compiled_zero(arch, 2 * WALK_SLOT_WORDS),
         *l2_partitions.compiled_kernels(arch),
     )
+
+
+def warm_up(device: torch.device | None = None) -> None:
+    """Once per device before serving, outside any timed call or CUDA-graph capture: measure which SMs share an L2
+    partition (`l2_partitions.partition_ranks`: our own kernels, tens of ms, synchronises) and write the ranks into
+    the kept walk buffers of MEDIUM_T's GEMM1, present and future. Calls before it walk by SM id instead: the same
+    outputs bit for bit, slower at 193-1024 tokens (NOTES.md). The runner runs it as our side's start-up."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    l2_partitions.partition_ranks(device)
+    torch.cuda.synchronize(device)  # no call of another stream still reads a walk buffer written below
+    counters.rank_kept_walk_buffers(device)
+    torch.cuda.synchronize(device)
 
 
 _NUM_SMS: dict[int, int] = {}

@@ -4,7 +4,7 @@ Why (NOTES.md): the H200's L2 is two partitions that replicate lines; a line tha
 read crosses the fabric between them once more than one read in a single partition, and that fabric bounds GEMM1 at
 901 tokens. No PTX register names an SM's partition, and which SMs share one may differ from chip to chip (which
 TPCs are fused off; one H200 measured, so not known), so a walk that keeps readers of a line in one partition
-(MEDIUM_T's GEMM1) measures the map on first use.
+(MEDIUM_T's GEMM1) needs the map measured once per device: `kernel.warm_up`, before the first call, never inside one.
 
 The measurement (`measure_latencies`): our own fill kernel writes a buffer larger than the L2 (evicting it), thread 0
 of the first CTA that lands on the reference SM loads a set of 128-B lines, then the same on the probed SM, which times
@@ -24,7 +24,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-__all__ = ["measure_latencies", "partition_ranks", "slow_threshold", "split_by_reference"]
+__all__ = [
+    "measure_latencies",
+    "measured_partition_ranks",
+    "partition_ranks",
+    "slow_threshold",
+    "split_by_reference",
+]
 
 FLUSH_WORDS = (256 << 20) // 4  # over four times the H200's L2
 BUFFER_WORDS = (64 << 20) // 4  # the probed lines' buffer
@@ -198,18 +204,26 @@ def measure_latencies(device: torch.device, reference: int, lines: int) -> tuple
 _RANKS: dict[int, list[int]] = {}
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def partition_ranks(device: torch.device) -> list[int]:
     """rank[sm] for the SMs of `device`: one L2 partition's SMs first, then the other's (`ranks_from_split` on a
     measurement against SM 0; the identity if it does not split the SMs in two). Measured once per device (132 L2
-    flushes: tens of ms, estimated; it synchronises); during a CUDA-graph capture, before that, the identity (a correct
-    walk, only not partition-aware)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    flushes: tens of ms, estimated), then kept; it synchronises, so it refuses to run inside a CUDA-graph capture."""
+    index = _index(device)
     ranks = _RANKS.get(index)
     if ranks is None:
-        sms = torch.cuda.get_device_properties(index).multi_processor_count
         if torch.cuda.is_current_stream_capturing():
-            return list(range(sms))
+            raise RuntimeError("the L2 partition probe synchronises the device: measure it before a capture")
+        sms = torch.cuda.get_device_properties(index).multi_processor_count
         latencies, missing = measure_latencies(torch.device("cuda", index), 0, RANK_LINES)
         same, other = split_by_reference(latencies, 0) if 0 in latencies else ([], [])
         ranks = _RANKS[index] = ranks_from_split(same, other, sms) if not missing else list(range(sms))
     return ranks
+
+
+def measured_partition_ranks(device: torch.device) -> list[int] | None:
+    """The ranks `partition_ranks` measured for `device`, or None before it did (nothing is measured here)."""
+    return _RANKS.get(_index(device))

@@ -1,7 +1,8 @@
 """Every entry the runner builds from our kernel folders (`kernel.py::run` and each registered candidate) takes
 exactly the definition's inputs then its outputs as positional parameters: flashinfer-bench's builder refuses any
 other count for a destination-passing solution, so a stray optional parameter would fail every workload of a run
-(and lose that side of an A/B). Imports the modules on the CPU; no GPU."""
+(and lose that side of an A/B). Where the track names a start-up function (`Track.kernel_start_up`), each of those
+modules has it, taking the device. Imports the modules on the CPU; no GPU."""
 
 from __future__ import annotations
 
@@ -29,3 +30,6 @@ def test_entry_takes_the_definitions_inputs_then_outputs(track_name: str, entry:
     expected = [*definition.inputs, *definition.outputs]
     assert all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
     assert [p.name for p in parameters] == list(expected)
+    if track.kernel_start_up is not None:
+        start_up = getattr(module, track.kernel_start_up)
+        assert list(inspect.signature(start_up).parameters) == ["device"]

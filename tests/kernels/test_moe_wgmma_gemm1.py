@@ -4,12 +4,14 @@ from 33 to 1024 tokens).
 CPU: the byte offsets the cp.async copies write equal the offsets of the swizzled K_SW128 layouts
 the WGMMA reads (traced from CuTe's own layouts, for every token-tile width and three stages); item
 rows, SwiGLU pairing and block-scale rows; the shared-memory budget.
-CPU also: the producer warp's configuration and its guards; the partition walk's item order.
+CPU also: the producer warp's configuration and its guards; the partition walk's item order; a walk buffer's ranks
+written only once measured.
 GPU (marked `gpu`): the per-GEMM check of test_moe_streaming.py on the WGMMA GEMMs at 7-1024 tokens (FEW_TOKENS
 where kernel.py runs `mma.sync`); their accuracy against the `mma.sync` GEMMs'. MEDIUM_T's output with the producer
 warp and its walk by partition rank bit for bit the same variant's with the warpgroup's feed and walk over the CTA
-index; after a call the kept walk buffer holds a permutation of the SMs. The end-to-end checks are test_moe_kernel.py's (its graph replay at 512 tokens
-covers a walk buffer made inside a capture, which has no ranks).
+index; after the start-up (`kernel.warm_up`) every kept walk buffer, made before or after it, holds a permutation of
+the SMs. The end-to-end checks are test_moe_kernel.py's (its graph replay at 512 tokens covers a walk buffer made
+inside a capture, which has no ranks).
 """
 
 from __future__ import annotations
@@ -190,24 +192,46 @@ def test_the_partition_walks_item_order_is_a_bijection(tiles_per_expert):
 @pytest.mark.parametrize("case", MEDIUM_T_BITWISE_CASES, ids=lambda case: case.name)
 def test_the_producer_warp_and_its_walk_change_no_bit(case):
     # The same bytes into the same swizzled slots and the same MMAs: only who issues the copies, how the stages
-    # synchronise, and which CTA takes an item, and when, differ. kernel.run twice: call after call.
+    # synchronise, and which CTA takes an item, and when, differ. kernel.run twice: call after call, walking by
+    # partition rank (after the start-up).
+    kernel.warm_up()
     assert_bit_for_bit((kernel.make_run(on_warpgroup_feed), kernel.run, kernel.run), case, seed=113)
+
+
+def test_a_walk_buffer_gets_ranks_only_once_they_are_measured():
+    counters, streaming_gemm = solution_module("counters"), solution_module("streaming_gemm")
+    slots = streaming_gemm.WALK_SLOT_WORDS
+    buffer = torch.zeros(2 * slots, dtype=torch.int32)
+    counters.write_ranks(buffer, None)  # before `kernel.warm_up`: the last word stays 0, GEMM1 walks by %smid
+    assert not bool(buffer.any())
+    counters.write_ranks(buffer, [2, 0, 1])
+    assert buffer[slots : slots + 3].tolist() == [2, 0, 1] and int(buffer[-1]) == streaming_gemm.RANKS_WRITTEN
+    assert not bool(buffer[:slots].any()) and not bool(buffer[slots + 3 : -1].any())
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_the_kept_walk_buffer_holds_the_partition_ranks():
+def test_the_start_up_writes_the_partition_ranks_into_every_kept_walk_buffer():
+    # A buffer made before `warm_up` (here another stream's) gets the ranks too, and so does one made after it.
     case = cases.CheckCase("t512", 512, 96)
     inputs = cases.make_inputs(case, "cuda", seed=31)
+    counters, streaming_gemm = solution_module("counters"), solution_module("streaming_gemm")
+    device = torch.device("cuda")
+    side_stream = torch.cuda.Stream()
+    with torch.cuda.stream(side_stream):
+        kernel.run(*inputs.values(), cases.poisoned_output(case.num_tokens, "cuda"))
+        earlier = counters.kept_walk_slots(device, kernel.GPU_ARCH)
+    torch.cuda.synchronize()
+    kernel.warm_up()
     output = cases.poisoned_output(case.num_tokens, "cuda")
     kernel.run(*inputs.values(), output)
     torch.cuda.synchronize()
-    counters, streaming_gemm = solution_module("counters"), solution_module("streaming_gemm")
-    words = counters.kept_walk_slots(torch.device("cuda"), kernel.GPU_ARCH).cpu()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     slots = streaming_gemm.WALK_SLOT_WORDS
-    assert sorted(words[slots : slots + sms].tolist()) == list(range(sms))
-    assert int(words[-1]) == streaming_gemm.RANKS_WRITTEN
+    for buffer in (earlier, counters.kept_walk_slots(device, kernel.GPU_ARCH)):
+        words = buffer.cpu()
+        assert sorted(words[slots : slots + sms].tolist()) == list(range(sms))
+        assert int(words[-1]) == streaming_gemm.RANKS_WRITTEN
     assert cases.compare(output, reference.run(*inputs.values())).passed
 
 

@@ -17,6 +17,7 @@ MOE = Track(
     acceptance=AcceptanceRule(atol=1.0, rtol=0.3, required_matched_ratio=0.9, outputs=("output",)),
     ours_max_relative_l2=1e-2,
     kernel_entry="kernels/moe/kernel.py::run",
+    kernel_start_up="warm_up",  # the L2 partition map of MEDIUM_T's GEMM1 walk
     human_key="moe",
     # Decode-like rows (weight streaming), small batches, prefill sizes (compute-bound).
     size_classes=SizeClasses("seq_len", (100, 1000)),

@@ -31,7 +31,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from .chain import NO_CHAIN
 from .routing import ZeroCountsKernel
 from .shapes import NUM_LOCAL_EXPERTS
-from .l2_partitions import measured_partition_ranks
+from .l2_partitions import device_index, measured_partition_ranks
 from .streaming_gemm import RANKS_WRITTEN, WALK_SLOT_WORDS
 
 __all__ = ["kept_counts", "kept_routed", "kept_walk_slots", "rank_kept_walk_buffers"]
@@ -92,7 +92,7 @@ def kept_walk_slots(device: torch.device, arch: str) -> torch.Tensor:
 
 def rank_kept_walk_buffers(device: torch.device) -> None:
     """Write the measured partition ranks into every kept walk buffer of `device` made before they were measured."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     for (buffer_index, _, purpose), buffer in _KEPT.items():
         if buffer_index == index and purpose == WALK_SLOTS:
             _write_measured_ranks(buffer)
@@ -124,7 +124,7 @@ def _kept(
     fresh zeroed one inside a capture."""
     if torch.cuda.is_current_stream_capturing():
         return _zeroed(device, arch, words)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     key = (index, torch.cuda.current_stream(index).cuda_stream, purpose)
     buffer = _KEPT.get(key)
     if buffer is None:

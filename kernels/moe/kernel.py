@@ -387,7 +387,7 @@ _NUM_SMS: dict[int, int] = {}
 
 
 def _num_sms(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = l2_partitions.device_index(device)
     count = _NUM_SMS.get(index)
     if count is None:
         count = _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count

@@ -25,6 +25,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 __all__ = [
+    "device_index",
     "measure_latencies",
     "measured_partition_ranks",
     "partition_ranks",
@@ -204,7 +205,8 @@ def measure_latencies(device: torch.device, reference: int, lines: int) -> tuple
 _RANKS: dict[int, list[int]] = {}
 
 
-def _index(device: torch.device) -> int:
+def device_index(device: torch.device) -> int:
+    """The index of a CUDA `device` (the current device for one given without an index)."""
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
@@ -212,7 +214,7 @@ def partition_ranks(device: torch.device) -> list[int]:
     """rank[sm] for the SMs of `device`: one L2 partition's SMs first, then the other's (`ranks_from_split` on a
     measurement against SM 0; the identity if it does not split the SMs in two). Measured once per device (132 L2
     flushes: tens of ms, estimated), then kept; it synchronises, so it refuses to run inside a CUDA-graph capture."""
-    index = _index(device)
+    index = device_index(device)
     ranks = _RANKS.get(index)
     if ranks is None:
         if torch.cuda.is_current_stream_capturing():
@@ -226,4 +228,4 @@ def partition_ranks(device: torch.device) -> list[int]:
 
 def measured_partition_ranks(device: torch.device) -> list[int] | None:
     """The ranks `partition_ranks` measured for `device`, or None before it did (nothing is measured here)."""
-    return _RANKS.get(_index(device))
+    return _RANKS.get(device_index(device))

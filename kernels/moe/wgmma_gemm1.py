@@ -172,10 +172,11 @@ class Gemm1Feed(Enum):
     # slot's full mbarrier, and the warpgroup waits on that alone and releases the slot on its empty mbarrier, so that
     # no CTA-wide barrier ends a K stage. Three CTAs per SM walk the items over slot x SMs + the SM's rank in
     # `l2_partitions.partition_ranks` (one L2 partition's SMs first), the slot drawn from kept per-SM counters
-    # (`streaming_gemm.take_walk_slot`) and the ranks kept after them (`counters.kept_walk_slots`; before `kernel.warm_up`
-    # measures them, and in a buffer made inside a CUDA-graph capture, none: the walk goes by `%smid`), and an expert's items weight tile by weight tile (its row
-    # tiles adjacent, `item_row_tile`, `item_n_tile`): the CTAs reading one weight tile at once sit on one partition's
-    # SMs, and the tile crosses the fabric between the partitions at most once. Needs a cooperative launch (every CTA
+    # (`streaming_gemm.take_walk_slot`) and the ranks kept after them (`counters.kept_walk_slots`; before
+    # `kernel.warm_up` measures them, and in a buffer made inside a CUDA-graph capture, none: the walk goes by `%smid`),
+    # and an expert's items weight tile by weight tile (its row tiles adjacent, `item_row_tile`, `item_n_tile`): the
+    # CTAs reading one weight tile at once sit on one partition's SMs, and the tile crosses the fabric between the
+    # partitions at most once. Needs a cooperative launch (every CTA
     # resident for the draw: a GEMM1 that routes), 32-token tiles (a lane per token slot) and the epilogue tile in a
     # stage (released after the epilogue).
     PRODUCER_WARP = "producer warp"

@@ -1,0 +1,83 @@
+"""kernels/gdn_prefill/short_chunks.py (candidate `cand_short_chunks`): `chunked.py`'s form on 16-token chunks. It
+compiles for sm_90a without a GPU and takes only the token-serial path's rows of >= 16 tokens in <= 2 sequences
+(CPU); on the GPU its outputs and states agree with kernel.py's, which chunk differently, to the accuracy of the
+chunked form. Its checks against the reference are test_gdn_prefill_kernel.py's, which run every module of
+`KERNEL_CHOICES`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hopperbench.devcheck import load_module_by_path
+from hopperbench.paths import REPO_ROOT
+from hopperbench.workloads import load_workloads
+from tests.kernels.compile_checks import assert_compiles_and_caches
+
+cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
+device_check = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/probes/device_check_gdn.py", "device_check_gdn")
+short_chunks = device_check.load_kernel_module("short_chunks")
+kernel = short_chunks.kernel
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Relative L2 distance allowed from kernel.py's results: both round every tensor-core operand to fp16 (each within
+# ~2e-3 of the exact recurrence on these lengths), at different chunk boundaries; a wrong index or phase is O(1).
+CLOSE_RELATIVE_L2 = 5e-3
+
+
+def test_compiles_for_sm90a_without_gpu():
+    assert_compiles_and_caches(short_chunks.compile_only, 2)
+
+
+def _relative_l2(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    difference = (ours.float() - theirs.float()).norm()
+    return (difference / theirs.float().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "case",
+    [
+        cases.CheckCase("one_token", (1,), True, 0.0, "mamba2"),
+        cases.CheckCase("one_chunk_and_one", (17,), True, 0.1, "mamba2"),
+        cases.CheckCase("two_of_twenty", (20, 20), True, 0.0, "slow_decay"),
+        cases.CheckCase("empty_among_short", (0, 33, 16, 7), False, 0.0, "fast_decay"),
+        cases.CheckCase("one_of_67", (67,), True, 0.0, "mamba2"),
+        cases.CheckCase("three_of_hundreds", (200, 130, 61), True, 0.0, "slow_decay"),
+    ],
+    ids=lambda case: case.name,
+)
+def test_outputs_and_states_agree_with_kernel(case):
+    results = cases.outputs_of_runs(case, [kernel.run, short_chunks.run], "cuda", seed=73)
+    for output, new_state in results:
+        assert torch.isfinite(output).all() and torch.isfinite(new_state).all()
+    (out_kernel, state_kernel), (out_short, state_short) = results
+    assert _relative_l2(out_short, out_kernel) <= CLOSE_RELATIVE_L2
+    assert _relative_l2(state_short, state_kernel) <= CLOSE_RELATIVE_L2
+
+
+def test_the_candidate_takes_only_short_rows_in_one_or_two_sequences(monkeypatch):
+    called = []
+    monkeypatch.setattr(short_chunks, "run", lambda *args: called.append("short_chunks"))
+    for path in (kernel.token_serial, kernel.chunked, kernel.wy_prepass, kernel.wgmma_value_side,
+                 kernel.context_parallel):  # fmt: skip
+        monkeypatch.setattr(path, "run", lambda *args, name=path.__name__.rsplit(".", 1)[-1]: called.append(name))
+
+    def call(num_tokens: int, num_seqs: int) -> None:
+        q = torch.empty(num_tokens, 4, 128, device="meta")
+        new_state = torch.empty(num_seqs, 8, 128, 128, device="meta")
+        short_chunks.run_as_kernel(q, *[None] * 10, new_state)
+
+    shapes = ((16, 1), (40, 2), (28, 2), (15, 1), (40, 3), (41, 2), (300, 4), (8192, 32), (1377, 1), (8192, 1))
+    for num_tokens, num_seqs in shapes:
+        call(num_tokens, num_seqs)
+    assert called == [
+        "short_chunks", "short_chunks", "short_chunks", "token_serial", "token_serial", "chunked", "chunked",
+        "wgmma_value_side", "wy_prepass", "context_parallel",
+    ]  # fmt: skip
+    # Every official row it takes: 17 of the 21 of <= 40 tokens (those of 16 tokens or more; all in <= 2 sequences).
+    rows = [(w.axes["total_seq_len"], w.axes["num_seqs"]) for w in load_workloads("gdn_prefill")]
+    taken = [row for row in rows if short_chunks.takes_short_chunks(*row)]
+    assert len(taken) == 17 and all(16 <= t <= 40 for t, _ in taken)

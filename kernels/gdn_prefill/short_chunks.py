@@ -1,5 +1,7 @@
-"""GDN prefill candidate `cand_short_chunks`: `chunked.py`'s form on chunks of 16 tokens, for the token-serial
-path's rows of 16-40 tokens in one or two sequences.
+"""GDN prefill candidates `cand_short_chunks` and `cand_short_tail`: `chunked.py`'s form on chunks of 16 tokens, for
+the token-serial path's rows of 16-40 tokens in one or two sequences, and for a sequence's last <= 16 tokens on the
+chunked path (`_ShortTail`: one short chunk, ~2.2 us, after the 64-token ones instead of a ~4 us step; the canonical
+run's one-sequence rows of 67-79 tokens take 11.3 us, two steps of which the second holds 3-15 tokens).
 
 Why (NOTES.md, "Open directions"): the 21 workloads of <= 40 tokens run 0.95x Kachua's speed under graph replay.
 The token-serial path spends ~0.15-0.19 us per token of the longest sequence on a dependent FMA-and-shuffle
@@ -60,6 +62,9 @@ __all__ = [
     "resolve_scale",
     "run",
     "run_as_kernel",
+    "run_tail",
+    "run_tail_as_kernel",
+    "tail_kernel_for",
     "takes_short_chunks",
 ]
 
@@ -67,9 +72,9 @@ SHORT_CHUNK = BLOCK  # tokens per chunk: one MMA tile edge
 SHORT_CHUNKS_MIN_TOKENS = SHORT_CHUNK  # below one chunk's worth the token-serial chain is shorter
 
 
-class _ShortChunks:
-    """The kernel of the module docstring, mixed into `chunked.py`'s kernel classes for their slice width, launch
-    and buffers (sized for 64-token chunks, of which 16 rows are used)."""
+class _ShortChunkStep:
+    """One 16-token chunk's loads and phases (`short_chunk`), for `chunked.py`'s kernel classes: their buffers are
+    sized for 64-token chunks, of which a short chunk uses the first 16 rows (and the q half's first 16)."""
 
     @cute.jit
     def load_short_chunk(self, g2s, q_or_k, v, a, b, raw_k, raw_v, raw_a, raw_b, start, length, chunk, stage,
@@ -110,6 +115,103 @@ class _ShortChunks:
                     cute.local_tile(src[start + first + j, qk_head, None], (COPY_ELEMS,), (piece,)),
                     cute.local_tile(dst[dst_row0 + j, None], (COPY_ELEMS,), (piece,)),
                 )
+
+    @cute.jit
+    def short_chunk(
+        self, q, k, v, a, b, output, scale, g2s, raw_k, raw_v, raw_a, raw_b, kq_raw, kq, kq_t, a16, a_diag, t16, p16,
+        s16, xb_t, vn_t, vnc_t, cum_log_g, beta, acc_state, acc_o, acc_y, acc_sq, coords_state, coords_rows, coords_sq,
+        tiled_mma, copy_a, copy_b, copy_bt, start, length, head, v0, neg_decay_rate, bias, chunk, stage, num_chunks,
+        tidx, warp_idx, lane,
+    ):  # fmt: skip
+        """One 16-token chunk (`chunk` of the sequence's `num_chunks`; P0-P6 of the module docstring): its loads are in
+        `stage`, and it prefetches the next chunk's (into stage (chunk + 1) % NUM_STAGES) while it computes."""
+        rows = self.slice_rows
+        chunk_start = chunk * SHORT_CHUNK
+        tokens_here = cutlass.min(length - chunk_start, cutlass.Int32(SHORT_CHUNK))
+
+        # ---- P0 ----
+        self.enter_chunk(
+            raw_k, kq_raw, kq, raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, cum_log_g, beta,
+            acc_state, coords_state, s16, tidx, warp_idx, lane,
+        )  # fmt: skip
+
+        # ---- P1: prefetch; the four products of the chunk, one per warp ----
+        if chunk + 1 < num_chunks:
+            self.load_short_chunk(
+                g2s, k, v, a, b, raw_k, raw_v, raw_a, raw_b, start, length, chunk + 1, (chunk + 1) % NUM_STAGES,
+                head, v0, tidx,
+            )  # fmt: skip
+        cute.arch.cp_async_commit_group()
+        k_rows = cute.local_tile(kq, (BLOCK, HEAD_SIZE), (0, 0))
+        q_rows = cute.local_tile(kq, (BLOCK, HEAD_SIZE), (NUM_BLOCKS, 0))
+        if warp_idx == 0:
+            acc_y.fill(0.0)
+            self.warp_gemm(tiled_mma, copy_a, copy_b, lane, k_rows, s16, acc_y)
+            self.xb_epilogue(acc_y, coords_rows, 0, cum_log_g, beta, raw_v, stage, tokens_here, xb_t)
+        elif warp_idx == 1:
+            acc_o.fill(0.0)
+            self.warp_gemm(tiled_mma, copy_a, copy_b, lane, q_rows, s16, acc_o)
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[e] = self.decay(cum_log_g[coords_rows[e][0]]) * acc_o[e]
+        elif warp_idx == 2:
+            acc_sq.fill(0.0)
+            self.warp_gemm(tiled_mma, copy_a, copy_b, lane, k_rows, k_rows, acc_sq)
+            self.a_tile_epilogue(acc_sq, coords_sq, 0, 0, cum_log_g, beta, a16, a_diag)
+        else:
+            acc_sq.fill(0.0)
+            self.warp_gemm(tiled_mma, copy_a, copy_b, lane, q_rows, k_rows, acc_sq)
+            self.p_tile_epilogue(acc_sq, coords_sq, 0, 0, cum_log_g, p16)
+        cute.arch.sync_threads()
+
+        # ---- P2: prefetch the next q rows (read only in P1); warp 0: T = (I + A)^-1 (lanes 0-15), then
+        # V' = T Xb. T and Xb are warp 0's own stores, so a warp barrier orders them. ----
+        if chunk + 1 < num_chunks:
+            self.copy_short_rows(g2s, q, kq_raw, CHUNK, start, length, chunk + 1, head, tidx)
+        cute.arch.cp_async_commit_group()
+        g_last = cum_log_g[SHORT_CHUNK - 1]
+        if warp_idx == 0:
+            if lane < BLOCK:
+                self.invert_diagonal_block(a_diag, t16, lane)
+            cute.arch.sync_warp()
+            acc_y.fill(0.0)
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_b, lane,
+                cute.local_tile(t16, (BLOCK, BLOCK), (0, 0)), cute.local_tile(xb_t, (rows, BLOCK), (0, 0)), acc_y,
+            )  # fmt: skip
+            for e in cutlass.range_constexpr(cute.size(acc_y)):
+                i = coords_rows[e][0]
+                col = coords_rows[e][1]
+                vn_t[col, i] = acc_y[e].to(cutlass.Float16)
+                vnc_t[col, i] = (acc_y[e] * self.decay(g_last - cum_log_g[i])).to(cutlass.Float16)
+        cute.arch.sync_threads()
+
+        # ---- P6: O = exp(G) Q S0^T + P V' (warp 1); S = exp(G_last) S + V'c^T K (every warp) ----
+        if warp_idx == 1:
+            self.warp_gemm(
+                tiled_mma, copy_a, copy_b, lane,
+                cute.local_tile(p16, (BLOCK, BLOCK), (0, 0)), cute.local_tile(vn_t, (rows, BLOCK), (0, 0)), acc_o,
+            )  # fmt: skip
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                i = coords_rows[e][0]
+                if i < tokens_here:
+                    output[start + chunk_start + i, head, v0 + coords_rows[e][1]] = (scale * acc_o[e]).to(
+                        cutlass.BFloat16
+                    )
+        chunk_decay = self.decay(g_last)
+        for e in cutlass.range_constexpr(cute.size(acc_state)):
+            acc_state[e] = chunk_decay * acc_state[e]
+        self.warp_gemm(
+            tiled_mma, copy_a, copy_bt, lane,
+            cute.local_tile(vnc_t, (rows, BLOCK), (0, 0)),
+            cute.local_tile(kq_t, (STATE_COLS_PER_WARP, BLOCK), (warp_idx, 0)),
+            acc_state,
+        )  # fmt: skip
+        # The next chunk's P0 barrier orders these reads before kq, vn_t and p16 are rewritten.
+
+
+class _ShortChunks(_ShortChunkStep):
+    """The kernel of the module docstring, mixed into `chunked.py`'s kernel classes for their slice width, launch
+    and buffers: every chunk of a sequence a short one."""
 
     @cute.jit
     def convert_kq(self, raw_k, kq_raw, kq, tokens_here, tidx):
@@ -193,91 +295,48 @@ class _ShortChunks:
         cute.arch.cp_async_commit_group()
 
         for chunk in cutlass.range(num_chunks, unroll=1):
-            stage = chunk % NUM_STAGES
-            chunk_start = chunk * SHORT_CHUNK
-            tokens_here = cutlass.min(length - chunk_start, cutlass.Int32(SHORT_CHUNK))
-
-            # ---- P0 ----
-            self.enter_chunk(
-                raw_k, kq_raw, kq, raw_a, raw_b, stage, head, neg_decay_rate, bias, tokens_here, cum_log_g, beta,
-                acc_state, coords_state, s16, tidx, warp_idx, lane,
+            self.short_chunk(
+                q, k, v, a, b, output, scale, g2s, raw_k, raw_v, raw_a, raw_b, kq_raw, kq, kq_t, a16, a_diag, t16,
+                p16, s16, xb_t, vn_t, vnc_t, cum_log_g, beta, acc_state, acc_o, acc_y, acc_sq, coords_state,
+                coords_rows, coords_sq, tiled_mma, copy_a, copy_b, copy_bt, start, length, head, v0, neg_decay_rate,
+                bias, chunk, chunk % NUM_STAGES, num_chunks, tidx, warp_idx, lane,
             )  # fmt: skip
-
-            # ---- P1: prefetch; the four products of the chunk, one per warp ----
-            if chunk + 1 < num_chunks:
-                self.load_short_chunk(
-                    g2s, k, v, a, b, raw_k, raw_v, raw_a, raw_b, start, length, chunk + 1, (chunk + 1) % NUM_STAGES,
-                    head, v0, tidx,
-                )  # fmt: skip
-            cute.arch.cp_async_commit_group()
-            k_rows = cute.local_tile(kq, (BLOCK, HEAD_SIZE), (0, 0))
-            q_rows = cute.local_tile(kq, (BLOCK, HEAD_SIZE), (NUM_BLOCKS, 0))
-            if warp_idx == 0:
-                acc_y.fill(0.0)
-                self.warp_gemm(tiled_mma, copy_a, copy_b, lane, k_rows, s16, acc_y)
-                self.xb_epilogue(acc_y, coords_rows, 0, cum_log_g, beta, raw_v, stage, tokens_here, xb_t)
-            elif warp_idx == 1:
-                acc_o.fill(0.0)
-                self.warp_gemm(tiled_mma, copy_a, copy_b, lane, q_rows, s16, acc_o)
-                for e in cutlass.range_constexpr(cute.size(acc_o)):
-                    acc_o[e] = self.decay(cum_log_g[coords_rows[e][0]]) * acc_o[e]
-            elif warp_idx == 2:
-                acc_sq.fill(0.0)
-                self.warp_gemm(tiled_mma, copy_a, copy_b, lane, k_rows, k_rows, acc_sq)
-                self.a_tile_epilogue(acc_sq, coords_sq, 0, 0, cum_log_g, beta, a16, a_diag)
-            else:
-                acc_sq.fill(0.0)
-                self.warp_gemm(tiled_mma, copy_a, copy_b, lane, q_rows, k_rows, acc_sq)
-                self.p_tile_epilogue(acc_sq, coords_sq, 0, 0, cum_log_g, p16)
-            cute.arch.sync_threads()
-
-            # ---- P2: prefetch the next q rows (read only in P1); warp 0: T = (I + A)^-1 (lanes 0-15), then
-            # V' = T Xb. T and Xb are warp 0's own stores, so a warp barrier orders them. ----
-            if chunk + 1 < num_chunks:
-                self.copy_short_rows(g2s, q, kq_raw, CHUNK, start, length, chunk + 1, head, tidx)
-            cute.arch.cp_async_commit_group()
-            g_last = cum_log_g[SHORT_CHUNK - 1]
-            if warp_idx == 0:
-                if lane < BLOCK:
-                    self.invert_diagonal_block(a_diag, t16, lane)
-                cute.arch.sync_warp()
-                acc_y.fill(0.0)
-                self.warp_gemm(
-                    tiled_mma, copy_a, copy_b, lane,
-                    cute.local_tile(t16, (BLOCK, BLOCK), (0, 0)), cute.local_tile(xb_t, (rows, BLOCK), (0, 0)), acc_y,
-                )  # fmt: skip
-                for e in cutlass.range_constexpr(cute.size(acc_y)):
-                    i = coords_rows[e][0]
-                    col = coords_rows[e][1]
-                    vn_t[col, i] = acc_y[e].to(cutlass.Float16)
-                    vnc_t[col, i] = (acc_y[e] * self.decay(g_last - cum_log_g[i])).to(cutlass.Float16)
-            cute.arch.sync_threads()
-
-            # ---- P6: O = exp(G) Q S0^T + P V' (warp 1); S = exp(G_last) S + V'c^T K (every warp) ----
-            if warp_idx == 1:
-                self.warp_gemm(
-                    tiled_mma, copy_a, copy_b, lane,
-                    cute.local_tile(p16, (BLOCK, BLOCK), (0, 0)), cute.local_tile(vn_t, (rows, BLOCK), (0, 0)), acc_o,
-                )  # fmt: skip
-                for e in cutlass.range_constexpr(cute.size(acc_o)):
-                    i = coords_rows[e][0]
-                    if i < tokens_here:
-                        output[start + chunk_start + i, head, v0 + coords_rows[e][1]] = (scale * acc_o[e]).to(
-                            cutlass.BFloat16
-                        )
-            chunk_decay = self.decay(g_last)
-            for e in cutlass.range_constexpr(cute.size(acc_state)):
-                acc_state[e] = chunk_decay * acc_state[e]
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_bt, lane,
-                cute.local_tile(vnc_t, (rows, BLOCK), (0, 0)),
-                cute.local_tile(kq_t, (STATE_COLS_PER_WARP, BLOCK), (warp_idx, 0)),
-                acc_state,
-            )  # fmt: skip
-            # The next chunk's P0 barrier orders these reads before kq, vn_t and p16 are rewritten.
 
         cute.autovec_copy(acc_state, thr_mma.partition_C(self.state_tile(new_state, seq, head, slice_idx, warp_idx)))
 
+
+class _ShortTail(_ShortChunkStep):
+    """`chunked.py`'s kernel (mixed into its classes) with a sequence's last tokens, when at most SHORT_CHUNK, run as
+    one short chunk after the 64-token ones instead of a 64-token step (`chunked._Chunked.short_tail`)."""
+
+    short_tail = True
+
+    @cute.jit
+    def full_chunks(self, length: cutlass.Int32, num_chunks: cutlass.Int32) -> cutlass.Int32:
+        """The 64-token chunks before the tail: all but the last when the last holds at most SHORT_CHUNK tokens."""
+        full = num_chunks
+        if num_chunks > 0 and length - (num_chunks - 1) * CHUNK <= SHORT_CHUNK:
+            full = num_chunks - 1
+        return full
+
+    @cute.jit
+    def short_tail_chunk(
+        self, q, k, v, a, b, output, scale, g2s, raw_k, raw_v, raw_a, raw_b, kq_raw, kq, kq_t, a16, a_diag, t16, p16,
+        s16, xb_t, vn_t, vnc_t, cum_log_g, beta, acc_state, acc_o, acc_y, acc_sq, coords_state, coords_rows, coords_sq,
+        tiled_mma, copy_a, copy_b, copy_bt, start, length, head, v0, neg_decay_rate, bias, num_full_chunks, tidx,
+        warp_idx, lane,
+    ):  # fmt: skip
+        """The tail after `num_full_chunks` 64-token chunks, as short chunk 4 x num_full_chunks. The last 64-token
+        chunk issued its loads as the next chunk's (`load_chunk`, `load_q`: token j of a chunk in row j of each staging
+        buffer, stage num_full_chunks % NUM_STAGES), where a short chunk's own loads put its tokens too; its 64-row
+        conversion zeroes the rows past the tail. No chunk follows, so nothing is prefetched."""
+        chunk = num_full_chunks * (CHUNK // SHORT_CHUNK)
+        self.short_chunk(
+            q, k, v, a, b, output, scale, g2s, raw_k, raw_v, raw_a, raw_b, kq_raw, kq, kq_t, a16, a_diag, t16, p16,
+            s16, xb_t, vn_t, vnc_t, cum_log_g, beta, acc_state, acc_o, acc_y, acc_sq, coords_state, coords_rows,
+            coords_sq, tiled_mma, copy_a, copy_b, copy_bt, start, length, head, v0, neg_decay_rate, bias, chunk,
+            num_full_chunks % NUM_STAGES, chunk + 1, tidx, warp_idx, lane,
+        )  # fmt: skip
 
 class _NarrowShortChunks(_ShortChunks, _NarrowChunked):
     """On 16-row V slices (up to chunked.NARROW_MAX_SEQS sequences, as `chunked.kernel_for`)."""
@@ -287,13 +346,27 @@ class _WideShortChunks(_ShortChunks, _Chunked):
     """On 32-row V slices."""
 
 
+class _NarrowShortTail(_ShortTail, _NarrowChunked):
+    """`chunked.py`'s kernel with a short tail on 16-row V slices (up to chunked.NARROW_MAX_SEQS sequences)."""
+
+
+class _WideShortTail(_ShortTail, _Chunked):
+    """The same on 32-row V slices."""
+
+
 def kernel_for(num_seqs: int) -> type:
     """`chunked.kernel_for`'s slice width for `num_seqs` sequences, with 16-token chunks."""
     return _NarrowShortChunks if chunked.kernel_for(num_seqs) is _NarrowChunked else _WideShortChunks
 
 
+def tail_kernel_for(num_seqs: int) -> type:
+    """`chunked.kernel_for`'s slice width for `num_seqs` sequences, with a short tail."""
+    return _NarrowShortTail if chunked.kernel_for(num_seqs) is _NarrowChunked else _WideShortTail
+
+
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
-    return chunked.compiled_for(arch, _NarrowShortChunks), chunked.compiled_for(arch, _WideShortChunks)
+    classes = (_NarrowShortChunks, _WideShortChunks, _NarrowShortTail, _WideShortTail)
+    return tuple(chunked.compiled_for(arch, cls) for cls in classes)
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
@@ -301,6 +374,20 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
     chunked.run_kernel(
         kernel_for(new_state.shape[0]), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state
     )
+
+
+def run_tail(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+    """`chunked.run` with each sequence's last <= SHORT_CHUNK tokens as one short chunk, at any T (the tests)."""
+    chunked.run_kernel(
+        tail_kernel_for(new_state.shape[0]), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state
+    )
+
+
+def run_tail_as_kernel(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
+    """`kernel.py`'s dispatch with the short tail on its chunked path's rows (the candidate side cand_short_tail)."""
+    path = kernel.path_for(q.shape[0], new_state.shape[0])
+    entry = run_tail if path is chunked else path.run
+    entry(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
 
 
 def takes_short_chunks(num_tokens: int, num_seqs: int) -> bool:

@@ -1,7 +1,8 @@
-"""kernels/gdn_prefill/short_chunks.py (candidate `cand_short_chunks`): `chunked.py`'s form on 16-token chunks. It
-compiles for sm_90a without a GPU and takes only the token-serial path's rows of >= 16 tokens in <= 2 sequences
-(CPU); on the GPU its outputs and states agree with kernel.py's, which chunk differently, to the accuracy of the
-chunked form. Its checks against the reference are test_gdn_prefill_kernel.py's, which run every module of
+"""kernels/gdn_prefill/short_chunks.py (candidates `cand_short_chunks`, `cand_short_tail`): `chunked.py`'s form on
+16-token chunks, for whole short sequences or a sequence's last <= 16 tokens. It compiles for sm_90a without a GPU and
+each candidate takes only its rows: the token-serial path's of >= 16 tokens in <= 2 sequences, the chunked path's
+(CPU); on the GPU its outputs and states agree with kernel.py's (its chunked path's for the tails), which chunk
+differently, to the accuracy of the chunked form. Its checks against the reference are test_gdn_prefill_kernel.py's, which run every module of
 `KERNEL_CHOICES`."""
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ CLOSE_RELATIVE_L2 = 5e-3
 
 
 def test_compiles_for_sm90a_without_gpu():
-    assert_compiles_and_caches(short_chunks.compile_only, 2)
+    assert_compiles_and_caches(short_chunks.compile_only, 4)
 
 
 def _relative_l2(ours: torch.Tensor, theirs: torch.Tensor) -> float:
@@ -81,3 +82,37 @@ def test_the_candidate_takes_only_short_rows_in_one_or_two_sequences(monkeypatch
     rows = [(w.axes["total_seq_len"], w.axes["num_seqs"]) for w in load_workloads("gdn_prefill")]
     taken = [row for row in rows if short_chunks.takes_short_chunks(*row)]
     assert len(taken) == 17 and all(16 <= t <= 40 for t, _ in taken)
+
+
+TAIL_CASES = [
+    cases.CheckCase("tail_of_3", (67,), True, 0.0, "mamba2"),
+    cases.CheckCase("tail_of_15", (79,), True, 0.05, "mamba2"),
+    cases.CheckCase("tail_of_16_and_17", (80, 81), True, 0.0, "slow_decay"),
+    cases.CheckCase("two_full_and_6", (134,), True, 0.0, "mamba2"),
+    cases.CheckCase("short_only_and_empty", (10, 0, 76, 3), False, 0.0, "fast_decay"),
+    cases.CheckCase("three_with_tails", (200, 130, 61), True, 0.0, "slow_decay"),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", TAIL_CASES, ids=lambda case: case.name)
+def test_short_tails_agree_with_kernel(case):
+    results = cases.outputs_of_runs(case, [kernel.chunked.run, short_chunks.run_tail], "cuda", seed=79)
+    for output, new_state in results:
+        assert torch.isfinite(output).all() and torch.isfinite(new_state).all()
+    (out_kernel, state_kernel), (out_tail, state_tail) = results
+    assert _relative_l2(out_tail, out_kernel) <= CLOSE_RELATIVE_L2
+    assert _relative_l2(state_tail, state_kernel) <= CLOSE_RELATIVE_L2
+
+
+def test_the_tail_candidate_takes_only_the_chunked_rows(monkeypatch):
+    called = []
+    monkeypatch.setattr(short_chunks, "run_tail", lambda *args: called.append("run_tail"))
+    for path in (kernel.token_serial, kernel.wy_prepass, kernel.wgmma_value_side, kernel.context_parallel):
+        monkeypatch.setattr(path, "run", lambda *args, name=path.__name__.rsplit(".", 1)[-1]: called.append(name))
+    for num_tokens, num_seqs in ((40, 2), (67, 1), (300, 4), (8192, 32), (1377, 1), (8192, 1)):
+        q = torch.empty(num_tokens, 4, 128, device="meta")
+        short_chunks.run_tail_as_kernel(q, *[None] * 10, torch.empty(num_seqs, 8, 128, 128, device="meta"))
+    assert called == ["token_serial", "run_tail", "run_tail", "wgmma_value_side", "wy_prepass", "context_parallel"]
+    assert short_chunks.tail_kernel_for(2).slice_rows == 16 and short_chunks.tail_kernel_for(3).slice_rows == 32

@@ -78,6 +78,11 @@ GDN_PREFILL = Track(
             entry="short_chunks.py::run_as_kernel",
             description="kernel.py with 16-token chunks (short_chunks.py) for its token-serial rows of >= 16 tokens in <= 2 sequences",
         ),
+        CandidateSide(
+            name="cand_short_tail",
+            entry="short_chunks.py::run_tail_as_kernel",
+            description="kernel.py with a sequence's last <= 16 tokens as one 16-token chunk on its chunked path (short_chunks.py)",
+        ),
     ),
 )
 

@@ -168,7 +168,9 @@ class _ShortChunkStep:
         if chunk + 1 < num_chunks:
             self.copy_short_rows(g2s, q, kq_raw, CHUNK, start, length, chunk + 1, head, tidx)
         cute.arch.cp_async_commit_group()
-        g_last = cum_log_g[SHORT_CHUNK - 1]
+        # G_last read where the 64-token kernel reads it: the scan's entries past the end add log g = 0, but the
+        # shuffle scan associates them differently from entry 15, and this sum makes a tail chunked.py's bit for bit.
+        g_last = cum_log_g[CHUNK - 1]
         if warp_idx == 0:
             if lane < BLOCK:
                 self.invert_diagonal_block(a_diag, t16, lane)

@@ -1,11 +1,13 @@
 """kernels/gdn_prefill/short_chunks.py (candidates `cand_short_chunks`, `cand_short_tail`): `chunked.py`'s form on
 16-token chunks, for whole short sequences or a sequence's last <= 16 tokens. It compiles for sm_90a without a GPU and
 each candidate takes only its rows: the token-serial path's of >= 16 tokens in <= 2 sequences, the chunked path's
-(CPU); on the GPU its outputs and states agree with kernel.py's (its chunked path's for the tails), which chunk
-differently, to the accuracy of the chunked form. Its checks against the reference are test_gdn_prefill_kernel.py's, which run every module of
-`KERNEL_CHOICES`."""
+(CPU). On the GPU its outputs and states agree with kernel.py's, which chunks differently, to the accuracy of the
+chunked form, and its tails equal the chunked path's bit for bit. Checks against the reference: `run` in
+test_gdn_prefill_kernel.py (every module of `KERNEL_CHOICES`), `run_tail` here."""
 
 from __future__ import annotations
+
+import zlib
 
 import pytest
 import torch
@@ -85,25 +87,37 @@ def test_the_candidate_takes_only_short_rows_in_one_or_two_sequences(monkeypatch
 
 
 TAIL_CASES = [
+    cases.CheckCase("one_token", (1,), True, 0.0, "mamba2"),
+    cases.CheckCase("one_short_chunk", (16,), True, 0.0, "slow_decay"),
+    cases.CheckCase("tail_of_1", (65,), True, 0.0, "mamba2"),
     cases.CheckCase("tail_of_3", (67,), True, 0.0, "mamba2"),
     cases.CheckCase("tail_of_15", (79,), True, 0.05, "mamba2"),
     cases.CheckCase("tail_of_16_and_17", (80, 81), True, 0.0, "slow_decay"),
     cases.CheckCase("two_full_and_6", (134,), True, 0.0, "mamba2"),
     cases.CheckCase("short_only_and_empty", (10, 0, 76, 3), False, 0.0, "fast_decay"),
     cases.CheckCase("three_with_tails", (200, 130, 61), True, 0.0, "slow_decay"),
+    # more CTAs than SMs: grid rows ranked by length
+    cases.CheckCase("six_ranked_with_tails", (70, 65, 80, 129, 200, 66), True, 0.0, "mamba2"),
 ]
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("case", TAIL_CASES, ids=lambda case: case.name)
-def test_short_tails_agree_with_kernel(case):
-    results = cases.outputs_of_runs(case, [kernel.chunked.run, short_chunks.run_tail], "cuda", seed=79)
-    for output, new_state in results:
-        assert torch.isfinite(output).all() and torch.isfinite(new_state).all()
-    (out_kernel, state_kernel), (out_tail, state_tail) = results
-    assert _relative_l2(out_tail, out_kernel) <= CLOSE_RELATIVE_L2
-    assert _relative_l2(state_tail, state_kernel) <= CLOSE_RELATIVE_L2
+def test_short_tails_equal_the_chunked_path_bit_for_bit(case):
+    # A tail chunk holds the 64-token chunk's operands with zero rows and gates past the end, which add exact zeros.
+    assert cases.bitwise_mismatch(case, [kernel.chunked.run, short_chunks.run_tail], "cuda", seed=79) is None
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", [c for c in cases.CASES if not c.long], ids=lambda c: c.name)
+def test_short_tail_matches_reference(case):
+    inputs = cases.make_inputs(case, "cuda", seed=zlib.crc32(case.name.encode()) % 1000)
+    output, new_state = cases.poisoned_outputs(case, "cuda")
+    short_chunks.run_tail(*inputs.values(), output, new_state)
+    verdict = cases.compare(output, new_state, *cases.load_reference_run()(*inputs.values()))
+    assert verdict.passed, verdict
 
 
 def test_the_tail_candidate_takes_only_the_chunked_rows(monkeypatch):

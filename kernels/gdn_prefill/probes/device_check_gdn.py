@@ -40,6 +40,7 @@ KERNEL_CHOICES = (
     "wy_prepass",
     "wgmma_value_side",
     "context_parallel",
+    "short_chunks",
 )
 
 # Ten sequences, so that the chunked kernel, which orders its grid rows by length, re-ranks at replay:

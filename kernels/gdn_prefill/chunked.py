@@ -207,8 +207,8 @@ class _Chunked:
     # V rows of the state per CTA: SLICE_ROWS here; NARROW_SLICE_ROWS in `_NarrowChunked` and in the
     # WY-prepass chain's narrow width.
     slice_rows: int = SLICE_ROWS
-    # A candidate's mix-in (`short_chunks._ShortTail`) runs a sequence's last tokens, when they are few, as one short
-    # chunk after the 64-token ones (`full_chunks`, `short_tail_chunk`).
+    # A mix-in (`short_tail._ShortTail`, kernel.py's chunked path) runs a sequence's last tokens, when they are
+    # few, as one short chunk after the 64-token ones (`full_chunks`, `short_tail_chunk`).
     short_tail: bool = False
 
     @property

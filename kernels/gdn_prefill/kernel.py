@@ -7,7 +7,8 @@ known on the host; no device reads, no host synchronisation):
   stepping token by token, each state row over 16 lanes;
 - up to WY_PREPASS_MIN_TOKENS: `chunked.py`, 64-token chunks in the WY form on tensor cores, two CTAs
   per SM, the grid rows serving the sequences longest first when the grid has more CTAs than SMs,
-  on 16-row V slices for one or two sequences and 32-row slices above;
+  on 16-row V slices for one or two sequences and 32-row slices above, a sequence's last <= 16 tokens
+  as one 16-token chunk (`short_tail.py`);
 - from WY_PREPASS_MIN_TOKENS, or from a mean sequence length T / N of WY_PREPASS_MIN_MEAN_LENGTH tokens:
   `chunked.py`'s chunks in two kernels, a parallel prepass of every chunk's state-free half (~66 KB of
   shared memory, three CTAs per SM), then a chain with only the state-dependent half: below
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import chunked, context_parallel, token_serial, wgmma_value_side, wy_prepass
+from . import context_parallel, short_tail, token_serial, wgmma_value_side, wy_prepass
 from .token_serial import GPU_ARCH, GdnShapeError, resolve_scale
 from .wgmma_value_side import WGMMA_CHAIN_MIN_SEQS
 
@@ -74,14 +75,14 @@ def path_for(num_tokens: int, num_seqs: int):
         return context_parallel
     if num_tokens >= WY_PREPASS_MIN_TOKENS or num_tokens >= WY_PREPASS_MIN_MEAN_LENGTH * num_seqs:
         return wgmma_value_side if num_seqs >= WGMMA_CHAIN_MIN_SEQS else wy_prepass
-    return chunked
+    return short_tail
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
     """Compile every path's kernels for `arch` without touching a GPU (for CI and warm-up: no call
     compiles lazily afterwards)."""
     return (
-        token_serial.compile_only(arch), *chunked.compile_only(arch), *wy_prepass.compile_only(arch),
+        token_serial.compile_only(arch), *short_tail.compile_only(arch), *wy_prepass.compile_only(arch),
         *wgmma_value_side.compile_only(arch), *context_parallel.compile_only(arch),
     )
 

@@ -73,16 +73,6 @@ GDN_PREFILL = Track(
             entry="wy_prepass.py::run",
             description="kernel.py's WY-prepass path at every T (no 512-token threshold): the other side of the A/B and sweep that place the threshold for few sequences",
         ),
-        CandidateSide(
-            name="cand_short_chunks",
-            entry="short_chunks.py::run_as_kernel",
-            description="kernel.py with 16-token chunks (short_chunks.py) for its token-serial rows of >= 16 tokens in <= 2 sequences",
-        ),
-        CandidateSide(
-            name="cand_short_tail",
-            entry="short_chunks.py::run_tail_as_kernel",
-            description="kernel.py with a sequence's last <= 16 tokens as one 16-token chunk on its chunked path (short_chunks.py)",
-        ),
     ),
 )
 

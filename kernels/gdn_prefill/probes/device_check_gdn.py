@@ -40,7 +40,7 @@ KERNEL_CHOICES = (
     "wy_prepass",
     "wgmma_value_side",
     "context_parallel",
-    "short_chunks",
+    "short_tail",
 )
 
 # Ten sequences, so that the chunked kernel, which orders its grid rows by length, re-ranks at replay:

@@ -1,26 +1,22 @@
-"""GDN prefill candidates `cand_short_chunks` and `cand_short_tail`: `chunked.py`'s form on chunks of 16 tokens, for
-the token-serial path's rows of 16-40 tokens in one or two sequences, and for a sequence's last <= 16 tokens on the
-chunked path (`_ShortTail`: one short chunk, ~2.2 us, after the 64-token ones instead of a ~4 us step; the canonical
-run's one-sequence rows of 67-79 tokens take 11.3 us, two steps of which the second holds 3-15 tokens).
+"""GDN prefill's chunked path (`chunked.py`'s kernel) with a sequence's last tokens, when at most SHORT_CHUNK, run as
+one 16-token chunk after the 64-token ones instead of a 64-token step: what `kernel.py` takes for its chunked rows.
 
-Why (NOTES.md, "Open directions"): the 21 workloads of <= 40 tokens run 0.95x Kachua's speed under graph replay.
-The token-serial path spends ~0.15-0.19 us per token of the longest sequence on a dependent FMA-and-shuffle
-chain; Kachua runs 16-token chunks on tensor cores there. With C = 16 a chunk is one MMA tile edge: one Gram tile
-each for A and P, one diagonal block to invert (no doubling levels), and the warps of a CTA split the first phase
-four ways. Measured in place of both short paths (runner, eager): 1.11-1.17x at 16-40 tokens in 1-2 sequences,
-0.59-0.89x from 46 tokens (~2.2 us a chunk, where 64-token chunks take ~5.5): so it takes only those rows
-(`takes_short_chunks`).
+Why (NOTES.md, "Ideas tried"): a 64-token chunk step takes ~4-5.5 us whatever its tokens, a 16-token chunk ~2.2 us.
+The one-sequence rows of 67-79 tokens spent ~4 us of their ~11.3 on a second chunk of 3-15 tokens. Measured (runner,
+the chunked path's 29 rows and 4 no-state twins): 1.079x graph, 1.13-1.22x at 67, 68, 79 and 134 tokens, every row
+bit for bit the plain kernel's.
 
-One CTA = one (sequence, v-head, V slice): `chunked.py`'s grid and slice width (16 rows up to two sequences,
-32 above), ranking, buffers, loads and epilogues; per chunk of 16 tokens, with barriers between the phases:
-  P0  wait for the loads; the 16 k and q rows to fp16; the gates (warp 0); the fp16 state copy.
-  P1  prefetch the next chunk's k, v, a, b; warp 0: Yk = K S0^T -> Xb^T; warp 1: Yq = Q S0^T -> the output
-      accumulator; warp 2: the A tile (and its fp32 copy); warp 3: the P tile.
-  P2  prefetch the next chunk's q rows; warp 0: T = (I + A)^-1 by forward substitution (16 lanes, fp32),
-      then V' = T Xb -> V'^T and (V' exp(G_last - G_i))^T in fp16.
+A short chunk is `chunked.py`'s form at C = 16 (`_ShortChunkStep.short_chunk`): one MMA tile edge, so one Gram tile
+each for A and P and one diagonal block to invert (no doubling levels), the warps of the CTA splitting the first phase
+four ways:
+  P0  wait for the loads; the k and q rows to fp16; the gates (warp 0); the fp16 state copy.
+  P1  warp 0: Yk = K S0^T -> Xb^T; warp 1: Yq = Q S0^T -> the output accumulator; warp 2: the A tile (and its fp32
+      copy); warp 3: the P tile.
+  P2  warp 0: T = (I + A)^-1 by forward substitution (16 lanes, fp32), then V' = T Xb -> V'^T and
+      (V' exp(G_last - G_i))^T in fp16.
   P6  warp 1: O += P V', scaled and stored; every warp: S = exp(G_last) S + V'c^T K on its 32 columns.
-The rounding points are `chunked_model.py`'s; the chunks differ, so results match `kernel.py`'s to the
-accuracy of the form (GPU test), not bit for bit.
+The tail's rows are where the last 64-token chunk's prefetch put them, the rows past the tail zero, the gates past it
+inert, G_last read where the 64-token kernel reads it: the same bits as `chunked.run` (GPU test).
 """
 
 from __future__ import annotations
@@ -29,47 +25,26 @@ from typing import Callable
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync
 
-from . import chunked, kernel, token_serial
+from . import chunked
 from .chunked import (
     BLOCK,
     CHUNK,
     COPY_ELEMS,
-    DIAG_STRIDE,
     HEAD_SIZE,
-    KQ_T_VIEW,
-    NARROW_STRIDE,
     NUM_BLOCKS,
     NUM_STAGES,
     NUM_THREADS,
     PIECES_PER_ROW,
-    SQUARE_VIEW,
     STATE_COLS_PER_WARP,
-    _layout,
-    _make_operand_copies,
     _Chunked,
     _NarrowChunked,
-    sequence_bounds,
 )
 from .token_serial import GPU_ARCH, V_HEADS_PER_QK_HEAD, GdnShapeError, resolve_scale
 
-__all__ = [
-    "SHORT_CHUNKS_MIN_TOKENS",
-    "GdnShapeError",
-    "compile_only",
-    "kernel_for",
-    "resolve_scale",
-    "run",
-    "run_as_kernel",
-    "run_tail",
-    "run_tail_as_kernel",
-    "tail_kernel_for",
-    "takes_short_chunks",
-]
+__all__ = ["SHORT_CHUNK", "GdnShapeError", "compile_only", "kernel_for", "resolve_scale", "run"]
 
-SHORT_CHUNK = BLOCK  # tokens per chunk: one MMA tile edge
-SHORT_CHUNKS_MIN_TOKENS = SHORT_CHUNK  # below one chunk's worth the token-serial chain is shorter
+SHORT_CHUNK = BLOCK  # tokens per short chunk: one MMA tile edge
 
 
 class _ShortChunkStep:
@@ -211,102 +186,6 @@ class _ShortChunkStep:
         # The next chunk's P0 barrier orders these reads before kq, vn_t and p16 are rewritten.
 
 
-class _ShortChunks(_ShortChunkStep):
-    """The kernel of the module docstring, mixed into `chunked.py`'s kernel classes for their slice width, launch
-    and buffers: every chunk of a sequence a short one."""
-
-    @cute.jit
-    def convert_kq(self, raw_k, kq_raw, kq, tokens_here, tidx):
-        """`chunked.py`'s conversion (and so `enter_chunk`'s P0) on the chunk's 16 k and 16 q rows only: the other
-        rows of kq are never read here."""
-        for i in cutlass.range_constexpr(2 * SHORT_CHUNK * PIECES_PER_ROW // NUM_THREADS):
-            linear = i * NUM_THREADS + tidx
-            j = linear // PIECES_PER_ROW % SHORT_CHUNK
-            piece = linear % PIECES_PER_ROW
-            # Rounds 0-1 cover the k rows (raw_k's), rounds 2-3 the q rows, converted in place in kq's q half.
-            source, row = (raw_k, j) if i < SHORT_CHUNK * PIECES_PER_ROW // NUM_THREADS else (kq_raw, CHUNK + j)
-            dst = cute.local_tile(kq[row, None], (COPY_ELEMS,), (piece,))
-            if j < tokens_here:
-                values = cute.local_tile(source[row, None], (COPY_ELEMS,), (piece,)).load()
-                dst.store(values.to(cutlass.Float32).to(cutlass.Float16))
-            else:
-                dst.fill(0.0)
-
-    @cute.kernel
-    def kernel(
-        self,
-        q: cute.Tensor,
-        k: cute.Tensor,
-        v: cute.Tensor,
-        state: cute.Tensor,
-        A_log: cute.Tensor,
-        a: cute.Tensor,
-        dt_bias: cute.Tensor,
-        b: cute.Tensor,
-        cu_seqlens: cute.Tensor,
-        scale: cutlass.Float32,
-        has_state: cutlass.Int32,
-        output: cute.Tensor,
-        new_state: cute.Tensor,
-        tiled_mma: cute.TiledMma,
-        SharedStorage: cutlass.Constexpr,
-    ):
-        tidx, block_y, head, slice_idx, v0, warp_idx, lane = self.slice_coordinates()
-        rows = self.slice_rows
-
-        smem = cutlass.memory.SmemAllocator()
-        st = smem.allocate(SharedStorage)
-        a_diag = st.a_diag.get_tensor(cute.make_layout((CHUNK, BLOCK), stride=(DIAG_STRIDE, 1)))
-        seq = self.sequence_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, a_diag)
-        start, length = sequence_bounds(cu_seqlens, seq, cutlass.Int32(q.shape[0]))
-        num_chunks = (length + SHORT_CHUNK - 1) // SHORT_CHUNK
-
-        raw_k, raw_a, raw_b, kq, kq_raw = self.staging_views(st)
-        raw_v = st.raw_v.get_tensor(self.raw_v_layout())
-        kq_t = cute.make_tensor(kq.iterator, _layout(KQ_T_VIEW))
-        a16 = st.a16.get_tensor(_layout(SQUARE_VIEW))
-        t16 = st.t16.get_tensor(_layout(SQUARE_VIEW))
-        p16 = st.p16.get_tensor(_layout(SQUARE_VIEW))
-        s16 = st.s16.get_tensor(self.state16_layout())
-        xb_t = st.xb_t.get_tensor(self.slice_by_token_layout())
-        # V'^T and V'c^T in A's storage: A's fp16 tile is written in P1 and never read (the inverse reads
-        # a_diag), and the next chunk's P1 comes after its P0 barrier.
-        vn_t = cute.make_tensor(a16.iterator, self.slice_by_token_layout())
-        vnc_t = cute.make_tensor(a16.iterator + rows * NARROW_STRIDE, self.slice_by_token_layout())
-        cum_log_g = st.cum_log_g.get_tensor(cute.make_layout(CHUNK))
-        beta = st.beta.get_tensor(cute.make_layout(CHUNK))
-
-        copy_a, copy_b, copy_bt = _make_operand_copies(tiled_mma)
-        thr_mma = tiled_mma.get_slice(lane)
-        coords_sq = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, BLOCK)))
-        coords_rows = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, rows)))
-        coords_state = thr_mma.partition_C(cute.make_identity_tensor((rows, STATE_COLS_PER_WARP)))
-        acc_state = self.load_state_slice(thr_mma, state, seq, head, slice_idx, warp_idx, has_state, length)
-        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, rows)), cutlass.Float32)
-        acc_y = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, rows)), cutlass.Float32)
-        acc_sq = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, BLOCK)), cutlass.Float32)
-
-        g2s = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
-        )
-        neg_decay_rate = -cute.math.exp(A_log[head]) * chunked.LOG2_E
-        bias = dt_bias[head]
-        if num_chunks > 0:
-            self.load_short_chunk(g2s, k, v, a, b, raw_k, raw_v, raw_a, raw_b, start, length, 0, 0, head, v0, tidx)
-            self.copy_short_rows(g2s, q, kq_raw, CHUNK, start, length, 0, head, tidx)
-        cute.arch.cp_async_commit_group()
-
-        for chunk in cutlass.range(num_chunks, unroll=1):
-            self.short_chunk(
-                q, k, v, a, b, output, scale, g2s, raw_k, raw_v, raw_a, raw_b, kq_raw, kq, kq_t, a16, a_diag, t16,
-                p16, s16, xb_t, vn_t, vnc_t, cum_log_g, beta, acc_state, acc_o, acc_y, acc_sq, coords_state,
-                coords_rows, coords_sq, tiled_mma, copy_a, copy_b, copy_bt, start, length, head, v0, neg_decay_rate,
-                bias, chunk, chunk % NUM_STAGES, num_chunks, tidx, warp_idx, lane,
-            )  # fmt: skip
-
-        cute.autovec_copy(acc_state, thr_mma.partition_C(self.state_tile(new_state, seq, head, slice_idx, warp_idx)))
-
-
 class _ShortTail(_ShortChunkStep):
     """`chunked.py`'s kernel (mixed into its classes) with a sequence's last tokens, when at most SHORT_CHUNK, run as
     one short chunk after the 64-token ones instead of a 64-token step (`chunked._Chunked.short_tail`)."""
@@ -340,14 +219,6 @@ class _ShortTail(_ShortChunkStep):
             num_full_chunks % NUM_STAGES, chunk + 1, tidx, warp_idx, lane,
         )  # fmt: skip
 
-class _NarrowShortChunks(_ShortChunks, _NarrowChunked):
-    """On 16-row V slices (up to chunked.NARROW_MAX_SEQS sequences, as `chunked.kernel_for`)."""
-
-
-class _WideShortChunks(_ShortChunks, _Chunked):
-    """On 32-row V slices."""
-
-
 class _NarrowShortTail(_ShortTail, _NarrowChunked):
     """`chunked.py`'s kernel with a short tail on 16-row V slices (up to chunked.NARROW_MAX_SEQS sequences)."""
 
@@ -357,54 +228,17 @@ class _WideShortTail(_ShortTail, _Chunked):
 
 
 def kernel_for(num_seqs: int) -> type:
-    """`chunked.kernel_for`'s slice width for `num_seqs` sequences, with 16-token chunks."""
-    return _NarrowShortChunks if chunked.kernel_for(num_seqs) is _NarrowChunked else _WideShortChunks
-
-
-def tail_kernel_for(num_seqs: int) -> type:
     """`chunked.kernel_for`'s slice width for `num_seqs` sequences, with a short tail."""
     return _NarrowShortTail if chunked.kernel_for(num_seqs) is _NarrowChunked else _WideShortTail
 
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
-    classes = (_NarrowShortChunks, _WideShortChunks, _NarrowShortTail, _WideShortTail)
-    return tuple(chunked.compiled_for(arch, cls) for cls in classes)
+    """Both slice widths' kernels for `arch`, without a GPU."""
+    return tuple(chunked.compiled_for(arch, cls) for cls in (_NarrowShortTail, _WideShortTail))
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
-    """`kernel.py`'s contract on 16-token chunks at any T (for the device check and the tests)."""
+    """`chunked.run` with each sequence's last <= SHORT_CHUNK tokens as one short chunk (any T: the tests)."""
     chunked.run_kernel(
         kernel_for(new_state.shape[0]), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state
     )
-
-
-def run_tail(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
-    """`chunked.run` with each sequence's last <= SHORT_CHUNK tokens as one short chunk, at any T (the tests)."""
-    chunked.run_kernel(
-        tail_kernel_for(new_state.shape[0]), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state
-    )
-
-
-def run_tail_as_kernel(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
-    """`kernel.py`'s dispatch with the short tail on its chunked path's rows (the candidate side cand_short_tail)."""
-    path = kernel.path_for(q.shape[0], new_state.shape[0])
-    entry = run_tail if path is chunked else path.run
-    entry(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
-
-
-def takes_short_chunks(num_tokens: int, num_seqs: int) -> bool:
-    """Whether the candidate runs a batch on 16-token chunks: the token-serial path's batches of at least
-    SHORT_CHUNKS_MIN_TOKENS tokens in at most `chunked.NARROW_MAX_SEQS` sequences (where it was measured faster);
-    the rest as `kernel.py` runs them."""
-    return (
-        kernel.path_for(num_tokens, num_seqs) is token_serial
-        and num_tokens >= SHORT_CHUNKS_MIN_TOKENS
-        and num_seqs <= chunked.NARROW_MAX_SEQS
-    )
-
-
-def run_as_kernel(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
-    """`kernel.py`'s dispatch with 16-token chunks where `takes_short_chunks` (the candidate side)."""
-    num_tokens, num_seqs = q.shape[0], new_state.shape[0]
-    entry = run if takes_short_chunks(num_tokens, num_seqs) else kernel.path_for(num_tokens, num_seqs).run
-    entry(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)

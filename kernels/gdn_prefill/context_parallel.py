@@ -420,7 +420,9 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
     launcher(
         q, k, v, state if has_state else new_state, A_log, a, dt_bias, b, cu_seqlens, resolve_scale(scale),
         int(has_state), output, new_state,
-        torch.empty((chunk_slots, NUM_V_HEADS, 2, CHUNK, CHUNK), dtype=torch.float16, device=device),
+        torch.empty(
+            (chunk_slots, NUM_V_HEADS, wy_prepass.TP_PLANES, CHUNK, CHUNK), dtype=torch.float16, device=device
+        ),
         torch.empty((chunk_slots, NUM_V_HEADS, 2, CHUNK), dtype=f32, device=device),
         torch.empty((num_slots + 1,), dtype=torch.int64, device=device),
         torch.empty((num_slots,), dtype=torch.int32, device=device),

@@ -5,9 +5,11 @@ rounding for thousands of tokens. With one key repeated over each 64-token run (
 roundings of T and of V'c = V' exp(G_last - G) add up to more than the tolerance at 16384 tokens in one sequence.
 The CPU model (`probes/rounding_points.py`) puts the state error at 0.12-0.14 of the tolerance with both as pairs,
 T computed on pairs too; T kept as pairs of the fp16-operand inverse makes it worse (2.5-2.8): the blocks must be
-one inverse's. So in such a chunk (SLOW_CHUNK_DECAY) the key side computes T in fp32 and stores T_hi = fp16(T) where
-it stores T, and T_lo = fp16(T - T_hi) in the workspace's plane T_LO_PLANE; the WGMMA chain
-(`wgmma_value_side.py`) adds Xb T_lo to V' and the lo half of V'c to the state update. No chunk of the mamba2 gates
+one inverse's. So in such a chunk (SLOW_CHUNK_DECAY) a paired key side (`wy_prepass._KeySide(paired=True)`) computes T
+in fp32 and stores T_hi = fp16(T) where it stores T, and T_lo = fp16(T - T_hi) in the workspace's plane T_LO_PLANE;
+the WGMMA chain built paired (`wgmma_value_side.py`) adds Xb T_lo to V' and the lo half of V'c to the state update.
+The mma.sync chain keeps an unpaired key side: T_hi alone is less accurate than `chunked.py`'s blocked fp16 inverse,
+whose roundings partly cancel (CPU model, repeated keys at 4096 tokens: 1.5 of the tolerance against 0.85). No chunk of the mamba2 gates
 decays that little (every official workload runs the fp16 path), and a chunk decides alone, from its own gates.
 
 The fp32 inverse, one 128-thread CTA (P2-P4 of `chunked.py`'s, as SIMT FMAs over shared memory):

@@ -95,7 +95,7 @@ class ChainBuffers(NamedTuple):
     keys_mn: cute.Tensor  # the same storage as (k, token, 1): the MN-major B of the update
     queries: cute.Tensor | None
     t: cute.Tensor  # (token i, token j, 1)
-    t_lo: cute.Tensor  # the same for T_lo, in a chunk that barely decays (`accurate_inverse.py`)
+    t_lo: cute.Tensor | None  # the same for T_lo, in a chunk that barely decays (`paired`; `accurate_inverse.py`)
     p: cute.Tensor | None
     values: cute.Tensor  # (stage, token, v): this chunk's values and the next's
     o_rows: cute.Tensor | None  # (token, v): the output rows on their way out
@@ -113,6 +113,11 @@ class WgmmaValueSide(_Chunked):
 
     summary = False
     warpgroups = NUM_WARPGROUPS
+
+    def __init__(self, paired: bool = False):
+        """`paired`: in a chunk that barely decays, T and V'c as hi / lo pairs (`accurate_inverse.py`), with a key
+        side that stores T_lo (`wy_prepass._KeySide(paired=True)`)."""
+        self.paired = paired
 
     @property
     def threads(self) -> int:
@@ -132,13 +137,14 @@ class WgmmaValueSide(_Chunked):
         rows = cute.cosize(keys_k_major.outer)
         square_size = cute.cosize(square.outer)
         with_outputs = 0 if self.summary else 1
+        paired = 1 if self.paired else 0
 
         @cute.struct
         class SharedStorage:
             keys: cute.struct.Align[cute.struct.MemRange[Float16, rows], 1024]
             queries: cute.struct.Align[cute.struct.MemRange[Float16, rows * with_outputs], 1024]
             t: cute.struct.Align[cute.struct.MemRange[Float16, square_size], 1024]
-            t_lo: cute.struct.Align[cute.struct.MemRange[Float16, square_size], 1024]
+            t_lo: cute.struct.Align[cute.struct.MemRange[Float16, square_size * paired], 1024]
             p: cute.struct.Align[cute.struct.MemRange[Float16, square_size * with_outputs], 1024]
             # the values of this chunk and the next, copied by cp.async straight into their [token, v] rows
             values: cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * CHUNK * ROW_STRIDE], 128]
@@ -165,7 +171,9 @@ class WgmmaValueSide(_Chunked):
         if cutlass.const_expr(not self.summary):
             queries = storage.queries.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
         t = storage.t.get_tensor(square.outer, swizzle=square.inner)
-        t_lo = storage.t_lo.get_tensor(square.outer, swizzle=square.inner)
+        t_lo = None
+        if cutlass.const_expr(self.paired):
+            t_lo = storage.t_lo.get_tensor(square.outer, swizzle=square.inner)
         if cutlass.const_expr(not self.summary):
             p = storage.p.get_tensor(square.outer, swizzle=square.inner)
         values = storage.values.get_tensor(
@@ -271,12 +279,14 @@ class WgmmaValueSide(_Chunked):
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # every thread's copies of this chunk have landed
             self.enter_chunk(buffers, tokens_here, tidx)
-            slow = chunk_is_slow(buffers.gates[0])
-            if slow:
-                # T_lo straight into its operand buffer (read only by this chunk's pair product, which waits for
-                # this group): the workspace's plane is written only in such a chunk.
-                self.copy_t_lo(ws_tp, wy_prepass.chunk_slot(start, chunk, seq), head, buffers.t_lo, tidx)
-                cute.arch.cp_async_commit_group()
+            slow = None
+            if cutlass.const_expr(self.paired):
+                slow = chunk_is_slow(buffers.gates[0])
+                if slow:
+                    # T_lo straight into its operand buffer (read only by this chunk's pair product, which waits for
+                    # this group): the workspace's plane is written only in such a chunk.
+                    self.copy_t_lo(ws_tp, wy_prepass.chunk_slot(start, chunk, seq), head, buffers.t_lo, tidx)
+                    cute.arch.cp_async_commit_group()
             # The staging buffers and the other values' stage are free (enter_chunk ends with a barrier): the next
             # chunk's copies land while this one computes.
             if chunk + 1 < num_chunks:
@@ -460,15 +470,16 @@ class WgmmaValueSide(_Chunked):
         self.product(products_mma, v_new, xb, t_t, CHUNK // 16, False)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
-        if slow:
-            cute.arch.cp_async_wait_group(1)  # T_lo's group; the next chunk's copies may still be in flight
-            cute.arch.fence_view_async_shared()
-            cute.arch.sync_threads()
-            t_lo_t = products_mma.make_fragment_B(thr_products.partition_B(buffers.t_lo))
-            warpgroup.fence()
-            self.pair_product(products_mma, v_new, xb, t_lo_t)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+        if cutlass.const_expr(self.paired):
+            if slow:
+                cute.arch.cp_async_wait_group(1)  # T_lo's group; the next chunk's copies may still be in flight
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_threads()
+                t_lo_t = products_mma.make_fragment_B(thr_products.partition_B(buffers.t_lo))
+                warpgroup.fence()
+                self.pair_product(products_mma, v_new, xb, t_lo_t)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
 
         # O^T = exp(G) Yq^T + V'^T P^T (scaled at the store), and V'c^T = V'^T exp(G_last - G), both rounded
         # V' operands in registers; S = exp(G_last) S + V'c^T K onto the state.
@@ -476,19 +487,20 @@ class WgmmaValueSide(_Chunked):
         for i in cutlass.range_constexpr(cute.size(state)):
             state[i] = state[i] * decay_last
         t_keys_mn = update_mma.make_fragment_B(thr_update.partition_B(buffers.keys_mn))
-        update_mma.set(warpgroup.Field.ACCUMULATE, True)
-        if slow:
-            # V'c's lo half onto the decayed state first, while v_new is still held: its fragment is dead again
-            # before the main group's operands are made, so the pair adds no registers there.
-            v_carry_lo = cute.make_rmem_tensor(thr_update.partition_shape_A((rows, CHUNK)), Float16)
-            for i in cutlass.range_constexpr(cute.size(v_new)):
-                _, token = by_token[i]
-                v_carry = v_new[i] * s_decay_out[token]
-                v_carry_lo[i] = (v_carry - v_carry.to(Float16).to(Float32)).to(Float16)
-            warpgroup.fence()
-            self.pair_product(update_mma, state, v_carry_lo, t_keys_mn)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+        if cutlass.const_expr(self.paired):
+            update_mma.set(warpgroup.Field.ACCUMULATE, True)
+            if slow:
+                # V'c's lo half onto the decayed state first, while v_new is still held: its fragment is dead again
+                # before the main group's operands are made, so the pair adds no registers there.
+                v_carry_lo = cute.make_rmem_tensor(thr_update.partition_shape_A((rows, CHUNK)), Float16)
+                for i in cutlass.range_constexpr(cute.size(v_new)):
+                    _, token = by_token[i]
+                    v_carry = v_new[i] * s_decay_out[token]
+                    v_carry_lo[i] = (v_carry - v_carry.to(Float16).to(Float32)).to(Float16)
+                warpgroup.fence()
+                self.pair_product(update_mma, state, v_carry_lo, t_keys_mn)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
         v_new_a = None
         if cutlass.const_expr(not self.summary):
             v_new_a = cute.make_rmem_tensor(over_tokens_shape, Float16)
@@ -567,7 +579,10 @@ class GdnPrefillWyWgmmaSm90(wy_prepass.GdnPrefillWyPrepassSm90):
         pass  # no configuration: the chain holds whole heads
 
     def chain(self):
-        return WgmmaValueSide()
+        return WgmmaValueSide(paired=True)
+
+    def key_side(self) -> wy_prepass._KeySide:
+        return wy_prepass._KeySide(paired=True)
 
 
 _COMPILED: dict[str, Callable] = {}

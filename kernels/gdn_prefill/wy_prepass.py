@@ -9,8 +9,8 @@ in ~2.5 us instead of ~5.5 (the same split Kachua's Triton kernels use).
 
 1. `_KeySide`, grid (8 heads, chunk slots): per (chunk, head) the gates (G in base 2, beta), P and T exactly as
    `chunked.py` computes them (its methods), stored to a workspace: T and P in fp16 [slots, 8, TP_PLANES, 64, 64],
-   G and beta in fp32 [slots, 8, 2, 64]. Chunk c of sequence s has slot `chunk_slot(start_s, c, s)`. In a chunk
-   that barely decays T is computed in fp32 instead and the third plane holds its lo half (`accurate_inverse.py`).
+   G and beta in fp32 [slots, 8, 2, 64]. Chunk c of sequence s has slot `chunk_slot(start_s, c, s)`. (For the
+   WGMMA chain, `_KeySide(paired=True)`: in a chunk that barely decays T in fp32, its lo half in the third plane.)
 2. `_ValueSide`, `chunked.py`'s grid on V slices of 16 or 32 rows: per chunk only the K S0^T / Q S0^T
    products, V' = T Xb, the output and the state update; T, G and beta of the next chunk arrive by cp.async
    from the end of this chunk's V' phase, and P (double-buffered, the one array it keeps two of) from its
@@ -137,6 +137,13 @@ class _KeySide(AccurateInverse, _Chunked):
     straight to the workspace, and the inverse's scratch has its own size: ~66 KB of shared memory instead of the
     ~94 that `chunked.py`'s buffers would take, three CTAs per SM instead of two."""
 
+    def __init__(self, paired: bool = False):
+        """`paired`: a chunk that barely decays gets T in fp32, stored as T_hi (plane 0) and T_lo (T_LO_PLANE), for
+        a chain that reads both (the WGMMA chain: `accurate_inverse.py`). Unpaired, plane 0 holds `chunked.py`'s T in
+        every chunk, as the mma.sync chain needs: T_hi alone would be less accurate there than that blocked inverse,
+        whose roundings partly cancel (CPU model, repeated keys at 4096 tokens: 1.5 of the tolerance against 0.85)."""
+        self.paired = paired
+
     @cute.jit
     def launch(self, q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream):
         tiled_mma = _make_warp_mma()
@@ -251,17 +258,25 @@ class _KeySide(AccurateInverse, _Chunked):
                     raw_a, raw_b, 0, head, neg_decay_rate, dt_bias[head], tokens_here, lane, cum_log_g, beta
                 )
             cute.arch.sync_threads()
-            slow = chunk_is_slow(cum_log_g)
-            a32 = self.a32_view(a16)
+            slow, a32 = None, None
+            if cutlass.const_expr(self.paired):
+                slow = chunk_is_slow(cum_log_g)
+                a32 = self.a32_view(a16)
             self.gram_tiles(
                 tiled_mma, copy_a, copy_b, lane, warp_idx, kq, acc_sq, coords_sq, cum_log_g, beta, a16, a_diag, p16,
                 a32, slow,
             )  # fmt: skip
             cute.arch.sync_threads()
-            if slow:
-                t32, x32 = self.t32_x32_views(kq)
-                self.accurate_inverse(a_diag, a32, t32, x32, t16, ws_tp[slot, head, T_LO_PLANE, None, None], tidx)
-                cute.arch.sync_threads()
+            if cutlass.const_expr(self.paired):
+                if slow:
+                    t32, x32 = self.t32_x32_views(kq)
+                    self.accurate_inverse(a_diag, a32, t32, x32, t16, ws_tp[slot, head, T_LO_PLANE, None, None], tidx)
+                    cute.arch.sync_threads()
+                else:
+                    self.invert_unit_lower(
+                        tiled_mma, copy_a, copy_bt, lane, warp_idx, tidx, a16_t, a_diag, t16, t16_t, scratch,
+                        acc_sq, acc_y, coords_sq, coords_rows,
+                    )  # fmt: skip
             else:
                 self.invert_unit_lower(
                     tiled_mma, copy_a, copy_bt, lane, warp_idx, tidx, a16_t, a_diag, t16, t16_t, scratch,
@@ -498,6 +513,10 @@ class GdnPrefillWyPrepassSm90:
         """The value-side kernel that reads the workspace (`wgmma_value_side.py` gives its own)."""
         return _ValueSide(self.config.slice_rows)
 
+    def key_side(self) -> _KeySide:
+        """The key-side kernel that fills it, as `chain` reads it (unpaired for `_ValueSide`)."""
+        return _KeySide()
+
     @cute.jit
     def __call__(
         self,
@@ -518,7 +537,7 @@ class GdnPrefillWyPrepassSm90:
         ws_g: cute.Tensor,
         stream,
     ):
-        _KeySide().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
+        self.key_side().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
         self.chain().launch(
             q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, stream
         )

@@ -52,6 +52,9 @@ GateRegime = Literal["mamba2", "fast_decay", "slow_decay"]
 GATE_REGIMES = ("mamba2", "fast_decay", "slow_decay")
 KeyPattern = Literal["random", "repeated"]
 KEY_PATTERNS = ("random", "repeated")
+# The modules whose chains keep a slow chunk's T and V'c as pairs (`accurate_inverse.py`): a case's known failure is the
+# other paths'; these must pass it (the kernel tests and the device check hold them to it).
+PAIRED_PATHS = ("kernel", "wgmma_value_side", "context_parallel")
 REPEAT_TOKENS = 64  # "repeated": the run of tokens sharing a key (kernel chunks are 64 tokens)
 REPEAT_BETA = 0.95
 SLOW_A_LOG = (-12.0, -8.0)  # "slow_decay"'s range of A_log

@@ -350,13 +350,8 @@ def _check_on_gpu(solution, case, seed):
         assert torch.equal(inputs["state"], state_before), "run modified its input state"
 
 
-# The paths that keep a slow chunk's T and V'c as pairs (accurate_inverse.py): a long case's known failure (check_cases)
-# is the other paths'; these must pass it.
-PAIRED_PATHS = ("kernel", "wgmma_value_side", "context_parallel")
-
-
 def test_the_paired_paths_are_solutions_and_a_long_case_has_a_known_failure():
-    assert set(PAIRED_PATHS) <= set(SOLUTIONS)
+    assert set(cases.PAIRED_PATHS) <= set(SOLUTIONS)
     assert any(c.known_failure for c in cases.CASES if c.long)
 
 
@@ -376,7 +371,7 @@ def test_matches_reference(solution, case):
     ids=lambda c: c.name,
 )
 def test_long_sequence_matches_reference(solution, case, request):
-    if case.known_failure and request.node.callspec.params["solution"] not in PAIRED_PATHS:
+    if case.known_failure and request.node.callspec.params["solution"] not in cases.PAIRED_PATHS:
         request.applymarker(pytest.mark.xfail(reason=case.known_failure))
     _check_on_gpu(solution, case, seed=zlib.crc32(case.name.encode()) % 1000)
 

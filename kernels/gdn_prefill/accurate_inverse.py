@@ -23,6 +23,8 @@ the Grams. T starts zeroed, so the products run over whole blocks.
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32
@@ -31,7 +33,8 @@ from .chunked import BLOCK, CHUNK, COPY_ELEMS, NUM_THREADS
 
 __all__ = ["SLOW_CHUNK_DECAY", "T_LO_PLANE", "AccurateInverse", "chunk_is_slow"]
 
-SLOW_CHUNK_DECAY = 0.9  # exp(G_last) above which a chunk's T and V'c are kept as pairs
+SLOW_CHUNK_DECAY = 0.9  # a chunk's decay over 64 tokens above which its T and V'c are kept as pairs
+LOG2_SLOW_CHUNK_DECAY = math.log2(SLOW_CHUNK_DECAY)
 T_LO_PLANE = 2  # the workspace's [slot, head, plane] of T_lo, after T (0) and P (1)
 OFF_DIAGONAL_BLOCKS = 6  # strictly lower 16 x 16 blocks of A: (r, c) at r (r - 1) / 2 + c
 PADDED = BLOCK + 1  # fp32 rows of a packed block, against bank conflicts
@@ -44,11 +47,13 @@ ZEROED_WORDS = (CHUNK * T32_STRIDE + NUM_THREADS - 1) // NUM_THREADS * NUM_THREA
 
 
 @cute.jit
-def chunk_is_slow(cum_log_g: cute.Tensor):
-    """exp(G_last) > SLOW_CHUNK_DECAY from a chunk's base-2 cumulative log decays in shared memory (the key side's,
-    or the same bits in the chain's copy of them, so both decide alike): one value in every thread, so a branch on
-    it is uniform. The decay as `chunked._Chunked.decay` computes it."""
-    return cute.math.exp2(cum_log_g[CHUNK - 1], approx=True, ftz=True) > Float32(SLOW_CHUNK_DECAY)
+def chunk_is_slow(cum_log_g: cute.Tensor, tokens: Int32):
+    """Whether the chunk's decay over 64 tokens at its own per-token rate exceeds SLOW_CHUNK_DECAY: G_last 64 / tokens >
+    log2(SLOW_CHUNK_DECAY), from its base-2 cumulative log decays in shared memory (the key side's, or the same bits in
+    the chain's copy of them, and the same token count, so both decide alike). One value in every thread, so a branch
+    on it is uniform. Per token, not per chunk: a sequence's short last chunk of fast-decaying tokens decays little in
+    total but carries no long memory (on the GPU, mamba2 batches' tails took the pairs when the test was exp(G_last))."""
+    return cum_log_g[CHUNK - 1] * Float32(CHUNK) > Float32(LOG2_SLOW_CHUNK_DECAY) * Float32(tokens)
 
 
 class AccurateInverse:

@@ -281,7 +281,7 @@ class WgmmaValueSide(_Chunked):
             self.enter_chunk(buffers, tokens_here, tidx)
             slow = None
             if cutlass.const_expr(self.paired):
-                slow = chunk_is_slow(buffers.gates[0])
+                slow = chunk_is_slow(buffers.gates[0], tokens_here)
                 if slow:
                     # T_lo straight into its operand buffer (read only by this chunk's pair product, which waits for
                     # this group): the workspace's plane is written only in such a chunk.

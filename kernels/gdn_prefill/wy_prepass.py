@@ -260,7 +260,7 @@ class _KeySide(AccurateInverse, _Chunked):
             cute.arch.sync_threads()
             slow, a32 = None, None
             if cutlass.const_expr(self.paired):
-                slow = chunk_is_slow(cum_log_g)
+                slow = chunk_is_slow(cum_log_g, tokens_here)
                 a32 = self.a32_view(a16)
             self.gram_tiles(
                 tiled_mma, copy_a, copy_b, lane, warp_idx, kq, acc_sq, coords_sq, cum_log_g, beta, a16, a_diag, p16,

@@ -52,6 +52,9 @@ GateRegime = Literal["mamba2", "fast_decay", "slow_decay"]
 GATE_REGIMES = ("mamba2", "fast_decay", "slow_decay")
 KeyPattern = Literal["random", "repeated"]
 KEY_PATTERNS = ("random", "repeated")
+# The modules whose chains keep a slow chunk's T and V'c as pairs (`accurate_inverse.py`): a case's known failure is the
+# other paths'; these must pass it (the kernel tests and the device check hold them to it).
+PAIRED_PATHS = ("kernel", "wgmma_value_side", "context_parallel")
 REPEAT_TOKENS = 64  # "repeated": the run of tokens sharing a key (kernel chunks are 64 tokens)
 REPEAT_BETA = 0.95
 SLOW_A_LOG = (-12.0, -8.0)  # "slow_decay"'s range of A_log
@@ -132,7 +135,10 @@ CASES: tuple[CheckCase, ...] = (
     ),
     CheckCase(
         "repeated_keys16384_slow", (16384,), True, 0.0, "slow_decay", long=True, keys="repeated",
-        known_failure="fp16 roundings of T and the chain's operands accumulate over 256 chunks: state error 1.2-1.5e-2",
+        known_failure=(
+            "paths without the slow-chunk pairs (the chunked path, the mma.sync WY chain): fp16 roundings of T and V'c "
+            "accumulate over 256 chunks, state error 1.2-1.5e-2"
+        ),
     ),
     CheckCase("long32768_slow", (32768,), True, 0.0, "slow_decay", long=True),
     CheckCase("long65536_state", (65536,), True, 0.0, "mamba2", long=True),

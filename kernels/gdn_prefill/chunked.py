@@ -268,10 +268,15 @@ class _Chunked:
         a16: cute.Tensor,
         a_diag: cute.Tensor,
         p16: cute.Tensor,
+        a32: cute.Tensor | None = None,
+        slow=None,
     ):
         """P1's Gram tiles of warp w: A rows of k block w (columns 0..w) and P rows of q block 3 - w
-        (columns 0..3-w), five 16x16 tiles per warp, the lower triangle of both [64, 64] products."""
-        self.a_tiles(tiled_mma, copy_a, copy_b, lane, warp_idx, kq, acc_sq, coords_sq, cum_log_g, beta, a16, a_diag)
+        (columns 0..3-w), five 16x16 tiles per warp, the lower triangle of both [64, 64] products. `a32`,
+        `slow`: `a_tile_epilogue`'s."""
+        self.a_tiles(
+            tiled_mma, copy_a, copy_b, lane, warp_idx, kq, acc_sq, coords_sq, cum_log_g, beta, a16, a_diag, a32, slow
+        )
         self.p_tiles(tiled_mma, copy_a, copy_b, lane, NUM_BLOCKS - 1 - warp_idx, kq, acc_sq, coords_sq, cum_log_g, p16)
 
     @cute.jit
@@ -289,6 +294,8 @@ class _Chunked:
         beta: cute.Tensor,
         a16: cute.Tensor,
         a_diag: cute.Tensor,
+        a32: cute.Tensor | None = None,
+        slow=None,
     ):
         """The A tiles of row block `k_block` (columns 0..k_block) of the [64, 64] lower triangle."""
         for col_block in cutlass.range(k_block + 1, unroll=1):
@@ -299,7 +306,7 @@ class _Chunked:
                 cute.local_tile(kq, (BLOCK, HEAD_SIZE), (col_block, 0)),
                 acc_sq,
             )  # fmt: skip
-            self.a_tile_epilogue(acc_sq, coords_sq, k_block, col_block, cum_log_g, beta, a16, a_diag)
+            self.a_tile_epilogue(acc_sq, coords_sq, k_block, col_block, cum_log_g, beta, a16, a_diag, a32, slow)
 
     @cute.jit
     def p_tiles(
@@ -342,21 +349,37 @@ class _Chunked:
         beta: cute.Tensor,
         a16: cute.Tensor,
         a_diag: cute.Tensor,
+        a32: cute.Tensor | None = None,
+        slow=None,
     ):
         """A[i, j] = beta_i exp(G_i - G_j) (k_i . k_j) strictly below the diagonal, else 0, for the
         16x16 tile (row_block, col_block): into a16, and into a_diag on a diagonal tile. The exponent
-        is clamped at 0: above the diagonal it would overflow, below it G_i - G_j <= 0 already."""
+        is clamped at 0: above the diagonal it would overflow, below it G_i - G_j <= 0 already. With `a32`
+        (the key side's, `accurate_inverse.py`) and `slow` set at run time, an off-diagonal tile goes to a32
+        in fp32 instead and a16 is not written (a32 lies in its storage)."""
         values = cute.make_rmem_tensor(acc.layout, cutlass.Float32)
         for e in cutlass.range_constexpr(cute.size(acc)):
             i = row_block * BLOCK + coords[e][0]
             j = col_block * BLOCK + coords[e][1]
             below = beta[i] * self.decay(cutlass.min(cum_log_g[i] - cum_log_g[j], cutlass.Float32(0.0))) * acc[e]
             values[e] = cutlass.Float32(cutlass.select_(j < i, below, cutlass.Float32(0.0)))
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            a16[row_block * BLOCK + coords[e][0], col_block * BLOCK + coords[e][1]] = values[e].to(cutlass.Float16)
+        if cutlass.const_expr(a32 is None):
+            self.store_a16_tile(values, coords, row_block, col_block, a16)
+        elif slow:
+            if col_block != row_block:
+                block = row_block * (row_block - 1) // 2 + col_block  # the packed strictly-lower blocks
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    a32[block, coords[e][0], coords[e][1]] = values[e]
+        else:
+            self.store_a16_tile(values, coords, row_block, col_block, a16)
         if col_block == row_block:
             for e in cutlass.range_constexpr(cute.size(acc)):
                 a_diag[row_block * BLOCK + coords[e][0], coords[e][1]] = values[e]
+
+    @cute.jit
+    def store_a16_tile(self, values: cute.Tensor, coords: cute.Tensor, row_block, col_block, a16: cute.Tensor):
+        for e in cutlass.range_constexpr(cute.size(values)):
+            a16[row_block * BLOCK + coords[e][0], col_block * BLOCK + coords[e][1]] = values[e].to(cutlass.Float16)
 
     @cute.jit
     def p_tile_epilogue(

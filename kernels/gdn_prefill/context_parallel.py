@@ -342,8 +342,16 @@ class GdnPrefillContextParallelSm90:
     def __init__(self, config: WyPrepassConfig | None):
         self.config = config
 
+    @property
+    def paired(self) -> bool:
+        """A slow chunk's T and V'c as pairs (`accurate_inverse.py`) in the key side, the summary and the outputs
+        chain together: with the WGMMA chain; the mma.sync chain reads `chunked.py`'s T."""
+        return self.config is None
+
     def chain(self):
-        return wgmma_value_side.WgmmaValueSide() if self.config is None else _ValueSide(self.config.slice_rows)
+        if self.config is None:
+            return wgmma_value_side.WgmmaValueSide(paired=True)
+        return _ValueSide(self.config.slice_rows)
 
     @cute.jit
     def __call__(
@@ -352,8 +360,8 @@ class GdnPrefillContextParallelSm90:
     ):  # fmt: skip
         total_tokens = cutlass.Int32(q.shape[0])
         _SegmentBounds().launch(cu_seqlens, seg_cu, summarized, segment_tokens, total_tokens, stream)
-        _KeySide().launch(q, k, A_log, a, dt_bias, b, seg_cu, ws_tp, ws_g, stream)
-        _Summary().launch(q, k, v, seg_cu, summarized, summaries, ws_tp, ws_g, stream)
+        _KeySide(self.paired).launch(q, k, A_log, a, dt_bias, b, seg_cu, ws_tp, ws_g, stream)
+        _Summary(self.paired).launch(q, k, v, seg_cu, summarized, summaries, ws_tp, ws_g, stream)
         _Scan().launch(cu_seqlens, state, has_state, summaries, seg_state, segment_tokens, total_tokens, stream)
         self.chain().launch(
             q, k, v, seg_state, A_log, a, dt_bias, b, seg_cu, scale, cutlass.Int32(1), output, seg_out, ws_tp, ws_g,
@@ -420,7 +428,9 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
     launcher(
         q, k, v, state if has_state else new_state, A_log, a, dt_bias, b, cu_seqlens, resolve_scale(scale),
         int(has_state), output, new_state,
-        torch.empty((chunk_slots, NUM_V_HEADS, 2, CHUNK, CHUNK), dtype=torch.float16, device=device),
+        torch.empty(
+            (chunk_slots, NUM_V_HEADS, wy_prepass.TP_PLANES, CHUNK, CHUNK), dtype=torch.float16, device=device
+        ),
         torch.empty((chunk_slots, NUM_V_HEADS, 2, CHUNK), dtype=f32, device=device),
         torch.empty((num_slots + 1,), dtype=torch.int64, device=device),
         torch.empty((num_slots,), dtype=torch.int32, device=device),

@@ -40,6 +40,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from . import token_serial, wy_prepass
+from .accurate_inverse import T_LO_PLANE, chunk_is_slow
 from .chunked import CHUNK, _Chunked, sequence_bounds
 from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, V_HEADS_PER_QK_HEAD
 
@@ -94,6 +95,7 @@ class ChainBuffers(NamedTuple):
     keys_mn: cute.Tensor  # the same storage as (k, token, 1): the MN-major B of the update
     queries: cute.Tensor | None
     t: cute.Tensor  # (token i, token j, 1)
+    t_lo: cute.Tensor | None  # the same for T_lo, in a chunk that barely decays (`paired`; `accurate_inverse.py`)
     p: cute.Tensor | None
     values: cute.Tensor  # (stage, token, v): this chunk's values and the next's
     o_rows: cute.Tensor | None  # (token, v): the output rows on their way out
@@ -111,6 +113,11 @@ class WgmmaValueSide(_Chunked):
 
     summary = False
     warpgroups = NUM_WARPGROUPS
+
+    def __init__(self, paired: bool = False):
+        """`paired`: in a chunk that barely decays, T and V'c as hi / lo pairs (`accurate_inverse.py`), with a key
+        side that stores T_lo (`wy_prepass._KeySide(paired=True)`)."""
+        self.paired = paired
 
     @property
     def threads(self) -> int:
@@ -130,12 +137,14 @@ class WgmmaValueSide(_Chunked):
         rows = cute.cosize(keys_k_major.outer)
         square_size = cute.cosize(square.outer)
         with_outputs = 0 if self.summary else 1
+        paired = 1 if self.paired else 0
 
         @cute.struct
         class SharedStorage:
             keys: cute.struct.Align[cute.struct.MemRange[Float16, rows], 1024]
             queries: cute.struct.Align[cute.struct.MemRange[Float16, rows * with_outputs], 1024]
             t: cute.struct.Align[cute.struct.MemRange[Float16, square_size], 1024]
+            t_lo: cute.struct.Align[cute.struct.MemRange[Float16, square_size * paired], 1024]
             p: cute.struct.Align[cute.struct.MemRange[Float16, square_size * with_outputs], 1024]
             # the values of this chunk and the next, copied by cp.async straight into their [token, v] rows
             values: cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * CHUNK * ROW_STRIDE], 128]
@@ -162,6 +171,9 @@ class WgmmaValueSide(_Chunked):
         if cutlass.const_expr(not self.summary):
             queries = storage.queries.get_tensor(keys_k_major.outer, swizzle=keys_k_major.inner)
         t = storage.t.get_tensor(square.outer, swizzle=square.inner)
+        t_lo = None
+        if cutlass.const_expr(self.paired):
+            t_lo = storage.t_lo.get_tensor(square.outer, swizzle=square.inner)
         if cutlass.const_expr(not self.summary):
             p = storage.p.get_tensor(square.outer, swizzle=square.inner)
         values = storage.values.get_tensor(
@@ -186,7 +198,7 @@ class WgmmaValueSide(_Chunked):
             storage.raw_tp.get_tensor(cute.make_layout((tp_count, CHUNK, CHUNK), stride=(CHUNK * CHUNK, CHUNK, 1))),
             storage.raw_gates.get_tensor(cute.make_layout((2, CHUNK), stride=(CHUNK, 1))),
         )
-        return ChainBuffers(keys, keys_mn, queries, t, p, values, o_rows, gates, raw)
+        return ChainBuffers(keys, keys_mn, queries, t, t_lo, p, values, o_rows, gates, raw)
 
     @cute.jit
     def launch(
@@ -267,6 +279,14 @@ class WgmmaValueSide(_Chunked):
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # every thread's copies of this chunk have landed
             self.enter_chunk(buffers, tokens_here, tidx)
+            slow = None
+            if cutlass.const_expr(self.paired):
+                slow = chunk_is_slow(buffers.gates[0], tokens_here)
+                if slow:
+                    # T_lo straight into its operand buffer (read only by this chunk's pair product, which waits for
+                    # this group): the workspace's plane is written only in such a chunk.
+                    self.copy_t_lo(ws_tp, wy_prepass.chunk_slot(start, chunk, seq), head, buffers.t_lo, tidx)
+                    cute.arch.cp_async_commit_group()
             # The staging buffers and the other values' stage are free (enter_chunk ends with a barrier): the next
             # chunk's copies land while this one computes.
             if chunk + 1 < num_chunks:
@@ -274,7 +294,7 @@ class WgmmaValueSide(_Chunked):
             cute.arch.cp_async_commit_group()
             self.value_side(
                 state, buffers.values[chunk % 2, None, None], buffers, scale, output, first, tokens_here, head,
-                update_mma, products_mma, tidx,
+                update_mma, products_mma, slow, tidx,
             )  # fmt: skip
             # The next chunk's (generic-proxy) conversions overwrite what this one's MMAs read.
             cute.arch.fence_view_async_shared()
@@ -326,6 +346,21 @@ class WgmmaValueSide(_Chunked):
             )
 
     @cute.jit
+    def copy_t_lo(self, ws_tp: cute.Tensor, slot: Int32, head: Int32, t_lo: cute.Tensor, tidx: Int32):
+        """cp.async of the chunk's T_lo plane into the swizzled operand buffer, 16-B pieces over all threads."""
+        g2s16 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float16, num_bits_per_copy=128
+        )
+        for i in cutlass.range_constexpr(CHUNK * (CHUNK // VEC) // self.threads):
+            linear = i * self.threads + tidx
+            row, piece = linear // (CHUNK // VEC), linear % (CHUNK // VEC)
+            cute.copy(
+                g2s16,
+                cute.local_tile(ws_tp[slot, head, T_LO_PLANE, row, None], (VEC,), (piece,)),
+                cute.local_tile(t_lo[row, None, 0], (VEC,), (piece,)),
+            )
+
+    @cute.jit
     def enter_chunk(self, buffers: ChainBuffers, tokens_here: Int32, tidx: Int32):
         """The chunk's staged rows into their operand buffers: keys and queries (bf16 -> fp16) into the swizzled
         buffers, zero past the end of the sequence; T and P into theirs; per token G, beta, exp(G) and
@@ -369,12 +404,14 @@ class WgmmaValueSide(_Chunked):
     @cute.jit
     def value_side(
         self, state, s_values, buffers: ChainBuffers, scale: Float32, output, first: Int32, tokens_here: Int32,
-        head: Int32, update_mma, products_mma, tidx: Int32,
+        head: Int32, update_mma, products_mma, slow, tidx: Int32,
     ):  # fmt: skip
         """Yk, Yq, Xb, V', the chunk's output rows (bf16, the tokens of the sequence only) and the state
         update, every hand-over in registers. `s_values`: this chunk's values [token, v]; `buffers.keys` and
         `buffers.keys_mn` one buffer of keys read K-major (token, k, 1) and MN-major (k, token, 1). A summary
-        only updates the state; its rows from HEAD_SIZE on (the transition's) have zero values."""
+        only updates the state; its rows from HEAD_SIZE on (the transition's) have zero values. `slow` (a chunk
+        that barely decays): V' also takes Xb T_lo^T, and the state the lo half of V'c, each one more group of MMAs
+        beside the main ones, whose instructions stay as they are."""
         s_g, s_beta, s_decay_in, s_decay_out = buffers.gates
         rows = self.state_rows
         thr_update = update_mma.get_slice(tidx)
@@ -433,9 +470,37 @@ class WgmmaValueSide(_Chunked):
         self.product(products_mma, v_new, xb, t_t, CHUNK // 16, False)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
+        if cutlass.const_expr(self.paired):
+            if slow:
+                cute.arch.cp_async_wait_group(1)  # T_lo's group; the next chunk's copies may still be in flight
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_threads()
+                t_lo_t = products_mma.make_fragment_B(thr_products.partition_B(buffers.t_lo))
+                warpgroup.fence()
+                self.pair_product(products_mma, v_new, xb, t_lo_t)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
 
         # O^T = exp(G) Yq^T + V'^T P^T (scaled at the store), and V'c^T = V'^T exp(G_last - G), both rounded
         # V' operands in registers; S = exp(G_last) S + V'c^T K onto the state.
+        decay_last = self.decay(s_g[CHUNK - 1])
+        for i in cutlass.range_constexpr(cute.size(state)):
+            state[i] = state[i] * decay_last
+        t_keys_mn = update_mma.make_fragment_B(thr_update.partition_B(buffers.keys_mn))
+        if cutlass.const_expr(self.paired):
+            update_mma.set(warpgroup.Field.ACCUMULATE, True)
+            if slow:
+                # V'c's lo half onto the decayed state first, while v_new is still held: its fragment is dead again
+                # before the main group's operands are made, so the pair adds no registers there.
+                v_carry_lo = cute.make_rmem_tensor(thr_update.partition_shape_A((rows, CHUNK)), Float16)
+                for i in cutlass.range_constexpr(cute.size(v_new)):
+                    _, token = by_token[i]
+                    v_carry = v_new[i] * s_decay_out[token]
+                    v_carry_lo[i] = (v_carry - v_carry.to(Float16).to(Float32)).to(Float16)
+                warpgroup.fence()
+                self.pair_product(update_mma, state, v_carry_lo, t_keys_mn)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
         v_new_a = None
         if cutlass.const_expr(not self.summary):
             v_new_a = cute.make_rmem_tensor(over_tokens_shape, Float16)
@@ -447,13 +512,9 @@ class WgmmaValueSide(_Chunked):
             v_carry_a[i] = (v_new[i] * s_decay_out[token]).to(Float16)
             if cutlass.const_expr(not self.summary):
                 yq[i] = yq[i] * s_decay_in[token]
-        decay_last = self.decay(s_g[CHUNK - 1])
-        for i in cutlass.range_constexpr(cute.size(state)):
-            state[i] = state[i] * decay_last
         t_p = None
         if cutlass.const_expr(not self.summary):
             t_p = products_mma.make_fragment_B(thr_products.partition_B(buffers.p))
-        t_keys_mn = update_mma.make_fragment_B(thr_update.partition_B(buffers.keys_mn))
         warpgroup.fence()
         if cutlass.const_expr(not self.summary):
             self.product(products_mma, yq, v_new_a, t_p, CHUNK // 16, True)
@@ -485,6 +546,14 @@ class WgmmaValueSide(_Chunked):
                 )
 
     @cute.jit
+    def pair_product(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, t_b: cute.Tensor):
+        """acc += A B over a chunk's CHUNK // 16 k16 steps, `tiled_mma` already accumulating: a lo half's product in
+        a slow chunk's branch, which must leave the MMA's state as it found it (a field set inside the branch would
+        not reach the code after it)."""
+        for step in cutlass.range_constexpr(CHUNK // 16):
+            cute.gemm(tiled_mma, acc, a[None, None, step], t_b[None, None, step, 0], acc)
+
+    @cute.jit
     def product(
         self,
         tiled_mma: cute.TiledMma,
@@ -510,7 +579,10 @@ class GdnPrefillWyWgmmaSm90(wy_prepass.GdnPrefillWyPrepassSm90):
         pass  # no configuration: the chain holds whole heads
 
     def chain(self):
-        return WgmmaValueSide()
+        return WgmmaValueSide(paired=True)
+
+    def key_side(self) -> wy_prepass._KeySide:
+        return wy_prepass._KeySide(paired=True)
 
 
 _COMPILED: dict[str, Callable] = {}

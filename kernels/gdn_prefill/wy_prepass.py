@@ -8,8 +8,9 @@ each recompute it. A parallel prepass over every (chunk, head) takes it off the 
 in ~2.5 us instead of ~5.5 (the same split Kachua's Triton kernels use).
 
 1. `_KeySide`, grid (8 heads, chunk slots): per (chunk, head) the gates (G in base 2, beta), P and T exactly as
-   `chunked.py` computes them (its methods), stored to a workspace: T and P in fp16 [slots, 8, 2, 64, 64], G and
-   beta in fp32 [slots, 8, 2, 64]. Chunk c of sequence s has slot `chunk_slot(start_s, c, s)`.
+   `chunked.py` computes them (its methods), stored to a workspace: T and P in fp16 [slots, 8, TP_PLANES, 64, 64],
+   G and beta in fp32 [slots, 8, 2, 64]. Chunk c of sequence s has slot `chunk_slot(start_s, c, s)`. (For the
+   WGMMA chain, `_KeySide(paired=True)`: in a chunk that barely decays T in fp32, its lo half in the third plane.)
 2. `_ValueSide`, `chunked.py`'s grid on V slices of 16 or 32 rows: per chunk only the K S0^T / Q S0^T
    products, V' = T Xb, the output and the state update; T, G and beta of the next chunk arrive by cp.async
    from the end of this chunk's V' phase, and P (double-buffered, the one array it keeps two of) from its
@@ -21,7 +22,7 @@ sequences, where that grid fits in one wave of two CTAs per SM and halving each 
 
 Same values, same roundings, same order of operations as `chunked.py` at either width, so the outputs and
 states are `chunked.py`'s bit for bit (a GPU test checks). Two launches in one TVM-FFI call (the second waits
-for the first in stream order); the workspaces (~16.5 KB per slot and head) are allocated per call.
+for the first in stream order); the workspaces (~24.5 KB per slot and head) are allocated per call.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from .chunked import (
     _make_warp_mma,
     sequence_bounds,
 )
+from .accurate_inverse import T_LO_PLANE, AccurateInverse, chunk_is_slow
 from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, GdnShapeError, resolve_scale
 
 __all__ = [
@@ -89,6 +91,11 @@ WIDE_SLICE_ROWS = SLICE_ROWS
 NARROW_MAX_SEQS = CTAS_PER_WAVE // (NUM_V_HEADS * (HEAD_SIZE // NARROW_SLICE_ROWS))
 SQUARE_PIECES = CHUNK // COPY_ELEMS  # 16-B pieces of a 64-wide fp16 row
 GATE_PIECES = CHUNK * 4 // 16  # 16-B pieces of 64 fp32
+
+
+# The workspace's fp16 [64, 64] planes per (slot, head): T, P, and T_lo (written and read only in a chunk that barely
+# decays: `accurate_inverse.py`).
+TP_PLANES = 3
 
 
 def chunk_slot(start, chunk, seq):
@@ -122,13 +129,20 @@ def num_chunk_slots(num_tokens: int, num_seqs: int) -> int:
     return num_tokens // CHUNK + num_seqs
 
 
-class _KeySide(_Chunked):
+class _KeySide(AccurateInverse, _Chunked):
     """Kernel 1: the state-free half of every (chunk, head), from `chunked.py`'s methods, into the workspace.
 
     Lean, for the many-sequence batches where the prepass takes several waves: the k rows are
     staged as bf16 in kq itself and converted in place (as the q rows always are), P goes from the Gram epilogue
     straight to the workspace, and the inverse's scratch has its own size: ~66 KB of shared memory instead of the
     ~94 that `chunked.py`'s buffers would take, three CTAs per SM instead of two."""
+
+    def __init__(self, paired: bool = False):
+        """`paired`: a chunk that barely decays gets T in fp32, stored as T_hi (plane 0) and T_lo (T_LO_PLANE), for
+        a chain that reads both (the WGMMA chain: `accurate_inverse.py`). Unpaired, plane 0 holds `chunked.py`'s T in
+        every chunk, as the mma.sync chain needs: T_hi alone would be less accurate there than that blocked inverse,
+        whose roundings partly cancel (CPU model, repeated keys at 4096 tokens: 1.5 of the tolerance against 0.85)."""
+        self.paired = paired
 
     @cute.jit
     def launch(self, q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream):
@@ -244,14 +258,30 @@ class _KeySide(_Chunked):
                     raw_a, raw_b, 0, head, neg_decay_rate, dt_bias[head], tokens_here, lane, cum_log_g, beta
                 )
             cute.arch.sync_threads()
+            slow, a32 = None, None
+            if cutlass.const_expr(self.paired):
+                slow = chunk_is_slow(cum_log_g, tokens_here)
+                a32 = self.a32_view(a16)
             self.gram_tiles(
-                tiled_mma, copy_a, copy_b, lane, warp_idx, kq, acc_sq, coords_sq, cum_log_g, beta, a16, a_diag, p16
-            )
-            cute.arch.sync_threads()
-            self.invert_unit_lower(
-                tiled_mma, copy_a, copy_bt, lane, warp_idx, tidx, a16_t, a_diag, t16, t16_t, scratch,
-                acc_sq, acc_y, coords_sq, coords_rows,
+                tiled_mma, copy_a, copy_b, lane, warp_idx, kq, acc_sq, coords_sq, cum_log_g, beta, a16, a_diag, p16,
+                a32, slow,
             )  # fmt: skip
+            cute.arch.sync_threads()
+            if cutlass.const_expr(self.paired):
+                if slow:
+                    t32, x32 = self.t32_x32_views(kq)
+                    self.accurate_inverse(a_diag, a32, t32, x32, t16, ws_tp[slot, head, T_LO_PLANE, None, None], tidx)
+                    cute.arch.sync_threads()
+                else:
+                    self.invert_unit_lower(
+                        tiled_mma, copy_a, copy_bt, lane, warp_idx, tidx, a16_t, a_diag, t16, t16_t, scratch,
+                        acc_sq, acc_y, coords_sq, coords_rows,
+                    )  # fmt: skip
+            else:
+                self.invert_unit_lower(
+                    tiled_mma, copy_a, copy_bt, lane, warp_idx, tidx, a16_t, a_diag, t16, t16_t, scratch,
+                    acc_sq, acc_y, coords_sq, coords_rows,
+                )  # fmt: skip
             for i in cutlass.range_constexpr(CHUNK * SQUARE_PIECES // NUM_THREADS):
                 linear = i * NUM_THREADS + tidx
                 row = linear // SQUARE_PIECES
@@ -483,6 +513,10 @@ class GdnPrefillWyPrepassSm90:
         """The value-side kernel that reads the workspace (`wgmma_value_side.py` gives its own)."""
         return _ValueSide(self.config.slice_rows)
 
+    def key_side(self) -> _KeySide:
+        """The key-side kernel that fills it, as `chain` reads it (unpaired for `_ValueSide`)."""
+        return _KeySide()
+
     @cute.jit
     def __call__(
         self,
@@ -503,7 +537,7 @@ class GdnPrefillWyPrepassSm90:
         ws_g: cute.Tensor,
         stream,
     ):
-        _KeySide().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
+        self.key_side().launch(q, k, A_log, a, dt_bias, b, cu_seqlens, ws_tp, ws_g, stream)
         self.chain().launch(
             q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, ws_tp, ws_g, stream
         )
@@ -516,7 +550,7 @@ def _workspace_stand_ins() -> tuple:
         return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=16)
 
     return (
-        rowmajor(cutlass.Float16, (slots, NUM_V_HEADS, 2, CHUNK, CHUNK)),
+        rowmajor(cutlass.Float16, (slots, NUM_V_HEADS, TP_PLANES, CHUNK, CHUNK)),
         rowmajor(cutlass.Float32, (slots, NUM_V_HEADS, 2, CHUNK)),
     )
 
@@ -570,7 +604,7 @@ def run_compiled(launcher: Callable, q, k, v, state, A_log, a, dt_bias, b, cu_se
     if num_seqs == 0:
         return
     slots = num_chunk_slots(q.shape[0], num_seqs)
-    ws_tp = torch.empty((slots, NUM_V_HEADS, 2, CHUNK, CHUNK), dtype=torch.float16, device=q.device)
+    ws_tp = torch.empty((slots, NUM_V_HEADS, TP_PLANES, CHUNK, CHUNK), dtype=torch.float16, device=q.device)
     ws_g = torch.empty((slots, NUM_V_HEADS, 2, CHUNK), dtype=torch.float32, device=q.device)
     has_state = state is not None
     launcher(

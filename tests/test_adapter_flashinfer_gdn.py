@@ -81,6 +81,17 @@ def test_the_call_gets_the_gates_and_writes_the_destinations(recorded, monkeypat
     assert call["initial_state"] is inputs["state"] and call["output_final_state"] is True
     assert call["output"] is dest["output"] and call["output_state"] is dest["new_state"]
     assert call["cu_seqlens"] is inputs["cu_seqlens"] and call["scale"] == pytest.approx(1 / math.sqrt(128))
+    assert call["use_cp"] is False  # 14 tokens in two sequences: FlashInfer's fused kernel
+
+
+def test_the_path_is_flashinfers_fused_kernel_for_short_sequences_and_its_auto_rule_for_long_ones() -> None:
+    assert flashinfer_gdn.use_cp_for(6, 1) is False
+    assert flashinfer_gdn.use_cp_for(2000, 8) is False
+    assert flashinfer_gdn.use_cp_for(1023, 1) is False
+    assert flashinfer_gdn.use_cp_for(1024, 1) == "auto"
+    assert flashinfer_gdn.use_cp_for(8192, 1) == "auto"
+    assert flashinfer_gdn.use_cp_for(8192, 32) is False  # N > 8: auto would take the fused kernel anyway
+    assert flashinfer_gdn.use_cp_for(0, 0) is False
 
 
 GATES_ON_CPU = """

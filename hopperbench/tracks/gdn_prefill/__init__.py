@@ -50,8 +50,9 @@ GDN_PREFILL = Track(
             package="flashinfer-python==0.7.2.post1",
             timed_call=(
                 "the gates g and beta computed from A_log, a, dt_bias and b in one fused Triton kernel (fp32, as "
-                "serving engines compute them), then FlashInfer's SM90 kernels (use_cp='auto'), writing output and "
-                "new_state"
+                "serving engines compute them), then FlashInfer's SM90 kernels writing output and new_state: its "
+                "fused kernel (use_cp=False) while the mean sequence is under 1024 tokens, where it is faster than "
+                "the context-parallel pipeline FlashInfer's auto rule picks for N <= 8, else use_cp='auto'"
             ),
         ),
         LibrarySide(

@@ -3,7 +3,13 @@
 
 The contest's own FlashInfer baseline for this definition is an SM100 kernel; on SM90 FlashInfer
 runs its CuTe-DSL Hopper kernels: a fused persistent chunked kernel, or, when few (sequence, head)
-pairs would leave SMs idle (`use_cp="auto"`, `should_use_cp_host`), a context-parallel pipeline.
+pairs would leave SMs idle (`use_cp="auto"`, `should_use_cp_host`: N <= 8 on the H200), a
+context-parallel pipeline of four kernels. Its auto rule looks at N alone; for short sequences its fused
+kernel is the faster of its two (H200, graph replay, warm L2: 13.5-14.3 us against 35-39 us at 6-64
+tokens in one or two sequences, 23.8 against 53.7 at 461 in two, equal at 1000 in one), the pipeline for
+long ones (a single 8K-64K sequence). An engine knows T and N for each batch, so the side takes
+FlashInfer's fused kernel (use_cp=False) while the mean sequence is shorter than CP_MIN_MEAN_TOKENS and
+leaves FlashInfer's auto rule otherwise (`use_cp_for`).
 Read in the 0.7.2.post1 wheel (`flashinfer/gdn_prefill.py`, `chunk_gated_delta_rule`):
 
 - q, k [T, 4, 128], v [T, 8, 128] bf16 as they are: FlashInfer supports GVA (num_v_heads >
@@ -40,6 +46,8 @@ NUM_Q_HEADS = 4
 NUM_V_HEADS = 8
 HEAD_SIZE = 128
 DEFAULT_SCALE = 1.0 / math.sqrt(HEAD_SIZE)
+# Mean tokens per sequence from which FlashInfer's own auto rule decides (its context-parallel pipeline for N <= 8).
+CP_MIN_MEAN_TOKENS = 1024
 
 
 class LibraryUnavailableError(RuntimeError):
@@ -119,6 +127,12 @@ def gates(
     return g, beta
 
 
+def use_cp_for(num_tokens: int, num_seqs: int) -> bool | str:
+    """FlashInfer's `use_cp` for a batch of `num_tokens` in `num_seqs` sequences (shapes only, no device read):
+    its fused kernel (False) below a mean of CP_MIN_MEAN_TOKENS tokens a sequence, its auto rule from there."""
+    return "auto" if num_tokens >= CP_MIN_MEAN_TOKENS * max(num_seqs, 1) else False
+
+
 def run(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -149,4 +163,5 @@ def run(
         cu_seqlens=cu_seqlens,
         output=output,
         output_state=new_state,
+        use_cp=use_cp_for(q.shape[0], cu_seqlens.shape[0] - 1),
     )

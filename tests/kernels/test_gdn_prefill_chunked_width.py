@@ -39,10 +39,11 @@ def test_narrow_kernel_for_one_or_two_sequences(num_seqs, narrow, monkeypatch):
 
 @pytest.mark.parametrize(
     ("num_tokens", "num_seqs", "expected"),
-    [(41, 1, "_NarrowChunked"), (159, 1, "_NarrowChunked"), (160, 1, None), (255, 2, "_NarrowChunked"), (300, 3, "_Chunked"), (511, 8, "_Chunked"),
-     (512, 2, None)],
+    [(41, 1, "_NarrowShortTail"), (159, 1, "_NarrowShortTail"), (160, 1, None), (255, 2, "_NarrowShortTail"),
+     (300, 3, "_WideShortTail"), (511, 8, "_WideShortTail"), (512, 2, None)],
 )  # fmt: skip
 def test_kernel_py_reaches_the_narrow_kernel_through_chunked_run(num_tokens, num_seqs, expected, monkeypatch):
+    # kernel.py's chunked rows run chunked.py's kernel with a short tail (short_tail.py) at chunked.kernel_for's width.
     # None: kernel.py takes the WY-prepass path there (512 tokens, or a mean length of 160).
     calls = []
     monkeypatch.setattr(chunked, "run_kernel", lambda kernel_class, *args: calls.append(kernel_class.__name__))

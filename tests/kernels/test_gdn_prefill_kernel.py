@@ -58,12 +58,12 @@ def test_compiles_every_path_for_sm90a_without_gpu():
     ("num_tokens", "num_seqs", "path"),
     [
         (0, 1, "token_serial"), (1, 1, "token_serial"), (40, 1, "token_serial"), (40, 40, "token_serial"),
-        (41, 1, "chunked"), (159, 1, "chunked"), (160, 1, "wy_prepass"),
-        (319, 2, "chunked"), (320, 2, "wy_prepass"), (341, 2, "wy_prepass"), (461, 2, "wy_prepass"),
-        (294, 3, "chunked"), (401, 4, "chunked"), (511, 4, "chunked"), (511, 57, "chunked"),
+        (41, 1, "short_tail"), (159, 1, "short_tail"), (160, 1, "wy_prepass"),
+        (319, 2, "short_tail"), (320, 2, "wy_prepass"), (341, 2, "wy_prepass"), (461, 2, "wy_prepass"),
+        (294, 3, "short_tail"), (401, 4, "short_tail"), (511, 4, "short_tail"), (511, 57, "short_tail"),
         (512, 4, "wy_prepass"), (5709, 2, "wy_prepass"), (3999, 14, "wy_prepass"), (4124, 15, "wgmma_value_side"),
         (512, 57, "wgmma_value_side"), (8192, 20, "wgmma_value_side"), (8192, 57, "wgmma_value_side"),
-        (480, 15, "chunked"), (6143, 1, "wy_prepass"), (6144, 1, "context_parallel"), (65536, 1, "context_parallel"),
+        (480, 15, "short_tail"), (6143, 1, "wy_prepass"), (6144, 1, "context_parallel"), (65536, 1, "context_parallel"),
         (8192, 2, "wy_prepass"),
     ],
 )  # fmt: skip
@@ -76,13 +76,13 @@ def test_path_is_chosen_from_the_token_and_sequence_counts(num_tokens, num_seqs,
 
 @pytest.mark.parametrize(
     ("lengths", "path"),
-    [((6,), "token_serial"), ((41,), "chunked"), ((100, 100), "chunked"), ((170, 170), "wy_prepass"), ((512,), "wy_prepass"),
+    [((6,), "token_serial"), ((41,), "short_tail"), ((100, 100), "short_tail"), ((170, 170), "wy_prepass"), ((512,), "wy_prepass"),
      ((40,) * 15, "wgmma_value_side"), ((6144,), "context_parallel")],
     ids=str,
 )
 def test_run_calls_exactly_the_chosen_path(lengths, path, monkeypatch):
     calls = []
-    for name in ("token_serial", "chunked", "wy_prepass", "wgmma_value_side", "context_parallel"):
+    for name in ("token_serial", "short_tail", "wy_prepass", "wgmma_value_side", "context_parallel"):
         monkeypatch.setattr(solution_module(name), "run", lambda *args, name=name: calls.append((name, args)))
     num_tokens = sum(lengths)
     case = cases.CheckCase(f"len{num_tokens}", lengths, True, 0.0, "mamba2")

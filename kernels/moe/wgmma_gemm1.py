@@ -176,9 +176,8 @@ class Gemm1Feed(Enum):
     # `kernel.warm_up` measures them, and in a buffer made inside a CUDA-graph capture, none: the walk goes by `%smid`),
     # and an expert's items weight tile by weight tile (its row tiles adjacent, `item_row_tile`, `item_n_tile`): the
     # CTAs reading one weight tile at once sit on one partition's SMs, and the tile crosses the fabric between the
-    # partitions at most once. Needs a cooperative launch (every CTA
-    # resident for the draw: a GEMM1 that routes), 32-token tiles (a lane per token slot) and the epilogue tile in a
-    # stage (released after the epilogue).
+    # partitions at most once. Needs a cooperative launch (every CTA resident for the draw: a GEMM1 that routes),
+    # 32-token tiles (a lane per token slot) and the epilogue tile in a stage (released after the epilogue).
     PRODUCER_WARP = "producer warp"
     # The token rows are first gathered by expert into grouped buffers by a kernel of their own (`gather_rows.py`),
     # from which `grouped_wgmma.GroupedGemm1` loads its stages by TMA: a producer warpgroup, two MMA warpgroups on

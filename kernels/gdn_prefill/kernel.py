@@ -29,10 +29,10 @@ T / N >= 160, and from 512 tokens on it is taken whatever N is. The WGMMA chain 
 head in ~3.8 us where a 16-row slice of `wy_prepass.py` takes ~2.8: it wins where many sequences fill the
 GPU (4124 tokens in 15 sequences 1.13x, 8192 in 20-57 1.13-1.54x) and loses where a few long ones bound
 the call (5709 in 2: 0.75x). A single sequence walks all its chunks on one chain per head; split in 16
-segments (16-31) it runs 1.45x faster at 3072 tokens, 2.1x at 6144 and 3.8x at 64K (graph replay), but alone
-that path misses the tolerance by one state element at 4096 tokens with one key repeated over each chunk
-(NOTES.md), so it takes one sequence from 6144 tokens. N is the only shape that says no sequence is short,
-so the rule is N = 1.
+segments (16-31) it runs 1.45x faster at 3072 tokens, 2.1x at 6144 and 3.8x at 64K (graph replay). It takes
+one sequence from 6144 tokens: below that CP was held back by accuracy (one key repeated over each chunk at
+4096 tokens), which the slow-chunk pairs fixed, and the lower threshold awaits its GPU checks (NOTES.md). N is
+the only shape that says no sequence is short, so the rule is N = 1.
 
 Same contract as every path: destination passing, definition order, `state` None means zeros, `scale`
 None or 0 means 1/sqrt(128), CUDA-graph safe.

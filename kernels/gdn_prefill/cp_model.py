@@ -1,5 +1,5 @@
 """PyTorch model of a context-parallel (CP) GDN prefill, and its cost model (NOTES.md, "Context-parallel
-path"). `context_parallel.py` computes it with the WY path's kernels (a candidate).
+path"). `context_parallel.py` computes it with the WY path's kernels (`kernel.py`'s path for one long sequence).
 
 Per (sequence, v-head) the state S [V, K] (k-last) evolves token by token as
 

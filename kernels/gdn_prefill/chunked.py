@@ -686,10 +686,10 @@ class _Chunked:
         if cutlass.const_expr(self.short_tail):
             if num_full_chunks < num_chunks:  # the last chunk's loads were issued as the next chunk's above
                 self.short_tail_chunk(
-                    q, k, v, a, b, output, scale, g2s, raw_k, raw_v, raw_a, raw_b, kq_raw, kq, kq_t, a16, a_diag, t16,
-                    p16, s16, xb_t, vn_t, vnc_t, cum_log_g, beta, acc_state, acc_o, acc_y, acc_sq, coords_state,
-                    coords_rows, coords_sq, tiled_mma, copy_a, copy_b, copy_bt, start, length, head, v0,
-                    neg_decay_rate, bias, num_full_chunks, tidx, warp_idx, lane,
+                    output, scale, raw_k, raw_v, raw_a, raw_b, kq_raw, kq, kq_t, a16, a_diag, t16, p16, s16, xb_t,
+                    vn_t, vnc_t, cum_log_g, beta, acc_state, acc_o, acc_y, acc_sq, coords_state, coords_rows,
+                    coords_sq, tiled_mma, copy_a, copy_b, copy_bt, start, length, head, v0, neg_decay_rate, bias,
+                    num_full_chunks, tidx, warp_idx, lane,
                 )  # fmt: skip
         cute.autovec_copy(acc_state, thr_mma.partition_C(self.state_tile(new_state, seq, head, slice_idx, warp_idx)))
 

@@ -6,7 +6,7 @@ The one-sequence rows of 67-79 tokens spent ~4 us of their ~11.3 on a second chu
 the chunked path's 29 rows and 4 no-state twins): 1.079x graph, 1.13-1.22x at 67, 68, 79 and 134 tokens, every row
 bit for bit the plain kernel's.
 
-A short chunk is `chunked.py`'s form at C = 16 (`_ShortChunkStep.short_chunk`): one MMA tile edge, so one Gram tile
+A short chunk is `chunked.py`'s form at C = 16 (`_ShortTail.short_tail_chunk`): one MMA tile edge, so one Gram tile
 each for A and P and one diagonal block to invert (no doubling levels), the warps of the CTA splitting the first phase
 four ways:
   P0  wait for the loads; the k and q rows to fp16; the gates (warp 0); the fp16 state copy.
@@ -27,81 +27,42 @@ import cutlass
 import cutlass.cute as cute
 
 from . import chunked
-from .chunked import (
-    BLOCK,
-    CHUNK,
-    COPY_ELEMS,
-    HEAD_SIZE,
-    NUM_BLOCKS,
-    NUM_STAGES,
-    NUM_THREADS,
-    PIECES_PER_ROW,
-    STATE_COLS_PER_WARP,
-    _Chunked,
-    _NarrowChunked,
-)
-from .token_serial import GPU_ARCH, V_HEADS_PER_QK_HEAD, GdnShapeError, resolve_scale
+from .chunked import BLOCK, CHUNK, HEAD_SIZE, NUM_BLOCKS, NUM_STAGES, STATE_COLS_PER_WARP, _Chunked, _NarrowChunked
+from .token_serial import GPU_ARCH, GdnShapeError, resolve_scale
 
 __all__ = ["SHORT_CHUNK", "GdnShapeError", "compile_only", "kernel_for", "resolve_scale", "run"]
 
 SHORT_CHUNK = BLOCK  # tokens per short chunk: one MMA tile edge
 
 
-class _ShortChunkStep:
-    """One 16-token chunk's loads and phases (`short_chunk`), for `chunked.py`'s kernel classes: their buffers are
-    sized for 64-token chunks, of which a short chunk uses the first 16 rows (and the q half's first 16)."""
+class _ShortTail:
+    """`chunked.py`'s kernel (mixed into its classes) with a sequence's last tokens, when at most SHORT_CHUNK, run as
+    one short chunk after the 64-token ones instead of a 64-token step (`chunked._Chunked.short_tail`). The kernel's
+    buffers are sized for 64-token chunks, of which the short chunk uses the first 16 rows (and the q half's first 16)."""
+
+    short_tail = True
 
     @cute.jit
-    def load_short_chunk(self, g2s, q_or_k, v, a, b, raw_k, raw_v, raw_a, raw_b, start, length, chunk, stage,
-                         head, v0, tidx):  # fmt: skip
-        """cp.async of one 16-token chunk's k rows (into raw_k), the slice's values (raw_v[stage]) and the
-        8-head rows of a and b (raw_a, raw_b [stage]); tokens past the end are skipped."""
-        self.copy_short_rows(g2s, q_or_k, raw_k, 0, start, length, chunk, head, tidx)
-        first = chunk * SHORT_CHUNK
-        v_pieces = self.slice_rows // COPY_ELEMS
-        j = tidx // v_pieces
-        if tidx < SHORT_CHUNK * v_pieces and first + j < length:
-            piece = tidx % v_pieces
-            cute.copy(
-                g2s,
-                cute.local_tile(v[start + first + j, head, None], (COPY_ELEMS,), (v0 // COPY_ELEMS + piece,)),
-                cute.local_tile(raw_v[stage, j, None], (COPY_ELEMS,), (piece,)),
-            )
-        row = tidx % SHORT_CHUNK
-        if tidx < 2 * SHORT_CHUNK and first + row < length:
-            if tidx < SHORT_CHUNK:
-                cute.copy(g2s, a[start + first + row, None], raw_a[stage, row, None])
-            else:
-                cute.copy(g2s, b[start + first + row, None], raw_b[stage, row, None])
+    def full_chunks(self, length: cutlass.Int32, num_chunks: cutlass.Int32) -> cutlass.Int32:
+        """The 64-token chunks before the tail: all but the last when the last holds at most SHORT_CHUNK tokens."""
+        full = num_chunks
+        if num_chunks > 0 and length - (num_chunks - 1) * CHUNK <= SHORT_CHUNK:
+            full = num_chunks - 1
+        return full
 
     @cute.jit
-    def copy_short_rows(self, g2s, src, dst, dst_row0: cutlass.Constexpr, start, length, chunk, head, tidx):
-        """cp.async of one 16-token chunk's rows of q or k (the head's q/k head) into rows dst_row0.. of `dst`;
-        tokens past the end are skipped."""
-        qk_head = head // V_HEADS_PER_QK_HEAD
-        first = chunk * SHORT_CHUNK
-        for i in cutlass.range_constexpr(SHORT_CHUNK * PIECES_PER_ROW // NUM_THREADS):
-            linear = i * NUM_THREADS + tidx
-            j = linear // PIECES_PER_ROW
-            piece = linear % PIECES_PER_ROW
-            if first + j < length:
-                cute.copy(
-                    g2s,
-                    cute.local_tile(src[start + first + j, qk_head, None], (COPY_ELEMS,), (piece,)),
-                    cute.local_tile(dst[dst_row0 + j, None], (COPY_ELEMS,), (piece,)),
-                )
-
-    @cute.jit
-    def short_chunk(
-        self, q, k, v, a, b, output, scale, g2s, raw_k, raw_v, raw_a, raw_b, kq_raw, kq, kq_t, a16, a_diag, t16, p16,
-        s16, xb_t, vn_t, vnc_t, cum_log_g, beta, acc_state, acc_o, acc_y, acc_sq, coords_state, coords_rows, coords_sq,
-        tiled_mma, copy_a, copy_b, copy_bt, start, length, head, v0, neg_decay_rate, bias, chunk, stage, num_chunks,
-        tidx, warp_idx, lane,
+    def short_tail_chunk(
+        self, output, scale, raw_k, raw_v, raw_a, raw_b, kq_raw, kq, kq_t, a16, a_diag, t16, p16, s16, xb_t, vn_t,
+        vnc_t, cum_log_g, beta, acc_state, acc_o, acc_y, acc_sq, coords_state, coords_rows, coords_sq, tiled_mma,
+        copy_a, copy_b, copy_bt, start, length, head, v0, neg_decay_rate, bias, num_full_chunks, tidx, warp_idx, lane,
     ):  # fmt: skip
-        """One 16-token chunk (`chunk` of the sequence's `num_chunks`; P0-P6 of the module docstring): its loads are in
-        `stage`, and it prefetches the next chunk's (into stage (chunk + 1) % NUM_STAGES) while it computes."""
+        """The tail after `num_full_chunks` 64-token chunks (P0-P6 of the module docstring). The last 64-token chunk
+        issued its loads as the next chunk's (`load_chunk`, `load_q`: token j of a chunk in row j of each staging
+        buffer, stage num_full_chunks % NUM_STAGES); the 64-row conversion zeroes the rows past the tail. No chunk
+        follows, so nothing is prefetched."""
         rows = self.slice_rows
-        chunk_start = chunk * SHORT_CHUNK
+        stage = num_full_chunks % NUM_STAGES
+        chunk_start = num_full_chunks * CHUNK
         tokens_here = cutlass.min(length - chunk_start, cutlass.Int32(SHORT_CHUNK))
 
         # ---- P0 ----
@@ -110,13 +71,7 @@ class _ShortChunkStep:
             acc_state, coords_state, s16, tidx, warp_idx, lane,
         )  # fmt: skip
 
-        # ---- P1: prefetch; the four products of the chunk, one per warp ----
-        if chunk + 1 < num_chunks:
-            self.load_short_chunk(
-                g2s, k, v, a, b, raw_k, raw_v, raw_a, raw_b, start, length, chunk + 1, (chunk + 1) % NUM_STAGES,
-                head, v0, tidx,
-            )  # fmt: skip
-        cute.arch.cp_async_commit_group()
+        # ---- P1: the four products of the chunk, one per warp ----
         k_rows = cute.local_tile(kq, (BLOCK, HEAD_SIZE), (0, 0))
         q_rows = cute.local_tile(kq, (BLOCK, HEAD_SIZE), (NUM_BLOCKS, 0))
         if warp_idx == 0:
@@ -138,11 +93,8 @@ class _ShortChunkStep:
             self.p_tile_epilogue(acc_sq, coords_sq, 0, 0, cum_log_g, p16)
         cute.arch.sync_threads()
 
-        # ---- P2: prefetch the next q rows (read only in P1); warp 0: T = (I + A)^-1 (lanes 0-15), then
-        # V' = T Xb. T and Xb are warp 0's own stores, so a warp barrier orders them. ----
-        if chunk + 1 < num_chunks:
-            self.copy_short_rows(g2s, q, kq_raw, CHUNK, start, length, chunk + 1, head, tidx)
-        cute.arch.cp_async_commit_group()
+        # ---- P2: warp 0: T = (I + A)^-1 (lanes 0-15), then V' = T Xb. T and Xb are warp 0's own stores, so a warp
+        # barrier orders them. ----
         # G_last read where the 64-token kernel reads it: the scan's entries past the end add log g = 0, but the
         # shuffle scan associates them differently from entry 15, and this sum makes a tail chunked.py's bit for bit.
         g_last = cum_log_g[CHUNK - 1]
@@ -183,41 +135,7 @@ class _ShortChunkStep:
             cute.local_tile(kq_t, (STATE_COLS_PER_WARP, BLOCK), (warp_idx, 0)),
             acc_state,
         )  # fmt: skip
-        # The next chunk's P0 barrier orders these reads before kq, vn_t and p16 are rewritten.
 
-
-class _ShortTail(_ShortChunkStep):
-    """`chunked.py`'s kernel (mixed into its classes) with a sequence's last tokens, when at most SHORT_CHUNK, run as
-    one short chunk after the 64-token ones instead of a 64-token step (`chunked._Chunked.short_tail`)."""
-
-    short_tail = True
-
-    @cute.jit
-    def full_chunks(self, length: cutlass.Int32, num_chunks: cutlass.Int32) -> cutlass.Int32:
-        """The 64-token chunks before the tail: all but the last when the last holds at most SHORT_CHUNK tokens."""
-        full = num_chunks
-        if num_chunks > 0 and length - (num_chunks - 1) * CHUNK <= SHORT_CHUNK:
-            full = num_chunks - 1
-        return full
-
-    @cute.jit
-    def short_tail_chunk(
-        self, q, k, v, a, b, output, scale, g2s, raw_k, raw_v, raw_a, raw_b, kq_raw, kq, kq_t, a16, a_diag, t16, p16,
-        s16, xb_t, vn_t, vnc_t, cum_log_g, beta, acc_state, acc_o, acc_y, acc_sq, coords_state, coords_rows, coords_sq,
-        tiled_mma, copy_a, copy_b, copy_bt, start, length, head, v0, neg_decay_rate, bias, num_full_chunks, tidx,
-        warp_idx, lane,
-    ):  # fmt: skip
-        """The tail after `num_full_chunks` 64-token chunks, as short chunk 4 x num_full_chunks. The last 64-token
-        chunk issued its loads as the next chunk's (`load_chunk`, `load_q`: token j of a chunk in row j of each staging
-        buffer, stage num_full_chunks % NUM_STAGES), where a short chunk's own loads put its tokens too; its 64-row
-        conversion zeroes the rows past the tail. No chunk follows, so nothing is prefetched."""
-        chunk = num_full_chunks * (CHUNK // SHORT_CHUNK)
-        self.short_chunk(
-            q, k, v, a, b, output, scale, g2s, raw_k, raw_v, raw_a, raw_b, kq_raw, kq, kq_t, a16, a_diag, t16, p16,
-            s16, xb_t, vn_t, vnc_t, cum_log_g, beta, acc_state, acc_o, acc_y, acc_sq, coords_state, coords_rows,
-            coords_sq, tiled_mma, copy_a, copy_b, copy_bt, start, length, head, v0, neg_decay_rate, bias, chunk,
-            num_full_chunks % NUM_STAGES, chunk + 1, tidx, warp_idx, lane,
-        )  # fmt: skip
 
 class _NarrowShortTail(_ShortTail, _NarrowChunked):
     """`chunked.py`'s kernel with a short tail on 16-row V slices (up to chunked.NARROW_MAX_SEQS sequences)."""

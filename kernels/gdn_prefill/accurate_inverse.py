@@ -57,7 +57,7 @@ def chunk_is_slow(cum_log_g: cute.Tensor, tokens: Int32):
 
 
 class AccurateInverse:
-    """Mixed into the key side (`wy_prepass._KeySide`): the fp32 views and the inverse."""
+    """Mixed into the key side (`wy_prepass._KeySide`, a `chunked._Chunked`): the fp32 views and the inverse."""
 
     def a32_view(self, a16: cute.Tensor) -> cute.Tensor:
         """A's strictly lower 16 x 16 blocks in fp32 [block, row, col] over a16's storage (6.5 of its 9 KB)."""
@@ -83,18 +83,9 @@ class AccurateInverse:
             flat[i * NUM_THREADS + tidx] = Float32(0.0)
         cute.arch.sync_threads()
 
-        # 1. Diagonal blocks: thread c < 64 solves column c % 16 of block c // 16.
+        # 1. Diagonal blocks: thread c < 64 solves column c % 16 of block c // 16 (`chunked.py`'s, fp32 out).
         if tidx < CHUNK:
-            base = (tidx // BLOCK) * BLOCK
-            col = tidx % BLOCK
-            column = cute.make_rmem_tensor((BLOCK,), Float32)
-            for r in cutlass.range_constexpr(BLOCK):
-                column[r] = Float32(1.0) if col == r else Float32(0.0)
-            for j in cutlass.range_constexpr(BLOCK):
-                for r in cutlass.range_constexpr(j + 1, BLOCK):
-                    column[r] = column[r] - a_diag[base + r, j] * column[j]
-            for r in cutlass.range_constexpr(BLOCK):
-                t32[base + r, base + col] = column[r]
+            self.invert_diagonal_block(a_diag, t32, tidx)
         cute.arch.sync_threads()
 
         # 2. T_hl = -(T_hh A_hl) T_ll, (h, l) = (1, 0) and (3, 2): threads 0-63 the first, 64-127 the second, each

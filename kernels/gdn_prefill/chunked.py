@@ -1191,9 +1191,10 @@ class _Chunked:
         return log_g, gate_beta
 
     @cute.jit
-    def invert_diagonal_block(self, a_diag: cute.Tensor, t16: cute.Tensor, tidx: cutlass.Int32):
+    def invert_diagonal_block(self, a_diag: cute.Tensor, t: cute.Tensor, tidx: cutlass.Int32):
         """Thread c < 64: column c % 16 of the inverse of I + A_bb, b = c // 16, by forward
-        substitution in fp32 (column-oriented: once t_j is final, it updates the rows below)."""
+        substitution in fp32 (column-oriented: once t_j is final, it updates the rows below), stored
+        in `t`'s element type (fp16, or fp32 for the key side's accurate inverse)."""
         base = (tidx // BLOCK) * BLOCK
         col = tidx % BLOCK
         column = cute.make_rmem_tensor((BLOCK,), cutlass.Float32)
@@ -1203,7 +1204,7 @@ class _Chunked:
             for r in cutlass.range_constexpr(j + 1, BLOCK):
                 column[r] = column[r] - a_diag[base + r, j] * column[j]
         for r in cutlass.range_constexpr(BLOCK):
-            t16[base + r, base + col] = column[r].to(cutlass.Float16)
+            t[base + r, base + col] = column[r].to(t.element_type)
 
 
 class _NarrowChunked(_Chunked):

@@ -1,0 +1,63 @@
+"""tools/flashinfer_gdn_paths.py on the CPU: the shapes it measures, the --even splits, which shapes it reports as
+the side's losses, and its one-line errors. The timing itself needs a GPU (run on the H200)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hopperbench.workloads import load_workloads
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("flashinfer_gdn_paths", REPO_ROOT / "tools" / "flashinfer_gdn_paths.py")
+assert spec is not None and spec.loader is not None
+paths = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = paths  # dataclasses look their module up by name
+spec.loader.exec_module(paths)
+
+
+def test_even_splits_are_every_pair_of_the_two_lists() -> None:
+    assert paths.parse_even("1024,2048/2,4") == [(1024, 2), (1024, 4), (2048, 2), (2048, 4)]
+    for bad in ("1024", "1024/x", "2/4", "8/0"):
+        with pytest.raises(paths.PathsError):
+            paths.parse_even(bad)
+
+
+def test_the_listed_shapes_are_the_few_sequence_workloads_from_the_token_floor() -> None:
+    workloads = load_workloads("gdn_prefill")
+    shapes = paths.select_shapes(workloads, 341, 8, [(4096, 4)])
+    listed = [s for s in shapes if s.label != "even"]
+    assert listed and all(s.num_seqs <= 8 and s.total_tokens >= 341 for s in listed)
+    expected = sum(1 for w in workloads if w.axes["num_seqs"] <= 8 and w.axes["total_seq_len"] >= 341)
+    assert len(listed) == expected
+    assert shapes[-1] == paths.Shape("even", 4096, 4, "even-4096-4")
+
+
+def _row(side_path: str, fused: float, cp: float) -> object:
+    return paths.ShapeTimes(
+        paths.Shape("79", 2040, 2, "u"), side_path, {"fused": fused, "cp": cp, "cp_exact_max": cp, "ours": 80.0}
+    )
+
+
+def test_a_loss_is_the_sides_path_slower_than_the_other_beyond_the_tolerance() -> None:
+    slow_pick = _row("fused", 86.0, 72.0)  # workload 79 under the mean-1024 rule
+    good_pick = _row("cp", 86.0, 72.0)
+    near_tie = _row("fused", 90.0, 88.0)
+    assert slow_pick.side_loss == pytest.approx(86 / 72 - 1) and good_pick.side_loss == 0.0
+    assert paths.side_losses([slow_pick, good_pick, near_tie], 0.03) == [slow_pick]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(capsys) -> None:
+    assert paths.main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["flashinfer_gdn_paths: needs a CUDA GPU"]
+
+
+def test_bad_arguments_exit_2_before_any_device_work(capsys) -> None:
+    assert paths.main(["--trials", "0"]) == 2
+    assert "must be >= 1" in capsys.readouterr().err

@@ -58,6 +58,8 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(capsys) -> None:
     assert err == ["flashinfer_gdn_paths: needs a CUDA GPU"]
 
 
-def test_bad_arguments_exit_2_before_any_device_work(capsys) -> None:
+def test_bad_arguments_exit_2_before_any_device_work(capsys, tmp_path) -> None:
     assert paths.main(["--trials", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err
+    assert paths.main(["--output", str(tmp_path / "missing" / "rows.json")]) == 2
+    assert "--output: no folder" in capsys.readouterr().err

@@ -183,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.trials < 1 or args.iterations < 1:
             raise PathsError("--trials and --iterations must be >= 1")
         even = parse_even(args.even) if args.even else []
+        if args.output and not args.output.parent.is_dir():
+            raise PathsError(f"--output: no folder {args.output.parent}")
         if not torch.cuda.is_available():
             raise PathsError("needs a CUDA GPU")
         flashinfer_gdn.load_chunk_gated_delta_rule()

@@ -819,13 +819,34 @@ class _Chunked:
         vn_t: cute.Tensor,
         vnc_t: cute.Tensor,
     ):
-        """P5: V' = T Xb for the warp's 16 token rows, stored transposed in fp16 as V'^T and, decayed to the
-        chunk's end, (V' exp(G_last - G_i))^T; no barrier."""
-        row0 = warp_idx * BLOCK
+        """P5: V' = T Xb for the warp's 16 token rows (`new_value_rows`); no barrier."""
+        self.new_value_rows(
+            tiled_mma, copy_a, copy_b, lane, cute.local_tile(t16, (BLOCK, CHUNK), (warp_idx, 0)), xb_t,
+            warp_idx * BLOCK, acc_y, coords_rows, cum_log_g, g_last, vn_t, vnc_t,
+        )  # fmt: skip
+
+    @cute.jit
+    def new_value_rows(
+        self,
+        tiled_mma: cute.TiledMma,
+        copy_a: cute.TiledCopy,
+        copy_b: cute.TiledCopy,
+        lane: cutlass.Int32,
+        t_rows: cute.Tensor,
+        xb: cute.Tensor,
+        row0: cutlass.Int32,
+        acc_y: cute.Tensor,
+        coords_rows: cute.Tensor,
+        cum_log_g: cute.Tensor,
+        g_last: cutlass.Float32,
+        vn_t: cute.Tensor,
+        vnc_t: cute.Tensor,
+    ):
+        """V' = T Xb for the 16 token rows from `row0` (`t_rows`: their rows of T over the chunk's tokens; `xb`: Xb^T
+        over the same tokens), stored transposed in fp16 as V'^T and, decayed to the chunk's end,
+        (V' exp(G_last - G_i))^T."""
         acc_y.fill(0.0)
-        self.warp_gemm(
-            tiled_mma, copy_a, copy_b, lane, cute.local_tile(t16, (BLOCK, CHUNK), (warp_idx, 0)), xb_t, acc_y
-        )
+        self.warp_gemm(tiled_mma, copy_a, copy_b, lane, t_rows, xb, acc_y)
         for e in cutlass.range_constexpr(cute.size(acc_y)):
             i = row0 + coords_rows[e][0]
             col = coords_rows[e][1]
@@ -857,27 +878,66 @@ class _Chunked:
         v0: cutlass.Int32,
         scale: cutlass.Float32,
     ):
-        """The chunk's last phase: O += P V' (acc_o holds exp(G) Q S0^T), scaled and stored for the
-        chunk's tokens (rows start + chunk_start.. of `output`); S = exp(G_last) S + V'c^T K."""
-        row0 = warp_idx * BLOCK
-        self.warp_gemm(
-            tiled_mma, copy_a, copy_b, lane, cute.local_tile(p16, (BLOCK, CHUNK), (warp_idx, 0)), vn_t, acc_o
-        )
+        """The chunk's last phase for the warp's 16 token rows (`output_rows`) and its 32 state columns
+        (`carry_state`)."""
+        self.output_rows(
+            tiled_mma, copy_a, copy_b, lane, cute.local_tile(p16, (BLOCK, CHUNK), (warp_idx, 0)), vn_t,
+            warp_idx * BLOCK, acc_o, coords_rows, tokens_here, output, start, chunk_start, head, v0, scale,
+        )  # fmt: skip
+        self.carry_state(
+            tiled_mma, copy_a, copy_bt, lane, vnc_t, cute.local_tile(kq_t, (STATE_COLS_PER_WARP, CHUNK), (warp_idx, 0)),
+            acc_state, g_last,
+        )  # fmt: skip
+
+    @cute.jit
+    def output_rows(
+        self,
+        tiled_mma: cute.TiledMma,
+        copy_a: cute.TiledCopy,
+        copy_b: cute.TiledCopy,
+        lane: cutlass.Int32,
+        p_rows: cute.Tensor,
+        vn: cute.Tensor,
+        row0: cutlass.Int32,
+        acc_o: cute.Tensor,
+        coords_rows: cute.Tensor,
+        tokens_here: cutlass.Int32,
+        output: cute.Tensor,
+        start: cutlass.Int32,
+        chunk_start: cutlass.Int32,
+        head: cutlass.Int32,
+        v0: cutlass.Int32,
+        scale: cutlass.Float32,
+    ):
+        """O += P V' for the 16 token rows from `row0` (acc_o holds exp(G) Q S0^T; `p_rows`: their rows of P,
+        `vn`: V'^T over the same tokens), scaled and stored for the chunk's tokens (rows start + chunk_start.. of
+        `output`)."""
+        self.warp_gemm(tiled_mma, copy_a, copy_b, lane, p_rows, vn, acc_o)
         for e in cutlass.range_constexpr(cute.size(acc_o)):
             i = row0 + coords_rows[e][0]
             if i < tokens_here:
                 output[start + chunk_start + i, head, v0 + coords_rows[e][1]] = (scale * acc_o[e]).to(
                     cutlass.BFloat16
                 )
+
+    @cute.jit
+    def carry_state(
+        self,
+        tiled_mma: cute.TiledMma,
+        copy_a: cute.TiledCopy,
+        copy_bt: cute.TiledCopy,
+        lane: cutlass.Int32,
+        vnc: cute.Tensor,
+        k_cols: cute.Tensor,
+        acc_state: cute.Tensor,
+        g_last: cutlass.Float32,
+    ):
+        """S = exp(G_last) S + V'c^T K on the warp's state columns (`vnc`: (V' exp(G_last - G_i))^T, `k_cols`: the
+        warp's columns of K^T, over the chunk's tokens)."""
         chunk_decay = self.decay(g_last)
         for e in cutlass.range_constexpr(cute.size(acc_state)):
             acc_state[e] = chunk_decay * acc_state[e]
-        self.warp_gemm(
-            tiled_mma, copy_a, copy_bt, lane,
-            vnc_t,
-            cute.local_tile(kq_t, (STATE_COLS_PER_WARP, CHUNK), (warp_idx, 0)),
-            acc_state,
-        )  # fmt: skip
+        self.warp_gemm(tiled_mma, copy_a, copy_bt, lane, vnc, k_cols, acc_state)
 
     @cute.jit
     def phase_barrier(self):

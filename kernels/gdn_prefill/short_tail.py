@@ -102,38 +102,22 @@ class _ShortTail:
             if lane < BLOCK:
                 self.invert_diagonal_block(a_diag, t16, lane)
             cute.arch.sync_warp()
-            acc_y.fill(0.0)
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_b, lane,
-                cute.local_tile(t16, (BLOCK, BLOCK), (0, 0)), cute.local_tile(xb_t, (rows, BLOCK), (0, 0)), acc_y,
+            self.new_value_rows(
+                tiled_mma, copy_a, copy_b, lane, cute.local_tile(t16, (BLOCK, BLOCK), (0, 0)),
+                cute.local_tile(xb_t, (rows, BLOCK), (0, 0)), 0, acc_y, coords_rows, cum_log_g, g_last, vn_t, vnc_t,
             )  # fmt: skip
-            for e in cutlass.range_constexpr(cute.size(acc_y)):
-                i = coords_rows[e][0]
-                col = coords_rows[e][1]
-                vn_t[col, i] = acc_y[e].to(cutlass.Float16)
-                vnc_t[col, i] = (acc_y[e] * self.decay(g_last - cum_log_g[i])).to(cutlass.Float16)
         cute.arch.sync_threads()
 
         # ---- P6: O = exp(G) Q S0^T + P V' (warp 1); S = exp(G_last) S + V'c^T K (every warp) ----
         if warp_idx == 1:
-            self.warp_gemm(
-                tiled_mma, copy_a, copy_b, lane,
-                cute.local_tile(p16, (BLOCK, BLOCK), (0, 0)), cute.local_tile(vn_t, (rows, BLOCK), (0, 0)), acc_o,
+            self.output_rows(
+                tiled_mma, copy_a, copy_b, lane, cute.local_tile(p16, (BLOCK, BLOCK), (0, 0)),
+                cute.local_tile(vn_t, (rows, BLOCK), (0, 0)), 0, acc_o, coords_rows, tokens_here, output, start,
+                chunk_start, head, v0, scale,
             )  # fmt: skip
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                i = coords_rows[e][0]
-                if i < tokens_here:
-                    output[start + chunk_start + i, head, v0 + coords_rows[e][1]] = (scale * acc_o[e]).to(
-                        cutlass.BFloat16
-                    )
-        chunk_decay = self.decay(g_last)
-        for e in cutlass.range_constexpr(cute.size(acc_state)):
-            acc_state[e] = chunk_decay * acc_state[e]
-        self.warp_gemm(
-            tiled_mma, copy_a, copy_bt, lane,
-            cute.local_tile(vnc_t, (rows, BLOCK), (0, 0)),
-            cute.local_tile(kq_t, (STATE_COLS_PER_WARP, BLOCK), (warp_idx, 0)),
-            acc_state,
+        self.carry_state(
+            tiled_mma, copy_a, copy_bt, lane, cute.local_tile(vnc_t, (rows, BLOCK), (0, 0)),
+            cute.local_tile(kq_t, (STATE_COLS_PER_WARP, BLOCK), (warp_idx, 0)), acc_state, g_last,
         )  # fmt: skip
 
 

@@ -169,7 +169,6 @@ def _refused(canonical: Path, newer: Path, capsys: pytest.CaptureFixture[str], e
         ({"seed": 1}, "seed (1 against 0)"),
         ({"protocol": {**environment(NEW, "x").protocol, "iterations": 20}}, "iterations (20 against 50)"),
         ({"protocol": {**environment(NEW, "x").protocol, "timer": {"name": "other"}}}, "differs from"),
-        ({"protocol": {**environment(NEW, "x").protocol, "reference": {"moe": {"iterations": 1}}}}, "reference timing"),
         ({"data_sources": {"moe": ["official"]}}, "workloads are official"),
     ],
 )
@@ -194,11 +193,13 @@ def test_an_offlist_run_is_refused_on_either_side(canonical: Path, tmp_path: Pat
     assert code == 2 and f"{by_protocol} is an off-list run" in err
 
 
-def test_another_tracks_reference_timing_does_not_matter(
-    canonical: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("timed_track", ["dsa_attention", "moe"])
+def test_the_reference_timing_concerns_its_own_tracks_rows_only(
+    canonical: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], timed_track: str
 ) -> None:
+    """Another track's, or the merged track's own (its reference rows all come from the newer run)."""
     protocol = environment(NEW, "x").protocol
-    protocol = {**protocol, "reference": {**protocol["reference"], "dsa_attention": {"iterations": 1}}}
+    protocol = {**protocol, "reference": {**protocol["reference"], timed_track: {"iterations": 0}}}
     newer = write_run(tmp_path / "moe.json", environment(NEW, "2026-12-03", protocol=protocol), ["moe"], 0.5)
     assert _merge(canonical, newer, capsys=capsys) == (0, "")
 

@@ -26,9 +26,9 @@ Refused with one line on stderr, exit code 2, nothing written:
   leaves the registry when it is promoted or dropped). An unavailable side is recorded as
   UNAVAILABLE, so it is not missing;
 - a newer run measured on another GPU (name, SM count), with another seed, timing protocol (timer,
-  warm-up, iterations, trials, side warm-up, the track's reference timing) or data source: its
-  numbers would not compare with the kept tracks'. The twins' warm-up (`runner.TWIN_WARMUP`) is not
-  compared: it concerns the merged track's own rows only.
+  warm-up, iterations, trials, side warm-up) or data source: its numbers would not compare with the
+  kept tracks'. The twins' warm-up (`runner.TWIN_WARMUP`) and the reference side's timing are not
+  compared: they concern the merged track's own rows only, which all come from its one run.
 """
 
 from __future__ import annotations
@@ -205,19 +205,15 @@ def check_sides(canonical: Run, run: Run, track: str, planned: TrackCompleteness
         )
 
 
-def measurement(env: EnvironmentRecord, track: str) -> dict[str, Any]:
-    """What decides whether the numbers of `track` measured in `env` compare with another run's:
-    GPU, seed, and the protocol with the track's own reference timing (not the other tracks')."""
+def measurement(env: EnvironmentRecord) -> dict[str, Any]:
+    """What decides whether the numbers measured in `env` compare with another run's: GPU, seed and the
+    protocol, without what concerns one track's own rows only (the merged track's rows, twins and
+    reference included, all come from its one run): how its no-state twins warm up and how the
+    reference side is timed."""
     protocol = dict(env.protocol)
-    reference = protocol.pop("reference", None)
-    # How a track's own no-state twins warm up: it concerns no other track's rows, and the merged
-    # track's rows, twins included, all come from its one run.
+    protocol.pop("reference", None)
     protocol.pop("twin_warmup", None)
-    return {
-        **{name: getattr(env, name) for name in COMPARABLE_FIELDS},
-        **protocol,
-        "reference timing": reference.get(track) if isinstance(reference, Mapping) else reference,
-    }
+    return {**{name: getattr(env, name) for name in COMPARABLE_FIELDS}, **protocol}
 
 
 def _difference(name: str, kept: Any, new: Any) -> str:
@@ -239,7 +235,7 @@ def check_comparable(canonical: Run, run: Run, track: str) -> None:
     """The newer run's track was measured as every kept track was: same GPU, seed, protocol, data source."""
     new = run.results.track_environment(track)
     for kept in distinct_environments(canonical.results):
-        a, b = measurement(kept, track), measurement(new, track)
+        a, b = measurement(kept), measurement(new)
         differing = [_difference(k, a.get(k), b.get(k)) for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
         if differing:
             raise MergeError(

@@ -16,9 +16,9 @@ over --iterations, then the median over trials), on the track's listed workloads
 from --min-tokens (to --max-tokens) tokens (one input set per trial, as the runner draws them: a split of T per
 trial) and on even splits of the --even token counts into the given sequence counts. Each chunk_gated_delta_rule
 call includes the side's gate kernel. Every path's outputs of every trial are gated against the definition's
-reference under the track's rule; a path that fails is reported and not compared. It prints one line per shape
-and, last, the shapes where the side's path is more than --tolerance slower than FlashInfer's fastest passing path;
-nothing is written unless --output names a JSON file.
+reference under the track's rule; a path that fails it, or raises, is reported and not compared. It prints one
+line per shape and, last, the shapes where the side's path is more than --tolerance slower than FlashInfer's fastest
+passing path; nothing is written unless --output names a JSON file.
 
 Exits 2 with one line on stderr without CUDA or FlashInfer, or on bad arguments.
 """
@@ -203,7 +203,14 @@ def measure(shapes: Sequence[Shape], trials: int, iterations: int) -> list[Shape
             if takes_mtp(shape):
                 calls["mtp"] = mtp
             for name, fn in calls.items():
-                us = time_us(fn, inputs, reference)
+                if name in failed:
+                    continue
+                try:
+                    us = time_us(fn, inputs, reference)
+                except Exception as e:  # a path that cannot run here (a JIT build, a capture) fails, the rest goes on
+                    first_line = str(e).splitlines()[0] if str(e) else ""
+                    print(f"{shape.label}: {name} raised {type(e).__name__}: {first_line}")
+                    us = None
                 if us is None:
                     failed.add(name)
                 else:

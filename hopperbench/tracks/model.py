@@ -48,7 +48,8 @@ class TimingDefaults:
 
     The definitions' Python references can be slow (the GDN reference steps through
     every token), so the reference side may be timed with fewer iterations than the
-    kernels. `None` means: the same as the kernels.
+    kernels, or not at all (`reference_iterations=0`: it still runs once a trial for the
+    outputs the other sides are gated against). `None` means: the same as the kernels.
     """
 
     reference_warmup: int | None = None

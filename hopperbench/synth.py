@@ -29,7 +29,6 @@ recipe through its registry entry (`Track.synth`).
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -118,19 +117,6 @@ def make_inputs(
             _check_tensor(name, value, ctx)
         inputs[name] = value
     return inputs
-
-
-def input_bytes(track: str, workload: WorkloadSpec) -> int:
-    """Bytes of all tensor inputs `make_inputs` returns for `workload` (for memory planning)."""
-    definition = track_definition(track)
-    shapes = dict(zip(definition.inputs, definition.get_input_shapes(workload.axes), strict=True))
-    dtypes = dict(zip(definition.inputs, definition.torch_input_dtypes, strict=True))
-    absent = absent_optional_inputs(track, workload)
-    return sum(
-        math.prod(shape) * dtypes[name].itemsize
-        for name, shape in shapes.items()
-        if shape is not None and name not in absent
-    )
 
 
 def absent_optional_inputs(track: str, workload: WorkloadSpec) -> set[str]:

@@ -4,21 +4,14 @@ need a GPU (run on the H200)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from hopperbench.devcheck import load_module_by_path
+from hopperbench.paths import REPO_ROOT
 from hopperbench.workloads import load_workloads
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("flashinfer_gdn_paths", REPO_ROOT / "tools" / "flashinfer_gdn_paths.py")
-assert spec is not None and spec.loader is not None
-paths = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = paths  # dataclasses look their module up by name
-spec.loader.exec_module(paths)
+paths = load_module_by_path(REPO_ROOT / "tools/flashinfer_gdn_paths.py", "flashinfer_gdn_paths")
 
 
 def test_even_splits_are_every_pair_of_the_two_lists() -> None:

@@ -3,18 +3,12 @@ no WGMMA group serialized by ptxas but the known ones (compiled here for sm_90a,
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("ptxas_report", REPO_ROOT / "tools" / "ptxas_report.py")
-assert spec is not None and spec.loader is not None
-report = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = report  # dataclasses look their module up by name
-spec.loader.exec_module(report)
+from hopperbench.devcheck import load_module_by_path
+from hopperbench.paths import REPO_ROOT
+
+report = load_module_by_path(REPO_ROOT / "tools/ptxas_report.py", "ptxas_report")
 
 # The context-parallel summary walks a 256-row state on four warpgroups, 128 registers a thread: ptxas serializes
 # its MMAs (kernels/gdn_prefill/NOTES.md, "Context-parallel path"). Any other such remark is a regression.

@@ -103,7 +103,7 @@ def select_shapes(
 
 
 def side_losses(rows: Sequence[ShapeTimes], tolerance: float) -> list[ShapeTimes]:
-    """The shapes where the side's path is more than `tolerance` slower than FlashInfer's other path."""
+    """The shapes where the side's path is more than `tolerance` slower than FlashInfer's fastest passing path."""
     return [r for r in rows if r.side_loss > tolerance]
 
 
@@ -126,6 +126,7 @@ def measure(shapes: Sequence[Shape], trials: int, iterations: int) -> list[Shape
 
     from hopperbench import devcheck
     from hopperbench.acceptance import check_outputs
+    from hopperbench.definitions import reference_runner
     from hopperbench.synth import make_inputs
     from hopperbench.timing.cupti_timer import time_cold_l2
     from hopperbench.timing.graph import capture_call
@@ -137,9 +138,8 @@ def measure(shapes: Sequence[Shape], trials: int, iterations: int) -> list[Shape
     from flashinfer.gdn_decode import gated_delta_rule_mtp
 
     ours = devcheck.load_folder_module(REPO_ROOT / "kernels" / TRACK, "gdn_solution", "kernel")
-    reference_run = devcheck.load_module_by_path(REPO_ROOT / "hopperbench" / "tracks" / TRACK / "reference.py",
-                                                 "gdn_prefill_reference").run  # fmt: skip
-    rule = get_track(TRACK).acceptance
+    track = get_track(TRACK)
+    reference_run, rule = reference_runner(track), track.acceptance
     by_uuid = {w.uuid: w for w in load_workloads(TRACK)}
     template = next(iter(by_uuid.values()))
     first_slot = torch.zeros(1, dtype=torch.int32, device="cuda")  # the pool slot of the one sequence

@@ -108,7 +108,6 @@ def compile_track(track: str) -> list[Entry]:
     """Every entry of every launcher `kernels/<track>/kernel.py`'s compile_only builds."""
     import cutlass.cute as cute
 
-    sys.path.insert(0, str(REPO_ROOT))
     from hopperbench import devcheck
 
     package = f"ptxas_report_{track}"
@@ -168,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--track", default=",".join(TRACKS), help="comma list of tracks (default all)")
     parser.add_argument("--allow", default="", help="remarks to accept: <kernel substring>:C75xx, comma list")
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(REPO_ROOT))
     try:
         tracks = [t for t in args.track.split(",") if t]
         unknown = [t for t in tracks if t not in TRACKS]

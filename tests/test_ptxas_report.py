@@ -67,6 +67,8 @@ def test_bad_arguments_and_an_empty_report_exit_2_in_one_line(capsys) -> None:
     assert capsys.readouterr().err.strip().startswith("ptxas_report: --track takes")
     assert report.main(["--allow", "Summary"]) == 2
     assert "--allow takes" in capsys.readouterr().err
+    assert report.main(["--track", "gdn_prefill", "--module", "no_such_module"]) == 2
+    assert "kernels/gdn_prefill/no_such_module.py does not exist" in capsys.readouterr().err
     assert report.parse("no report here", 0) == []
 
 

@@ -1,8 +1,9 @@
 """What ptxas says about our kernels: registers, spills and WGMMA pipeline remarks, per compiled entry.
 
-    uv run tools/ptxas_report.py [--track gdn_prefill,moe,dsa_attention] [--allow Summary:C7512,...]
+    uv run tools/ptxas_report.py [--track gdn_prefill,moe,dsa_attention] [--allow Summary:C7512,...] [--module NAME]
 
-Compiles every variant of each track's `kernels/<track>/kernel.py` (its `compile_only("sm_90a")`, no GPU needed)
+Compiles every variant of each track's `kernels/<track>/kernel.py` (its `compile_only("sm_90a")`, no GPU needed;
+`--module` names another module of the folder with a `compile_only`, such as a candidate's)
 with the CuTe DSL's ptxas remarks on (`remarks{ptx}`), and prints one line per compiled entry: the launcher it
 belongs to (in compile order), the kernel, its registers, its spill stores and the ptxas remarks of the
 C75xx family. Those are the silent costly ones: C7512 "wgmma.mma_async instructions are serialized due to
@@ -104,8 +105,8 @@ def parse(text: str, launcher: int, package: str = "") -> list[Entry]:
     return list(entries.values())
 
 
-def compile_track(track: str) -> list[Entry]:
-    """Every entry of every launcher `kernels/<track>/kernel.py`'s compile_only builds."""
+def compile_track(track: str, module: str = "kernel") -> list[Entry]:
+    """Every entry of every launcher `kernels/<track>/<module>.py`'s compile_only builds."""
     import cutlass.cute as cute
 
     from hopperbench import devcheck
@@ -123,8 +124,9 @@ def compile_track(track: str) -> list[Entry]:
 
     cute.compile = compile_with_remarks
     try:
-        kernel = devcheck.load_folder_module(REPO_ROOT / "kernels" / track, package, "kernel")
-        kernel.compile_only(ARCH)
+        if not (REPO_ROOT / "kernels" / track / f"{module}.py").is_file():
+            raise ReportError(f"kernels/{track}/{module}.py does not exist")
+        devcheck.load_folder_module(REPO_ROOT / "kernels" / track, package, module).compile_only(ARCH)
     finally:
         cute.compile = original
     entries = [entry for i, text in enumerate(outputs) for entry in parse(text, i, package)]
@@ -166,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--track", default=",".join(TRACKS), help="comma list of tracks (default all)")
     parser.add_argument("--allow", default="", help="remarks to accept: <kernel substring>:C75xx, comma list")
+    parser.add_argument("--module", default="kernel", help="the module of each track's folder to compile (default kernel)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO_ROOT))
     try:
@@ -174,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown or not tracks:
             raise ReportError(f"--track takes {', '.join(TRACKS)}, got {args.track!r}")
         allow = parse_allow(args.allow)
-        report = {track: compile_track(track) for track in tracks}
+        report = {track: compile_track(track, args.module) for track in tracks}
     except ReportError as e:
         print(f"ptxas_report: {e}", file=sys.stderr)
         return 2

@@ -28,6 +28,7 @@ import torch
 
 from hopperbench.devcheck import load_module_by_path
 from hopperbench.paths import REPO_ROOT
+from tests.kernels import warp_mma_layouts as layouts
 
 cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 device_check = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/probes/device_check_gdn.py", "device_check_gdn")
@@ -96,59 +97,8 @@ def test_run_rejects_bad_inputs_with_one_line_errors():
 
 
 # ------------------------------------------------------------------------------------------------
-# CPU: the kernel's index maps. MMA and ldmatrix maps come from CuTe-DSL's layout algebra, traced
-# on the CPU with static lane numbers (nothing is compiled for or run on a GPU), and are checked
-# against the PTX ISA: mma.m16n8k16 .row.col f16 fragments (groupID = lane // 4, threadID_in_group
-# = lane % 4) and ldmatrix .x4 (lane 8m + r gives the address of row r of matrix m; register m of
-# lane t receives row t // 4, columns 2 (t % 4) + {0, 1} of matrix m, or with .trans its columns
-# t // 4 of rows 2 (t % 4) + {0, 1}).
+# CPU: the kernel's index maps, against the PTX ISA (tests/kernels/warp_mma_layouts.py).
 # ------------------------------------------------------------------------------------------------
-
-
-def _trace(body) -> list:
-    """What `body(records)` appends while CuTe-DSL traces it (static layouts only, nothing launched)."""
-    records: list = []
-
-    @cute.jit
-    def probe():
-        body(records)
-
-    cute.compile(probe)
-    return records
-
-
-def _coords(tensor) -> list[tuple[int, ...]]:
-    return [tuple(int(x) for x in tensor[i]) for i in range(cute.size(tensor))]
-
-
-def _isa_a(lane: int, i: int) -> tuple[int, int]:  # (m, k) of a_i
-    group, tig = divmod(lane, 4)
-    return group + 8 * ((i // 2) % 2), 2 * tig + i % 2 + 8 * (i // 4)
-
-
-def _isa_b(lane: int, i: int) -> tuple[int, int]:  # (n, k) of b_i
-    group, tig = divmod(lane, 4)
-    return group, 2 * tig + i % 2 + 8 * (i // 2)
-
-
-def _isa_c(lane: int, i: int) -> tuple[int, int]:  # (m, n) of c_i / d_i
-    group, tig = divmod(lane, 4)
-    return group + 8 * (i // 2), 2 * tig + i % 2
-
-
-def _check_atom_blocks(per_lane: list[list[tuple[int, int]]], isa, atom_values: int, origins: list) -> None:
-    """Every block of `atom_values` fragment values is one MMA atom's operand in the ISA's layout,
-    at the atom origins expected in this order (the rest modes of the fragment, colexicographic)."""
-    assert len(per_lane[0]) == atom_values * len(origins)
-    for block, (row0, col0) in enumerate(origins):
-        for lane, values in enumerate(per_lane):
-            for i in range(atom_values):
-                row, col = isa(lane, i)
-                assert values[block * atom_values + i] == (row0 + row, col0 + col), (block, lane, i)
-
-
-def _origins(rows: int, cols: int, row_step: int, col_step: int, base=(0, 0)) -> list[tuple[int, int]]:
-    return [(base[0] + r, base[1] + c) for c in range(0, cols, col_step) for r in range(0, rows, row_step)]
 
 
 def test_mma_fragments_are_the_ptx_isa_layouts():
@@ -158,12 +108,12 @@ def test_mma_fragments_are_the_ptx_isa_layouts():
             thr = tiled_mma.get_slice(lane)
             tile = cute.make_identity_tensor((chunked.BLOCK, chunked.BLOCK))
             fragments = (thr.partition_A(tile), thr.partition_B(tile), thr.partition_C(tile))
-            records.append(tuple(_coords(f) for f in fragments))
+            records.append(tuple(layouts.coords(f) for f in fragments))
 
-    records = _trace(body)
-    _check_atom_blocks([r[0] for r in records], _isa_a, 8, [(0, 0)])
-    _check_atom_blocks([r[1] for r in records], _isa_b, 4, [(0, 0), (8, 0)])  # two n8 atoms
-    _check_atom_blocks([r[2] for r in records], _isa_c, 4, [(0, 0), (0, 8)])
+    records = layouts.trace(body)
+    layouts.check_atom_blocks([r[0] for r in records], layouts.isa_a, 8, [(0, 0)])
+    layouts.check_atom_blocks([r[1] for r in records], layouts.isa_b, 4, [(0, 0), (8, 0)])  # two n8 atoms
+    layouts.check_atom_blocks([r[2] for r in records], layouts.isa_c, 4, [(0, 0), (0, 8)])
 
 
 @pytest.mark.parametrize("shape", [(16, 16), (16, 32), (32, 32)], ids=str)
@@ -175,14 +125,14 @@ def test_accumulator_coordinates_cover_each_tile_once(shape):
         for lane in range(32):
             coords = tiled_mma.get_slice(lane).partition_C(cute.make_identity_tensor(shape))
             size = cute.size(cute.make_rmem_tensor(tiled_mma.get_slice(lane).partition_shape_C(shape), cutlass.Float32))
-            records.append((_coords(coords), size))
+            records.append((layouts.coords(coords), size))
 
-    records = _trace(body)
+    records = layouts.trace(body)
     per_lane = [r[0] for r in records]
     assert all(size == len(values) for values, size in zip(per_lane, (r[1] for r in records)))
     everything = [c for values in per_lane for c in values]
     assert sorted(everything) == [(r, c) for r in range(shape[0]) for c in range(shape[1])]
-    _check_atom_blocks(per_lane, _isa_c, 4, _origins(shape[0], shape[1], 16, 8))
+    layouts.check_atom_blocks(per_lane, layouts.isa_c, 4, layouts.origins(shape[0], shape[1], 16, 8))
 
 
 def _view_2d(view, drop_leading: bool = False):
@@ -217,66 +167,9 @@ LDMATRIX_OPERANDS = [
 ]
 
 
-def _offset(coord, view) -> int:
-    return sum(c * s for c, s in zip(coord, view[1]))
-
-
-def _ldmatrix_source(bases: list[int], lane: int, value: int, transposed: bool) -> int:
-    """The shared-memory element (offset) that ldmatrix .x4 puts in `value` (register value // 2,
-    half value % 2) of `lane`, given the row address (element offset) each lane supplied."""
-    matrix, half = divmod(value, 2)
-    group, tig = divmod(lane, 4)
-    if transposed:
-        return bases[8 * matrix + 2 * tig + half] + group
-    return bases[8 * matrix + group] + 2 * tig + half
-
-
 @pytest.mark.parametrize("operand", LDMATRIX_OPERANDS, ids=lambda o: o[0])
 def test_ldmatrix_loads_give_the_mma_fragments(operand):
-    what, role, view, tile_shape, tile_coords = operand
-    shape, stride = view
-    cosize = sum((n - 1) * s for n, s in zip(shape, stride)) + 1
-
-    def body(records):
-        tiled_mma = chunked._make_warp_mma()
-        copy_a, copy_b, copy_bt = chunked._make_operand_copies(tiled_mma)
-        tiled_copy = {"A": copy_a, "B": copy_b, "Bt": copy_bt}[role]
-        for tile_coord in tile_coords:
-            tile = cute.local_tile(cute.make_identity_tensor(shape), tile_shape, tile_coord)
-            lanes = []
-            for lane in range(32):
-                thr_mma = tiled_mma.get_slice(lane)
-                thr_copy = tiled_copy.get_slice(lane)
-                fragment = thr_mma.partition_A(tile) if role == "A" else thr_mma.partition_B(tile)
-                views = (thr_copy.partition_S(tile), thr_copy.retile(fragment), fragment)
-                lanes.append(tuple(_coords(view) for view in views))
-            records.append((tile_coord, lanes))
-
-    for tile_coord, lanes in _trace(body):
-        origin = tuple(c * t for c, t in zip(tile_coord, tile_shape))
-        sources = [[_offset(c, view) for c in src] for src, _, _ in lanes]
-        num_values = len(sources[0])
-        assert num_values % 8 == 0 and all(len(s) == num_values for s in sources)
-        # Each lane's row of each ldmatrix: 8 consecutive fp16 elements, 16-B aligned, inside the buffer.
-        for src in sources:
-            for first in range(0, num_values, 8):
-                assert src[first : first + 8] == list(range(src[first], src[first] + 8)), what
-                assert (2 * src[first]) % 16 == 0 and 0 <= src[first] and src[first] + 8 <= cosize, what
-        # ldmatrix puts into each register exactly the element CuTe assigns to that fragment slot.
-        for first in range(0, num_values, 8):
-            bases = [sources[lane][first] for lane in range(32)]
-            for lane in range(32):
-                for value in range(8):
-                    loaded = _ldmatrix_source(bases, lane, value, transposed=role == "Bt")
-                    assert loaded == _offset(lanes[lane][1][first + value], view), (what, tile_coord, lane, value)
-        # The fragments hold every element of the tile once, as MMA atoms in the ISA layout.
-        everything = sorted(c for _, _, fragment in lanes for c in fragment)
-        rows, cols = tile_shape
-        assert everything == [(origin[0] + r, origin[1] + c) for r in range(rows) for c in range(cols)], what
-        if role == "A":
-            _check_atom_blocks([f for _, _, f in lanes], _isa_a, 8, _origins(rows, cols, 16, 16, origin))
-        else:
-            _check_atom_blocks([f for _, _, f in lanes], _isa_b, 4, _origins(rows, cols, 8, 16, origin))
+    layouts.check_ldmatrix_operand(chunked._make_warp_mma, chunked._make_operand_copies, *operand)
 
 
 def test_scratch_and_buffers_keep_ldmatrix_rows_aligned():

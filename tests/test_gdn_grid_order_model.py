@@ -1,4 +1,5 @@
-"""kernels/gdn_prefill/probes/gdn_grid_order_model.py: the CTA dispatch model behind GDN candidate v1.7 (CPU only)."""
+"""kernels/gdn_prefill/probes/gdn_grid_order_model.py: the CTA dispatch model behind the chunked kernels' longest-first
+grid order (CPU only)."""
 
 from __future__ import annotations
 

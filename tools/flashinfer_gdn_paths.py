@@ -123,6 +123,7 @@ def takes_mtp(shape: Shape) -> bool:
 
 def measure(shapes: Sequence[Shape], trials: int, iterations: int) -> list[ShapeTimes]:
     import torch
+    from flashinfer.gdn_decode import gated_delta_rule_mtp
 
     from hopperbench import devcheck
     from hopperbench.acceptance import check_outputs
@@ -134,9 +135,6 @@ def measure(shapes: Sequence[Shape], trials: int, iterations: int) -> list[Shape
     from hopperbench.tracks.gdn_prefill.adapters import flashinfer_gdn as fi
     from hopperbench.workloads import load_workloads
 
-    chunk_rule = fi.load_chunk_gated_delta_rule()
-    from flashinfer.gdn_decode import gated_delta_rule_mtp
-
     ours = devcheck.load_folder_module(REPO_ROOT / "kernels" / TRACK, "gdn_solution", "kernel")
     track = get_track(TRACK)
     reference_run, rule = reference_runner(track), track.acceptance
@@ -145,13 +143,7 @@ def measure(shapes: Sequence[Shape], trials: int, iterations: int) -> list[Shape
     first_slot = torch.zeros(1, dtype=torch.int32, device="cuda")  # the pool slot of the one sequence
 
     def flashinfer(use_cp: bool, max_seqlen: int | None) -> Callable[..., None]:
-        def call(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
-            g, beta = fi.gates(A_log, a, dt_bias, b)
-            chunk_rule(q, k, v, g=g, beta=beta, scale=float(scale) if scale else fi.DEFAULT_SCALE,
-                       initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens, output=output,
-                       output_state=new_state, use_cp=use_cp, max_seqlen=max_seqlen)  # fmt: skip
-
-        return call
+        return lambda *args: fi.run_path(*args, use_cp=use_cp, max_seqlen=max_seqlen)
 
     def mtp(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
         """One sequence through FlashInfer's multi-token kernel, `new_state` as its pool of one slot."""

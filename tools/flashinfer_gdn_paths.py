@@ -143,7 +143,7 @@ def measure(shapes: Sequence[Shape], trials: int, iterations: int) -> list[Shape
     first_slot = torch.zeros(1, dtype=torch.int32, device="cuda")  # the pool slot of the one sequence
 
     def flashinfer(use_cp: bool, max_seqlen: int | None) -> Callable[..., None]:
-        return lambda *args: fi.run_on_path(*args, use_cp=use_cp, max_seqlen=max_seqlen)
+        return lambda *args: fi.run_path(*args, use_cp=use_cp, max_seqlen=max_seqlen)
 
     def mtp(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
         """One sequence through FlashInfer's multi-token kernel, `new_state` as its pool of one slot."""

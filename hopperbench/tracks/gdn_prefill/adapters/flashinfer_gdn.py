@@ -147,16 +147,15 @@ def run(
     output: torch.Tensor,
     new_state: torch.Tensor,
 ) -> None:
-    """gdn_prefill_qk4_v8_d128_k_last in destination-passing style through FlashInfer's SM90 kernels: the gates,
-    then chunk_gated_delta_rule on the path `use_cp_for` picks. Exactly the definition's parameters: flashinfer-bench's
-    builder counts keyword-only ones too, and refuses any other count."""
-    run_on_path(
+    """gdn_prefill_qk4_v8_d128_k_last in destination-passing style through FlashInfer's SM90 kernels."""
+    check_arguments(q, v, state, cu_seqlens, output, new_state)
+    run_path(
         q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state,
         use_cp=use_cp_for(q.shape[0], cu_seqlens.shape[0] - 1),
     )  # fmt: skip
 
 
-def run_on_path(
+def run_path(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -173,9 +172,8 @@ def run_on_path(
     use_cp: bool | str,
     max_seqlen: int | None = None,
 ) -> None:
-    """`run` on the path the caller names: FlashInfer's `use_cp` and its `max_seqlen` hint (None = none), for
-    tools/flashinfer_gdn_paths.py."""
-    check_arguments(q, v, state, cu_seqlens, output, new_state)
+    """`run`'s call on a path chosen by the caller (`use_cp`, and FlashInfer's `max_seqlen` hint, None = none),
+    without the argument checks: the gates, then chunk_gated_delta_rule (also tools/flashinfer_gdn_paths.py's)."""
     chunk_gated_delta_rule = load_chunk_gated_delta_rule()
     g, beta = gates(A_log, a, dt_bias, b)
     chunk_gated_delta_rule(

@@ -84,13 +84,16 @@ def test_the_call_gets_the_gates_and_writes_the_destinations(recorded, monkeypat
     assert call["use_cp"] is False  # 14 tokens in two sequences: FlashInfer's fused kernel
 
 
-def test_the_path_is_flashinfers_fused_kernel_for_short_sequences_and_its_auto_rule_for_long_ones() -> None:
+def test_the_side_takes_flashinfers_pipeline_for_one_or_two_long_sequences_and_its_fused_kernel_otherwise() -> None:
     assert flashinfer_gdn.use_cp_for(6, 1) is False
-    assert flashinfer_gdn.use_cp_for(2000, 8) is False
-    assert flashinfer_gdn.use_cp_for(1023, 1) is False
-    assert flashinfer_gdn.use_cp_for(1024, 1) == "auto"
+    assert flashinfer_gdn.use_cp_for(999, 1) is False
+    assert flashinfer_gdn.use_cp_for(1000, 1) == "auto"
+    assert flashinfer_gdn.use_cp_for(1999, 2) is False
+    assert flashinfer_gdn.use_cp_for(2040, 2) == "auto"  # official workload 79: the pipeline 1.2x faster
     assert flashinfer_gdn.use_cp_for(8192, 1) == "auto"
-    assert flashinfer_gdn.use_cp_for(8192, 32) is False  # N > 8: auto would take the fused kernel anyway
+    assert flashinfer_gdn.use_cp_for(4096, 3) is False  # 3-8 sequences: the fused kernel measured faster
+    assert flashinfer_gdn.use_cp_for(8192, 8) is False
+    assert flashinfer_gdn.use_cp_for(8192, 32) is False
     assert flashinfer_gdn.use_cp_for(0, 0) is False
 
 

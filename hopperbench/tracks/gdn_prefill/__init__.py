@@ -51,9 +51,9 @@ GDN_PREFILL = Track(
             timed_call=(
                 "the gates g and beta computed from A_log, a, dt_bias and b in one fused Triton kernel (fp32, as "
                 "serving engines compute them), then FlashInfer's SM90 kernels writing output and new_state: its "
-                "fused kernel (use_cp=False) while the mean sequence is under 1024 tokens (measured faster there "
-                "than the context-parallel pipeline FlashInfer's auto rule picks for N <= 8 up to 461 tokens, equal "
-                "at 1000 in one sequence), else use_cp='auto'"
+                "context-parallel pipeline (use_cp='auto') for one or two sequences of a mean of 1000 tokens or more, "
+                "else its fused kernel (use_cp=False): the faster of the two on each side of that line (measured on "
+                "every official batch of at most 8 sequences from 341 tokens)"
             ),
         ),
         LibrarySide(

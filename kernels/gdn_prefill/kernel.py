@@ -29,9 +29,8 @@ T / N >= 160, and from 512 tokens on it is taken whatever N is. The WGMMA chain 
 head in ~3.8 us where a 16-row slice of `wy_prepass.py` takes ~2.8: it wins where many sequences fill the
 GPU (4124 tokens in 15 sequences 1.13x, 8192 in 20-57 1.13-1.54x) and loses where a few long ones bound
 the call (5709 in 2: 0.75x). A single sequence walks all its chunks on one chain per head; split in 16
-segments (16-31) it runs 1.45x faster at 3072 tokens, 2.1x at 6144 and 3.8x at 64K (graph replay). It takes
-one sequence from 6144 tokens: below that CP was held back by accuracy (one key repeated over each chunk at
-4096 tokens), which the slow-chunk pairs fixed, and the lower threshold awaits its GPU checks (NOTES.md). N is
+segments (16-31) it runs 1.12x faster at 2048 tokens, 1.46x at 3072, 2.1x at 6144 and 3.8x at 64K (graph
+replay, cold L2), but 0.65-0.68x at 1377-1536 tokens: it takes one sequence from 2048 tokens. N is
 the only shape that says no sequence is short, so the rule is N = 1.
 
 Same contract as every path: destination passing, definition order, `state` None means zeros, `scale`
@@ -64,7 +63,7 @@ TOKEN_SERIAL_MAX_TOKENS = 40
 WY_PREPASS_MIN_TOKENS = 512
 WY_PREPASS_MIN_MEAN_LENGTH = 160
 CONTEXT_PARALLEL_MAX_SEQS = 1
-CONTEXT_PARALLEL_MIN_TOKENS = 6144
+CONTEXT_PARALLEL_MIN_TOKENS = 2048
 
 
 def path_for(num_tokens: int, num_seqs: int):

@@ -63,21 +63,21 @@ def test_compiles_every_path_for_sm90a_without_gpu():
         (294, 3, "short_tail"), (401, 4, "short_tail"), (511, 4, "short_tail"), (511, 57, "short_tail"),
         (512, 4, "wy_prepass"), (5709, 2, "wy_prepass"), (3999, 14, "wy_prepass"), (4124, 15, "wgmma_value_side"),
         (512, 57, "wgmma_value_side"), (8192, 20, "wgmma_value_side"), (8192, 57, "wgmma_value_side"),
-        (480, 15, "short_tail"), (6143, 1, "wy_prepass"), (6144, 1, "context_parallel"), (65536, 1, "context_parallel"),
+        (480, 15, "short_tail"), (2047, 1, "wy_prepass"), (2048, 1, "context_parallel"), (65536, 1, "context_parallel"),
         (8192, 2, "wy_prepass"),
     ],
 )  # fmt: skip
 def test_path_is_chosen_from_the_token_and_sequence_counts(num_tokens, num_seqs, path):
     assert (kernel.TOKEN_SERIAL_MAX_TOKENS, kernel.WY_PREPASS_MIN_TOKENS) == (40, 512)
     assert kernel.WY_PREPASS_MIN_MEAN_LENGTH == 160 and kernel.WGMMA_CHAIN_MIN_SEQS == 15
-    assert (kernel.CONTEXT_PARALLEL_MAX_SEQS, kernel.CONTEXT_PARALLEL_MIN_TOKENS) == (1, 6144)
+    assert (kernel.CONTEXT_PARALLEL_MAX_SEQS, kernel.CONTEXT_PARALLEL_MIN_TOKENS) == (1, 2048)
     assert kernel.path_for(num_tokens, num_seqs) is solution_module(path)
 
 
 @pytest.mark.parametrize(
     ("lengths", "path"),
     [((6,), "token_serial"), ((41,), "short_tail"), ((100, 100), "short_tail"), ((170, 170), "wy_prepass"), ((512,), "wy_prepass"),
-     ((40,) * 15, "wgmma_value_side"), ((6144,), "context_parallel")],
+     ((40,) * 15, "wgmma_value_side"), ((2048,), "context_parallel")],
     ids=str,
 )
 def test_run_calls_exactly_the_chosen_path(lengths, path, monkeypatch):

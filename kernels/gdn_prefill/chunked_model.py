@@ -269,10 +269,15 @@ def chunk_slots(cu_seqlens: list[int], total_tokens: int) -> ChunkSlots:
 
 
 @torch.no_grad()
-def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, precision: Precision = KERNEL, step=chunk_step):
+def run(
+    q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, precision: Precision = KERNEL, step=chunk_step,
+    chunk: int = CHUNK,
+):
     """The definition's outputs (output [T,8,128] bf16, new_state [N,8,128,128] fp32) by the chunked
-    algorithm (`step`: `chunk_step`, or `two_level_step`), on any device. Sequences of length 0 get
-    a zero state, as in the definition."""
+    algorithm (`step`: `chunk_step`, or `two_level_step`) on chunks of `chunk` tokens (a multiple of BLOCK:
+    64 as `chunked.py`, 16 as `warp_chain.py`), on any device. Sequences of length 0 get a zero state, as in
+    the definition."""
+    assert chunk % BLOCK == 0
     dtype = precision.compute
     group = NUM_V_HEADS // NUM_QK_HEADS
     scale = resolve_scale(scale)
@@ -289,9 +294,9 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, precision: Prec
             S = state[n].to(dtype)
         else:
             S = torch.zeros(NUM_V_HEADS, HEAD_SIZE, HEAD_SIZE, dtype=dtype, device=q.device)
-        for c0 in range(start, end, CHUNK):
-            c1 = min(c0 + CHUNK, end)
-            pad = CHUNK - (c1 - c0)
+        for c0 in range(start, end, chunk):
+            c1 = min(c0 + chunk, end)
+            pad = chunk - (c1 - c0)
 
             def heads_first(x: torch.Tensor, repeat: int = 1) -> torch.Tensor:
                 x = x[c0:c1].to(dtype)

@@ -75,6 +75,15 @@ GDN_PREFILL = Track(
             entry="wy_prepass.py::run",
             description="kernel.py's WY-prepass path at every T (no 512-token threshold): the other side of the A/B and sweep that place the threshold for few sequences",
         ),
+        CandidateSide(
+            name="cand_warp_chain",
+            entry="warp_chain.py::run",
+            description=(
+                "warp_chain.py at every T: each warp steps 16 state rows through 16-token chunks in mma.sync "
+                "accumulators, no CTA barrier in the chain (against the token-serial path at <= 40 tokens and the "
+                "chunked path above)"
+            ),
+        ),
     ),
 )
 

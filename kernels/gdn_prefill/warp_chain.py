@@ -2,33 +2,34 @@
 16-token chunks in `mma.sync` accumulators, with no CTA barrier inside the chain. Built for short batches (a few
 chunks a sequence), where the token-serial kernel pays ~0.15 us a token and `chunked.py`'s barrier phases ~2.2 us a
 16-token chunk; correct at any length, so that it is measured against the other paths too (NOTES.md, "Open
-directions": 8 independent warps a (sequence, head) where the WGMMA chain has two warpgroups in lockstep).
+directions").
 
 The math is `chunked_model.py`'s chunk step at C = 16 (`chunked_model.run(..., chunk=CHUNK)`), with its rounding
 points: k, q, S0, Xb, T, P, V' and V'c as fp16 tensor-core operands, the state, gates and element-wise steps in fp32.
 A 16-token chunk's T = (I + A)^-1 is one diagonal block: forward substitution, no doubling levels.
 
-Work split. One CTA = one (sequence, v-head, slice of ROWS_PER_CTA V rows): grid (8 heads x NUM_SLICES, N); warp w
-owns 16 state rows, [16, 128] fp32 in the accumulators of the state-update product, for the whole sequence, so every
-product of the chain is the warp's own (the state's V rows evolve independently). When the grid outgrows the GPU,
-its rows serve the sequences longest first (`_Chunked.sequence_of_block`). A sequence is taken in groups of
-GROUP_CHUNKS chunks (every sequence of a batch of <= 64 tokens is one group):
-  1. cp.async of the group's k and q rows (bf16, converted in place to fp16, rows past the end zeroed), the CTA's v
-     rows and the 8-head rows of a and b, in two stages: the next group's copies are in flight while this one
-     computes. The state's loads go first, on the grid position alone, beside the read of the sequence bounds.
-  2. The state-free half of each chunk, warp w taking chunk w of the group (chunks w, w + num_warps, ... at other
-     warp counts): the gates of its 16 tokens (log g in base 2, beta, inclusive scan G), A = strict_tril(beta_i
-     exp(G_i - G_j) k_i . k_j) in fp32, P = tril(exp(G_i - G_j) q_i . k_j) in fp16, T by forward substitution (16
-     lanes, fp32, stored fp16). One CTA barrier.
-  3. The chain, each warp alone, per chunk: S0 K^T and S0 Q^T; Xb^T = beta (V^T - exp(G) S0 K^T);
-     V'^T = Xb^T T^T; O^T = scale (exp(G) S0 Q^T + V'^T P^T), stored; S = exp(G_last) S + (V' exp(G_last - G))^T K.
-     Each accumulator becomes the next product's A operand in registers (S0, Xb^T, V'^T, V'c^T rounded to fp16;
-     `hand_over_order`); only B operands (k, q, T, P, all the CTA's) come from shared memory, so the chain has no
-     barrier at all: ~330 SASS instructions a step, 52 of them MMAs.
+Work split. One CTA = one (sequence, v-head, slice of 64 V rows): grid (8 heads x NUM_SLICES, N), 8 warps in two
+roles. Step warp w (0-3) owns 16 state rows, [16, 128] fp32 in the accumulators of the state-update product, for the
+whole sequence, so every product of the chain is the warp's own (the state's V rows evolve independently). Key warp c
+(4-7) computes the state-free half of chunk c of each group of GROUP_CHUNKS chunks, one group ahead of the steps, so
+that the two halves overlap (a sequence of <= 64 tokens is one group). When the grid outgrows the GPU, its rows serve
+the sequences longest first (`_Chunked.sequence_of_block`). Per group:
+  1. Key warps: cp.async of the next group's k and q rows (bf16, converted in place to fp16 when their group comes,
+     rows past the end zeroed), the CTA's v rows and the 8-head rows of a and b (NUM_STAGES stages: the steps' group,
+     the key warps' and the one in flight). The step warps issue the state's loads first, beside the sequence bounds.
+  2. Key warps, chunk c each: the gates of its 16 tokens (log g in base 2, beta, inclusive scan G), A =
+     strict_tril(beta_i exp(G_i - G_j) k_i . k_j) in fp32, P = tril(exp(G_i - G_j) q_i . k_j) in fp16, T by forward
+     substitution (16 lanes, fp32, stored fp16), into one of KEY_BUFFERS key buffers; then a named-barrier arrival
+     (READY) for the steps. They reuse a buffer and a stage once the steps have arrived at FREE for its last group.
+  3. Step warps, each alone, per chunk: S0 K^T (two MMA chains over alternate K blocks) and S0 Q^T;
+     Xb^T = beta (V^T - exp(G) S0 K^T); V'^T = Xb^T T^T; O^T = scale (exp(G) S0 Q^T + V'^T P^T), stored;
+     S = exp(G_last) S + (V' exp(G_last - G))^T K. Each accumulator becomes the next product's A operand in registers
+     (S0, Xb^T, V'^T, V'c^T rounded to fp16; `hand_over_order`); only B operands (k, q, T, P) come from shared
+     memory, so the chain has no barrier but the group's READY: ~330 SASS instructions a step, 52 of them MMAs.
 The final rows go to `new_state`. Tokens past the end have k = q = 0, log g = 0 and beta = 0 and add nothing; a
 sequence of length 0 runs no chunk and stores a zero state.
 
-Shared memory ~99 KiB and 164 registers a thread: two CTAs an SM. Everything is compiled once (dynamic T and N)
+Shared memory ~149 KiB and 175 registers a thread: one CTA an SM. Everything is compiled once (dynamic T and N)
 into one TVM-FFI function (token_serial.py's launcher and cache).
 """
 
@@ -50,7 +51,6 @@ from .chunked import (
     WARP_SIZE,
     WIDE_STRIDE,
     _Chunked,
-    _layout,
     _make_operand_copies,
     _make_warp_mma,
     sequence_bounds,
@@ -64,8 +64,17 @@ ROWS_PER_WARP = BLOCK  # state rows (V) a warp steps: the MMA's M
 GROUP_CHUNKS = 4  # chunks staged at once, one a warp for the state-free half: a sequence of <= 64 tokens in one group
 GROUP_TOKENS = GROUP_CHUNKS * CHUNK
 KQ_ROWS = 2 * GROUP_TOKENS  # chunk c: k rows 32c..32c+15, then its q rows
-NUM_STAGES = 2  # the next group's inputs are copied in while this one computes
-NUM_WARPS = 4
+NUM_STAGES = 3  # staged inputs: the steps' group, the key warps' group, the copies of the group after it
+KEY_BUFFERS = 2  # gates, T and P: the steps' group and the key warps' group
+STEP_WARPS = 4  # warps stepping state rows, 16 each
+KEY_WARPS = GROUP_CHUNKS  # warps computing the state-free half, a chunk each
+KEY_THREADS = KEY_WARPS * WARP_SIZE
+CTA_THREADS = (STEP_WARPS + KEY_WARPS) * WARP_SIZE
+# Named barriers (0 is the CTA's): READY + b, the key warps' group in key buffer b is ready for the steps; FREE + b,
+# the steps are done with the group in key buffer b (and its stage); KEY, the key warps alone.
+READY_BARRIER = 1
+FREE_BARRIER = READY_BARRIER + KEY_BUFFERS
+KEY_BARRIER = FREE_BARRIER + KEY_BUFFERS
 # fp16 rows of 16 read by ldmatrix, padded to 48 B: the 8 row addresses of one 8x8 matrix fall on distinct bank groups.
 TILE_STRIDE = CHUNK + 8
 DIAG_STRIDE = CHUNK + 1  # fp32 A, read by the inverse's 16 lanes
@@ -76,46 +85,38 @@ KQ_T_VIEW = ((HEAD_SIZE, KQ_ROWS), (1, WIDE_STRIDE))  # kq read transposed: K as
 TILES_VIEW = ((GROUP_CHUNKS, CHUNK, CHUNK), (CHUNK * TILE_STRIDE, TILE_STRIDE, 1))  # T and P of each chunk
 
 assert 2 * CHUNK <= WARP_SIZE  # the gate scan: one token per lane of the first half-warp
-assert HEAD_SIZE % (NUM_WARPS * ROWS_PER_WARP) == 0
+assert HEAD_SIZE % (STEP_WARPS * ROWS_PER_WARP) == 0
 
 
 class _WarpChain(_Chunked):
     """The kernel: one CTA = one (sequence, v-head, slice of ROWS_PER_CTA V rows); see the module docstring.
     Reuses `_Chunked`'s warp GEMM, gates, decays and diagonal-block inverse."""
 
-    num_warps: int = NUM_WARPS
-
-    @property
-    def rows_per_cta(self) -> int:
-        return self.num_warps * ROWS_PER_WARP
+    rows_per_cta: int = STEP_WARPS * ROWS_PER_WARP
+    num_threads: int = CTA_THREADS
+    copy_threads: int = KEY_THREADS  # the key warps issue the copies and convert what they copied
 
     @property
     def num_slices(self) -> int:
         return HEAD_SIZE // self.rows_per_cta
 
-    @property
-    def num_threads(self) -> int:
-        return self.num_warps * WARP_SIZE
-
     @cute.jit
     def launch(self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, stream):
         tiled_mma = _make_warp_mma()
         f16, bf16, f32 = cutlass.Float16, cutlass.BFloat16, cutlass.Float32
-        warps = self.num_warps
+        tiles = KEY_BUFFERS * GROUP_CHUNKS * CHUNK * TILE_STRIDE
 
         @cute.struct
         class SharedStorage:
             kq: cute.struct.Align[cute.struct.MemRange[f16, NUM_STAGES * KQ_ROWS * WIDE_STRIDE], 128]
-            raw_v: cute.struct.Align[
-                cute.struct.MemRange[bf16, NUM_STAGES * GROUP_TOKENS * warps * ROWS_PER_WARP], 128
-            ]
+            raw_v: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * GROUP_TOKENS * self.rows_per_cta], 128]
             raw_a: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * GROUP_TOKENS * NUM_V_HEADS], 128]
             raw_b: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * GROUP_TOKENS * NUM_V_HEADS], 128]
             a_diag: cute.struct.Align[cute.struct.MemRange[f32, GROUP_CHUNKS * CHUNK * DIAG_STRIDE], 128]
-            t16: cute.struct.Align[cute.struct.MemRange[f16, GROUP_CHUNKS * CHUNK * TILE_STRIDE], 128]
-            p16: cute.struct.Align[cute.struct.MemRange[f16, GROUP_CHUNKS * CHUNK * TILE_STRIDE], 128]
-            cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, GROUP_TOKENS], 16]
-            beta: cute.struct.Align[cute.struct.MemRange[f32, GROUP_TOKENS], 16]
+            t16: cute.struct.Align[cute.struct.MemRange[f16, tiles], 128]
+            p16: cute.struct.Align[cute.struct.MemRange[f16, tiles], 128]
+            cum_log_g: cute.struct.Align[cute.struct.MemRange[f32, KEY_BUFFERS * GROUP_TOKENS], 16]
+            beta: cute.struct.Align[cute.struct.MemRange[f32, KEY_BUFFERS * GROUP_TOKENS], 16]
 
         kernel = self.kernel(
             q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state,
@@ -150,81 +151,121 @@ class _WarpChain(_Chunked):
         v0 = (head_slice % self.num_slices) * self.rows_per_cta  # the CTA's first V row
         warp_idx = tidx // WARP_SIZE
         lane = tidx % WARP_SIZE
-        row_block = v0 // ROWS_PER_WARP + warp_idx  # the warp's rows: 16 row_block ..
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(SharedStorage)
         a_diag = st.a_diag.get_tensor(
             cute.make_layout((GROUP_CHUNKS, CHUNK, CHUNK), stride=(CHUNK * DIAG_STRIDE, DIAG_STRIDE, 1))
         )
-        t16 = st.t16.get_tensor(_layout(TILES_VIEW))
-        p16 = st.p16.get_tensor(_layout(TILES_VIEW))
-        cum_log_g = st.cum_log_g.get_tensor(cute.make_layout(GROUP_TOKENS))
-        beta = st.beta.get_tensor(cute.make_layout(GROUP_TOKENS))
         # Grid rows serve the sequences longest first once the grid outgrows the GPU (`_Chunked.sequence_of_block`,
-        # one thread per sequence); a_diag is first written after the first group's copies, so it is the scratch.
+        # one thread per sequence), with a_diag as the scratch; the key warps write it once every thread has read.
         seq = block_y
         if cutlass.const_expr(self.num_threads >= MAX_RANKED_SEQS):
             seq = self.sequence_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, a_diag)
+            cute.arch.sync_threads()
 
+        coords_tile = tiled_mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
+        if warp_idx < STEP_WARPS:
+            self.step_role(
+                tiled_mma, st, q, v, state, cu_seqlens, scale, has_state, output, new_state, seq, head, v0, warp_idx,
+                lane, coords_tile,
+            )  # fmt: skip
+        else:
+            self.key_role(
+                tiled_mma, st, q, k, v, A_log, a, dt_bias, b, cu_seqlens, seq, head, v0, tidx - STEP_WARPS * WARP_SIZE,
+                warp_idx - STEP_WARPS, lane, a_diag, coords_tile,
+            )  # fmt: skip
+
+    @cute.jit
+    def step_role(
+        self, tiled_mma, st, q, v, state, cu_seqlens, scale, has_state, output, new_state, seq, head, v0, warp_idx,
+        lane, coords_tile,
+    ):  # fmt: skip
+        """A step warp: its 16 state rows through every chunk of the sequence, a group once the key warps have
+        signalled it ready, then into `new_state`."""
         thr_mma = tiled_mma.get_slice(lane)
-        coords_tile = thr_mma.partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
-
-        # The warp's rows of the state in fp32 accumulators (zeros without a state). Issued first, on the grid
-        # position alone (and the ranking, where there is one): their latency overlaps the read of the sequence
-        # bounds, the copies that depend on it and the state-free work; they are consumed at the first chunk.
+        row_block = v0 // ROWS_PER_WARP + warp_idx  # the warp's rows: 16 row_block ..
+        # The warp's rows of the state in fp32 accumulators (zeros without a state), issued before the read of the
+        # sequence bounds: their latency overlaps it and the key warps' first group; consumed at the first chunk.
         acc_state = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS_PER_WARP, HEAD_SIZE)), cutlass.Float32)
         acc_state.fill(0.0)
         if has_state != 0:
             cute.autovec_copy(thr_mma.partition_C(self.warp_rows(state, seq, head, row_block)), acc_state)
+        start, length = sequence_bounds(cu_seqlens, seq, cutlass.Int32(q.shape[0]))
+        num_groups = (length + GROUP_TOKENS - 1) // GROUP_TOKENS
+        for group in cutlass.range(num_groups, unroll=1):
+            group_start = group * GROUP_TOKENS
+            group_tokens = cutlass.min(length - group_start, cutlass.Int32(GROUP_TOKENS))
+            kq, _, kq_t, raw_v, _, _ = self.staging(st, group % NUM_STAGES)
+            cum_log_g, beta, t16, p16 = self.key_buffers(st, group % KEY_BUFFERS)
+            cute.arch.barrier(barrier_id=READY_BARRIER + group % KEY_BUFFERS, number_of_threads=CTA_THREADS)
+            for chunk in cutlass.range((group_tokens + CHUNK - 1) // CHUNK, unroll=1):
+                self.chain_step(
+                    tiled_mma, lane, warp_idx, chunk, group_tokens, kq, kq_t, raw_v, cum_log_g, beta, t16, p16,
+                    acc_state, coords_tile, output, start + group_start, head, v0 + warp_idx * ROWS_PER_WARP, scale,
+                )  # fmt: skip
+            if group + KEY_BUFFERS < num_groups:  # only arrivals the key warps wait for
+                cute.arch.barrier_arrive(barrier_id=FREE_BARRIER + group % KEY_BUFFERS, number_of_threads=CTA_THREADS)
+        if length == 0:  # an empty sequence's new state is zero, whatever the initial one
+            acc_state.fill(0.0)
+        cute.autovec_copy(acc_state, thr_mma.partition_C(self.warp_rows(new_state, seq, head, row_block)))
 
-        total_tokens = cutlass.Int32(q.shape[0])
-        start, length = sequence_bounds(cu_seqlens, seq, total_tokens)
-        num_chunks = (length + CHUNK - 1) // CHUNK
-        num_groups = (num_chunks + GROUP_CHUNKS - 1) // GROUP_CHUNKS
-
+    @cute.jit
+    def key_role(
+        self, tiled_mma, st, q, k, v, A_log, a, dt_bias, b, cu_seqlens, seq, head, v0, key_tidx, key_warp, lane,
+        a_diag, coords_tile,
+    ):  # fmt: skip
+        """A key warp: per group, the copies of the next group, then the state-free half of its chunk of this one
+        into a key buffer, signalled ready to the steps. It reuses a key buffer (and a stage) once the steps have
+        signalled that they are done with the group that held it."""
+        start, length = sequence_bounds(cu_seqlens, seq, cutlass.Int32(q.shape[0]))
+        num_groups = (length + GROUP_TOKENS - 1) // GROUP_TOKENS
         g2s = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
         )
-        if num_chunks > 0:
-            self.load_group(g2s, q, k, v, a, b, self.staging(st, 0), start, length, 0, head, v0, tidx)
+        if num_groups > 0:
+            self.load_group(g2s, q, k, v, a, b, self.staging(st, 0), start, length, 0, head, v0, key_tidx)
         cute.arch.cp_async_commit_group()
 
         neg_decay_rate = -cute.math.exp(A_log[head]) * LOG2_E  # log g, hence G, in base 2
         bias = dt_bias[head]
         for group in cutlass.range(num_groups, unroll=1):
-            group_start = group * GROUP_TOKENS
-            group_tokens = cutlass.min(length - group_start, cutlass.Int32(GROUP_TOKENS))
-            group_chunks = (group_tokens + CHUNK - 1) // CHUNK
-            kq, kq_raw, kq_t, raw_v, raw_a, raw_b = self.staging(st, group % NUM_STAGES)
-            if group > 0:
-                cute.arch.sync_threads()  # every warp is done with the last group's chain (its stage is the next's)
+            buffer = group % KEY_BUFFERS
+            group_tokens = cutlass.min(length - group * GROUP_TOKENS, cutlass.Int32(GROUP_TOKENS))
+            if group >= KEY_BUFFERS:  # the steps are done with group - 2: its key buffer and its stage are free
+                cute.arch.barrier(barrier_id=FREE_BARRIER + buffer, number_of_threads=CTA_THREADS)
             if group + 1 < num_groups:
                 self.load_group(
                     g2s, q, k, v, a, b, self.staging(st, (group + 1) % NUM_STAGES), start, length, group + 1, head,
-                    v0, tidx,
+                    v0, key_tidx,
                 )  # fmt: skip
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)  # this group's copies; the next group's stay in flight
-            self.convert_kq_rows(kq_raw, kq, group_tokens, tidx)
-            cute.arch.sync_threads()
-
-            for chunk in cutlass.range(warp_idx, group_chunks, self.num_warps, unroll=1):
+            kq, kq_raw, _, _, raw_a, raw_b = self.staging(st, group % NUM_STAGES)
+            self.convert_kq_rows(kq_raw, kq, group_tokens, key_tidx)
+            cute.arch.barrier(barrier_id=KEY_BARRIER, number_of_threads=KEY_THREADS)
+            cum_log_g, beta, t16, p16 = self.key_buffers(st, buffer)
+            if key_warp * CHUNK < group_tokens:
                 self.chunk_key_side(
-                    tiled_mma, lane, chunk, group_tokens, kq, raw_a, raw_b, head, neg_decay_rate, bias, cum_log_g,
+                    tiled_mma, lane, key_warp, group_tokens, kq, raw_a, raw_b, head, neg_decay_rate, bias, cum_log_g,
                     beta, a_diag, t16, p16, coords_tile,
                 )  # fmt: skip
-            cute.arch.sync_threads()
+            cute.arch.barrier_arrive(barrier_id=READY_BARRIER + buffer, number_of_threads=CTA_THREADS)
 
-            for chunk in cutlass.range(group_chunks, unroll=1):
-                self.chain_step(
-                    tiled_mma, lane, warp_idx, chunk, group_tokens, kq, kq_t, raw_v, cum_log_g, beta, t16, p16,
-                    acc_state, coords_tile, output, start + group_start, head, v0 + warp_idx * ROWS_PER_WARP, scale,
-                )  # fmt: skip
-
-        if length == 0:  # an empty sequence's new state is zero, whatever the initial one
-            acc_state.fill(0.0)
-        cute.autovec_copy(acc_state, thr_mma.partition_C(self.warp_rows(new_state, seq, head, row_block)))
+    @cute.jit
+    def key_buffers(self, st, buffer):
+        """(cum_log_g, beta, t16, p16) of one key buffer: the group's gates (inclusive G in base 2, beta per token) and
+        each chunk's T and P in fp16."""
+        tiles_shape, tiles_stride = TILES_VIEW
+        buffer_stride = GROUP_CHUNKS * CHUNK * TILE_STRIDE
+        tiles = cute.make_layout((KEY_BUFFERS, *tiles_shape), stride=(buffer_stride, *tiles_stride))
+        gates = cute.make_layout((KEY_BUFFERS, GROUP_TOKENS), stride=(GROUP_TOKENS, 1))
+        return (
+            st.cum_log_g.get_tensor(gates)[buffer, None],
+            st.beta.get_tensor(gates)[buffer, None],
+            st.t16.get_tensor(tiles)[buffer, None, None, None],
+            st.p16.get_tensor(tiles)[buffer, None, None, None],
+        )
 
     @cute.jit
     def staging(self, st, stage):
@@ -265,7 +306,7 @@ class _WarpChain(_Chunked):
         first = start + group * GROUP_TOKENS
         tokens = cutlass.min(length - group * GROUP_TOKENS, cutlass.Int32(GROUP_TOKENS))
         qk_head = head // V_HEADS_PER_QK_HEAD
-        threads = self.num_threads
+        threads = self.copy_threads
         for i in cutlass.range_constexpr((KQ_ROWS * PIECES_PER_ROW + threads - 1) // threads):
             row, piece, token, is_q = self.kq_piece(i * threads + tidx)
             if row < KQ_ROWS and token < tokens:
@@ -309,7 +350,7 @@ class _WarpChain(_Chunked):
     def convert_kq_rows(self, kq_raw: cute.Tensor, kq: cute.Tensor, tokens: cutlass.Int32, tidx: cutlass.Int32):
         """kq = fp16 of the bf16 rows copied in, rows of tokens past the end zeroed. Each thread rewrites the pieces
         it copied itself (`load_group`'s mapping), so the in-place conversion needs no barrier before it."""
-        threads = self.num_threads
+        threads = self.copy_threads
         for i in cutlass.range_constexpr((KQ_ROWS * PIECES_PER_ROW + threads - 1) // threads):
             row, piece, token, _ = self.kq_piece(i * threads + tidx)
             if row < KQ_ROWS:
@@ -399,8 +440,10 @@ class _WarpChain(_Chunked):
                 state_a[i] = acc_state[state_order[i]].to(cutlass.Float16)
         acc_y = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS_PER_WARP, CHUNK)), cutlass.Float32)
         acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS_PER_WARP, CHUNK)), cutlass.Float32)
+        acc_y_odd = cute.make_rmem_tensor(acc_y.layout, cutlass.Float32)
         acc_y.fill(0.0)
-        self.register_gemm(tiled_mma, copy_b, lane, state_a, k_rows, acc_y)  # (K S0^T)^T
+        acc_y_odd.fill(0.0)
+        self.register_gemm(tiled_mma, copy_b, lane, state_a, k_rows, acc_y, acc_y_odd)  # (K S0^T)^T, on the chain
         acc_o.fill(0.0)
         self.register_gemm(tiled_mma, copy_b, lane, state_a, q_rows, acc_o)  # (Q S0^T)^T
 
@@ -411,7 +454,7 @@ class _WarpChain(_Chunked):
             r = coords_tile[e][0]
             j = coords_tile[e][1]
             fresh = raw_v[first + j, warp_idx * ROWS_PER_WARP + r].to(cutlass.Float32)
-            real = beta[first + j] * (fresh - self.decay(cum_log_g[first + j]) * acc_y[e])
+            real = beta[first + j] * (fresh - self.decay(cum_log_g[first + j]) * (acc_y[e] + acc_y_odd[e]))
             values[e] = cutlass.Float32(cutlass.select_(j < tokens_here, real, cutlass.Float32(0.0)))
             acc_o[e] = self.decay(cum_log_g[first + j]) * acc_o[e]
         xb_a = cute.make_rmem_tensor(thr_mma.partition_shape_A((ROWS_PER_WARP, CHUNK)), cutlass.Float16)
@@ -446,10 +489,12 @@ class _WarpChain(_Chunked):
 
     @cute.jit
     def register_gemm(
-        self, tiled_mma: cute.TiledMma, copy_b: cute.TiledCopy, lane, a_frag: cute.Tensor, s_b: cute.Tensor, acc
+        self, tiled_mma: cute.TiledMma, copy_b: cute.TiledCopy, lane, a_frag: cute.Tensor, s_b: cute.Tensor, acc,
+        acc_odd: cute.Tensor | None = None,
     ):  # fmt: skip
         """acc[M, N] += A[M, K] s_b[N, K]^T by one warp: A already in registers (`a_frag`, the MMA's A fragment of
-        [M, K]), B from shared memory by ldmatrix (`copy_b`: K-major, or N-major with .trans)."""
+        [M, K]), B from shared memory by ldmatrix (`copy_b`: K-major, or N-major with .trans). With `acc_odd` the odd
+        16-wide K blocks accumulate there instead: two dependent MMA chains of half the depth, which the caller adds."""
         thr_mma = tiled_mma.get_slice(lane)
         thr_b = copy_b.get_slice(lane)
         t_sb = thr_b.partition_S(s_b)
@@ -457,7 +502,8 @@ class _WarpChain(_Chunked):
         t_rb_view = thr_b.retile(t_rb)
         for kk in cutlass.range_constexpr(cute.size(t_sb.shape[2])):
             cute.copy(copy_b, t_sb[None, None, kk], t_rb_view[None, None, kk])
-            cute.gemm(tiled_mma, acc, a_frag[None, None, kk], t_rb[None, None, kk], acc)
+            target = acc if acc_odd is None or kk % 2 == 0 else acc_odd
+            cute.gemm(tiled_mma, target, a_frag[None, None, kk], t_rb[None, None, kk], target)
 
 
 def hand_over_order(tiled_mma: cute.TiledMma, tile: tuple[int, int]) -> tuple[int, ...]:

@@ -88,6 +88,21 @@ assert 2 * CHUNK <= WARP_SIZE  # the gate scan: one token per lane of the first 
 assert HEAD_SIZE % (STEP_WARPS * ROWS_PER_WARP) == 0
 
 
+def key_waits_for_free(group):
+    """Whether the key warps wait at FREE before `group`: its key buffer and the stage of the group after it last
+    held group - KEY_BUFFERS, which the steps must be done with (NUM_STAGES = KEY_BUFFERS + 1)."""
+    return group >= KEY_BUFFERS
+
+
+def steps_signal_free(group, num_groups):
+    """Whether the steps arrive at FREE after `group`: exactly where the key warps will wait for it, so that no
+    arrival is left over when the CTA exits."""
+    return group + KEY_BUFFERS < num_groups
+
+
+assert NUM_STAGES == KEY_BUFFERS + 1
+
+
 class _WarpChain(_Chunked):
     """The kernel: one CTA = one (sequence, v-head, slice of ROWS_PER_CTA V rows); see the module docstring.
     Reuses `_Chunked`'s warp GEMM, gates, decays and diagonal-block inverse."""
@@ -204,7 +219,7 @@ class _WarpChain(_Chunked):
                     tiled_mma, lane, warp_idx, chunk, group_tokens, kq, kq_t, raw_v, cum_log_g, beta, t16, p16,
                     acc_state, coords_tile, output, start + group_start, head, v0 + warp_idx * ROWS_PER_WARP, scale,
                 )  # fmt: skip
-            if group + KEY_BUFFERS < num_groups:  # only arrivals the key warps wait for
+            if steps_signal_free(group, num_groups):
                 cute.arch.barrier_arrive(barrier_id=FREE_BARRIER + group % KEY_BUFFERS, number_of_threads=CTA_THREADS)
         if length == 0:  # an empty sequence's new state is zero, whatever the initial one
             acc_state.fill(0.0)
@@ -232,7 +247,7 @@ class _WarpChain(_Chunked):
         for group in cutlass.range(num_groups, unroll=1):
             buffer = group % KEY_BUFFERS
             group_tokens = cutlass.min(length - group * GROUP_TOKENS, cutlass.Int32(GROUP_TOKENS))
-            if group >= KEY_BUFFERS:  # the steps are done with group - 2: its key buffer and its stage are free
+            if key_waits_for_free(group):
                 cute.arch.barrier(barrier_id=FREE_BARRIER + buffer, number_of_threads=CTA_THREADS)
             if group + 1 < num_groups:
                 self.load_group(

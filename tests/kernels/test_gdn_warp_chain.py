@@ -11,7 +11,9 @@ case (`warp_chain` is one of KERNEL_CHOICES).
 
 from __future__ import annotations
 
+import collections
 import math
+import random
 import zlib
 
 import cutlass.cute as cute
@@ -252,3 +254,78 @@ def test_the_copy_and_conversion_loops_cover_the_kq_rows_once():
     for row, _, token, is_q in pieces:
         chunk, within = divmod(row, 2 * c)
         assert bool(is_q) == (within >= c) and token == chunk * c + within % c
+
+
+# ------------------------------------------------------------------------------------------------
+# The key warps / step warps protocol
+# ------------------------------------------------------------------------------------------------
+
+
+def _role_ops(role: str, num_groups: int) -> list[tuple]:
+    """The named-barrier and staging operations of `key_role` / `step_role` in program order, with the kernel's own
+    predicates for the FREE barrier: ("copy", stage, group) writes a stage, ("keys", group) converts the group's stage
+    in place and writes its key buffer, ("steps", group) reads both."""
+    kb, stages = warp_chain.KEY_BUFFERS, warp_chain.NUM_STAGES
+    ops: list[tuple] = []
+    if role == "key":
+        if num_groups > 0:
+            ops.append(("copy", 0, 0))
+        for g in range(num_groups):
+            if warp_chain.key_waits_for_free(g):
+                ops.append(("sync", warp_chain.FREE_BARRIER + g % kb))
+            if g + 1 < num_groups:
+                ops.append(("copy", (g + 1) % stages, g + 1))
+            ops += [("keys", g), ("arrive", warp_chain.READY_BARRIER + g % kb)]
+    else:
+        for g in range(num_groups):
+            ops += [("sync", warp_chain.READY_BARRIER + g % kb), ("steps", g)]
+            if warp_chain.steps_signal_free(g, num_groups):
+                ops.append(("arrive", warp_chain.FREE_BARRIER + g % kb))
+    return ops
+
+
+@pytest.mark.parametrize("num_groups", range(8))
+def test_key_and_step_warps_never_deadlock_race_or_leave_arrivals(num_groups):
+    # Random interleavings of the two roles under bar.sync / bar.arrive semantics (a sync waits until the other role
+    # has reached the same phase of its barrier). Checked: progress; neither role a phase ahead on a barrier (256
+    # arrivals from one role would complete it); a stage or key buffer rewritten only after the steps are done with
+    # the group it held; the steps read the group's own stage and key buffer; no arrival left over at exit.
+    kb, stages = warp_chain.KEY_BUFFERS, warp_chain.NUM_STAGES
+    for seed in range(200):
+        rng = random.Random(seed)
+        ops = {role: _role_ops(role, num_groups) for role in ("key", "step")}
+        pos = dict.fromkeys(ops, 0)
+        reached = {role: collections.Counter() for role in ops}
+        holder: dict[tuple, int] = {}
+        steps_done = -1
+        while any(pos[r] < len(ops[r]) for r in ops):
+            runnable = [
+                r for r in ops
+                if pos[r] < len(ops[r])
+                and not (ops[r][pos[r]][0] == "sync"
+                         and reached[_other(r)][ops[r][pos[r]][1]] <= reached[r][ops[r][pos[r]][1]])
+            ]  # fmt: skip
+            assert runnable, f"deadlock at {pos}"
+            role = rng.choice(runnable)
+            kind, *args = ops[role][pos[role]]
+            pos[role] += 1
+            if kind in ("sync", "arrive"):
+                reached[role][args[0]] += 1
+                assert reached[role][args[0]] <= reached[_other(role)][args[0]] + 1
+            elif kind == "copy":
+                stage, group = args
+                assert steps_done >= group - stages
+                holder["stage", stage] = group
+            elif kind == "keys":
+                (group,) = args
+                assert holder["stage", group % stages] == group and steps_done >= group - kb
+                holder["buffer", group % kb] = group
+            else:
+                (group,) = args
+                assert holder["stage", group % stages] == group and holder["buffer", group % kb] == group
+                steps_done = group
+        assert steps_done == num_groups - 1 and reached["key"] == reached["step"]
+
+
+def _other(role: str) -> str:
+    return "step" if role == "key" else "key"

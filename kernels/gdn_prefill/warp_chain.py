@@ -1,8 +1,8 @@
 """GDN prefill for SM90 in CuTe-DSL, the warp chain: each warp steps 16 rows of one (sequence, head) state through
-16-token chunks in `mma.sync` accumulators, with no CTA barrier inside the chain. Built for short batches (a few
-chunks a sequence), where the token-serial kernel pays ~0.15 us a token and `chunked.py`'s barrier phases ~2.2 us a
-16-token chunk; correct at any length, so that it is measured against the other paths too (NOTES.md, "Open
-directions").
+16-token chunks in `mma.sync` accumulators, with no CTA barrier inside the chain. kernel.py takes it for batches of
+short and medium sequences (a mean of up to 480 tokens: `kernel.takes_warp_chain`), where the token-serial kernel
+pays ~0.15 us a token, `chunked.py`'s barrier phases ~2.2 us a 16-token chunk and the WY path a second launch;
+correct at any length.
 
 The math is `chunked_model.py`'s chunk step at C = 16 (`chunked_model.run(..., chunk=CHUNK)`), with its rounding
 points: k, q, S0, Xb, T, P, V' and V'c as fp16 tensor-core operands, the state, gates and element-wise steps in fp32.

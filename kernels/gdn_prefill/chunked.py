@@ -1,5 +1,5 @@
-"""GDN prefill for SM90 in CuTe-DSL, chunked on tensor cores: the path `kernel.py` takes above
-TOKEN_SERIAL_MAX_TOKENS tokens, below the WY-prepass path's.
+"""GDN prefill for SM90 in CuTe-DSL, chunked on tensor cores: the path `kernel.py` takes for one sequence of 41-64
+tokens (ONE_SEQUENCE_ONE_CHUNK); the WY-prepass path's chains reuse its methods.
 
 The math is `chunked_model.py` (chunks of C = 64 tokens; A, P, T = (I + A)^-1, Xb, V', O, S as
 written there), with the same rounding points: every tensor-core operand is fp16 (`mma.sync`
@@ -207,9 +207,6 @@ class _Chunked:
     # V rows of the state per CTA: SLICE_ROWS here; NARROW_SLICE_ROWS in `_NarrowChunked` and in the
     # WY-prepass chain's narrow width.
     slice_rows: int = SLICE_ROWS
-    # A mix-in (`short_tail._ShortTail`, kernel.py's chunked path) runs a sequence's last tokens, when they are
-    # few, as one short chunk after the 64-token ones (`full_chunks`, `short_tail_chunk`).
-    short_tail: bool = False
 
     @property
     def num_slices(self) -> int:
@@ -626,10 +623,7 @@ class _Chunked:
             acc_half = cute.make_rmem_tensor(thr_mma.partition_shape_C((BLOCK, CHUNK // 2)), cutlass.Float32)
             coords_half = thr_mma.partition_C(cute.make_identity_tensor((BLOCK, CHUNK // 2)))
 
-        num_full_chunks = num_chunks
-        if cutlass.const_expr(self.short_tail):
-            num_full_chunks = self.full_chunks(length, num_chunks)
-        for chunk in cutlass.range(num_full_chunks, unroll=1):
+        for chunk in cutlass.range(num_chunks, unroll=1):
             stage = chunk % NUM_STAGES
             chunk_start = chunk * CHUNK
             tokens_here = cutlass.min(length - chunk_start, cutlass.Int32(CHUNK))
@@ -683,14 +677,6 @@ class _Chunked:
             # The next chunk's P0 barrier orders these reads before kq's k rows, s16, A ... are
             # rewritten; kq's q rows are not read after P1.
 
-        if cutlass.const_expr(self.short_tail):
-            if num_full_chunks < num_chunks:  # the last chunk's loads were issued as the next chunk's above
-                self.short_tail_chunk(
-                    output, scale, raw_k, raw_v, raw_a, raw_b, kq_raw, kq, kq_t, a16, a_diag, t16, p16, s16, xb_t,
-                    vn_t, vnc_t, cum_log_g, beta, acc_state, acc_o, acc_y, acc_sq, coords_state, coords_rows,
-                    coords_sq, tiled_mma, copy_a, copy_b, copy_bt, start, length, head, v0, neg_decay_rate, bias,
-                    num_full_chunks, tidx, warp_idx, lane,
-                )  # fmt: skip
         cute.autovec_copy(acc_state, thr_mma.partition_C(self.state_tile(new_state, seq, head, slice_idx, warp_idx)))
 
     @cute.jit

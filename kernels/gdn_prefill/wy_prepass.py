@@ -1,5 +1,5 @@
-"""GDN prefill for SM90 in CuTe-DSL, the "WY prepass" form: the path `kernel.py` takes from
-WY_PREPASS_MIN_TOKENS tokens or a mean sequence length of WY_PREPASS_MIN_MEAN_LENGTH. `chunked.py`'s chunked form
+"""GDN prefill for SM90 in CuTe-DSL, the "WY prepass" form: the path `kernel.py` takes for a mean sequence length
+above WARP_CHAIN_MAX_MEAN_LENGTH (below 15 sequences; the WGMMA chain's from 15). `chunked.py`'s chunked form
 split in two kernels, so that the chain of chunks carries only the state-dependent half of each chunk (NOTES.md).
 
 Why: in `chunked.py` the state-free half of a chunk (the Gram tiles A and P, the gates and the three-level
@@ -585,8 +585,8 @@ def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
     """`kernel.py`'s contract: fills `output` [T,8,128] bf16 and `new_state` [N,8,128,128] fp32; `state` None
     means zeros; `scale` None or 0 means 1/sqrt(128). The two kernels on the current stream, the chain's width
-    from N; no device reads, no host synchronisation. Correct at any T (`kernel.py` takes it from
-    WY_PREPASS_MIN_TOKENS)."""
+    from N; no device reads, no host synchronisation. Correct at any T (`kernel.py` takes it for long
+    sequences)."""
     run_with_config(
         config_for(new_state.shape[0]), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state
     )

@@ -39,12 +39,12 @@ def test_narrow_kernel_for_one_or_two_sequences(num_seqs, narrow, monkeypatch):
 
 @pytest.mark.parametrize(
     ("num_tokens", "num_seqs", "expected"),
-    [(41, 1, "_NarrowShortTail"), (64, 1, "_NarrowShortTail"), (65, 1, "warp_chain"), (255, 2, "warp_chain"),
+    [(41, 1, "_NarrowChunked"), (64, 1, "_NarrowChunked"), (65, 1, "warp_chain"), (255, 2, "warp_chain"),
      (300, 3, "warp_chain"), (512, 1, "wy_prepass")],
 )  # fmt: skip
 def test_kernel_py_reaches_the_narrow_kernel_through_chunked_run(num_tokens, num_seqs, expected, monkeypatch):
-    # kernel.py's chunked rows (one sequence of 41-64 tokens) run chunked.py's kernel with a short tail (short_tail.py)
-    # at chunked.kernel_for's width; the warp chain and the WY-prepass path take the rows around them.
+    # kernel.py's chunked rows (one sequence of 41-64 tokens) run chunked.py's kernel at chunked.kernel_for's
+    # width; the warp chain and the WY-prepass path take the rows around them.
     calls = []
     monkeypatch.setattr(chunked, "run_kernel", lambda kernel_class, *args: calls.append(kernel_class.__name__))
     monkeypatch.setattr(kernel.wy_prepass, "run", lambda *args: calls.append("wy_prepass"))

@@ -1,7 +1,7 @@
 """Device check of our GDN prefill kernel (kernels/gdn_prefill/kernel.py) on a GPU.
 
 `--kernel NAME` (one of KERNEL_CHOICES: `token_serial`, `chunked`, `wy_prepass`, `wgmma_value_side`,
-`context_parallel`, `short_tail`, or the candidate `warp_chain`) checks one of kernel.py's paths alone, at every case
+`context_parallel` or `warp_chain`) checks one of kernel.py's paths alone, at every case
 (kernel.py picks one from T and N): kernels/gdn_prefill/<name>.py, loaded as a module of a package made of
 that folder (as the harness packs it), so that it may import its siblings. A case with a `known_failure`
 is reported with its reason and does not fail the check, but for the paths with the slow-chunk pairs
@@ -41,7 +41,6 @@ KERNEL_CHOICES = (
     "wy_prepass",
     "wgmma_value_side",
     "context_parallel",
-    "short_tail",
     "warp_chain",
 )
 

@@ -1,6 +1,6 @@
 """GDN prefill for SM90 in CuTe-DSL, the warp chain: each warp steps 16 rows of one (sequence, head) state through
 16-token chunks in `mma.sync` accumulators, with no CTA barrier inside the chain. kernel.py takes it for batches of
-short and medium sequences (a mean of up to 480 tokens: `kernel.takes_warp_chain`), where the token-serial kernel
+short and medium sequences (a mean of up to 500 tokens: `kernel.takes_warp_chain`), where the token-serial kernel
 pays ~0.15 us a token, `chunked.py`'s barrier phases ~2.2 us a 16-token chunk and the WY path a second launch;
 correct at any length.
 

@@ -73,7 +73,7 @@ GDN_PREFILL = Track(
         CandidateSide(
             name="cand_wy_prepass_everywhere",
             entry="wy_prepass.py::run",
-            description="kernel.py's WY-prepass path at every T (kernel.py takes it above a mean of 480 tokens): the other side of an A/B that places that bound",
+            description="kernel.py's WY-prepass path at every T (kernel.py takes it above a mean of 500 tokens): the other side of an A/B that places that bound",
         ),
         CandidateSide(
             name="cand_warp_chain",

@@ -104,16 +104,12 @@ assert NUM_STAGES == KEY_BUFFERS + 1
 
 
 class _WarpChain(_Chunked):
-    """The kernel: one CTA = one (sequence, v-head, slice of ROWS_PER_CTA V rows); see the module docstring.
+    """The kernel: one CTA = one (sequence, v-head, slice of `slice_rows` V rows); see the module docstring.
     Reuses `_Chunked`'s warp GEMM, gates, decays and diagonal-block inverse."""
 
-    rows_per_cta: int = STEP_WARPS * ROWS_PER_WARP
+    slice_rows: int = STEP_WARPS * ROWS_PER_WARP
     num_threads: int = CTA_THREADS
     copy_threads: int = KEY_THREADS  # the key warps issue the copies and convert what they copied
-
-    @property
-    def num_slices(self) -> int:
-        return HEAD_SIZE // self.rows_per_cta
 
     @cute.jit
     def launch(self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, stream):
@@ -124,7 +120,7 @@ class _WarpChain(_Chunked):
         @cute.struct
         class SharedStorage:
             kq: cute.struct.Align[cute.struct.MemRange[f16, NUM_STAGES * KQ_ROWS * WIDE_STRIDE], 128]
-            raw_v: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * GROUP_TOKENS * self.rows_per_cta], 128]
+            raw_v: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * GROUP_TOKENS * self.slice_rows], 128]
             raw_a: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * GROUP_TOKENS * NUM_V_HEADS], 128]
             raw_b: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * GROUP_TOKENS * NUM_V_HEADS], 128]
             a_diag: cute.struct.Align[cute.struct.MemRange[f32, GROUP_CHUNKS * CHUNK * DIAG_STRIDE], 128]
@@ -160,12 +156,7 @@ class _WarpChain(_Chunked):
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        head_slice, block_y, _ = cute.arch.block_idx()
-        head = head_slice // self.num_slices
-        v0 = (head_slice % self.num_slices) * self.rows_per_cta  # the CTA's first V row
-        warp_idx = tidx // WARP_SIZE
-        lane = tidx % WARP_SIZE
+        tidx, block_y, head, _, v0, warp_idx, lane = self.slice_coordinates()
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(SharedStorage)
@@ -295,7 +286,7 @@ class _WarpChain(_Chunked):
         kq_raw = kq_raw[stage, None, None]
         kq_t_layout = cute.make_layout((NUM_STAGES, *KQ_T_VIEW[0]), stride=(KQ_ROWS * row_stride, *KQ_T_VIEW[1]))
         kq_t = cute.make_tensor(kq_all.iterator, kq_t_layout)[stage, None, None]
-        rows = self.rows_per_cta
+        rows = self.slice_rows
         raw_v = st.raw_v.get_tensor(
             cute.make_layout((NUM_STAGES, GROUP_TOKENS, rows), stride=(GROUP_TOKENS * rows, rows, 1))
         )[stage, None, None]
@@ -330,7 +321,7 @@ class _WarpChain(_Chunked):
                     cute.copy(g2s, cute.local_tile(q[first + token, qk_head, None], (COPY_ELEMS,), (piece,)), dst)
                 else:
                     cute.copy(g2s, cute.local_tile(k[first + token, qk_head, None], (COPY_ELEMS,), (piece,)), dst)
-        v_pieces = self.rows_per_cta // COPY_ELEMS
+        v_pieces = self.slice_rows // COPY_ELEMS
         for i in cutlass.range_constexpr((GROUP_TOKENS * v_pieces + threads - 1) // threads):
             linear = i * threads + tidx
             token = linear // v_pieces

@@ -22,19 +22,19 @@ Five paths of this folder, chosen in this order from the total token count T and
   accumulators.
 
 Why these thresholds (NOTES.md has the measurements; the warp chain's are an H100 graph-replay probe and
-runner A/B). The
-warp chain steps a 16-token chunk of every sequence and head at once, from a ~5.5 us floor: it beats the
-token-serial kernel (a few us plus ~0.15 us per token of the longest sequence) from ~30 tokens in one
-sequence (1.06-1.22x at 30-40) and ~35 in two, loses to the chunked kernel's single 64-token chunk at
-41-64 tokens in one sequence (0.95-0.98x), and elsewhere up to a mean of 500 tokens is 1.0-2.1x faster
-than the other paths (1.4-1.6x at 8192 tokens in 20-32 sequences, 1.5-2.1x at 800-6500 in 4-13, 1.07-1.10x
-at 983 in 2). Past that mean how T splits decides (1.10x at 1800 in 3, 0.93x at 1592 in 3), and one chain
-through a long sequence's chunks loses to the WY path's V slices (0.87-0.91x at 1377-2107 tokens in 1-2). The WGMMA chain steps a chunk of a whole head in ~3.8 us where a 16-row slice of
-`wy_prepass.py` takes ~2.8: it wins where many sequences fill the GPU and loses where a few long ones
-bound the call (5709 tokens in 2: 0.75x). A single sequence walks all its chunks on one chain per head;
-split in 16 segments (16-31) it runs 1.12x faster at 2048 tokens, 1.46x at 3072, 2.1x at 6144 and 3.8x at
-64K (graph replay, cold L2), but 0.65-0.68x at 1377-1536 tokens: it takes one sequence from 2048 tokens.
-N is the only shape that says no sequence is short, so the rule is N = 1.
+runner A/B). The warp chain steps a 16-token chunk of every sequence and head at once, from a ~5.5 us floor:
+it beats the token-serial kernel (a few us plus ~0.15 us per token of the longest sequence) from ~30 tokens
+in one sequence (1.06-1.22x at 30-40) and ~35 in two, loses to the chunked kernel's single 64-token chunk at
+41-64 tokens in one sequence (0.95-0.98x), and elsewhere up to a mean of 500 tokens is 1.0-2.1x faster than
+the other paths (1.4-1.6x at 8192 tokens in 20-32 sequences, 1.5-2.1x at 800-6500 in 4-13, 1.07-1.10x at 983
+in 2). Past that mean how T splits decides (1.10x at 1800 in 3, 0.93x at 1592 in 3), and one chain through a
+long sequence's chunks loses to the WY path's V slices (0.87-0.91x at 1377-2107 tokens in 1-2). The WGMMA
+chain steps a chunk of a whole head in ~3.8 us where a 16-row slice of `wy_prepass.py` takes ~2.8: it wins
+where many sequences fill the GPU and loses where a few long ones bound the call (5709 tokens in 2: 0.75x).
+A single sequence walks all its chunks on one chain per head; split in 16 segments (16-31) it runs 1.12x
+faster at 2048 tokens, 1.46x at 3072, 2.1x at 6144 and 3.8x at 64K (graph replay, cold L2), but 0.65-0.68x
+at 1377-1536 tokens: it takes one sequence from 2048 tokens. N is the only shape that says no sequence is
+short, so the rule is N = 1.
 
 Same contract as every path: destination passing, definition order, `state` None means zeros, `scale`
 None or 0 means 1/sqrt(128), CUDA-graph safe.
@@ -99,8 +99,9 @@ def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
     """Compile every path's kernels for `arch` without touching a GPU (for CI and warm-up: no call
     compiles lazily afterwards)."""
     return (
-        *warp_chain.compile_only(arch), token_serial.compile_only(arch), chunked.compiled_for(arch, chunked.kernel_for(1)),
-        *wy_prepass.compile_only(arch), *wgmma_value_side.compile_only(arch), *context_parallel.compile_only(arch),
+        *warp_chain.compile_only(arch), token_serial.compile_only(arch),
+        chunked.compiled_for(arch, chunked.kernel_for(1)), *wy_prepass.compile_only(arch),
+        *wgmma_value_side.compile_only(arch), *context_parallel.compile_only(arch),
     )
 
 

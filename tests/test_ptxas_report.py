@@ -55,6 +55,18 @@ def test_entries_carry_their_registers_spills_and_remarks_across_wrapped_lines()
     assert "serialized due to insufficient register resources" in summary.remarks[0][1]
 
 
+def test_a_remark_naming_no_function_goes_to_the_entry_it_precedes() -> None:
+    # ptxas's setmaxnreg remarks name no function; unreported, a kernel silently runs on its launch registers.
+    text = (
+        "ptxas output: ptxas info    : (C7508) Potential Performance Loss: 'setmaxnreg' ignored; unable to determine"
+        " register count at entry.\n"
+        "ptxas info    : Compiling entry function 'kernel_cutlass_kernel_pkgwarp_chain_Adaptive_object_at__t_0'\n"
+        "ptxas info    : Used 168 registers, used 16 barriers\n"
+    )
+    (entry,) = report.parse(text, 0, "pkg")
+    assert entry.kernel == "kernel_warp_chain_Adaptive" and [code for code, _ in entry.remarks] == ["C7508"]
+
+
 def test_a_remark_is_allowed_only_by_a_matching_kernel_and_code() -> None:
     entries = report.parse(CANNED, 0, "pkg")
     assert report.disallowed(entries, report.parse_allow("Summary:C7512")) == []

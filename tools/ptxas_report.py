@@ -37,6 +37,7 @@ _PROPERTIES = re.compile(r"Function properties for (\S+)")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _REMARK = re.compile(r"\((C75\d\d)\) (.*?) (?:in|for) (?:the )?function '([^']+)'")
+_UNNAMED_REMARK = re.compile(r"\((C75\d\d)\) (.*)")  # e.g. C7507 / C7508, a `setmaxnreg` ignored
 
 
 class ReportError(RuntimeError):
@@ -83,13 +84,17 @@ def ptxas_lines(text: str) -> list[str]:
 
 
 def parse(text: str, launcher: int, package: str = "") -> list[Entry]:
-    """The entries of one compile call's output, with their remarks (a remark names its function)."""
+    """The entries of one compile call's output, with their remarks: a remark that names its function goes to it,
+    one that does not to the entry whose compilation it precedes (the last one if none follows)."""
     entries: dict[str, Entry] = {}
     current: Entry | None = None
     remarks: list[tuple[str, str, str]] = []
+    unnamed: list[tuple[str, str]] = []
     for line in ptxas_lines(text):
         if m := _ENTRY.search(line):
             current = entries.setdefault(m.group(1), Entry(launcher, short_name(m.group(1), package)))
+            remarks += [(m.group(1), code, message) for code, message in unnamed]
+            unnamed = []
         elif m := _PROPERTIES.search(line):
             current = entries.setdefault(m.group(1), Entry(launcher, short_name(m.group(1), package)))
         elif (m := _SPILLS.search(line)) and current is not None:
@@ -98,6 +103,11 @@ def parse(text: str, launcher: int, package: str = "") -> list[Entry]:
             current.registers = int(m.group(1))
         if m := _REMARK.search(line):
             remarks.append((m.group(3), m.group(1), m.group(2)))
+        elif m := _UNNAMED_REMARK.search(line):
+            unnamed.append((m.group(1), m.group(2).strip()))
+    if unnamed and entries:
+        last = next(reversed(entries))
+        remarks += [(last, code, message) for code, message in unnamed]
     for function, code, message in remarks:
         entry = entries.setdefault(function, Entry(launcher, short_name(function, package)))
         if (code, message) not in entry.remarks:

@@ -430,16 +430,15 @@ class _Chunked:
         num_seqs: cutlass.Int32,
         tidx: cutlass.Int32,
         scratch: cute.Tensor,
+        recorded_ranks: tuple[int, ...] = (),
     ) -> cutlass.Int32:
         """The sequence this CTA's grid row serves: the one of rank `block_y` in decreasing length
         (`longest_first_order`) when the grid has more CTAs than SMs (up to MAX_RANKED_SEQS sequences),
         sequence `block_y` otherwise. `scratch` is shared memory free until the first chunk's P1: the
-        lengths, then the selected sequence."""
+        lengths, then the selected sequence, then the lengths of `recorded_ranks` (`ranked_length`)."""
         seq = block_y
         if num_seqs >= min_ranked_seqs(self.ctas_per_sequence) and num_seqs <= MAX_RANKED_SEQS:
-            slots = cute.make_tensor(
-                cute.recast_ptr(scratch.iterator, dtype=cutlass.Int32), cute.make_layout(MAX_RANKED_SEQS + 1)
-            )
+            slots = self.ranking_slots(scratch, len(recorded_ranks))
             selected = MAX_RANKED_SEQS  # the slot after the lengths
             my_length = cutlass.Int32(0)
             if tidx < num_seqs:
@@ -456,9 +455,19 @@ class _Chunked:
                         rank += 1
                 if rank == block_y:
                     slots[selected] = tidx
+                for i in cutlass.range_constexpr(len(recorded_ranks)):
+                    if rank == recorded_ranks[i]:
+                        slots[selected + 1 + i] = my_length
             cute.arch.sync_threads()
             seq = slots[selected]
         return seq
+
+    def ranking_slots(self, scratch: cute.Tensor, num_recorded: int = 0) -> cute.Tensor:
+        """`sequence_of_block`'s Int32 view of its scratch: MAX_RANKED_SEQS lengths, the selected sequence, then
+        `num_recorded` lengths by rank."""
+        return cute.make_tensor(
+            cute.recast_ptr(scratch.iterator, dtype=cutlass.Int32), cute.make_layout(MAX_RANKED_SEQS + 1 + num_recorded)
+        )
 
     def staging_views(self, st, k_staged_in_kq: bool = False) -> tuple[cute.Tensor, ...]:
         """(raw_k, raw_a, raw_b, kq, kq_raw) over the like-named fields of a kernel's shared storage: the bf16

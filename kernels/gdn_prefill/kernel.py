@@ -4,9 +4,9 @@ Five paths of this folder, chosen in this order from the total token count T and
 (shapes, known on the host; no device reads, no host synchronisation):
 
 - a mean sequence length T / N of at most WARP_CHAIN_MAX_MEAN_LENGTH, from WARP_CHAIN_MIN_TOKENS tokens
-  (by N) and outside ONE_SEQUENCE_ONE_CHUNK: `warp_chain.py`, one CTA per (sequence, head, 64 V rows),
-  four warps each stepping 16 state rows through 16-token chunks with no CTA barrier, four key warps
-  computing the chunks' state-free half one group of four chunks ahead;
+  (by N) and outside ONE_SEQUENCE_ONE_CHUNK: `warp_chain.py`, one CTA per (sequence, head, 64 V rows)
+  (per (sequence, head) from 9 sequences), warps each stepping 16 state rows through 16-token chunks with
+  no CTA barrier, four key warps computing the chunks' state-free half one group of four chunks ahead;
 - the other batches of T <= TOKEN_SERIAL_MAX_TOKENS: `token_serial.py`, one CTA per (sequence, head,
   8-row V slice) stepping token by token, each state row over 16 lanes;
 - one sequence of ONE_SEQUENCE_ONE_CHUNK tokens: `chunked.py`, one 64-token chunk in the WY form on

@@ -29,8 +29,11 @@ the sequences longest first (`_Chunked.sequence_of_block`). Per group:
 The final rows go to `new_state`. Tokens past the end have k = q = 0, log g = 0 and beta = 0 and add nothing; a
 sequence of length 0 runs no chunk and stores a zero state.
 
-Shared memory ~149 KiB and 175 registers a thread: one CTA an SM. Everything is compiled once (dynamic T and N)
-into one TVM-FFI function (token_serial.py's launcher and cache).
+Shared memory ~149 KiB and 175 registers a thread: one CTA an SM. From ADAPTIVE_FROM_SEQS sequences, where the
+grid of slice CTAs outgrows the GPU, `_AdaptiveWarpChain` takes the batch: 8 step warps (~173 KiB, 168 registers),
+so that a CTA can step all 128 rows of its head (two chains a scheduler, one key side a head; its other slice CTA
+exits) or its slice alone, by its sequence's length against the longest (WHOLE_HEAD_SLOWDOWN). Each is compiled
+once (dynamic T and N) into one TVM-FFI function (token_serial.py's launcher and cache).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from .chunked import (
     _Chunked,
     _make_operand_copies,
     _make_warp_mma,
+    min_ranked_seqs,
     sequence_bounds,
 )
 from .token_serial import GPU_ARCH, HEAD_SIZE, NUM_V_HEADS, V_HEADS_PER_QK_HEAD, GdnShapeError, resolve_scale
@@ -66,10 +70,17 @@ GROUP_TOKENS = GROUP_CHUNKS * CHUNK
 KQ_ROWS = 2 * GROUP_TOKENS  # chunk c: k rows 32c..32c+15, then its q rows
 NUM_STAGES = 3  # staged inputs: the steps' group, the key warps' group, the copies of the group after it
 KEY_BUFFERS = 2  # gates, T and P: the steps' group and the key warps' group
-STEP_WARPS = 4  # warps stepping state rows, 16 each
+STEP_WARPS = 4  # warps stepping state rows, 16 each: a CTA's slice of 64 V rows
+SLICE_ROWS = STEP_WARPS * ROWS_PER_WARP
+NUM_SLICES = HEAD_SIZE // SLICE_ROWS  # CTAs of the grid a (sequence, head)
+# `_AdaptiveWarpChain`: step warps for all 128 V rows of a head, two a scheduler
+ADAPTIVE_STEP_WARPS = HEAD_SIZE // ROWS_PER_WARP
+# Its rule: a sequence is long if WHOLE_HEAD_SLOWDOWN (a fraction) times its length exceeds the longest, as a chain
+# that shares its scheduler in a whole-head CTA steps ~1.4-1.5x slower; long sequences keep a slice CTA per slice
+# unless more of them than one wave of slice CTAs holds, in which case every sequence runs whole heads.
+WHOLE_HEAD_SLOWDOWN = (3, 2)
 KEY_WARPS = GROUP_CHUNKS  # warps computing the state-free half, a chunk each
 KEY_THREADS = KEY_WARPS * WARP_SIZE
-CTA_THREADS = (STEP_WARPS + KEY_WARPS) * WARP_SIZE
 # Named barriers (0 is the CTA's): READY + b, the key warps' group in key buffer b is ready for the steps; FREE + b,
 # the steps are done with the group in key buffer b (and its stage); KEY, the key warps alone.
 READY_BARRIER = 1
@@ -85,7 +96,11 @@ KQ_T_VIEW = ((HEAD_SIZE, KQ_ROWS), (1, WIDE_STRIDE))  # kq read transposed: K as
 TILES_VIEW = ((GROUP_CHUNKS, CHUNK, CHUNK), (CHUNK * TILE_STRIDE, TILE_STRIDE, 1))  # T and P of each chunk
 
 assert 2 * CHUNK <= WARP_SIZE  # the gate scan: one token per lane of the first half-warp
-assert HEAD_SIZE % (STEP_WARPS * ROWS_PER_WARP) == 0
+assert HEAD_SIZE % SLICE_ROWS == 0
+# The grid of slice CTAs outgrows the GPU (one CTA an SM) from this many sequences: `_AdaptiveWarpChain` takes those.
+ADAPTIVE_FROM_SEQS = min_ranked_seqs(NUM_V_HEADS * NUM_SLICES)
+# More long sequences than this fill a wave of slice CTAs: the rank whose length decides (0-based).
+WAVE_RANK = ADAPTIVE_FROM_SEQS - 1
 
 
 def key_waits_for_free(group):
@@ -107,9 +122,18 @@ class _WarpChain(_Chunked):
     """The kernel: one CTA = one (sequence, v-head, slice of `slice_rows` V rows); see the module docstring.
     Reuses `_Chunked`'s warp GEMM, gates, decays and diagonal-block inverse."""
 
-    slice_rows: int = STEP_WARPS * ROWS_PER_WARP
-    num_threads: int = CTA_THREADS
+    slice_rows: int = SLICE_ROWS
+    step_warps: int = STEP_WARPS
+    adaptive: bool = False  # whether a CTA may step its head's every row (`_AdaptiveWarpChain`)
     copy_threads: int = KEY_THREADS  # the key warps issue the copies and convert what they copied
+
+    @property
+    def rows_per_cta(self) -> int:  # the V rows a CTA can step, hence stage
+        return self.step_warps * ROWS_PER_WARP
+
+    @property
+    def num_threads(self) -> int:
+        return (self.step_warps + KEY_WARPS) * WARP_SIZE
 
     @cute.jit
     def launch(self, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state, stream):
@@ -120,7 +144,7 @@ class _WarpChain(_Chunked):
         @cute.struct
         class SharedStorage:
             kq: cute.struct.Align[cute.struct.MemRange[f16, NUM_STAGES * KQ_ROWS * WIDE_STRIDE], 128]
-            raw_v: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * GROUP_TOKENS * self.slice_rows], 128]
+            raw_v: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * GROUP_TOKENS * self.rows_per_cta], 128]
             raw_a: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * GROUP_TOKENS * NUM_V_HEADS], 128]
             raw_b: cute.struct.Align[cute.struct.MemRange[bf16, NUM_STAGES * GROUP_TOKENS * NUM_V_HEADS], 128]
             a_diag: cute.struct.Align[cute.struct.MemRange[f32, GROUP_CHUNKS * CHUNK * DIAG_STRIDE], 128]
@@ -156,7 +180,7 @@ class _WarpChain(_Chunked):
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        tidx, block_y, head, _, v0, warp_idx, lane = self.slice_coordinates()
+        tidx, block_y, head, slice_idx, v0, warp_idx, lane = self.slice_coordinates()
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(SharedStorage)
@@ -166,29 +190,74 @@ class _WarpChain(_Chunked):
         # Grid rows serve the sequences longest first once the grid outgrows the GPU (`_Chunked.sequence_of_block`,
         # one thread per sequence), with a_diag as the scratch; the key warps write it once every thread has read.
         seq = block_y
-        if cutlass.const_expr(self.num_threads >= MAX_RANKED_SEQS):
-            seq = self.sequence_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, a_diag)
-            cute.arch.sync_threads()
+        if cutlass.const_expr(self.adaptive):
+            seq, whole_head = self.plan_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, a_diag)
+            # A whole head: its slice-0 CTA steps all NUM_SLICES slices, the others have nothing to do.
+            if slice_idx * whole_head == 0:
+                rows = SLICE_ROWS * (1 + whole_head * (NUM_SLICES - 1))
+                self.roles(
+                    tiled_mma, st, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output,
+                    new_state, seq, head, v0 * (1 - whole_head), rows, tidx, warp_idx, lane,
+                    a_diag,
+                )  # fmt: skip
+        else:
+            if cutlass.const_expr(self.num_threads >= MAX_RANKED_SEQS):
+                seq = self.sequence_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, a_diag)
+                cute.arch.sync_threads()
+            self.roles(
+                tiled_mma, st, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state,
+                seq, head, v0, SLICE_ROWS, tidx, warp_idx, lane, a_diag,
+            )  # fmt: skip
 
+    @cute.jit
+    def plan_of_block(self, cu_seqlens, block_y, num_seqs, tidx, scratch):
+        """(sequence, 1 if the CTA steps its head's every row else 0) of this grid row, by the adaptive rule
+        (WHOLE_HEAD_SLOWDOWN): the sequences ranked longest first as `sequence_of_block` ranks them, recording the
+        longest length and the one at WAVE_RANK. Beyond MAX_RANKED_SEQS sequences, grid order and whole heads."""
+        seq = block_y
+        whole_head = cutlass.Int32(0)  # a grid that fits the GPU: slice CTAs
+        if num_seqs > MAX_RANKED_SEQS:
+            whole_head = cutlass.Int32(1)
+        if num_seqs >= ADAPTIVE_FROM_SEQS and num_seqs <= MAX_RANKED_SEQS:
+            seq = self.sequence_of_block(cu_seqlens, block_y, num_seqs, tidx, scratch, recorded_ranks=(0, WAVE_RANK))
+            slots = self.ranking_slots(scratch, 2)  # the lengths by sequence, then the recorded ones
+            longest = slots[MAX_RANKED_SEQS + 1]
+            slow, fast = WHOLE_HEAD_SLOWDOWN
+            whole_head = cutlass.Int32(1)
+            if slow * slots[MAX_RANKED_SEQS + 2] <= fast * longest:  # the long sequences fit a wave of slice CTAs
+                if slow * slots[seq] > fast * longest:
+                    whole_head = cutlass.Int32(0)
+        cute.arch.sync_threads()  # every thread has read the scratch before the key warps write it
+        return seq, whole_head
+
+    @cute.jit
+    def roles(
+        self, tiled_mma, st, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state,
+        seq, head, v0, rows, tidx, warp_idx, lane, a_diag,
+    ):  # fmt: skip
+        """The CTA's warps in their roles, stepping `rows` V rows from `v0`."""
         coords_tile = tiled_mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
-        if warp_idx < STEP_WARPS:
+        if warp_idx < self.step_warps:
             self.step_role(
-                tiled_mma, st, q, v, state, cu_seqlens, scale, has_state, output, new_state, seq, head, v0, warp_idx,
-                lane, coords_tile,
+                tiled_mma, st, q, v, state, cu_seqlens, scale, has_state, output, new_state, seq, head, v0, rows,
+                warp_idx, lane, coords_tile,
             )  # fmt: skip
         else:
             self.key_role(
-                tiled_mma, st, q, k, v, A_log, a, dt_bias, b, cu_seqlens, seq, head, v0, tidx - STEP_WARPS * WARP_SIZE,
-                warp_idx - STEP_WARPS, lane, a_diag, coords_tile,
+                tiled_mma, st, q, k, v, A_log, a, dt_bias, b, cu_seqlens, seq, head, v0, rows,
+                tidx - self.step_warps * WARP_SIZE, warp_idx - self.step_warps, lane, a_diag, coords_tile,
             )  # fmt: skip
 
     @cute.jit
     def step_role(
-        self, tiled_mma, st, q, v, state, cu_seqlens, scale, has_state, output, new_state, seq, head, v0, warp_idx,
-        lane, coords_tile,
+        self, tiled_mma, st, q, v, state, cu_seqlens, scale, has_state, output, new_state, seq, head, v0, rows,
+        warp_idx, lane, coords_tile,
     ):  # fmt: skip
         """A step warp: its 16 state rows through every chunk of the sequence, a group once the key warps have
-        signalled it ready, then into `new_state`."""
+        signalled it ready, then into `new_state`. A warp past the CTA's `rows` only keeps the barriers' count."""
+        active = True
+        if cutlass.const_expr(self.adaptive):
+            active = warp_idx * ROWS_PER_WARP < rows
         thr_mma = tiled_mma.get_slice(lane)
         row_block = v0 // ROWS_PER_WARP + warp_idx  # the warp's rows: 16 row_block ..
         # The warp's rows of the state in fp32 accumulators (zeros without a state), issued before the read of the
@@ -196,7 +265,8 @@ class _WarpChain(_Chunked):
         acc_state = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS_PER_WARP, HEAD_SIZE)), cutlass.Float32)
         acc_state.fill(0.0)
         if has_state != 0:
-            cute.autovec_copy(thr_mma.partition_C(self.warp_rows(state, seq, head, row_block)), acc_state)
+            if active:
+                cute.autovec_copy(thr_mma.partition_C(self.warp_rows(state, seq, head, row_block)), acc_state)
         start, length = sequence_bounds(cu_seqlens, seq, cutlass.Int32(q.shape[0]))
         num_groups = (length + GROUP_TOKENS - 1) // GROUP_TOKENS
         for group in cutlass.range(num_groups, unroll=1):
@@ -204,22 +274,27 @@ class _WarpChain(_Chunked):
             group_tokens = cutlass.min(length - group_start, cutlass.Int32(GROUP_TOKENS))
             kq, _, kq_t, raw_v, _, _ = self.staging(st, group % NUM_STAGES)
             cum_log_g, beta, t16, p16 = self.key_buffers(st, group % KEY_BUFFERS)
-            cute.arch.barrier(barrier_id=READY_BARRIER + group % KEY_BUFFERS, number_of_threads=CTA_THREADS)
-            for chunk in cutlass.range((group_tokens + CHUNK - 1) // CHUNK, unroll=1):
-                self.chain_step(
-                    tiled_mma, lane, warp_idx, chunk, group_tokens, kq, kq_t, raw_v, cum_log_g, beta, t16, p16,
-                    acc_state, coords_tile, output, start + group_start, head, v0 + warp_idx * ROWS_PER_WARP, scale,
-                )  # fmt: skip
+            cute.arch.barrier(barrier_id=READY_BARRIER + group % KEY_BUFFERS, number_of_threads=self.num_threads)
+            if active:
+                for chunk in cutlass.range((group_tokens + CHUNK - 1) // CHUNK, unroll=1):
+                    self.chain_step(
+                        tiled_mma, lane, warp_idx, chunk, group_tokens, kq, kq_t, raw_v, cum_log_g, beta, t16, p16,
+                        acc_state, coords_tile, output, start + group_start, head, v0 + warp_idx * ROWS_PER_WARP,
+                        scale,
+                    )  # fmt: skip
             if steps_signal_free(group, num_groups):
-                cute.arch.barrier_arrive(barrier_id=FREE_BARRIER + group % KEY_BUFFERS, number_of_threads=CTA_THREADS)
+                cute.arch.barrier_arrive(
+                    barrier_id=FREE_BARRIER + group % KEY_BUFFERS, number_of_threads=self.num_threads
+                )
         if length == 0:  # an empty sequence's new state is zero, whatever the initial one
             acc_state.fill(0.0)
-        cute.autovec_copy(acc_state, thr_mma.partition_C(self.warp_rows(new_state, seq, head, row_block)))
+        if active:
+            cute.autovec_copy(acc_state, thr_mma.partition_C(self.warp_rows(new_state, seq, head, row_block)))
 
     @cute.jit
     def key_role(
-        self, tiled_mma, st, q, k, v, A_log, a, dt_bias, b, cu_seqlens, seq, head, v0, key_tidx, key_warp, lane,
-        a_diag, coords_tile,
+        self, tiled_mma, st, q, k, v, A_log, a, dt_bias, b, cu_seqlens, seq, head, v0, rows, key_tidx, key_warp,
+        lane, a_diag, coords_tile,
     ):  # fmt: skip
         """A key warp: per group, the copies of the next group, then the state-free half of its chunk of this one
         into a key buffer, signalled ready to the steps. It reuses a key buffer (and a stage) once the steps have
@@ -230,7 +305,7 @@ class _WarpChain(_Chunked):
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
         )
         if num_groups > 0:
-            self.load_group(g2s, q, k, v, a, b, self.staging(st, 0), start, length, 0, head, v0, key_tidx)
+            self.load_group(g2s, q, k, v, a, b, self.staging(st, 0), start, length, 0, head, v0, rows, key_tidx)
         cute.arch.cp_async_commit_group()
 
         neg_decay_rate = -cute.math.exp(A_log[head]) * LOG2_E  # log g, hence G, in base 2
@@ -239,11 +314,11 @@ class _WarpChain(_Chunked):
             buffer = group % KEY_BUFFERS
             group_tokens = cutlass.min(length - group * GROUP_TOKENS, cutlass.Int32(GROUP_TOKENS))
             if key_waits_for_free(group):
-                cute.arch.barrier(barrier_id=FREE_BARRIER + buffer, number_of_threads=CTA_THREADS)
+                cute.arch.barrier(barrier_id=FREE_BARRIER + buffer, number_of_threads=self.num_threads)
             if group + 1 < num_groups:
                 self.load_group(
                     g2s, q, k, v, a, b, self.staging(st, (group + 1) % NUM_STAGES), start, length, group + 1, head,
-                    v0, key_tidx,
+                    v0, rows, key_tidx,
                 )  # fmt: skip
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)  # this group's copies; the next group's stay in flight
@@ -256,7 +331,7 @@ class _WarpChain(_Chunked):
                     tiled_mma, lane, key_warp, group_tokens, kq, raw_a, raw_b, head, neg_decay_rate, bias, cum_log_g,
                     beta, a_diag, t16, p16, coords_tile,
                 )  # fmt: skip
-            cute.arch.barrier_arrive(barrier_id=READY_BARRIER + buffer, number_of_threads=CTA_THREADS)
+            cute.arch.barrier_arrive(barrier_id=READY_BARRIER + buffer, number_of_threads=self.num_threads)
 
     @cute.jit
     def key_buffers(self, st, buffer):
@@ -286,7 +361,7 @@ class _WarpChain(_Chunked):
         kq_raw = kq_raw[stage, None, None]
         kq_t_layout = cute.make_layout((NUM_STAGES, *KQ_T_VIEW[0]), stride=(KQ_ROWS * row_stride, *KQ_T_VIEW[1]))
         kq_t = cute.make_tensor(kq_all.iterator, kq_t_layout)[stage, None, None]
-        rows = self.slice_rows
+        rows = self.rows_per_cta
         raw_v = st.raw_v.get_tensor(
             cute.make_layout((NUM_STAGES, GROUP_TOKENS, rows), stride=(GROUP_TOKENS * rows, rows, 1))
         )[stage, None, None]
@@ -304,10 +379,10 @@ class _WarpChain(_Chunked):
         return cute.local_tile(state[seq, head, None, None], (ROWS_PER_WARP, HEAD_SIZE), (row_block, 0))
 
     @cute.jit
-    def load_group(self, g2s, q, k, v, a, b, staging, start, length, group, head, v0, tidx):
+    def load_group(self, g2s, q, k, v, a, b, staging, start, length, group, head, v0, rows, tidx):
         """cp.async of one group's inputs into a stage (`staging`'s views): its k and q rows (the head's q/k head) into
-        kq_raw as `kq_piece` places them, the CTA's rows of v, the 8-head rows of a and b; tokens past the end are
-        skipped."""
+        kq_raw as `kq_piece` places them, the CTA's `rows` rows of v from `v0`, the 8-head rows of a and b; tokens past
+        the end are skipped."""
         _, kq_raw, _, raw_v, raw_a, raw_b = staging
         first = start + group * GROUP_TOKENS
         tokens = cutlass.min(length - group * GROUP_TOKENS, cutlass.Int32(GROUP_TOKENS))
@@ -321,12 +396,12 @@ class _WarpChain(_Chunked):
                     cute.copy(g2s, cute.local_tile(q[first + token, qk_head, None], (COPY_ELEMS,), (piece,)), dst)
                 else:
                     cute.copy(g2s, cute.local_tile(k[first + token, qk_head, None], (COPY_ELEMS,), (piece,)), dst)
-        v_pieces = self.slice_rows // COPY_ELEMS
+        v_pieces = self.rows_per_cta // COPY_ELEMS
         for i in cutlass.range_constexpr((GROUP_TOKENS * v_pieces + threads - 1) // threads):
             linear = i * threads + tidx
             token = linear // v_pieces
             piece = linear % v_pieces
-            if token < tokens:
+            if token < tokens and piece * COPY_ELEMS < rows:
                 cute.copy(
                     g2s,
                     cute.local_tile(v[first + token, head, None], (COPY_ELEMS,), (v0 // COPY_ELEMS + piece,)),
@@ -512,6 +587,16 @@ class _WarpChain(_Chunked):
             cute.gemm(tiled_mma, target, a_frag[None, None, kk], t_rb[None, None, kk], target)
 
 
+class _AdaptiveWarpChain(_WarpChain):
+    """The warp chain for grids that outgrow the GPU: 8 step warps, so that a CTA can step its head's every row,
+    two chains a scheduler and one key side a head where slice CTAs compute it twice (fewer CTAs, more work an
+    SM), or only its slice with four of them (each chain at full speed). The CTA picks by its sequence's length
+    against the longest (`plan_of_block`)."""
+
+    step_warps: int = ADAPTIVE_STEP_WARPS
+    adaptive: bool = True
+
+
 def hand_over_order(tiled_mma: cute.TiledMma, tile: tuple[int, int]) -> tuple[int, ...]:
     """For each element of a lane's A fragment over `tile` ([M, K]), the index of the element of its accumulator
     fragment over the same [M, N] shape that holds the same (row, column): how an accumulator becomes the next
@@ -530,10 +615,11 @@ def hand_over_order(tiled_mma: cute.TiledMma, tile: tuple[int, int]) -> tuple[in
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
     """Compile the kernel for `arch` without touching a GPU (for CI and warm-up)."""
-    return (token_serial.compiled_for(arch, _WarpChain),)
+    return tuple(token_serial.compiled_for(arch, kernel) for kernel in (_WarpChain, _AdaptiveWarpChain))
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
     """Destination-passing entry: fills `output` [T,8,128] bf16 and `new_state` [N,8,128,128] fp32; one launch, no
     host sync. `state` None means zeros; `scale` None or 0 means 1/sqrt(128)."""
-    token_serial.run_kernel(_WarpChain, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+    kernel = _AdaptiveWarpChain if new_state.shape[0] >= ADAPTIVE_FROM_SEQS else _WarpChain
+    token_serial.run_kernel(kernel, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)

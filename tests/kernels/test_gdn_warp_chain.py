@@ -38,15 +38,16 @@ def _inputs(case):
 
 
 def test_compiles_for_sm90a_without_gpu():
-    assert_compiles_and_caches(warp_chain.compile_only, 1)
+    assert_compiles_and_caches(warp_chain.compile_only, 2)
 
 
 def test_ptxas_keeps_it_in_registers():
     ptxas_report = load_module_by_path(REPO_ROOT / "tools/ptxas_report.py", "ptxas_report_for_warp_chain")
     entries = ptxas_report.compile_track("gdn_prefill", "warp_chain")
-    assert [e.kernel for e in entries] == ["kernel_warp_chain_WarpChain"]
-    assert entries[0].spill_stores == 0 and not entries[0].remarks
-    assert entries[0].registers * warp_chain.CTA_THREADS <= 64 * 1024  # the step and key warps' CTA fits an SM
+    assert [e.kernel for e in entries] == ["kernel_warp_chain_WarpChain", "kernel_warp_chain_AdaptiveWarpChain"]
+    for entry, kernel in zip(entries, (warp_chain._WarpChain(), warp_chain._AdaptiveWarpChain())):
+        assert entry.spill_stores == 0 and not entry.remarks
+        assert entry.registers * kernel.num_threads <= 64 * 1024  # the step and key warps' CTA fits an SM
 
 
 def test_one_cta_fits_an_sm(monkeypatch):
@@ -61,9 +62,21 @@ def test_one_cta_fits_an_sm(monkeypatch):
 
     monkeypatch.setattr(fresh._Chunked, "launch_grid", staticmethod(spy))
     fresh.compile_only("sm_90a")
-    ((smem, threads),) = sizes
     sm_smem, cta_reserved = 228 * 1024, 1024  # H100 / H200: shared memory an SM, and the driver's per-CTA reserve
-    assert smem + cta_reserved <= sm_smem and threads == warp_chain.CTA_THREADS
+    kernels = (warp_chain._WarpChain(), warp_chain._AdaptiveWarpChain())
+    assert [threads for _, threads in sizes] == [kernel.num_threads for kernel in kernels] == [256, 384]
+    assert all(smem + cta_reserved <= sm_smem for smem, _ in sizes)
+
+
+def test_adaptive_ctas_take_the_batches_whose_slice_grid_outgrows_the_gpu():
+    adaptive = warp_chain._AdaptiveWarpChain()
+    ctas_per_sequence = adaptive.ctas_per_sequence
+    assert ctas_per_sequence == warp_chain._WarpChain().ctas_per_sequence == 16
+    assert adaptive.rows_per_cta == warp_chain.HEAD_SIZE and adaptive.adaptive
+    from_seqs = warp_chain.ADAPTIVE_FROM_SEQS
+    assert (from_seqs - 1) * ctas_per_sequence <= chunked.NUM_SMS < from_seqs * ctas_per_sequence
+    # the long sequences fill a wave of slice CTAs once the one at WAVE_RANK is long
+    assert warp_chain.WAVE_RANK * ctas_per_sequence <= chunked.NUM_SMS < (warp_chain.WAVE_RANK + 1) * ctas_per_sequence
 
 
 def test_is_a_solution_the_gpu_tests_run():

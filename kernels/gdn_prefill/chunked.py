@@ -435,7 +435,7 @@ class _Chunked:
         """The sequence this CTA's grid row serves: the one of rank `block_y` in decreasing length
         (`longest_first_order`) when the grid has more CTAs than SMs (up to MAX_RANKED_SEQS sequences),
         sequence `block_y` otherwise. `scratch` is shared memory free until the first chunk's P1: the
-        lengths, then the selected sequence, then the lengths of `recorded_ranks` (`ranked_length`)."""
+        lengths, then the selected sequence, then the lengths of `recorded_ranks` (`ranking_slots`)."""
         seq = block_y
         if num_seqs >= min_ranked_seqs(self.ctas_per_sequence) and num_seqs <= MAX_RANKED_SEQS:
             slots = self.ranking_slots(scratch, len(recorded_ranks))
@@ -534,16 +534,18 @@ class _Chunked:
         self.launch_grid(kernel, [NUM_V_HEADS * self.num_slices, new_state.shape[0], 1], SharedStorage, stream)
 
     @staticmethod
-    def launch_grid(kernel, grid: list, SharedStorage, stream, threads: int = NUM_THREADS) -> None:
+    def launch_grid(kernel, grid: list, SharedStorage, stream, threads: int = NUM_THREADS, min_blocks: int = 0) -> None:
         """Launch a traced kernel of this folder's chunked family (this one, the WY-prepass pair, the WGMMA
         chain): `threads` threads (NUM_THREADS but for the WGMMA chain's two warpgroups), `SharedStorage` as its
-        dynamic shared memory, the largest carveout (two or three CTAs per SM, or one of ~148 KB, need it)."""
+        dynamic shared memory, the largest carveout (two or three CTAs per SM, or one of ~148 KB, need it).
+        `min_blocks` CTAs an SM (0: unsaid) fixes the registers a thread at entry, which `setmaxnreg` needs."""
         kernel.launch(
             grid=grid,
             block=[threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             preferred_smem_carveout=MAX_SMEM_CARVEOUT,
+            min_blocks_per_mp=min_blocks,
         )
 
     @cute.kernel

@@ -32,8 +32,9 @@ sequence of length 0 runs no chunk and stores a zero state.
 Shared memory ~149 KiB and 175 registers a thread: one CTA an SM. From ADAPTIVE_FROM_SEQS sequences, where the
 grid of slice CTAs outgrows the GPU, `_AdaptiveWarpChain` takes the batch: 8 step warps (~173 KiB, 168 registers),
 so that a CTA can step all 128 rows of its head (two chains a scheduler, one key side a head; its other slice CTA
-exits) or its slice alone, by its sequence's length against the longest (WHOLE_HEAD_SLOWDOWN). Each is compiled
-once (dynamic T and N) into one TVM-FFI function (token_serial.py's launcher and cache).
+exits) or its slice alone, by its sequence's length against the longest (WHOLE_HEAD_SLOWDOWN); a slice CTA's idle
+step warpgroup leaves its registers to the other two (SLICE_MODE_REGS). Each is compiled once (dynamic T and N)
+into one TVM-FFI function (token_serial.py's launcher and cache).
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ ADAPTIVE_STEP_WARPS = HEAD_SIZE // ROWS_PER_WARP
 # unless more of them than one wave of slice CTAs holds, in which case every sequence runs whole heads.
 WHOLE_HEAD_SLOWDOWN = (3, 2)
 KEY_WARPS = GROUP_CHUNKS  # warps computing the state-free half, a chunk each
+# `_AdaptiveWarpChain`'s registers a thread in a slice CTA (setmaxnreg): its idle step warpgroup gives its registers to
+# the step and key warpgroups (2 x 240 + 24 warpgroup shares of 168 at launch).
+SLICE_MODE_REGS = 240
+IDLE_REGS = 24
 KEY_THREADS = KEY_WARPS * WARP_SIZE
 # Named barriers (0 is the CTA's): READY + b, the key warps' group in key buffer b is ready for the steps; FREE + b,
 # the steps are done with the group in key buffer b (and its stage); KEY, the key warps alone.
@@ -101,6 +106,11 @@ assert HEAD_SIZE % SLICE_ROWS == 0
 ADAPTIVE_FROM_SEQS = min_ranked_seqs(NUM_V_HEADS * NUM_SLICES)
 # More long sequences than this fill a wave of slice CTAs: the rank whose length decides (0-based).
 WAVE_RANK = ADAPTIVE_FROM_SEQS - 1
+
+
+def role_threads(rows: int) -> int:
+    """Threads taking part in the step and key barriers of a CTA stepping `rows` V rows."""
+    return (rows // ROWS_PER_WARP + KEY_WARPS) * WARP_SIZE
 
 
 def key_waits_for_free(group):
@@ -158,8 +168,9 @@ class _WarpChain(_Chunked):
             tiled_mma, SharedStorage,
         )  # fmt: skip
         self.launch_grid(
-            kernel, [NUM_V_HEADS * self.num_slices, new_state.shape[0], 1], SharedStorage, stream, self.num_threads
-        )
+            kernel, [NUM_V_HEADS * self.num_slices, new_state.shape[0], 1], SharedStorage, stream, self.num_threads,
+            min_blocks=1 if self.adaptive else 0,
+        )  # fmt: skip
 
     @cute.kernel
     def kernel(
@@ -192,13 +203,18 @@ class _WarpChain(_Chunked):
         seq = block_y
         if cutlass.const_expr(self.adaptive):
             seq, whole_head = self.plan_of_block(cu_seqlens, block_y, new_state.shape[0], tidx, a_diag)
-            # A whole head: its slice-0 CTA steps all NUM_SLICES slices, the others have nothing to do.
-            if slice_idx * whole_head == 0:
-                rows = SLICE_ROWS * (1 + whole_head * (NUM_SLICES - 1))
+            # A whole head: its slice-0 CTA steps all NUM_SLICES slices, the others have nothing to do. Each mode is
+            # its own code (the row count a constant), so that a slice CTA runs the slice kernel's loops.
+            if whole_head != 0:
+                if slice_idx == 0:
+                    self.roles(
+                        tiled_mma, st, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output,
+                        new_state, seq, head, cutlass.Int32(0), HEAD_SIZE, tidx, warp_idx, lane, a_diag,
+                    )  # fmt: skip
+            else:
                 self.roles(
                     tiled_mma, st, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output,
-                    new_state, seq, head, v0 * (1 - whole_head), rows, tidx, warp_idx, lane,
-                    a_diag,
+                    new_state, seq, head, v0, SLICE_ROWS, tidx, warp_idx, lane, a_diag,
                 )  # fmt: skip
         else:
             if cutlass.const_expr(self.num_threads >= MAX_RANKED_SEQS):
@@ -235,18 +251,26 @@ class _WarpChain(_Chunked):
         self, tiled_mma, st, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state,
         seq, head, v0, rows, tidx, warp_idx, lane, a_diag,
     ):  # fmt: skip
-        """The CTA's warps in their roles, stepping `rows` V rows from `v0`."""
+        """The CTA's warps in their roles, stepping `rows` (a constant) V rows from `v0`. Step warps past `rows` (a
+        slice of `_AdaptiveWarpChain`) leave at once, their registers to the step and key warps."""
         coords_tile = tiled_mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
-        if warp_idx < self.step_warps:
+        shares_registers = rows < self.rows_per_cta
+        if warp_idx * ROWS_PER_WARP < rows:
+            if cutlass.const_expr(shares_registers):
+                cute.arch.setmaxregister_increase(SLICE_MODE_REGS)
             self.step_role(
                 tiled_mma, st, q, v, state, cu_seqlens, scale, has_state, output, new_state, seq, head, v0, rows,
                 warp_idx, lane, coords_tile,
             )  # fmt: skip
-        else:
+        elif warp_idx >= self.step_warps:
+            if cutlass.const_expr(shares_registers):
+                cute.arch.setmaxregister_increase(SLICE_MODE_REGS)
             self.key_role(
                 tiled_mma, st, q, k, v, A_log, a, dt_bias, b, cu_seqlens, seq, head, v0, rows,
                 tidx - self.step_warps * WARP_SIZE, warp_idx - self.step_warps, lane, a_diag, coords_tile,
             )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_decrease(IDLE_REGS)
 
     @cute.jit
     def step_role(
@@ -254,10 +278,7 @@ class _WarpChain(_Chunked):
         warp_idx, lane, coords_tile,
     ):  # fmt: skip
         """A step warp: its 16 state rows through every chunk of the sequence, a group once the key warps have
-        signalled it ready, then into `new_state`. A warp past the CTA's `rows` only keeps the barriers' count."""
-        active = True
-        if cutlass.const_expr(self.adaptive):
-            active = warp_idx * ROWS_PER_WARP < rows
+        signalled it ready, then into `new_state`."""
         thr_mma = tiled_mma.get_slice(lane)
         row_block = v0 // ROWS_PER_WARP + warp_idx  # the warp's rows: 16 row_block ..
         # The warp's rows of the state in fp32 accumulators (zeros without a state), issued before the read of the
@@ -265,31 +286,27 @@ class _WarpChain(_Chunked):
         acc_state = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS_PER_WARP, HEAD_SIZE)), cutlass.Float32)
         acc_state.fill(0.0)
         if has_state != 0:
-            if active:
-                cute.autovec_copy(thr_mma.partition_C(self.warp_rows(state, seq, head, row_block)), acc_state)
+            cute.autovec_copy(thr_mma.partition_C(self.warp_rows(state, seq, head, row_block)), acc_state)
         start, length = sequence_bounds(cu_seqlens, seq, cutlass.Int32(q.shape[0]))
         num_groups = (length + GROUP_TOKENS - 1) // GROUP_TOKENS
         for group in cutlass.range(num_groups, unroll=1):
             group_start = group * GROUP_TOKENS
             group_tokens = cutlass.min(length - group_start, cutlass.Int32(GROUP_TOKENS))
-            kq, _, kq_t, raw_v, _, _ = self.staging(st, group % NUM_STAGES)
+            kq, _, kq_t, raw_v, _, _ = self.staging(st, group % NUM_STAGES, rows)
             cum_log_g, beta, t16, p16 = self.key_buffers(st, group % KEY_BUFFERS)
-            cute.arch.barrier(barrier_id=READY_BARRIER + group % KEY_BUFFERS, number_of_threads=self.num_threads)
-            if active:
-                for chunk in cutlass.range((group_tokens + CHUNK - 1) // CHUNK, unroll=1):
-                    self.chain_step(
-                        tiled_mma, lane, warp_idx, chunk, group_tokens, kq, kq_t, raw_v, cum_log_g, beta, t16, p16,
-                        acc_state, coords_tile, output, start + group_start, head, v0 + warp_idx * ROWS_PER_WARP,
-                        scale,
-                    )  # fmt: skip
+            cute.arch.barrier(barrier_id=READY_BARRIER + group % KEY_BUFFERS, number_of_threads=role_threads(rows))
+            for chunk in cutlass.range((group_tokens + CHUNK - 1) // CHUNK, unroll=1):
+                self.chain_step(
+                    tiled_mma, lane, warp_idx, chunk, group_tokens, kq, kq_t, raw_v, cum_log_g, beta, t16, p16,
+                    acc_state, coords_tile, output, start + group_start, head, v0 + warp_idx * ROWS_PER_WARP, scale,
+                )  # fmt: skip
             if steps_signal_free(group, num_groups):
                 cute.arch.barrier_arrive(
-                    barrier_id=FREE_BARRIER + group % KEY_BUFFERS, number_of_threads=self.num_threads
+                    barrier_id=FREE_BARRIER + group % KEY_BUFFERS, number_of_threads=role_threads(rows)
                 )
         if length == 0:  # an empty sequence's new state is zero, whatever the initial one
             acc_state.fill(0.0)
-        if active:
-            cute.autovec_copy(acc_state, thr_mma.partition_C(self.warp_rows(new_state, seq, head, row_block)))
+        cute.autovec_copy(acc_state, thr_mma.partition_C(self.warp_rows(new_state, seq, head, row_block)))
 
     @cute.jit
     def key_role(
@@ -305,7 +322,7 @@ class _WarpChain(_Chunked):
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.BFloat16, num_bits_per_copy=128
         )
         if num_groups > 0:
-            self.load_group(g2s, q, k, v, a, b, self.staging(st, 0), start, length, 0, head, v0, rows, key_tidx)
+            self.load_group(g2s, q, k, v, a, b, self.staging(st, 0, rows), start, length, 0, head, v0, rows, key_tidx)
         cute.arch.cp_async_commit_group()
 
         neg_decay_rate = -cute.math.exp(A_log[head]) * LOG2_E  # log g, hence G, in base 2
@@ -314,15 +331,15 @@ class _WarpChain(_Chunked):
             buffer = group % KEY_BUFFERS
             group_tokens = cutlass.min(length - group * GROUP_TOKENS, cutlass.Int32(GROUP_TOKENS))
             if key_waits_for_free(group):
-                cute.arch.barrier(barrier_id=FREE_BARRIER + buffer, number_of_threads=self.num_threads)
+                cute.arch.barrier(barrier_id=FREE_BARRIER + buffer, number_of_threads=role_threads(rows))
             if group + 1 < num_groups:
                 self.load_group(
-                    g2s, q, k, v, a, b, self.staging(st, (group + 1) % NUM_STAGES), start, length, group + 1, head,
-                    v0, rows, key_tidx,
+                    g2s, q, k, v, a, b, self.staging(st, (group + 1) % NUM_STAGES, rows), start, length, group + 1,
+                    head, v0, rows, key_tidx,
                 )  # fmt: skip
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)  # this group's copies; the next group's stay in flight
-            kq, kq_raw, _, _, raw_a, raw_b = self.staging(st, group % NUM_STAGES)
+            kq, kq_raw, _, _, raw_a, raw_b = self.staging(st, group % NUM_STAGES, rows)
             self.convert_kq_rows(kq_raw, kq, group_tokens, key_tidx)
             cute.arch.barrier(barrier_id=KEY_BARRIER, number_of_threads=KEY_THREADS)
             cum_log_g, beta, t16, p16 = self.key_buffers(st, buffer)
@@ -331,7 +348,7 @@ class _WarpChain(_Chunked):
                     tiled_mma, lane, key_warp, group_tokens, kq, raw_a, raw_b, head, neg_decay_rate, bias, cum_log_g,
                     beta, a_diag, t16, p16, coords_tile,
                 )  # fmt: skip
-            cute.arch.barrier_arrive(barrier_id=READY_BARRIER + buffer, number_of_threads=self.num_threads)
+            cute.arch.barrier_arrive(barrier_id=READY_BARRIER + buffer, number_of_threads=role_threads(rows))
 
     @cute.jit
     def key_buffers(self, st, buffer):
@@ -349,10 +366,10 @@ class _WarpChain(_Chunked):
         )
 
     @cute.jit
-    def staging(self, st, stage):
+    def staging(self, st, stage, rows):
         """(kq, kq_raw, kq_t, raw_v, raw_a, raw_b) of one stage of the staging buffers: the group's fp16 k and q rows
         (as `kq_piece` places them), the same read as bf16 (copied in, converted in place) and transposed (ldmatrix
-        .trans), the CTA's bf16 v rows, and the 8-head a and b rows of each chunk."""
+        .trans), the CTA's `rows` bf16 v rows, and the 8-head a and b rows of each chunk."""
         kq_shape, (row_stride, _) = KQ_VIEW
         kq_layout = cute.make_layout((NUM_STAGES, *kq_shape), stride=(KQ_ROWS * row_stride, row_stride, 1))
         kq_all = st.kq.get_tensor(kq_layout)
@@ -361,7 +378,6 @@ class _WarpChain(_Chunked):
         kq_raw = kq_raw[stage, None, None]
         kq_t_layout = cute.make_layout((NUM_STAGES, *KQ_T_VIEW[0]), stride=(KQ_ROWS * row_stride, *KQ_T_VIEW[1]))
         kq_t = cute.make_tensor(kq_all.iterator, kq_t_layout)[stage, None, None]
-        rows = self.rows_per_cta
         raw_v = st.raw_v.get_tensor(
             cute.make_layout((NUM_STAGES, GROUP_TOKENS, rows), stride=(GROUP_TOKENS * rows, rows, 1))
         )[stage, None, None]
@@ -396,12 +412,12 @@ class _WarpChain(_Chunked):
                     cute.copy(g2s, cute.local_tile(q[first + token, qk_head, None], (COPY_ELEMS,), (piece,)), dst)
                 else:
                     cute.copy(g2s, cute.local_tile(k[first + token, qk_head, None], (COPY_ELEMS,), (piece,)), dst)
-        v_pieces = self.rows_per_cta // COPY_ELEMS
+        v_pieces = rows // COPY_ELEMS
         for i in cutlass.range_constexpr((GROUP_TOKENS * v_pieces + threads - 1) // threads):
             linear = i * threads + tidx
             token = linear // v_pieces
             piece = linear % v_pieces
-            if token < tokens and piece * COPY_ELEMS < rows:
+            if token < tokens:
                 cute.copy(
                     g2s,
                     cute.local_tile(v[first + token, head, None], (COPY_ELEMS,), (v0 // COPY_ELEMS + piece,)),
@@ -590,8 +606,8 @@ class _WarpChain(_Chunked):
 class _AdaptiveWarpChain(_WarpChain):
     """The warp chain for grids that outgrow the GPU: 8 step warps, so that a CTA can step its head's every row,
     two chains a scheduler and one key side a head where slice CTAs compute it twice (fewer CTAs, more work an
-    SM), or only its slice with four of them (each chain at full speed). The CTA picks by its sequence's length
-    against the longest (`plan_of_block`)."""
+    SM), or only its slice with four of them (each chain at full speed, on the 8-warp kernel's registers). The CTA
+    picks by its sequence's length against the longest (`plan_of_block`)."""
 
     step_warps: int = ADAPTIVE_STEP_WARPS
     adaptive: bool = True

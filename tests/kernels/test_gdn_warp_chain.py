@@ -56,9 +56,9 @@ def test_one_cta_fits_an_sm(monkeypatch):
     sizes = []
     launch_grid = fresh._Chunked.launch_grid
 
-    def spy(kernel, grid, SharedStorage, stream, threads=128):
+    def spy(kernel, grid, SharedStorage, stream, threads=128, min_blocks=0):
         sizes.append((SharedStorage.size_in_bytes(), threads))
-        return launch_grid(kernel, grid, SharedStorage, stream, threads)
+        return launch_grid(kernel, grid, SharedStorage, stream, threads, min_blocks)
 
     monkeypatch.setattr(fresh._Chunked, "launch_grid", staticmethod(spy))
     fresh.compile_only("sm_90a")

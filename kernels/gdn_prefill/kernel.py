@@ -3,18 +3,19 @@
 Five paths of this folder, chosen in this order from the total token count T and the number of sequences N
 (shapes, known on the host; no device reads, no host synchronisation):
 
-- a mean sequence length T / N of at most WARP_CHAIN_MAX_MEAN_LENGTH, from WARP_CHAIN_MIN_TOKENS tokens
-  (by N) and outside ONE_SEQUENCE_ONE_CHUNK: `warp_chain.py`, one CTA per (sequence, head, 64 V rows)
+- a mean sequence length T / N of at most WARP_CHAIN_MAX_MEAN_LENGTH (MEDIUM_BATCH_MAX_MEAN_LENGTH from
+  MEDIUM_BATCH_MIN_TOKENS tokens in 3-8 sequences), from WARP_CHAIN_MIN_TOKENS tokens (by N) and outside
+  ONE_SEQUENCE_ONE_CHUNK: `warp_chain.py`, one CTA per (sequence, head, 64 V rows)
   (per (sequence, head) from 9 sequences), warps each stepping 16 state rows through 16-token chunks with
   no CTA barrier, four key warps computing the chunks' state-free half one group of four chunks ahead;
 - the other batches of T <= TOKEN_SERIAL_MAX_TOKENS: `token_serial.py`, one CTA per (sequence, head,
   8-row V slice) stepping token by token, each state row over 16 lanes;
 - one sequence of ONE_SEQUENCE_ONE_CHUNK tokens: `chunked.py`, one 64-token chunk in the WY form on
   tensor cores, on 16-row V slices (64 CTAs);
-- one sequence of CONTEXT_PARALLEL_MIN_TOKENS or more: `context_parallel.py`, the WY path's kernels on
-  the sequence cut into 16 segments (each segment's transition and zero-start state, an fp32 scan over
+- one or two sequences of CONTEXT_PARALLEL_MIN_TOKENS (by N) or more: `context_parallel.py`, the WY path's
+  kernels on the batch cut into 16-31 segments (each segment's transition and zero-start state, an fp32 scan over
   segments, then the outputs from the scanned states);
-- every other batch (a mean above WARP_CHAIN_MAX_MEAN_LENGTH), the WY path: `chunked.py`'s chunks in
+- every other batch, the WY path: `chunked.py`'s chunks in
   two kernels, a parallel prepass of every chunk's state-free half (~66 KB of shared memory, three CTAs
   per SM), then a chain with only the state-dependent half: below WGMMA_CHAIN_MIN_SEQS sequences
   `wy_prepass.py`'s, on 16-row V slices up to 4 sequences and 32 above; from WGMMA_CHAIN_MIN_SEQS
@@ -27,14 +28,16 @@ it beats the token-serial kernel (a few us plus ~0.15 us per token of the longes
 in one sequence (1.06-1.22x at 30-40) and ~35 in two, loses to the chunked kernel's single 64-token chunk at
 41-64 tokens in one sequence (0.95-0.98x), and elsewhere up to a mean of 500 tokens is 1.0-2.1x faster than
 the other paths (1.4-1.6x at 8192 tokens in 20-32 sequences, 1.5-2.1x at 800-6500 in 4-13, 1.07-1.10x at 983
-in 2). Past that mean how T splits decides (1.10x at 1800 in 3, 0.93x at 1592 in 3), and one chain through a
-long sequence's chunks loses to the WY path's V slices (0.87-0.91x at 1377-2107 tokens in 1-2). The WGMMA
-chain steps a chunk of a whole head in ~3.8 us where a 16-row slice of `wy_prepass.py` takes ~2.8: it wins
-where many sequences fill the GPU and loses where a few long ones bound the call (5709 tokens in 2: 0.75x).
+in 2). Past that mean how T splits decides: in 3-8 sequences it wins from ~1700 tokens (1.10x at 1800 in 3,
+1.9x at 3028 in 5, evenly split), not below (0.93x at 1592 in 3), and one chain through a long sequence's
+chunks loses to the WY path's V slices (0.87-0.91x at 1377-2107 tokens in 1-2). The WGMMA chain steps a
+chunk of a whole head in ~3.8 us where a 16-row slice of `wy_prepass.py` takes ~2.8: it wins where many
+sequences fill the GPU and loses where a few long ones bound the call (5709 tokens in 2: 0.75x).
 A single sequence walks all its chunks on one chain per head; split in 16 segments (16-31) it runs 1.12x
 faster at 2048 tokens, 1.46x at 3072, 2.1x at 6144 and 3.8x at 64K (graph replay, cold L2), but 0.65-0.68x
-at 1377-1536 tokens: it takes one sequence from 2048 tokens. N is the only shape that says no sequence is
-short, so the rule is N = 1.
+at 1377-1536 tokens: it takes one sequence from 2048 tokens. Two sequences gain only where one of them is
+long (0.84-1.48x at 3-8K by how T splits); from 3072 tokens one holds at least 1536, and the probe favoured
+the path at 3271 and 5709 tokens in 2. N and T are all the host knows of the split.
 
 Same contract as every path: destination passing, definition order, `state` None means zeros, `scale`
 None or 0 means 1/sqrt(128), CUDA-graph safe.
@@ -49,8 +52,10 @@ from .token_serial import GPU_ARCH, GdnShapeError, resolve_scale
 from .wgmma_value_side import WGMMA_CHAIN_MIN_SEQS
 
 __all__ = [
-    "CONTEXT_PARALLEL_MAX_SEQS",
     "CONTEXT_PARALLEL_MIN_TOKENS",
+    "MEDIUM_BATCH_MAX_MEAN_LENGTH",
+    "MEDIUM_BATCH_MIN_TOKENS",
+    "MEDIUM_BATCH_SEQS",
     "ONE_SEQUENCE_ONE_CHUNK",
     "TOKEN_SERIAL_MAX_TOKENS",
     "WARP_CHAIN_MAX_MEAN_LENGTH",
@@ -65,17 +70,25 @@ __all__ = [
 ]
 
 TOKEN_SERIAL_MAX_TOKENS = 40
-CONTEXT_PARALLEL_MAX_SEQS = 1
-CONTEXT_PARALLEL_MIN_TOKENS = 2048
+# The fewest tokens the context-parallel path takes, by sequence count (none from three sequences).
+CONTEXT_PARALLEL_MIN_TOKENS = {1: 2048, 2: 3072}
 WARP_CHAIN_MAX_MEAN_LENGTH = 500
 # The fewest tokens the warp chain takes, by sequence count (from three sequences: above the token-serial range).
 WARP_CHAIN_MIN_TOKENS = {1: 30, 2: 35}
+# From MEDIUM_BATCH_MIN_TOKENS tokens in MEDIUM_BATCH_SEQS sequences the warp chain takes a mean of up to
+# MEDIUM_BATCH_MAX_MEAN_LENGTH tokens.
+MEDIUM_BATCH_SEQS = range(3, 9)
+MEDIUM_BATCH_MIN_TOKENS = 1700
+MEDIUM_BATCH_MAX_MEAN_LENGTH = 1200
 ONE_SEQUENCE_ONE_CHUNK = range(TOKEN_SERIAL_MAX_TOKENS + 1, 65)  # one sequence the chunked kernel serves in one chunk
 
 
 def takes_warp_chain(num_tokens: int, num_seqs: int) -> bool:
     """Whether `warp_chain.py` serves a batch of `num_tokens` tokens in `num_seqs` sequences."""
-    if num_tokens > WARP_CHAIN_MAX_MEAN_LENGTH * num_seqs:
+    max_mean_length = WARP_CHAIN_MAX_MEAN_LENGTH
+    if num_seqs in MEDIUM_BATCH_SEQS and num_tokens >= MEDIUM_BATCH_MIN_TOKENS:
+        max_mean_length = MEDIUM_BATCH_MAX_MEAN_LENGTH
+    if num_tokens > max_mean_length * num_seqs:
         return False
     if num_seqs == 1 and num_tokens in ONE_SEQUENCE_ONE_CHUNK:
         return False
@@ -90,7 +103,7 @@ def path_for(num_tokens: int, num_seqs: int):
         return token_serial
     if num_seqs == 1 and num_tokens in ONE_SEQUENCE_ONE_CHUNK:
         return chunked
-    if num_seqs <= CONTEXT_PARALLEL_MAX_SEQS and num_tokens >= CONTEXT_PARALLEL_MIN_TOKENS:
+    if num_seqs in CONTEXT_PARALLEL_MIN_TOKENS and num_tokens >= CONTEXT_PARALLEL_MIN_TOKENS[num_seqs]:
         return context_parallel
     return wgmma_value_side if num_seqs >= WGMMA_CHAIN_MIN_SEQS else wy_prepass
 

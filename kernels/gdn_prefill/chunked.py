@@ -1,5 +1,5 @@
-"""GDN prefill for SM90 in CuTe-DSL, chunked on tensor cores: the path `kernel.py` takes for one sequence of 41-64
-tokens (ONE_SEQUENCE_ONE_CHUNK); the WY-prepass path's chains reuse its methods.
+"""GDN prefill for SM90 in CuTe-DSL, chunked on tensor cores: the chunk step whose methods the WY-prepass path's
+kernels and the warp chain reuse (kernel.py takes this kernel alone for no batch; its `run` serves the device check).
 
 The math is `chunked_model.py` (chunks of C = 64 tokens; A, P, T = (I + A)^-1, Xb, V', O, S as
 written there), with the same rounding points: every tensor-core operand is fp16 (`mma.sync`

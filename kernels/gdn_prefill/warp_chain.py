@@ -1,22 +1,25 @@
 """GDN prefill for SM90 in CuTe-DSL, the warp chain: each warp steps 16 rows of one (sequence, head) state through
-16-token chunks in `mma.sync` accumulators, with no CTA barrier inside the chain. kernel.py takes it for batches of
-short and medium sequences (a mean of up to 500 tokens: `kernel.takes_warp_chain`), where the token-serial kernel
-pays ~0.15 us a token, `chunked.py`'s barrier phases ~2.2 us a 16-token chunk and the WY path a second launch;
-correct at any length.
+16-token chunks in `mma.sync` accumulators, with no CTA barrier inside the chain. kernel.py takes it for one or two
+sequences from ~22 tokens up to the context-parallel path's lengths, and for more sequences of a mean of up to 500
+tokens (`kernel.takes_warp_chain`), where the token-serial kernel pays ~0.14 us a token, `chunked.py`'s barrier
+phases ~2.2 us a 16-token chunk and the WY path a second launch and 64-token chunks; correct at any length.
 
 The math is `chunked_model.py`'s chunk step at C = 16 (`chunked_model.run(..., chunk=CHUNK)`), with its rounding
 points: k, q, S0, Xb, T, P, V' and V'c as fp16 tensor-core operands, the state, gates and element-wise steps in fp32.
 A 16-token chunk's T = (I + A)^-1 is one diagonal block: forward substitution, no doubling levels.
 
 Work split. One CTA = one (sequence, v-head, slice of 64 V rows): grid (8 heads x NUM_SLICES, N), 8 warps in two
-roles. Step warp w (0-3) owns 16 state rows, [16, 128] fp32 in the accumulators of the state-update product, for the
-whole sequence, so every product of the chain is the warp's own (the state's V rows evolve independently). Key warp c
-(4-7) computes the state-free half of chunk c of each group of GROUP_CHUNKS chunks, one group ahead of the steps, so
-that the two halves overlap (a sequence of <= 64 tokens is one group). When the grid outgrows the GPU, its rows serve
-the sequences longest first (`_Chunked.sequence_of_block`). Per group:
+roles (`_NarrowWarpChain`, up to NARROW_MAX_SEQS sequences: 16-row slices, one step warp, 64 CTAs a sequence, so
+that the state's round trip and the key halves spread over the SMs). Step warp w (0-3) owns 16 state rows, [16, 128]
+fp32 in the accumulators of the state-update product, for the whole sequence, so every product of the chain is the
+warp's own (the state's V rows evolve independently). Key warp c (4-7) computes the state-free half of chunk c of
+each group of GROUP_CHUNKS chunks, one group ahead of the steps, so that the two halves overlap (a sequence of <= 64
+tokens is one group). When the grid outgrows the GPU, its rows serve the sequences longest first
+(`_Chunked.sequence_of_block`). Per group:
   1. Key warps: cp.async of the next group's k and q rows (bf16, converted in place to fp16 when their group comes,
-     rows past the end zeroed), the CTA's v rows and the 8-head rows of a and b (NUM_STAGES stages: the steps' group,
-     the key warps' and the one in flight). The step warps issue the state's loads first, beside the sequence bounds.
+     CONVERT_BATCH pieces read at a time, rows past the end zeroed, chunks past it skipped), the CTA's v rows and
+     the 8-head rows of a and b (NUM_STAGES stages: the steps' group, the key warps' and the one in flight). The
+     step warps issue the state's loads first, beside the sequence bounds.
   2. Key warps, chunk c each: the gates of its 16 tokens (log g in base 2, beta, inclusive scan G), A =
      strict_tril(beta_i exp(G_i - G_j) k_i . k_j) in fp32, P = tril(exp(G_i - G_j) q_i . k_j) in fp16, T by forward
      substitution (16 lanes, fp32, stored fp16), into one of KEY_BUFFERS key buffers; then a named-barrier arrival
@@ -29,12 +32,12 @@ the sequences longest first (`_Chunked.sequence_of_block`). Per group:
 The final rows go to `new_state`. Tokens past the end have k = q = 0, log g = 0 and beta = 0 and add nothing; a
 sequence of length 0 runs no chunk and stores a zero state.
 
-Shared memory ~149 KiB and 175 registers a thread: one CTA an SM. From ADAPTIVE_FROM_SEQS sequences, where the
-grid of slice CTAs outgrows the GPU, `_AdaptiveWarpChain` takes the batch: 8 step warps (~173 KiB, 168 registers),
-so that a CTA can step all 128 rows of its head (two chains a scheduler, one key side a head; its other slice CTA
-exits) or its slice alone, by its sequence's length against the longest (WHOLE_HEAD_SLOWDOWN); a slice CTA's idle
-step warpgroup leaves its registers to the other two (SLICE_MODE_REGS). Each is compiled once (dynamic T and N)
-into one TVM-FFI function (token_serial.py's launcher and cache).
+Shared memory ~149 KiB and 175 registers a thread: one CTA an SM (`_NarrowWarpChain` ~131 KiB, 154 registers). From
+ADAPTIVE_FROM_SEQS sequences, where the grid of slice CTAs outgrows the GPU, `_AdaptiveWarpChain` takes the batch: 8
+step warps (~173 KiB, 168 registers), so that a CTA can step all 128 rows of its head (two chains a scheduler, one
+key side a head; its other slice CTA exits) or its slice alone, by its sequence's length against the longest
+(WHOLE_HEAD_SLOWDOWN); a slice CTA's idle step warpgroup leaves its registers to the other two (SLICE_MODE_REGS).
+Each is compiled once (dynamic T and N) into one TVM-FFI function (token_serial.py's launcher and cache).
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ KEY_WARPS = GROUP_CHUNKS  # warps computing the state-free half, a chunk each
 SLICE_MODE_REGS = 240
 IDLE_REGS = 24
 KEY_THREADS = KEY_WARPS * WARP_SIZE
+assert KQ_ROWS * PIECES_PER_ROW % KEY_THREADS == 0  # convert_kq_rows: whole rounds of pieces, every row in range
+CONVERT_BATCH = 8  # kq pieces a key thread reads before converting any
+assert KQ_ROWS * PIECES_PER_ROW // KEY_THREADS % CONVERT_BATCH == 0
 # Named barriers (0 is the CTA's): READY + b, the key warps' group in key buffer b is ready for the steps; FREE + b,
 # the steps are done with the group in key buffer b (and its stage); KEY, the key warps alone.
 READY_BARRIER = 1
@@ -104,6 +110,8 @@ assert 2 * CHUNK <= WARP_SIZE  # the gate scan: one token per lane of the first 
 assert HEAD_SIZE % SLICE_ROWS == 0
 # The grid of slice CTAs outgrows the GPU (one CTA an SM) from this many sequences: `_AdaptiveWarpChain` takes those.
 ADAPTIVE_FROM_SEQS = min_ranked_seqs(NUM_V_HEADS * NUM_SLICES)
+# Up to this many sequences a grid of 16-row slice CTAs (`_NarrowWarpChain`) fits the GPU.
+NARROW_MAX_SEQS = min_ranked_seqs(NUM_V_HEADS * HEAD_SIZE // ROWS_PER_WARP) - 1
 # More long sequences than this fill a wave of slice CTAs: the rank whose length decides (0-based).
 WAVE_RANK = ADAPTIVE_FROM_SEQS - 1
 
@@ -214,7 +222,7 @@ class _WarpChain(_Chunked):
             else:
                 self.roles(
                     tiled_mma, st, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output,
-                    new_state, seq, head, v0, SLICE_ROWS, tidx, warp_idx, lane, a_diag,
+                    new_state, seq, head, v0, self.slice_rows, tidx, warp_idx, lane, a_diag,
                 )  # fmt: skip
         else:
             if cutlass.const_expr(self.num_threads >= MAX_RANKED_SEQS):
@@ -222,7 +230,7 @@ class _WarpChain(_Chunked):
                 cute.arch.sync_threads()
             self.roles(
                 tiled_mma, st, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, has_state, output, new_state,
-                seq, head, v0, SLICE_ROWS, tidx, warp_idx, lane, a_diag,
+                seq, head, v0, self.slice_rows, tidx, warp_idx, lane, a_diag,
             )  # fmt: skip
 
     @cute.jit
@@ -445,18 +453,25 @@ class _WarpChain(_Chunked):
 
     @cute.jit
     def convert_kq_rows(self, kq_raw: cute.Tensor, kq: cute.Tensor, tokens: cutlass.Int32, tidx: cutlass.Int32):
-        """kq = fp16 of the bf16 rows copied in, rows of tokens past the end zeroed. Each thread rewrites the pieces
-        it copied itself (`load_group`'s mapping), so the in-place conversion needs no barrier before it."""
+        """kq = fp16 of the bf16 rows copied in, rows of tokens past the end zeroed, chunks past the end left alone
+        (no warp reads them). Each thread rewrites the pieces it copied itself (`load_group`'s mapping), so the
+        in-place conversion needs no barrier before it. Its pieces are read CONVERT_BATCH at a time before any is
+        written back: the stores may alias the loads, which would otherwise wait for one another one by one."""
         threads = self.copy_threads
-        for i in cutlass.range_constexpr((KQ_ROWS * PIECES_PER_ROW + threads - 1) // threads):
-            row, piece, token, _ = self.kq_piece(i * threads + tidx)
-            if row < KQ_ROWS:
-                dst = cute.local_tile(kq[row, None], (COPY_ELEMS,), (piece,))
-                if token < tokens:
-                    values = cute.local_tile(kq_raw[row, None], (COPY_ELEMS,), (piece,)).load()
-                    dst.store(values.to(cutlass.Float32).to(cutlass.Float16))
-                else:
-                    dst.fill(0.0)
+        count = KQ_ROWS * PIECES_PER_ROW // threads
+        raw = cute.make_rmem_tensor((CONVERT_BATCH, COPY_ELEMS), cutlass.BFloat16)
+        for batch in cutlass.range_constexpr(0, count, CONVERT_BATCH):
+            for i in cutlass.range_constexpr(CONVERT_BATCH):
+                row, piece, _, _ = self.kq_piece((batch + i) * threads + tidx)
+                raw[i, None].store(cute.local_tile(kq_raw[row, None], (COPY_ELEMS,), (piece,)).load())
+            for i in cutlass.range_constexpr(CONVERT_BATCH):
+                row, piece, token, _ = self.kq_piece((batch + i) * threads + tidx)
+                if token - token % CHUNK < tokens:
+                    dst = cute.local_tile(kq[row, None], (COPY_ELEMS,), (piece,))
+                    if token < tokens:
+                        dst.store(raw[i, None].load().to(cutlass.Float32).to(cutlass.Float16))
+                    else:
+                        dst.fill(0.0)
 
     @cute.jit
     def chunk_key_side(
@@ -613,6 +628,14 @@ class _AdaptiveWarpChain(_WarpChain):
     adaptive: bool = True
 
 
+class _NarrowWarpChain(_WarpChain):
+    """The warp chain on 16-row slices, one step warp a CTA: for batches of a few short sequences, where the 64-row
+    CTAs would leave most SMs idle while the state's round trip and the first group's key half bound the call."""
+
+    slice_rows: int = ROWS_PER_WARP
+    step_warps: int = 1
+
+
 def hand_over_order(tiled_mma: cute.TiledMma, tile: tuple[int, int]) -> tuple[int, ...]:
     """For each element of a lane's A fragment over `tile` ([M, K]), the index of the element of its accumulator
     fragment over the same [M, N] shape that holds the same (row, column): how an accumulator becomes the next
@@ -631,11 +654,15 @@ def hand_over_order(tiled_mma: cute.TiledMma, tile: tuple[int, int]) -> tuple[in
 
 def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
     """Compile the kernel for `arch` without touching a GPU (for CI and warm-up)."""
-    return tuple(token_serial.compiled_for(arch, kernel) for kernel in (_WarpChain, _AdaptiveWarpChain))
+    kernels = (_NarrowWarpChain, _WarpChain, _AdaptiveWarpChain)
+    return tuple(token_serial.compiled_for(arch, kernel) for kernel in kernels)
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
     """Destination-passing entry: fills `output` [T,8,128] bf16 and `new_state` [N,8,128,128] fp32; one launch, no
     host sync. `state` None means zeros; `scale` None or 0 means 1/sqrt(128)."""
-    kernel = _AdaptiveWarpChain if new_state.shape[0] >= ADAPTIVE_FROM_SEQS else _WarpChain
+    num_seqs = new_state.shape[0]
+    kernel = _AdaptiveWarpChain if num_seqs >= ADAPTIVE_FROM_SEQS else _WarpChain
+    if num_seqs <= NARROW_MAX_SEQS:
+        kernel = _NarrowWarpChain
     token_serial.run_kernel(kernel, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)

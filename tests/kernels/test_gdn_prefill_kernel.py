@@ -49,60 +49,64 @@ LONG_TESTS = os.environ.get("HOPPERBENCH_LONG_TESTS") == "1"
 
 
 def test_compiles_every_path_for_sm90a_without_gpu():
-    # the warp chain at both CTA widths, token-serial, chunked on 16-row slices, the WY-prepass pair at both chain
-    # widths, the WGMMA chain, and the context-parallel launcher with each of those three chains
+    # the warp chain at its three CTA widths, token-serial, the WY-prepass pair at both chain widths, the WGMMA
+    # chain, and the context-parallel launcher with each of those three chains
     assert_compiles_and_caches(kernel.compile_only, 10)
 
 
 @pytest.mark.parametrize(
     ("num_tokens", "num_seqs", "path"),
     [
-        (0, 1, "token_serial"), (1, 1, "token_serial"), (29, 1, "token_serial"), (30, 1, "warp_chain"),
-        (40, 1, "warp_chain"), (34, 2, "token_serial"), (35, 2, "warp_chain"), (40, 3, "token_serial"),
-        (41, 3, "warp_chain"), (40, 40, "token_serial"), (8, 4, "token_serial"),
-        (41, 1, "chunked"), (64, 1, "chunked"), (65, 1, "warp_chain"), (500, 1, "warp_chain"),
-        (501, 1, "wy_prepass"), (512, 1, "wy_prepass"), (983, 2, "warp_chain"), (1001, 2, "wy_prepass"),
+        (0, 1, "token_serial"), (1, 1, "token_serial"), (21, 1, "token_serial"), (22, 1, "warp_chain"),
+        (40, 1, "warp_chain"), (23, 2, "token_serial"), (24, 2, "warp_chain"), (40, 3, "token_serial"),
+        (41, 3, "warp_chain"), (40, 40, "token_serial"), (8, 4, "token_serial"), (0, 0, "token_serial"),
+        (41, 1, "warp_chain"), (64, 1, "warp_chain"), (501, 1, "warp_chain"), (1377, 1, "warp_chain"),
+        (2047, 1, "warp_chain"), (1001, 2, "warp_chain"), (3071, 2, "warp_chain"),
         (461, 2, "warp_chain"), (294, 3, "warp_chain"), (511, 57, "warp_chain"), (3999, 14, "warp_chain"),
         (8192, 20, "warp_chain"), (8192, 57, "warp_chain"), (7500, 15, "warp_chain"),
         (7515, 15, "wgmma_value_side"), (8192, 15, "wgmma_value_side"),
-        (1592, 3, "wy_prepass"), (1699, 3, "wy_prepass"), (1700, 3, "warp_chain"), (2284, 3, "warp_chain"),
-        (3600, 3, "warp_chain"), (3601, 3, "wy_prepass"), (3028, 5, "warp_chain"), (9600, 8, "warp_chain"),
-        (9601, 8, "wy_prepass"), (4600, 9, "wy_prepass"),
-        (2047, 1, "wy_prepass"), (2048, 1, "context_parallel"), (65536, 1, "context_parallel"),
-        (3071, 2, "wy_prepass"), (3072, 2, "context_parallel"), (5709, 2, "context_parallel"),
-        (8192, 3, "wy_prepass"),
+        (1501, 3, "wy_prepass"), (1592, 3, "wy_prepass"), (1699, 3, "wy_prepass"), (1700, 3, "warp_chain"),
+        (2284, 3, "warp_chain"), (3600, 3, "warp_chain"), (3601, 3, "wy_prepass"), (3028, 5, "warp_chain"),
+        (9600, 8, "warp_chain"), (9601, 8, "wy_prepass"), (4600, 9, "wy_prepass"),
+        (2048, 1, "context_parallel"), (65536, 1, "context_parallel"),
+        (3072, 2, "context_parallel"), (5709, 2, "context_parallel"), (8192, 3, "wy_prepass"),
     ],
 )  # fmt: skip
 def test_path_is_chosen_from_the_token_and_sequence_counts(num_tokens, num_seqs, path):
     assert kernel.TOKEN_SERIAL_MAX_TOKENS == 40 and kernel.WGMMA_CHAIN_MIN_SEQS == 15
     assert kernel.CONTEXT_PARALLEL_MIN_TOKENS == {1: 2048, 2: 3072}
-    assert kernel.WARP_CHAIN_MAX_MEAN_LENGTH == 500 and kernel.WARP_CHAIN_MIN_TOKENS == {1: 30, 2: 35}
+    assert kernel.WARP_CHAIN_MAX_MEAN_LENGTH == 500 and kernel.WARP_CHAIN_MIN_TOKENS == {1: 22, 2: 24}
     assert (kernel.MEDIUM_BATCH_SEQS, kernel.MEDIUM_BATCH_MIN_TOKENS, kernel.MEDIUM_BATCH_MAX_MEAN_LENGTH) == (
         range(3, 9), 1700, 1200)
-    assert kernel.ONE_SEQUENCE_ONE_CHUNK == range(41, 65)
     assert kernel.path_for(num_tokens, num_seqs) is solution_module(path)
 
 
-def test_the_warp_chain_takes_no_batch_of_long_sequences_or_zero_sequences():
-    # Above a mean of 500 tokens (1200 from 1700 tokens in 3-8 sequences) a sequence's chunks on one chain lose to
-    # the WY path's V slices, whatever T and N.
+def test_the_warp_chain_takes_long_sequences_only_on_its_16_row_ctas():
+    # Up to two sequences (16-row CTAs, 64 a sequence) the warp chain takes every length below the context-parallel
+    # path's; from three, above a mean of 500 tokens (1200 from 1700 tokens in 3-8 sequences) a sequence's chunks on
+    # one chain of a 64-row CTA lose to the WY path's V slices, whatever T and N. No batch of zero sequences.
+    assert solution_module("warp_chain").NARROW_MAX_SEQS == 2
     for num_seqs in (0, 1, 2, 3, 5, 8, 9, 14, 15, 57, 130):
-        for num_tokens in range(0, 20000, 97):
+        for num_tokens in range(0, 70000, 97):
             if kernel.takes_warp_chain(num_tokens, num_seqs):
+                assert not kernel.takes_context_parallel(num_tokens, num_seqs)
                 medium = 3 <= num_seqs <= 8 and num_tokens >= 1700
-                assert num_seqs >= 1 and 30 <= num_tokens <= (1200 if medium else 500) * num_seqs
+                max_mean_length = None if num_seqs <= 2 else 1200 if medium else 500
+                assert num_seqs >= 1 and num_tokens >= 22
+                assert max_mean_length is None or num_tokens <= max_mean_length * num_seqs
 
 
 @pytest.mark.parametrize(
     ("lengths", "path"),
-    [((6,), "token_serial"), ((41,), "chunked"), ((100, 100), "warp_chain"), ((35,), "warp_chain"),
-     ((600, 600), "wy_prepass"), ((40,) * 15, "warp_chain"), ((520,) * 15, "wgmma_value_side"),
-     ((2048,), "context_parallel"), ((3000, 271), "context_parallel"), ((600, 600, 600), "warp_chain")],
+    [((6,), "token_serial"), ((41,), "warp_chain"), ((100, 100), "warp_chain"), ((35,), "warp_chain"),
+     ((600, 600), "warp_chain"), ((600, 600, 600), "warp_chain"), ((500, 500, 501), "wy_prepass"),
+     ((40,) * 15, "warp_chain"), ((520,) * 15, "wgmma_value_side"), ((2048,), "context_parallel"),
+     ((3000, 271), "context_parallel")],
     ids=str,
 )  # fmt: skip
 def test_run_calls_exactly_the_chosen_path(lengths, path, monkeypatch):
     calls = []
-    for name in ("warp_chain", "token_serial", "chunked", "wy_prepass", "wgmma_value_side", "context_parallel"):
+    for name in ("warp_chain", "token_serial", "wy_prepass", "wgmma_value_side", "context_parallel"):
         monkeypatch.setattr(solution_module(name), "run", lambda *args, name=name: calls.append((name, args)))
     num_tokens = sum(lengths)
     case = cases.CheckCase(f"len{num_tokens}", lengths, True, 0.0, "mamba2")

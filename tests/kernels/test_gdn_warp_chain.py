@@ -38,14 +38,15 @@ def _inputs(case):
 
 
 def test_compiles_for_sm90a_without_gpu():
-    assert_compiles_and_caches(warp_chain.compile_only, 2)
+    assert_compiles_and_caches(warp_chain.compile_only, 3)
 
 
 def test_ptxas_keeps_it_in_registers():
     ptxas_report = load_module_by_path(REPO_ROOT / "tools/ptxas_report.py", "ptxas_report_for_warp_chain")
     entries = ptxas_report.compile_track("gdn_prefill", "warp_chain")
-    assert [e.kernel for e in entries] == ["kernel_warp_chain_WarpChain", "kernel_warp_chain_AdaptiveWarpChain"]
-    for entry, kernel in zip(entries, (warp_chain._WarpChain(), warp_chain._AdaptiveWarpChain())):
+    kernels = (warp_chain._NarrowWarpChain(), warp_chain._WarpChain(), warp_chain._AdaptiveWarpChain())
+    assert [e.kernel for e in entries] == [f"kernel_warp_chain{type(k).__name__}" for k in kernels]
+    for entry, kernel in zip(entries, kernels):
         assert entry.spill_stores == 0 and not entry.remarks
         assert entry.registers * kernel.num_threads <= 64 * 1024  # the step and key warps' CTA fits an SM
 
@@ -63,9 +64,17 @@ def test_one_cta_fits_an_sm(monkeypatch):
     monkeypatch.setattr(fresh._Chunked, "launch_grid", staticmethod(spy))
     fresh.compile_only("sm_90a")
     sm_smem, cta_reserved = 228 * 1024, 1024  # H100 / H200: shared memory an SM, and the driver's per-CTA reserve
-    kernels = (warp_chain._WarpChain(), warp_chain._AdaptiveWarpChain())
-    assert [threads for _, threads in sizes] == [kernel.num_threads for kernel in kernels] == [256, 384]
+    kernels = (warp_chain._NarrowWarpChain(), warp_chain._WarpChain(), warp_chain._AdaptiveWarpChain())
+    assert [threads for _, threads in sizes] == [kernel.num_threads for kernel in kernels] == [160, 256, 384]
     assert all(smem + cta_reserved <= sm_smem for smem, _ in sizes)
+
+
+def test_narrow_ctas_take_the_batches_whose_16_row_grid_fits_the_gpu():
+    narrow = warp_chain._NarrowWarpChain()
+    assert narrow.rows_per_cta == narrow.slice_rows == warp_chain.ROWS_PER_WARP and narrow.step_warps == 1
+    ctas_per_sequence = narrow.ctas_per_sequence
+    assert ctas_per_sequence == 64
+    assert warp_chain.NARROW_MAX_SEQS * ctas_per_sequence <= chunked.NUM_SMS < (warp_chain.NARROW_MAX_SEQS + 1) * 64
 
 
 def test_adaptive_ctas_take_the_batches_whose_slice_grid_outgrows_the_gpu():

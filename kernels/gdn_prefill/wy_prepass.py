@@ -1,5 +1,5 @@
-"""GDN prefill for SM90 in CuTe-DSL, the "WY prepass" form: the path `kernel.py` takes for a mean sequence length
-above WARP_CHAIN_MAX_MEAN_LENGTH (below 15 sequences; the WGMMA chain's from 15). `chunked.py`'s chunked form
+"""GDN prefill for SM90 in CuTe-DSL, the "WY prepass" form: the path `kernel.py` takes from three sequences for a mean
+length above WARP_CHAIN_MAX_MEAN_LENGTH (below 15 sequences; the WGMMA chain's from 15). `chunked.py`'s chunked form
 split in two kernels, so that the chain of chunks carries only the state-dependent half of each chunk (NOTES.md).
 
 Why: in `chunked.py` the state-free half of a chunk (the Gram tiles A and P, the gates and the three-level

@@ -1,5 +1,5 @@
-"""The chunked tensor-core GDN prefill kernel (kernels/gdn_prefill/chunked.py, kernel.py's path above 40
-tokens) and its model.
+"""The chunked tensor-core GDN prefill kernel (kernels/gdn_prefill/chunked.py, whose chunk step the WY path reuses)
+and its model.
 
 CPU: `run` validates like the token-serial path (compiling both widths: test_gdn_prefill_chunked_width.py);
 the tiling constants cover the state and the chunk; the MMA fragments CuTe-DSL builds are the PTX

@@ -1,13 +1,13 @@
-"""GDN's chunked path on 16-row V slices (kernels/gdn_prefill/chunked.py, `_NarrowChunked`): the same kernel
-with eight slice CTAs per (sequence, head) instead of four, for one or two sequences.
+"""GDN's chunked kernel on 16-row V slices (kernels/gdn_prefill/chunked.py, `_NarrowChunked`): the same kernel
+with eight slice CTAs per (sequence, head) instead of four, for one or two sequences (the device check's
+`chunked.run`; the WY path's value side makes the same choice of width).
 
-CPU: the width rule (which sequence counts get the narrow kernel, and that kernel.py reaches it only through
-`chunked.run`); the narrow class is the kernel on 16 rows; both widths compile for sm_90a. GPU (marked `gpu`):
-the narrow kernel's output and new state equal the 32-row kernel's bit for bit (each value sees the same
-operations in the same order; the slice only selects which V rows a CTA computes) on fresh inputs with and
-without a state, lengths off the chunk size, and beyond the rule's range (four and many sequences, long ones);
-the contest-rule checks of every check case are test_gdn_prefill_kernel.py's (`chunked` and `kernel` are in its
-SOLUTIONS), the CUDA-graph replay with new bounds included.
+CPU: the width rule (which sequence counts get the narrow kernel); the narrow class is the kernel on 16 rows; both
+widths compile for sm_90a. GPU (marked `gpu`): the narrow kernel's output and new state equal the 32-row kernel's
+bit for bit (each value sees the same operations in the same order; the slice only selects which V rows a CTA
+computes) on fresh inputs with and without a state, lengths off the chunk size, and beyond the rule's range (four
+and many sequences, long ones); the contest-rule checks of every check case are test_gdn_prefill_kernel.py's
+(`chunked` and `kernel` are in its SOLUTIONS), the CUDA-graph replay with new bounds included.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from hopperbench.paths import REPO_ROOT
 from tests.kernels.compile_checks import assert_compiles_and_caches
 
 chunked = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "chunked")
-kernel = load_folder_module(REPO_ROOT / "kernels/gdn_prefill", "gdn_solution", "kernel")
 cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -35,22 +34,6 @@ def test_narrow_kernel_for_one_or_two_sequences(num_seqs, narrow, monkeypatch):
     monkeypatch.setattr(chunked, "run_kernel", lambda kernel, *args: calls.append(kernel))
     chunked.run(*([None] * 11), torch.empty(num_seqs, 8, 128, 128))
     assert calls == [chunked._NarrowChunked if narrow else chunked._Chunked]
-
-
-@pytest.mark.parametrize(
-    ("num_tokens", "num_seqs", "expected"),
-    [(41, 1, "_NarrowChunked"), (64, 1, "_NarrowChunked"), (65, 1, "warp_chain"), (255, 2, "warp_chain"),
-     (300, 3, "warp_chain"), (512, 1, "wy_prepass")],
-)  # fmt: skip
-def test_kernel_py_reaches_the_narrow_kernel_through_chunked_run(num_tokens, num_seqs, expected, monkeypatch):
-    # kernel.py's chunked rows (one sequence of 41-64 tokens) run chunked.py's kernel at chunked.kernel_for's
-    # width; the warp chain and the WY-prepass path take the rows around them.
-    calls = []
-    monkeypatch.setattr(chunked, "run_kernel", lambda kernel_class, *args: calls.append(kernel_class.__name__))
-    monkeypatch.setattr(kernel.wy_prepass, "run", lambda *args: calls.append("wy_prepass"))
-    monkeypatch.setattr(kernel.warp_chain, "run", lambda *args: calls.append("warp_chain"))
-    kernel.run(torch.empty(num_tokens, 4, 128), *([None] * 10), torch.empty(num_seqs, 8, 128, 128))
-    assert calls == [expected]
 
 
 def test_narrow_kernel_is_the_chunked_kernel_on_16_rows():

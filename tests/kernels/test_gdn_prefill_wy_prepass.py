@@ -1,5 +1,5 @@
-"""GDN's WY-prepass path (kernels/gdn_prefill/wy_prepass.py, kernel.py's above a mean length of 500,
-with the lean key side): a prepass kernel computes each chunk's state-free half (gates, P, T) into a workspace,
+"""GDN's WY-prepass path (kernels/gdn_prefill/wy_prepass.py, kernel.py's from three sequences above a mean length
+of 500, with the lean key side): a prepass kernel computes each chunk's state-free half (gates, P, T) into a workspace,
 and the chain of chunks, on 16- or 32-row V slices, reads it.
 
 CPU: the workspace slots of every chunk of every sequence are distinct and within the allocation, and the

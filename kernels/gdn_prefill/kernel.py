@@ -23,7 +23,7 @@ Why these thresholds (NOTES.md has the measurements: H100 graph-replay probes, c
 warp chain's first 16-token chunk costs ~5 us (the state's round trip, the first key half, one step), each next
 one ~0.6: on 16-row CTAs it beats the token-serial kernel (~2.6 us plus ~0.14 us a token of the longest
 sequence) from ~22 tokens in one sequence and ~24 in two, and the WY path up to ~3000 tokens in one or two
-sequences (1.04-1.19x at 574-3000). With more sequences the 64-row CTAs beat the token-serial kernel above 40
+sequences (1.04-1.21x at 525-3000). With more sequences the 64-row CTAs beat the token-serial kernel above 40
 tokens and the other paths up to a mean of 500 tokens (1.4-1.6x at 8192 tokens in 20-32 sequences, 1.5-2.1x at
 800-6500 in 4-13); past that mean how T splits decides: in 3-8 sequences it wins from ~1700 tokens (1.10x at
 1800 in 3, 1.9x at 3028 in 5, evenly split), not below (0.93x at 1592 in 3). The WGMMA chain steps a chunk of a

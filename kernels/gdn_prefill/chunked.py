@@ -14,9 +14,7 @@ threads = 4 warps; every product is split into per-warp tiles and computed by on
 single-warp tiled MMA fed by `ldmatrix` (`warp_gemm`). The state slice [32, 128] lives in the
 accumulators of the state-update product (warp w owns columns [32w, 32w + 32)), in fp32, for the
 whole sequence; each chunk rounds a copy to fp16 in shared memory as the operand of K S0^T, Q S0^T.
-For one or two sequences (`kernel_for`) the slices are 16 rows (`_NarrowChunked`, 8 slice CTAs): the
-state-dependent half of a chunk's work halves, the key side does not, and 64 CTAs per sequence still
-give each CTA an SM of its own (NOTES.md).
+The WY-prepass chain also runs these methods on 16-row slices (NARROW_SLICE_ROWS, 8 slice CTAs).
 
 Per chunk (barriers between the phases):
   P0  wait for the chunk's cp.async loads; q/k rows bf16 -> fp16 (tokens past the end zeroed);
@@ -74,11 +72,9 @@ from .token_serial import (
 __all__ = [
     "GdnShapeError",
     "MAX_RANKED_SEQS",
-    "NARROW_MAX_SEQS",
     "NARROW_SLICE_ROWS",
     "compile_only",
     "compiled_for",
-    "kernel_for",
     "longest_first_order",
     "min_ranked_seqs",
     "resolve_scale",
@@ -146,10 +142,8 @@ CTAS_PER_WAVE = 2 * NUM_SMS
 # The ranking's scratch: the lengths, then the selected sequence, in the fp32 diagonal blocks of A.
 assert MAX_RANKED_SEQS + 1 <= CHUNK * BLOCK
 
-# V rows per CTA for few sequences (`kernel_for`): 16, eight CTAs per (sequence, head), up to
-# NARROW_MAX_SEQS sequences, where that grid still gives every CTA an SM of its own (64 CTAs per sequence).
+# V rows per CTA of the WY-prepass chain's narrow width: 16, eight CTAs per (sequence, head).
 NARROW_SLICE_ROWS = 16
-NARROW_MAX_SEQS = NUM_SMS // (NUM_V_HEADS * (HEAD_SIZE // NARROW_SLICE_ROWS))  # 2
 
 
 def min_ranked_seqs(ctas_per_sequence: int) -> int:
@@ -204,8 +198,7 @@ def _layout(view: tuple[tuple[int, ...], tuple[int, ...]]) -> cute.Layout:
 class _Chunked:
     """The kernel: one CTA = one (sequence, v-head, 32-row V-slice); see the module docstring."""
 
-    # V rows of the state per CTA: SLICE_ROWS here; NARROW_SLICE_ROWS in `_NarrowChunked` and in the
-    # WY-prepass chain's narrow width.
+    # V rows of the state per CTA: SLICE_ROWS here; NARROW_SLICE_ROWS in the WY-prepass chain's narrow width.
     slice_rows: int = SLICE_ROWS
 
     @property
@@ -1264,12 +1257,6 @@ class _Chunked:
             t[base + r, base + col] = column[r].to(t.element_type)
 
 
-class _NarrowChunked(_Chunked):
-    """The same kernel on 16-row V slices (eight CTAs per (sequence, head)); see `kernel_for`."""
-
-    slice_rows = NARROW_SLICE_ROWS
-
-
 # ------------------------------------------------------------------------------------------------
 # Host side: token_serial.py's launcher and compile cache (keyed on the kernel class).
 # ------------------------------------------------------------------------------------------------
@@ -1281,25 +1268,16 @@ def compiled_for(arch: str = GPU_ARCH, kernel: type = _Chunked) -> Callable:
     return token_serial.compiled_for(arch, kernel)
 
 
-def kernel_for(num_seqs: int) -> type:
-    """The kernel class for a batch of `num_seqs` sequences (a shape): 16-row slices up to NARROW_MAX_SEQS
-    and 32-row ones above. With one or two sequences 64 CTAs per sequence leave each CTA an SM of its own
-    and halving a CTA's state-dependent work shortens the chain; at three or more sequences pairs of CTAs
-    would share SMs and their issue slots (NOTES.md)."""
-    return _NarrowChunked if num_seqs <= NARROW_MAX_SEQS else _Chunked
-
-
-def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
-    """Compile both widths' kernels for `arch` without touching a GPU (for CI and warm-up)."""
-    return compiled_for(arch, _NarrowChunked), compiled_for(arch, _Chunked)
+def compile_only(arch: str = GPU_ARCH) -> Callable:
+    """Compile the kernel for `arch` without touching a GPU (for CI and warm-up)."""
+    return compiled_for(arch, _Chunked)
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:
     """Destination-passing entry, same contract as kernel.run: fills `output` [T,8,128] bf16 and
     `new_state` [N,8,128,128] fp32; `state` None means zeros; `scale` None or 0 means 1/sqrt(128).
-    No device reads, no host synchronisation: one kernel launch on the current stream, its slice width
-    from N (`kernel_for`); either width gives the same values bit for bit."""
-    run_kernel(kernel_for(new_state.shape[0]), q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
+    No device reads, no host synchronisation: one kernel launch on the current stream."""
+    run_kernel(_Chunked, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)
 
 
 def run_kernel(kernel: type, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:

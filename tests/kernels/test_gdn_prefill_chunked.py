@@ -1,7 +1,7 @@
 """The chunked tensor-core GDN prefill kernel (kernels/gdn_prefill/chunked.py, whose chunk step the WY path reuses)
 and its model.
 
-CPU: `run` validates like the token-serial path (compiling both widths: test_gdn_prefill_chunked_width.py);
+CPU: it compiles for sm_90a; `run` validates like the token-serial path;
 the tiling constants cover the state and the chunk; the MMA fragments CuTe-DSL builds are the PTX
 ISA's m16n8k16 layouts, every accumulator-to-(row, col) map covers its tile once, and an emulation
 of ldmatrix (.x4, .trans) on every shared-memory operand view of the kernel puts exactly the right
@@ -29,12 +29,17 @@ import torch
 from hopperbench.devcheck import load_module_by_path
 from hopperbench.paths import REPO_ROOT
 from tests.kernels import warp_mma_layouts as layouts
+from tests.kernels.compile_checks import assert_compiles_and_caches
 
 cases = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/check_cases.py", "gdn_check_cases")
 device_check = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/probes/device_check_gdn.py", "device_check_gdn")
 chunked = device_check.load_kernel_module("chunked")  # imports its sibling token_serial.py as a package would
 model = load_module_by_path(REPO_ROOT / "kernels/gdn_prefill/chunked_model.py", "gdn_chunked_model")
 reference_run = cases.load_reference_run()
+
+
+def test_compiles_for_sm90a_without_gpu():
+    assert_compiles_and_caches(lambda arch: (chunked.compile_only(arch),), 1)
 
 
 # Lengths around the chunk size, with and without a state, in both gate regimes.
@@ -160,7 +165,7 @@ LDMATRIX_OPERANDS = [
     ("A_BA read transposed (P4)", "Bt", chunked.SQUARE_T_VIEW, (32, 32), [(0, 1)]),
     ("T_A read transposed (P4)", "Bt", chunked.SQUARE_T_VIEW, (16, 32), [(0, 0), (1, 0)]),
     ("K read transposed (state update)", "Bt", chunked.KQ_T_VIEW, (32, 64), [(0, 0), (3, 0)]),
-    # The same slice operands at 16 rows (the narrow slices of wy_prepass.py's chain and of chunked.py's `_NarrowChunked`).
+    # The same slice operands at 16 rows (the narrow slices of wy_prepass.py's chain).
     ("V'c^T, 16-row slice", "A", ((16, chunked.CHUNK), (chunked.NARROW_STRIDE, 1)), (16, 64), [(0, 0)]),
     ("S0 in fp16, 16-row slice", "B", ((16, chunked.HEAD_SIZE), (chunked.WIDE_STRIDE, 1)), (16, 128), [(0, 0)]),
     ("Xb^T, V'^T, 16-row slice", "B", ((16, chunked.CHUNK), (chunked.NARROW_STRIDE, 1)), (16, 64), [(0, 0)]),

@@ -1268,9 +1268,9 @@ def compiled_for(arch: str = GPU_ARCH, kernel: type = _Chunked) -> Callable:
     return token_serial.compiled_for(arch, kernel)
 
 
-def compile_only(arch: str = GPU_ARCH) -> Callable:
+def compile_only(arch: str = GPU_ARCH) -> tuple[Callable, ...]:
     """Compile the kernel for `arch` without touching a GPU (for CI and warm-up)."""
-    return compiled_for(arch, _Chunked)
+    return (compiled_for(arch, _Chunked),)
 
 
 def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state) -> None:

@@ -662,7 +662,10 @@ def run(q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_sta
     """Destination-passing entry: fills `output` [T,8,128] bf16 and `new_state` [N,8,128,128] fp32; one launch, no
     host sync. `state` None means zeros; `scale` None or 0 means 1/sqrt(128)."""
     num_seqs = new_state.shape[0]
-    kernel = _AdaptiveWarpChain if num_seqs >= ADAPTIVE_FROM_SEQS else _WarpChain
     if num_seqs <= NARROW_MAX_SEQS:
         kernel = _NarrowWarpChain
+    elif num_seqs < ADAPTIVE_FROM_SEQS:
+        kernel = _WarpChain
+    else:
+        kernel = _AdaptiveWarpChain
     token_serial.run_kernel(kernel, q, k, v, state, A_log, a, dt_bias, b, cu_seqlens, scale, output, new_state)

@@ -39,7 +39,7 @@ reference_run = cases.load_reference_run()
 
 
 def test_compiles_for_sm90a_without_gpu():
-    assert_compiles_and_caches(lambda arch: (chunked.compile_only(arch),), 1)
+    assert_compiles_and_caches(chunked.compile_only, 1)
 
 
 # Lengths around the chunk size, with and without a state, in both gate regimes.

@@ -36,7 +36,6 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_compact_tensor
 
 from . import cp_model, token_serial, wgmma_value_side, wy_prepass
@@ -59,7 +58,9 @@ CP_SEGMENTS = 16
 SCAN_ROWS = 8  # state rows per scan CTA, one column per thread
 ROW_BLOCKS = HEAD_SIZE // SCAN_ROWS
 STAGE_ROWS = HEAD_SIZE + SCAN_ROWS  # a scan stage: M_j and the CTA's rows of B_j
-SCAN_STAGES = 3  # 209 KB of stages: one CTA per SM, as with two
+SCAN_STAGES = 3  # 204 KB of stages (224 KB with the rows and partials): one CTA per SM, as with two
+SCAN_K_SPLIT = HEAD_SIZE // 32  # parts of K: one a scan warp
+TILE_COLS = HEAD_SIZE // 32  # columns of a scan thread's tile: a warp's 32 tiles cover the row
 SLOT_THREADS = 128
 
 
@@ -218,8 +219,13 @@ class _SequenceRows:
 class _Scan(_SequenceRows):
     """Kernel 4: S_in of every segment, S_in(j + 1) = S_in(j) M_j + B_j in fp32 (unrounded: with decays near 1
     the state survives every step); B_j and M_j are rows 0-127 and 128-255 of `summaries[j]`. M_j and the CTA's
-    rows of B_j arrive by cp.async into one of SCAN_STAGES shared-memory stages, issued two steps ahead (1.05-1.13x
-    over one step ahead; what bounds a step is still open: NOTES.md)."""
+    rows of B_j arrive by two bulk copies (thread 0, completing on the stage's mbarrier) into one of SCAN_STAGES
+    shared-memory stages, issued two steps ahead.
+
+    A step is the [SCAN_ROWS, 128] x [128, 128] product, bound by what shared memory delivers to registers (ncu):
+    so each thread accumulates a SCAN_ROWS x TILE_COLS tile over one of SCAN_K_SPLIT parts of K (per K index
+    two broadcast 16-B loads of the rows and one 16-B load of M_j for 32 FMAs, against 9 loads for 8), the warps'
+    partial tiles meet in `partials`, and thread i sums column i, as it stores it."""
 
     @cute.jit
     def launch(self, cu_seqlens, state, has_state, summaries, seg_state, segment_tokens, total_tokens, stream):
@@ -227,6 +233,8 @@ class _Scan(_SequenceRows):
         class SharedStorage:
             stages: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, SCAN_STAGES * STAGE_ROWS * HEAD_SIZE], 128]
             rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, SCAN_ROWS * HEAD_SIZE], 32]
+            partials: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, SCAN_K_SPLIT * SCAN_ROWS * HEAD_SIZE], 16]
+            full: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, SCAN_STAGES], 8]
 
         self.kernel(cu_seqlens, state, has_state, summaries, seg_state, segment_tokens, total_tokens, SharedStorage).launch(
             grid=self.grid(state.shape[0]), block=[HEAD_SIZE, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
@@ -254,58 +262,82 @@ class _Scan(_SequenceRows):
         # The CTA's rows by column: column i's SCAN_ROWS values are contiguous, two 16-B broadcast loads.
         by_column = storage.rows.get_tensor(cute.make_layout((HEAD_SIZE, SCAN_ROWS), stride=(SCAN_ROWS, 1)))
         _, length, first, count = sequence_segments(cu_seqlens, seq, segment_tokens, total_tokens)
+        full = storage.full.data_ptr()
+        if col == 0:
+            for s in cutlass.range_constexpr(SCAN_STAGES):
+                cute.arch.mbarrier_init(full + s, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
 
         own = cute.make_rmem_tensor((SCAN_ROWS,), cutlass.Float32)  # column `col` of this CTA's rows
         own.fill(0.0)
         if has_state != 0 and length > 0:
             for r in cutlass.range_constexpr(SCAN_ROWS):
                 own[r] = state[seq, head, row0 + r, col]
-        for ahead in cutlass.range_constexpr(SCAN_STAGES - 1):  # one commit group per step, empty or not
+        for ahead in cutlass.range_constexpr(SCAN_STAGES - 1):  # the first steps' stages
             if ahead + 1 < count:
-                self.prefetch(summaries, first + ahead, head, row0, stages[ahead, None, None], col)
-            cute.arch.cp_async_commit_group()
-        column = cute.make_rmem_tensor((SCAN_ROWS,), cutlass.Float32)
+                self.prefetch(summaries, first + ahead, head, row0, stages[ahead, None, None], col, full + ahead)
+        # (K part, row, column): each warp's partial products over its part of K
+        partials = storage.partials.get_tensor(
+            cute.make_layout((SCAN_K_SPLIT, SCAN_ROWS, HEAD_SIZE), stride=(SCAN_ROWS * HEAD_SIZE, HEAD_SIZE, 1))
+        )
+        part, tile = col // 32, col % 32  # this thread's part of K (its warp's) and tile of TILE_COLS columns
+        k_part = HEAD_SIZE // SCAN_K_SPLIT
+        rows_k = cute.make_rmem_tensor((SCAN_ROWS,), cutlass.Float32)
+        m_k = cute.make_rmem_tensor((TILE_COLS,), cutlass.Float32)
+        acc = cute.make_rmem_tensor(cute.make_layout((SCAN_ROWS, TILE_COLS), stride=(TILE_COLS, 1)), cutlass.Float32)
         for j in cutlass.range(count, unroll=1):
             slot = first + j
             for r in cutlass.range_constexpr(SCAN_ROWS):
                 seg_state[slot, head, row0 + r, col] = own[r]
             if j + 1 < count:
                 cute.autovec_copy(own, by_column[col, None])
-                cute.arch.cp_async_wait_group(SCAN_STAGES - 2)
+                cute.arch.mbarrier_wait(full + j % SCAN_STAGES, (j // SCAN_STAGES) % 2)
                 cute.arch.sync_threads()  # M_j and B_j have landed, every column of S_in(j) is in by_column
                 ahead = j + SCAN_STAGES - 1
                 if ahead + 1 < count:  # into the stage step j - 1 read
-                    self.prefetch(summaries, first + ahead, head, row0, stages[ahead % SCAN_STAGES, None, None], col)
-                cute.arch.cp_async_commit_group()
+                    self.prefetch(
+                        summaries, first + ahead, head, row0, stages[ahead % SCAN_STAGES, None, None], col,
+                        full + ahead % SCAN_STAGES,
+                    )  # fmt: skip
                 stage = stages[j % SCAN_STAGES, None, None]
-                for r in cutlass.range_constexpr(SCAN_ROWS):
-                    own[r] = stage[HEAD_SIZE + r, col]  # B_j
-                for i in cutlass.range(HEAD_SIZE, unroll_full=True):
-                    m = stage[i, col]  # M_j
-                    cute.autovec_copy(by_column[i, None], column)
+                acc.fill(0.0)
+                for kk in cutlass.range(k_part, unroll_full=True):
+                    i = part * k_part + kk
+                    cute.autovec_copy(by_column[i, None], rows_k)
+                    cute.autovec_copy(cute.local_tile(stage[i, None], (TILE_COLS,), (tile,)), m_k)  # M_j
                     for r in cutlass.range_constexpr(SCAN_ROWS):
-                        own[r] = own[r] + column[r] * m
-                # Every thread has read the rows and the stage before they are overwritten.
+                        for c in cutlass.range_constexpr(TILE_COLS):
+                            acc[r, c] = acc[r, c] + rows_k[r] * m_k[c]
+                for r in cutlass.range_constexpr(SCAN_ROWS):
+                    cute.autovec_copy(acc[r, None], cute.local_tile(partials[part, r, None], (TILE_COLS,), (tile,)))
+                # The partial tiles are in; every thread has read the rows and the stage before they are overwritten.
                 cute.arch.sync_threads()
+                for r in cutlass.range_constexpr(SCAN_ROWS):
+                    total = stage[HEAD_SIZE + r, col]  # B_j
+                    for q in cutlass.range_constexpr(SCAN_K_SPLIT):
+                        total = total + partials[q, r, col]
+                    own[r] = total
 
     @cute.jit
-    def prefetch(self, summaries: cute.Tensor, slot, head, row0, stage: cute.Tensor, col):
-        """cp.async of M_slot and the CTA's rows of B_slot into `stage`, 16-B pieces over the CTA's threads."""
-        g2s = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Float32, num_bits_per_copy=128
-        )
-        pieces = HEAD_SIZE // 4  # 16-B pieces of a row
-        for i in cutlass.range_constexpr(STAGE_ROWS * pieces // HEAD_SIZE):
-            linear = i * HEAD_SIZE + col
-            row, piece = linear // pieces, linear % pieces
-            source_row = HEAD_SIZE + row  # M_j
-            if cutlass.const_expr(i * HEAD_SIZE >= HEAD_SIZE * pieces):
-                source_row = row0 + row - HEAD_SIZE  # B_j
-            cute.copy(
-                g2s,
-                cute.local_tile(summaries[slot, head, source_row, None], (4,), (piece,)),
-                cute.local_tile(stage[row, None], (4,), (piece,)),
-            )
+    def prefetch(self, summaries: cute.Tensor, slot, head, row0, stage: cute.Tensor, col, barrier):
+        """M_slot and the CTA's rows of B_slot into `stage` by two bulk copies of thread 0, completing on `barrier`."""
+        if col == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(barrier, STAGE_ROWS * HEAD_SIZE * 4)
+            source = summaries[slot, head, None, None]
+            _bulk_copy(stage[0, None].iterator, source[HEAD_SIZE, None].iterator, HEAD_SIZE * HEAD_SIZE * 4, barrier)
+            _bulk_copy(stage[HEAD_SIZE, None].iterator, source[row0, None].iterator, SCAN_ROWS * HEAD_SIZE * 4, barrier)
+
+
+@cute.jit
+def _bulk_copy(destination, source, num_bytes: cutlass.Constexpr, barrier):
+    """`num_bytes` contiguous bytes from global to this CTA's shared memory, completing on its mbarrier `barrier`."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], %d, [{$r2}];" % num_bytes,
+        read_only_args=[
+            cutlass.Int32(destination.toint()), cutlass.Int64(source.toint()), cutlass.Int32(barrier.toint())
+        ],
+    )  # fmt: skip
 
 
 class _FinalStates(_SequenceRows):
